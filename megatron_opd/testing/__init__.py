@@ -1,0 +1,1 @@
+"""Helpers for testing megatron-opd: spawning gloo ranks and building tiny models."""

@@ -1,0 +1,151 @@
+"""Run a function on N spawned ranks with a real ``torch.distributed`` process group.
+
+Every parallel feature of megatron-opd is tested on CPU with gloo. This helper starts one process per
+rank (``spawn``, so no state leaks from the parent), gives each a fresh port, collects every rank's
+return value or traceback, and turns a hung collective into a ``TimeoutError`` instead of a hung CI.
+
+    def body(tp):                      # module-level, so it can be pickled
+        ...                            # torch.distributed is initialised here
+        return some_tensor
+
+    results = run_distributed(body, world_size=4, args=(2,))
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+# After the first rank fails, the others get this long to finish or fail before they are killed
+# (they are usually blocked in a collective that will never complete).
+_FAILURE_GRACE_S = 10.0
+
+
+def find_free_port() -> int:
+    """Ask the OS for a free TCP port on the loopback interface."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    init_process_group: bool,
+    env: dict[str, str],
+    results: mp.Queue,
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    try:
+        import torch
+
+        torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+        if init_process_group:
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        value = fn(*args)
+        results.put((rank, True, value))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+class DistributedTestError(RuntimeError):
+    """One or more ranks raised; the message holds every failing rank's traceback."""
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    *,
+    timeout: float = 300.0,
+    init_process_group: bool = True,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` spawned ranks and return the per-rank results.
+
+    ``fn`` must be importable (defined at module level). With ``init_process_group`` the gloo
+    process group is created before ``fn`` runs; otherwise only torchrun's environment variables
+    (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK``) are set, as for a
+    script launched by ``torchrun``. Raises ``DistributedTestError`` naming every rank that failed
+    and ``TimeoutError`` when ranks are still running after ``timeout`` seconds.
+    """
+    ctx = mp.get_context("spawn")
+    results: mp.Queue = ctx.Queue()
+    port = find_free_port()
+    child_env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    child_env.update(env or {})
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(fn, args, rank, world_size, port, init_process_group, child_env, results),
+            daemon=False,
+        )
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+
+    outcomes: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout
+    first_failure_at: float | None = None
+    while len(outcomes) < world_size:
+        now = time.monotonic()
+        limit = deadline if first_failure_at is None else min(deadline, first_failure_at + _FAILURE_GRACE_S)
+        if now >= limit:
+            break
+        try:
+            rank, ok, value = results.get(timeout=min(1.0, limit - now))
+        except queue.Empty:
+            # A rank that died without reporting (segfault, OOM kill) counts as a failure.
+            for rank, proc in enumerate(procs):
+                if rank not in outcomes and not proc.is_alive() and proc.exitcode not in (0, None):
+                    outcomes[rank] = (False, f"process exited with code {proc.exitcode} without a result")
+                    first_failure_at = first_failure_at or time.monotonic()
+            continue
+        outcomes[rank] = (ok, value)
+        if not ok and first_failure_at is None:
+            first_failure_at = time.monotonic()
+
+    for proc in procs:
+        proc.join(timeout=5.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+    failures = {r: v for r, (ok, v) in outcomes.items() if not ok}
+    missing = [r for r in range(world_size) if r not in outcomes]
+    if failures:
+        parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())]
+        if missing:
+            parts.append(f"ranks {missing} were still running and were killed")
+        raise DistributedTestError(f"{len(failures)} of {world_size} ranks failed:\n" + "\n".join(parts))
+    if missing:
+        raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f} s (hung collective?)")
+    return [outcomes[r][1] for r in range(world_size)]

