@@ -1,0 +1,186 @@
+"""Everything Megatron-Core needs to run on a CPU with gloo, in one place.
+
+Megatron-Core assumes CUDA in a handful of spots. On a machine without CUDA (tests, the quick start,
+CI) :func:`apply_cpu_patches` redirects them to the CPU; it is a no-op when CUDA is available, and
+nothing else in megatron-opd patches Megatron. Each patch is covered by a test that fails without it
+(``tests/test_cpu_compat.py``). Measured against megatron-core 0.16.1; see
+``shared/notes/megatron-cpu.md`` for the survey these come from.
+
+Patches (all idempotent):
+
+1. RNG tracker: Megatron's ``CudaRNGStatesTracker`` saves and restores CUDA generator state; the
+   replacement forks the CPU generator instead, so tensor-parallel initialisation and dropout keep
+   their per-rank streams.
+2. ``torch.cuda.current_device()`` is passed as ``device=`` all over Megatron: it returns the CPU
+   device. ``torch.cuda.synchronize()`` becomes a no-op.
+3. ``Tensor.cuda()`` (tied embeddings with PP > 1, ``tensor_parallel/data.py``) returns the tensor.
+4. Hard-coded ``device="cuda"`` literals (pipeline schedules, checkpoint exchange utilities, rerun
+   state machine, ``tensor_parallel/data.py``, ...): those modules see a ``torch`` whose tensor
+   factories map a CUDA device to the CPU.
+5. ``torch.autocast("cuda", ...)`` in the schedules is only entered for fp16/bf16 autocast configs,
+   which are not used on CPU; nothing to patch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import logging
+import types
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_APPLIED = False
+
+# Megatron modules that spell out device="cuda" (or torch.device("cuda")) in code paths we use.
+_MODULES_WITH_CUDA_LITERALS = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.tensor_parallel.data",
+    "megatron.core.rerun_state_machine",
+    "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel",
+    "megatron.core.utils",
+    "megatron.core.transformer.utils",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler",
+)
+
+_TENSOR_FACTORIES = frozenset(
+    {
+        "empty",
+        "zeros",
+        "ones",
+        "full",
+        "tensor",
+        "as_tensor",
+        "arange",
+        "rand",
+        "randn",
+        "randint",
+        "empty_like",
+        "zeros_like",
+        "ones_like",
+        "full_like",
+        "empty_strided",
+    }
+)
+
+
+def _to_cpu_device(device: Any) -> Any:
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    if isinstance(device, str) and device.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(device, int):  # a CUDA ordinal
+        return torch.device("cpu")
+    return device
+
+
+class _CpuTorch(types.ModuleType):
+    """Stands in for ``torch`` inside a Megatron module: same attributes, CUDA devices become CPU."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(torch, name)
+        if name in _TENSOR_FACTORIES:
+
+            @functools.wraps(value)
+            def factory(*args: Any, **kwargs: Any) -> Any:
+                if "device" in kwargs:
+                    kwargs["device"] = _to_cpu_device(kwargs["device"])
+                return value(*args, **kwargs)
+
+            return factory
+        if name == "device":
+            return lambda *args, **kwargs: (
+                torch.device("cpu") if args and str(args[0]).startswith("cuda") else torch.device(*args, **kwargs)
+            )
+        return value
+
+
+class CpuRNGStatesTracker:
+    """Drop-in for Megatron's ``CudaRNGStatesTracker`` that forks the CPU generator."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.reset()
+
+    def is_initialized(self) -> bool:
+        return self._is_initialized
+
+    def reset(self) -> None:
+        self._is_initialized = False
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return dict(self.states_)
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        orig = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(orig)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng"):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        orig = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+
+def _identity_cuda(self: torch.Tensor, device: Any = None, non_blocking: bool = False, **kwargs: Any) -> torch.Tensor:
+    return self
+
+
+def apply_cpu_patches() -> None:
+    """Make Megatron-Core usable on a CPU-only process. No-op when CUDA is available."""
+    global _APPLIED
+    if _APPLIED or torch.cuda.is_available():
+        return
+
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
+    torch.Tensor.cuda = _identity_cuda  # type: ignore[method-assign]
+
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    mcore_random.CudaRNGStatesTracker = CpuRNGStatesTracker  # type: ignore[misc,assignment]
+    mcore_random.initialize_rng_tracker(force_reset=True)
+
+    cpu_torch = _CpuTorch()
+    for module_name in _MODULES_WITH_CUDA_LITERALS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # moved or removed in another megatron-core release
+            logger.debug("cpu_compat: %s not found; skipped", module_name)
+            continue
+        if getattr(module, "torch", None) is torch:
+            module.torch = cpu_torch
+    _APPLIED = True
+    logger.info("Applied Megatron-Core CPU patches (no CUDA device)")

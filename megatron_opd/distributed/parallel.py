@@ -1,0 +1,155 @@
+"""Start torch.distributed from torchrun's environment and lay out Megatron-Core's parallel groups.
+
+This is set-up code: it is the one place that calls ``parallel_state.initialize_model_parallel``.
+Library code below it takes process groups as arguments.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megatron_opd.distributed.device import Accelerator, detect_accelerator
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ParallelConfig:
+    """How one model is split across processes."""
+
+    tensor_model_parallel_size: int = 1
+    """Ranks that split every weight matrix (and the vocabulary) of a layer."""
+    pipeline_model_parallel_size: int = 1
+    """Ranks that each hold a contiguous slice of the layers."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Model chunks per pipeline rank for the interleaved schedule (None: not interleaved)."""
+    sequence_parallel: bool = False
+    """Shard activations along the sequence in the non-tensor-parallel regions (needs TP > 1)."""
+    context_parallel_size: int = 1
+    """Ranks that split the sequence inside attention."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        vp = self.virtual_pipeline_model_parallel_size
+        if vp is not None and vp < 1:
+            raise ValueError(f"parallel.virtual_pipeline_model_parallel_size must be >= 1 or null, got {vp}")
+        if vp is not None and vp > 1 and self.pipeline_model_parallel_size < 2:
+            raise ValueError(
+                "parallel.virtual_pipeline_model_parallel_size > 1 needs pipeline_model_parallel_size >= 2"
+            )
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError("parallel.sequence_parallel needs tensor_model_parallel_size > 1")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+
+    @property
+    def vp_size(self) -> int:
+        """Model chunks per pipeline rank (1 when not interleaved)."""
+        return self.virtual_pipeline_model_parallel_size or 1
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What torchrun (single- or multi-node) tells each process about itself."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+
+    @classmethod
+    def from_environ(cls) -> LaunchEnv:
+        """Read ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` (single-process defaults)."""
+        env = os.environ
+        return cls(
+            rank=int(env.get("RANK", 0)),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            world_size=int(env.get("WORLD_SIZE", 1)),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", 29500)),
+        )
+
+
+def init_process_group(device: str | None = None, timeout_s: float = 600.0) -> Accelerator:
+    """Initialise ``torch.distributed`` for this process (idempotent) and bind its device."""
+    accel = detect_accelerator(device)
+    launch = LaunchEnv.from_environ()
+    accel.set_device(launch.local_rank)
+    if accel.type == "cpu":
+        from megatron_opd.distributed.cpu_compat import apply_cpu_patches
+
+        apply_cpu_patches()
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", launch.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(launch.master_port))
+        dist.init_process_group(
+            backend=accel.backend,
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    return accel
+
+
+def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234) -> None:
+    """(Re)build Megatron-Core's TP/PP/VP/DP groups for ``parallel`` and seed the model-parallel RNG.
+
+    The data-parallel size is whatever is left: ``world_size / (TP * PP * CP)``.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    world = dist.get_world_size()
+    if world % parallel.model_parallel_size:
+        raise ValueError(
+            f"world size {world} is not divisible by TP*PP*CP = {parallel.tensor_model_parallel_size}"
+            f"*{parallel.pipeline_model_parallel_size}*{parallel.context_parallel_size}; "
+            "launch a multiple of that many processes or change parallel.*_size"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    vp = parallel.virtual_pipeline_model_parallel_size
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=vp if vp and vp > 1 else None,
+        context_parallel_size=parallel.context_parallel_size,
+    )
+    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    torch.manual_seed(seed)
+    logger.info(
+        "model parallel: TP=%d PP=%d VP=%s CP=%d DP=%d",
+        parallel.tensor_model_parallel_size,
+        parallel.pipeline_model_parallel_size,
+        vp,
+        parallel.context_parallel_size,
+        parallel_state.get_data_parallel_world_size(),
+    )
+
+
+def initialize_distributed(parallel: ParallelConfig, device: str | None = None, seed: int = 1234) -> Accelerator:
+    """Everything a torchrun entry point needs: process group, device, CPU patches, Megatron groups."""
+    accel = init_process_group(device)
+    initialize_model_parallel(parallel, seed=seed)
+    return accel
+
+
+def destroy_distributed() -> None:
+    """Tear down Megatron's groups and the process group (end of a job or a test)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,26 @@
+"""Megatron-Core GPT models built from Hugging Face Llama / Qwen2 / Qwen3 configs and weights."""
+
+from megatron_opd.models.architecture import (
+    ModelArchitecture,
+    UnsupportedArchitectureError,
+    architecture_from_hf_config,
+    load_architecture,
+)
+from megatron_opd.models.builder import ModelBuildConfig, build_model, transformer_config, validate_layout
+from megatron_opd.models.hf_io import CheckpointError, HFCheckpointReader, HFCheckpointWriter
+from megatron_opd.models.loading import load_hf_weights
+
+__all__ = [
+    "CheckpointError",
+    "HFCheckpointReader",
+    "HFCheckpointWriter",
+    "ModelArchitecture",
+    "ModelBuildConfig",
+    "UnsupportedArchitectureError",
+    "architecture_from_hf_config",
+    "build_model",
+    "load_architecture",
+    "load_hf_weights",
+    "transformer_config",
+    "validate_layout",
+]

@@ -1,0 +1,167 @@
+"""The architecture facts megatron-opd needs from a Hugging Face ``config.json``.
+
+Parsed from the plain JSON dict (not ``transformers`` classes) so the checkpoint converter and
+the teacher server read configs the same way, and so both the transformers 4.x keys
+(``rope_theta``/``rope_scaling``) and the 5.x key (``rope_parameters``) are understood.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+# model_type -> family. Families differ only in the flags below (QKV bias, QK-norm).
+SUPPORTED_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+class UnsupportedArchitectureError(ValueError):
+    """The config names a model family megatron-opd cannot build."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embedding parameters."""
+
+    theta: float = 10000.0
+    """Base of the rotary frequencies (HF ``rope_theta``)."""
+    type: str = "default"
+    """``default``, ``linear`` or ``llama3`` (HF ``rope_type``)."""
+    factor: float = 1.0
+    """Scaling factor for ``linear`` and ``llama3``."""
+    low_freq_factor: float = 1.0
+    """``llama3`` only."""
+    high_freq_factor: float = 4.0
+    """``llama3`` only."""
+    original_max_position_embeddings: int = 8192
+    """``llama3`` only: context length the base model was trained at."""
+
+
+@dataclass(frozen=True)
+class ModelArchitecture:
+    """A decoder-only transformer of the Llama / Qwen2 / Qwen3 families."""
+
+    family: str
+    """``llama``, ``qwen2`` or ``qwen3``."""
+    vocab_size: int
+    """True (unpadded) vocabulary size."""
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    """Grouped-query attention: query heads share this many key/value heads."""
+    head_dim: int
+    ffn_hidden_size: int
+    """Width of the SwiGLU gate and up projections."""
+    max_position_embeddings: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    """Bias on the query/key/value projections (Qwen2)."""
+    qk_norm: bool
+    """RMSNorm on each head's queries and keys (Qwen3)."""
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    torch_dtype: str = "float32"
+    """dtype the checkpoint was saved in (``config.json`` ``torch_dtype``/``dtype``)."""
+
+    def padded_vocab_size(self, tensor_parallel_size: int, make_vocab_size_divisible_by: int = 128) -> int:
+        """Vocabulary padded so every tensor-parallel rank holds an equal, aligned slice (Megatron's rule)."""
+        multiple = make_vocab_size_divisible_by * tensor_parallel_size
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+    def validate_tensor_parallel(self, tensor_parallel_size: int) -> None:
+        """Raise a ValueError naming the field when ``tensor_parallel_size`` cannot split this model."""
+        tp = tensor_parallel_size
+        checks = (
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("intermediate_size", self.ffn_hidden_size),
+        )
+        for name, value in checks:
+            if value % tp:
+                raise ValueError(
+                    f"tensor_model_parallel_size={tp} does not divide {name}={value} of this {self.family} model; "
+                    f"choose a TP size that divides {value}"
+                )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    merged = {**scaling, **params}
+    theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if rope_type not in ("default", "linear", "llama3"):
+        raise UnsupportedArchitectureError(
+            f"rope scaling type {rope_type!r} (config.json rope_scaling/rope_parameters) is not supported; "
+            "supported: default, linear, llama3"
+        )
+    return RopeConfig(
+        theta=float(theta),
+        type=rope_type,
+        factor=float(merged.get("factor", 1.0)),
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def architecture_from_hf_config(cfg: dict[str, Any]) -> ModelArchitecture:
+    """Read a Hugging Face ``config.json`` dict; raise ``UnsupportedArchitectureError`` for other families."""
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        archs = cfg.get("architectures")
+        raise UnsupportedArchitectureError(
+            f"config.json model_type={model_type!r} (architectures={archs}) is not supported; "
+            f"supported model types: {sorted(SUPPORTED_MODEL_TYPES)}"
+        )
+    family = SUPPORTED_MODEL_TYPES[model_type]
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedArchitectureError(
+            f"config.json hidden_act={cfg['hidden_act']!r}: only silu (SwiGLU) is supported"
+        )
+    if cfg.get("mlp_bias"):
+        raise UnsupportedArchitectureError("config.json mlp_bias=true is not supported")
+    if cfg.get("use_sliding_window"):
+        raise UnsupportedArchitectureError("config.json use_sliding_window=true is not supported")
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    head_dim = cfg.get("head_dim") or hidden // heads
+    if family == "qwen2":
+        qkv_bias = cfg.get("attention_bias", True) is not False
+    else:
+        qkv_bias = bool(cfg.get("attention_bias", False))
+    if family != "qwen2" and cfg.get("attention_bias"):
+        # Llama/Qwen3 attention_bias also puts a bias on o_proj, which Megatron's GPTModel cannot hold alone.
+        raise UnsupportedArchitectureError(f"config.json attention_bias=true is not supported for {family} models")
+    return ModelArchitecture(
+        family=family,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(head_dim),
+        ffn_hidden_size=int(cfg["intermediate_size"]),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        qk_norm=family == "qwen3",
+        rope=_rope_from_hf(cfg),
+        torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+    )
+
+
+def load_architecture(hf_dir: str | Path) -> ModelArchitecture:
+    """Read ``hf_dir/config.json``."""
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: point --hf-dir/hf_dir at a Hugging Face model folder")
+    with open(path) as f:
+        return architecture_from_hf_config(json.load(f))

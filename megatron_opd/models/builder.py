@@ -1,0 +1,226 @@
+"""Build Megatron-Core ``GPTModel`` chunks for a Llama / Qwen2 / Qwen3 architecture.
+
+The same builder makes the student (trainable) and the teacher (frozen, forward-only). Logits stay
+vocab-sharded (``parallel_output=True``): the losses work on each rank's ``[tokens, V/TP]`` slice.
+With virtual pipeline parallelism a rank holds several chunks, so every builder returns a list.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from megatron_opd.distributed.device import has_transformer_engine
+from megatron_opd.distributed.parallel import ParallelConfig
+from megatron_opd.models.architecture import ModelArchitecture
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """``"bf16"``/``"bfloat16"``/``torch.bfloat16`` -> ``torch.bfloat16`` (likewise fp16, fp32)."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+@dataclass
+class ModelBuildConfig:
+    """Knobs of the model builder that are not part of the checkpoint's architecture."""
+
+    dtype: str = "fp32"
+    """Parameter dtype: fp32, bf16 or fp16."""
+    make_vocab_size_divisible_by: int = 128
+    """Vocabulary padding multiple per tensor-parallel rank (Megatron's ``make_vocab_size_divisible_by``)."""
+    use_transformer_engine: bool | None = None
+    """TransformerEngine layer spec: None picks it when TE is importable on a CUDA machine."""
+    recompute_activations: bool = False
+    """Full activation recomputation of every layer (saves memory for long rollouts)."""
+    hidden_dropout: float = 0.0
+    """Dropout after attention and MLP (0 for distillation: it would perturb student log-probs)."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+
+
+def validate_layout(arch: ModelArchitecture, parallel: ParallelConfig) -> None:
+    """Raise a ValueError naming the field when ``parallel`` cannot split ``arch``."""
+    arch.validate_tensor_parallel(parallel.tensor_model_parallel_size)
+    stages = parallel.pipeline_model_parallel_size * parallel.vp_size
+    if arch.num_layers % stages:
+        raise ValueError(
+            f"num_hidden_layers={arch.num_layers} is not divisible by pipeline_model_parallel_size * "
+            f"virtual_pipeline_model_parallel_size = {stages}; choose sizes whose product divides the layer count"
+        )
+
+
+def transformer_config(arch: ModelArchitecture, parallel: ParallelConfig, build: ModelBuildConfig):
+    """The Megatron-Core ``TransformerConfig`` equivalent to ``arch`` under ``parallel``."""
+    from megatron.core.transformer import TransformerConfig
+
+    validate_layout(arch, parallel)
+    dtype = parse_dtype(build.dtype)
+    vp = parallel.virtual_pipeline_model_parallel_size
+    kwargs = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_key_value_heads,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=build.hidden_dropout,
+        attention_dropout=build.attention_dropout,
+        attention_softmax_in_fp32=True,
+        # Fusions need TransformerEngine/apex or compile for seconds per process; results are identical.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=vp if vp and vp > 1 else None,
+        context_parallel_size=parallel.context_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+    )
+    if build.recompute_activations:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return TransformerConfig(**kwargs)
+
+
+def use_te_spec(build: ModelBuildConfig) -> bool:
+    """Whether to use TransformerEngine layers (fused norms, TE linear layers)."""
+    if build.use_transformer_engine is None:
+        return has_transformer_engine()
+    if build.use_transformer_engine and not has_transformer_engine():
+        raise RuntimeError("use_transformer_engine=True but TransformerEngine is not usable here (needs CUDA + TE)")
+    return build.use_transformer_engine
+
+
+def layer_spec(arch: ModelArchitecture, te: bool):
+    """Megatron-Core layer spec: TransformerEngine layers on GPU when available, local layers otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if te:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+
+
+def llama3_inv_freq(arch: ModelArchitecture) -> torch.Tensor:
+    """Inverse RoPE frequencies with Llama 3.1's piecewise scaling, for any factor/low/high/original length."""
+    rope = arch.rope
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, arch.head_dim, 2, dtype=torch.int64).float() / arch.head_dim))
+    low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
+    high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
+    wavelen = 2 * torch.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def build_model_chunk(
+    arch: ModelArchitecture,
+    config,
+    *,
+    te: bool,
+    vp_stage: int | None,
+    pre_process: bool,
+    post_process: bool,
+    padded_vocab_size: int,
+):
+    """One ``GPTModel`` chunk: the layers of one (virtual) pipeline stage."""
+    from megatron.core.models.gpt import GPTModel
+
+    rope = arch.rope
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(arch, te),
+        vocab_size=padded_vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(rope.theta) if float(rope.theta).is_integer() else rope.theta,
+        seq_len_interpolation_factor=rope.factor if rope.type == "linear" else None,
+        vp_stage=vp_stage,
+    )
+    if rope.type == "llama3":
+        rotary = model.rotary_pos_emb
+        rotary.inv_freq = llama3_inv_freq(arch).to(rotary.inv_freq.device)
+    return model
+
+
+def build_model(
+    arch: ModelArchitecture,
+    parallel: ParallelConfig,
+    build: ModelBuildConfig | None = None,
+    *,
+    trainable: bool = True,
+) -> list:
+    """This rank's model chunks (one per virtual pipeline stage) under Megatron's initialised groups.
+
+    ``trainable=False`` builds a teacher: parameters frozen, eval mode, no gradient buffers.
+    """
+    from megatron.core import parallel_state
+
+    build = build or ModelBuildConfig()
+    if parallel_state.get_tensor_model_parallel_world_size() != parallel.tensor_model_parallel_size or (
+        parallel_state.get_pipeline_model_parallel_world_size() != parallel.pipeline_model_parallel_size
+    ):
+        raise RuntimeError(
+            "Megatron's parallel groups do not match the requested layout: call "
+            "megatron_opd.distributed.initialize_model_parallel(parallel) first"
+        )
+    config = transformer_config(arch, parallel, build)
+    te = use_te_spec(build)
+    padded_vocab = arch.padded_vocab_size(parallel.tensor_model_parallel_size, build.make_vocab_size_divisible_by)
+    vp_size = parallel.vp_size
+    chunks = []
+    for vp_stage in range(vp_size):
+        stage = vp_stage if vp_size > 1 else None
+        chunk = build_model_chunk(
+            arch,
+            config,
+            te=te,
+            vp_stage=stage,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            padded_vocab_size=padded_vocab,
+        )
+        if not trainable:
+            chunk.requires_grad_(False)
+            chunk.eval()
+        chunks.append(chunk)
+    return chunks

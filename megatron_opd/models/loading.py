@@ -1,0 +1,74 @@
+"""Load a Hugging Face checkpoint into this rank's Megatron-Core model chunks.
+
+Each rank reads only the tensors of its own pipeline stages and keeps only its tensor-parallel
+slice, one tensor at a time, so a rank's peak memory is its shard plus one full tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from megatron_opd.models.architecture import ModelArchitecture
+from megatron_opd.models.hf_io import CheckpointError, HFCheckpointReader
+from megatron_opd.models.name_mapping import expand_rules, hf_shapes, hf_to_megatron, local_layer_name, shard
+
+logger = logging.getLogger(__name__)
+
+
+def chunk_layer_range(chunk) -> range:
+    """Global indices of the transformer layers held by one model chunk."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    num_local = len(chunk.decoder.layers) if hasattr(chunk, "decoder") else 0
+    offset = get_transformer_layer_offset(chunk.config, vp_stage=getattr(chunk, "vp_stage", None))
+    return range(offset, offset + num_local)
+
+
+@torch.no_grad()
+def load_hf_weights(
+    chunks: list,
+    arch: ModelArchitecture,
+    hf_dir: str | os.PathLike,
+    *,
+    tp_rank: int,
+    tp_size: int,
+    te: bool = False,
+) -> None:
+    """Copy the Hugging Face weights in ``hf_dir`` into ``chunks`` (this rank's model chunks).
+
+    Raises ``CheckpointError`` naming the tensor when it is missing or has the wrong shape, and
+    when a model parameter is left without a weight.
+    """
+    reader = HFCheckpointReader(hf_dir)
+    for chunk in chunks:
+        layers = chunk_layer_range(chunk)
+        params = dict(chunk.named_parameters())
+        padded_vocab = chunk.vocab_size
+        loaded: set[str] = set()
+        for rule, layer in expand_rules(arch, layers):
+            name = local_layer_name(rule.megatron_name(layer, te=te), layers.start)
+            target = params.get(name)
+            hf_names = rule.hf_names(layer)
+            if target is None and name == "embedding.word_embeddings.weight" and arch.tie_word_embeddings:
+                # Tied embeddings on a last stage without the embedding: the output layer holds the copy.
+                target = params.get("output_layer.weight")
+                name = "output_layer.weight"
+            if target is None:
+                continue  # held by another pipeline stage
+            shapes = hf_shapes(rule, arch)
+            hf_tensors = [reader.get(n, s) for n, s in zip(hf_names, shapes)]
+            full = hf_to_megatron(rule, hf_tensors, arch, padded_vocab)
+            local = shard(rule, full, tp_rank, tp_size)
+            if tuple(local.shape) != tuple(target.shape):
+                raise CheckpointError(
+                    f"parameter {name} expects shape {tuple(target.shape)} on this rank but the checkpoint tensors "
+                    f"{list(hf_names)} give {tuple(local.shape)}"
+                )
+            target.copy_(local.to(target.dtype))
+            loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise CheckpointError(f"no checkpoint weight was loaded into model parameters {missing}")

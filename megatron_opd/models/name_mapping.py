@@ -1,0 +1,226 @@
+"""The one place that knows how Hugging Face weights become Megatron-Core weights and back.
+
+A :class:`WeightRule` ties one Megatron parameter to the Hugging Face tensors it is made of, how
+they are fused (QKV interleaved by key/value group, gate and up stacked), and how the fused tensor
+is split across tensor-parallel ranks. The model loader, the checkpoint converter and the vLLM
+weight sync all go through these rules, so there is one definition of every layout.
+
+Conventions: "full" means the unsharded Megatron tensor (TP=1, vocabulary padded); layer indices in
+rule names are *global* (``{layer}`` is filled with the index across all pipeline stages).
+
+Legend for shapes: H hidden, F ffn hidden, D head dim, Nq query heads, Nkv key/value heads,
+V vocabulary, Vp padded vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from megatron_opd.models.architecture import ModelArchitecture
+
+
+class Split(str, Enum):
+    """How a full Megatron tensor is split across tensor-parallel ranks."""
+
+    REPLICATED = "replicated"  # every rank holds all of it (norms)
+    COLUMN = "column"  # dim 0 (ColumnParallelLinear output features)
+    ROW = "row"  # dim 1 (RowParallelLinear input features)
+    VOCAB = "vocab"  # dim 0 of a vocabulary-padded embedding / output layer
+    QKV = "qkv"  # dim 0, whole key/value groups per rank
+    GATE_UP = "gate_up"  # gate and up each split on dim 0, then stacked per rank
+
+
+@dataclass(frozen=True)
+class WeightRule:
+    """One Megatron parameter and the Hugging Face tensors it is built from."""
+
+    megatron: str
+    """Local-spec Megatron name, ``{layer}`` for the global layer index."""
+    hf: tuple[str, ...]
+    """Hugging Face names, in fusion order (q, k, v / gate, up)."""
+    split: Split
+    te_megatron: str | None = None
+    """Name under the TransformerEngine spec, where it differs (norms fused into linears)."""
+
+    def megatron_name(self, layer: int | None = None, te: bool = False) -> str:
+        name = self.te_megatron if (te and self.te_megatron) else self.megatron
+        return name.format(layer=layer) if layer is not None else name
+
+    def hf_names(self, layer: int | None = None) -> tuple[str, ...]:
+        return tuple(n.format(layer=layer) for n in self.hf) if layer is not None else self.hf
+
+    @property
+    def per_layer(self) -> bool:
+        return "{layer}" in self.megatron
+
+
+def weight_rules(arch: ModelArchitecture) -> list[WeightRule]:
+    """All rules for ``arch``: embedding, per-layer rules (with ``{layer}``), final norm, output layer."""
+    attn = "model.layers.{layer}.self_attn"
+    mlp = "model.layers.{layer}.mlp"
+    ml = "decoder.layers.{layer}"
+    rules = [
+        WeightRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), Split.VOCAB),
+        WeightRule(
+            f"{ml}.input_layernorm.weight",
+            ("model.layers.{layer}.input_layernorm.weight",),
+            Split.REPLICATED,
+            te_megatron=f"{ml}.self_attention.linear_qkv.layer_norm_weight",
+        ),
+        WeightRule(
+            f"{ml}.self_attention.linear_qkv.weight",
+            (f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight"),
+            Split.QKV,
+        ),
+    ]
+    if arch.qkv_bias:
+        rules.append(
+            WeightRule(
+                f"{ml}.self_attention.linear_qkv.bias",
+                (f"{attn}.q_proj.bias", f"{attn}.k_proj.bias", f"{attn}.v_proj.bias"),
+                Split.QKV,
+            )
+        )
+    if arch.qk_norm:
+        rules += [
+            WeightRule(f"{ml}.self_attention.q_layernorm.weight", (f"{attn}.q_norm.weight",), Split.REPLICATED),
+            WeightRule(f"{ml}.self_attention.k_layernorm.weight", (f"{attn}.k_norm.weight",), Split.REPLICATED),
+        ]
+    rules += [
+        WeightRule(f"{ml}.self_attention.linear_proj.weight", (f"{attn}.o_proj.weight",), Split.ROW),
+        WeightRule(
+            f"{ml}.pre_mlp_layernorm.weight",
+            ("model.layers.{layer}.post_attention_layernorm.weight",),
+            Split.REPLICATED,
+            te_megatron=f"{ml}.mlp.linear_fc1.layer_norm_weight",
+        ),
+        WeightRule(f"{ml}.mlp.linear_fc1.weight", (f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"), Split.GATE_UP),
+        WeightRule(f"{ml}.mlp.linear_fc2.weight", (f"{mlp}.down_proj.weight",), Split.ROW),
+        WeightRule("decoder.final_layernorm.weight", ("model.norm.weight",), Split.REPLICATED),
+    ]
+    if not arch.tie_word_embeddings:
+        rules.append(WeightRule("output_layer.weight", ("lm_head.weight",), Split.VOCAB))
+    return rules
+
+
+def expand_rules(
+    arch: ModelArchitecture, layers: Sequence[int] | None = None
+) -> Iterator[tuple[WeightRule, int | None]]:
+    """(rule, global layer) for every parameter, in checkpoint order; ``layers`` limits the per-layer ones."""
+    rules = weight_rules(arch)
+    layer_ids = range(arch.num_layers) if layers is None else layers
+    for rule in rules:
+        if not rule.per_layer and rule.megatron.startswith("embedding"):
+            yield rule, None
+    for layer in layer_ids:
+        for rule in rules:
+            if rule.per_layer:
+                yield rule, layer
+    for rule in rules:
+        if not rule.per_layer and not rule.megatron.startswith("embedding"):
+            yield rule, None
+
+
+def hf_shapes(rule: WeightRule, arch: ModelArchitecture) -> tuple[tuple[int, ...], ...]:
+    """Expected shape of each Hugging Face tensor of ``rule`` (for clear shape errors)."""
+    h, d, nq, nkv, f, v = (
+        arch.hidden_size,
+        arch.head_dim,
+        arch.num_attention_heads,
+        arch.num_key_value_heads,
+        arch.ffn_hidden_size,
+        arch.vocab_size,
+    )
+    name = rule.megatron
+    if rule.split is Split.VOCAB:
+        return ((v, h),)
+    if rule.split is Split.QKV:
+        if name.endswith("bias"):
+            return ((nq * d,), (nkv * d,), (nkv * d,))
+        return ((nq * d, h), (nkv * d, h), (nkv * d, h))
+    if rule.split is Split.GATE_UP:
+        return ((f, h), (f, h))
+    if name.endswith("linear_proj.weight"):
+        return ((h, nq * d),)
+    if name.endswith("linear_fc2.weight"):
+        return ((h, f),)
+    if "q_layernorm" in name or "k_layernorm" in name:
+        return ((d,),)
+    return ((h,),)
+
+
+def hf_to_megatron(
+    rule: WeightRule, tensors: Sequence[torch.Tensor], arch: ModelArchitecture, padded_vocab_size: int
+) -> torch.Tensor:
+    """Fuse the Hugging Face tensors of ``rule`` into the full Megatron tensor."""
+    if rule.split is Split.QKV:
+        q, k, v = tensors
+        nkv, d = arch.num_key_value_heads, arch.head_dim
+        per_group = arch.num_attention_heads // nkv
+        tail = q.shape[1:]  # (H,) for weights, () for biases
+        q = q.reshape(nkv, per_group * d, *tail)
+        k = k.reshape(nkv, d, *tail)
+        v = v.reshape(nkv, d, *tail)
+        return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
+    if rule.split is Split.GATE_UP:
+        return torch.cat(list(tensors), dim=0)
+    (tensor,) = tensors
+    if rule.split is Split.VOCAB and padded_vocab_size > tensor.shape[0]:
+        pad = tensor.new_zeros(padded_vocab_size - tensor.shape[0], *tensor.shape[1:])
+        return torch.cat([tensor, pad], dim=0)
+    return tensor
+
+
+def megatron_to_hf(rule: WeightRule, full: torch.Tensor, arch: ModelArchitecture) -> tuple[torch.Tensor, ...]:
+    """Split a full Megatron tensor back into the Hugging Face tensors of ``rule`` (inverse of hf_to_megatron)."""
+    if rule.split is Split.QKV:
+        nkv, d = arch.num_key_value_heads, arch.head_dim
+        per_group = arch.num_attention_heads // nkv
+        tail = full.shape[1:]
+        grouped = full.reshape(nkv, (per_group + 2) * d, *tail)
+        q, k, v = torch.split(grouped, [per_group * d, d, d], dim=1)
+        return (q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail))
+    if rule.split is Split.GATE_UP:
+        gate, up = torch.chunk(full, 2, dim=0)
+        return (gate, up)
+    if rule.split is Split.VOCAB:
+        return (full[: arch.vocab_size],)
+    return (full,)
+
+
+def shard(rule: WeightRule, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This tensor-parallel rank's slice of a full Megatron tensor."""
+    if rule.split is Split.REPLICATED or tp_size == 1:
+        return full
+    if rule.split is Split.ROW:
+        return torch.chunk(full, tp_size, dim=1)[tp_rank]
+    if rule.split is Split.GATE_UP:
+        gate, up = torch.chunk(full, 2, dim=0)
+        return torch.cat([torch.chunk(gate, tp_size, dim=0)[tp_rank], torch.chunk(up, tp_size, dim=0)[tp_rank]])
+    # COLUMN, VOCAB and QKV (whole key/value groups per rank, since TP divides Nkv) split dim 0 evenly.
+    return torch.chunk(full, tp_size, dim=0)[tp_rank]
+
+
+def unshard(rule: WeightRule, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Reassemble the full Megatron tensor from every tensor-parallel rank's slice (inverse of shard)."""
+    if rule.split is Split.REPLICATED or len(shards) == 1:
+        return shards[0]
+    if rule.split is Split.ROW:
+        return torch.cat(list(shards), dim=1)
+    if rule.split is Split.GATE_UP:
+        halves = [torch.chunk(s, 2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(list(shards), dim=0)
+
+
+def local_layer_name(name: str, layer_offset: int) -> str:
+    """Rewrite a global ``decoder.layers.N.`` name to a chunk-local one (Megatron numbers layers per chunk)."""
+    prefix = "decoder.layers."
+    if not name.startswith(prefix):
+        return name
+    index, rest = name[len(prefix) :].split(".", 1)
+    return f"{prefix}{int(index) - layer_offset}.{rest}"

@@ -1,0 +1,81 @@
+"""Tiny random Llama / Qwen2 / Qwen3 checkpoints made with transformers' own classes.
+
+No model can be downloaded in tests or the quick start, so these build real Hugging Face
+checkpoints (``save_pretrained``: config.json + safetensors) from transformers' config classes.
+Head dim is 32 or more (vLLM's CPU attention needs that) and attention is grouped-query.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+def tiny_hf_config(family: str, **overrides: Any):
+    """A transformers config of ``family`` small enough to run in a test (~0.3M parameters)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common: dict[str, Any] = dict(
+        vocab_size=1000,  # not a multiple of 128*TP: exercises vocabulary padding
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    if family == "llama":
+        common["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+        common["rope_theta"] = 500000.0
+        cls = LlamaConfig
+    elif family == "qwen2":
+        common["rope_theta"] = 1000000.0
+        cls = Qwen2Config
+    elif family == "qwen3":
+        cls = Qwen3Config
+    else:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    common.update(overrides)
+    return cls(**common)
+
+
+def make_tiny_hf_model(family: str, out_dir: str | os.PathLike, seed: int = 0, **overrides: Any) -> Path:
+    """Save a randomly initialised tiny ``family`` model to ``out_dir`` and return the folder."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_hf_config(family, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    # Random init leaves norms at 1 and biases at 0; perturb them so a mapping mistake cannot hide.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.add_(torch.randn_like(param) * 0.1)
+    out = Path(out_dir)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def hf_logits(hf_dir: str | os.PathLike, tokens: torch.Tensor) -> torch.Tensor:
+    """Reference logits ``[b, s, V]`` from transformers' own forward in float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=tokens).logits.float()
