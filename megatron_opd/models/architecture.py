@@ -93,7 +93,7 @@ class ModelArchitecture:
 def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
-    merged = {**scaling, **params}
+    merged = {**params, **scaling}  # an explicit 4.x rope_scaling wins over 5.x defaults
     theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
     if rope_type not in ("default", "linear", "llama3"):

@@ -109,6 +109,10 @@ def transformer_config(arch: ModelArchitecture, parallel: ParallelConfig, build:
         fp16=dtype == torch.float16,
         use_cpu_initialization=not torch.cuda.is_available(),
     )
+    if parallel.pipeline_model_parallel_size == 2 and vp and vp > 1:
+        # Upstream bug: with two pipeline ranks the previous and next stage are the same peer and the
+        # batched p2p exchange silently mixes up tensors in the interleaved schedule (Megatron-LM #1450).
+        kwargs["batch_p2p_comm"] = False
     if build.recompute_activations:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     return TransformerConfig(**kwargs)

@@ -217,10 +217,24 @@ def unshard(rule: WeightRule, shards: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat(list(shards), dim=0)
 
 
-def local_layer_name(name: str, layer_offset: int) -> str:
-    """Rewrite a global ``decoder.layers.N.`` name to a chunk-local one (Megatron numbers layers per chunk)."""
+def _shift_layer(name: str, delta: int) -> str:
     prefix = "decoder.layers."
     if not name.startswith(prefix):
         return name
     index, rest = name[len(prefix) :].split(".", 1)
-    return f"{prefix}{int(index) - layer_offset}.{rest}"
+    return f"{prefix}{int(index) + delta}.{rest}"
+
+
+def local_layer_name(name: str, layer_offset: int) -> str:
+    """Rewrite a global ``decoder.layers.N.`` name to a chunk-local one (Megatron numbers layers per chunk)."""
+    return _shift_layer(name, -layer_offset)
+
+
+def global_layer_name(name: str, layer_offset: int) -> str:
+    """Rewrite a chunk-local ``decoder.layers.N.`` name to the global one (inverse of local_layer_name)."""
+    return _shift_layer(name, layer_offset)
+
+
+def rules_by_megatron_name(arch: ModelArchitecture, te: bool = False) -> dict[str, WeightRule]:
+    """Global Megatron parameter name -> its rule, for every parameter of ``arch``."""
+    return {rule.megatron_name(layer, te=te): rule for rule, layer in expand_rules(arch)}

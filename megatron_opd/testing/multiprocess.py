@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -62,7 +63,9 @@ def _rank_main(
 
             dist.init_process_group("gloo", rank=rank, world_size=world_size)
         value = fn(*args)
-        results.put((rank, True, value))
+        # Plain pickle copies tensor data inline; the queue's own pickler would pass shared-memory
+        # handles that die with this process.
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -129,7 +132,7 @@ def run_distributed(
                     outcomes[rank] = (False, f"process exited with code {proc.exitcode} without a result")
                     first_failure_at = first_failure_at or time.monotonic()
             continue
-        outcomes[rank] = (ok, value)
+        outcomes[rank] = (ok, pickle.loads(value) if ok else value)
         if not ok and first_failure_at is None:
             first_failure_at = time.monotonic()
 

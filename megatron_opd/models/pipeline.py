@@ -1,0 +1,69 @@
+"""Run model chunks over micro-batches with Megatron-Core's pipeline schedules.
+
+A thin layer over ``get_forward_backward_func`` so the trainer, the teacher and the tests share one
+way of feeding micro-batches through any TP/PP/VP layout. The loss function sees the last stage's
+vocab-sharded logits and its micro-batch; what it returns as data is collected on the last stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+MicroBatch = dict[str, torch.Tensor]
+# loss_fn(logits_BSV, micro_batch) -> (scalar loss, data to collect)
+LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, Any]]
+
+
+def forward_backward(
+    chunks: list,
+    micro_batches: list[MicroBatch],
+    loss_fn: LossFn,
+    *,
+    forward_only: bool = False,
+) -> list[Any]:
+    """Forward (and backward unless ``forward_only``) every micro-batch through ``chunks``.
+
+    Each micro-batch holds ``tokens`` ``[b, s]`` and optionally ``position_ids``; all must have the
+    same shape. Returns the data ``loss_fn`` returned, one entry per micro-batch, on the last
+    pipeline stage (an empty list elsewhere). Gradients accumulate into ``param.grad`` (or DDP's
+    ``main_grad``); the loss of each micro-batch is divided by the number of micro-batches.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not micro_batches:
+        raise ValueError("micro_batches is empty")
+    batch_size, seq_len = micro_batches[0]["tokens"].shape
+    for i, mb in enumerate(micro_batches):
+        if tuple(mb["tokens"].shape) != (batch_size, seq_len):
+            raise ValueError(
+                f"micro_batches[{i}]['tokens'] has shape {tuple(mb['tokens'].shape)}, expected {(batch_size, seq_len)}"
+            )
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        tokens = batch["tokens"]
+        position_ids = batch.get("position_ids")
+        if position_ids is None:
+            position_ids = torch.arange(seq_len, device=tokens.device).unsqueeze(0).expand_as(tokens)
+        output = model(tokens, position_ids, None)
+
+        def reduce(output_tensor: torch.Tensor):
+            return loss_fn(output_tensor, batch)
+
+        return output, reduce
+
+    # With virtual pipelining every chunk pulls micro-batches from its own iterator.
+    iterators: Any = [iter(micro_batches) for _ in chunks] if len(chunks) > 1 else iter(micro_batches)
+    schedule = get_forward_backward_func()
+    return schedule(
+        forward_step_func=forward_step,
+        data_iterator=iterators,
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(micro_batches),
+        seq_length=seq_len,
+        micro_batch_size=batch_size,
+        forward_only=forward_only,
+    )

@@ -1,0 +1,82 @@
+"""Each Megatron-Core CPU workaround is needed (the call fails without it) and works (it succeeds with it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_opd.testing.multiprocess import DistributedTestError, run_distributed
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU patches are a no-op with CUDA")
+
+
+def _megatron_calls():
+    """The CUDA-assuming Megatron calls each patch is for, by patch."""
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.utils import get_default_causal_mask
+
+    def rng_tracker():
+        tensor_parallel.model_parallel_cuda_manual_seed(123, force_reset_rng=True)
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        before = torch.get_rng_state()
+        with tracker.fork():
+            a = torch.rand(4)
+        with tracker.fork():
+            b = torch.rand(4)
+        # The fork advances its own stream and leaves the default one alone.
+        assert not torch.equal(a, b) and torch.equal(before, torch.get_rng_state())
+
+    return {
+        "rng_tracker": rng_tracker,
+        "current_device": lambda: torch.empty(2, device=torch.cuda.current_device()),
+        "synchronize": lambda: torch.cuda.synchronize(),
+        "tensor_cuda": lambda: torch.ones(2).cuda(),
+        "cuda_literals": lambda: get_default_causal_mask(3),
+    }
+
+
+def _outcomes(apply: bool):
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel()
+    if apply:
+        from megatron_opd.distributed.cpu_compat import apply_cpu_patches
+
+        apply_cpu_patches()
+    outcomes = {}
+    for name, call in _megatron_calls().items():
+        try:
+            call()
+            outcomes[name] = "ok"
+        except Exception as err:  # noqa: BLE001
+            outcomes[name] = f"{type(err).__name__}: {err}"
+    return outcomes
+
+
+def test_every_patch_is_needed_and_works():
+    unpatched, patched = (run_distributed(_outcomes, 1, args=(flag,))[0] for flag in (False, True))
+    for name in unpatched:
+        assert unpatched[name] != "ok", f"{name}: Megatron call works without its patch; the patch is dead code"
+        assert patched[name] == "ok", f"{name}: still fails with the patch: {patched[name]}"
+
+
+def _hang(rank_to_fail: int):
+    import torch.distributed as dist
+
+    if dist.get_rank() == rank_to_fail:
+        raise ValueError("planted failure")
+    dist.barrier()  # the other rank waits forever for the failed one
+
+
+def _sleep_forever():
+    import time
+
+    time.sleep(3600)
+
+
+def test_harness_reports_failing_rank_and_timeouts():
+    with pytest.raises(DistributedTestError, match="planted failure") as info:
+        run_distributed(_hang, 2, args=(1,), timeout=120)
+    assert "rank 1" in str(info.value)
+    with pytest.raises(TimeoutError, match="did not finish"):
+        run_distributed(_sleep_forever, 1, timeout=8, init_process_group=False)

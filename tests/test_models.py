@@ -1,0 +1,214 @@
+"""Megatron-Core models built from Hugging Face configs match transformers under TP, PP and VP."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megatron_opd.distributed import ParallelConfig
+from megatron_opd.models import (
+    CheckpointError,
+    UnsupportedArchitectureError,
+    architecture_from_hf_config,
+    load_architecture,
+    validate_layout,
+)
+from megatron_opd.testing.multiprocess import run_distributed
+from megatron_opd.testing.tiny_models import hf_logits, tiny_hf_config
+
+SEQ = 16
+
+
+def _tokens(num_micro_batches: int = 2, batch: int = 2) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, 1000, (num_micro_batches, batch, SEQ), generator=gen)
+
+
+def _load(parallel: ParallelConfig, hf_dir: str, trainable: bool):
+    from megatron.core import parallel_state as ps
+
+    from megatron_opd.models import build_model, load_architecture, load_hf_weights
+
+    arch = load_architecture(hf_dir)
+    chunks = build_model(arch, parallel, trainable=trainable)
+    load_hf_weights(
+        chunks,
+        arch,
+        hf_dir,
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+    )
+    return arch, chunks
+
+
+def _logits_body(layout: dict, model_dirs: dict[str, str], tokens: torch.Tensor):
+    """Full logits of every model on the last pipeline stage (tensor-parallel rank 0), else None."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_opd.distributed import initialize_distributed
+    from megatron_opd.models.pipeline import forward_backward
+    from megatron_opd.testing.gather import gather_vocab_shards
+
+    parallel = ParallelConfig(**layout)
+    initialize_distributed(parallel)
+    tp_group = ps.get_tensor_model_parallel_group()
+    results = {}
+    for name, hf_dir in model_dirs.items():
+        arch, chunks = _load(parallel, hf_dir, trainable=False)
+        assert not any(p.requires_grad for c in chunks for p in c.parameters()), "teacher must be frozen"
+
+        def collect(logits, batch):
+            return logits.sum() * 0.0, gather_vocab_shards(logits.detach(), tp_group)[..., : arch.vocab_size]
+
+        with torch.no_grad():
+            data = forward_backward(chunks, [{"tokens": t} for t in tokens], collect, forward_only=True)
+        if data and ps.get_tensor_model_parallel_rank() == 0:
+            results[name] = torch.stack(data)
+    return results or None
+
+
+LAYOUTS = {
+    "tp1": (1, dict()),
+    "tp2": (2, dict(tensor_model_parallel_size=2)),
+    "pp2_vp2": (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
+    "tp2_pp2": (4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_logits_match_transformers(layout, tiny_model_dirs):
+    world, kwargs = LAYOUTS[layout]
+    tokens = _tokens()
+    per_rank = run_distributed(_logits_body, world, args=(kwargs, tiny_model_dirs, tokens), timeout=600)
+    results = [r for r in per_rank if r is not None]
+    assert len(results) == 1, f"expected exactly one reporting rank, got {len(results)}"
+    for name, hf_dir in tiny_model_dirs.items():
+        ours = results[0][name]
+        ref = torch.stack([hf_logits(hf_dir, t) for t in tokens])
+        assert ours.shape == ref.shape, (name, ours.shape, ref.shape)
+        rel = ((ours - ref).abs().max() / ref.abs().max()).item()
+        assert rel <= 1e-4, f"{layout}/{name}: max relative error {rel:.2e} vs transformers"
+
+
+def _grads_body(model_dir: str, tokens: torch.Tensor):
+    """Loss and full (TP-unsharded) gradients, first at TP=1 PP=1 then at TP=2 x PP=2 in the same job."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from megatron_opd.distributed import initialize_distributed, initialize_model_parallel
+    from megatron_opd.models.loading import chunk_layer_range
+    from megatron_opd.models.name_mapping import global_layer_name, rules_by_megatron_name, unshard
+    from megatron_opd.models.pipeline import forward_backward
+    from megatron_opd.testing.gather import gather_tp_shards
+
+    def ce(logits, batch):
+        labels = torch.roll(batch["tokens"], -1, dims=1)
+        loss = vocab_parallel_cross_entropy(logits.float(), labels).mean()
+        return loss, loss.detach()
+
+    def run(parallel: ParallelConfig):
+        arch, chunks = _load(parallel, model_dir, trainable=True)
+        rules = rules_by_megatron_name(arch)
+        losses = forward_backward(chunks, [{"tokens": t} for t in tokens], ce)
+        grads = {}
+        for chunk in chunks:
+            offset = chunk_layer_range(chunk).start
+            for local_name, param in chunk.named_parameters():
+                name = global_layer_name(local_name, offset)
+                shards = gather_tp_shards(param.grad, ps.get_tensor_model_parallel_group())
+                grads[name] = unshard(rules[name], shards)
+        loss = torch.stack(losses).mean() if losses else None
+        return loss, grads
+
+    initialize_distributed(ParallelConfig())
+    ref = run(ParallelConfig())
+    parallel = ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    initialize_model_parallel(parallel)
+    got = run(parallel)
+    return ref, got, ps.get_tensor_model_parallel_rank()
+
+
+def test_forward_backward_tp2_pp2_matches_single_process(tiny_model_dirs):
+    results = run_distributed(_grads_body, 4, args=(tiny_model_dirs["llama"], _tokens()), timeout=600)
+    (ref_loss, ref_grads), _, _ = results[0]
+    got_grads, got_losses = {}, []
+    for _, (loss, grads), tp_rank in results:
+        if loss is not None:
+            got_losses.append(loss)
+        if tp_rank == 0:
+            got_grads.update(grads)
+    assert len(got_losses) == 2, "both last-stage ranks report the loss"
+    for loss in got_losses:
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    assert set(got_grads) == set(ref_grads)
+    for name, ref in ref_grads.items():
+        assert ref.abs().max() > 0, f"reference gradient of {name} is zero: the test would be vacuous"
+        torch.testing.assert_close(got_grads[name], ref, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_tp_must_divide_heads_and_kv_heads():
+    arch = architecture_from_hf_config(tiny_hf_config("qwen3", num_attention_heads=6, num_key_value_heads=2).to_dict())
+    with pytest.raises(ValueError, match="num_attention_heads=6"):
+        validate_layout(arch, ParallelConfig(tensor_model_parallel_size=4))
+    with pytest.raises(ValueError, match="num_key_value_heads=2"):
+        validate_layout(arch, ParallelConfig(tensor_model_parallel_size=3))
+    with pytest.raises(ValueError, match="num_hidden_layers=4"):
+        validate_layout(arch, ParallelConfig(pipeline_model_parallel_size=3))
+
+
+def test_unsupported_architecture_is_named():
+    cfg = tiny_hf_config("llama").to_dict()
+    cfg.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    with pytest.raises(UnsupportedArchitectureError, match="model_type='gpt2'"):
+        architecture_from_hf_config(cfg)
+    cfg = tiny_hf_config("qwen2").to_dict()
+    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    with pytest.raises(UnsupportedArchitectureError, match="yarn"):
+        architecture_from_hf_config(cfg)
+
+
+def _load_errors_body(missing_dir: str, wrong_dir: str):
+    from megatron_opd.distributed import initialize_distributed
+
+    initialize_distributed(ParallelConfig())
+    messages = []
+    for hf_dir in (missing_dir, wrong_dir):
+        try:
+            _load(ParallelConfig(), hf_dir, trainable=True)
+            messages.append(None)
+        except CheckpointError as err:
+            messages.append(str(err))
+    return messages
+
+
+def test_missing_or_misshapen_weight_is_named(tiny_model_dirs, tmp_path):
+    src = tiny_model_dirs["llama"]
+    dirs = {}
+    for case in ("missing", "wrong"):
+        dst = tmp_path / case
+        shutil.copytree(src, dst)
+        tensors = load_file(dst / "model.safetensors")
+        if case == "missing":
+            del tensors["model.layers.2.mlp.up_proj.weight"]
+        else:
+            tensors["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(32, 64)
+        save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+        dirs[case] = str(dst)
+    missing, wrong = run_distributed(_load_errors_body, 1, args=(dirs["missing"], dirs["wrong"]))[0]
+    assert missing is not None and "model.layers.2.mlp.up_proj.weight" in missing and "missing" in missing
+    assert wrong is not None and "model.layers.1.self_attn.k_proj.weight" in wrong
+    assert "(32, 64)" in wrong and "(64, 64)" in wrong and "model.safetensors" in wrong
+
+
+def test_architecture_reads_config_json(tiny_model_dirs):
+    arch = load_architecture(tiny_model_dirs["qwen3"])
+    with open(f"{tiny_model_dirs['qwen3']}/config.json") as f:
+        cfg = json.load(f)
+    assert (arch.family, arch.vocab_size, arch.qk_norm, arch.qkv_bias) == ("qwen3", 1001, True, False)
+    assert arch.num_key_value_heads == cfg["num_key_value_heads"] == 2
+    assert arch.padded_vocab_size(2) == 1024 and arch.padded_vocab_size(4) == 1024 and arch.padded_vocab_size(1) == 1024
+    assert load_architecture(tiny_model_dirs["qwen2"]).qkv_bias
