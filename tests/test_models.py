@@ -61,8 +61,8 @@ def _logits_body(layout: dict, model_dirs: dict[str, str], tokens: torch.Tensor)
         arch, chunks = _load(parallel, hf_dir, trainable=False)
         assert not any(p.requires_grad for c in chunks for p in c.parameters()), "teacher must be frozen"
 
-        def collect(logits, batch):
-            return logits.sum() * 0.0, gather_vocab_shards(logits.detach(), tp_group)[..., : arch.vocab_size]
+        def collect(logits, batch, vocab=arch.vocab_size):
+            return logits.sum() * 0.0, gather_vocab_shards(logits.detach(), tp_group)[..., :vocab]
 
         with torch.no_grad():
             data = forward_backward(chunks, [{"tokens": t} for t in tokens], collect, forward_only=True)

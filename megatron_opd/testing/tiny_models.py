@@ -31,7 +31,6 @@ def tiny_hf_config(family: str, **overrides: Any):
         max_position_embeddings=256,
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
-        torch_dtype="float32",
     )
     if family == "llama":
         common["rope_scaling"] = {
@@ -60,7 +59,7 @@ def make_tiny_hf_model(family: str, out_dir: str | os.PathLike, seed: int = 0, *
 
     config = tiny_hf_config(family, **overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config).float()
     # Random init leaves norms at 1 and biases at 0; perturb them so a mapping mistake cannot hide.
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -75,7 +74,38 @@ def hf_logits(hf_dir: str | os.PathLike, tokens: torch.Tensor) -> torch.Tensor:
     """Reference logits ``[b, s, V]`` from transformers' own forward in float32."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
-    model.eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir).float().eval()
     with torch.no_grad():
         return model(input_ids=tokens).logits.float()
+
+
+_CORPUS = (
+    "On-policy distillation trains a small student on its own samples while a large teacher scores every token. "
+    "The student samples a rollout, the teacher returns log-probabilities, and the loss is a divergence per token. "
+    "Tensor parallelism splits every matrix; pipeline parallelism splits the layers; the vocabulary stays sharded. "
+    "Forward KL covers the teacher's modes; reverse KL seeks them; the Jensen-Shannon divergence sits in between. "
+)
+
+
+def make_tiny_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 1000) -> Path:
+    """Train a byte-level BPE tokenizer locally and save it as a ``PreTrainedTokenizerFast``.
+
+    Byte-level BPE can encode any text, so the tiny model never sees an unknown token.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    out = Path(out_dir)
+    fast.save_pretrained(out)
+    return out
