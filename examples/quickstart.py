@@ -88,7 +88,7 @@ def main() -> None:
     if outputs and tp_rank == 0:
         from transformers import AutoModelForCausalLM
 
-        ours = outputs[0]
+        ours = outputs[0].float().cpu()
         hf_model = AutoModelForCausalLM.from_pretrained(hf_dir).float().eval()
         with torch.no_grad():
             ref = hf_model(input_ids=tokens).logits

@@ -74,6 +74,7 @@ def _logits_body(layout: dict, model_dirs: dict[str, str], tokens: torch.Tensor)
 LAYOUTS = {
     "tp1": (1, dict()),
     "tp2": (2, dict(tensor_model_parallel_size=2)),
+    "tp2_sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
     "pp2_vp2": (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
     "tp2_pp2": (4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)),
 }

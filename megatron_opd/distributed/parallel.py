@@ -90,6 +90,14 @@ def init_process_group(device: str | None = None, timeout_s: float = 600.0) -> A
         from megatron_opd.distributed.cpu_compat import apply_cpu_patches
 
         apply_cpu_patches()
+    elif accel.type == "npu":
+        # MindSpeed adapts Megatron-Core to Ascend (fused kernels, HCCL); it must patch before models are built.
+        import importlib.util
+
+        if importlib.util.find_spec("mindspeed") is not None:
+            import mindspeed.megatron_adaptor  # noqa: F401
+        else:
+            logger.warning("torch_npu found but MindSpeed is not installed; Megatron-Core runs unadapted on NPU")
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", launch.master_addr)
         os.environ.setdefault("MASTER_PORT", str(launch.master_port))

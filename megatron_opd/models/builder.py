@@ -127,13 +127,28 @@ def use_te_spec(build: ModelBuildConfig) -> bool:
     return build.use_transformer_engine
 
 
-def layer_spec(arch: ModelArchitecture, te: bool):
-    """Megatron-Core layer spec: TransformerEngine layers on GPU when available, local layers otherwise."""
+def layer_spec(arch: ModelArchitecture, te: bool, config, vp_stage: int | None):
+    """Megatron-Core spec of one chunk's decoder: TransformerEngine layers when available, local otherwise.
+
+    The local spec gets megatron-opd's :class:`RMSNorm` (layer, QK and final norms), which supports
+    sequence parallelism where Megatron's torch fallback norm does not.
+    """
     from megatron.core.models.gpt import gpt_layer_specs
 
     if te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    from megatron_opd.models.norms import RMSNorm
+
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    spec.submodules.input_layernorm = RMSNorm
+    spec.submodules.pre_mlp_layernorm = RMSNorm
+    if arch.qk_norm:
+        spec.submodules.self_attention.submodules.q_layernorm = RMSNorm
+        spec.submodules.self_attention.submodules.k_layernorm = RMSNorm
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=RMSNorm)
 
 
 def llama3_inv_freq(arch: ModelArchitecture) -> torch.Tensor:
@@ -168,7 +183,7 @@ def build_model_chunk(
     rope = arch.rope
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(arch, te),
+        transformer_layer_spec=layer_spec(arch, te, config, vp_stage),
         vocab_size=padded_vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,

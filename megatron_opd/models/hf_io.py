@@ -12,22 +12,50 @@ import json
 import os
 import struct
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+_READ_BLOCK = 1 << 30
 
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, truncated, corrupted or disagrees with its config."""
 
 
-def _check_safetensors_file(path: Path) -> None:
-    """Validate header and size so a truncated or corrupted shard fails with a clear message, not a crash."""
+# safetensors dtype code -> (torch dtype, bytes per element)
+_DTYPES = {
+    "F64": (torch.float64, 8),
+    "F32": (torch.float32, 4),
+    "F16": (torch.float16, 2),
+    "BF16": (torch.bfloat16, 2),
+    "I64": (torch.int64, 8),
+    "I32": (torch.int32, 4),
+    "I16": (torch.int16, 2),
+    "I8": (torch.int8, 1),
+    "U8": (torch.uint8, 1),
+    "BOOL": (torch.bool, 1),
+    "F8_E4M3": (torch.float8_e4m3fn, 1),
+    "F8_E5M2": (torch.float8_e5m2, 1),
+}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lives in a safetensors file (byte offsets are absolute)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
+    """Parse and validate a shard's header, so a truncated or corrupted shard fails with a clear message."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
@@ -42,29 +70,58 @@ def _check_safetensors_file(path: Path) -> None:
             header = json.loads(f.read(header_len))
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
             raise CheckpointError(f"{path} is corrupted: its safetensors header is not valid JSON ({err})") from err
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + header_len + end > size:
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} is corrupted: its safetensors header is not a JSON object")
+    base = 8 + header_len
+    entries: dict[str, TensorEntry] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"{path} is corrupted: header entry of tensor {name!r} is malformed ({err})") from err
+        if dtype not in _DTYPES:
+            raise CheckpointError(f"tensor {name!r} in {path.name} has unsupported safetensors dtype {dtype}")
+        numel = 1
+        for d in shape:
+            numel *= d
+        if end - begin != numel * _DTYPES[dtype][1] or begin < 0:
+            raise CheckpointError(
+                f"{path} is corrupted: tensor {name!r} spans {end - begin} bytes but {dtype}{list(shape)} needs "
+                f"{numel * _DTYPES[dtype][1]}"
+            )
+        entries[name] = TensorEntry(dtype, shape, base + begin, base + end)
+    last = max((e.end for e in entries.values()), default=base)
+    if last > size:
         raise CheckpointError(
-            f"{path} is truncated: header describes {8 + header_len + end} bytes, file has {size}; re-download the shard"
+            f"{path} is truncated: header describes {last} bytes, file has {size}; re-download the shard"
         )
+    return entries
 
 
 class HFCheckpointReader:
-    """Lazy, tensor-by-tensor access to a (possibly sharded) safetensors checkpoint folder."""
+    """Lazy, tensor-by-tensor access to a (possibly sharded) safetensors checkpoint folder.
+
+    Tensors are read with plain file reads at the offsets of the header, not through a memory map,
+    so a read costs exactly the tensor's bytes of resident memory and nothing stays mapped.
+    """
 
     def __init__(self, hf_dir: str | os.PathLike) -> None:
         self.dir = Path(hf_dir)
         index = self.dir / INDEX_FILE
         if index.is_file():
-            with open(index) as f:
-                weight_map: dict[str, str] = json.load(f)["weight_map"]
+            try:
+                with open(index) as f:
+                    weight_map: dict[str, str] = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise CheckpointError(f"{index} is not a valid safetensors index ({err})") from err
         elif (self.dir / SINGLE_FILE).is_file():
-            with safe_open(self.dir / SINGLE_FILE, framework="pt") as f:
-                weight_map = dict.fromkeys(f.keys(), SINGLE_FILE)
+            weight_map = dict.fromkeys(read_safetensors_header(self.dir / SINGLE_FILE), SINGLE_FILE)
         else:
             raise CheckpointError(f"no {INDEX_FILE} or {SINGLE_FILE} in {self.dir}: not a safetensors checkpoint")
         self.weight_map = weight_map
-        self._checked: set[str] = set()
+        self._headers: dict[str, dict[str, TensorEntry]] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
@@ -77,39 +134,48 @@ class HFCheckpointReader:
             raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {self.dir}")
         return self.dir / self.weight_map[name]
 
-    def get(self, name: str, expected_shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        """Read one tensor; check its shape when ``expected_shape`` is given."""
+    def entry(self, name: str, expected_shape: tuple[int, ...] | None = None) -> TensorEntry:
+        """Header facts of one tensor, without reading its data; checks its shape when given."""
         path = self.file_of(name)
-        if not path.is_file():
-            raise CheckpointError(f"shard {path.name} holding tensor {name!r} is missing from {self.dir}")
-        if path.name not in self._checked:
-            _check_safetensors_file(path)
-            self._checked.add(path.name)
-        with safe_open(path, framework="pt") as f:
-            if name not in f.keys():
-                raise CheckpointError(f"tensor {name!r} is listed in the index but absent from {path.name}")
-            tensor = f.get_tensor(name)
-        if expected_shape is not None and tuple(tensor.shape) != tuple(expected_shape):
+        if path.name not in self._headers:
+            if not path.is_file():
+                raise CheckpointError(f"shard {path.name} holding tensor {name!r} is missing from {self.dir}")
+            self._headers[path.name] = read_safetensors_header(path)
+        entry = self._headers[path.name].get(name)
+        if entry is None:
+            raise CheckpointError(f"tensor {name!r} is listed in the index but absent from {path.name}")
+        if expected_shape is not None and tuple(entry.shape) != tuple(expected_shape):
             raise CheckpointError(
-                f"tensor {name!r} in {path.name} has shape {tuple(tensor.shape)}, but config.json implies "
+                f"tensor {name!r} in {path.name} has shape {tuple(entry.shape)}, but config.json implies "
                 f"{tuple(expected_shape)}; the checkpoint and its config disagree"
             )
-        return tensor
+        return entry
+
+    def get(self, name: str, expected_shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """Read one tensor; check its shape when ``expected_shape`` is given."""
+        entry = self.entry(name, expected_shape)
+        path = self.file_of(name)
+        dtype = _DTYPES[entry.dtype][0]
+        buffer = torch.empty(entry.end - entry.start, dtype=torch.uint8)
+        view = memoryview(buffer.numpy())
+        read = 0
+        with open(path, "rb", buffering=0) as f:
+            f.seek(entry.start)
+            while read < len(view):  # one read(2) returns at most ~2 GiB on Linux
+                got = f.readinto(view[read : read + _READ_BLOCK])
+                if not got:
+                    break
+                read += got
+        if read != buffer.numel():
+            raise CheckpointError(
+                f"{path} is truncated: could not read tensor {name!r} ({read} of {buffer.numel()} bytes)"
+            )
+        return buffer.view(dtype).reshape(entry.shape)
 
     def nbytes(self, name: str) -> int:
         """Size in bytes of one tensor without reading its data."""
-        with safe_open(self.file_of(name), framework="pt") as f:
-            sl = f.get_slice(name)
-            numel = 1
-            for d in sl.get_shape():
-                numel *= d
-            return numel * _dtype_size(sl.get_dtype())
-
-
-def _dtype_size(dtype: str) -> int:
-    return {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "U8": 1, "I8": 1, "BOOL": 1}.get(
-        dtype, 4
-    )
+        entry = self.entry(name)
+        return entry.end - entry.start
 
 
 class HFCheckpointWriter:

@@ -35,17 +35,20 @@ def load_hf_weights(
     *,
     tp_rank: int,
     tp_size: int,
-    te: bool = False,
+    te: bool | None = None,
 ) -> None:
     """Copy the Hugging Face weights in ``hf_dir`` into ``chunks`` (this rank's model chunks).
 
     Raises ``CheckpointError`` naming the tensor when it is missing or has the wrong shape, and
-    when a model parameter is left without a weight.
+    when a model parameter is left without a weight. ``te=None`` detects the TransformerEngine
+    layer spec from the parameter names (its norms are fused into the linear layers).
     """
     reader = HFCheckpointReader(hf_dir)
     for chunk in chunks:
         layers = chunk_layer_range(chunk)
         params = dict(chunk.named_parameters())
+        if te is None:
+            te = any(name.endswith("layer_norm_weight") for name in params)
         padded_vocab = chunk.vocab_size
         loaded: set[str] = set()
         for rule, layer in expand_rules(arch, layers):

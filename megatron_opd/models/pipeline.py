@@ -43,7 +43,8 @@ def forward_backward(
             )
 
     def forward_step(data_iterator, model):
-        batch = next(data_iterator)
+        device = next(model.parameters()).device
+        batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
         tokens = batch["tokens"]
         position_ids = batch.get("position_ids")
         if position_ids is None:

@@ -1,0 +1,23 @@
+"""RMSNorm for Megatron-Core's local (non-TransformerEngine) layer spec that allows sequence parallelism.
+
+Megatron's torch fallback norm refuses ``sequence_parallel=True`` because it does not tag its
+parameters; TE and apex norms do. This one takes Megatron's norm constructor arguments and tags
+its weight ``sequence_parallel`` so ``finalize_model_grads`` all-reduces its gradient over the
+tensor-parallel group, as it does for the fused norms.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` with Megatron's ``(config, hidden_size, eps)`` constructor."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        if config.sequence_parallel:
+            for param in self.parameters():
+                param.sequence_parallel = True
