@@ -1,0 +1,1 @@
+"""Fused GPU kernels (Triton, import-guarded): see ``divergence_triton`` for the divergence losses."""

@@ -37,12 +37,14 @@ from megatron_opd.losses.vocab_parallel import (
 )
 
 
-def chunk_rows(chunk_size: int | None, n_tokens: int, n_cols: int, ops: LocalOps) -> int:
-    """Tokens per chunk: ``chunk_size`` if given, else about ``ops.default_chunk_elements / n_cols``."""
+def chunk_rows(chunk_size: int | None, n_tokens: int, n_cols: int, ops: LocalOps, device: torch.device) -> int:
+    """Tokens per chunk: ``chunk_size`` if given, else about ``ops.chunk_elements(device) / n_cols``."""
     if chunk_size is None:
-        return max(1, min(n_tokens, ops.default_chunk_elements // max(n_cols, 1)))
+        return max(1, min(n_tokens, ops.chunk_elements(device) // max(n_cols, 1)))
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int (tokens per chunk) or None for automatic, got {chunk_size!r}")
+        raise ValueError(
+            f"chunk_size must be a positive int (tokens per chunk) or None for automatic, got {chunk_size!r}"
+        )
     return chunk_size
 
 
@@ -52,6 +54,16 @@ def check_temperature(name: str, value: float) -> float:
     if not 0.0 < value < float("inf"):
         raise ValueError(f"{name} must be a positive finite number, got {value}")
     return value
+
+
+def check_inplace(logits: torch.Tensor, inplace_backward: bool) -> None:
+    """In-place backward turns the logits into their own gradient: never allowed for a leaf (``.grad`` would alias
+    the tensor itself)."""
+    if inplace_backward and logits.requires_grad and logits.is_leaf:
+        raise ValueError(
+            "inplace_backward=True needs student_logits computed by the model (a non-leaf tensor); for a leaf "
+            "its .grad would be the tensor itself. Pass inplace_backward=False"
+        )
 
 
 def as_rows(logits: torch.Tensor, name: str) -> torch.Tensor:
@@ -187,7 +199,7 @@ def dense_divergence(
         student_temperature: the student's logits are divided by it.
         teacher_temperature: the teacher's logits are divided by it.
         chunk_size: tokens per chunk (peak extra memory grows with it, not with the sequence); ``None`` picks
-            about 16M shard elements per chunk on the torch path and one chunk on the Triton path.
+            about 1M shard elements per chunk on CPU, 64M with torch on GPU, and one chunk with the Triton kernels.
         group: the tensor-parallel group the vocabulary is split over; ``None`` means Megatron-Core's
             tensor-parallel group if ``parallel_state`` is initialised, else a single process.
         vocab_size: the true vocabulary size when the shards include Megatron's padding columns; those columns
@@ -210,11 +222,12 @@ def dense_divergence(
         raise ValueError(f"teacher_logits is on {teacher_logits.device}, student_logits on {student_logits.device}")
     inv_ts = 1.0 / check_temperature("student_temperature", student_temperature)
     inv_tt = 1.0 / check_temperature("teacher_temperature", teacher_temperature)
+    check_inplace(student_logits, inplace_backward)
     student_TV = as_rows(student_logits, "student_logits")
     teacher_TV = as_rows(teacher_logits.detach(), "teacher_logits")
     shard = make_vocab_shard(student_TV.shape[1], group, vocab_size)
     ops = select_local_ops(backend, student_TV.device)
-    rows = chunk_rows(chunk_size, student_TV.shape[0], shard.valid_width, ops)
+    rows = chunk_rows(chunk_size, student_TV.shape[0], shard.valid_width, ops, student_TV.device)
     loss_T = _DenseDivergence.apply(
         student_TV, teacher_TV, kind, beta, inv_ts, inv_tt, rows, shard, ops, inplace_backward
     )

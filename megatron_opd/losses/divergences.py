@@ -36,7 +36,9 @@ def resolve_kind(kind: str, beta: float) -> tuple[str, float]:
     beta = float(beta)
     if kind == "jsd":
         if not 0.0 <= beta <= 1.0 or math.isnan(beta):
-            raise ValueError(f"beta must be in [0, 1] for kind='jsd' (it weights the teacher in the mixture), got {beta}")
+            raise ValueError(
+                f"beta must be in [0, 1] for kind='jsd' (it weights the teacher in the mixture), got {beta}"
+            )
         if beta == 0.0:
             return "forward_kl", beta
         if beta == 1.0:

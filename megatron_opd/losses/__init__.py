@@ -1,0 +1,25 @@
+"""Vocab-parallel distillation losses that never gather the vocabulary.
+
+- ``dense_divergence``: student vs a colocated teacher whose logits are sharded the same way.
+- ``topk_divergence``: student vs a remote teacher's top-k (global ids, log-probabilities).
+- ``reduce_loss``: masking and token / sequence mean / sum of the per-token losses they return.
+
+See ``docs/losses.md`` for the maths, the gradients and what crosses ranks.
+"""
+
+from megatron_opd.losses.dense import dense_divergence
+from megatron_opd.losses.divergences import KINDS, DivergenceKind
+from megatron_opd.losses.reduction import ReductionMode, reduce_loss
+from megatron_opd.losses.topk import MASS_TOLERANCE, MIN_TAIL_MASS, TAILS, topk_divergence
+
+__all__ = [
+    "KINDS",
+    "MASS_TOLERANCE",
+    "MIN_TAIL_MASS",
+    "TAILS",
+    "DivergenceKind",
+    "ReductionMode",
+    "dense_divergence",
+    "reduce_loss",
+    "topk_divergence",
+]

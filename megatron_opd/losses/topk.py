@@ -1,0 +1,316 @@
+"""Divergences against a remote teacher that sends only its top-k (global token ids, log-probabilities) per position.
+
+The student's logits stay vocab-sharded. Per token, each rank contributes its local max and sum of exponentials
+(one pass over its shard), the student's logits at those of the k ids that fall in its shard (ids held elsewhere
+contribute 0: they are never redirected to a local column) and, for the ``bucket`` tail, the sum of exponentials
+over its columns *outside* the top-k, which gives the student's tail mass exactly rather than as ``1 - sum q``.
+What crosses ranks is ``[tokens, 1]`` (max) and ``[tokens, 2 + k]`` (rescaled sums and gathered logits).
+
+Everything after that lives on small ``[tokens, k(+1)]`` tensors, replicated on every rank:
+
+- ``tail="bucket"``: the exact divergence between the two distributions coarsened to the k ids plus one bucket
+  holding all remaining mass (``1 - sum p`` for the teacher, the student's true tail mass). No mass is dropped.
+- ``tail="renorm"``: both distributions renormalised over the k ids.
+- ``tail="ignore"``: the per-id divergence terms summed over the k ids with both masses as they are (verl's GKD
+  recipe for ``forward_kl``). Not a divergence (it can be negative); provided for comparison.
+
+Backward is exact and hand-written: with l_i = log q_i at the k ids and c_i = dLoss/dl_i (closed form per kind
+and tail, ``divergences.elementwise_divergence``), the student's gradient is
+``dLoss/dz_j = [j in top-k] c_j - q_j * sum_i c_i``, recomputed per chunk from the saved per-token normaliser.
+
+Teacher log-probabilities are used as given (any teacher temperature must already be applied); only the student's
+logits are divided by ``student_temperature``.
+
+Shape legend: ``T`` tokens (leading dims flattened), ``V`` local shard columns, ``K`` teacher top-k ids.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from megatron_opd.losses.dense import as_rows, check_inplace, check_temperature, chunk_rows
+from megatron_opd.losses.divergences import DivergenceKind, elementwise_divergence, resolve_kind
+from megatron_opd.losses.local_ops import LocalOps, compute_dtype, select_local_ops
+from megatron_opd.losses.vocab_parallel import (
+    VocabShard,
+    all_reduce_max_,
+    all_reduce_sum_,
+    finite_or_zero,
+    make_vocab_shard,
+    rescale_factor,
+)
+
+TAILS: tuple[str, ...] = ("bucket", "renorm", "ignore")
+
+MIN_TAIL_MASS = 1e-30
+"""Tail masses (teacher's and student's) are floored here before taking logs. A teacher whose top-k mass rounds to
+1 would otherwise make ``reverse_kl`` infinite; the floor turns that into a large finite penalty on the student's
+tail instead."""
+
+MASS_TOLERANCE = 1e-3
+"""Teacher top-k probabilities may sum to at most ``1 + MASS_TOLERANCE`` (rounding in the teacher's engine); above
+that the input is rejected, and below it any excess over 1 is treated as an empty teacher tail."""
+
+
+def _where_token(flat_index: int, leading_shape: torch.Size) -> str:
+    if len(leading_shape) <= 1:
+        return f"token {flat_index}"
+    index = []
+    for size in reversed(leading_shape):
+        index.append(flat_index % size)
+        flat_index //= size
+    return f"position {tuple(reversed(index))}"
+
+
+def _first_row(bad_T: torch.Tensor) -> int | None:
+    if not bool(bad_T.any()):
+        return None
+    return int(bad_T.nonzero()[0, 0])
+
+
+def validate_topk(
+    ids_TK: torch.Tensor,
+    logprobs_TK: torch.Tensor,
+    vocab_size: int,
+    kind: str,
+    tail: str,
+    leading_shape: torch.Size,
+) -> None:
+    """Raise ``ValueError`` naming the first offending token for inputs the losses cannot handle.
+
+    Accepted: ``-inf`` log-probabilities (an id the teacher gives zero mass, e.g. padding of a short top-k list)
+    for ``forward_kl`` and ``jsd``. Rejected: non-integer ids, ``k`` larger than the vocabulary, ids outside
+    ``[0, vocab_size)``, an id repeated within a token, NaN or ``+inf`` log-probabilities, log-probabilities above
+    0 or summing above ``1 + MASS_TOLERANCE``, ``-inf`` with ``reverse_kl`` (infinite), and a token whose k
+    log-probabilities are all ``-inf`` with ``tail="renorm"`` (nothing to renormalise).
+    """
+    bad = _first_row(((ids_TK < 0) | (ids_TK >= vocab_size)).any(dim=1))
+    if bad is not None:
+        row_K = ids_TK[bad]
+        value = int(row_K[(row_K < 0) | (row_K >= vocab_size)][0])
+        raise ValueError(
+            f"teacher_topk_ids has id {value} at {_where_token(bad, leading_shape)}, outside [0, vocab_size="
+            f"{vocab_size}); map teacher ids into the student's vocabulary (and drop ids it lacks) before calling"
+        )
+    if ids_TK.shape[1] > 1:
+        sorted_TK = ids_TK.sort(dim=1).values
+        bad = _first_row((sorted_TK[:, 1:] == sorted_TK[:, :-1]).any(dim=1))
+        if bad is not None:
+            raise ValueError(
+                f"teacher_topk_ids contains duplicate ids at {_where_token(bad, leading_shape)}; deduplicate before "
+                "calling (pad a short list with unused ids and -inf log-probabilities)"
+            )
+    checks = [
+        (torch.isnan(logprobs_TK), "is NaN", "fix the teacher's output"),
+        (logprobs_TK > math.log1p(MASS_TOLERANCE), "is above 0", "pass log-probabilities, not logits"),
+    ]
+    if kind == "reverse_kl":
+        checks.append(
+            (
+                logprobs_TK == float("-inf"),
+                "is -inf, where reverse_kl is infinite",
+                "use forward_kl or jsd, or drop those ids",
+            )
+        )
+    for bad_TK, what, fix in checks:
+        bad = _first_row(bad_TK.any(dim=1))
+        if bad is not None:
+            raise ValueError(f"teacher_topk_logprobs {what} at {_where_token(bad, leading_shape)}; {fix}")
+    lse_T = torch.logsumexp(logprobs_TK.double(), dim=1)
+    bad = _first_row(lse_T > math.log1p(MASS_TOLERANCE))
+    if bad is not None:
+        raise ValueError(
+            f"teacher_topk_logprobs sum to probability {math.exp(float(lse_T[bad])):.6f} > 1 at "
+            f"{_where_token(bad, leading_shape)}; pass log-probabilities normalised over the full vocabulary"
+        )
+    if tail == "renorm":
+        bad = _first_row(lse_T == float("-inf"))
+        if bad is not None:
+            raise ValueError(
+                f"teacher_topk_logprobs are all -inf at {_where_token(bad, leading_shape)}; "
+                "tail='renorm' has nothing to renormalise there (mask that token or use tail='bucket')"
+            )
+
+
+def topk_coarse_divergence(
+    logq_TK: torch.Tensor, logp_TK: torch.Tensor, logq_tail_T: torch.Tensor, kind: str, beta: float, tail: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token loss and its derivative ``c = dLoss/dlog q`` at the k ids, for one tail mode.
+
+    ``logq_TK`` are the student's log-probabilities (full-vocabulary normalisation) at the teacher's ids,
+    ``logq_tail_T`` the log of the student's mass outside them (used by ``bucket`` only).
+    """
+    if tail == "ignore":
+        d_TK, dlogq_TK = elementwise_divergence(logp_TK, logq_TK, kind, beta)
+        return d_TK.sum(dim=1), dlogq_TK
+    if tail == "renorm":
+        logq_renorm_TK = logq_TK - torch.logsumexp(logq_TK, dim=1, keepdim=True)
+        logp_renorm_TK = logp_TK - torch.logsumexp(logp_TK, dim=1, keepdim=True)
+        d_TK, dlogq_TK = elementwise_divergence(logp_renorm_TK, logq_renorm_TK, kind, beta)
+        # Chain through the renormalisation: d log q~_c / d log q_i = [c == i] - q~_i.
+        c_TK = dlogq_TK - torch.exp(logq_renorm_TK) * dlogq_TK.sum(dim=1, keepdim=True)
+        return d_TK.sum(dim=1), c_TK
+    # bucket: teacher tail 1 - sum p (computed as -expm1(logsumexp) for accuracy near 1), both floored.
+    log_floor = math.log(MIN_TAIL_MASS)
+    p_tail_T = (-torch.expm1(torch.logsumexp(logp_TK, dim=1))).clamp(min=0.0)
+    logp_tail_T = torch.log(p_tail_T).clamp(min=log_floor)
+    logq_tail_T = logq_tail_T.clamp(min=log_floor)
+    logp_TN = torch.cat([logp_TK, logp_tail_T[:, None]], dim=1)
+    logq_TN = torch.cat([logq_TK, logq_tail_T[:, None]], dim=1)
+    d_TN, dlogq_TN = elementwise_divergence(logp_TN, logq_TN, kind, beta)
+    # The tail is 1 - sum q: d log q_tail / d log q_i = -q_i / q_tail.
+    c_TK = dlogq_TN[:, :-1] - torch.exp(logq_TK - logq_tail_T[:, None]) * dlogq_TN[:, -1:]
+    return d_TN.sum(dim=1), c_TK
+
+
+class _TopkDivergence(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx,
+        student_TV: torch.Tensor,
+        ids_TK: torch.Tensor,
+        logprobs_TK: torch.Tensor,
+        kind: str,
+        beta: float,
+        tail: str,
+        inv_ts: float,
+        rows_per_chunk: int,
+        shard: VocabShard,
+        ops: LocalOps,
+        inplace_backward: bool,
+    ) -> torch.Tensor:
+        n_tokens, n_valid = student_TV.shape[0], shard.valid_width
+        k = ids_TK.shape[1]
+        cd = compute_dtype(student_TV.dtype)
+        device = student_TV.device
+        s_TV = student_TV[:, :n_valid]
+        local_TK = ids_TK.to(torch.int64) - shard.start
+        local_ids_TK = torch.where((local_TK >= 0) & (local_TK < n_valid), local_TK, -1)
+        need_tail = tail == "bucket"
+
+        max_T = torch.full((n_tokens,), float("-inf"), dtype=cd, device=device)
+        # One buffer for the sum all-reduce: [sum exp, sum exp outside top-k, student logits at the k ids].
+        payload_TN = torch.zeros(n_tokens, 2 + k, dtype=cd, device=device)
+        if n_valid > 0:
+            for lo in range(0, n_tokens, rows_per_chunk):
+                hi = min(lo + rows_per_chunk, n_tokens)
+                max_C, sums_C2, z_CK = ops.topk_stats(s_TV[lo:hi], inv_ts, local_ids_TK[lo:hi], need_tail)
+                max_T[lo:hi] = max_C
+                payload_TN[lo:hi, :2] = sums_C2
+                payload_TN[lo:hi, 2:] = z_CK
+
+        global_max_T = all_reduce_max_(max_T.clone(), shard)
+        payload_TN[:, :2] *= rescale_factor(max_T, global_max_T)[:, None]
+        all_reduce_sum_(payload_TN, shard)
+
+        log_total_T = torch.log(payload_TN[:, 0])
+        lse_s_T = (finite_or_zero(global_max_T) + log_total_T).contiguous()
+        logq_TK = payload_TN[:, 2:] - lse_s_T[:, None]
+        logq_tail_T = torch.log(payload_TN[:, 1]) - log_total_T
+        loss_T, c_TK = topk_coarse_divergence(logq_TK, logprobs_TK.to(cd), logq_tail_T, kind, beta, tail)
+
+        ctx.save_for_backward(student_TV, local_ids_TK, lse_s_T, c_TK)
+        ctx.config = (inv_ts, rows_per_chunk, n_valid, ops, inplace_backward)
+        return loss_T
+
+    @staticmethod
+    def backward(ctx, grad_T: torch.Tensor):
+        student_TV, local_ids_TK, lse_s_T, c_TK = ctx.saved_tensors
+        inv_ts, rows_per_chunk, n_valid, ops, inplace_backward = ctx.config
+        coef_TK = c_TK * grad_T.to(c_TK.dtype)[:, None]
+        coef_sum_T = coef_TK.sum(dim=1)
+        grad_TV = student_TV if inplace_backward else torch.empty_like(student_TV)
+        grad_TV[:, n_valid:] = 0  # padding columns get no gradient
+        n_tokens = student_TV.shape[0]
+        for lo in range(0, n_tokens if n_valid > 0 else 0, rows_per_chunk):
+            hi = min(lo + rows_per_chunk, n_tokens)
+            ops.topk_grad(
+                student_TV[lo:hi, :n_valid],
+                inv_ts,
+                lse_s_T[lo:hi],
+                local_ids_TK[lo:hi],
+                coef_TK[lo:hi],
+                coef_sum_T[lo:hi],
+                grad_TV[lo:hi, :n_valid],
+            )
+        return grad_TV, None, None, None, None, None, None, None, None, None, None
+
+
+def topk_divergence(
+    student_logits: torch.Tensor,
+    teacher_topk_ids: torch.Tensor,
+    teacher_topk_logprobs: torch.Tensor,
+    kind: DivergenceKind,
+    *,
+    beta: float = 0.5,
+    tail: str = "bucket",
+    student_temperature: float = 1.0,
+    chunk_size: int | None = None,
+    group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
+    validate: bool = True,
+    inplace_backward: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Per-token divergence between a vocab-sharded student and a teacher's top-k log-probabilities.
+
+    Args:
+        student_logits: ``[tokens, V/TP]`` or ``[batch, seq, V/TP]``; this rank's shard of the student's logits.
+        teacher_topk_ids: ``[..., k]`` global token ids (same leading shape), distinct within each token.
+        teacher_topk_logprobs: ``[..., k]`` the teacher's log-probabilities at those ids, normalised over the
+            full vocabulary and already at the teacher's temperature. ``-inf`` means zero mass (not allowed with
+            ``reverse_kl``). Treated as constant.
+        kind: ``"forward_kl"``, ``"reverse_kl"`` or ``"jsd"`` (see ``dense_divergence``).
+        beta: the teacher's weight in the JSD mixture, in [0, 1].
+        tail: ``"bucket"`` (k ids plus one bucket for the remaining mass; exact), ``"renorm"`` (both
+            renormalised over the k ids) or ``"ignore"`` (k ids' terms with masses as they are, as verl does).
+        student_temperature: the student's logits are divided by it.
+        chunk_size: tokens per chunk; ``None`` chooses automatically (see ``dense_divergence``).
+        group: the tensor-parallel group; ``None`` means Megatron-Core's when initialised, else one process.
+        vocab_size: the true vocabulary size when shards include padding columns; ids must be below it.
+        validate: check the teacher's ids and log-probabilities (a few reductions and host syncs); with
+            ``False``, invalid inputs (duplicates above all) give undefined results.
+        inplace_backward: write the gradient into ``student_logits``' storage (see ``dense_divergence``).
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+
+    Returns:
+        Per-token losses with the logits' leading shape, float32 (float64 for float64 logits), equal on every
+        rank of ``group``.
+    """
+    kind, beta = resolve_kind(kind, beta)
+    if tail not in TAILS:
+        raise ValueError(f"tail must be one of {TAILS}, got {tail!r}")
+    lead = student_logits.shape[:-1]
+    if teacher_topk_ids.shape != teacher_topk_logprobs.shape or teacher_topk_ids.shape[:-1] != lead:
+        raise ValueError(
+            f"teacher_topk_ids {tuple(teacher_topk_ids.shape)} and teacher_topk_logprobs "
+            f"{tuple(teacher_topk_logprobs.shape)} must both be [*{tuple(lead)}, k] to match student_logits"
+        )
+    if teacher_topk_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise ValueError(f"teacher_topk_ids must be an integer tensor, got {teacher_topk_ids.dtype}")
+    if not torch.is_floating_point(teacher_topk_logprobs):
+        raise ValueError(f"teacher_topk_logprobs must be floating point, got {teacher_topk_logprobs.dtype}")
+    if teacher_topk_ids.shape[-1] == 0:
+        raise ValueError("teacher top-k is empty (k == 0); send at least one id per token")
+    inv_ts = 1.0 / check_temperature("student_temperature", student_temperature)
+    check_inplace(student_logits, inplace_backward)
+    student_TV = as_rows(student_logits, "student_logits")
+    ids_TK = teacher_topk_ids.reshape(-1, teacher_topk_ids.shape[-1]).to(student_TV.device)
+    logprobs_TK = teacher_topk_logprobs.detach().reshape(ids_TK.shape).to(student_TV.device)
+    shard = make_vocab_shard(student_TV.shape[1], group, vocab_size)
+    k = ids_TK.shape[1]
+    if k > shard.vocab_size:
+        raise ValueError(
+            f"teacher top-k has k={k} ids per token, more than vocab_size={shard.vocab_size}; send at most that many"
+        )
+    if validate:
+        validate_topk(ids_TK, logprobs_TK, shard.vocab_size, kind, tail, lead)
+    ops = select_local_ops(backend, student_TV.device)
+    rows = chunk_rows(chunk_size, student_TV.shape[0], shard.valid_width, ops, student_TV.device)
+    loss_T = _TopkDivergence.apply(
+        student_TV, ids_TK, logprobs_TK, kind, beta, tail, inv_ts, rows, shard, ops, inplace_backward
+    )
+    return loss_T.reshape(lead)
