@@ -222,24 +222,36 @@ def build_model(
             "Megatron's parallel groups do not match the requested layout: call "
             "megatron_opd.distributed.initialize_model_parallel(parallel) first"
         )
-    config = transformer_config(arch, parallel, build)
+    chunks = build_chunks(arch, parallel, build, transformer_config(arch, parallel, build))
+    for chunk in chunks:
+        if not trainable:
+            chunk.requires_grad_(False)
+            chunk.eval()
+    return chunks
+
+
+def build_chunks(arch: ModelArchitecture, parallel: ParallelConfig, build: ModelBuildConfig, config) -> list:
+    """One ``GPTModel`` per virtual pipeline stage of this rank, under Megatron's initialised groups.
+
+    Parameters go where torch's default device says (the checkpoint converter builds on ``meta``).
+    """
+    from megatron.core import parallel_state
+
     te = use_te_spec(build)
     padded_vocab = arch.padded_vocab_size(parallel.tensor_model_parallel_size, build.make_vocab_size_divisible_by)
     vp_size = parallel.vp_size
     chunks = []
     for vp_stage in range(vp_size):
         stage = vp_stage if vp_size > 1 else None
-        chunk = build_model_chunk(
-            arch,
-            config,
-            te=te,
-            vp_stage=stage,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            padded_vocab_size=padded_vocab,
+        chunks.append(
+            build_model_chunk(
+                arch,
+                config,
+                te=te,
+                vp_stage=stage,
+                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                padded_vocab_size=padded_vocab,
+            )
         )
-        if not trainable:
-            chunk.requires_grad_(False)
-            chunk.eval()
-        chunks.append(chunk)
     return chunks
