@@ -213,3 +213,15 @@ def test_architecture_reads_config_json(tiny_model_dirs):
     assert arch.num_key_value_heads == cfg["num_key_value_heads"] == 2
     assert arch.padded_vocab_size(2) == 1024 and arch.padded_vocab_size(4) == 1024 and arch.padded_vocab_size(1) == 1024
     assert load_architecture(tiny_model_dirs["qwen2"]).qkv_bias
+
+
+def test_linear_rope_scaling_matches_transformers(tmp_path):
+    from megatron_opd.testing.tiny_models import make_tiny_hf_model
+
+    hf_dir = str(make_tiny_hf_model("llama", tmp_path / "linear", rope_scaling={"rope_type": "linear", "factor": 4.0}))
+    assert load_architecture(hf_dir).rope.type == "linear"
+    tokens = _tokens(num_micro_batches=1)
+    (result,) = run_distributed(_logits_body, 1, args=({}, {"linear": hf_dir}, tokens))
+    ref = hf_logits(hf_dir, tokens[0])
+    rel = ((result["linear"][0] - ref).abs().max() / ref.abs().max()).item()
+    assert rel <= 1e-4, f"linear RoPE scaling: max relative error {rel:.2e} vs transformers"
