@@ -44,6 +44,8 @@ def tiny_hf_config(family: str, **overrides: Any):
         cls = LlamaConfig
     elif family == "qwen2":
         common["rope_theta"] = 1000000.0
+        # Qwen2 derives head_dim from hidden_size / heads in vLLM: keep the two consistent (and >= 32).
+        common["hidden_size"] = 128
         cls = Qwen2Config
     elif family == "qwen3":
         cls = Qwen3Config
