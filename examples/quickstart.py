@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from megatron_opd.config import parse_args
 from megatron_opd.distributed import ParallelConfig, destroy_distributed, initialize_distributed
+from megatron_opd.distributed.gather import gather_vocab_shards
 from megatron_opd.models import ModelBuildConfig, build_model, load_architecture, load_hf_weights
 from megatron_opd.models.pipeline import forward_backward
-from megatron_opd.testing.gather import gather_vocab_shards
 
 logger = logging.getLogger("quickstart")
 

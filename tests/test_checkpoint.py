@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from megatron_opd.models.hf_io import HFCheckpointReader, HFCheckpointWriter
+from megatron_opd.models.reference import hf_logits
 from megatron_opd.testing.multiprocess import run_distributed
-from megatron_opd.testing.tiny_models import hf_logits, make_tiny_hf_model, make_tiny_tokenizer
+from megatron_opd.testing.tiny_models import make_tiny_hf_model, make_tiny_tokenizer
 
 ROUND_TRIP = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
 WRITTEN_AT = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from megatron_opd.testing.tiny_models import hf_logits
+from megatron_opd.models.reference import hf_logits
 
 SEQ = 16
 

@@ -17,8 +17,9 @@ from megatron_opd.models import (
     load_architecture,
     validate_layout,
 )
+from megatron_opd.models.reference import hf_logits
 from megatron_opd.testing.multiprocess import run_distributed
-from megatron_opd.testing.tiny_models import hf_logits, tiny_hf_config
+from megatron_opd.testing.tiny_models import tiny_hf_config
 
 SEQ = 16
 
@@ -50,8 +51,8 @@ def _logits_body(layout: dict, model_dirs: dict[str, str], tokens: torch.Tensor)
     from megatron.core import parallel_state as ps
 
     from megatron_opd.distributed import initialize_distributed
+    from megatron_opd.distributed.gather import gather_vocab_shards
     from megatron_opd.models.pipeline import forward_backward
-    from megatron_opd.testing.gather import gather_vocab_shards
 
     parallel = ParallelConfig(**layout)
     initialize_distributed(parallel)
@@ -101,10 +102,10 @@ def _grads_body(model_dir: str, tokens: torch.Tensor):
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     from megatron_opd.distributed import initialize_distributed, initialize_model_parallel
+    from megatron_opd.distributed.gather import gather_tp_shards
     from megatron_opd.models.loading import chunk_layer_range
     from megatron_opd.models.name_mapping import global_layer_name, rules_by_megatron_name, unshard
     from megatron_opd.models.pipeline import forward_backward
-    from megatron_opd.testing.gather import gather_tp_shards
 
     def ce(logits, batch):
         labels = torch.roll(batch["tokens"], -1, dims=1)

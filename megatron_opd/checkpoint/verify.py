@@ -42,8 +42,8 @@ def megatron_logits(chunks: list, tokens: torch.Tensor, vocab_size: int) -> torc
     """
     from megatron.core import parallel_state
 
+    from megatron_opd.distributed.gather import gather_vocab_shards
     from megatron_opd.models.pipeline import forward_backward
-    from megatron_opd.testing.gather import gather_vocab_shards
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
 
@@ -80,7 +80,7 @@ def _verify(hf_dir: str, ckpt_dir: str, num_sequences: int, seq_len: int, seed: 
     from megatron_opd.distributed.parallel import ParallelConfig, destroy_distributed, initialize_model_parallel
     from megatron_opd.models.architecture import load_architecture
     from megatron_opd.models.builder import ModelBuildConfig, build_model
-    from megatron_opd.testing.tiny_models import hf_logits
+    from megatron_opd.models.reference import hf_logits
 
     arch = load_architecture(hf_dir)
     tokens = random_tokens(arch.vocab_size, num_sequences, seq_len, seed)

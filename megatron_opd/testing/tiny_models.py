@@ -72,15 +72,6 @@ def make_tiny_hf_model(family: str, out_dir: str | os.PathLike, seed: int = 0, *
     return out
 
 
-def hf_logits(hf_dir: str | os.PathLike, tokens: torch.Tensor) -> torch.Tensor:
-    """Reference logits ``[b, s, V]`` from transformers' own forward in float32."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir).float().eval()
-    with torch.no_grad():
-        return model(input_ids=tokens).logits.float()
-
-
 _CORPUS = (
     "On-policy distillation trains a small student on its own samples while a large teacher scores every token. "
     "The student samples a rollout, the teacher returns log-probabilities, and the loss is a divergence per token. "

@@ -1,4 +1,7 @@
-"""Reassemble sharded tensors for comparisons in tests. Training code never gathers the vocabulary."""
+"""Reassemble tensor-parallel shards for diagnostics: ``--verify``, the quick start and tests.
+
+Training and the losses never gather the vocabulary; these exist to compare a sharded model with a reference.
+"""
 
 from __future__ import annotations
 
