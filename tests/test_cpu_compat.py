@@ -26,8 +26,17 @@ def _megatron_calls():
         # The fork advances its own stream and leaves the default one alone.
         assert not torch.equal(a, b) and torch.equal(before, torch.get_rng_state())
 
+    def clip_grads():
+        from megatron.core.optimizer import optimizer as mcore_optimizer
+
+        param = torch.nn.Parameter(torch.ones(4))
+        param.grad = torch.full((4,), 3.0)
+        mcore_optimizer.clip_grad_by_total_norm_fp32([param], max_norm=1.0, total_norm=6.0)
+        assert torch.allclose(param.grad, torch.full((4,), 0.5), atol=1e-6), param.grad
+
     return {
         "rng_tracker": rng_tracker,
+        "clip_grads": clip_grads,
         "current_device": lambda: torch.empty(2, device=torch.cuda.current_device()),
         "synchronize": lambda: torch.cuda.synchronize(),
         "tensor_cuda": lambda: torch.ones(2).cuda(),

@@ -38,11 +38,10 @@ from megatron_opd.models.architecture import ModelArchitecture, load_architectur
 from megatron_opd.models.builder import ModelBuildConfig, parse_dtype
 from megatron_opd.models.hf_io import CheckpointError, HFCheckpointReader
 from megatron_opd.models.name_mapping import Split, expand_rules, hf_shapes, hf_to_megatron
+from megatron_opd.models.source import HF_CONFIG_DIR
 
 logger = logging.getLogger(__name__)
 
-HF_CONFIG_DIR = "hf_config"
-"""Sub-folder of a converted ``dist_ckpt`` holding the source ``config.json`` and tokenizer files."""
 CONVERSION_INFO = "conversion.json"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")

@@ -19,6 +19,8 @@ Patches (all idempotent):
    factories map a CUDA device to the CPU.
 5. ``torch.autocast("cuda", ...)`` in the schedules is only entered for fp16/bf16 autocast configs,
    which are not used on CPU; nothing to patch.
+6. Gradient clipping: ``clip_grad_by_total_norm_fp32`` asserts every gradient is a
+   ``torch.cuda.FloatTensor``; the optimizer gets a copy without that type check (same arithmetic).
 """
 
 from __future__ import annotations
@@ -158,6 +160,20 @@ def _identity_cuda(self: torch.Tensor, device: Any = None, non_blocking: bool = 
     return self
 
 
+def clip_grad_by_total_norm_cpu(
+    parameters: Any, max_norm: float, total_norm: float, use_decoupled_grad: bool = False
+) -> None:
+    """Megatron's ``clip_grad_by_total_norm_fp32`` without its CUDA tensor-type assertion."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr).detach() for p in parameters if getattr(p, attr, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        for grad in grads:
+            grad.mul_(clip_coeff)
+
+
 def apply_cpu_patches() -> None:
     """Make Megatron-Core usable on a CPU-only process. No-op when CUDA is available."""
     global _APPLIED
@@ -172,6 +188,12 @@ def apply_cpu_patches() -> None:
 
     mcore_random.CudaRNGStatesTracker = CpuRNGStatesTracker  # type: ignore[misc,assignment]
     mcore_random.initialize_rng_tracker(force_reset=True)
+
+    from megatron.core.optimizer import clip_grads as mcore_clip_grads
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+
+    mcore_clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_cpu  # type: ignore[assignment]
+    mcore_optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_cpu  # type: ignore[assignment]
 
     cpu_torch = _CpuTorch()
     for module_name in _MODULES_WITH_CUDA_LITERALS:

@@ -76,3 +76,12 @@ def has_transformer_engine() -> bool:
     except Exception:  # noqa: BLE001 - a broken TE install must never break the package
         return False
     return True
+
+
+def collective_device() -> torch.device:
+    """Where small tensors for collectives must live: NCCL/HCCL need the accelerator, gloo takes the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if hasattr(torch, "npu") and npu_available():
+        return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
+    return torch.device("cpu")

@@ -1,0 +1,95 @@
+"""Read prompt records from JSON-lines and Parquet files.
+
+Records are plain dicts; which fields matter is the prompt encoder's business. Errors name the file (and
+line), and the config key that listed it, so a bad path is fixed in one edit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+JSON_SUFFIXES = (".jsonl", ".json")
+PARQUET_SUFFIXES = (".parquet",)
+
+
+class DataError(ValueError):
+    """A data file is missing, empty or malformed, or a record lacks the fields the run needs."""
+
+
+def _check_path(path: str | os.PathLike, key: str) -> Path:
+    p = Path(path)
+    if not p.exists():
+        raise DataError(f"{key}: file {str(path)!r} does not exist; fix the path in {key}")
+    if not p.is_file():
+        raise DataError(f"{key}: {str(path)!r} is not a file; list .jsonl or .parquet files in {key}")
+    if p.suffix.lower() not in JSON_SUFFIXES + PARQUET_SUFFIXES:
+        raise DataError(
+            f"{key}: {str(path)!r} has an unknown extension {p.suffix!r}; "
+            f"use one of {', '.join(JSON_SUFFIXES + PARQUET_SUFFIXES)} (JSON lines or Parquet)"
+        )
+    return p
+
+
+def _read_json_lines(path: Path) -> list[dict[str, Any]]:
+    text = path.read_text(encoding="utf-8")
+    # A .json file holding one array of objects is common enough to accept beside JSON lines.
+    if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{err.lineno}: malformed JSON ({err.msg})") from err
+        for i, row in enumerate(rows):
+            if not isinstance(row, dict):
+                raise DataError(f"{path}: item {i} of the JSON array is a {type(row).__name__}, expected an object")
+        return rows
+    records = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{lineno}: malformed JSON line ({err.msg} at column {err.colno})") from err
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{lineno}: a record must be a JSON object, got a {type(row).__name__}")
+        records.append(row)
+    return records
+
+
+def _read_parquet(path: Path) -> list[dict[str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as err:  # pragma: no cover - pyarrow is a dependency
+        raise DataError(f"reading {path} needs pyarrow: pip install pyarrow") from err
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as err:  # pyarrow raises several unrelated types for a bad file
+        raise DataError(f"{path}: not a readable Parquet file ({err})") from err
+
+
+def read_record_files(paths: list[str] | str, key: str = "data.train_files") -> list[tuple[str, list[dict[str, Any]]]]:
+    """Each file's records, in file order, so callers can say which file a bad record came from.
+
+    ``key`` is the config key that listed ``paths`` (``data.train_files`` / ``data.eval_files``); it appears in
+    every error so the user knows what to edit.
+    """
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [str(paths)]
+    if not paths:
+        raise DataError(f"{key} is empty: give at least one .jsonl or .parquet file")
+    out = []
+    for path in paths:
+        p = _check_path(path, key)
+        records = _read_parquet(p) if p.suffix.lower() in PARQUET_SUFFIXES else _read_json_lines(p)
+        if not records:
+            raise DataError(f"{key}: {str(path)!r} holds no records; remove it from {key} or fill it")
+        out.append((str(path), records))
+    return out
+
+
+def read_records(paths: list[str] | str, key: str = "data.train_files") -> list[dict[str, Any]]:
+    """All records of ``paths`` (``.jsonl``/``.json`` JSON lines, ``.parquet``), concatenated in order."""
+    return [record for _, records in read_record_files(paths, key) for record in records]

@@ -1,0 +1,132 @@
+"""The contracts between the trainer and its pluggable back ends: rollout, teacher, scheduler.
+
+The training loop calls one object per back end. Back ends return handles (``concurrent.futures.Future``)
+so a scheduler can overlap them; the in-process back ends run collectives on every rank and hand back an
+already completed future.
+
+- ``Rollouts``: what a rollout back end produces for a batch of prompts (one entry per sample).
+- ``TeacherScores``: what a teacher back end produces for the packed batch of those rollouts.
+- ``policy_version``: the optimizer step of the weights that produced a rollout (0 = initial weights).
+
+Shape legend: ``N`` samples (prompts x ``n``), ``S`` padded sequence positions, ``K`` teacher top-k,
+``R`` requested ids per position, ``V`` this rank's vocabulary shard.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar, runtime_checkable
+
+import torch
+
+T = TypeVar("T")
+
+
+def completed(value: T) -> Future[T]:
+    """A future that already holds ``value`` (for back ends that run synchronously on every rank)."""
+    future: Future[T] = Future()
+    future.set_result(value)
+    return future
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample a response. ``top_k=0`` and ``top_p=1.0`` mean off; ``temperature=0`` is greedy."""
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    """Generation ends after any of these ids (they are kept in the response and trained on)."""
+    seed: int = 0
+    """Sampling seed; the same seed, prompts and weights give the same samples at any TP size."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"rollout.temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"rollout.top_p must be in (0, 1] (1.0 is off), got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"rollout.top_k must be >= 0 (0 is off), got {self.top_k}")
+
+
+@dataclass
+class Rollouts:
+    """Sampled responses, one entry per sample, grouped by prompt (``prompt_index``).
+
+    Token lists are 1-D int64 tensors on the CPU. ``response_mask`` is 1 for tokens the model generated and 0 for
+    tokens inserted by a tool or environment (never trained on). ``logprobs`` are the log-probabilities of the
+    response tokens under the sampling policy's *unmodified* distribution (temperature 1, no top-k/top-p), as vLLM
+    returns by default; 0 where ``response_mask`` is 0.
+    """
+
+    prompt_ids: list[torch.Tensor]
+    response_ids: list[torch.Tensor]
+    response_mask: list[torch.Tensor]
+    logprobs: list[torch.Tensor]
+    finish_reasons: list[str]
+    """``"stop"`` (a stop token was produced) or ``"length"`` (max_new_tokens reached)."""
+    prompt_index: list[int]
+    """Index of each sample's prompt within the batch of prompts (samples of one prompt are adjacent)."""
+    policy_version: int = 0
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    def __post_init__(self) -> None:
+        n = len(self.response_ids)
+        for name in ("prompt_ids", "response_mask", "logprobs", "finish_reasons", "prompt_index"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"Rollouts.{name} has {len(getattr(self, name))} entries, response_ids has {n}")
+
+    @property
+    def response_lengths(self) -> list[int]:
+        return [int(r.numel()) for r in self.response_ids]
+
+
+@dataclass
+class TeacherScores:
+    """The teacher's view of a packed batch ``[N, S]`` of token sequences (see ``trainer.batch.TrainBatch``).
+
+    Position ``s`` holds the teacher's distribution of the token at ``s + 1`` (next-token, like logits).
+    Exactly one of ``dense_logits`` / ``topk_ids`` is set. Log-probabilities are at the teacher temperature.
+    """
+
+    topk_ids: torch.Tensor | None = None
+    """``[N, S, K]`` int64 global token ids, most probable first, never a padded vocabulary column."""
+    topk_logprobs: torch.Tensor | None = None
+    """``[N, S, K]`` float32 log-probabilities at ``topk_ids`` (normalised over the full vocabulary)."""
+    dense_logits: torch.Tensor | None = None
+    """Colocated teachers only: this rank's ``[N, S, V]`` logit shard (raw logits; on the last pipeline stage)."""
+    requested_logprobs: torch.Tensor | None = None
+    """``[N, S, R]`` float32 log-probabilities at the ids the request listed (e.g. the sampled next token)."""
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@runtime_checkable
+class RolloutBackend(Protocol):
+    """Samples responses from the student's current weights."""
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams, n: int) -> Future[Rollouts]:
+        """Sample ``n`` responses per prompt; the future resolves to ``Rollouts`` (samples of a prompt adjacent)."""
+        ...
+
+    def sync_weights(self, policy_version: int) -> None:
+        """Make the next rollouts use the trainer's weights after optimizer step ``policy_version``."""
+        ...
+
+
+@runtime_checkable
+class TeacherBackend(Protocol):
+    """Scores packed token sequences with the frozen teacher."""
+
+    supports_dense: bool
+    """Whether ``score`` can return dense logit shards (only a teacher colocated with the student's layout)."""
+
+    def score(self, tokens: torch.Tensor, request_ids: torch.Tensor | None = None) -> Future[TeacherScores]:
+        """Score ``tokens`` ``[N, S]``; ``request_ids`` ``[N, S, R]`` asks for log-probabilities at those ids."""
+        ...

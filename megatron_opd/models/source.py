@@ -1,0 +1,65 @@
+"""Where a model's weights come from: a Hugging Face folder or a ``dist_ckpt`` written by ``tools/checkpoint``.
+
+Users point ``student.path`` / ``teacher.path`` at either; this module detects which and loads it into this
+rank's chunks under any TP/PP/VP layout (Hugging Face tensors are sliced per rank, a ``dist_ckpt`` goes
+through Megatron's resharding load). The ``config.json`` (and tokenizer files) of a ``dist_ckpt`` live in its
+``hf_config/`` folder.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from megatron_opd.models.architecture import ModelArchitecture, load_architecture
+from megatron_opd.models.hf_io import CheckpointError
+
+HF_CONFIG_DIR = "hf_config"
+"""Subfolder of a dist_ckpt holding the Hugging Face ``config.json`` and tokenizer files (tools/checkpoint writes it)."""
+
+
+def model_format(path: str | os.PathLike, field: str = "path") -> Literal["hf", "dist_ckpt"]:
+    """``"dist_ckpt"`` for a Megatron checkpoint folder, ``"hf"`` for a Hugging Face one; a clear error otherwise."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"{field}={str(path)!r} is not a folder: give a Hugging Face or dist_ckpt model folder")
+    if (folder / "metadata.json").is_file():
+        return "dist_ckpt"
+    if (folder / "config.json").is_file():
+        return "hf"
+    raise CheckpointError(
+        f"{field}={str(path)!r} holds neither config.json (Hugging Face) nor metadata.json (dist_ckpt from "
+        "tools/checkpoint/convert.py hf-to-mcore)"
+    )
+
+
+def config_dir(path: str | os.PathLike, field: str = "path") -> Path:
+    """The folder with ``config.json`` (and normally the tokenizer files) of the model at ``path``."""
+    folder = Path(path)
+    if model_format(folder, field) == "hf":
+        return folder
+    cfg = folder / HF_CONFIG_DIR
+    if not (cfg / "config.json").is_file():
+        raise CheckpointError(
+            f"{field}={str(path)!r} is a dist_ckpt without {HF_CONFIG_DIR}/config.json; convert it with "
+            "tools/checkpoint/convert.py, which writes the Hugging Face config beside the weights"
+        )
+    return cfg
+
+
+def model_architecture(path: str | os.PathLike, field: str = "path") -> ModelArchitecture:
+    """The architecture of the model at ``path`` (either format)."""
+    return load_architecture(config_dir(path, field))
+
+
+def load_weights(chunks: list, arch: ModelArchitecture, path: str | os.PathLike, *, tp_rank: int, tp_size: int) -> None:
+    """Fill this rank's ``chunks`` from the model at ``path`` (a collective for a dist_ckpt)."""
+    if model_format(path) == "dist_ckpt":
+        from megatron_opd.checkpoint.mcore_io import load_model_checkpoint
+
+        load_model_checkpoint(chunks, path)
+    else:
+        from megatron_opd.models.loading import load_hf_weights
+
+        load_hf_weights(chunks, arch, path, tp_rank=tp_rank, tp_size=tp_size)

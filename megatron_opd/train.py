@@ -1,0 +1,299 @@
+"""On-policy distillation: the student samples, the teacher scores every token, the student learns.
+
+    torchrun --nproc-per-node N [--nnodes M ...] -m megatron_opd.train --config FILE.yaml [key=value ...]
+    python -m megatron_opd.train --help        # every config key with its default and what it does
+
+Each step: take the next prompts, let the scheduler produce scored rollouts (rollout back end, then teacher back
+end), turn the teacher's scores into a vocab-parallel divergence on the student's response tokens, and apply one
+optimizer step. ``loss.kind=sft`` trains on the records' responses instead (no rollout, no teacher).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_opd import quiet
+from megatron_opd.checkpoint.mcore_io import chunks_sharded_state_dict
+from megatron_opd.config import parse_args, to_dict
+from megatron_opd.data.prompts import PromptEncoder, load_prompts
+from megatron_opd.data.stream import PromptItem, PromptStream
+from megatron_opd.distributed import destroy_distributed, initialize_distributed
+from megatron_opd.trainer.batch import pack_sft
+from megatron_opd.trainer.checkpointing import (
+    CheckpointManager,
+    PreemptionGuard,
+    fault_point,
+    set_rng_state,
+    sharded_rng_state,
+)
+from megatron_opd.trainer.config import TrainConfig
+from megatron_opd.trainer.evaluation import EvalSet, Evaluator
+from megatron_opd.trainer.metrics import MetricsLogger
+from megatron_opd.trainer.objective import global_count, train_step
+from megatron_opd.trainer.setup import (
+    build_rollout,
+    build_student,
+    build_teacher,
+    load_vocabulary,
+    max_seq_len,
+    sampling_params,
+)
+from megatron_opd.trainer.student import NonFiniteLossError, Student
+from megatron_opd.trainer.weights import import_function, reward_weights, teacher_confidence_weights
+
+logger = logging.getLogger("megatron_opd.train")
+
+
+def training_state(student: Student, data: PromptStream, step: int, cfg: TrainConfig, loading: bool) -> dict:
+    """Everything a resume needs, as one dist_checkpointing state dict."""
+    state = chunks_sharded_state_dict(student.chunks)
+    state["optimizer"] = student.optimizer.sharded_state_dict(state, is_loading=loading)
+    state["opt_param_scheduler"] = student.scheduler.state_dict()
+    state["rng_state"] = sharded_rng_state()
+    state["trainer"] = {"step": step, "data": data.state_dict(), "config": to_dict(cfg)}
+    return state
+
+
+def resume(ckpt: CheckpointManager, student: Student, data: PromptStream, cfg: TrainConfig) -> int:
+    """Load the latest checkpoint into the student, optimizer, schedule, RNG and data stream; its step (0: fresh)."""
+    path = ckpt.latest() if cfg.checkpoint.resume else None
+    if path is None:
+        return 0
+    state = ckpt.load(path, training_state(student, data, 0, cfg, loading=True))
+    for i, chunk in enumerate(student.chunks):
+        chunk.load_state_dict(state["model" if len(student.chunks) == 1 else f"model{i}"])
+    student.optimizer.load_state_dict(state["optimizer"])
+    student.scheduler.load_state_dict(state["opt_param_scheduler"])
+    set_rng_state(state["rng_state"])
+    data.load_state_dict(state["trainer"]["data"])
+    logger.info("resumed from %s (step %d)", path, state["trainer"]["step"])
+    return int(state["trainer"]["step"])
+
+
+def build_data(cfg: TrainConfig, encoder: PromptEncoder, files: list[str], key: str, max_prompt_len: int, batch: int):
+    from megatron.core import parallel_state as ps
+
+    records, prompt_ids = load_prompts(files, encoder, key)
+    return PromptStream(
+        prompt_ids,
+        records,
+        seed=cfg.seed,
+        shuffle=cfg.data.shuffle,
+        global_batch=batch,
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        max_prompt_len=max_prompt_len,
+        key=key,
+    )
+
+
+def train(cfg: TrainConfig) -> dict[str, float]:
+    """Run ``cfg`` to ``train.steps`` (resuming from ``checkpoint.dir``); returns the last eval metrics."""
+    cfg.validate()
+    accel = initialize_distributed(cfg.parallel, None if cfg.device == "auto" else cfg.device, seed=cfg.seed)
+    from megatron.core import parallel_state as ps
+
+    rank, sft = dist.get_rank(), cfg.loss.kind == "sft"
+    ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep_last)
+    ckpt.acquire_lock()
+
+    # ---- the pieces: vocabulary, models, back ends, data -------------------------------------------------------
+    vocab = load_vocabulary(cfg)
+    student = build_student(cfg, accel)
+    teacher = build_teacher(cfg, accel, vocab.vocab_size, student)
+    rollout = build_rollout(cfg, student, vocab)
+    seq_len = max_seq_len(cfg)
+    encoder = PromptEncoder(vocab.tokenizer, cfg.data.prompt_key, cfg.data.messages_key, cfg.data.response_key)
+    prompt_room = seq_len - 1 if sft else seq_len - cfg.rollout.max_new_tokens
+    data = build_data(cfg, encoder, cfg.data.train_files, "data.train_files", prompt_room, cfg.train.prompts_per_step)
+    if not sft:
+        from megatron_opd.scheduler import build_scheduler
+
+        scheduler = build_scheduler(
+            cfg.scheduler.mode,
+            rollout,
+            teacher,
+            sampling=sampling_params(cfg, vocab),
+            n=cfg.rollout.n,
+            pad_token_id=vocab.pad_token_id,
+            max_len=seq_len,
+        )
+    evaluator = None
+    if cfg.data.eval_files:
+        records, prompt_ids = load_prompts(cfg.data.eval_files, encoder, "data.eval_files")
+        usable = [
+            PromptItem(i, ids, rec) for i, (ids, rec) in enumerate(zip(prompt_ids, records)) if len(ids) <= prompt_room
+        ]
+        items = usable[: cfg.eval.max_prompts]
+        mine = items[ps.get_data_parallel_rank() :: ps.get_data_parallel_world_size()]
+        teacher_sampler = None
+        if teacher is not None:
+            from megatron_opd.rollout.builtin import BuiltinSampler
+
+            teacher_sampler = BuiltinSampler(
+                teacher.chunks, vocab_size=vocab.vocab_size, max_seq_len=seq_len, pad_token_id=vocab.pad_token_id
+            )
+        evaluator = Evaluator(
+            cfg,
+            EvalSet(mine, [encoder.prompt_text(it.record) for it in mine]),
+            student_chunks=student.chunks,
+            rollout=rollout,
+            teacher=teacher,
+            teacher_sampler=teacher_sampler,
+            tokenizer=vocab.tokenizer,
+            vocab_size=vocab.vocab_size,
+            pad_token_id=vocab.pad_token_id,
+            stop_token_ids=vocab.stop_token_ids,
+            max_len=seq_len,
+            scorer=import_function(cfg.eval.scorer, "eval.scorer") if cfg.eval.scorer else None,
+        )
+    reward_fn = import_function(cfg.loss.reward_fn, "loss.reward_fn") if cfg.loss.weighting == "reward" else None
+
+    start_step = resume(ckpt, student, data, cfg)
+    rollout.sync_weights(start_step)
+    metrics = MetricsLogger(
+        cfg.logging,
+        cfg.output_dir,
+        rank=rank,
+        total_steps=cfg.train.steps,
+        start_step=start_step,
+        run_config=to_dict(cfg),
+    )
+    guard = PreemptionGuard()
+    dp_size = ps.get_data_parallel_world_size()
+    last_eval: dict[str, float] = {}
+    if evaluator is not None and start_step == 0:
+        last_eval = evaluator.run()
+        metrics.log(0, last_eval, advance=False)
+        metrics.write("eval before training: " + _fmt(last_eval))
+
+    # ---- the loop ----------------------------------------------------------------------------------------------
+    step, saved_step = start_step, start_step
+    while step < cfg.train.steps:
+        t_start = time.perf_counter()
+        items = data.next_batch()
+        scores, timings = None, {}
+        if sft:
+            responses = [encoder.response_ids(it.record, where=f"record {it.index}") for it in items]
+            batch = pack_sft(
+                [it.prompt_ids for it in items], responses, pad_token_id=vocab.pad_token_id, max_len=seq_len
+            )
+            staleness, response_tokens = 0, sum(len(r) for r in responses)
+        else:
+            seed = cfg.seed * 1_000_003 + step * dp_size + ps.get_data_parallel_rank()
+            scored = scheduler.next_batch([it.prompt_ids for it in items], policy_version=step, seed=seed)
+            batch, scores, timings = scored.batch, scored.scores, dict(scored.timings)
+            staleness, response_tokens = scored.staleness, sum(scored.rollouts.response_lengths)
+            if cfg.loss.weighting == "reward":
+                rewards = [
+                    reward_fn(
+                        encoder.prompt_text(items[g].record),
+                        vocab.tokenizer.decode(r.tolist(), skip_special_tokens=True),
+                        items[g].record,
+                    )
+                    for g, r in zip(scored.rollouts.prompt_index, scored.rollouts.response_ids)
+                ]
+                batch.seq_weights = reward_weights(cfg.loss, torch.tensor(rewards), scored.rollouts.prompt_index)
+            elif cfg.loss.weighting == "teacher_confidence" and scores.requested_logprobs is not None:
+                batch.seq_weights = teacher_confidence_weights(
+                    scores.requested_logprobs[..., 0],
+                    batch.loss_mask,
+                    scored.rollouts.prompt_index,
+                    cfg.loss.weight_temperature,
+                )
+
+        t_update = time.perf_counter()
+        try:
+            result = train_step(
+                student,
+                batch,
+                scores,
+                cfg.loss,
+                vocab_size=vocab.vocab_size,
+                teacher_temperature=cfg.teacher.temperature,
+                micro_batch_size=cfg.train.micro_batch_size,
+            )
+        except NonFiniteLossError as err:
+            raise NonFiniteLossError(
+                f"step {step + 1}: {err}; stopped without applying the update. The last checkpoint "
+                f"({ckpt.latest() or 'none'}) is kept; lower optim.lr or check the data and the teacher"
+            ) from None
+        step += 1
+        rollout.sync_weights(step)  # policy version = optimizer steps applied
+        timings["update"] = time.perf_counter() - t_update
+        elapsed = time.perf_counter() - t_start
+        s = result.stats
+        total_response_tokens = global_count(torch.tensor([float(response_tokens)]), "sum")
+        row = {
+            "loss": s.loss,
+            "divergence": s.divergence_sum / max(s.tokens, 1.0),
+            "top1_agreement": s.agree_sum / max(s.tokens, 1.0),
+            "response_length": total_response_tokens / (len(batch.lengths) * dp_size),
+            "tokens_per_s": total_response_tokens / elapsed,
+            "grad_norm": result.grad_norm,
+            "lr": result.lr,
+            "staleness": float(staleness),
+            **{f"time/{k}": v for k, v in timings.items()},
+        }
+        metrics.log(step, row)
+
+        stop = guard.should_stop()
+        if step == cfg.train.steps or stop or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+            ckpt.save(step, training_state(student, data, step, cfg, loading=False), {"config": to_dict(cfg)})
+            saved_step = step
+        if evaluator is not None and (step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0)):
+            last_eval = evaluator.run()
+            metrics.log(step, last_eval, advance=False)
+            metrics.write(f"eval after step {step}: " + _fmt(last_eval))
+        fault_point("kill_after_step", step)
+        if stop:
+            metrics.write(f"SIGTERM: saved step {step}; resume by starting the same command again")
+            break
+
+    metrics.close()
+    guard.restore()
+    if cfg.export_hf and step == cfg.train.steps and saved_step == step:
+        export_student(cfg, ckpt.dir / f"step_{step:08d}")
+    ckpt.release_lock()
+    destroy_distributed()
+    return last_eval
+
+
+def export_student(cfg: TrainConfig, ckpt_dir: Path) -> None:
+    """Write the final student as a Hugging Face folder ``output_dir/hf`` with the converter's library."""
+    from megatron_opd.checkpoint.workers import run_in_fresh_process
+    from megatron_opd.models.source import config_dir
+
+    if dist.get_rank() == 0:
+        out = Path(cfg.output_dir) / "hf"
+        # A fresh process: the converter forms its own process group and must not disturb this job's.
+        run_in_fresh_process(_export, str(ckpt_dir), str(out), str(config_dir(cfg.student.path)))
+        logger.info("exported the student to %s", out)
+    dist.barrier()
+
+
+def _export(ckpt_dir: str, out: str, hf_config_dir: str) -> None:
+    from megatron_opd.checkpoint import convert_mcore_to_hf
+
+    quiet.install(rank=0, level=logging.WARNING)
+
+    convert_mcore_to_hf(ckpt_dir, out, hf_config_dir=hf_config_dir, force=True)
+
+
+def _fmt(metrics: dict[str, float]) -> str:
+    return ", ".join(f"{k.split('/')[-1]} {v:.4f}" for k, v in metrics.items())
+
+
+def main(argv: list[str] | None = None) -> None:
+    quiet.install()
+    cfg = parse_args(TrainConfig, argv, description=__doc__.split("\n\n")[0])
+    train(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,285 @@
+"""The distillation trainer's configuration: one dataclass per section, every field with a default and a doc line.
+
+``python -m megatron_opd.train --help`` prints every key. Values come from ``--config FILE.yaml`` and then
+``section.key=value`` overrides; unknown keys are errors naming the valid ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megatron_opd.distributed.parallel import ParallelConfig
+from megatron_opd.models.builder import ModelBuildConfig
+
+
+@dataclass
+class StudentConfig:
+    """The model being trained."""
+
+    path: str = ""
+    """Hugging Face folder (config.json + safetensors) or a dist_ckpt folder written by tools/checkpoint."""
+    tokenizer: str | None = None
+    """Folder with the tokenizer files; default: ``path`` (or ``path/hf_config`` for a dist_ckpt)."""
+
+
+@dataclass
+class TeacherConfig:
+    """The frozen model that scores the student's samples."""
+
+    path: str = ""
+    """Hugging Face or dist_ckpt folder of the teacher (not needed with ``loss.kind=sft``)."""
+    backend: Literal["inprocess"] = "inprocess"
+    """``inprocess``: a frozen GPTModel in this job, same parallel layout as the student."""
+    temperature: float = 1.0
+    """The teacher's logits are divided by this before its log-probabilities or top-k are taken."""
+    offload: bool = False
+    """Two-phase memory mode: the teacher scores the whole step, its scores are cached in host memory and its
+    weights leave the accelerator while the student trains (a no-op on CPU)."""
+    tokenizer: str | None = None
+    """Folder with the teacher's tokenizer files (for the vocabulary check); default as for the student."""
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"teacher.temperature must be > 0, got {self.temperature}")
+
+
+@dataclass
+class DataConfig:
+    """Prompts: JSONL or Parquet records with ``prompt`` (text) or ``messages`` (chat)."""
+
+    train_files: list[str] | str = field(default_factory=list)
+    """One path or a list of paths (.jsonl, .json lines, .parquet)."""
+    eval_files: list[str] | str = field(default_factory=list)
+    """Held-out prompts for periodic evaluation (optional)."""
+    prompt_key: str = "prompt"
+    """Record field holding the prompt text."""
+    messages_key: str = "messages"
+    """Record field holding a chat (list of {role, content}); rendered with the tokenizer's chat template."""
+    answer_key: str = "answer"
+    """Record field with the reference answer (evaluation scorers receive the whole record)."""
+    response_key: str = "response"
+    """Record field with the target response (``loss.kind=sft``)."""
+    shuffle: bool = True
+    """Shuffle the prompts every epoch (deterministically from ``seed`` and the epoch)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.train_files, str):
+            self.train_files = [self.train_files] if self.train_files else []
+        if isinstance(self.eval_files, str):
+            self.eval_files = [self.eval_files] if self.eval_files else []
+
+
+@dataclass
+class RolloutConfig:
+    """How the student samples its responses."""
+
+    backend: Literal["builtin"] = "builtin"
+    """``builtin``: the tensor-parallel sampler on the student's own GPTModel (KV cache, no vocabulary gather)."""
+    n: int = 1
+    """Samples per prompt."""
+    max_new_tokens: int = 64
+    """Longest response."""
+    temperature: float = 1.0
+    """Sampling temperature (0: greedy)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0: off)."""
+    top_k: int = 0
+    """Sample among the k most probable tokens (0: off)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra stop ids, beside the tokenizer's EOS and every EOS id of generation_config.json."""
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"rollout.n must be >= 1, got {self.n}")
+
+
+@dataclass
+class TrainLoopConfig:
+    """Steps and batch sizes."""
+
+    steps: int = 100
+    """Optimizer steps to run (a resumed run continues up to this many)."""
+    prompts_per_step: int = 8
+    """Prompts per optimizer step, over all data-parallel ranks (each sampled ``rollout.n`` times)."""
+    micro_batch_size: int = 8
+    """Sequences (prompts x rollout.n) per forward/backward micro-batch on one data-parallel rank."""
+    max_seq_len: int | None = None
+    """Longest prompt + response; default: the student's max_position_embeddings. Longer prompts are skipped."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "prompts_per_step", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class OptimConfig:
+    """Megatron-Core optimizer and learning-rate schedule."""
+
+    lr: float = 1e-5
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up steps from 0 to ``lr``."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay from ``lr`` to ``min_lr`` over the steps after warm-up."""
+    weight_decay: float = 0.0
+    """Decoupled (AdamW) weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this (0: no clipping)."""
+    bf16: bool | None = None
+    """bf16 parameters with fp32 main parameters; None: on when the accelerator is a GPU/NPU, off on CPU."""
+    use_distributed_optimizer: bool | None = None
+    """Shard optimizer state over data-parallel ranks; None: on with bf16 on GPU/NPU, off on CPU."""
+
+
+@dataclass
+class LossConfig:
+    """The per-token objective."""
+
+    kind: Literal["forward_kl", "reverse_kl", "jsd", "sft"] = "reverse_kl"
+    """Divergence to the teacher, or ``sft``: cross-entropy on the records' ``response`` (no rollout, no teacher)."""
+    beta: float = 0.5
+    """Teacher weight in the JSD mixture (0: forward KL, 1: reverse KL limits)."""
+    mode: Literal["dense", "topk"] = "dense"
+    """``dense``: full teacher logit shards (colocated teacher); ``topk``: the teacher's top-k ids + log-probs."""
+    topk: int = 64
+    """k for ``mode=topk``."""
+    tail: Literal["bucket", "renorm", "ignore"] = "bucket"
+    """Mass outside the teacher's top-k: one bucket (exact), renormalised away, or ignored (verl)."""
+    reduction: Literal["token_mean", "sequence_mean", "sum"] = "token_mean"
+    """How per-token losses become the step's loss (over the whole global batch)."""
+    student_temperature: float = 1.0
+    """The student's logits are divided by this inside the loss."""
+    chunk_size: int | None = None
+    """Tokens per loss chunk (memory bound); None: automatic."""
+    weighting: Literal["none", "reward", "teacher_confidence"] = "none"
+    """Per-sequence weights: none, reward-weighted distillation, or TCAD teacher-confidence weights."""
+    reward_fn: str | None = None
+    """``module:function`` scoring (prompt, response, record) -> float, for ``weighting=reward``."""
+    reward_transform: Literal["identity", "exp", "group_softmax"] = "group_softmax"
+    """Reward -> weight: r itself, exp(r / T), or n * softmax(r / T) over the samples of each prompt."""
+    weight_temperature: float = 1.0
+    """T of the reward transform and of the teacher-confidence softmax."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.beta <= 1.0:
+            raise ValueError(f"loss.beta must be in [0, 1], got {self.beta}")
+        if self.topk < 1:
+            raise ValueError(f"loss.topk must be >= 1, got {self.topk}")
+        if self.weighting == "reward" and not self.reward_fn:
+            raise ValueError("loss.weighting=reward needs loss.reward_fn=module:function")
+        if not self.weight_temperature > 0:
+            raise ValueError(f"loss.weight_temperature must be > 0, got {self.weight_temperature}")
+
+
+@dataclass
+class SchedulerConfig:
+    """How rollout, teacher scoring and updates are ordered."""
+
+    mode: Literal["zero_step_off"] = "zero_step_off"
+    """``zero_step_off``: rollout -> teacher -> update in sequence (on-policy)."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Resumable training checkpoints (Megatron dist_checkpointing)."""
+
+    dir: str | None = None
+    """Folder of ``step_N`` checkpoints and the ``latest`` pointer; default ``output_dir/checkpoints``. A run
+    started on a folder with checkpoints resumes from the latest."""
+    every: int = 0
+    """Save every this many steps (0: only at the end and on SIGTERM)."""
+    keep_last: int = 2
+    """Checkpoints kept; older ones are deleted after a successful save."""
+    resume: bool = True
+    """Resume from ``dir``'s latest checkpoint when there is one."""
+
+
+@dataclass
+class EvalConfig:
+    """Periodic evaluation on ``data.eval_files``."""
+
+    every: int = 0
+    """Evaluate every this many steps (0: only before the first and after the last step)."""
+    max_prompts: int = 64
+    """Evaluate on at most this many eval prompts."""
+    temperature: float = 0.0
+    """Sampling temperature of the evaluation rollouts (0: greedy)."""
+    scorer: str | None = None
+    """``module:function`` scoring (prompt, response, record) -> float in [0, 1]; its mean is the accuracy."""
+    teacher_responses: bool = True
+    """Also measure the divergence on a fixed set of teacher-generated (greedy) responses."""
+
+
+@dataclass
+class LoggingConfig:
+    """Console, TensorBoard and W&B metrics."""
+
+    log_every: int = 1
+    """Print a metrics line every this many steps."""
+    tensorboard: bool = True
+    """Write TensorBoard events to ``output_dir/tensorboard``."""
+    wandb_project: str | None = None
+    """Also log to this W&B project (needs ``pip install wandb``)."""
+    progress_bar: bool = True
+    """tqdm progress bar on rank 0."""
+
+
+@dataclass
+class TrainConfig:
+    """On-policy distillation: the student samples, the teacher scores every token, the student learns."""
+
+    student: StudentConfig = field(default_factory=StudentConfig)
+    """The model being trained."""
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """The frozen scorer."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt files."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Sampling."""
+    train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
+    """Steps and batch sizes."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and schedule."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """Objective."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """Ordering of rollout, teacher and update."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Saving and resuming."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics output."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Layout of the student (and of the in-process teacher)."""
+    build: ModelBuildConfig = field(default_factory=ModelBuildConfig)
+    """Model builder options."""
+    output_dir: str = "runs/opd"
+    """Metrics, checkpoints (by default) and the final Hugging Face export (``output_dir/hf``)."""
+    seed: int = 1234
+    """Seeds initialisation, data order and sampling."""
+    device: Literal["auto", "cuda", "npu", "cpu"] = "auto"
+    """Accelerator (auto: CUDA, then Ascend NPU, then CPU with gloo)."""
+    export_hf: bool = True
+    """Export the final student to ``output_dir/hf`` (loadable by transformers and vLLM)."""
+
+    def validate(self) -> None:
+        """Checks that need the whole config (run by the entry point, after overrides); fills derived defaults."""
+        if self.checkpoint.dir is None:
+            self.checkpoint.dir = f"{self.output_dir.rstrip('/')}/checkpoints"
+        if not self.student.path:
+            raise ValueError("student.path is required: a Hugging Face or dist_ckpt folder of the student")
+        if self.loss.kind != "sft" and not self.teacher.path:
+            raise ValueError("teacher.path is required for distillation (loss.kind != sft)")
+        if not self.data.train_files:
+            raise ValueError("data.train_files is required: one path or a list of JSONL/Parquet files")

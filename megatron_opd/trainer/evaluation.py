@@ -1,0 +1,166 @@
+"""Held-out evaluation: task accuracy and the per-token divergence to the teacher.
+
+Two divergences are measured with the configured kind (``loss.kind``; forward KL for ``sft``):
+- on the student's own (greedy by default) samples of the eval prompts: what on-policy distillation minimises;
+- on a fixed set of teacher-generated greedy responses (made once): comparable across checkpoints and runs.
+Accuracy is the mean of ``eval.scorer(prompt, response, record)`` over the eval prompts, where configured.
+
+Eval prompts are split over data-parallel ranks; sums are added over the world (each data-parallel replica
+counts once: only its first tensor-parallel rank of the last pipeline stage contributes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_opd.data.stream import PromptItem
+from megatron_opd.distributed.device import collective_device
+from megatron_opd.interfaces import RolloutBackend, SamplingParams
+from megatron_opd.losses import dense_divergence, topk_divergence
+from megatron_opd.models.pipeline import forward_backward
+from megatron_opd.trainer.batch import TrainBatch, pack_rollouts
+from megatron_opd.trainer.config import TrainConfig
+
+
+@dataclass
+class EvalSet:
+    """The eval prompts of this data-parallel rank."""
+
+    items: list[PromptItem]
+    prompt_texts: list[str]
+
+
+def _reporting_rank() -> bool:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_last_stage(ignore_virtual=True)
+
+
+def _all_reduce(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=collective_device())
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.cpu().tolist()
+
+
+class Evaluator:
+    """Measures the student on ``data.eval_files``; a collective (every rank calls ``run``)."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        eval_set: EvalSet,
+        *,
+        student_chunks: list,
+        rollout: RolloutBackend,
+        teacher,
+        teacher_sampler: RolloutBackend | None,
+        tokenizer,
+        vocab_size: int,
+        pad_token_id: int,
+        stop_token_ids: tuple[int, ...],
+        max_len: int,
+        scorer=None,
+    ) -> None:
+        self.cfg = cfg
+        self.eval_set = eval_set
+        self.student_chunks = student_chunks
+        self.rollout = rollout
+        self.teacher = teacher
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.pad_token_id = pad_token_id
+        self.max_len = max_len
+        self.scorer = scorer
+        self.kind = "forward_kl" if cfg.loss.kind == "sft" else cfg.loss.kind
+        self.sampling = SamplingParams(
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            temperature=cfg.eval.temperature,
+            stop_token_ids=stop_token_ids,
+            seed=cfg.seed + 999_983,
+        )
+        self.teacher_batch: TrainBatch | None = None
+        if teacher is not None and teacher_sampler is not None and cfg.eval.teacher_responses:
+            greedy = SamplingParams(**{**self.sampling.__dict__, "temperature": 0.0})
+            prompts = [item.prompt_ids for item in eval_set.items]
+            rollouts = teacher_sampler.generate(prompts, greedy, 1).result()
+            self.teacher_batch = pack_rollouts(rollouts, pad_token_id=pad_token_id, max_len=max_len)
+
+    @torch.no_grad()
+    def _divergence_sums(self, batch: TrainBatch) -> tuple[float, float]:
+        """Sum of per-token divergences over response tokens, and their count (on the reporting rank)."""
+        scores = self.teacher.score(batch.tokens).result()
+        mbs = batch.num_samples
+        extra = {}
+        if scores.topk_ids is not None:
+            extra = {"teacher_topk_ids": scores.topk_ids, "teacher_topk_logprobs": scores.topk_logprobs}
+        elif scores.dense_logits is not None:
+            extra = {"teacher_logits": scores.dense_logits}
+        cfg = self.cfg
+
+        def measure(logits_BSV: torch.Tensor, mb: dict):
+            if "teacher_topk_ids" in mb:
+                d = topk_divergence(
+                    logits_BSV,
+                    mb["teacher_topk_ids"],
+                    mb["teacher_topk_logprobs"],
+                    self.kind,
+                    beta=cfg.loss.beta,
+                    tail=cfg.loss.tail,
+                    vocab_size=self.vocab_size,
+                    validate=False,
+                )
+            else:
+                d = dense_divergence(
+                    logits_BSV,
+                    mb["teacher_logits"],
+                    self.kind,
+                    beta=cfg.loss.beta,
+                    teacher_temperature=cfg.teacher.temperature,
+                    vocab_size=self.vocab_size,
+                )
+            mask = mb["loss_mask"] != 0
+            return logits_BSV.new_zeros(()), (float(torch.where(mask, d, 0.0).sum()), float(mask.sum()))
+
+        outputs = forward_backward(self.student_chunks, batch.micro_batches(mbs, extra), measure, forward_only=True)
+        return (sum(o[0] for o in outputs), sum(o[1] for o in outputs)) if outputs else (0.0, 0.0)
+
+    def run(self) -> dict[str, float]:
+        """Evaluate now; returns the metrics on every rank."""
+        items = self.eval_set.items
+        prompts = [item.prompt_ids for item in items]
+        rollouts = self.rollout.generate(prompts, self.sampling, 1).result() if prompts else None
+        correct = 0.0
+        if self.scorer is not None and rollouts is not None:
+            for i, item in enumerate(items):
+                response = self.tokenizer.decode(rollouts.response_ids[i].tolist(), skip_special_tokens=True)
+                correct += float(self.scorer(self.eval_set.prompt_texts[i], response, item.record))
+        own = teacher_fixed = (0.0, 0.0)
+        if self.teacher is not None and rollouts is not None:
+            own = self._divergence_sums(pack_rollouts(rollouts, pad_token_id=self.pad_token_id, max_len=self.max_len))
+            if self.teacher_batch is not None:
+                teacher_fixed = self._divergence_sums(self.teacher_batch)
+        length = float(sum(rollouts.response_lengths)) if rollouts is not None else 0.0
+        mine = 1.0 if _reporting_rank() else 0.0
+        sums = _all_reduce(
+            [
+                correct * mine,
+                len(items) * mine,
+                own[0] * mine,
+                own[1] * mine,
+                teacher_fixed[0] * mine,
+                teacher_fixed[1] * mine,
+                length * mine,
+            ]
+        )
+        out = {"eval/response_length": sums[6] / max(sums[1], 1.0)}
+        if self.scorer is not None:
+            out["eval/accuracy"] = sums[0] / max(sums[1], 1.0)
+        if self.teacher is not None:
+            out["eval/divergence_own_samples"] = sums[2] / max(sums[3], 1.0)
+            if self.teacher_batch is not None:
+                out["eval/divergence_teacher_samples"] = sums[4] / max(sums[5], 1.0)
+        return out

@@ -1,0 +1,176 @@
+"""The per-micro-batch loss: a vocab-parallel divergence to the teacher (or SFT cross-entropy) on response tokens.
+
+Runs on the last pipeline stage with this rank's ``[b, S, V/TP]`` student logits. The loss of a micro-batch is
+scaled so that, after Megatron's schedule divides by the number of micro-batches and DDP averages over
+data-parallel ranks, the gradient is exactly that of the reduction over the whole global batch (the
+denominator is counted over all data-parallel ranks before the step).
+
+The logits are the output layer's and are not needed after the loss, so the divergences write their gradient
+into them in place (``inplace_backward``): the fast path, with no extra ``[tokens, V/TP]`` buffer.
+
+Shape legend: ``B`` samples in the micro-batch, ``S`` positions, ``V`` vocab shard, ``K`` teacher top-k.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from megatron_opd.losses import dense_divergence, reduce_loss, topk_divergence
+from megatron_opd.losses.shard_ops import global_argmax
+from megatron_opd.losses.vocab_parallel import make_vocab_shard
+from megatron_opd.trainer.config import LossConfig
+
+
+@dataclass
+class StepStats:
+    """Sums over one micro-batch's trained tokens (added over micro-batches and data-parallel ranks)."""
+
+    loss: float = 0.0
+    """The micro-batch's share of the global loss (already divided by the global denominator)."""
+    divergence_sum: float = 0.0
+    """Unweighted per-token divergence (or cross-entropy) summed over trained tokens."""
+    agree_sum: float = 0.0
+    """Trained tokens where the student's top-1 equals the teacher's (SFT: the target token)."""
+    tokens: float = 0.0
+    """Trained tokens."""
+    nonfinite: float = 0.0
+    """1 when the loss is NaN or infinite."""
+
+    def as_tensor(self) -> torch.Tensor:
+        return torch.tensor([self.loss, self.divergence_sum, self.agree_sum, self.tokens, self.nonfinite])
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> StepStats:
+        return cls(*[float(x) for x in t.tolist()])
+
+
+def sft_per_token(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Cross-entropy of the next token with Megatron's vocab-parallel cross entropy, padding columns excluded."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    shard = make_vocab_shard(logits_BSV.shape[-1], None, vocab_size)
+    logits = logits_BSV.float()
+    if shard.valid_width < logits.shape[-1]:
+        logits = logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) >= shard.valid_width, -1e30)
+    return vocab_parallel_cross_entropy(logits, labels_BS)
+
+
+def make_loss_fn(
+    cfg: LossConfig,
+    *,
+    vocab_size: int,
+    teacher_temperature: float,
+    normalizer: float,
+    scale: float,
+) -> Callable[[torch.Tensor, dict], tuple[torch.Tensor, StepStats]]:
+    """The loss function Megatron's schedule calls with (logits, micro-batch) on the last pipeline stage.
+
+    ``normalizer``: the global denominator of ``cfg.reduction`` (trained tokens or sequences over the global
+    batch; unused for ``sum``). ``scale``: micro-batches x data-parallel size (undone by the schedule and DDP).
+    """
+
+    def loss_fn(logits_BSV: torch.Tensor, mb: dict) -> tuple[torch.Tensor, StepStats]:
+        mask_BS = mb["loss_mask"]
+        shard = make_vocab_shard(logits_BSV.shape[-1], None, vocab_size)
+        with torch.no_grad():
+            student_top1_BS = global_argmax(logits_BSV.detach(), shard)
+        if cfg.kind == "sft":
+            target_top1_BS = mb["labels"]
+            per_token_BS = sft_per_token(logits_BSV, mb["labels"], vocab_size)
+        elif "teacher_topk_ids" in mb:
+            target_top1_BS = mb["teacher_topk_ids"][..., 0]
+            per_token_BS = topk_divergence(
+                logits_BSV,
+                mb["teacher_topk_ids"],
+                mb["teacher_topk_logprobs"],
+                cfg.kind,
+                beta=cfg.beta,
+                tail=cfg.tail,
+                student_temperature=cfg.student_temperature,
+                chunk_size=cfg.chunk_size,
+                vocab_size=vocab_size,
+                validate=False,  # the in-process teacher's top-k is valid by construction
+                inplace_backward=True,
+            )
+        else:
+            teacher_BSV = mb["teacher_logits"]
+            with torch.no_grad():
+                target_top1_BS = global_argmax(teacher_BSV, shard)
+            per_token_BS = dense_divergence(
+                logits_BSV,
+                teacher_BSV,
+                cfg.kind,
+                beta=cfg.beta,
+                student_temperature=cfg.student_temperature,
+                teacher_temperature=teacher_temperature,
+                chunk_size=cfg.chunk_size,
+                vocab_size=vocab_size,
+                inplace_backward=True,
+            )
+        weighted_BS = per_token_BS * mb["seq_weights"][:, None].to(per_token_BS.dtype)
+        if cfg.reduction == "sum":
+            loss = reduce_loss(weighted_BS, mask_BS, "sum")
+        else:
+            loss = reduce_loss(weighted_BS, mask_BS, cfg.reduction, normalizer=normalizer)
+        with torch.no_grad():
+            valid_BS = mask_BS != 0
+            stats = StepStats(
+                loss=float(loss),
+                divergence_sum=float(torch.where(valid_BS, per_token_BS.detach(), 0.0).sum()),
+                agree_sum=float(((student_top1_BS == target_top1_BS) & valid_BS).sum()),
+                tokens=float(valid_BS.sum()),
+                nonfinite=float(not torch.isfinite(loss)),
+            )
+        return loss * scale, stats
+
+    return loss_fn
+
+
+def teacher_columns(scores) -> dict[str, torch.Tensor]:
+    """The micro-batch columns holding the teacher's scores (none on ranks without a loss)."""
+    if scores.topk_ids is not None:
+        return {"teacher_topk_ids": scores.topk_ids, "teacher_topk_logprobs": scores.topk_logprobs}
+    if scores.dense_logits is not None:
+        return {"teacher_logits": scores.dense_logits}
+    return {}
+
+
+def global_count(mask: torch.Tensor, reduction: str) -> float:
+    """The reduction's denominator over the global batch: trained tokens (``token_mean``), sequences with a
+    trained token (``sequence_mean``) or the plain sum of ``mask`` (``sum``); a collective over data-parallel
+    ranks."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_opd.distributed.device import collective_device
+
+    if reduction == "sequence_mean":
+        local = (mask != 0).any(dim=-1).sum().double()
+    elif reduction == "sum":
+        local = mask.double().sum()
+    else:
+        local = (mask != 0).sum().double()
+    t = local.reshape(1).to(collective_device())
+    if ps.get_data_parallel_world_size() > 1:
+        dist.all_reduce(t, group=ps.get_data_parallel_group())
+    return float(t.item())
+
+
+def train_step(
+    student, batch, scores, cfg: LossConfig, *, vocab_size: int, teacher_temperature: float, micro_batch_size: int
+):
+    """One optimizer step of ``student`` on ``batch`` (and the teacher's ``scores``; None for SFT)."""
+    from megatron.core import parallel_state as ps
+
+    micro_batches = batch.micro_batches(micro_batch_size, teacher_columns(scores) if scores is not None else {})
+    loss_fn = make_loss_fn(
+        cfg,
+        vocab_size=vocab_size,
+        teacher_temperature=teacher_temperature,
+        normalizer=global_count(batch.loss_mask, cfg.reduction),
+        scale=len(micro_batches) * ps.get_data_parallel_world_size(),
+    )
+    return student.step(micro_batches, loss_fn)

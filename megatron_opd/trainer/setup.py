@@ -1,0 +1,149 @@
+"""Build what the training loop calls: tokenizers and the vocabulary check, student, teacher, rollout, data.
+
+Each builder reads its section of the config and returns one object; ``train.py`` wires them together.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatron_opd.distributed.device import Accelerator
+from megatron_opd.interfaces import SamplingParams
+from megatron_opd.models import build_model, validate_layout
+from megatron_opd.models.source import config_dir, load_weights, model_architecture
+from megatron_opd.trainer.config import TrainConfig
+from megatron_opd.trainer.student import Student, precision_plan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Vocabulary:
+    """The student's tokenizer and the facts every path shares (from the one vocabulary check)."""
+
+    tokenizer: object
+    vocab_size: int
+    """Real tokens (ids below it); padded embedding rows are never sampled, scored or trained."""
+    pad_token_id: int
+    stop_token_ids: tuple[int, ...]
+    """The tokenizer's EOS, every EOS id of generation_config.json, and rollout.stop_token_ids."""
+    tokenizer_dir: Path
+
+
+def load_vocabulary(cfg: TrainConfig) -> Vocabulary:
+    """Load the student's (and teacher's) tokenizer and run the one vocabulary check."""
+    from transformers import AutoTokenizer
+
+    from megatron_opd.vocab import check_vocab, eos_token_ids, tokenizer_dir
+
+    student_tok_dir = Path(cfg.student.tokenizer) if cfg.student.tokenizer else tokenizer_dir(cfg.student.path)
+    tokenizer = AutoTokenizer.from_pretrained(student_tok_dir)
+    student_rows = model_architecture(cfg.student.path, "student.path").vocab_size
+    vocab_size = len(tokenizer)
+    if vocab_size > student_rows:
+        raise ValueError(
+            f"student tokenizer ({student_tok_dir}) has {vocab_size} tokens but the student's embedding "
+            f"(student.path={cfg.student.path}) only {student_rows} rows; they do not belong together"
+        )
+    if cfg.loss.kind != "sft":
+        teacher_tok_dir = Path(cfg.teacher.tokenizer) if cfg.teacher.tokenizer else tokenizer_dir(cfg.teacher.path)
+        teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_tok_dir)
+        vocab_size = check_vocab(
+            teacher_tokenizer,
+            tokenizer,
+            teacher_name=f"teacher.path={cfg.teacher.path}",
+            student_name=f"student.path={cfg.student.path}",
+            teacher_embedding_rows=model_architecture(cfg.teacher.path, "teacher.path").vocab_size,
+            student_embedding_rows=student_rows,
+        )
+    stops = set(eos_token_ids(config_dir(cfg.student.path, "student.path"), tokenizer))
+    stops.update(cfg.rollout.stop_token_ids)
+    if not stops:
+        raise ValueError(
+            f"the student's tokenizer ({student_tok_dir}) has no EOS token and rollout.stop_token_ids is empty: "
+            "responses could never end; set rollout.stop_token_ids"
+        )
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
+    return Vocabulary(tokenizer, vocab_size, int(pad), tuple(sorted(stops)), student_tok_dir)
+
+
+def _tp_rank_size() -> tuple[int, int]:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+
+
+def build_student(cfg: TrainConfig, accel: Accelerator) -> Student:
+    """The student's chunks under ``cfg.parallel``, loaded from ``student.path``, with optimizer and schedule."""
+    arch = model_architecture(cfg.student.path, "student.path")
+    validate_layout(arch, cfg.parallel)
+    plan = precision_plan(cfg.optim, accel)
+    cfg.build.dtype = plan.params_dtype
+    chunks = build_model(arch, cfg.parallel, cfg.build, trainable=True)
+    tp_rank, tp_size = _tp_rank_size()
+    load_weights(chunks, arch, cfg.student.path, tp_rank=tp_rank, tp_size=tp_size)
+    return Student(chunks, cfg.optim, plan, cfg.train.steps)
+
+
+def build_teacher(cfg: TrainConfig, accel: Accelerator, vocab_size: int, student: Student):
+    """The teacher back end of ``teacher.backend`` (None for ``loss.kind=sft``)."""
+    if cfg.loss.kind == "sft":
+        return None
+    from megatron_opd.teacher.inprocess import InProcessTeacher
+
+    arch = model_architecture(cfg.teacher.path, "teacher.path")
+    validate_layout(arch, cfg.parallel)
+    chunks = build_model(arch, cfg.parallel, cfg.build, trainable=False)
+    tp_rank, tp_size = _tp_rank_size()
+    load_weights(chunks, arch, cfg.teacher.path, tp_rank=tp_rank, tp_size=tp_size)
+    student_width, teacher_width = student.chunks[-1].vocab_size, chunks[-1].vocab_size
+    if cfg.loss.mode == "dense" and student_width != teacher_width:
+        raise ValueError(
+            f"loss.mode=dense needs the student's and teacher's logit shards to line up, but their padded "
+            f"vocabularies differ ({student_width} vs {teacher_width} columns); use loss.mode=topk"
+        )
+    return InProcessTeacher(
+        chunks,
+        vocab_size=vocab_size,
+        mode=cfg.loss.mode,
+        topk=cfg.loss.topk,
+        temperature=cfg.teacher.temperature,
+        micro_batch_size=cfg.train.micro_batch_size,
+        offload=cfg.teacher.offload,
+        device=accel.device(torch.cuda.current_device() if accel.type == "cuda" else 0),
+    )
+
+
+def max_seq_len(cfg: TrainConfig) -> int:
+    """Longest prompt + response: ``train.max_seq_len`` or the student's context."""
+    context = model_architecture(cfg.student.path, "student.path").max_position_embeddings
+    if cfg.train.max_seq_len is None:
+        return context
+    if cfg.train.max_seq_len > context:
+        raise ValueError(f"train.max_seq_len={cfg.train.max_seq_len} exceeds the student's context of {context}")
+    return cfg.train.max_seq_len
+
+
+def build_rollout(cfg: TrainConfig, student: Student, vocab: Vocabulary):
+    """The rollout back end of ``rollout.backend``."""
+    from megatron_opd.rollout.builtin import BuiltinSampler
+
+    return BuiltinSampler(
+        student.chunks, vocab_size=vocab.vocab_size, max_seq_len=max_seq_len(cfg), pad_token_id=vocab.pad_token_id
+    )
+
+
+def sampling_params(cfg: TrainConfig, vocab: Vocabulary, temperature: float | None = None) -> SamplingParams:
+    """``rollout.*`` as sampling parameters (the seed is set per step by the scheduler)."""
+    return SamplingParams(
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature if temperature is None else temperature,
+        top_p=cfg.rollout.top_p if temperature is None else 1.0,
+        top_k=cfg.rollout.top_k if temperature is None else 0,
+        stop_token_ids=vocab.stop_token_ids,
+        seed=cfg.seed,
+    )

@@ -1,0 +1,179 @@
+"""The trainable student: Megatron DDP chunks, Megatron's optimizer and LR schedule, one optimizer step.
+
+Precision (``precision_plan``): on GPU/NPU the default is bf16 parameters with fp32 main parameters and
+gradients reduced in fp32, with the distributed optimizer (optimizer state sharded over data-parallel ranks).
+On CPU Megatron's distributed optimizer and its fp16/bf16 wrappers cannot run (they require CUDA tensor types),
+so the plain fp32 optimizer is used. Micro-batches go through ``get_forward_backward_func`` (any TP/PP/VP);
+``finalize_model_grads`` reduces gradients over data-parallel ranks and ties embeddings across stages.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_opd.distributed.device import Accelerator, collective_device
+from megatron_opd.models.pipeline import forward_backward
+from megatron_opd.trainer.config import OptimConfig
+from megatron_opd.trainer.objective import StepStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrecisionPlan:
+    """How parameters, gradients and optimizer state are stored."""
+
+    params_dtype: str
+    """Model parameter dtype (``fp32`` or ``bf16``)."""
+    bf16: bool
+    """bf16 parameters with fp32 main parameters in the optimizer."""
+    use_distributed_optimizer: bool
+    """Optimizer state and main parameters sharded over data-parallel ranks."""
+    grad_reduce_in_fp32: bool
+    """Gradients are accumulated and all-reduced in fp32."""
+
+
+def precision_plan(optim: OptimConfig, accel: Accelerator) -> PrecisionPlan:
+    """Resolve ``optim.bf16`` / ``optim.use_distributed_optimizer`` for this accelerator (None = its default)."""
+    on_cpu = accel.type == "cpu"
+    bf16 = (not on_cpu) if optim.bf16 is None else optim.bf16
+    distributed = (bf16 and not on_cpu) if optim.use_distributed_optimizer is None else optim.use_distributed_optimizer
+    if on_cpu and (bf16 or distributed):
+        raise ValueError(
+            "optim.bf16 and optim.use_distributed_optimizer need a GPU or NPU: Megatron-Core's mixed-precision and "
+            "distributed optimizers require CUDA tensors. On CPU leave them unset (fp32, plain optimizer)"
+        )
+    return PrecisionPlan(
+        params_dtype="bf16" if bf16 else "fp32",
+        bf16=bf16,
+        use_distributed_optimizer=distributed,
+        grad_reduce_in_fp32=True,
+    )
+
+
+def megatron_optimizer_config(optim: OptimConfig, plan: PrecisionPlan):
+    """Megatron-Core ``OptimizerConfig`` for ``optim`` under ``plan``."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=optim.lr,
+        min_lr=optim.min_lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2,
+        adam_eps=optim.adam_eps,
+        clip_grad=optim.clip_grad,
+        bf16=plan.bf16,
+        params_dtype=torch.bfloat16 if plan.bf16 else torch.float32,
+        use_distributed_optimizer=plan.use_distributed_optimizer,
+    )
+
+
+def ddp_config(plan: PrecisionPlan):
+    """Megatron-Core ``DistributedDataParallelConfig`` for ``plan``."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=plan.grad_reduce_in_fp32,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=plan.use_distributed_optimizer,
+    )
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step reports (identical on every rank)."""
+
+    stats: StepStats
+    grad_norm: float
+    lr: float
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss of a step was NaN or infinite; the step was not applied."""
+
+
+class Student:
+    """This rank's student chunks wrapped for training, with their optimizer and LR schedule."""
+
+    def __init__(self, chunks: list, optim: OptimConfig, plan: PrecisionPlan, total_steps: int) -> None:
+        from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+        from megatron.core.optimizer import get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        self.chunks = chunks
+        self.model = [
+            DistributedDataParallel(
+                config=chunk.config, ddp_config=ddp_config(plan), module=chunk, disable_bucketing=i > 0
+            )
+            for i, chunk in enumerate(chunks)
+        ]
+        self.optimizer = get_megatron_optimizer(megatron_optimizer_config(optim, plan), self.model)
+        decay_steps = max(1, total_steps - optim.lr_warmup_steps)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0 if optim.lr_warmup_steps else optim.lr,
+            max_lr=optim.lr,
+            min_lr=optim.min_lr if optim.lr_decay_style != "constant" else optim.lr,
+            lr_warmup_steps=optim.lr_warmup_steps,
+            lr_decay_steps=optim.lr_warmup_steps + decay_steps,
+            lr_decay_style=optim.lr_decay_style,
+            start_wd=optim.weight_decay,
+            end_wd=optim.weight_decay,
+            wd_incr_steps=1,
+            wd_incr_style="constant",
+        )
+        config = self.model[0].config
+        config.grad_scale_func = self.optimizer.scale_loss
+        config.finalize_model_grads_func = finalize_model_grads
+        if len(self.model) > 1:
+            config.no_sync_func = [m.no_sync for m in self.model]
+        else:
+            config.no_sync_func = self.model[0].no_sync
+
+    def train(self) -> None:
+        for chunk in self.model:
+            chunk.train()
+
+    def step(
+        self, micro_batches: list[dict], loss_fn: Callable[[torch.Tensor, dict], tuple[torch.Tensor, StepStats]]
+    ) -> StepResult:
+        """Forward and backward every micro-batch, check the loss, then apply one optimizer step."""
+        self.train()
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = forward_backward(self.model, micro_batches, loss_fn)
+        stats = sum_stats(outputs)
+        if stats.nonfinite:
+            raise NonFiniteLossError(f"loss is {stats.loss}")
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:  # only a loss-scaled fp16 optimizer skips steps; bf16/fp32 never do
+            logger.warning("optimizer skipped the step (gradient overflow)")
+        self.scheduler.step(increment=1)
+        lr = self.optimizer.param_groups[0]["lr"]
+        return StepResult(stats=stats, grad_norm=float(grad_norm or 0.0), lr=float(lr))
+
+
+def sum_stats(outputs: list[StepStats]) -> StepStats:
+    """Add the micro-batch stats of the last pipeline stage and share the totals with every rank (a collective).
+
+    Data-parallel ranks' sums add up; pipeline stages without a loss contribute zeros; tensor-parallel ranks
+    hold identical values, so the total is divided by the tensor-parallel size.
+    """
+    from megatron.core import parallel_state as ps
+
+    total = torch.zeros(5, dtype=torch.float64)
+    for stats in outputs:
+        total += stats.as_tensor().to(torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        total = total.to(collective_device())
+        dist.all_reduce(total)
+        total /= ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size()
+    return StepStats.from_tensor(total.cpu())
