@@ -45,10 +45,28 @@ def _env(fault: str | None = None) -> dict[str, str]:
 
 
 def run(overrides: list[str], *, nproc: int = 2, fault: str | None = None, timeout: float = 300):
-    proc = subprocess.run(
-        _command(nproc, overrides), cwd=ROOT, env=_env(fault), capture_output=True, text=True, timeout=timeout
+    """Run the trainer in its own process group; whatever it leaves behind is killed with the group."""
+    proc = subprocess.Popen(
+        _command(nproc, overrides),
+        cwd=ROOT,
+        env=_env(fault),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
-    return proc.returncode, proc.stdout + proc.stderr
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"the trainer did not finish within {timeout} s:\n{out[-3000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return proc.returncode, out
 
 
 def losses(output_dir: Path) -> dict[int, float]:
@@ -89,8 +107,15 @@ def test_resume_after_kill_is_bitwise(pair, tmp_path):
 def test_sigterm_saves_and_resumes(pair, tmp_path):
     out_dir = tmp_path / "preempted"
     overrides = pair.overrides(out_dir, **TP2, **{"train.steps": 200, "export_hf": False})
-    proc = subprocess.Popen(_command(2, overrides), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        _command(2, overrides),
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     metrics = out_dir / "metrics.jsonl"
     deadline = time.monotonic() + 240
     while not (metrics.exists() and len(losses(out_dir)) >= 2):  # wait for training to be under way
@@ -145,7 +170,7 @@ def test_bad_input_is_refused_clearly(case, pair, tmp_path):
         ckpt = out_dir / "checkpoints" / "step_00000002"
         if case == "missing_latest":
             shutil.rmtree(ckpt)
-            expected = "step_00000002' is missing or incomplete"
+            expected = "step_00000002 is missing or incomplete"
         else:
             victim = max(ckpt.glob("*.distcp"), key=lambda p: p.stat().st_size)
             victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
@@ -187,13 +212,39 @@ def test_bad_input_is_refused_clearly(case, pair, tmp_path):
 
 
 def test_help_lists_every_key():
-    proc = subprocess.run([sys.executable, "-m", "megatron_opd.train", "--help"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_opd.train", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
-    keys = ["student.path", "teacher.path", "data.train_files", "data.eval_files", "data.prompt_key", "rollout.n",
-            "rollout.max_new_tokens", "rollout.temperature", "rollout.top_p", "rollout.top_k", "train.steps",
-            "train.prompts_per_step", "train.micro_batch_size", "optim.lr", "loss.kind", "loss.beta", "loss.mode",
-            "loss.topk", "loss.tail", "loss.reduction", "scheduler.mode", "checkpoint.dir", "checkpoint.every",
-            "checkpoint.keep_last", "output_dir", "seed", "parallel.tensor_model_parallel_size", "eval.scorer"]
+    keys = [
+        "student.path",
+        "teacher.path",
+        "data.train_files",
+        "data.eval_files",
+        "data.prompt_key",
+        "rollout.n",
+        "rollout.max_new_tokens",
+        "rollout.temperature",
+        "rollout.top_p",
+        "rollout.top_k",
+        "train.steps",
+        "train.prompts_per_step",
+        "train.micro_batch_size",
+        "optim.lr",
+        "loss.kind",
+        "loss.beta",
+        "loss.mode",
+        "loss.topk",
+        "loss.tail",
+        "loss.reduction",
+        "scheduler.mode",
+        "checkpoint.dir",
+        "checkpoint.every",
+        "checkpoint.keep_last",
+        "output_dir",
+        "seed",
+        "parallel.tensor_model_parallel_size",
+        "eval.scorer",
+    ]
     for key in keys:
         assert f"  {key} = " in proc.stdout, f"--help does not list {key}"

@@ -1,12 +1,15 @@
-"""Digit reversal: a synthetic task that a tiny model learns in about a minute on one CPU core.
+"""Digit reversal: a synthetic task that tiny models learn in seconds on one CPU core (the quick start's task).
 
 A record asks to reverse a string of 3 to 6 digits (leading zeros allowed)::
 
     {"prompt": "reverse 40912 =", "answer": "21904", "response": "21904"}
 
-The tokenizer is byte-level BPE whose only merges spell the prompt's words, so every digit is one token and
-the prompt and response tokenize the same whether joined or apart. The trainer appends EOS to ``response``.
-``make_model`` writes randomly initialised Qwen3 checkpoints: a ``teacher`` and a smaller ``student``.
+The tokenizer is byte-level BPE whose only merges spell the prompt's words, so every digit is a token of its own
+and a prompt and its response tokenize the same joined or apart (the trainer appends EOS to ``response``).
+``make_model`` writes randomly initialised Qwen3 checkpoints: a 0.66M-parameter ``teacher`` and a 0.12M-parameter
+``student``. Measured in plain PyTorch on one CPU thread: the teacher reaches 99-100% held-out greedy accuracy
+after 300 SFT steps (batch 64, lr 3e-3); on-policy distillation takes the student from 0% to 82-100%
+(forward KL, 300 steps of 64 prompts).
 """
 
 from __future__ import annotations
@@ -17,12 +20,16 @@ from collections.abc import Iterable
 from pathlib import Path
 
 EOS_TOKEN = "<|endoftext|>"
+"""End of sequence, also the pad token (id 0)."""
 PROMPT_TEMPLATE = "reverse {digits} ="
 MIN_DIGITS = 3
 MAX_DIGITS = 6
+VOCAB_SIZE = 272
+"""The models' vocabulary: the tokenizer's 264 ids rounded up to a multiple of 16."""
+HEAD_DIM = 32
+"""vLLM's CPU attention needs a head dim of at least 32."""
 MAX_POSITION_EMBEDDINGS = 64
-
-# Qwen3 shapes. Tensor parallelism 2 needs even head counts and FFN width; vLLM's CPU attention needs head_dim >= 32.
+"""A prompt is at most 9 tokens and a response (with EOS) at most 7."""
 MODEL_SIZES: dict[str, dict[str, int]] = {
     "teacher": dict(
         hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2
@@ -31,13 +38,7 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2
     ),
 }
-HEAD_DIM = 32
-VOCAB_SIZE = 272
-"""Model vocabulary: the tokenizer's ~265 ids rounded up to a multiple of 16."""
-
-
-def _reverse(digits: str) -> str:
-    return digits[::-1]
+"""Qwen3 shapes; head counts and FFN widths are even so that tensor parallelism 2 splits them."""
 
 
 def make_records(
@@ -47,27 +48,27 @@ def make_records(
     max_digits: int = MAX_DIGITS,
     exclude: Iterable[str] = (),
 ) -> list[dict]:
-    """``n`` records whose digit strings are distinct and not in ``exclude`` (prompts of another split).
+    """``n`` records with distinct digit strings, none in ``exclude`` (the prompts of another split).
 
-    The length is uniform over ``[min_digits, max_digits]``; a length whose strings run out is skipped.
+    Lengths are uniform over ``[min_digits, max_digits]`` until a length runs out of unused strings.
     """
     if not 1 <= min_digits <= max_digits:
         raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
-    capacity = sum(10**k for k in range(min_digits, max_digits + 1))
-    taken = {_digits_of(p) for p in exclude}
-    if n > capacity - len(taken):
-        raise ValueError(f"only {capacity - len(taken)} distinct strings of {min_digits}-{max_digits} digits are left")
+    lengths = range(min_digits, max_digits + 1)
+    taken = {d for d in map(_digits_of, exclude) if len(d) in lengths}
+    left = {k: 10**k - sum(1 for d in taken if len(d) == k) for k in lengths}
+    if n > sum(left.values()):
+        raise ValueError(f"only {sum(left.values())} unused strings of {min_digits}-{max_digits} digits are left")
     rng = random.Random(seed)
     records: list[dict] = []
     while len(records) < n:
-        length = rng.randint(min_digits, max_digits)
-        if sum(1 for s in taken if len(s) == length) >= 10**length:
-            continue
+        length = rng.choice([k for k in lengths if left[k] > 0])
         digits = "".join(rng.choice("0123456789") for _ in range(length))
         if digits in taken:
             continue
         taken.add(digits)
-        answer = _reverse(digits)
+        left[length] -= 1
+        answer = digits[::-1]
         records.append({"prompt": PROMPT_TEMPLATE.format(digits=digits), "answer": answer, "response": answer})
     return records
 
@@ -85,7 +86,7 @@ def score(prompt: str, response: str, record: dict) -> float:
 
 
 def make_tokenizer(out_dir: str | os.PathLike) -> Path:
-    """Save a ~265-id byte-level BPE tokenizer (``PreTrainedTokenizerFast``) to ``out_dir``.
+    """Save a 264-id byte-level BPE tokenizer (``PreTrainedTokenizerFast``) to ``out_dir``.
 
     Its merges come from the prompt's words only, so every digit stays a token of its own. EOS is
     ``<|endoftext|>`` (id 0), also the pad token.
@@ -103,6 +104,7 @@ def make_tokenizer(out_dir: str | os.PathLike) -> Path:
         show_progress=False,
     )
     tokenizer.train_from_iterator([PROMPT_TEMPLATE.format(digits="")] * 4, trainer=trainer)
+    assert len(tokenizer.encode("0123456789").ids) == 10 and tokenizer.get_vocab_size() <= VOCAB_SIZE
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
     out = Path(out_dir)
     fast.save_pretrained(out)
@@ -110,17 +112,18 @@ def make_tokenizer(out_dir: str | os.PathLike) -> Path:
 
 
 def make_model(out_dir: str | os.PathLike, size: str, seed: int) -> Path:
-    """Save a randomly initialised Qwen3 ``size`` model ("teacher" or "student") with its tokenizer to ``out_dir``."""
+    """Save a randomly initialised Qwen3 ``size`` model ("teacher" or "student") and the tokenizer to ``out_dir``.
+
+    The folder holds config.json, model.safetensors (fp32), generation_config.json (EOS id) and the tokenizer files.
+    """
     import torch
+    from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
 
     if size not in MODEL_SIZES:
         raise ValueError(f"size must be one of {sorted(MODEL_SIZES)}, got {size!r}")
-    out = Path(out_dir)
-    make_tokenizer(out)
-    from transformers import AutoTokenizer
-
-    eos_id = AutoTokenizer.from_pretrained(out).eos_token_id
+    out = make_tokenizer(out_dir)
+    eos_id = Tokenizer.from_file(str(out / "tokenizer.json")).token_to_id(EOS_TOKEN)
     config = Qwen3Config(
         vocab_size=VOCAB_SIZE,
         head_dim=HEAD_DIM,

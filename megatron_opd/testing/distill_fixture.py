@@ -54,4 +54,6 @@ def make_distill_fixture(root: str | os.PathLike, *, num_prompts: int = 32) -> D
             for i in range(n):
                 prompt = f"{words[i % len(words)]} {i + offset} {words[(i * 3 + 1) % len(words)]}"
                 f.write(json.dumps({"prompt": prompt, "answer": str(i)}) + "\n")
-    return DistillFixture(str(dirs["teacher"]), str(dirs["student"]), str(root / "train.jsonl"), str(root / "eval.jsonl"))
+    return DistillFixture(
+        str(dirs["teacher"]), str(dirs["student"]), str(root / "train.jsonl"), str(root / "eval.jsonl")
+    )

@@ -42,7 +42,12 @@ FAULT_ENV = "MEGATRON_OPD_FAULT"
 def fault_point(name: str, step: int) -> None:
     """Kill this process here when ``MEGATRON_OPD_FAULT=name:step`` (fault-injection tests; never set otherwise)."""
     if os.environ.get(FAULT_ENV) == f"{name}:{step}":
+        import psutil
+
         logger.error("fault injection: %s at step %d", name, step)
+        # dist_checkpointing's helper processes (a multiprocessing manager) die with us, as under a job kill.
+        for child in psutil.Process().children(recursive=True):
+            child.kill()
         os._exit(17)
 
 
@@ -211,7 +216,9 @@ class CheckpointManager:
 
         try:
             return dist_checkpointing.load(sharded_state_dict, str(path))
-        except Exception as err:  # noqa: BLE001 - unpickling and reading damaged files raise many types
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:  # noqa: BLE001 - DCP wraps read errors in CheckpointException(BaseException)
             raise CheckpointError(
                 f"checkpoint {path} could not be loaded ({type(err).__name__}: {err}); it is incomplete or damaged. "
                 f"Point {self.dir / LATEST} at an earlier step_N folder, or remove it to start from scratch"

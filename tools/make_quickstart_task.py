@@ -1,0 +1,52 @@
+"""Write the quick start's task: a tokenizer, a teacher and a student to initialise from, and the data.
+
+    python tools/make_quickstart_task.py OUT_DIR
+
+OUT_DIR/tokenizer, OUT_DIR/teacher-init and OUT_DIR/student-init (Hugging Face folders with the tokenizer
+files), OUT_DIR/train.jsonl and OUT_DIR/eval.jsonl (held out: no digit string in both). The same seed writes
+the same files. The task and model sizes live in ``megatron_opd.tasks.digits``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+from megatron_opd.tasks import digits
+
+logger = logging.getLogger("make_quickstart_task")
+
+
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    with path.open("w") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+
+
+def make_quickstart_task(out_dir: Path, n_train: int = 8000, n_eval: int = 256, seed: int = 0) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    digits.make_tokenizer(out_dir / "tokenizer")
+    digits.make_model(out_dir / "teacher-init", "teacher", seed=seed)
+    digits.make_model(out_dir / "student-init", "student", seed=seed + 1)
+    eval_records = digits.make_records(n_eval, seed=seed + 1)
+    train_records = digits.make_records(n_train, seed=seed + 2, exclude=[r["prompt"] for r in eval_records])
+    write_jsonl(out_dir / "train.jsonl", train_records)
+    write_jsonl(out_dir / "eval.jsonl", eval_records)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", type=Path, help="folder to write (created if missing)")
+    parser.add_argument("--n-train", type=int, default=8000, help="training records")
+    parser.add_argument("--n-eval", type=int, default=256, help="held-out records")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model weights and the data")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    make_quickstart_task(args.out_dir, n_train=args.n_train, n_eval=args.n_eval, seed=args.seed)
+    logger.info("wrote %s: tokenizer, teacher-init, student-init, train.jsonl, eval.jsonl", args.out_dir)
+
+
+if __name__ == "__main__":
+    main()
