@@ -1,109 +1,94 @@
-"""Quick start: a tensor-parallel Megatron-Core student built from a Hugging Face checkpoint, on CPU.
+"""Quick start: distil a tiny teacher into a smaller student on CPU, in a few minutes, with megatron-opd's trainer.
 
-    torchrun --nproc-per-node 2 examples/quickstart.py [parallel.tensor_model_parallel_size=2 family=qwen3]
+    python examples/quickstart.py [--workdir runs/quickstart] [--nproc 2]
 
-Rank 0 makes a tiny random Hugging Face model and tokenizer (nothing is downloaded); every rank
-builds its shard of the Megatron-Core GPTModel and loads its slice of the weights; the logits,
-vocab-sharded across the tensor-parallel ranks, are compared with transformers' own forward.
+1. ``tools/make_quickstart_task.py`` writes a digit-reversal task ("reverse 40912 =" -> "21904"), a tokenizer and
+   two randomly initialised Qwen3 models: a teacher and a 5.6x smaller student.
+2. The teacher learns the task with the trainer's own supervised mode (``loss.kind=sft``), TP=2 under torchrun.
+3. The student distils from it on-policy: it samples its own answers, the teacher scores every token, and the
+   student minimises the per-token forward KL (``examples/quickstart/distil.yaml``), TP=2 under torchrun.
+
+It prints, for held-out prompts, the student's accuracy and per-token divergence to the teacher (on its own
+samples and on the teacher's answers) before and after distillation, and exits non-zero if distillation did not
+at least halve the divergence and raise the accuracy by 10 points.
 """
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass, field
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
-from megatron_opd.config import parse_args
-from megatron_opd.distributed import ParallelConfig, destroy_distributed, initialize_distributed
-from megatron_opd.distributed.gather import gather_vocab_shards
-from megatron_opd.models import ModelBuildConfig, build_model, load_architecture, load_hf_weights
-from megatron_opd.models.pipeline import forward_backward
-
-logger = logging.getLogger("quickstart")
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
 
 
-@dataclass
-class QuickStartConfig:
-    """Build a TP-sharded student from a tiny local checkpoint and check it against transformers."""
-
-    family: str = "qwen3"
-    """Tiny model family to create: llama, qwen2 or qwen3."""
-    workdir: str = "runs/quickstart"
-    """Where the tiny Hugging Face checkpoint and tokenizer are written."""
-    prompt: str = "On-policy distillation trains a small student on its own samples"
-    """Text fed through both models."""
-    parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig(tensor_model_parallel_size=2))
-    """Layout of the student (the process count must be a multiple of TP*PP)."""
-    build: ModelBuildConfig = field(default_factory=ModelBuildConfig)
-    """Model builder options."""
+def torchrun(nproc: int, config: Path, overrides: list[str]) -> None:
+    """Run the trainer under torchrun; its progress and metrics go straight to this terminal."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "megatron_opd.train", "--config", str(config), *overrides]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True)
 
 
-def prepare_checkpoint(cfg: QuickStartConfig) -> Path:
-    from megatron_opd.testing.tiny_models import make_tiny_hf_model, make_tiny_tokenizer
-
-    hf_dir = Path(cfg.workdir) / f"tiny-{cfg.family}"
-    make_tiny_hf_model(cfg.family, hf_dir)
-    make_tiny_tokenizer(hf_dir, vocab_size=1000)
-    return hf_dir
+def evals(output_dir: Path) -> tuple[dict[str, float], dict[str, float]]:
+    """The first and last evaluation a run logged to ``metrics.jsonl``."""
+    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "eval/accuracy" in r]
+    return rows[0], rows[-1]
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    cfg = parse_args(QuickStartConfig)
-    initialize_distributed(cfg.parallel)
-    from megatron.core import parallel_state as ps
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", type=Path, default=ROOT / "runs" / "quickstart", help="where everything goes")
+    parser.add_argument("--nproc", type=int, default=2, help="processes (= tensor-parallel size here)")
+    args = parser.parse_args()
+    start = time.perf_counter()
+    work = args.workdir.resolve()
+    if work.exists():
+        import shutil
 
-    rank = dist.get_rank()
-    hf_dir = Path(cfg.workdir) / f"tiny-{cfg.family}"
-    if rank == 0:
-        prepare_checkpoint(cfg)
-    dist.barrier()
+        shutil.rmtree(work)  # a fresh run every time (the trainer would otherwise resume)
+    task = work / "task"
+    subprocess.run([sys.executable, str(ROOT / "tools" / "make_quickstart_task.py"), str(task)], cwd=ROOT, check=True)
+    data = [f"data.train_files={task / 'train.jsonl'}", f"data.eval_files={task / 'eval.jsonl'}"]
+    tp = f"parallel.tensor_model_parallel_size={args.nproc}"
 
-    from transformers import AutoTokenizer
+    print("\n== 1/2 teacher: supervised fine-tuning on the task ==", flush=True)
+    teacher_run = work / "teacher"
+    torchrun(args.nproc, HERE / "quickstart" / "teacher_sft.yaml",
+             [f"student.path={task / 'teacher-init'}", *data, f"output_dir={teacher_run}", tp])  # fmt: skip
+    _, teacher_eval = evals(teacher_run)
 
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    tokens = torch.tensor([tokenizer(cfg.prompt)["input_ids"]])
+    print("\n== 2/2 student: on-policy distillation from the teacher ==", flush=True)
+    student_run = work / "student"
+    torchrun(args.nproc, HERE / "quickstart" / "distil.yaml",
+             [f"student.path={task / 'student-init'}", f"teacher.path={teacher_run / 'hf'}", *data,
+              f"output_dir={student_run}", tp])  # fmt: skip
+    before, after = evals(student_run)
 
-    arch = load_architecture(hf_dir)
-    chunks = build_model(arch, cfg.parallel, cfg.build)
-    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-    load_hf_weights(chunks, arch, hf_dir, tp_rank=tp_rank, tp_size=tp_size)
-    local_params = sum(p.numel() for c in chunks for p in c.parameters())
-    logger.info("rank %d: TP rank %d/%d holds %d parameters", rank, tp_rank, tp_size, local_params)
-
-    shard_shape = {}
-
-    def collect(logits_BSV: torch.Tensor, batch):
-        shard_shape["local"] = tuple(logits_BSV.shape)
-        # Gathering the vocabulary is for this demo only; training losses work on the shards.
-        full = gather_vocab_shards(logits_BSV.detach(), ps.get_tensor_model_parallel_group())
-        return logits_BSV.sum() * 0.0, full[..., : arch.vocab_size]
-
-    with torch.no_grad():
-        outputs = forward_backward(chunks, [{"tokens": tokens}], collect, forward_only=True)
-
-    if outputs and tp_rank == 0:
-        from transformers import AutoModelForCausalLM
-
-        ours = outputs[0].float().cpu()
-        hf_model = AutoModelForCausalLM.from_pretrained(hf_dir).float().eval()
-        with torch.no_grad():
-            ref = hf_model(input_ids=tokens).logits
-        rel = ((ours - ref).abs().max() / ref.abs().max()).item()
-        agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
-        print(f"\nmegatron-opd quick start: {arch.family} student, {tokens.shape[1]} tokens")
-        print(f"  layout                TP={tp_size} PP={cfg.parallel.pipeline_model_parallel_size}")
-        print(
-            f"  logits shard per rank {shard_shape['local']} (vocab {arch.vocab_size} padded to {chunks[-1].vocab_size})"
-        )
-        print(f"  max relative error vs transformers: {rel:.2e}   argmax agreement: {agree:.0%}")
-        print("  PASS" if rel < 1e-4 else "  FAIL")
-        if rel >= 1e-4:
-            raise SystemExit(1)
-    destroy_distributed()
+    own = ("eval/divergence_own_samples", "divergence to the teacher, student's own answers")
+    fixed = ("eval/divergence_teacher_samples", "divergence to the teacher, teacher's answers")
+    print(
+        f"\nmegatron-opd quick start ({args.nproc} processes, TP={args.nproc}) in {time.perf_counter() - start:.0f} s"
+    )
+    print(f"  teacher held-out accuracy after SFT: {teacher_eval['eval/accuracy']:.1%}")
+    print(f"  {'held-out (per token)':<52} {'before':>8} {'after':>8}")
+    print(f"  {'student accuracy':<52} {before['eval/accuracy']:>8.1%} {after['eval/accuracy']:>8.1%}")
+    for key, label in (own, fixed):
+        print(f"  {label:<52} {before[key]:>8.4f} {after[key]:>8.4f}")
+    ok = (
+        after["eval/accuracy"] >= before["eval/accuracy"] + 0.10
+        and all(after[key] <= 0.5 * before[key] for key, _ in (own, fixed))
+        and teacher_eval["eval/accuracy"] >= 0.9
+    )
+    print(f"  student exported to {student_run / 'hf'} (transformers / vLLM)")
+    print("  PASS: divergence at least halved, accuracy up 10+ points" if ok else "  FAIL")
+    raise SystemExit(0 if ok else 1)
 
 
 if __name__ == "__main__":

@@ -273,7 +273,7 @@ def export_student(cfg: TrainConfig, ckpt_dir: Path) -> None:
         out = Path(cfg.output_dir) / "hf"
         # A fresh process: the converter forms its own process group and must not disturb this job's.
         run_in_fresh_process(_export, str(ckpt_dir), str(out), str(config_dir(cfg.student.path)))
-        logger.info("exported the student to %s", out)
+        logger.info("exported the trained model to %s (Hugging Face format)", out)
     dist.barrier()
 
 

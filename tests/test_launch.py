@@ -1,49 +1,62 @@
-"""The quick start runs under a real torchrun: one node with two processes, and two single-process nodes."""
+"""The trainer under a real multi-node torchrun: two single-process nodes rendezvous over loopback (TP=2 across
+them) and distil, as two machines would."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
+from megatron_opd.testing.distill_fixture import make_distill_fixture
 from megatron_opd.testing.multiprocess import find_free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _torchrun(args: list[str], timeout: float = 240) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _finish(proc: subprocess.Popen, timeout: float = 240) -> str:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        pytest.fail(f"torchrun timed out:\n{out[-3000:]}")
-    assert proc.returncode == 0, out[-3000:]
-    return out
-
-
-def test_quickstart_single_node_tp2(tmp_path):
-    port = find_free_port()
-    out = _finish(
-        _torchrun([f"--master-port={port}", "--nproc-per-node=2", "examples/quickstart.py", f"workdir={tmp_path}"])
-    )
-    assert "PASS" in out and "TP=2" in out and "(1, 12, 512)" in out
-
-
-def test_quickstart_two_nodes(tmp_path):
-    """Two torchrun agents (node ranks 0 and 1) rendezvous over loopback like two machines would."""
+def test_trainer_two_nodes(tmp_path):
+    pair = make_distill_fixture(tmp_path / "pair")
     port = find_free_port()
     common = ["--nnodes=2", "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}"]
-    script = ["examples/quickstart.py", f"workdir={tmp_path}", "family=llama"]
-    nodes = [_torchrun([*common, f"--node-rank={r}", *script]) for r in (0, 1)]
-    outs = [_finish(p) for p in nodes]
-    assert "PASS" in outs[0] and "TP=2" in outs[0]
+    overrides = pair.overrides(
+        tmp_path / "run", **{"parallel.tensor_model_parallel_size": 2, "train.steps": 2, "export_hf": False}
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                *common,
+                f"--node-rank={r}",
+                "-m",
+                "megatron_opd.train",
+                *overrides,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for r in (0, 1)
+    ]
+    outs = []
+    try:
+        for node in nodes:
+            out, _ = node.communicate(timeout=300)
+            outs.append(out)
+            assert node.returncode == 0, out[-3000:]
+    finally:
+        for node in nodes:
+            try:
+                os.killpg(node.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+    assert "TP=2" in outs[0]

@@ -52,7 +52,9 @@ class MetricsLogger:
         if cfg.progress_bar:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=start_step, desc="distil", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(
+                total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True, disable=None
+            )
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
