@@ -239,12 +239,16 @@ def run_ours(fixture, args, tp: int, work: Path) -> Run:
 def ensure_trl_venv(venv: Path, transformers_version: str) -> tuple[Path | None, str]:
     """TRL's venv python (installed when missing), or None and why not."""
     py = venv / "bin" / "python"
-    probe = "import torch, trl.experimental.gkd; assert torch.version.cuda is None, 'CUDA torch'; print(trl.__version__)"
+    probe = (
+        "import torch, trl.experimental.gkd; assert torch.version.cuda is None, 'CUDA torch'; print(trl.__version__)"
+    )
 
     def usable() -> tuple[bool, str]:
         if not py.exists():
             return False, "no venv"
-        r = subprocess.run([str(py), "-c", probe], capture_output=True, text=True, env={**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"})
+        r = subprocess.run(
+            [str(py), "-c", probe], capture_output=True, text=True, env={**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"}
+        )
         return r.returncode == 0, (r.stdout + r.stderr).strip()[-500:]
 
     ok, why = usable()
@@ -408,7 +412,8 @@ def main() -> None:
 
         machine = (
             f"{platform.machine()}, {os.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.0f} GiB, "
-            f"torch {torch.__version__}, transformers {transformers.__version__}; load average "
+            f"torch {torch.__version__}, transformers {transformers.__version__}, "
+            f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}; load average "
             f"{load_before[0]:.1f} before, {load_after[0]:.1f} after"
         )
         print(

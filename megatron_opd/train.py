@@ -21,7 +21,7 @@ from megatron_opd import quiet
 from megatron_opd.checkpoint.mcore_io import chunks_sharded_state_dict
 from megatron_opd.config import parse_args, to_dict
 from megatron_opd.data.prompts import PromptEncoder, load_prompts
-from megatron_opd.data.stream import PromptItem, PromptStream
+from megatron_opd.data.stream import PromptStream
 from megatron_opd.distributed import destroy_distributed, initialize_distributed
 from megatron_opd.trainer.batch import pack_sft
 from megatron_opd.trainer.checkpointing import (
@@ -32,7 +32,7 @@ from megatron_opd.trainer.checkpointing import (
     sharded_rng_state,
 )
 from megatron_opd.trainer.config import TrainConfig
-from megatron_opd.trainer.evaluation import EvalSet, Evaluator
+from megatron_opd.trainer.evaluation import build_evaluator
 from megatron_opd.trainer.metrics import MetricsLogger
 from megatron_opd.trainer.objective import global_count, train_step
 from megatron_opd.trainer.setup import (
@@ -44,7 +44,7 @@ from megatron_opd.trainer.setup import (
     sampling_params,
 )
 from megatron_opd.trainer.student import NonFiniteLossError, Student
-from megatron_opd.trainer.weights import import_function, reward_weights, teacher_confidence_weights
+from megatron_opd.trainer.weights import import_function, sequence_weights
 
 logger = logging.getLogger("megatron_opd.train")
 
@@ -123,35 +123,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             pad_token_id=vocab.pad_token_id,
             max_len=seq_len,
         )
-    evaluator = None
-    if cfg.data.eval_files:
-        records, prompt_ids = load_prompts(cfg.data.eval_files, encoder, "data.eval_files")
-        usable = [
-            PromptItem(i, ids, rec) for i, (ids, rec) in enumerate(zip(prompt_ids, records)) if len(ids) <= prompt_room
-        ]
-        items = usable[: cfg.eval.max_prompts]
-        mine = items[ps.get_data_parallel_rank() :: ps.get_data_parallel_world_size()]
-        teacher_sampler = None
-        if teacher is not None:
-            from megatron_opd.rollout.builtin import BuiltinSampler
-
-            teacher_sampler = BuiltinSampler(
-                teacher.chunks, vocab_size=vocab.vocab_size, max_seq_len=seq_len, pad_token_id=vocab.pad_token_id
-            )
-        evaluator = Evaluator(
-            cfg,
-            EvalSet(mine, [encoder.prompt_text(it.record) for it in mine]),
-            student_chunks=student.chunks,
-            rollout=rollout,
-            teacher=teacher,
-            teacher_sampler=teacher_sampler,
-            tokenizer=vocab.tokenizer,
-            vocab_size=vocab.vocab_size,
-            pad_token_id=vocab.pad_token_id,
-            stop_token_ids=vocab.stop_token_ids,
-            max_len=seq_len,
-            scorer=import_function(cfg.eval.scorer, "eval.scorer") if cfg.eval.scorer else None,
-        )
+    evaluator = build_evaluator(cfg, vocab, encoder, student, teacher, rollout, prompt_room, seq_len)
     reward_fn = import_function(cfg.loss.reward_fn, "loss.reward_fn") if cfg.loss.weighting == "reward" else None
 
     start_step = resume(ckpt, student, data, cfg)
@@ -189,23 +161,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             scored = scheduler.next_batch([it.prompt_ids for it in items], policy_version=step, seed=seed)
             batch, scores, timings = scored.batch, scored.scores, dict(scored.timings)
             staleness, response_tokens = scored.staleness, sum(scored.rollouts.response_lengths)
-            if cfg.loss.weighting == "reward":
-                rewards = [
-                    reward_fn(
-                        encoder.prompt_text(items[g].record),
-                        vocab.tokenizer.decode(r.tolist(), skip_special_tokens=True),
-                        items[g].record,
-                    )
-                    for g, r in zip(scored.rollouts.prompt_index, scored.rollouts.response_ids)
-                ]
-                batch.seq_weights = reward_weights(cfg.loss, torch.tensor(rewards), scored.rollouts.prompt_index)
-            elif cfg.loss.weighting == "teacher_confidence" and scores.requested_logprobs is not None:
-                batch.seq_weights = teacher_confidence_weights(
-                    scores.requested_logprobs[..., 0],
-                    batch.loss_mask,
-                    scored.rollouts.prompt_index,
-                    cfg.loss.weight_temperature,
-                )
+            batch.seq_weights = sequence_weights(cfg.loss, scored, items, encoder, vocab.tokenizer, reward_fn)
 
         t_update = time.perf_counter()
         try:

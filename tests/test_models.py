@@ -30,20 +30,9 @@ def _tokens(num_micro_batches: int = 2, batch: int = 2) -> torch.Tensor:
 
 
 def _load(parallel: ParallelConfig, hf_dir: str, trainable: bool):
-    from megatron.core import parallel_state as ps
+    from megatron_opd.models.source import build_and_load
 
-    from megatron_opd.models import build_model, load_architecture, load_hf_weights
-
-    arch = load_architecture(hf_dir)
-    chunks = build_model(arch, parallel, trainable=trainable)
-    load_hf_weights(
-        chunks,
-        arch,
-        hf_dir,
-        tp_rank=ps.get_tensor_model_parallel_rank(),
-        tp_size=ps.get_tensor_model_parallel_world_size(),
-    )
-    return arch, chunks
+    return build_and_load(hf_dir, parallel, trainable=trainable)
 
 
 def _logits_body(layout: dict, model_dirs: dict[str, str], tokens: torch.Tensor):

@@ -34,20 +34,10 @@ MAX_NEW = 10
 
 def _build_sampler(hf_dir: str, parallel, **sampler_kwargs):
     """Load ``hf_dir`` as a trainable student under ``parallel`` (groups already initialised) and wrap it."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_opd.models import build_model, load_architecture, load_hf_weights
+    from megatron_opd.models.source import build_and_load
     from megatron_opd.rollout import BuiltinSampler
 
-    arch = load_architecture(hf_dir)
-    chunks = build_model(arch, parallel, trainable=True)
-    load_hf_weights(
-        chunks,
-        arch,
-        hf_dir,
-        tp_rank=ps.get_tensor_model_parallel_rank(),
-        tp_size=ps.get_tensor_model_parallel_world_size(),
-    )
+    arch, chunks = build_and_load(hf_dir, parallel, trainable=True)
     kwargs = dict(vocab_size=arch.vocab_size, max_seq_len=64, pad_token_id=0)
     kwargs.update(sampler_kwargs)
     return chunks, BuiltinSampler(chunks, **kwargs)

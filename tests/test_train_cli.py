@@ -154,7 +154,16 @@ def test_export_and_lock_and_padded_vocab(pair, tmp_path):
 
 @pytest.mark.parametrize(
     "case",
-    ["missing_latest", "corrupt_checkpoint", "nan_teacher", "layout", "vocab_mismatch", "missing_data", "unknown_key"],
+    [
+        "missing_latest",
+        "corrupt_checkpoint",
+        "nan_teacher",
+        "layout",
+        "pipeline_sampler",
+        "vocab_mismatch",
+        "missing_data",
+        "unknown_key",
+    ],
 )
 def test_bad_input_is_refused_clearly(case, pair, tmp_path):
     import shutil
@@ -187,6 +196,14 @@ def test_bad_input_is_refused_clearly(case, pair, tmp_path):
         overrides.append(f"teacher.path={bad}")
         expected = "step 1: loss is nan"
     elif case == "layout":
+        student = tmp_path / "one_kv_head"
+        shutil.copytree(pair.student, student)
+        config = json.loads((student / "config.json").read_text())
+        config["num_key_value_heads"] = 1
+        (student / "config.json").write_text(json.dumps(config))
+        overrides.append(f"student.path={student}")
+        expected = "tensor_model_parallel_size=2 does not divide num_key_value_heads=1"
+    elif case == "pipeline_sampler":
         overrides.append("parallel.tensor_model_parallel_size=1")
         overrides.append("parallel.pipeline_model_parallel_size=2")
         expected = "pipeline_model_parallel_size=1"  # the built-in sampler points to rollout.backend=vllm
@@ -248,3 +265,23 @@ def test_help_lists_every_key():
     ]
     for key in keys:
         assert f"  {key} = " in proc.stdout, f"--help does not list {key}"
+
+
+def test_dist_ckpt_models_match_hugging_face_folders(pair, tmp_path):
+    """student.path / teacher.path accept a dist_ckpt from tools/checkpoint (another layout): same losses."""
+    from megatron_opd.checkpoint import convert_hf_to_mcore
+    from megatron_opd.checkpoint.workers import run_in_fresh_process
+    from megatron_opd.distributed import ParallelConfig
+
+    teacher_ckpt, student_ckpt = tmp_path / "teacher-mcore", tmp_path / "student-mcore"
+    run_in_fresh_process(convert_hf_to_mcore, pair.teacher, str(teacher_ckpt), ParallelConfig())
+    run_in_fresh_process(convert_hf_to_mcore, pair.student, str(student_ckpt),
+                         ParallelConfig(pipeline_model_parallel_size=2))  # fmt: skip
+    common = dict(TP2, **{"train.steps": 2, "export_hf": False, "data.eval_files": "[]"})
+    code, out = run(pair.overrides(tmp_path / "hf", **common))
+    assert code == 0, out[-3000:]
+    code, out = run(
+        pair.overrides(tmp_path / "mcore", **common, **{"teacher.path": teacher_ckpt, "student.path": student_ckpt})
+    )
+    assert code == 0, out[-3000:]
+    assert losses(tmp_path / "mcore") == losses(tmp_path / "hf")

@@ -50,7 +50,8 @@ def _step_body(layout: dict, dirs: dict[str, str]):
 
     from megatron_opd.distributed import initialize_distributed
     from megatron_opd.distributed.device import detect_accelerator
-    from megatron_opd.models import build_model, load_architecture, load_hf_weights
+    from megatron_opd.models import load_architecture
+    from megatron_opd.models.source import build_and_load
     from megatron_opd.teacher.inprocess import InProcessTeacher
     from megatron_opd.trainer.config import LossConfig, OptimConfig
     from megatron_opd.trainer.objective import train_step
@@ -66,10 +67,7 @@ def _step_body(layout: dict, dirs: dict[str, str]):
     for mode, kind, temperature in [("dense", "jsd", 1.0), ("topk", "reverse_kl", 0.1)]:
 
         def load(path, trainable):
-            arch = load_architecture(path)
-            chunks = build_model(arch, parallel, trainable=trainable)
-            load_hf_weights(chunks, arch, path, tp_rank=tp[1], tp_size=tp[0])
-            return chunks
+            return build_and_load(path, parallel, trainable=trainable)[1]
 
         optim = OptimConfig(lr=1e-3, clip_grad=0.5)
         student = Student(load(dirs["student"], True), optim, precision_plan(optim, detect_accelerator("cpu")), 10)
@@ -167,20 +165,12 @@ def _topk_body(layout: dict, teacher_dir: str, tokens: torch.Tensor, temperature
     from megatron.core import parallel_state as ps
 
     from megatron_opd.distributed import initialize_distributed
-    from megatron_opd.models import build_model, load_architecture, load_hf_weights
+    from megatron_opd.models.source import build_and_load
     from megatron_opd.teacher.inprocess import InProcessTeacher
 
     parallel = ParallelConfig(**layout)
     initialize_distributed(parallel)
-    arch = load_architecture(teacher_dir)
-    chunks = build_model(arch, parallel, trainable=False)
-    load_hf_weights(
-        chunks,
-        arch,
-        teacher_dir,
-        tp_rank=ps.get_tensor_model_parallel_rank(),
-        tp_size=ps.get_tensor_model_parallel_world_size(),
-    )
+    arch, chunks = build_and_load(teacher_dir, parallel, trainable=False)
     teacher = InProcessTeacher(chunks, vocab_size=arch.vocab_size, mode="topk", topk=20, temperature=temperature)
     request = torch.roll(tokens, -1, dims=1).unsqueeze(-1)
     scores = teacher.score(tokens, request).result()

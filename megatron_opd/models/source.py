@@ -63,3 +63,25 @@ def load_weights(chunks: list, arch: ModelArchitecture, path: str | os.PathLike,
         from megatron_opd.models.loading import load_hf_weights
 
         load_hf_weights(chunks, arch, path, tp_rank=tp_rank, tp_size=tp_size)
+
+
+def build_and_load(path: str | os.PathLike, parallel, build=None, *, trainable: bool = True, field: str = "path"):
+    """``(architecture, chunks)``: this rank's chunks of the model at ``path`` under ``parallel``, weights loaded.
+
+    Megatron's groups must already be initialised for ``parallel``; ``trainable=False`` builds a frozen teacher.
+    """
+    from megatron.core import parallel_state as ps
+
+    from megatron_opd.models.builder import build_model, validate_layout
+
+    arch = model_architecture(path, field)
+    validate_layout(arch, parallel)
+    chunks = build_model(arch, parallel, build, trainable=trainable)
+    load_weights(
+        chunks,
+        arch,
+        path,
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+    )
+    return arch, chunks

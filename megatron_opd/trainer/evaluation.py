@@ -164,3 +164,40 @@ class Evaluator:
             if self.teacher_batch is not None:
                 out["eval/divergence_teacher_samples"] = sums[4] / max(sums[5], 1.0)
         return out
+
+
+def build_evaluator(cfg: TrainConfig, vocab, encoder, student, teacher, rollout, prompt_room: int, seq_len: int):
+    """The evaluator of ``data.eval_files`` (None without them); this data-parallel rank's share of the prompts."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_opd.data.prompts import load_prompts
+    from megatron_opd.rollout.builtin import BuiltinSampler
+    from megatron_opd.trainer.weights import import_function
+
+    if not cfg.data.eval_files:
+        return None
+    records, prompt_ids = load_prompts(cfg.data.eval_files, encoder, "data.eval_files")
+    usable = [
+        PromptItem(i, ids, rec) for i, (ids, rec) in enumerate(zip(prompt_ids, records)) if len(ids) <= prompt_room
+    ]
+    items = usable[: cfg.eval.max_prompts]
+    mine = items[ps.get_data_parallel_rank() :: ps.get_data_parallel_world_size()]
+    teacher_sampler = None
+    if teacher is not None:
+        teacher_sampler = BuiltinSampler(
+            teacher.chunks, vocab_size=vocab.vocab_size, max_seq_len=seq_len, pad_token_id=vocab.pad_token_id
+        )
+    return Evaluator(
+        cfg,
+        EvalSet(mine, [encoder.prompt_text(it.record) for it in mine]),
+        student_chunks=student.chunks,
+        rollout=rollout,
+        teacher=teacher,
+        teacher_sampler=teacher_sampler,
+        tokenizer=vocab.tokenizer,
+        vocab_size=vocab.vocab_size,
+        pad_token_id=vocab.pad_token_id,
+        stop_token_ids=vocab.stop_token_ids,
+        max_len=seq_len,
+        scorer=import_function(cfg.eval.scorer, "eval.scorer") if cfg.eval.scorer else None,
+    )

@@ -13,8 +13,7 @@ import torch
 
 from megatron_opd.distributed.device import Accelerator
 from megatron_opd.interfaces import SamplingParams
-from megatron_opd.models import build_model, validate_layout
-from megatron_opd.models.source import config_dir, load_weights, model_architecture
+from megatron_opd.models.source import build_and_load, config_dir, model_architecture
 from megatron_opd.trainer.config import TrainConfig
 from megatron_opd.trainer.student import Student, precision_plan
 
@@ -71,21 +70,11 @@ def load_vocabulary(cfg: TrainConfig) -> Vocabulary:
     return Vocabulary(tokenizer, vocab_size, int(pad), tuple(sorted(stops)), student_tok_dir)
 
 
-def _tp_rank_size() -> tuple[int, int]:
-    from megatron.core import parallel_state as ps
-
-    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-
-
 def build_student(cfg: TrainConfig, accel: Accelerator) -> Student:
     """The student's chunks under ``cfg.parallel``, loaded from ``student.path``, with optimizer and schedule."""
-    arch = model_architecture(cfg.student.path, "student.path")
-    validate_layout(arch, cfg.parallel)
     plan = precision_plan(cfg.optim, accel)
     cfg.build.dtype = plan.params_dtype
-    chunks = build_model(arch, cfg.parallel, cfg.build, trainable=True)
-    tp_rank, tp_size = _tp_rank_size()
-    load_weights(chunks, arch, cfg.student.path, tp_rank=tp_rank, tp_size=tp_size)
+    _, chunks = build_and_load(cfg.student.path, cfg.parallel, cfg.build, trainable=True, field="student.path")
     return Student(chunks, cfg.optim, plan, cfg.train.steps)
 
 
@@ -95,18 +84,14 @@ def build_teacher(cfg: TrainConfig, accel: Accelerator, vocab_size: int, student
         return None
     from megatron_opd.teacher.inprocess import InProcessTeacher
 
-    arch = model_architecture(cfg.teacher.path, "teacher.path")
-    validate_layout(arch, cfg.parallel)
-    chunks = build_model(arch, cfg.parallel, cfg.build, trainable=False)
-    tp_rank, tp_size = _tp_rank_size()
-    load_weights(chunks, arch, cfg.teacher.path, tp_rank=tp_rank, tp_size=tp_size)
+    _, chunks = build_and_load(cfg.teacher.path, cfg.parallel, cfg.build, trainable=False, field="teacher.path")
     student_width, teacher_width = student.chunks[-1].vocab_size, chunks[-1].vocab_size
     if cfg.loss.mode == "dense" and student_width != teacher_width:
         raise ValueError(
             f"loss.mode=dense needs the student's and teacher's logit shards to line up, but their padded "
             f"vocabularies differ ({student_width} vs {teacher_width} columns); use loss.mode=topk"
         )
-    return InProcessTeacher(
+    teacher = InProcessTeacher(
         chunks,
         vocab_size=vocab_size,
         mode=cfg.loss.mode,
@@ -116,6 +101,17 @@ def build_teacher(cfg: TrainConfig, accel: Accelerator, vocab_size: int, student
         offload=cfg.teacher.offload,
         device=accel.device(torch.cuda.current_device() if accel.type == "cuda" else 0),
     )
+    check_teacher_mode(teacher, cfg.loss.mode)
+    return teacher
+
+
+def check_teacher_mode(teacher, mode: str) -> None:
+    """Only a colocated teacher has logit shards; a remote one sends its top-k."""
+    if mode == "dense" and not teacher.supports_dense:
+        raise ValueError(
+            f"loss.mode=dense needs the teacher's logit shards, which teacher.backend={type(teacher).__name__} does "
+            "not provide (a remote teacher sends its top-k); use loss.mode=topk"
+        )
 
 
 def max_seq_len(cfg: TrainConfig) -> int:

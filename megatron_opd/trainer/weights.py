@@ -61,3 +61,21 @@ def teacher_confidence_weights(
     total_N = (torch.where(mask_NS != 0, teacher_logprobs_NS, 0.0) * mask_NS).sum(dim=1)
     mean_N = total_N / mask_NS.sum(dim=1).clamp(min=1.0)
     return group_softmax(mean_N, groups, temperature)
+
+
+def sequence_weights(cfg: LossConfig, scored, items, encoder, tokenizer, reward_fn: Callable | None) -> torch.Tensor:
+    """``[N]`` loss weights of a scored batch for ``loss.weighting`` (ones for ``none``)."""
+    rollouts, batch = scored.rollouts, scored.batch
+    if cfg.weighting == "reward":
+        rewards = [
+            float(reward_fn(encoder.prompt_text(items[g].record), tokenizer.decode(r.tolist(), skip_special_tokens=True),
+                            items[g].record))
+            for g, r in zip(rollouts.prompt_index, rollouts.response_ids)
+        ]  # fmt: skip
+        return reward_weights(cfg, torch.tensor(rewards), rollouts.prompt_index)
+    if cfg.weighting == "teacher_confidence" and scored.scores.requested_logprobs is not None:
+        # Only the last pipeline stage holds the teacher's scores; it is also the only stage with a loss.
+        return teacher_confidence_weights(
+            scored.scores.requested_logprobs[..., 0], batch.loss_mask, rollouts.prompt_index, cfg.weight_temperature
+        )
+    return torch.ones(batch.num_samples)

@@ -1,0 +1,57 @@
+"""Trainer set-up: how optim.* maps to Megatron-Core configs per accelerator (the GPU path cannot run here), and
+which teacher back ends may feed a dense loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_opd.distributed.device import Accelerator
+from megatron_opd.trainer.config import OptimConfig
+from megatron_opd.trainer.student import ddp_config, megatron_optimizer_config, precision_plan
+
+CPU, GPU, NPU = Accelerator("cpu", "gloo"), Accelerator("cuda", "nccl"), Accelerator("npu", "hccl")
+
+
+def test_cpu_defaults_to_plain_fp32():
+    plan = precision_plan(OptimConfig(), CPU)
+    assert (plan.params_dtype, plan.bf16, plan.use_distributed_optimizer) == ("fp32", False, False)
+    opt = megatron_optimizer_config(OptimConfig(lr=2e-5, clip_grad=0.7, weight_decay=0.1), plan)
+    assert opt.params_dtype == torch.float32 and not opt.bf16 and not opt.use_distributed_optimizer
+    assert (opt.lr, opt.clip_grad, opt.weight_decay, opt.optimizer) == (2e-5, 0.7, 0.1, "adam")
+
+
+@pytest.mark.parametrize("accel", [GPU, NPU])
+def test_accelerators_default_to_bf16_with_distributed_optimizer(accel):
+    plan = precision_plan(OptimConfig(), accel)
+    assert (plan.params_dtype, plan.bf16, plan.use_distributed_optimizer, plan.grad_reduce_in_fp32) == (
+        "bf16",
+        True,
+        True,
+        True,
+    )
+    opt = megatron_optimizer_config(OptimConfig(), plan)
+    assert opt.bf16 and opt.params_dtype == torch.bfloat16 and opt.use_distributed_optimizer
+    assert opt.main_params_dtype == torch.float32  # fp32 main parameters
+    ddp = ddp_config(plan)
+    assert ddp.use_distributed_optimizer and ddp.grad_reduce_in_fp32 and not ddp.overlap_grad_reduce
+
+
+def test_overrides_and_cpu_refusal():
+    plan = precision_plan(OptimConfig(bf16=False, use_distributed_optimizer=True), GPU)
+    assert (plan.params_dtype, plan.use_distributed_optimizer) == ("fp32", True)
+    assert not precision_plan(OptimConfig(use_distributed_optimizer=False), GPU).use_distributed_optimizer
+    for bad in (OptimConfig(bf16=True), OptimConfig(use_distributed_optimizer=True)):
+        with pytest.raises(ValueError, match="need a GPU or NPU"):
+            precision_plan(bad, CPU)
+
+
+def test_dense_mode_needs_a_colocated_teacher():
+    from megatron_opd.trainer.setup import check_teacher_mode
+
+    class RemoteTeacher:
+        supports_dense = False
+
+    check_teacher_mode(RemoteTeacher(), "topk")
+    with pytest.raises(ValueError, match="loss.mode=dense needs the teacher's logit shards.*use loss.mode=topk"):
+        check_teacher_mode(RemoteTeacher(), "dense")
