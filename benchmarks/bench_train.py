@@ -1,14 +1,16 @@
 """Distillation step time, response tokens/s and peak RSS of our trainer (TP=1, TP=2) against TRL's GKDTrainer.
 
     python benchmarks/bench_train.py                          # ~4-6 minutes on 2 cores (+ ~3 min the first time)
-    python benchmarks/bench_train.py --steps 20 --max-new-tokens 64 --prompts-per-step 8 --json out.json
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_train.py  # the same, OpenMP threads sleep instead of spinning
+    python benchmarks/bench_train.py --threads 1 --tp 1       # one thread per run (no TP=2 row)
+    python benchmarks/bench_train.py --steps 20 --rounds 1 --max-new-tokens 64 --json out.json
     python benchmarks/bench_train.py --no-trl                 # our rows only
 
 One run, same work on both sides: the tiny qwen3 teacher (4 layers) and student (2 layers) of
 ``megatron_opd.testing.distill_fixture``, the same prompt token ids (encoded once by our ``PromptEncoder``),
-prompts per step, response length, sampling temperature, generalized JSD with the same beta (mixture
-``beta * teacher + (1 - beta) * student`` on both sides), fully on-policy (TRL ``lmbda=1``), fp32, Adam with
-the same learning rate and clipping, and the same total number of torch threads.
+prompts per step, response length, stop token, sampling temperature, generalized JSD with the same beta
+(mixture ``beta * teacher + (1 - beta) * student`` on both sides), fully on-policy (TRL ``lmbda=1``), fp32,
+Adam with the same learning rate and clipping, and the same total number of torch threads.
 
 - Ours: ``python -m torch.distributed.run --standalone --nproc-per-node TP -m megatron_opd.train ...`` with
   ``OMP_NUM_THREADS = threads / TP``. Step time = the trainer's own per-step wall time (data, rollout, teacher,
@@ -18,10 +20,16 @@ the same learning rate and clipping, and the same total number of torch threads.
   Step time = ``on_step_begin`` to ``on_step_end`` of a ``TrainerCallback`` (generation, student and teacher
   forward, backward, optimizer).
 
-Medians over the steps after ``--warmup``. Response tokens/s = a step's generated response tokens / its wall
-time. Peak RSS = the kernel's ``VmHWM`` of every process of the run's process tree (torchrun launcher, ranks,
-helpers), polled every 50 ms and frozen when the last training step is logged (ours then saves a final
-checkpoint; TRL saves none); "total" adds the processes' peaks (an upper bound of their simultaneous peak).
+Every row runs ``--rounds`` times, the rows interleaved (load from other jobs hits them alike); medians over
+the steps after ``--warmup`` of every round. Response tokens/s = a step's generated response tokens (the stop
+token included) / its wall time. Peak RSS = the kernel's ``VmHWM`` of each process of the run's tree, polled
+every 50 ms and frozen when the last training step is logged (ours then saves a final checkpoint; TRL saves
+none); "total" adds the launcher's and the training processes' peaks (an upper bound of their simultaneous
+peak), the round with the highest total.
+
+On a machine whose cores other jobs also use, OpenMP's default spin-waiting makes multi-threaded runs of tiny
+models erratic (single steps 10-100x slower); ``OMP_WAIT_POLICY=PASSIVE`` (inherited by every run) or
+``--threads 1`` avoid it.
 """
 
 from __future__ import annotations
@@ -75,6 +83,12 @@ class Run:
         """Peaks of the training processes (ranks; TRL's single process)."""
         return {k: v for k, v in self.peak_rss.items() if k.startswith(("rank", "trl"))}
 
+    @property
+    def total_rss(self) -> int:
+        """Launcher + training processes; dist_checkpointing's save helpers (started by the final checkpoint,
+        sometimes seen by the last poll) are left out, kept in ``peak_rss``."""
+        return sum(v for k, v in self.peak_rss.items() if k == "launcher" or k in self.workers)
+
     def summary(self) -> dict:
         return {
             "name": self.name,
@@ -88,13 +102,36 @@ class Run:
             "peak_rss_bytes": self.peak_rss,
             "peak_rss_bytes_final": self.peak_rss_final,
             "peak_rss_per_worker_max_bytes": max(self.workers.values(), default=None),
-            "peak_rss_total_bytes": sum(self.peak_rss.values()) if self.peak_rss else None,
+            "peak_rss_total_bytes": self.total_rss if self.peak_rss else None,
             "wall_s": self.wall_s,
             "step_s": self.step_s,
             "rollout_s": self.rollout_s,
             "response_tokens": self.response_tokens,
             **self.extra,
         }
+
+
+def merge_rounds(rounds: list[Run]) -> Run:
+    """One row from its rounds: steps pooled; peak RSS of the round with the largest total."""
+    failed = next((r for r in rounds if r.error is not None), None)
+    if failed is not None:
+        return failed
+    first = rounds[0]
+    top = max(rounds, key=lambda r: r.total_rss)
+    merged = Run(first.name, first.layout, peak_rss=top.peak_rss, peak_rss_final=top.peak_rss_final)
+    for r in rounds:
+        merged.step_s += r.step_s
+        merged.rollout_s += r.rollout_s
+        merged.response_tokens += r.response_tokens
+        for key, value in r.extra.items():
+            if isinstance(value, list):
+                merged.extra[key] = merged.extra.get(key, []) + value
+            else:
+                merged.extra.setdefault(key, value)
+    merged.wall_s = sum(r.wall_s for r in rounds)
+    merged.extra["rounds"] = len(rounds)
+    merged.extra["peak_rss_bytes_by_round"] = [r.peak_rss for r in rounds]
+    return merged
 
 
 # ---- process-tree peak RSS ------------------------------------------------------------------------------------
@@ -122,7 +159,10 @@ def _label(proc) -> str:
             return f"rank{env.get('RANK', '?')}"
         if "_trl_gkd_worker" in cmd:
             return "trl"
-        return f"other:{proc.pid}:{proc.name()}"
+        for helper in ("resource_tracker", "forkserver", "spawn_main"):
+            if helper in cmd:
+                return f"{helper}:{proc.pid}"
+        return f"other:{proc.pid}:{cmd[:60]}"
     except Exception:  # the process ended while being looked at
         return f"other:{proc.pid}"
 
@@ -149,7 +189,9 @@ def run_and_watch(cmd: list[str], env: dict[str, str], log_path: Path, training_
                 hwm = _vm_hwm(p.pid)
                 if hwm is None:
                     continue
-                label = peaks[p.pid][0] if p.pid in peaks else _label(p)
+                label = peaks[p.pid][0] if p.pid in peaks else ""
+                if not label or label.startswith("other:"):  # just forked: the command line may still be the parent's
+                    label = _label(p)
                 peaks[p.pid] = (label, max(hwm, peaks.get(p.pid, ("", 0))[1]))
             if frozen is None and training_done():
                 frozen = _by_label(peaks)
@@ -215,7 +257,7 @@ def run_ours(fixture, args, tp: int, work: Path) -> Run:
 
     print(f"running: {run.name} ({' '.join(cmd[:6])} ... OMP_NUM_THREADS={env['OMP_NUM_THREADS']})", file=sys.stderr)
     code, run.peak_rss, run.peak_rss_final, run.wall_s = run_and_watch(cmd, env, work / f"ours_tp{tp}.log", done)
-    run.extra["command"] = f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']} " + " ".join(cmd[1:])
+    run.extra["command"] = f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']} python " + " ".join(cmd[1:])
     if code != 0:
         run.error = f"exit code {code}; log tail:\n{_tail(work / f'ours_tp{tp}.log')}"
         return run
@@ -338,7 +380,7 @@ def table(runs: list[Run]) -> str:
             lines.append(f"| {r.name} | {r.layout} | {r.error.splitlines()[0]} |" + " |" * 9)
             continue
         s = r.summary()
-        per_proc = ", ".join(f"{k} {v / mib:.0f}" for k, v in r.peak_rss.items())
+        per_proc = ", ".join(f"{k} {v / mib:.0f}" for k, v in r.peak_rss.items() if k == "launcher" or k in r.workers)
         total = s["peak_rss_total_bytes"]
         if trl is not None:
             t = trl.summary()
@@ -359,7 +401,8 @@ def table(runs: list[Run]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per run")
+    parser.add_argument("--steps", type=int, default=12, help="optimizer steps per run")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of every row, interleaved; steps pooled")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
     parser.add_argument("--prompts-per-step", type=int, default=8, help="prompts per step (one sample each)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="longest response")
@@ -402,9 +445,16 @@ def main() -> None:
         stop_ids = eos_token_ids(fixture.student, tokenizer)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids)
 
-        runs = [run_ours(fixture, args, tp, work) for tp in tps]
-        if not args.no_trl:
-            runs.append(run_trl(fixture, args, prompt_ids, pad_id, stop_ids, work, transformers.__version__))
+        # Rounds interleave the rows, so that load from other jobs on the machine hits them alike.
+        by_row: dict[str, list[Run]] = {}
+        for round_ in range(args.rounds):
+            print(f"round {round_ + 1}/{args.rounds}", file=sys.stderr)
+            rows = [run_ours(fixture, args, tp, work) for tp in tps]
+            if not args.no_trl:
+                rows.append(run_trl(fixture, args, prompt_ids, pad_id, stop_ids, work, transformers.__version__))
+            for r in rows:
+                by_row.setdefault(r.name, []).append(r)
+        runs = [merge_rounds(rounds) for rounds in by_row.values()]
         elapsed = time.perf_counter() - started
         load_after = os.getloadavg()
 
@@ -419,8 +469,9 @@ def main() -> None:
         print(
             f"\nTiny qwen3 teacher (4 layers) -> student (2 layers), hidden 64, vocab 1000 rows "
             f"({len(tokenizer)} tokens), fp32; {args.prompts_per_step} prompts/step, <= {args.max_new_tokens} new "
-            f"tokens, temperature {args.temperature}, JSD beta {args.beta}, {args.steps} steps "
-            f"(medians over the last {args.steps - args.warmup}), {args.threads} threads per run. {machine}. "
+            f"tokens, temperature {args.temperature}, JSD beta {args.beta}, {args.rounds} rounds x {args.steps} steps "
+            f"(medians over the last {args.steps - args.warmup} of each round), {args.threads} threads per run. "
+            f"{machine}. "
             f"Whole benchmark {elapsed:.0f} s.\n"
         )
         print(table(runs))

@@ -34,7 +34,7 @@ from megatron_opd.checkpoint.layout import CheckpointLayout, TensorChunk, checkp
 from megatron_opd.checkpoint.progress import Progress
 from megatron_opd.checkpoint.workers import Workers, conversion_workers, split_contiguous
 from megatron_opd.distributed.parallel import ParallelConfig
-from megatron_opd.models.architecture import ModelArchitecture, load_architecture
+from megatron_opd.models.architecture import ModelArchitecture, check_vocab_padding, load_architecture
 from megatron_opd.models.builder import ModelBuildConfig, parse_dtype
 from megatron_opd.models.hf_io import CheckpointError, HFCheckpointReader
 from megatron_opd.models.name_mapping import Split, expand_rules, hf_shapes, hf_to_megatron
@@ -240,6 +240,7 @@ def convert_hf_to_mcore(
     hf_dir = Path(hf_dir)
     parallel = parallel or ParallelConfig()
     arch = load_architecture(hf_dir)
+    check_vocab_padding(parallel.tensor_model_parallel_size, make_vocab_size_divisible_by)
     build = ModelBuildConfig(
         dtype=parse_dtype(dtype or arch.torch_dtype), make_vocab_size_divisible_by=make_vocab_size_divisible_by
     )

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from megatron_opd.checkpoint.atomic import check_destination, fsync_paths, make_staging_dir
-from megatron_opd.checkpoint.hf_to_mcore import HF_CONFIG_DIR, ConversionResult, copy_hf_side_files, unwrap_dcp_failure
+from megatron_opd.checkpoint.hf_to_mcore import HF_CONFIG_DIR, ConversionResult, copy_hf_side_files
 from megatron_opd.checkpoint.layout import TensorChunk, checkpoint_layout
-from megatron_opd.checkpoint.mcore_io import check_dist_checkpoint
+from megatron_opd.checkpoint.mcore_io import check_dist_checkpoint, load_dist_checkpoint
 from megatron_opd.checkpoint.progress import Progress
 from megatron_opd.checkpoint.safetensors_out import PlannedTensor, ShardPlan, plan_shards
 from megatron_opd.checkpoint.workers import conversion_workers, split_contiguous
@@ -155,14 +155,8 @@ def _export_group(
     progress: Progress | None,
 ) -> tuple[int, int]:
     """Load one group's weights (a collective: every rank calls it, possibly with an empty group)."""
-    from megatron.core import dist_checkpointing
-    from torch.distributed.checkpoint.api import CheckpointException
-
     request = {f"w{i}": read.sharded_tensor() for i, read in enumerate(group)}
-    try:
-        loaded = dist_checkpointing.load(request, str(ckpt), validate_access_integrity=False)
-    except CheckpointException as err:
-        raise unwrap_dcp_failure(err, torch.distributed.get_rank()) from None
+    loaded = load_dist_checkpoint(request, ckpt, validate_access_integrity=False)
     tensors = written = 0
     for i, read in enumerate(group):
         full = read.unwrap(loaded.pop(f"w{i}"))

@@ -76,6 +76,39 @@ def as_rows(logits: torch.Tensor, name: str) -> torch.Tensor:
     return rows_TV if rows_TV.stride(1) == 1 else rows_TV.contiguous()
 
 
+def where_token(flat_index: int, leading_shape: torch.Size) -> str:
+    """``token 3`` for ``[tokens, V]`` inputs, ``position (0, 3)`` for ``[batch, seq, V]`` ones."""
+    if len(leading_shape) <= 1:
+        return f"token {flat_index}"
+    index = []
+    for size in reversed(leading_shape):
+        index.append(flat_index % size)
+        flat_index //= size
+    return f"position {tuple(reversed(index))}"
+
+
+def check_finite_rows(global_max_T2: torch.Tensor, sums_T2: torch.Tensor, leading_shape: torch.Size) -> None:
+    """Raise a ``ValueError`` naming the first token whose student or teacher logits hold a NaN or ``+inf``, or
+    no finite value at all, which would make its loss NaN.
+
+    Reads only the global per-token maxima and sums of ``exp(x - max)`` (column 0 student, 1 teacher), equal on
+    every rank, so every rank raises together: a NaN makes the sum NaN, ``+inf`` makes the max ``+inf`` and the
+    sum NaN, and a row of ``-inf`` leaves the max ``-inf``. One reduction over the tokens; a host sync.
+    """
+    ok_T2 = torch.isfinite(global_max_T2) & torch.isfinite(sums_T2)
+    if bool(ok_T2.all()):  # this is a sync point
+        return
+    bad_T2 = ~ok_T2
+    row = int(bad_T2.any(dim=1).nonzero()[0, 0])
+    name = "student_logits" if bool(bad_T2[row, 0]) else "teacher_logits"
+    col = 0 if name == "student_logits" else 1
+    what = "no finite logit (all -inf)" if float(global_max_T2[row, col]) == float("-inf") else "a NaN or +inf logit"
+    raise ValueError(
+        f"{name} has {what} at {where_token(row, leading_shape)}; fix the logits there (-inf may mask some of a "
+        "token's columns, but each token needs a finite logit), or pass validate=False to skip this check"
+    )
+
+
 class _DenseDivergence(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -90,6 +123,8 @@ class _DenseDivergence(torch.autograd.Function):
         shard: VocabShard,
         ops: LocalOps,
         inplace_backward: bool,
+        validate: bool,
+        leading_shape: torch.Size,
     ) -> torch.Tensor:
         n_tokens, n_valid = student_TV.shape[0], shard.valid_width
         cd = compute_dtype(student_TV.dtype)
@@ -120,6 +155,8 @@ class _DenseDivergence(torch.autograd.Function):
             )
         sums_T3[:, :2] *= factor_T2
         all_reduce_sum_(sums_T3, shard)
+        if validate:
+            check_finite_rows(global_max_T2, sums_T3[:, :2], leading_shape)
 
         log_sums_T2 = torch.log(sums_T3[:, :2])
         lse_T2 = finite_or_zero(global_max_T2) + log_sums_T2
@@ -171,7 +208,7 @@ class _DenseDivergence(torch.autograd.Function):
                 beta,
                 grad_TV[lo:hi, :n_valid],
             )
-        return grad_TV, None, None, None, None, None, None, None, None, None
+        return grad_TV, None, None, None, None, None, None, None, None, None, None, None
 
 
 def dense_divergence(
@@ -185,6 +222,7 @@ def dense_divergence(
     chunk_size: int | None = None,
     group: dist.ProcessGroup | None = None,
     vocab_size: int | None = None,
+    validate: bool = True,
     inplace_backward: bool = False,
     backend: str = "auto",
 ) -> torch.Tensor:
@@ -204,6 +242,10 @@ def dense_divergence(
             tensor-parallel group if ``parallel_state`` is initialised, else a single process.
         vocab_size: the true vocabulary size when the shards include Megatron's padding columns; those columns
             are excluded from both distributions and get zero gradient. Defaults to the full padded width.
+        validate: raise a ``ValueError`` naming the first token whose student or teacher logits hold a NaN or
+            ``+inf`` or no finite value (``-inf`` alone is fine: a masked token). Read from the per-token statistics
+            the loss computes anyway: one reduction over the tokens and a host sync. With ``False`` such tokens
+            give NaN (for ``jsd`` possibly finite, meaningless) losses; a trainer with its own NaN check passes it.
         inplace_backward: write the gradient into ``student_logits``' storage (saves ``tokens x V/TP`` memory,
             as Megatron's vocab-parallel cross entropy does); the logits must not be used after backward.
         backend: ``"auto"`` (Triton kernels on CUDA when available), ``"torch"`` or ``"triton"``.
@@ -228,7 +270,7 @@ def dense_divergence(
     shard = make_vocab_shard(student_TV.shape[1], group, vocab_size)
     ops = select_local_ops(backend, student_TV.device)
     rows = chunk_rows(chunk_size, student_TV.shape[0], shard.valid_width, ops, student_TV.device)
-    loss_T = _DenseDivergence.apply(
-        student_TV, teacher_TV, kind, beta, inv_ts, inv_tt, rows, shard, ops, inplace_backward
-    )
-    return loss_T.reshape(student_logits.shape[:-1])
+    lead = student_logits.shape[:-1]
+    args = (kind, beta, inv_ts, inv_tt, rows, shard, ops, inplace_backward, validate, lead)
+    loss_T = _DenseDivergence.apply(student_TV, teacher_TV, *args)
+    return loss_T.reshape(lead)

@@ -31,7 +31,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from megatron_opd.losses.dense import as_rows, check_inplace, check_temperature, chunk_rows
+from megatron_opd.losses.dense import as_rows, check_inplace, check_temperature, chunk_rows, where_token
 from megatron_opd.losses.divergences import DivergenceKind, elementwise_divergence, resolve_kind
 from megatron_opd.losses.local_ops import LocalOps, compute_dtype, select_local_ops
 from megatron_opd.losses.vocab_parallel import (
@@ -55,16 +55,6 @@ MASS_TOLERANCE = 1e-3
 that the input is rejected, and below it any excess over 1 is treated as an empty teacher tail."""
 
 
-def _where_token(flat_index: int, leading_shape: torch.Size) -> str:
-    if len(leading_shape) <= 1:
-        return f"token {flat_index}"
-    index = []
-    for size in reversed(leading_shape):
-        index.append(flat_index % size)
-        flat_index //= size
-    return f"position {tuple(reversed(index))}"
-
-
 def _first_row(bad_T: torch.Tensor) -> int | None:
     if not bool(bad_T.any()):
         return None
@@ -78,8 +68,13 @@ def validate_topk(
     kind: str,
     tail: str,
     leading_shape: torch.Size,
+    *,
+    unsharded_guess: bool = False,
 ) -> None:
     """Raise ``ValueError`` naming the first offending token for inputs the losses cannot handle.
+
+    ``unsharded_guess=True`` (no tensor-parallel group and no ``vocab_size``: the logits' width was taken as the
+    vocabulary) adds to an out-of-range id's message that logits which are one rank's shard need a group.
 
     Accepted: ``-inf`` log-probabilities (an id the teacher gives zero mass, e.g. padding of a short top-k list)
     for ``forward_kl`` and ``jsd``. Rejected: non-integer ids, ``k`` larger than the vocabulary, ids outside
@@ -91,16 +86,21 @@ def validate_topk(
     if bad is not None:
         row_K = ids_TK[bad]
         value = int(row_K[(row_K < 0) | (row_K >= vocab_size)][0])
+        shard_hint = (
+            "; or, if student_logits is one rank's shard of the vocabulary, no tensor-parallel group was found: "
+            "pass group= (and vocab_size=) or initialise Megatron's parallel state"
+        )
         raise ValueError(
-            f"teacher_topk_ids has id {value} at {_where_token(bad, leading_shape)}, outside [0, vocab_size="
+            f"teacher_topk_ids has id {value} at {where_token(bad, leading_shape)}, outside [0, vocab_size="
             f"{vocab_size}); map teacher ids into the student's vocabulary (and drop ids it lacks) before calling"
+            + (shard_hint if unsharded_guess else "")
         )
     if ids_TK.shape[1] > 1:
         sorted_TK = ids_TK.sort(dim=1).values
         bad = _first_row((sorted_TK[:, 1:] == sorted_TK[:, :-1]).any(dim=1))
         if bad is not None:
             raise ValueError(
-                f"teacher_topk_ids contains duplicate ids at {_where_token(bad, leading_shape)}; deduplicate before "
+                f"teacher_topk_ids contains duplicate ids at {where_token(bad, leading_shape)}; deduplicate before "
                 "calling (pad a short list with unused ids and -inf log-probabilities)"
             )
     checks = [
@@ -118,19 +118,19 @@ def validate_topk(
     for bad_TK, what, fix in checks:
         bad = _first_row(bad_TK.any(dim=1))
         if bad is not None:
-            raise ValueError(f"teacher_topk_logprobs {what} at {_where_token(bad, leading_shape)}; {fix}")
+            raise ValueError(f"teacher_topk_logprobs {what} at {where_token(bad, leading_shape)}; {fix}")
     lse_T = torch.logsumexp(logprobs_TK.double(), dim=1)
     bad = _first_row(lse_T > math.log1p(MASS_TOLERANCE))
     if bad is not None:
         raise ValueError(
             f"teacher_topk_logprobs sum to probability {math.exp(float(lse_T[bad])):.6f} > 1 at "
-            f"{_where_token(bad, leading_shape)}; pass log-probabilities normalised over the full vocabulary"
+            f"{where_token(bad, leading_shape)}; pass log-probabilities normalised over the full vocabulary"
         )
     if tail == "renorm":
         bad = _first_row(lse_T == float("-inf"))
         if bad is not None:
             raise ValueError(
-                f"teacher_topk_logprobs are all -inf at {_where_token(bad, leading_shape)}; "
+                f"teacher_topk_logprobs are all -inf at {where_token(bad, leading_shape)}; "
                 "tail='renorm' has nothing to renormalise there (mask that token or use tail='bucket')"
             )
 
@@ -307,7 +307,8 @@ def topk_divergence(
             f"teacher top-k has k={k} ids per token, more than vocab_size={shard.vocab_size}; send at most that many"
         )
     if validate:
-        validate_topk(ids_TK, logprobs_TK, shard.vocab_size, kind, tail, lead)
+        guessed = shard.group is None and vocab_size is None
+        validate_topk(ids_TK, logprobs_TK, shard.vocab_size, kind, tail, lead, unsharded_guess=guessed)
     ops = select_local_ops(backend, student_TV.device)
     rows = chunk_rows(chunk_size, student_TV.shape[0], shard.valid_width, ops, student_TV.device)
     loss_T = _TopkDivergence.apply(

@@ -86,6 +86,14 @@ def make_vocab_shard(width: int, group: dist.ProcessGroup | None, vocab_size: in
     padded = width * world_size
     if vocab_size is None:
         vocab_size = padded
+    if group is None and vocab_size > padded:
+        # A shard with no group to reduce over would give per-shard losses and blame ids on other shards.
+        raise ValueError(
+            f"vocab_size={vocab_size} is larger than the logits' {width} columns, so they look like one rank's shard "
+            "of the vocabulary, but no tensor-parallel group is available (group=None and Megatron's parallel_state "
+            "is not initialised): pass group= (the tensor-parallel group) or initialise Megatron's parallel state "
+            f"first; for unsharded logits vocab_size must be at most {width}"
+        )
     if not 1 <= vocab_size <= padded:
         raise ValueError(
             f"vocab_size={vocab_size} must be between 1 and the padded vocabulary {padded} "

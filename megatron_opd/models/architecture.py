@@ -21,6 +21,21 @@ class UnsupportedArchitectureError(ValueError):
     """The config names a model family megatron-opd cannot build."""
 
 
+class ConfigFileError(ValueError):
+    """``config.json`` is not valid JSON, or lacks or mistypes a field every supported model sets."""
+
+
+def check_vocab_padding(tensor_parallel_size: int, make_vocab_size_divisible_by: int) -> None:
+    """Raise a ValueError naming the option unless both padding factors are positive integers (0 would divide
+    by zero, a negative one would shrink the vocabulary)."""
+    for name, value, usual in (
+        ("make_vocab_size_divisible_by (--make-vocab-size-divisible-by)", make_vocab_size_divisible_by, "128"),
+        ("tensor_parallel_size", tensor_parallel_size, "1 without tensor parallelism"),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer (usually {usual}), got {value!r}")
+
+
 @dataclass(frozen=True)
 class RopeConfig:
     """Rotary position embedding parameters."""
@@ -68,6 +83,7 @@ class ModelArchitecture:
 
     def padded_vocab_size(self, tensor_parallel_size: int, make_vocab_size_divisible_by: int = 128) -> int:
         """Vocabulary padded so every tensor-parallel rank holds an equal, aligned slice (Megatron's rule)."""
+        check_vocab_padding(tensor_parallel_size, make_vocab_size_divisible_by)
         multiple = make_vocab_size_divisible_by * tensor_parallel_size
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
@@ -111,13 +127,32 @@ def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
     )
 
 
-def architecture_from_hf_config(cfg: dict[str, Any]) -> ModelArchitecture:
-    """Read a Hugging Face ``config.json`` dict; raise ``UnsupportedArchitectureError`` for other families."""
+def _positive_int(cfg: dict[str, Any], name: str, source: str, default: int | None = None) -> int:
+    """``cfg[name]`` as a positive int, else a ``ConfigFileError`` naming the file and the field."""
+    value = cfg.get(name)
+    if not value and default is not None:  # a null or 0 optional field means "use the default"
+        value = default
+    if value is None:
+        raise ConfigFileError(
+            f"{source} has no {name!r}, which every llama/qwen2/qwen3 config sets; point at the model's own "
+            "config.json (not a generation or adapter config) or add the field"
+        )
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not number or value != int(value) or value < 1:
+        raise ConfigFileError(f"{source} field {name!r} must be a positive integer, got {value!r}; fix the file")
+    return int(value)
+
+
+def architecture_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelArchitecture:
+    """Read a Hugging Face ``config.json`` dict (``source`` names it in errors); raise
+    ``UnsupportedArchitectureError`` for other families and ``ConfigFileError`` for missing or mistyped fields."""
+    if not isinstance(cfg, dict):
+        raise ConfigFileError(f"{source} must hold a JSON object, got {type(cfg).__name__}; fix or replace the file")
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         archs = cfg.get("architectures")
         raise UnsupportedArchitectureError(
-            f"config.json model_type={model_type!r} (architectures={archs}) is not supported; "
+            f"{source} model_type={model_type!r} (architectures={archs}) is not supported; "
             f"supported model types: {sorted(SUPPORTED_MODEL_TYPES)}"
         )
     family = SUPPORTED_MODEL_TYPES[model_type]
@@ -129,9 +164,15 @@ def architecture_from_hf_config(cfg: dict[str, Any]) -> ModelArchitecture:
         raise UnsupportedArchitectureError("config.json mlp_bias=true is not supported")
     if cfg.get("use_sliding_window"):
         raise UnsupportedArchitectureError("config.json use_sliding_window=true is not supported")
-    heads = int(cfg["num_attention_heads"])
-    hidden = int(cfg["hidden_size"])
-    head_dim = cfg.get("head_dim") or hidden // heads
+    heads = _positive_int(cfg, "num_attention_heads", source)
+    hidden = _positive_int(cfg, "hidden_size", source)
+    head_dim = _positive_int(cfg, "head_dim", source, default=hidden // heads or None)
+    try:
+        rms_norm_eps = float(cfg.get("rms_norm_eps", 1e-6))
+    except (TypeError, ValueError):
+        raise ConfigFileError(
+            f"{source} field 'rms_norm_eps' must be a number, got {cfg['rms_norm_eps']!r}; fix the file"
+        ) from None
     if family == "qwen2":
         qkv_bias = cfg.get("attention_bias", True) is not False
     else:
@@ -141,15 +182,15 @@ def architecture_from_hf_config(cfg: dict[str, Any]) -> ModelArchitecture:
         raise UnsupportedArchitectureError(f"config.json attention_bias=true is not supported for {family} models")
     return ModelArchitecture(
         family=family,
-        vocab_size=int(cfg["vocab_size"]),
+        vocab_size=_positive_int(cfg, "vocab_size", source),
         hidden_size=hidden,
-        num_layers=int(cfg["num_hidden_layers"]),
+        num_layers=_positive_int(cfg, "num_hidden_layers", source),
         num_attention_heads=heads,
-        num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(head_dim),
-        ffn_hidden_size=int(cfg["intermediate_size"]),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        num_key_value_heads=_positive_int(cfg, "num_key_value_heads", source, default=heads),
+        head_dim=head_dim,
+        ffn_hidden_size=_positive_int(cfg, "intermediate_size", source),
+        max_position_embeddings=_positive_int(cfg, "max_position_embeddings", source, default=4096),
+        rms_norm_eps=rms_norm_eps,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         qk_norm=family == "qwen3",
@@ -159,9 +200,15 @@ def architecture_from_hf_config(cfg: dict[str, Any]) -> ModelArchitecture:
 
 
 def load_architecture(hf_dir: str | Path) -> ModelArchitecture:
-    """Read ``hf_dir/config.json``."""
+    """Read ``hf_dir/config.json``; a ``ConfigFileError`` names the file when it is not valid JSON."""
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: point --hf-dir/hf_dir at a Hugging Face model folder")
-    with open(path) as f:
-        return architecture_from_hf_config(json.load(f))
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigFileError(
+            f"{path} is not valid JSON ({err}); it is damaged or not a config.json: copy it again from the model"
+        ) from None
+    return architecture_from_hf_config(cfg, source=str(path))

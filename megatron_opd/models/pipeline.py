@@ -26,17 +26,22 @@ def forward_backward(
 ) -> list[Any]:
     """Forward (and backward unless ``forward_only``) every micro-batch through ``chunks``.
 
-    Each micro-batch holds ``tokens`` ``[b, s]`` and optionally ``position_ids``; all must have the
-    same shape. Returns the data ``loss_fn`` returned, one entry per micro-batch, on the last
+    Each micro-batch holds ``tokens`` ``[b, s]`` and optionally ``position_ids``. With pipeline
+    parallelism all must have the same shape (stages exchange activations of one shape); without it,
+    ``s`` may differ between micro-batches, so each is padded only to its own longest sequence. Returns the data ``loss_fn`` returned, one entry per micro-batch, on the last
     pipeline stage (an empty list elsewhere). Gradients accumulate into ``param.grad`` (or DDP's
     ``main_grad``); the loss of each micro-batch is divided by the number of micro-batches.
     """
+    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not micro_batches:
         raise ValueError("micro_batches is empty")
     batch_size, seq_len = micro_batches[0]["tokens"].shape
+    one_stage = parallel_state.get_pipeline_model_parallel_world_size() == 1
     for i, mb in enumerate(micro_batches):
+        if one_stage:
+            continue
         if tuple(mb["tokens"].shape) != (batch_size, seq_len):
             raise ValueError(
                 f"micro_batches[{i}]['tokens'] has shape {tuple(mb['tokens'].shape)}, expected {(batch_size, seq_len)}"
@@ -48,7 +53,7 @@ def forward_backward(
         tokens = batch["tokens"]
         position_ids = batch.get("position_ids")
         if position_ids is None:
-            position_ids = torch.arange(seq_len, device=tokens.device).unsqueeze(0).expand_as(tokens)
+            position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
         output = model(tokens, position_ids, None)
 
         def reduce(output_tensor: torch.Tensor):

@@ -48,8 +48,20 @@ class TrainBatch:
         """``[N, S]`` the token each position predicts (the last column, never trained, repeats padding)."""
         return torch.cat([self.tokens[:, 1:], self.tokens[:, -1:]], dim=1)
 
-    def micro_batches(self, micro_batch_size: int, extra: dict[str, torch.Tensor] | None = None) -> list[dict]:
-        """Split into micro-batches of ``micro_batch_size`` samples; ``extra`` tensors ``[N, ...]`` are split too."""
+    def micro_batches(
+        self,
+        micro_batch_size: int,
+        extra: dict[str, torch.Tensor] | None = None,
+        *,
+        trim: bool = False,
+        pad_multiple: int = 8,
+    ) -> list[dict]:
+        """Split into micro-batches of ``micro_batch_size`` samples; ``extra`` tensors ``[N, S, ...]`` are split too.
+
+        ``trim``: cut each micro-batch to its own longest sample (rounded up to ``pad_multiple``) instead of the
+        step's, so no compute goes to padding beyond it (only without pipeline parallelism, whose stages exchange
+        activations of one shape). Trimmed positions predict nothing that is trained, so the loss is unchanged.
+        """
         if self.num_samples % micro_batch_size:
             raise ValueError(
                 f"{self.num_samples} samples per data-parallel rank (train.prompts_per_step / data-parallel size x "
@@ -64,7 +76,12 @@ class TrainBatch:
         columns.update(extra or {})
         out = []
         for lo in range(0, self.num_samples, micro_batch_size):
-            out.append({name: value[lo : lo + micro_batch_size] for name, value in columns.items()})
+            hi = lo + micro_batch_size
+            mb = {name: value[lo:hi] for name, value in columns.items()}
+            if trim:
+                length = _padded_length(max(self.lengths[lo:hi]), pad_multiple, self.seq_len)
+                mb = {k: v[:, :length] if v.dim() >= 2 and v.shape[1] == self.seq_len else v for k, v in mb.items()}
+            out.append(mb)
         return out
 
 

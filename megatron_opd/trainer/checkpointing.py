@@ -212,16 +212,13 @@ class CheckpointManager:
     # ---- loading ---------------------------------------------------------------------------------------------
     def load(self, path: Path, sharded_state_dict: dict) -> dict:
         """Load ``sharded_state_dict`` from checkpoint ``path`` (a collective); damaged files give a clear error."""
-        from megatron.core import dist_checkpointing
+        from megatron_opd.checkpoint.mcore_io import load_dist_checkpoint
 
         try:
-            return dist_checkpointing.load(sharded_state_dict, str(path))
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as err:  # noqa: BLE001 - DCP wraps read errors in CheckpointException(BaseException)
+            return load_dist_checkpoint(sharded_state_dict, path)
+        except CheckpointError as err:
             raise CheckpointError(
-                f"checkpoint {path} could not be loaded ({type(err).__name__}: {err}); it is incomplete or damaged. "
-                f"Point {self.dir / LATEST} at an earlier step_N folder, or remove it to start from scratch"
+                f"{err}. Point {self.dir / LATEST} at an earlier step_N folder, or remove it to start from scratch"
             ) from err
 
 

@@ -108,6 +108,7 @@ def make_loss_fn(
                 teacher_temperature=teacher_temperature,
                 chunk_size=cfg.chunk_size,
                 vocab_size=vocab_size,
+                validate=False,  # the trainer checks the step's loss itself and names the step (no host sync here)
                 inplace_backward=True,
             )
         weighted_BS = per_token_BS * mb["seq_weights"][:, None].to(per_token_BS.dtype)
@@ -165,7 +166,12 @@ def train_step(
     """One optimizer step of ``student`` on ``batch`` (and the teacher's ``scores``; None for SFT)."""
     from megatron.core import parallel_state as ps
 
-    micro_batches = batch.micro_batches(micro_batch_size, teacher_columns(scores) if scores is not None else {})
+    micro_batches = batch.micro_batches(
+        micro_batch_size,
+        teacher_columns(scores) if scores is not None else {},
+        trim=ps.get_pipeline_model_parallel_world_size() == 1,
+        pad_multiple=8 * ps.get_tensor_model_parallel_world_size(),  # sequence parallelism splits S over TP
+    )
     loss_fn = make_loss_fn(
         cfg,
         vocab_size=vocab_size,

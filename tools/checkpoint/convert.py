@@ -32,6 +32,17 @@ def parse_size(text: str) -> int:
     return int(float(number) * (1024 if binary else 1000) ** power)
 
 
+def positive_int(text: str) -> int:
+    """A count or multiple that must be at least 1 (0 would divide by zero)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="convert.py",
@@ -50,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     to_mcore.add_argument(
         "--make-vocab-size-divisible-by",
-        type=int,
+        type=positive_int,
         default=128,
         help="vocabulary padding multiple per tensor-parallel rank (Megatron's option of the same name)",
     )
