@@ -7,6 +7,7 @@ the update) plug in here with the same ``next_batch`` contract.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -57,7 +58,7 @@ class ZeroStepOff:
     def next_batch(self, prompt_token_ids: list[list[int]], policy_version: int, seed: int) -> ScoredBatch:
         """Rollouts of these prompts by the weights of ``policy_version``, packed and scored by the teacher."""
         t0 = time.perf_counter()
-        sampling = SamplingParams(**{**self.sampling.__dict__, "seed": seed})
+        sampling = dataclasses.replace(self.sampling, seed=seed)
         rollouts = self.rollout.generate(prompt_token_ids, sampling, self.n).result()
         if rollouts.policy_version != policy_version:
             raise RuntimeError(

@@ -11,6 +11,7 @@ counts once: only its first tensor-parallel rank of the last pipeline stage cont
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -84,7 +85,7 @@ class Evaluator:
         )
         self.teacher_batch: TrainBatch | None = None
         if teacher is not None and teacher_sampler is not None and cfg.eval.teacher_responses:
-            greedy = SamplingParams(**{**self.sampling.__dict__, "temperature": 0.0})
+            greedy = dataclasses.replace(self.sampling, temperature=0.0)
             prompts = [item.prompt_ids for item in eval_set.items]
             rollouts = teacher_sampler.generate(prompts, greedy, 1).result()
             self.teacher_batch = pack_rollouts(rollouts, pad_token_id=pad_token_id, max_len=max_len)
