@@ -91,10 +91,8 @@ def _grads_body(model_dir: str, tokens: torch.Tensor):
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     from megatron_opd.distributed import initialize_distributed, initialize_model_parallel
-    from megatron_opd.distributed.gather import gather_tp_shards
-    from megatron_opd.models.loading import chunk_layer_range
-    from megatron_opd.models.name_mapping import global_layer_name, rules_by_megatron_name, unshard
     from megatron_opd.models.pipeline import forward_backward
+    from megatron_opd.models.reference import full_tensors
 
     def ce(logits, batch):
         labels = torch.roll(batch["tokens"], -1, dims=1)
@@ -103,15 +101,8 @@ def _grads_body(model_dir: str, tokens: torch.Tensor):
 
     def run(parallel: ParallelConfig):
         arch, chunks = _load(parallel, model_dir, trainable=True)
-        rules = rules_by_megatron_name(arch)
         losses = forward_backward(chunks, [{"tokens": t} for t in tokens], ce)
-        grads = {}
-        for chunk in chunks:
-            offset = chunk_layer_range(chunk).start
-            for local_name, param in chunk.named_parameters():
-                name = global_layer_name(local_name, offset)
-                shards = gather_tp_shards(param.grad, ps.get_tensor_model_parallel_group())
-                grads[name] = unshard(rules[name], shards)
+        grads = full_tensors(chunks, arch, ps.get_tensor_model_parallel_group(), of="grad")
         loss = torch.stack(losses).mean() if losses else None
         return loss, grads
 

@@ -26,31 +26,13 @@ def _fixed_batch():
     return pack(prompts, responses, masks, pad_token_id=0, seq_len=S)
 
 
-def _full_params(chunks, arch) -> dict[str, torch.Tensor]:
-    """Unsharded parameters by global name (this pipeline stage's), gathered over tensor-parallel ranks."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_opd.distributed.gather import gather_tp_shards
-    from megatron_opd.models.loading import chunk_layer_range
-    from megatron_opd.models.name_mapping import global_layer_name, rules_by_megatron_name, unshard
-
-    rules = rules_by_megatron_name(arch)
-    out = {}
-    for chunk in chunks:
-        offset = chunk_layer_range(chunk).start
-        for local_name, param in chunk.named_parameters():
-            name = global_layer_name(local_name, offset)
-            shards = gather_tp_shards(param.data, ps.get_tensor_model_parallel_group())
-            out[name] = unshard(rules[name], shards).clone()
-    return out
-
-
 def _step_body(layout: dict, dirs: dict[str, str]):
     from megatron.core import parallel_state as ps
 
     from megatron_opd.distributed import initialize_distributed
     from megatron_opd.distributed.device import detect_accelerator
     from megatron_opd.models import load_architecture
+    from megatron_opd.models.reference import full_tensors
     from megatron_opd.models.source import build_and_load
     from megatron_opd.teacher.inprocess import InProcessTeacher
     from megatron_opd.trainer.config import LossConfig, OptimConfig
@@ -95,7 +77,7 @@ def _step_body(layout: dict, dirs: dict[str, str]):
             teacher_temperature=1.0,
             micro_batch_size=min(2, per_rank),
         )
-        params = _full_params(student.chunks, load_architecture(dirs["student"]))  # a collective over TP ranks
+        params = full_tensors(student.chunks, load_architecture(dirs["student"]), ps.get_tensor_model_parallel_group())
         params = params if tp[1] == 0 and dp_rank == 0 else {}
         results[mode] = (result.stats.loss, result.grad_norm, params)
     return results

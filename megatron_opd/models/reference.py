@@ -1,4 +1,4 @@
-"""Reference logits from transformers' own forward, to check Megatron models and converted checkpoints against."""
+"""References to check Megatron models and converted checkpoints against: transformers' logits, full tensors."""
 
 from __future__ import annotations
 
@@ -14,3 +14,20 @@ def hf_logits(hf_dir: str | os.PathLike, tokens: torch.Tensor) -> torch.Tensor:
     model = AutoModelForCausalLM.from_pretrained(hf_dir).float().eval()
     with torch.no_grad():
         return model(input_ids=tokens).logits.float()
+
+
+def full_tensors(chunks: list, arch, group, of: str = "data") -> dict[str, torch.Tensor]:
+    """This pipeline stage's parameters (``of="data"``) or gradients (``of="grad"``), unsharded, by global Megatron
+    name (layer indices across all stages): a collective over the tensor-parallel ``group``."""
+    from megatron_opd.distributed.gather import gather_tp_shards
+    from megatron_opd.models.loading import chunk_layer_range
+    from megatron_opd.models.name_mapping import global_layer_name, rules_by_megatron_name, unshard
+
+    rules = rules_by_megatron_name(arch)
+    out = {}
+    for chunk in chunks:
+        offset = chunk_layer_range(chunk).start
+        for local_name, param in chunk.named_parameters():
+            name = global_layer_name(local_name, offset)
+            out[name] = unshard(rules[name], gather_tp_shards(getattr(param, of), group)).clone()
+    return out
