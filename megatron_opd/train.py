@@ -76,9 +76,22 @@ def resume(ckpt: CheckpointManager, student: Student, data: PromptStream, cfg: T
 
 
 def build_data(cfg: TrainConfig, encoder: PromptEncoder, files: list[str], key: str, max_prompt_len: int, batch: int):
+    """The prompt stream of ``files``; for SFT, records whose prompt + response exceed the context are skipped."""
     from megatron.core import parallel_state as ps
 
     records, prompt_ids = load_prompts(files, encoder, key)
+    if cfg.loss.kind == "sft":
+        fits = [
+            len(ids) + len(encoder.response_ids(rec, where=f"{key} record {i}")) <= max_prompt_len + 1
+            for i, (ids, rec) in enumerate(zip(prompt_ids, records))
+        ]
+        if not all(fits):
+            logger.warning(
+                "skipped %d of %d records of %s whose prompt + response is longer than %d tokens (never truncated)",
+                fits.count(False), len(fits), key, max_prompt_len + 1,
+            )  # fmt: skip
+            records = [r for r, ok in zip(records, fits) if ok]
+            prompt_ids = [p for p, ok in zip(prompt_ids, fits) if ok]
     return PromptStream(
         prompt_ids,
         records,

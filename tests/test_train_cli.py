@@ -285,3 +285,18 @@ def test_dist_ckpt_models_match_hugging_face_folders(pair, tmp_path):
     )
     assert code == 0, out[-3000:]
     assert losses(tmp_path / "mcore") == losses(tmp_path / "hf")
+
+
+def test_sft_skips_records_longer_than_the_context(pair, tmp_path):
+    """loss.kind=sft: a record whose prompt + response exceed train.max_seq_len is skipped and counted, not cut."""
+    data = tmp_path / "sft.jsonl"
+    with open(data, "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"prompt": f"tensor {i}", "response": "student " * (40 if i == 3 else 2)}) + "\n")
+    overrides = pair.overrides(tmp_path / "sft", **{"loss.kind": "sft", "data.train_files": data, "train.steps": 2,
+                                                     "train.max_seq_len": 32, "data.eval_files": "[]",
+                                                     "export_hf": False})  # fmt: skip
+    code, out = run([o for o in overrides if not o.startswith("teacher.path")], nproc=1)
+    assert code == 0, out[-3000:]
+    assert "skipped 1 of 8 records of data.train_files whose prompt + response is longer than 32 tokens" in out
+    assert sorted(losses(tmp_path / "sft")) == [1, 2]
