@@ -20,10 +20,10 @@ import torch.distributed as dist
 from megatron_opd.data.stream import PromptItem
 from megatron_opd.distributed.device import collective_device
 from megatron_opd.interfaces import RolloutBackend, SamplingParams
-from megatron_opd.losses import dense_divergence, topk_divergence
 from megatron_opd.models.pipeline import forward_backward
 from megatron_opd.trainer.batch import TrainBatch, pack_rollouts
 from megatron_opd.trainer.config import TrainConfig
+from megatron_opd.trainer.objective import teacher_columns, teacher_divergence
 
 
 @dataclass
@@ -95,35 +95,18 @@ class Evaluator:
         """Sum of per-token divergences over response tokens, and their count (on the reporting rank)."""
         scores = self.teacher.score(batch.tokens).result()
         mbs = batch.num_samples
-        extra = {}
-        if scores.topk_ids is not None:
-            extra = {"teacher_topk_ids": scores.topk_ids, "teacher_topk_logprobs": scores.topk_logprobs}
-        elif scores.dense_logits is not None:
-            extra = {"teacher_logits": scores.dense_logits}
-        cfg = self.cfg
+        extra = teacher_columns(scores)
 
         def measure(logits_BSV: torch.Tensor, mb: dict):
-            if "teacher_topk_ids" in mb:
-                d = topk_divergence(
-                    logits_BSV,
-                    mb["teacher_topk_ids"],
-                    mb["teacher_topk_logprobs"],
-                    self.kind,
-                    beta=cfg.loss.beta,
-                    tail=cfg.loss.tail,
-                    vocab_size=self.vocab_size,
-                    validate=False,
-                )
-            else:
-                d = dense_divergence(
-                    logits_BSV,
-                    mb["teacher_logits"],
-                    self.kind,
-                    beta=cfg.loss.beta,
-                    teacher_temperature=cfg.teacher.temperature,
-                    vocab_size=self.vocab_size,
-                    validate=False,  # a broken teacher shows as a NaN metric; the training step stops the run
-                )
+            d = teacher_divergence(
+                logits_BSV,
+                mb,
+                self.cfg.loss,
+                self.kind,
+                vocab_size=self.vocab_size,
+                teacher_temperature=self.cfg.teacher.temperature,
+                inplace_backward=False,
+            )
             mask = mb["loss_mask"] != 0
             return logits_BSV.new_zeros(()), (float(torch.where(mask, d, 0.0).sum()), float(mask.sum()))
 

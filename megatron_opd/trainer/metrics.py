@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +99,3 @@ class MetricsLogger:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
-
-
-def is_rank0() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0

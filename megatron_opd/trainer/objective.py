@@ -58,6 +58,30 @@ def sft_per_token(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, vocab_size:
     return vocab_parallel_cross_entropy(logits, labels_BS)
 
 
+def teacher_divergence(
+    logits_BSV: torch.Tensor,
+    mb: dict,
+    cfg: LossConfig,
+    kind: str,
+    *,
+    vocab_size: int,
+    teacher_temperature: float,
+    inplace_backward: bool,
+) -> torch.Tensor:
+    """Per-token divergence ``[B, S]`` of the student's shard to the teacher's scores in ``mb`` (top-k or dense).
+
+    No input validation: the in-process teacher's top-k is valid by construction, and a NaN/inf loss is caught
+    once per step by the trainer (which names the step) instead of by a host sync per micro-batch.
+    """
+    common = dict(beta=cfg.beta, student_temperature=cfg.student_temperature, chunk_size=cfg.chunk_size,
+                  vocab_size=vocab_size, validate=False, inplace_backward=inplace_backward)  # fmt: skip
+    if "teacher_topk_ids" in mb:
+        return topk_divergence(
+            logits_BSV, mb["teacher_topk_ids"], mb["teacher_topk_logprobs"], kind, tail=cfg.tail, **common
+        )
+    return dense_divergence(logits_BSV, mb["teacher_logits"], kind, teacher_temperature=teacher_temperature, **common)
+
+
 def make_loss_fn(
     cfg: LossConfig,
     *,
@@ -80,35 +104,20 @@ def make_loss_fn(
         if cfg.kind == "sft":
             target_top1_BS = mb["labels"]
             per_token_BS = sft_per_token(logits_BSV, mb["labels"], vocab_size)
-        elif "teacher_topk_ids" in mb:
-            target_top1_BS = mb["teacher_topk_ids"][..., 0]
-            per_token_BS = topk_divergence(
-                logits_BSV,
-                mb["teacher_topk_ids"],
-                mb["teacher_topk_logprobs"],
-                cfg.kind,
-                beta=cfg.beta,
-                tail=cfg.tail,
-                student_temperature=cfg.student_temperature,
-                chunk_size=cfg.chunk_size,
-                vocab_size=vocab_size,
-                validate=False,  # the in-process teacher's top-k is valid by construction
-                inplace_backward=True,
-            )
         else:
-            teacher_BSV = mb["teacher_logits"]
             with torch.no_grad():
-                target_top1_BS = global_argmax(teacher_BSV, shard)
-            per_token_BS = dense_divergence(
+                if "teacher_topk_ids" in mb:
+                    target_top1_BS = mb["teacher_topk_ids"][..., 0]
+                else:
+                    target_top1_BS = global_argmax(mb["teacher_logits"], shard)
+            # In place: the output layer's logits are not needed after the loss.
+            per_token_BS = teacher_divergence(
                 logits_BSV,
-                teacher_BSV,
+                mb,
+                cfg,
                 cfg.kind,
-                beta=cfg.beta,
-                student_temperature=cfg.student_temperature,
-                teacher_temperature=teacher_temperature,
-                chunk_size=cfg.chunk_size,
                 vocab_size=vocab_size,
-                validate=False,  # the trainer checks the step's loss itself and names the step (no host sync here)
+                teacher_temperature=teacher_temperature,
                 inplace_backward=True,
             )
         weighted_BS = per_token_BS * mb["seq_weights"][:, None].to(per_token_BS.dtype)
