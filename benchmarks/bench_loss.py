@@ -1,29 +1,36 @@
-"""Peak memory and time of the vocab-parallel divergence losses against the obvious alternatives.
+"""Peak memory and time of the vocab-parallel divergence losses against verl's algorithm and other baselines.
 
 CPU (default): TP ranks are spawned once with gloo, each holding a ``[tokens, V/TP]`` shard (one thread per
-rank); every token count gets fresh inputs, shared by its variants. Variants:
+rank); every token count gets fresh inputs, shared by all its kinds, tails and variants. Variants:
 
+- ``verl``: verl GKD's vocab-parallel top-k KL algorithm, written here from its description (not its code):
+  unchunked, the softmax written over the logits in place, forward KL over the teacher's top-k with the tail
+  ignored, gradient ``q - p`` written into the same storage. It exists only for ``--mode topk`` forward KL with
+  ``ignore`` tail (the only case verl has) and is then the reference of the ratio columns;
 - ``all-gather``: gather the student's and teacher's vocabulary shards to ``[tokens, V]`` and use ``log_softmax``
-  over the full vocabulary with plain autograd (what one writes without vocab-parallel losses);
-- ``unchunked``: this implementation with one chunk holding every token (a vocab-parallel loss that keeps
-  ``[tokens, V/TP]`` temporaries);
-- ``chunked``: this implementation as called by default (automatic chunking);
-- ``chunked+inplace``: the same, writing the gradient into the logits' storage (``inplace_backward=True``).
+  over the full vocabulary with plain autograd (forward KL only; top-k with the bucket tail);
+- ``unchunked``: this implementation with one chunk holding every token (keeps ``[tokens, V/TP]`` temporaries);
+  the reference of the ratio columns for every kind and tail verl does not have;
+- ``chunked``: this implementation as called by default (automatic chunking, a fresh gradient);
+- ``chunked+inplace``: the trainer's loss path, called as the trainer calls it (automatic chunking,
+  ``inplace_backward=True``, ``validate=False``).
 
 Peak memory per rank is the highest anonymous resident memory (resident minus file-backed pages, sampled every
 0.5 ms from ``/proc/self/statm`` in a thread) during one forward+backward, minus its value at the start, with glibc
 told to return freed blocks to the OS (``MALLOC_MMAP_THRESHOLD_``): the extra memory the step needs on top of its
-inputs. The student logits reach the loss through a stand-in for the output layer that consumes their gradient
-(as a model does), so no ``[tokens, V/TP]`` ``.grad`` is kept. The ``excl. grad`` column subtracts the
-``[tokens, V/TP]`` gradient buffer a variant allocates (none for ``+inplace``). Time is the median
-wall time of forward+backward over ``--repeats`` runs after one warm-up.
+inputs. The student logits are copied from a pristine copy into a work buffer before each run (outside the
+measurement) and reach the loss through a stand-in for the output layer that consumes their gradient (as a model
+does), so no ``[tokens, V/TP]`` ``.grad`` is kept. The ``excl. grad`` column subtracts the ``[tokens, V/TP]``
+gradient buffer a variant allocates (none in place). Time is the median wall time of forward+backward over
+``--repeats`` interleaved runs (A B C A B C ...) after one warm-up round, max over ranks.
 
 CUDA (``--device cuda``): one process, one shard of ``V/TP`` columns (no collectives), comparing the Triton
-kernels, the torch path (chunked and unchunked) and a full ``log_softmax`` on that shard; peak memory from
-``torch.cuda.max_memory_allocated`` above the inputs, time from CUDA events.
+kernels, the torch path (chunked and unchunked), verl's algorithm and a full ``log_softmax`` on that shard; peak
+memory from ``torch.cuda.max_memory_allocated`` above the inputs, time from CUDA events.
 
     python benchmarks/bench_loss.py --quick
-    python benchmarks/bench_loss.py --tokens 1024,4096 --vocab 151936 --tp 2
+    python benchmarks/bench_loss.py --mode topk --kind forward_kl --tail ignore --tokens 1024,4096,16384
+    python benchmarks/bench_loss.py --mode topk --kind forward_kl,reverse_kl,jsd --tail bucket,renorm,ignore
     python benchmarks/bench_loss.py --device cuda --tokens 4096 --vocab 151936 --tp 1 --dtype bf16
 """
 
@@ -48,13 +55,61 @@ from megatron_opd.losses import dense_divergence, topk_divergence  # noqa: E402
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-CPU_VARIANTS = ("all-gather", "unchunked", "chunked", "chunked+inplace")
+CPU_VARIANTS = ("verl", "all-gather", "unchunked", "chunked", "chunked+inplace")
+TRAINER_PATH = "chunked+inplace"
 # Estimated [tokens, V] fp32 buffers alive at the all-gather baseline's peak (gathered logits, log-softmaxes,
 # probabilities, autograd's saved tensors and gradients); used only to skip runs that cannot fit.
 _ALLGATHER_FULL_BUFFERS = 9
 
 
+def applies(variant: str, mode: str, kind: str, tail: str | None) -> bool:
+    """Whether a variant exists for this case (verl and the all-gather baseline implement one kind each)."""
+    if variant == "verl":
+        return mode == "topk" and kind == "forward_kl" and tail == "ignore"
+    if variant in ("all-gather", "full log_softmax"):
+        return kind == "forward_kl" and tail in (None, "bucket")
+    return True
+
+
+def reference_variant(mode: str, kind: str, tail: str | None) -> str:
+    """The ratio columns' reference: verl's algorithm where it exists, else our own unchunked version."""
+    return "verl" if applies("verl", mode, kind, tail) else "unchunked"
+
+
 # ----------------------------------------------------------------------------------------------- variants
+
+
+class _VerlTopkForwardKL(torch.autograd.Function):
+    """verl GKD's algorithm from its description: unchunked; max, exp and normalisation written over the logits
+    in place (they become q); loss = sum over the teacher's top-k of p (log p - log q), tail ignored; backward
+    returns ``(q - p) * grad`` in the same storage."""
+
+    @staticmethod
+    def forward(ctx, logits_TV, ids_TK, lp_TK, group):
+        width = logits_TV.shape[1]
+        start = dist.get_rank(group) * width if group is not None else 0
+        max_T = logits_TV.amax(dim=-1)
+        if group is not None:
+            dist.all_reduce(max_T, op=dist.ReduceOp.MAX, group=group)
+        q_TV = logits_TV.sub_(max_T[:, None]).exp_()
+        sum_T = q_TV.sum(dim=-1)
+        if group is not None:
+            dist.all_reduce(sum_T, group=group)
+        q_TV.div_(sum_T[:, None])
+        local_TK = (ids_TK >= start) & (ids_TK < start + width)
+        idx_TK = torch.where(local_TK, ids_TK - start, 0)
+        q_TK = torch.where(local_TK, q_TV.gather(1, idx_TK), 0.0)
+        if group is not None:
+            dist.all_reduce(q_TK, group=group)
+        p_TK = lp_TK.exp()
+        ctx.save_for_backward(q_TV, idx_TK, torch.where(local_TK, p_TK, 0.0))
+        return (p_TK * (lp_TK - q_TK.log())).sum(dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad_T):
+        q_TV, idx_TK, p_local_TK = ctx.saved_tensors
+        q_TV.scatter_add_(1, idx_TK, -p_local_TK)
+        return q_TV.mul_(grad_T[:, None]), None, None, None
 
 
 class _GatherVocab(torch.autograd.Function):
@@ -73,10 +128,10 @@ class _GatherVocab(torch.autograd.Function):
         return grad_TV[:, start : start + width].contiguous(), None
 
 
-def _allgather_loss(args, student_TV, teacher_TV, ids_TK, lp_TK, group) -> torch.Tensor:
+def _allgather_loss(mode, student_TV, teacher_TV, ids_TK, lp_TK, group) -> torch.Tensor:
     full_s_TV = _GatherVocab.apply(student_TV, group) if group is not None else student_TV
     logq_TV = torch.log_softmax(full_s_TV.float(), dim=-1)
-    if args.mode == "topk":
+    if mode == "topk":
         # Forward KL on the teacher's top-k with the bucket tail, written plainly over the full vocabulary.
         logq_TK = logq_TV.gather(-1, ids_TK)
         q_tail_T = 1.0 - logq_TK.exp().sum(-1)
@@ -98,42 +153,47 @@ class _ConsumeGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits_TV: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-        return logits_TV.view_as(logits_TV)
+        # Same storage, but not a view in autograd's eyes (as a model's output is not): in-place use is allowed.
+        return logits_TV.detach()
 
     @staticmethod
     def backward(ctx, grad_TV: torch.Tensor):
         return None, torch.zeros((), dtype=grad_TV.dtype, device=grad_TV.device)
 
 
-def _student_leaf(student_TV: torch.Tensor) -> torch.Tensor:
-    """A fresh copy of the student logits, differentiable through ``_ConsumeGrad`` (so in place is allowed)."""
-    anchor = torch.zeros((), dtype=student_TV.dtype, device=student_TV.device, requires_grad=True)
-    return _ConsumeGrad.apply(student_TV.clone(), anchor)
+def _student_logits(work_TV: torch.Tensor, pristine_TV: torch.Tensor) -> torch.Tensor:
+    """Refill the work buffer from the pristine copy and return it as a model's (non-leaf) logits."""
+    work_TV.copy_(pristine_TV)
+    anchor = torch.zeros((), dtype=work_TV.dtype, device=work_TV.device, requires_grad=True)
+    return _ConsumeGrad.apply(work_TV, anchor)
 
 
-def _loss(variant: str, args, student_TV, teacher_TV, ids_TK, lp_TK, group) -> torch.Tensor:
+def _loss(case: tuple, args, student_TV, teacher_TV, ids_TK, lp_TK, group) -> torch.Tensor:
+    kind, tail, variant = case
+    if variant == "verl":
+        return _VerlTopkForwardKL.apply(student_TV, ids_TK, lp_TK, group)
     if variant in ("all-gather", "full log_softmax"):
-        return _allgather_loss(args, student_TV, teacher_TV, ids_TK, lp_TK, group)
-    backend = "torch"
-    chunk = None
-    if variant == "unchunked":
-        chunk = student_TV.shape[0]
-    elif variant.startswith("triton"):
-        backend = "triton"
-        chunk = args.chunk_size
-    else:
-        chunk = args.chunk_size
-    kw = dict(chunk_size=chunk, group=group, inplace_backward=variant.endswith("+inplace"), backend=backend)
+        return _allgather_loss(args.mode, student_TV, teacher_TV, ids_TK, lp_TK, group)
+    backend = "triton" if variant.startswith("triton") else "torch"
+    chunk = student_TV.shape[0] if variant == "unchunked" else args.chunk_size
+    in_place = variant.endswith("+inplace")
+    # The in-place variants are called as the trainer calls the loss: in place and without input validation.
+    kw = dict(chunk_size=chunk, group=group, inplace_backward=in_place, validate=not in_place, backend=backend)
     if args.mode == "topk":
-        return topk_divergence(student_TV, ids_TK, lp_TK, args.kind, tail="bucket", **kw)
-    return dense_divergence(student_TV, teacher_TV, args.kind, **kw)
+        return topk_divergence(student_TV, ids_TK, lp_TK, kind, tail=tail, **kw)
+    return dense_divergence(student_TV, teacher_TV, kind, **kw)
 
 
 def _inputs(args, n_tokens: int, width: int, rank: int, device: str):
+    """(pristine student, work buffer, teacher, ids, log-probs). The pristine student is kept in bf16 (values
+    exactly representable in the work dtype) so that two student copies fit at 16k tokens."""
     g = torch.Generator(device=device).manual_seed(1234 + rank)
     dtype = DTYPES[args.dtype]
-    student_TV = torch.randn(n_tokens, width, generator=g, device=device, dtype=dtype).mul_(3)
-    teacher_TV = torch.randn(n_tokens, width, generator=g, device=device, dtype=dtype).mul_(3)
+    pristine_TV = torch.randn(n_tokens, width, generator=g, device=device, dtype=dtype).mul_(3).to(torch.bfloat16)
+    work_TV = torch.empty(n_tokens, width, device=device, dtype=dtype)
+    teacher_TV = None
+    if args.mode == "dense":
+        teacher_TV = torch.randn(n_tokens, width, generator=g, device=device, dtype=dtype).mul_(3)
     # Top-k: the same distinct ids and log-probabilities on every rank (a remote teacher's reply), spread over
     # every shard; the teacher's top-k mass is below 1.
     g_shared = torch.Generator(device=device).manual_seed(99)
@@ -141,15 +201,16 @@ def _inputs(args, n_tokens: int, width: int, rank: int, device: str):
     base_K = torch.randperm(vocab, generator=g_shared, device=device)[: args.k]
     ids_TK = (base_K[None, :] + 7919 * torch.arange(n_tokens, device=device)[:, None]) % vocab
     lp_TK = torch.log_softmax(torch.randn(n_tokens, args.k + 1, generator=g_shared, device=device), -1)[:, :-1]
-    return student_TV, teacher_TV, ids_TK, lp_TK
+    return pristine_TV, work_TV, teacher_TV, ids_TK, lp_TK
 
 
 # ----------------------------------------------------------------------------------------------- CPU
 
 
-def _grad_mb(student_TV: torch.Tensor, variant: str) -> float:
+def _grad_mb(work_TV: torch.Tensor, variant: str) -> float:
     """Size of the gradient a variant allocates (none when it is written into the logits)."""
-    return 0.0 if variant.endswith("+inplace") else student_TV.numel() * student_TV.element_size() / 2**20
+    in_place = variant.endswith("+inplace") or variant == "verl"
+    return 0.0 if in_place else work_TV.numel() * work_TV.element_size() / 2**20
 
 
 def _anon_mb() -> float:
@@ -188,46 +249,47 @@ class _AnonPeak:
         self.peak_mb = max(self._max, _anon_mb()) - self._base
 
 
-def _cpu_run_once(args, variant: str, inputs: tuple, group, measure_memory: bool) -> tuple[float, float]:
+def _cpu_run_once(args, case: tuple, inputs: tuple, group, measure_memory: bool) -> tuple[float, float]:
     """One forward+backward on every rank: (seconds, peak anonymous memory above the start in MiB)."""
-    student_TV, teacher_TV, ids_TK, lp_TK = inputs
-    logits = _student_leaf(student_TV)  # the student copy is an input: created before the measurement starts
+    pristine_TV, work_TV, teacher_TV, ids_TK, lp_TK = inputs
+    logits = _student_logits(work_TV, pristine_TV)  # an input: refilled before the measurement starts
     gc.collect()
     dist.barrier()
     with _AnonPeak() if measure_memory else contextlib.nullcontext() as peak:
         t0 = time.perf_counter()
-        _loss(variant, args, logits, teacher_TV, ids_TK, lp_TK, group).sum().backward()
+        _loss(case, args, logits, teacher_TV, ids_TK, lp_TK, group).sum().backward()
         dist.barrier()
         elapsed = time.perf_counter() - t0
     return elapsed, peak.peak_mb if measure_memory else 0.0
 
 
-def _cpu_job(args, plan: list[tuple[int, str]]) -> list[dict[str, float]]:
-    """Measure every (tokens, variant) of the plan; one set of inputs per token count, shared by its variants.
+def _cpu_job(args, plan: list[tuple]) -> list[dict[str, float]]:
+    """Measure every (tokens, kind, tail, variant) of the plan; one set of inputs per token count.
 
-    Memory: one forward+backward per variant with the high-water mark reset just before it. Time: the variants'
-    repeats are interleaved (A B C A B C ...) so that load from other processes hits them alike.
+    Memory: one forward+backward per case with the high-water mark reset just before it. Time: the variants of
+    one (kind, tail) are interleaved (A B C A B C ...) so that load from other processes hits them alike.
     """
     group = dist.group.WORLD if dist.get_world_size() > 1 else None
     rank = dist.get_rank()
     width = args.vocab // args.tp
-    results: dict[tuple[int, str], dict[str, float]] = {}
-    for n_tokens in sorted({t for t, _ in plan}):
-        variants = [v for t, v in plan if t == n_tokens]
+    results: dict[tuple, dict[str, float]] = {}
+    for n_tokens in sorted({key[0] for key in plan}):
         inputs = _inputs(args, n_tokens, width, rank, "cpu")
-        for variant in variants:
-            _, peak_mb = _cpu_run_once(args, variant, inputs, group, measure_memory=True)
-            results[(n_tokens, variant)] = {"peak_mb": peak_mb, "grad_mb": _grad_mb(inputs[0], variant)}
-        times: dict[str, list[float]] = {v: [] for v in variants}
-        for i in range(args.repeats + 1):  # the first round is a warm-up
-            for variant in variants:
-                elapsed, _ = _cpu_run_once(args, variant, inputs, group, measure_memory=False)
-                if i > 0:
-                    times[variant].append(elapsed)
-        for variant in variants:
-            results[(n_tokens, variant)]["time_s"] = statistics.median(times[variant])
+        for kind, tail in dict.fromkeys((k, t) for n, k, t, _ in plan if n == n_tokens):
+            cases = [(kind, tail, v) for n, k, t, v in plan if (n, k, t) == (n_tokens, kind, tail)]
+            for case in cases:
+                _, peak_mb = _cpu_run_once(args, case, inputs, group, measure_memory=True)
+                results[(n_tokens, *case)] = {"peak_mb": peak_mb, "grad_mb": _grad_mb(inputs[1], case[2])}
+            times: dict[tuple, list[float]] = {case: [] for case in cases}
+            for i in range(args.repeats + 1):  # the first round is a warm-up
+                for case in cases:
+                    elapsed, _ = _cpu_run_once(args, case, inputs, group, measure_memory=False)
+                    if i > 0:
+                        times[case].append(elapsed)
+            for case in cases:
+                results[(n_tokens, *case)]["time_s"] = statistics.median(times[case])
             if rank == 0:
-                print(f"  done: tokens={n_tokens} {variant}", file=sys.stderr, flush=True)
+                print(f"  done: tokens={n_tokens} {kind} {tail or ''}", file=sys.stderr, flush=True)
         del inputs
         gc.collect()
     return [results[key] for key in plan]
@@ -245,12 +307,35 @@ def _estimate_mb(args, variant: str, n_tokens: int) -> float:
     """Rough memory of one run over all ranks (inputs + extra), to skip what cannot fit."""
     width = args.vocab // args.tp
     shard_mb = n_tokens * width * DTYPES[args.dtype].itemsize / 2**20
-    per_rank = 4 * shard_mb  # student, its copy, teacher, gradient
+    per_rank = 1.5 * shard_mb  # the work buffer and the bf16 pristine copy
+    if args.mode == "dense":
+        per_rank += shard_mb  # the teacher
+    if not (variant.endswith("+inplace") or variant == "verl"):
+        per_rank += shard_mb  # the gradient
     if variant == "all-gather":
         per_rank += _ALLGATHER_FULL_BUFFERS * n_tokens * args.vocab * 4 / 2**20
     elif variant == "unchunked":
-        per_rank += 6 * n_tokens * width * 4 / 2**20
+        per_rank += 4 * n_tokens * width * 4 / 2**20
     return per_rank * args.tp + 1024 * args.tp
+
+
+def _plan_rows(args) -> tuple[list[dict], list[tuple]]:
+    rows, plan = [], []
+    tails = args.tails if args.mode == "topk" else [None]
+    for n_tokens in args.tokens:
+        for kind in args.kinds:
+            for tail in tails:
+                for variant in args.variants:
+                    if not applies(variant, args.mode, kind, tail):
+                        continue
+                    row = {"tokens": n_tokens, "kind": kind, "tail": tail, "variant": variant}
+                    need = _estimate_mb(args, variant, n_tokens)
+                    if args.device == "cpu" and need > 0.9 * _available_mb():
+                        row["skipped"] = f"needs ~{need / 1024:.0f} GiB"
+                    else:
+                        plan.append((n_tokens, kind, tail, variant))
+                    rows.append(row)
+    return rows, plan
 
 
 def run_cpu(args) -> list[dict]:
@@ -258,15 +343,7 @@ def run_cpu(args) -> list[dict]:
 
     # Children inherit this: freed blocks go back to the OS, so resident memory tracks live tensors.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
-    rows, plan = [], []
-    for n_tokens in args.tokens:
-        for variant in args.variants:
-            need = _estimate_mb(args, variant, n_tokens)
-            if need > 0.9 * _available_mb():
-                rows.append({"tokens": n_tokens, "variant": variant, "skipped": f"needs ~{need / 1024:.0f} GiB"})
-            else:
-                plan.append((n_tokens, variant))
-                rows.append({"tokens": n_tokens, "variant": variant})
+    rows, plan = _plan_rows(args)
     # One spawn for the whole plan (each costs seconds); each measurement resets the high-water mark.
     per_rank = run_distributed(_cpu_job, args.tp, args=(args, plan), timeout=7200)
     measured = iter(range(len(plan)))
@@ -284,85 +361,68 @@ def run_cpu(args) -> list[dict]:
 
 def run_cuda(args) -> list[dict]:
     width = args.vocab // args.tp
-    rows = []
-    for n_tokens in args.tokens:
-        for variant in args.variants:
+    rows, plan = _plan_rows(args)
+    by_tokens: dict[int, tuple] = {}
+    for row in rows:
+        n_tokens = row["tokens"]
+        if n_tokens not in by_tokens:
+            by_tokens.clear()
             torch.cuda.empty_cache()
-            student_TV, teacher_TV, ids_TK, lp_TK = _inputs(args, n_tokens, width, 0, "cuda")
-            grad_mb = _grad_mb(student_TV, variant)
-
-            logits = _student_leaf(student_TV)
+            by_tokens[n_tokens] = _inputs(args, n_tokens, width, 0, "cuda")
+        pristine_TV, work_TV, teacher_TV, ids_TK, lp_TK = by_tokens[n_tokens]
+        case = (row["kind"], row["tail"], row["variant"])
+        row["grad_mb"] = _grad_mb(work_TV, row["variant"])
+        logits = _student_logits(work_TV, pristine_TV)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        try:
+            _loss(case, args, logits, teacher_TV, ids_TK, lp_TK, None).sum().backward()
+        except torch.OutOfMemoryError:
+            row["skipped"] = "out of memory"
+            continue
+        torch.cuda.synchronize()
+        row["peak_mb"] = (torch.cuda.max_memory_allocated() - before) / 2**20
+        times = []
+        for i in range(args.repeats + 1):  # the first is a warm-up
+            logits = _student_logits(work_TV, pristine_TV)  # the refill is outside the timed region
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            _loss(case, args, logits, teacher_TV, ids_TK, lp_TK, None).sum().backward()
+            end.record()
             torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
-            try:
-                _loss(variant, args, logits, teacher_TV, ids_TK, lp_TK, None).sum().backward()
-            except torch.OutOfMemoryError:
-                rows.append({"tokens": n_tokens, "variant": variant, "skipped": "out of memory"})
-                continue
-            torch.cuda.synchronize()
-            peak_mb = (torch.cuda.max_memory_allocated() - before) / 2**20
-            del logits
-            times = []
-            for i in range(args.repeats + 1):  # the first is a warm-up
-                logits = _student_leaf(student_TV)  # the copy is outside the timed region
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                _loss(variant, args, logits, teacher_TV, ids_TK, lp_TK, None).sum().backward()
-                end.record()
-                torch.cuda.synchronize()
-                if i > 0:
-                    times.append(start.elapsed_time(end) / 1000.0)
-                del logits
-            rows.append(
-                {
-                    "tokens": n_tokens,
-                    "variant": variant,
-                    "peak_mb": peak_mb,
-                    "grad_mb": grad_mb,
-                    "time_s": statistics.median(times),
-                }
-            )
-            del student_TV, teacher_TV, ids_TK, lp_TK
+            if i > 0:
+                times.append(start.elapsed_time(end) / 1000.0)
+        row["time_s"] = statistics.median(times)
     return rows
 
 
 # ----------------------------------------------------------------------------------------------- table
 
 
-def format_table(args, rows: list[dict], memory_ref: str, time_ref: str) -> str:
-    by_key = {(r["tokens"], r["variant"]): r for r in rows}
+def format_table(args, rows: list[dict]) -> str:
+    by_key = {(r["tokens"], r["kind"], r["tail"], r["variant"]): r for r in rows}
     lines = [
-        f"mode={args.mode} kind={args.kind} dtype={args.dtype} vocab={args.vocab} TP={args.tp} "
-        f"device={args.device_name}" + (f" k={args.k}" if args.mode == "topk" else ""),
+        f"mode={args.mode} dtype={args.dtype} vocab={args.vocab} TP={args.tp} device={args.device_name}"
+        + (f" k={args.k}" if args.mode == "topk" else ""),
         "",
-        "| tokens | variant | peak extra MiB/rank | excl. grad MiB | time fwd+bwd s | memory vs "
-        f"{memory_ref} | time vs {time_ref} |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "| tokens | kind | tail | variant | peak extra MiB/rank | excl. grad MiB | time fwd+bwd s | reference | "
+        "memory vs ref | time vs ref |",
+        "|---:|---|---|---|---:|---:|---:|---|---:|---:|",
     ]
     for r in rows:
+        head = f"| {r['tokens']} | {r['kind']} | {r['tail'] or '-'} | {r['variant']} |"
         if "skipped" in r:
-            lines.append(f"| {r['tokens']} | {r['variant']} | skipped ({r['skipped']}) | | | | |")
+            lines.append(f"{head} skipped ({r['skipped']}) | | | | | |")
             continue
-        mem_ref = by_key.get((r["tokens"], memory_ref), {})
-        t_ref = by_key.get((r["tokens"], time_ref), {})
-        mem_ratio = f"{r['peak_mb'] / mem_ref['peak_mb']:.3f}" if mem_ref.get("peak_mb") else "-"
-        time_ratio = f"{r['time_s'] / t_ref['time_s']:.2f}" if t_ref.get("time_s") else "-"
+        ref_name = reference_variant(args.mode, r["kind"], r["tail"])
+        ref = by_key.get((r["tokens"], r["kind"], r["tail"], ref_name), {})
+        mem_ratio = f"{r['peak_mb'] / ref['peak_mb']:.3f}" if ref.get("peak_mb") else "-"
+        time_ratio = f"{r['time_s'] / ref['time_s']:.2f}" if ref.get("time_s") else "-"
         lines.append(
-            f"| {r['tokens']} | {r['variant']} | {r['peak_mb']:.0f} | {r['peak_mb'] - r['grad_mb']:.0f} | "
-            f"{r['time_s']:.3f} | {mem_ratio} | {time_ratio} |"
+            f"{head} {r['peak_mb']:.0f} | {r['peak_mb'] - r['grad_mb']:.0f} | {r['time_s']:.3f} | {ref_name} | "
+            f"{mem_ratio} | {time_ratio} |"
         )
-    growth = []
-    tokens = sorted({r["tokens"] for r in rows})
-    if len(tokens) > 1:
-        for variant in args.variants:
-            first, last = by_key.get((tokens[0], variant), {}), by_key.get((tokens[-1], variant), {})
-            if first.get("peak_mb") and last.get("peak_mb"):
-                growth.append(
-                    f"{variant}: peak x{last['peak_mb'] / first['peak_mb']:.2f}, excl. grad "
-                    f"x{(last['peak_mb'] - last['grad_mb']) / max(first['peak_mb'] - first['grad_mb'], 1e-9):.2f}"
-                )
-        lines += ["", f"Growth from {tokens[0]} to {tokens[-1]} tokens: " + "; ".join(growth)]
     return "\n".join(lines)
 
 
@@ -373,7 +433,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks the vocabulary is split over")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--mode", choices=("dense", "topk"), default="dense")
-    parser.add_argument("--kind", choices=("forward_kl", "reverse_kl", "jsd"), default="forward_kl")
+    parser.add_argument("--kind", default="forward_kl", help="comma-separated: forward_kl, reverse_kl, jsd")
+    parser.add_argument("--tail", default="ignore", help="comma-separated top-k tails: bucket, renorm, ignore")
     parser.add_argument("--k", type=int, default=256, help="teacher top-k (mode topk)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--variants", default=None, help="comma-separated subset of the variants")
@@ -388,14 +449,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.chunk_size = args.chunk_size or 32
     args.tokens = [int(t) for t in (args.tokens or "1024,4096").split(",")]
     args.vocab = args.vocab or 151936
+    args.kinds = args.kind.split(",")
+    args.tails = args.tail.split(",")
+    for kind in args.kinds:
+        if kind not in ("forward_kl", "reverse_kl", "jsd"):
+            parser.error(f"--kind {kind!r}: choose from forward_kl, reverse_kl, jsd")
+    for tail in args.tails:
+        if tail not in ("bucket", "renorm", "ignore"):
+            parser.error(f"--tail {tail!r}: choose from bucket, renorm, ignore")
     if args.vocab % args.tp:
         parser.error(f"--vocab {args.vocab} must be divisible by --tp {args.tp} (Megatron pads it so)")
-    if args.mode == "topk" and args.kind != "forward_kl":
-        parser.error("the all-gather baseline implements forward_kl only in topk mode")
     if args.device == "cuda":
-        default_variants = "full log_softmax,unchunked,chunked,triton,triton+inplace"
+        default_variants = "verl,full log_softmax,unchunked,chunked,triton,triton+inplace,chunked+inplace"
     else:
-        default_variants = ",".join(CPU_VARIANTS)
+        default_variants = ",".join(v for v in CPU_VARIANTS if v != "all-gather")
     args.variants = (args.variants or default_variants).split(",")
     return args
 
@@ -405,11 +472,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.device == "cuda":
         args.device_name = torch.cuda.get_device_name()
         rows = run_cuda(args)
-        print(format_table(args, rows, memory_ref="full log_softmax", time_ref="chunked"))
     else:
         args.device_name = f"CPU x{os.cpu_count()} (1 thread per rank)"
         rows = run_cpu(args)
-        print(format_table(args, rows, memory_ref="all-gather", time_ref="unchunked"))
+    print(format_table(args, rows))
 
 
 if __name__ == "__main__":

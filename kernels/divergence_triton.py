@@ -1,6 +1,6 @@
 """Fused Triton kernels for the vocab-parallel divergence losses (CUDA only; import-guarded).
 
-The torch reference (``megatron_opd.losses.local_ops.TorchLocalOps``) materialises a few ``[chunk, V]``
+The torch reference (``divergence_torch.TorchLocalOps``) materialises a few ``[chunk, V]``
 temporaries per step. These kernels do each step in one pass over a row of the logit shard, keeping only running
 per-row scalars (online softmax: running max, rescaled sum of exponentials and rescaled weighted sums), so the
 loss reads the shard once in forward (twice for ``jsd``, which needs the global normalisers before its sums) and
@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover
     triton = None
     tl = None
 
-from megatron_opd.losses.local_ops import KIND_CODES, TorchLocalOps
+from kernels.divergence_torch import KIND_CODES, TorchLocalOps
 
 _BLOCK = 4096
 _NUM_WARPS = 8
@@ -286,6 +286,7 @@ class TritonLocalOps:
     """``LocalOps`` on CUDA with one fused kernel per step; float64 falls back to the torch reference."""
 
     name = "triton"
+    supports_stash = False  # one fused pass recomputes the exponentials as cheaply as it would read a stash
 
     def chunk_elements(self, device: torch.device) -> int:
         # The kernels keep no [chunk, V] temporaries, so one chunk can hold every token of a realistic batch (and a
@@ -293,11 +294,16 @@ class TritonLocalOps:
         return 1 << 34
 
     def __init__(self) -> None:
-        self._torch = TorchLocalOps()
+        self._torch = TorchLocalOps()  # float64 goes here (the kernels compute in float32)
+
+    def release(self) -> None:
+        """Free the float64 path's scratch buffers (the kernels keep none)."""
+        self._torch.release()
 
     def dense_stats(
-        self, s_CV: torch.Tensor, t_CV: torch.Tensor, inv_ts: float, inv_tt: float, kind: str
+        self, s_CV: torch.Tensor, t_CV: torch.Tensor, inv_ts: float, inv_tt: float, kind: str, stash: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert not stash, "the Triton path does not stash"  # the losses check supports_stash
         if s_CV.dtype == torch.float64:
             return self._torch.dense_stats(s_CV, t_CV, inv_ts, inv_tt, kind)
         _check_rows(s_CV, "student_logits")
@@ -398,8 +404,9 @@ class TritonLocalOps:
         )
 
     def topk_stats(
-        self, s_CV: torch.Tensor, inv_ts: float, local_ids_CK: torch.Tensor, need_tail: bool
+        self, s_CV: torch.Tensor, inv_ts: float, local_ids_CK: torch.Tensor, need_tail: bool, stash: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        assert not stash, "the Triton path does not stash"
         if s_CV.dtype == torch.float64:
             return self._torch.topk_stats(s_CV, inv_ts, local_ids_CK, need_tail)
         _check_rows(s_CV, "student_logits")

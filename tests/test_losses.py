@@ -470,3 +470,54 @@ def test_reduce_loss_modes() -> None:
         reduce_loss(loss_BS, mask_BS[0])
     with pytest.raises(ValueError, match="normalizer has no meaning"):
         reduce_loss(loss_BS, mask_BS, "sum", normalizer=3)
+
+
+class _NewAllocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the size of every tensor an op creates in fresh storage (outputs that are not views of or
+    in-place writes into an existing tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        known = {t.untyped_storage().data_ptr() for t in inputs}
+        out = func(*args, **kwargs)
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in known:
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out
+
+
+@pytest.mark.parametrize("mode", ["dense", "topk"])
+def test_in_place_path_allocates_nothing_the_size_of_the_logits(mode: str) -> None:
+    # The trainer's path: no [tokens, V] gradient and, with the stash, at most chunk-sized scratch buffers.
+    g = torch.Generator().manual_seed(21)
+    n_tokens, width, chunk = 64, 500, 8
+    s_TV, t_TV = torch.randn(n_tokens, width, generator=g), torch.randn(n_tokens, width, generator=g)
+    ids_TK, lp_TK = make_topk(t_TV, 16, g, low_mass=True)
+    shard_bytes = n_tokens * width * 4
+    for kind in KINDS:
+        for in_place in (False, True):
+            base = s_TV.clone().requires_grad_(True)
+            logits = base * 1.0
+            with _NewAllocations() as seen:
+                if mode == "dense":
+                    loss = dense_divergence(logits, t_TV, kind, chunk_size=chunk, inplace_backward=in_place)
+                else:
+                    loss = topk_divergence(logits, ids_TK, lp_TK, kind, chunk_size=chunk, inplace_backward=in_place)
+                (grad_TV,) = torch.autograd.grad(loss.sum(), logits)  # stops at the logits, as the output layer would
+            ref_x_TV = s_TV.double().requires_grad_(True)
+            if mode == "dense":
+                ref_T = reference_dense(ref_x_TV, t_TV.double(), kind)
+            else:
+                ref_T = reference_topk(ref_x_TV, ids_TK, lp_TK.double(), kind, 0.5, "bucket")
+            expected = torch.autograd.grad(ref_T.sum(), ref_x_TV)[0]
+            assert rel_err(grad_TV, expected) < 1e-4
+            if in_place:
+                assert grad_TV.data_ptr() == logits.data_ptr()
+                assert seen.largest <= chunk * width * 4, (kind, seen.largest)
+            else:  # the default returns a fresh gradient: the one logits-sized allocation
+                assert seen.largest == shard_bytes, (kind, seen.largest)

@@ -61,14 +61,22 @@ def _shard_errors(
         student_TV = data["student"].to(dtype)
         teacher_TV = data["teacher"].to(dtype)
         logprobs_TK = data["logprobs"].to(dtype)
-        for ts, tt, chunk in ((1.0, 1.0, None), (1.6, 0.7, 4)):
+        # In place (as the trainer calls them): the torch path keeps the student's exponentials in its logits.
+        for ts, tt, chunk, inplace in (
+            (1.0, 1.0, None, False),
+            (1.6, 0.7, 4, False),
+            (1.6, 0.7, 4, True),
+            (1.0, 1.0, None, True),
+        ):
             modes = [("dense", kind, None) for kind in KINDS] + [
                 ("topk", kind, tail) for kind in KINDS for tail in TAILS
             ]
             for mode, kind, tail in modes:
-                x_TV = student_TV[:, cols].clone().requires_grad_(True)
+                leaf_TV = student_TV[:, cols].clone().requires_grad_(True)
+                x_TV = leaf_TV * 1.0 if inplace else leaf_TV  # in place needs a non-leaf, as a model's logits are
                 ref_x_TV = student_TV.double().clone().requires_grad_(True)
                 common = dict(beta=0.3, student_temperature=ts, chunk_size=chunk, group=group, vocab_size=vocab_size)
+                common["inplace_backward"] = inplace
                 if mode == "dense":
                     loss_T = dense_divergence(x_TV, teacher_TV[:, cols], kind, teacher_temperature=tt, **common)
                     ref_T = reference_dense(ref_x_TV, teacher_TV, kind, 0.3, ts, tt, vocab_size)
@@ -77,8 +85,11 @@ def _shard_errors(
                     ref_T = reference_topk(ref_x_TV, data["ids"], logprobs_TK, kind, 0.3, tail, ts, vocab_size)
                 (loss_T * weights_T.to(loss_T.dtype)).sum().backward()
                 (ref_T * weights_T).sum().backward()
-                name = f"{label} {mode} {kind} {tail or ''} {str(dtype)[6:]} T=({ts},{tt}) chunk={chunk}"
-                out.append((name, rel_err(loss_T, ref_T), rel_err(x_TV.grad, ref_x_TV.grad[:, cols]), TOLERANCE[dtype]))
+                name = (
+                    f"{label} {mode} {kind} {tail or ''} {str(dtype)[6:]} T=({ts},{tt}) chunk={chunk} inplace={inplace}"
+                )
+                grad_err = rel_err(leaf_TV.grad, ref_x_TV.grad[:, cols])
+                out.append((name, rel_err(loss_T, ref_T), grad_err, TOLERANCE[dtype]))
     return out
 
 

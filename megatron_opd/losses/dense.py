@@ -130,6 +130,8 @@ class _DenseDivergence(torch.autograd.Function):
         cd = compute_dtype(student_TV.dtype)
         s_TV, t_TV = student_TV[:, :n_valid], teacher_TV[:, :n_valid]
         device = student_TV.device
+        # forward_kl in place: the student's chunks keep their exponentials for backward (q - p needs no log q).
+        stash = inplace_backward and kind == "forward_kl" and ops.supports_stash and student_TV.dtype == cd
 
         # Pass 1: local maxima and sums, relative to the local maxima.
         max_T2 = torch.full((n_tokens, 2), float("-inf"), dtype=cd, device=device)
@@ -137,7 +139,7 @@ class _DenseDivergence(torch.autograd.Function):
         if n_valid > 0:
             for lo in range(0, n_tokens, rows_per_chunk):
                 hi = min(lo + rows_per_chunk, n_tokens)
-                max_C2, sums_C3 = ops.dense_stats(s_TV[lo:hi], t_TV[lo:hi], inv_ts, inv_tt, kind)
+                max_C2, sums_C3 = ops.dense_stats(s_TV[lo:hi], t_TV[lo:hi], inv_ts, inv_tt, kind, stash)
                 max_T2[lo:hi] = max_C2
                 sums_T3[lo:hi] = sums_C3
 
@@ -180,14 +182,17 @@ class _DenseDivergence(torch.autograd.Function):
             loss_T = beta * kl_T2[:, 0] + (1.0 - beta) * kl_T2[:, 1]
             coef_T = kl_T2[:, 1].contiguous()
 
-        ctx.save_for_backward(student_TV, teacher_TV, lse_s_T, lse_t_T, coef_T)
-        ctx.config = (kind, beta, inv_ts, inv_tt, rows_per_chunk, n_valid, ops, inplace_backward)
+        # With a stash, q = exp(z - local max) * q_scale; else q is recomputed from lse_s.
+        student_norm_T = torch.exp(finite_or_zero(max_T2[:, 0]) - lse_s_T) if stash else lse_s_T
+        ctx.save_for_backward(student_TV, teacher_TV, student_norm_T, lse_t_T, coef_T)
+        ctx.config = (kind, beta, inv_ts, inv_tt, rows_per_chunk, n_valid, ops, inplace_backward, stash)
+        ops.release()
         return loss_T
 
     @staticmethod
     def backward(ctx, grad_T: torch.Tensor):
-        student_TV, teacher_TV, lse_s_T, lse_t_T, coef_T = ctx.saved_tensors
-        kind, beta, inv_ts, inv_tt, rows_per_chunk, n_valid, ops, inplace_backward = ctx.config
+        student_TV, teacher_TV, student_norm_T, lse_t_T, coef_T = ctx.saved_tensors
+        kind, beta, inv_ts, inv_tt, rows_per_chunk, n_valid, ops, inplace_backward, stash = ctx.config
         # In place: the gradient overwrites the student logits chunk by chunk (each chunk is read before written).
         grad_TV = student_TV if inplace_backward else torch.empty_like(student_TV)
         grad_TV[:, n_valid:] = 0  # padding columns get no gradient
@@ -195,19 +200,25 @@ class _DenseDivergence(torch.autograd.Function):
         n_tokens = student_TV.shape[0]
         for lo in range(0, n_tokens if n_valid > 0 else 0, rows_per_chunk):
             hi = min(lo + rows_per_chunk, n_tokens)
+            t_CV, lse_t_C = teacher_TV[lo:hi, :n_valid], lse_t_T[lo:hi]
+            if stash:
+                scale_C = grad_T[lo:hi].to(lse_t_C.dtype) * inv_ts
+                ops.dense_grad_stashed(grad_TV[lo:hi, :n_valid], t_CV, inv_tt, student_norm_T[lo:hi], lse_t_C, scale_C)
+                continue
             ops.dense_grad(
                 student_TV[lo:hi, :n_valid],
-                teacher_TV[lo:hi, :n_valid],
+                t_CV,
                 inv_ts,
                 inv_tt,
-                lse_s_T[lo:hi],
-                lse_t_T[lo:hi],
+                student_norm_T[lo:hi],
+                lse_t_C,
                 coef_T[lo:hi],
                 grad_T[lo:hi],
                 kind,
                 beta,
                 grad_TV[lo:hi, :n_valid],
             )
+        ops.release()
         return grad_TV, None, None, None, None, None, None, None, None, None, None, None
 
 
@@ -246,8 +257,11 @@ def dense_divergence(
             ``+inf`` or no finite value (``-inf`` alone is fine: a masked token). Read from the per-token statistics
             the loss computes anyway: one reduction over the tokens and a host sync. With ``False`` such tokens
             give NaN (for ``jsd`` possibly finite, meaningless) losses; a trainer with its own NaN check passes it.
-        inplace_backward: write the gradient into ``student_logits``' storage (saves ``tokens x V/TP`` memory,
-            as Megatron's vocab-parallel cross entropy does); the logits must not be used after backward.
+        inplace_backward: reuse ``student_logits``' storage, as Megatron's vocab-parallel cross entropy does: no
+            ``tokens x V/TP`` gradient is allocated, and on the torch path the forward leaves the student's
+            exponentials there for backward (``forward_kl``), so backward takes one multiply per element instead
+            of an exponential. From the call on, the logits hold intermediates and then the gradient: use it only
+            when nothing reads them after the loss (true for the output layer's logits in training).
         backend: ``"auto"`` (Triton kernels on CUDA when available), ``"torch"`` or ``"triton"``.
 
     Returns:

@@ -16,7 +16,9 @@ Everything after that lives on small ``[tokens, k(+1)]`` tensors, replicated on 
 
 Backward is exact and hand-written: with l_i = log q_i at the k ids and c_i = dLoss/dl_i (closed form per kind
 and tail, ``divergences.elementwise_divergence``), the student's gradient is
-``dLoss/dz_j = [j in top-k] c_j - q_j * sum_i c_i``, recomputed per chunk from the saved per-token normaliser.
+``dLoss/dz_j = [j in top-k] c_j - q_j * sum_i c_i``, with ``q`` recomputed per chunk from the saved per-token
+normaliser or, with ``inplace_backward`` on the torch path, read from the exponentials the forward left in the
+logits' storage (one multiply per element instead of a second exponential).
 
 Teacher log-probabilities are used as given (any teacher temperature must already be applied); only the student's
 logits are divided by ``student_temperature``.
@@ -187,9 +189,12 @@ class _TopkDivergence(torch.autograd.Function):
         cd = compute_dtype(student_TV.dtype)
         device = student_TV.device
         s_TV = student_TV[:, :n_valid]
-        local_TK = ids_TK.to(torch.int64) - shard.start
-        local_ids_TK = torch.where((local_TK >= 0) & (local_TK < n_valid), local_TK, -1)
+        # int32 (half the memory of int64; chunks are widened for indexing): the column of each id held here, -1 else.
+        local_ids_TK = ids_TK.to(torch.int32, copy=True).sub_(shard.start)
+        local_ids_TK.masked_fill_((local_ids_TK < 0) | (local_ids_TK >= n_valid), -1)
         need_tail = tail == "bucket"
+        # In place, the student's chunks keep their exponentials for backward (see kernels.divergence_torch).
+        stash = inplace_backward and ops.supports_stash and student_TV.dtype == cd
 
         max_T = torch.full((n_tokens,), float("-inf"), dtype=cd, device=device)
         # One buffer for the sum all-reduce: [sum exp, sum exp outside top-k, student logits at the k ids].
@@ -197,7 +202,8 @@ class _TopkDivergence(torch.autograd.Function):
         if n_valid > 0:
             for lo in range(0, n_tokens, rows_per_chunk):
                 hi = min(lo + rows_per_chunk, n_tokens)
-                max_C, sums_C2, z_CK = ops.topk_stats(s_TV[lo:hi], inv_ts, local_ids_TK[lo:hi], need_tail)
+                ids_CK = local_ids_TK[lo:hi].long()
+                max_C, sums_C2, z_CK = ops.topk_stats(s_TV[lo:hi], inv_ts, ids_CK, need_tail, stash)
                 max_T[lo:hi] = max_C
                 payload_TN[lo:hi, :2] = sums_C2
                 payload_TN[lo:hi, 2:] = z_CK
@@ -208,34 +214,47 @@ class _TopkDivergence(torch.autograd.Function):
 
         log_total_T = torch.log(payload_TN[:, 0])
         lse_s_T = (finite_or_zero(global_max_T) + log_total_T).contiguous()
-        logq_TK = payload_TN[:, 2:] - lse_s_T[:, None]
+        logq_TK = payload_TN[:, 2:].sub_(lse_s_T[:, None])  # in the payload's storage
         logq_tail_T = torch.log(payload_TN[:, 1]) - log_total_T
-        loss_T, c_TK = topk_coarse_divergence(logq_TK, logprobs_TK.to(cd), logq_tail_T, kind, beta, tail)
+        # The [tokens, k] algebra in blocks of rows, so its temporaries stay small next to the saved [tokens, k].
+        loss_T = torch.empty(n_tokens, dtype=cd, device=device)
+        c_TK = torch.empty(n_tokens, k, dtype=cd, device=device)
+        block = max(1, (1 << 18) // k)
+        for lo in range(0, n_tokens, block):
+            hi = min(lo + block, n_tokens)
+            lp_BK = logprobs_TK[lo:hi].to(cd)
+            loss_T[lo:hi], c_TK[lo:hi] = topk_coarse_divergence(
+                logq_TK[lo:hi], lp_BK, logq_tail_T[lo:hi], kind, beta, tail
+            )
 
-        ctx.save_for_backward(student_TV, local_ids_TK, lse_s_T, c_TK)
-        ctx.config = (inv_ts, rows_per_chunk, n_valid, ops, inplace_backward)
+        # With a stash, q = exp(z - local max) * q_scale off the top-k; else q is recomputed from lse.
+        q_scale_T = torch.exp(finite_or_zero(max_T) - lse_s_T) if stash else lse_s_T
+        ctx.save_for_backward(student_TV, local_ids_TK, q_scale_T, c_TK, c_TK.sum(dim=1), logq_TK if stash else None)
+        ctx.config = (inv_ts, rows_per_chunk, n_valid, ops, inplace_backward, stash)
+        ops.release()
         return loss_T
 
     @staticmethod
     def backward(ctx, grad_T: torch.Tensor):
-        student_TV, local_ids_TK, lse_s_T, c_TK = ctx.saved_tensors
-        inv_ts, rows_per_chunk, n_valid, ops, inplace_backward = ctx.config
-        coef_TK = c_TK * grad_T.to(c_TK.dtype)[:, None]
-        coef_sum_T = coef_TK.sum(dim=1)
+        student_TV, local_ids_TK, q_scale_T, c_TK, c_sum_T, logq_TK = ctx.saved_tensors
+        inv_ts, rows_per_chunk, n_valid, ops, inplace_backward, stash = ctx.config
+        grad_T = grad_T.to(c_TK.dtype)
+        coef_sum_T = c_sum_T * grad_T
         grad_TV = student_TV if inplace_backward else torch.empty_like(student_TV)
         grad_TV[:, n_valid:] = 0  # padding columns get no gradient
         n_tokens = student_TV.shape[0]
         for lo in range(0, n_tokens if n_valid > 0 else 0, rows_per_chunk):
             hi = min(lo + rows_per_chunk, n_tokens)
-            ops.topk_grad(
-                student_TV[lo:hi, :n_valid],
-                inv_ts,
-                lse_s_T[lo:hi],
-                local_ids_TK[lo:hi],
-                coef_TK[lo:hi],
-                coef_sum_T[lo:hi],
-                grad_TV[lo:hi, :n_valid],
-            )
+            ids_CK, coef_sum_C = local_ids_TK[lo:hi].long(), coef_sum_T[lo:hi]
+            coef_CK = c_TK[lo:hi] * grad_T[lo:hi, None]
+            if stash:
+                ops.topk_grad_stashed(
+                    grad_TV[lo:hi, :n_valid], inv_ts, q_scale_T[lo:hi], logq_TK[lo:hi], ids_CK, coef_CK, coef_sum_C
+                )
+            else:
+                s_CV = student_TV[lo:hi, :n_valid]
+                ops.topk_grad(s_CV, inv_ts, q_scale_T[lo:hi], ids_CK, coef_CK, coef_sum_C, grad_TV[lo:hi, :n_valid])
+        ops.release()
         return grad_TV, None, None, None, None, None, None, None, None, None, None
 
 
@@ -273,7 +292,8 @@ def topk_divergence(
         vocab_size: the true vocabulary size when shards include padding columns; ids must be below it.
         validate: check the teacher's ids and log-probabilities (a few reductions and host syncs); with
             ``False``, invalid inputs (duplicates above all) give undefined results.
-        inplace_backward: write the gradient into ``student_logits``' storage (see ``dense_divergence``).
+        inplace_backward: reuse ``student_logits``' storage for the loss's intermediates and then the gradient
+            (see ``dense_divergence``).
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
 
     Returns:

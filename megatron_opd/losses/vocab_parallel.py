@@ -19,6 +19,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from kernels.divergence_torch import finite_or_zero
+
+__all__ = [
+    "VocabShard",
+    "all_reduce_max_",
+    "all_reduce_sum_",
+    "finite_or_zero",
+    "make_vocab_shard",
+    "resolve_group",
+    "rescale_factor",
+]
+
 
 @dataclass(frozen=True)
 class VocabShard:
@@ -114,11 +126,6 @@ def all_reduce_sum_(x: torch.Tensor, shard: VocabShard) -> torch.Tensor:
     if shard.distributed:
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=shard.group)
     return x
-
-
-def finite_or_zero(x: torch.Tensor) -> torch.Tensor:
-    """Replace ``-inf`` maxima (rows whose shard holds no finite logit) by 0 so they can be used as a shift."""
-    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
 
 
 def rescale_factor(local_max_T: torch.Tensor, global_max_T: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,9 @@ scaled so that, after Megatron's schedule divides by the number of micro-batches
 data-parallel ranks, the gradient is exactly that of the reduction over the whole global batch (the
 denominator is counted over all data-parallel ranks before the step).
 
-The logits are the output layer's and are not needed after the loss, so the divergences write their gradient
-into them in place (``inplace_backward``): the fast path, with no extra ``[tokens, V/TP]`` buffer.
+The logits are the output layer's and are not needed after the loss (the agreement statistic takes its argmax
+first), so the divergences run in place (``inplace_backward``): the fast path, which keeps the student's
+exponentials in the logits' storage for backward and writes the gradient there, with no ``[tokens, V/TP]`` buffer.
 
 Shape legend: ``B`` samples in the micro-batch, ``S`` positions, ``V`` vocab shard, ``K`` teacher top-k.
 """
