@@ -23,6 +23,10 @@ setup(
         "tqdm",
         "transformers>=4.51",
         "tokenizers",
+        # tokenizer.model files: SentencePiece (its model proto needs protobuf) and tiktoken (Llama 3).
+        "sentencepiece",
+        "protobuf",
+        "tiktoken",
         "tensorboard",
         "pyarrow",
     ],
@@ -34,8 +38,9 @@ setup(
         "npu": ["torch_npu", "mindspeed"],
         "triton": ["triton"],
         "wandb": ["wandb"],
-        # triton is in dev so the fused kernels are tested on CPU too (TRITON_INTERPRET=1).
-        "dev": ["pytest>=8", "pytest-timeout", "ruff>=0.6", "triton"],
+        # triton is in dev so the fused kernels are tested on CPU too (TRITON_INTERPRET=1). mistral_common and
+        # llama-models are there for the real tokenizer files they ship (SentencePiece; Llama 3's tiktoken model).
+        "dev": ["pytest>=8", "pytest-timeout", "ruff>=0.6", "triton", "mistral_common", "llama-models"],
     },
     entry_points={"console_scripts": []},
 )

@@ -1,8 +1,9 @@
 """The one place that silences library output we have checked is harmless, so a run shows our output.
 
 Checked on CPU with megatron-core 0.16 and torch 2.13 (each line below was seen on every rank of the old quick
-start): apex / TransformerEngine missing (we use the local spec on purpose), CUDA-only hints and deprecations
-that megatron-core prints on import, and torch.distributed's notes about gloo. Only rank 0 logs at INFO; other
+start): apex / TransformerEngine missing (we use the local spec on purpose; the trainer logs which library runs
+each part instead, see megatron_opd.fused_libraries), CUDA-only hints and deprecations that megatron-core prints
+on import, and torch.distributed's notes about gloo. Only rank 0 logs at INFO; other
 ranks log warnings and errors. Anything not listed here still reaches the console.
 """
 

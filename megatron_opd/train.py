@@ -23,6 +23,7 @@ from megatron_opd.config import parse_args, to_dict
 from megatron_opd.data.prompts import PromptEncoder, load_prompts
 from megatron_opd.data.stream import PromptStream
 from megatron_opd.distributed import destroy_distributed, initialize_distributed
+from megatron_opd.fused_libraries import log_fused_libraries
 from megatron_opd.trainer.batch import pack_sft
 from megatron_opd.trainer.checkpointing import (
     CheckpointManager,
@@ -109,6 +110,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     """Run ``cfg`` to ``train.steps`` (resuming from ``checkpoint.dir``); returns the last eval metrics."""
     cfg.validate()
     accel = initialize_distributed(cfg.parallel, None if cfg.device == "auto" else cfg.device, seed=cfg.seed)
+    log_fused_libraries(cfg.build.use_transformer_engine)
     from megatron.core import parallel_state as ps
 
     rank, sft = dist.get_rank(), cfg.loss.kind == "sft"

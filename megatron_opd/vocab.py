@@ -4,7 +4,9 @@ Distillation compares the teacher's and the student's distributions id by id, so
 token string in both, with the same special tokens. Embeddings may have more rows than the tokenizer has
 tokens (padded for TP or kernels, e.g. Qwen2.5-7B's 152,064 rows against 0.5B's 151,936 for the same
 151,665-token tokenizer); the rows past ``len(tokenizer)`` are never real tokens, so losses, top-k and
-sampling use ``V = len(tokenizer)``.
+sampling use ``V = len(tokenizer)``. Tokenizers in every format (``tokenizer.json``, a SentencePiece or tiktoken
+``tokenizer.model``) come from :func:`megatron_opd.tokenizer.load_tokenizer`, so the check compares them alike;
+``python -m megatron_opd.check_vocab TEACHER STUDENT`` runs it before a long job.
 """
 
 from __future__ import annotations

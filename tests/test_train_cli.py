@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from megatron_opd.testing.distill_fixture import make_distill_fixture
-from megatron_opd.testing.multiprocess import find_free_port
+from megatron_opd.testing.multiprocess import find_free_port, run_process_group
 
 ROOT = Path(__file__).resolve().parents[1]
 TP2 = {"parallel.tensor_model_parallel_size": 2}
@@ -46,27 +46,7 @@ def _env(fault: str | None = None) -> dict[str, str]:
 
 def run(overrides: list[str], *, nproc: int = 2, fault: str | None = None, timeout: float = 300):
     """Run the trainer in its own process group; whatever it leaves behind is killed with the group."""
-    proc = subprocess.Popen(
-        _command(nproc, overrides),
-        cwd=ROOT,
-        env=_env(fault),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"the trainer did not finish within {timeout} s:\n{out[-3000:]}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return proc.returncode, out
+    return run_process_group(_command(nproc, overrides), env=_env(fault), cwd=ROOT, timeout=timeout)
 
 
 def losses(output_dir: Path) -> dict[int, float]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pytest
 
@@ -149,3 +150,66 @@ def test_tokenizer_dir(tmp_path, tiny_dir):
     assert tokenizer_dir(ckpt) == ckpt / "hf_config"
     with pytest.raises(TokenizerError, match=r"teacher\.path=.*empty.*no tokenizer files"):
         tokenizer_dir(tmp_path / "empty", field="teacher.path")
+
+
+# ---- SentencePiece tokenizer.model folders (the formats of megatron_opd.tokenizer) ---------------------------------
+
+
+def _first_piece_difference(teacher_model, student_model) -> tuple[int, str, str]:
+    """The first id whose piece differs, read with sentencepiece itself."""
+    import sentencepiece
+
+    t = sentencepiece.SentencePieceProcessor(model_file=str(teacher_model))
+    s = sentencepiece.SentencePieceProcessor(model_file=str(student_model))
+    i = next(i for i in range(t.vocab_size()) if t.id_to_piece(i) != s.id_to_piece(i))
+    return i, t.id_to_piece(i), s.id_to_piece(i)
+
+
+def test_two_sentencepiece_models_of_one_size_refused(tmp_path):
+    pytest.importorskip("sentencepiece")
+    from megatron_opd.testing.real_tokenizers import train_sentencepiece, write_sentencepiece_tokenizer
+    from megatron_opd.tokenizer import load_tokenizer
+
+    size = 400  # 3 specials + 256 byte-fallback pieces + merges: the two corpora give different merges
+    teacher_dir = write_sentencepiece_tokenizer(tmp_path / "a", train_sentencepiece(_CORPUS_A.split(". ") * 8, size))
+    student_dir = write_sentencepiece_tokenizer(tmp_path / "b", train_sentencepiece(_CORPUS_B.split(". ") * 8, size))
+    teacher, student = load_tokenizer(teacher_dir), load_tokenizer(student_dir)
+    assert len(teacher) == len(student) == size
+    i, t_piece, s_piece = _first_piece_difference(teacher_dir / "tokenizer.model", student_dir / "tokenizer.model")
+    with pytest.raises(VocabularyMismatchError) as err:
+        _check(teacher, student)
+    assert f"id {i} is {t_piece!r} for the teacher and {s_piece!r} for the student" in str(err.value)
+
+
+def test_real_same_size_vocabularies_refused(tmp_path):
+    """Mistral's v2 and v3 tokenizers: both 32,768 tokens, control tokens renamed from id 10 on."""
+    pytest.importorskip("mistral_common")
+    from megatron_opd.testing.real_tokenizers import mistral_sentencepiece_model, write_mistral_tokenizer
+    from megatron_opd.tokenizer import load_tokenizer
+
+    teacher = load_tokenizer(write_mistral_tokenizer(tmp_path / "v2", "v2"))
+    student = load_tokenizer(write_mistral_tokenizer(tmp_path / "v3", "v3"))
+    assert len(teacher) == len(student) == 32768
+    i, t_piece, s_piece = _first_piece_difference(mistral_sentencepiece_model("v2"), mistral_sentencepiece_model("v3"))
+    with pytest.raises(VocabularyMismatchError, match=rf"id {i} is {re.escape(repr(t_piece))} for the teacher and "):
+        _check(teacher, student)
+
+
+def test_one_sentencepiece_vocabulary_in_both_formats_passes(tmp_path, caplog):
+    """tokenizer.model alone (student) against the tokenizer.json tools/checkpoint writes (teacher's hf_config/)."""
+    pytest.importorskip("mistral_common")
+    from megatron_opd.checkpoint.hf_to_mcore import copy_hf_side_files
+    from megatron_opd.testing.real_tokenizers import write_mistral_tokenizer
+    from megatron_opd.tokenizer import load_tokenizer
+
+    student_dir = write_mistral_tokenizer(tmp_path / "student", "v3")
+    copy_hf_side_files(student_dir, tmp_path / "teacher")
+    assert (tmp_path / "teacher" / "tokenizer.json").is_file() and not (student_dir / "tokenizer.json").exists()
+    teacher, student = load_tokenizer(tmp_path / "teacher"), load_tokenizer(student_dir)
+    with caplog.at_level(logging.WARNING, logger="megatron_opd.vocab"):
+        assert _check(teacher, student, t_rows=32768 + 128, s_rows=32768) == 32768  # padded teacher: accepted
+    assert not caplog.records
+    teacher.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with caplog.at_level(logging.WARNING, logger="megatron_opd.vocab"):
+        assert _check(teacher, student) == 32768
+    assert any("different chat templates" in r.getMessage() for r in caplog.records)

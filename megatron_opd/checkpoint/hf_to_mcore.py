@@ -22,6 +22,7 @@ import logging
 import os
 import queue
 import shutil
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from megatron_opd.models.builder import ModelBuildConfig, parse_dtype
 from megatron_opd.models.hf_io import CheckpointError, HFCheckpointReader
 from megatron_opd.models.name_mapping import Split, expand_rules, hf_shapes, hf_to_megatron
 from megatron_opd.models.source import HF_CONFIG_DIR
+from megatron_opd.tokenizer import TOKENIZER_JSON, needs_conversion, write_converted_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +200,11 @@ def preflight(reader: HFCheckpointReader, arch: ModelArchitecture) -> int:
 
 
 def copy_hf_side_files(hf_dir: Path, dest: Path) -> list[str]:
-    """Copy ``config.json``, tokenizer and generation files (everything but the weights) to ``dest``."""
+    """Copy ``config.json``, tokenizer and generation files (everything but the weights) to ``dest``.
+
+    A lone ``tokenizer.model`` gets a ``tokenizer.json`` beside it that reproduces sentencepiece / tiktoken, so
+    transformers and vLLM tokenize the copy as the trainer does (see :mod:`megatron_opd.tokenizer`).
+    """
     dest.mkdir(parents=True, exist_ok=True)
     copied = []
     for path in sorted(hf_dir.iterdir()):
@@ -206,7 +212,17 @@ def copy_hf_side_files(hf_dir: Path, dest: Path) -> list[str]:
             continue
         shutil.copy2(path, dest / path.name)
         copied.append(path.name)
+    if needs_conversion(dest):
+        write_converted_tokenizer(dest, dest)
+        copied.append(TOKENIZER_JSON)
     return copied
+
+
+def check_tokenizer_files(hf_dir: Path) -> None:
+    """Convert a lone ``tokenizer.model`` once before any weight is written, so a bad one fails in seconds."""
+    if needs_conversion(hf_dir):
+        with tempfile.TemporaryDirectory(prefix="megatron_opd_tokenizer_") as tmp:
+            write_converted_tokenizer(hf_dir, tmp)
 
 
 def _write_megatron_files(staging: Path, layout: CheckpointLayout) -> None:
@@ -246,6 +262,7 @@ def convert_hf_to_mcore(
     )
     reader = HFCheckpointReader(hf_dir)
     preflight(reader, arch)
+    check_tokenizer_files(hf_dir)
     check_destination(out_dir, force, sources=(hf_dir,))
     layout = checkpoint_layout(arch, parallel, build)  # before joining ranks: it uses fake process groups
 

@@ -25,7 +25,12 @@ from pathlib import Path
 import torch
 
 from megatron_opd.checkpoint.atomic import check_destination, fsync_paths, make_staging_dir
-from megatron_opd.checkpoint.hf_to_mcore import HF_CONFIG_DIR, ConversionResult, copy_hf_side_files
+from megatron_opd.checkpoint.hf_to_mcore import (
+    HF_CONFIG_DIR,
+    ConversionResult,
+    check_tokenizer_files,
+    copy_hf_side_files,
+)
 from megatron_opd.checkpoint.layout import TensorChunk, checkpoint_layout
 from megatron_opd.checkpoint.mcore_io import check_dist_checkpoint, load_dist_checkpoint
 from megatron_opd.checkpoint.progress import Progress
@@ -207,6 +212,7 @@ def convert_mcore_to_hf(
     arch = load_architecture(cfg_dir)
     out_dtype = parse_dtype(dtype) if dtype is not None else None
     check_destination(out_dir, force, sources=(ckpt, cfg_dir))
+    check_tokenizer_files(cfg_dir)
     reads = plan_reads(ckpt, arch)  # before joining ranks: it uses fake process groups
     plan = plan_shards(plan_hf_tensors(reads, arch, out_dtype), max_shard_bytes)
     exported_dtype = out_dtype or reads[0][0].dtype

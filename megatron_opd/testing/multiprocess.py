@@ -35,6 +35,35 @@ def find_free_port() -> int:
         return sock.getsockname()[1]
 
 
+def run_process_group(
+    command: Sequence[str], *, env: dict[str, str], cwd: str | os.PathLike, timeout: float
+) -> tuple[int, str]:
+    """Run ``command`` in its own session and return ``(returncode, stdout+stderr)``; whatever it leaves behind
+    (torchrun workers, dist_checkpointing's helper processes holding the pipe) is killed with the group.
+    A run past ``timeout`` fails the calling test with the output's tail."""
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(
+        list(command), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        import pytest
+
+        pytest.fail(f"{' '.join(command[:6])} ... did not finish within {timeout} s:\n{out[-3000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return proc.returncode, out
+
+
 def _rank_main(
     fn: Callable[..., Any],
     args: Sequence[Any],

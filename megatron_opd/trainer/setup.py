@@ -34,13 +34,18 @@ class Vocabulary:
 
 
 def load_vocabulary(cfg: TrainConfig) -> Vocabulary:
-    """Load the student's (and teacher's) tokenizer and run the one vocabulary check."""
-    from transformers import AutoTokenizer
+    """Load the student's (and teacher's) tokenizer and run the one vocabulary check.
 
+    Any format :mod:`megatron_opd.tokenizer` reads: ``tokenizer.json``, or a SentencePiece / tiktoken
+    ``tokenizer.model`` (converted so it tokenizes exactly as sentencepiece / tiktoken do).
+    """
+    from megatron_opd.tokenizer import load_tokenizer
     from megatron_opd.vocab import check_vocab, eos_token_ids, tokenizer_dir
 
-    student_tok_dir = Path(cfg.student.tokenizer) if cfg.student.tokenizer else tokenizer_dir(cfg.student.path)
-    tokenizer = AutoTokenizer.from_pretrained(student_tok_dir)
+    student_tok_dir = (
+        Path(cfg.student.tokenizer) if cfg.student.tokenizer else tokenizer_dir(cfg.student.path, "student.path")
+    )
+    tokenizer = load_tokenizer(student_tok_dir, "student.tokenizer")
     student_rows = model_architecture(cfg.student.path, "student.path").vocab_size
     vocab_size = len(tokenizer)
     if vocab_size > student_rows:
@@ -49,8 +54,10 @@ def load_vocabulary(cfg: TrainConfig) -> Vocabulary:
             f"(student.path={cfg.student.path}) only {student_rows} rows; they do not belong together"
         )
     if cfg.loss.kind != "sft":
-        teacher_tok_dir = Path(cfg.teacher.tokenizer) if cfg.teacher.tokenizer else tokenizer_dir(cfg.teacher.path)
-        teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_tok_dir)
+        teacher_tok_dir = (
+            Path(cfg.teacher.tokenizer) if cfg.teacher.tokenizer else tokenizer_dir(cfg.teacher.path, "teacher.path")
+        )
+        teacher_tokenizer = load_tokenizer(teacher_tok_dir, "teacher.tokenizer")
         vocab_size = check_vocab(
             teacher_tokenizer,
             tokenizer,
