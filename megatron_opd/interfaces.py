@@ -42,6 +42,8 @@ class SamplingParams:
     """Generation ends after any of these ids (they are kept in the response and trained on)."""
     seed: int = 0
     """Sampling seed; the same seed, prompts and weights give the same samples at any TP size."""
+    return_topk: int = 0
+    """Also record the ``k`` most probable ids at each generated position (``Rollouts.topk_ids``); 0: off."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -52,6 +54,8 @@ class SamplingParams:
             raise ValueError(f"rollout.top_p must be in (0, 1] (1.0 is off), got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"rollout.top_k must be >= 0 (0 is off), got {self.top_k}")
+        if self.return_topk < 0:
+            raise ValueError(f"return_topk must be >= 0 (0 is off), got {self.return_topk}")
 
 
 @dataclass
@@ -73,13 +77,19 @@ class Rollouts:
     prompt_index: list[int]
     """Index of each sample's prompt within the batch of prompts (samples of one prompt are adjacent)."""
     policy_version: int = 0
+    topk_ids: list[torch.Tensor] | None = None
+    """With ``SamplingParams.return_topk = k``: per sample ``[response_len, k]`` int64, the sampling policy's ``k``
+    most probable ids at each response position, most probable first (of its raw logits: temperature, top-k and
+    top-p do not change them). The union loss support (``loss.support=union``) reads them; a vLLM engine provides
+    them with ``logprobs=k``. Rows of tool tokens (response mask 0) are never read."""
 
     def __len__(self) -> int:
         return len(self.response_ids)
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
-        for name in ("prompt_ids", "response_mask", "logprobs", "finish_reasons", "prompt_index"):
+        names = ["prompt_ids", "response_mask", "logprobs", "finish_reasons", "prompt_index"]
+        for name in names + (["topk_ids"] if self.topk_ids is not None else []):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"Rollouts.{name} has {len(getattr(self, name))} entries, response_ids has {n}")
 
@@ -126,6 +136,9 @@ class TeacherBackend(Protocol):
 
     supports_dense: bool
     """Whether ``score`` can return dense logit shards (only a teacher colocated with the student's layout)."""
+    supports_requested_logprobs: bool
+    """Whether ``score`` returns ``requested_logprobs`` at any ``request_ids`` (the union loss support needs them
+    at the student's top-k ids; a back end without them is refused at start-up for ``loss.support=union``)."""
 
     def score(self, tokens: torch.Tensor, request_ids: torch.Tensor | None = None) -> Future[TeacherScores]:
         """Score ``tokens`` ``[N, S]``; ``request_ids`` ``[N, S, R]`` asks for log-probabilities at those ids."""

@@ -43,6 +43,7 @@ _NOISY_LOGGERS = (
     "transformers",
     "urllib3",
     "filelock",
+    "vllm",  # trainer ranks import only vLLM's weight-transfer classes; the engine logs to its own file
 )
 
 

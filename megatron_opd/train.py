@@ -53,7 +53,10 @@ logger = logging.getLogger("megatron_opd.train")
 def training_state(student: Student, data: PromptStream, step: int, cfg: TrainConfig, loading: bool) -> dict:
     """Everything a resume needs, as one dist_checkpointing state dict."""
     state = chunks_sharded_state_dict(student.chunks)
-    state["optimizer"] = student.optimizer.sharded_state_dict(state, is_loading=loading)
+    # dp_reshardable: each rank saves its own distributed-optimizer shard in parallel (Megatron's default format,
+    # 0.16 still defaults to fully_sharded_model_space, whose flattened ranges its torch_dist saver refuses).
+    optimizer_format = {"distrib_optim_sharding_type": "dp_reshardable"}
+    state["optimizer"] = student.optimizer.sharded_state_dict(state, is_loading=loading, metadata=optimizer_format)
     state["opt_param_scheduler"] = student.scheduler.state_dict()
     state["rng_state"] = sharded_rng_state()
     state["trainer"] = {"step": step, "data": data.state_dict(), "config": to_dict(cfg)}
@@ -120,7 +123,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     # ---- the pieces: vocabulary, models, back ends, data -------------------------------------------------------
     vocab = load_vocabulary(cfg)
     student = build_student(cfg, accel)
-    teacher = build_teacher(cfg, accel, vocab.vocab_size, student)
+    teacher = build_teacher(cfg, accel, vocab.vocab_size, student, vocab.teacher_fingerprint)
     rollout = build_rollout(cfg, student, vocab)
     seq_len = max_seq_len(cfg)
     encoder = PromptEncoder(vocab.tokenizer, cfg.data.prompt_key, cfg.data.messages_key, cfg.data.response_key)
@@ -137,6 +140,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             n=cfg.rollout.n,
             pad_token_id=vocab.pad_token_id,
             max_len=seq_len,
+            student_topk=cfg.loss.union_student_topk,  # loss.support=union: the rollout records the student's ids
         )
     evaluator = build_evaluator(cfg, vocab, encoder, student, teacher, rollout, prompt_room, seq_len)
     reward_fn = import_function(cfg.loss.reward_fn, "loss.reward_fn") if cfg.loss.weighting == "reward" else None
@@ -227,6 +231,8 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             break
 
     metrics.close()
+    if hasattr(rollout, "close"):
+        rollout.close()  # the vLLM back end's engine process
     guard.restore()
     if cfg.export_hf and step == cfg.train.steps and saved_step == step:
         export_student(cfg, ckpt.dir / f"step_{step:08d}")

@@ -41,6 +41,9 @@ def test_parallel_config_validation():
 
 
 _BLOCKED = ("transformer_engine", "apex", "torch_npu", "mindspeed", "triton", "vllm")
+# Modules that extend an optional package (classes vLLM's factories instantiate) exist only where it is installed;
+# nothing else may import them at module level, and they must fail with a plain ImportError.
+_EXTENSIONS = {"megatron_opd.weight_sync.gloo_engine": "vllm"}
 
 _IMPORT_ALL = f"""
 import importlib, pkgutil, sys
@@ -49,6 +52,13 @@ for name in {_BLOCKED!r}:
 import megatron_opd, kernels
 names = [m.name for pkg in (megatron_opd, kernels) for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + ".")]
 for name in names:
+    if name in {_EXTENSIONS!r}:
+        try:
+            importlib.import_module(name)
+        except ImportError as err:
+            assert {_EXTENSIONS!r}[name] in str(err), err
+            continue
+        raise AssertionError(name + " imported without " + {_EXTENSIONS!r}[name])
     importlib.import_module(name)
 from megatron_opd.distributed import has_transformer_engine, detect_accelerator
 assert not has_transformer_engine()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kernels import divergence_triton
-from megatron_opd.losses import dense_divergence, topk_divergence
+from megatron_opd.losses import dense_divergence, topk_divergence, union_divergence
 
 if torch.cuda.is_available() and divergence_triton.triton_available():
     DEVICE = torch.device("cuda")
@@ -109,6 +109,42 @@ def test_topk_kernel_matches_torch(kind: str, tail: str, dtype: torch.dtype) -> 
     (ref_loss, ref_grad), (loss, grad) = results["torch"], results["triton"]
     assert _rel(loss, ref_loss) < 2e-5
     assert _rel(grad, ref_grad) < GRAD_TOL[dtype]
+
+
+@needs_runtime
+@pytest.mark.parametrize("tail", TAILS)
+def test_union_support_on_the_kernel_path(tail: str) -> None:
+    # Absent slots reach the kernels as local id -1 (like ids on another rank): the same loss and gradient as torch.
+    student_TV, teacher_TV, weights_T = _data(5, 3000, torch.float32, seed=4)
+    logp_TV = torch.log_softmax(teacher_TV[:, :2990].float(), dim=-1)
+    t_lp_TK, t_ids_TK = logp_TV.topk(24, dim=-1)
+    s_ids_TR = student_TV[:, :2990].topk(12, dim=-1).indices
+    s_ids_TR[:, :3] = t_ids_TK[:, 5:8]  # repeated between the lists
+    s_ids_TR[1, -4:] = -1  # no id
+    s_lp_TR = logp_TV.gather(-1, s_ids_TR.clamp(min=0))
+    results = {}
+    for backend in ("torch", "triton"):
+        results[backend] = _run(
+            lambda x, backend=backend: union_divergence(
+                x,
+                t_ids_TK,
+                t_lp_TK,
+                s_ids_TR,
+                s_lp_TR,
+                "jsd",
+                beta=0.3,
+                tail=tail,
+                coverage_weight=0.2,
+                student_temperature=1.3,
+                vocab_size=2990,
+                backend=backend,
+            ),
+            student_TV,
+            weights_T,
+        )
+    (ref_loss, ref_grad), (loss, grad) = results["torch"], results["triton"]
+    assert _rel(loss, ref_loss) < 2e-5
+    assert _rel(grad, ref_grad) < GRAD_TOL[torch.float32]
 
 
 @needs_runtime

@@ -3,7 +3,7 @@
 The reference below is deliberately plain: log_softmax over the whole vocabulary, the divergences written out in
 probability space, gradients by autograd. ``test_losses_distributed.py`` reuses it for the 1/2/4-rank checks.
 
-Shape legend: ``T`` tokens, ``V`` vocabulary, ``K`` teacher top-k.
+Shape legend: ``T`` tokens, ``V`` vocabulary, ``K`` teacher top-k, ``R`` student top-k.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import types
 import pytest
 import torch
 
-from megatron_opd.losses import dense_divergence, reduce_loss, topk_divergence
+from megatron_opd.losses import dense_divergence, reduce_loss, topk_divergence, union_divergence
 from megatron_opd.losses import local_ops as local_ops_module
+from megatron_opd.losses import topk as topk_module
 from megatron_opd.losses.vocab_parallel import resolve_group
 
 KINDS = ("forward_kl", "reverse_kl", "jsd")
@@ -88,6 +89,66 @@ def reference_topk(
         p_TK = torch.cat([p_TK, p_tail_T1], dim=-1)
         q_TK = torch.cat([q_TK, q_tail_T1], dim=-1)
     return reference_divergence(p_TK, q_TK, kind, beta)
+
+
+def reference_union(
+    student_TV: torch.Tensor,
+    teacher_ids_TK: torch.Tensor,
+    teacher_logprobs_TK: torch.Tensor,
+    student_ids_TR: torch.Tensor,
+    teacher_logprobs_TR: torch.Tensor,
+    kind: str,
+    beta: float = 0.5,
+    tail: str = "bucket",
+    ts: float = 1.0,
+    vocab_size: int | None = None,
+    coverage_weight: float = 0.0,
+) -> torch.Tensor:
+    """Union reference, token by token: the support is the teacher's ids plus the student's non-negative ids not
+    already listed; the divergence over the support (+ the tail mode) from a full-vocabulary log_softmax, plus
+    ``coverage_weight * -log(student mass on the support)``."""
+    vocab_size = vocab_size or student_TV.shape[-1]
+    q_TV = torch.softmax(student_TV[..., :vocab_size].double() / ts, dim=-1)
+    losses = []
+    for t in range(q_TV.shape[0]):
+        ids, logps = teacher_ids_TK[t].tolist(), teacher_logprobs_TK[t].double().tolist()
+        for i, lp in zip(student_ids_TR[t].tolist(), teacher_logprobs_TR[t].double().tolist()):
+            if i >= 0 and i not in ids:
+                ids.append(i)
+                logps.append(lp)
+        q_N = q_TV[t, ids]
+        p_N = torch.tensor(logps, dtype=torch.float64).exp()
+        coverage = -torch.log(q_N.sum())
+        if tail == "renorm":
+            p_N, q_N = p_N / p_N.sum(), q_N / q_N.sum()
+        elif tail == "bucket":
+            outside_V = torch.ones(q_TV.shape[1], dtype=torch.bool)
+            outside_V[ids] = False
+            p_N = torch.cat([p_N, (1.0 - p_N.sum()).clamp(min=0.0).reshape(1)])
+            q_N = torch.cat([q_N, q_TV[t][outside_V].sum().reshape(1)])
+        losses.append(reference_divergence(p_N[None], q_N[None], kind, beta)[0] + coverage_weight * coverage)
+    return torch.stack(losses)
+
+
+def make_union(
+    student_TV: torch.Tensor, teacher_TV: torch.Tensor, k: int, r: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Teacher top-k (true top-k on even tokens, random ids on odd ones) and the student's top-r with the teacher's
+    log-probabilities at them; some student ids repeat teacher ids and some slots hold -1 (no id), one row only -1.
+    ``teacher_TV`` covers the true vocabulary only."""
+    n_tokens, vocab = teacher_TV.shape
+    ids_top, lp_top = make_topk(teacher_TV, k, generator, low_mass=False)
+    ids_rand, lp_rand = make_topk(teacher_TV, k, generator, low_mass=True)
+    odd_T1 = (torch.arange(n_tokens) % 2 == 1)[:, None]
+    teacher_ids_TK = torch.where(odd_T1, ids_rand, ids_top)
+    student_ids_TR = student_TV[:, :vocab].topk(r, dim=-1).indices
+    student_ids_TR[::3, 1] = teacher_ids_TK[::3, -1]  # repeated between the lists
+    student_ids_TR[1::4, -1] = -1  # a short list
+    student_ids_TR[2] = -1  # no student id at all
+    logp_TV = torch.log_softmax(teacher_TV.double(), dim=-1)
+    teacher_lp_TR = logp_TV.gather(-1, student_ids_TR.clamp(min=0))
+    teacher_lp_TR[student_ids_TR < 0] = float("nan")  # never read
+    return teacher_ids_TK, torch.where(odd_T1, lp_rand, lp_top), student_ids_TR, teacher_lp_TR
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -211,6 +272,112 @@ def test_gradcheck_float64() -> None:
                 ),
                 (s_TV,),
             )
+
+
+@pytest.mark.parametrize("tail", TAILS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_union_matches_reference(kind: str, tail: str) -> None:
+    # Padding columns (vocabulary 57 of 61), student temperature 1.4, chunks of 3 tokens, ids repeated between the
+    # lists, short and empty student lists; with and without the coverage term, in place and not.
+    g = torch.Generator().manual_seed(31)
+    s_TV = torch.randn(10, 61, generator=g, dtype=torch.float64) * 2
+    s_TV[:, 57:] = 40.0  # junk in the padding columns must not matter
+    t_TV = torch.randn(10, 57, generator=g, dtype=torch.float64) * 2
+    w_T = torch.randn(10, generator=g, dtype=torch.float64)
+    t_ids, t_lp, s_ids, s_lp = make_union(s_TV, t_TV, 5, 4, g)
+    for dtype, tol in ((torch.float64, 1e-5), (torch.float32, 1e-4)):
+        for coverage, in_place in ((0.0, False), (0.7, False), (0.7, True)):
+            common = dict(beta=0.3, tail=tail, student_temperature=1.4, vocab_size=57, coverage_weight=coverage)
+            base = s_TV.to(dtype).clone().requires_grad_(True)
+            logits = base * 1.0 if in_place else base  # in place needs a non-leaf, as a model's logits are
+            loss = union_divergence(
+                logits, t_ids, t_lp.to(dtype), s_ids, s_lp.to(dtype), kind, chunk_size=3, inplace_backward=in_place,
+                **common,
+            )  # fmt: skip
+            (loss * w_T.to(loss.dtype)).sum().backward()
+            ref_loss, ref_grad = _grads(
+                reference_union, s_TV.to(dtype).double(), w_T, t_ids, t_lp.to(dtype), s_ids, s_lp.to(dtype), kind,
+                0.3, tail, 1.4, 57, coverage,
+            )  # fmt: skip
+            case = (dtype, coverage, in_place)
+            assert rel_err(loss, ref_loss) <= tol, case
+            assert rel_err(base.grad, ref_grad) <= tol, case
+            assert torch.all(base.grad[:, 57:] == 0), case
+
+
+def test_union_gradcheck_float64() -> None:
+    g = torch.Generator().manual_seed(32)
+    s_TV = torch.randn(5, 13, generator=g, dtype=torch.float64, requires_grad=True)
+    t_ids, t_lp, s_ids, s_lp = make_union(s_TV.detach(), torch.randn(5, 11, generator=g, dtype=torch.float64), 3, 3, g)
+    for kind in KINDS:
+        for tail in TAILS:
+            assert torch.autograd.gradcheck(
+                lambda x, kind=kind, tail=tail: union_divergence(
+                    x,
+                    t_ids,
+                    t_lp,
+                    s_ids,
+                    s_lp,
+                    kind,
+                    beta=0.35,
+                    tail=tail,
+                    coverage_weight=0.6,
+                    student_temperature=0.9,
+                    chunk_size=2,
+                    vocab_size=11,
+                ),  # fmt: skip
+                (s_TV,),
+            )
+
+
+def test_union_comparison_catches_a_wrong_coverage_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The reference comparison must be able to fail: drop the coverage term's gradient and it does.
+    g = torch.Generator().manual_seed(33)
+    s_TV = torch.randn(6, 30, generator=g, dtype=torch.float64)
+    t_ids, t_lp, s_ids, s_lp = make_union(s_TV, torch.randn(6, 30, generator=g, dtype=torch.float64), 4, 4, g)
+    w_T = torch.ones(6, dtype=torch.float64)
+    args = (t_ids, t_lp, s_ids, s_lp, "forward_kl")
+    ref_loss, ref_grad = _grads(reference_union, s_TV, w_T, *args, coverage_weight=0.5)
+    loss, grad = _grads(union_divergence, s_TV, w_T, *args, coverage_weight=0.5)
+    assert rel_err(grad, ref_grad) < 1e-12
+    real = topk_module.coverage_term
+    monkeypatch.setattr(topk_module, "coverage_term", lambda logq_TK: (real(logq_TK)[0], torch.zeros_like(logq_TK)))
+    wrong_loss, wrong_grad = _grads(union_divergence, s_TV, w_T, *args, coverage_weight=0.5)
+    assert rel_err(wrong_loss, ref_loss) < 1e-12 and rel_err(wrong_grad, ref_grad) > 1e-2
+
+
+def test_support_mask_slots_are_ignored() -> None:
+    # Absent slots may hold anything (ids out of range or repeated, NaN log-probabilities): the loss and gradient
+    # equal those of the present ids alone, for every kind and tail, and no NaN reaches the gradient.
+    g = torch.Generator().manual_seed(34)
+    s_TV = torch.randn(6, 25, generator=g, dtype=torch.float64)
+    ids_TK, lp_TK = make_topk(torch.randn(6, 25, generator=g, dtype=torch.float64), 3, g, low_mass=False)
+    junk_ids_TK = torch.tensor([[99, -5], [0, 0]]).repeat(3, 1)
+    junk_ids_TK[:, 1] = ids_TK[:, 0]  # an absent slot repeating a present id
+    padded_ids_TN = torch.cat([junk_ids_TK[:, :1], ids_TK, junk_ids_TK[:, 1:]], dim=1)
+    padded_lp_TN = torch.cat([torch.full((6, 1), math.nan), lp_TK, torch.full((6, 1), 0.5)], dim=1)
+    support_TN = torch.tensor([False, True, True, True, False]).expand(6, 5)
+    w_T = torch.randn(6, generator=g, dtype=torch.float64)
+    for kind in KINDS:
+        for tail in TAILS:
+            for coverage in (0.0, 0.4):
+                common = dict(tail=tail, coverage_weight=coverage)
+                loss, grad = _grads(topk_divergence, s_TV, w_T, ids_TK, lp_TK, kind, **common)
+                m_loss, m_grad = _grads(
+                    topk_divergence, s_TV, w_T, padded_ids_TN, padded_lp_TN, kind, support_mask=support_TN, **common
+                )
+                assert torch.isfinite(m_grad).all()
+                assert rel_err(m_loss, loss) < 1e-14 and rel_err(m_grad, grad) < 1e-14, (kind, tail, coverage)
+
+
+def test_coverage_term_value() -> None:
+    g = torch.Generator().manual_seed(35)
+    s_TV = torch.randn(4, 20, generator=g, dtype=torch.float64)
+    ids_TK, lp_TK = make_topk(torch.randn(4, 20, generator=g, dtype=torch.float64), 5, g, low_mass=True)
+    plain = topk_divergence(s_TV, ids_TK, lp_TK, "jsd")
+    covered = topk_divergence(s_TV, ids_TK, lp_TK, "jsd", coverage_weight=2.0)
+    mass_T = torch.softmax(s_TV, -1).gather(-1, ids_TK).sum(-1)
+    assert rel_err(covered - plain, -2.0 * torch.log(mass_T)) < 1e-12
 
 
 def test_jsd_limits_and_endpoints() -> None:
@@ -420,6 +587,56 @@ def test_argument_errors_name_the_argument() -> None:
             call()
 
 
+def test_union_argument_errors_name_the_list() -> None:
+    s_TV = torch.randn(3, 10)
+    t_ids, t_lp = torch.tensor([[0, 1], [2, 3], [4, 5]]), torch.full((3, 2), -2.0)
+    s_ids, s_lp = torch.tensor([[6, 1], [7, -1], [8, 9]]), torch.full((3, 2), -3.0)
+    cases = [
+        (lambda: union_divergence(s_TV, t_ids, t_lp, s_ids[:, :1], s_lp, "jsd"), "must both be \\[\\*\\(3,\\), R\\]"),
+        (lambda: union_divergence(s_TV, t_ids, t_lp, s_ids.float(), s_lp, "jsd"), "student_topk_ids must be a signed"),
+        (lambda: union_divergence(s_TV, t_ids, t_lp, s_ids, s_lp.long(), "jsd"), "at_student_ids must be floating"),
+        (lambda: union_divergence(s_TV, t_ids, t_lp, s_ids, s_lp, "jsd", tail="x"), "tail must be one of"),
+        (
+            lambda: union_divergence(s_TV, t_ids, t_lp, torch.tensor([[6, 1], [7, 7], [8, 9]]), s_lp, "jsd"),
+            "student_topk_ids contains duplicate ids at token 1",
+        ),
+        (
+            lambda: union_divergence(s_TV, t_ids, t_lp, torch.tensor([[6, 1], [7, -1], [8, 10]]), s_lp, "jsd"),
+            "student_topk_ids has id 10 at token 2, outside",
+        ),
+        (
+            lambda: union_divergence(s_TV, t_ids, t_lp, s_ids, s_lp.index_fill(0, torch.tensor([2]), math.nan), "jsd"),
+            "teacher_logprobs_at_student_ids is NaN at token 2",
+        ),
+        (
+            lambda: union_divergence(
+                s_TV, t_ids.flip(0), t_lp, s_ids, s_lp.index_fill(1, torch.tensor([0]), -0.1), "jsd"
+            ),
+            "the teacher's log-probabilities sum to probability",
+        ),  # fmt: skip
+        (
+            lambda: union_divergence(s_TV, t_ids, t_lp, s_ids, s_lp, "forward_kl", coverage_weight=-1.0),
+            "coverage_weight must be a finite number >= 0",
+        ),
+        (
+            lambda: topk_divergence(s_TV, t_ids, t_lp, "jsd", support_mask=torch.ones(3, 2)),
+            "support_mask must be a bool tensor",
+        ),
+        (
+            lambda: topk_divergence(
+                s_TV, t_ids, t_lp, "jsd", support_mask=torch.tensor([[True, True], [False] * 2] * 2)[:3]
+            ),
+            "support_mask holds no id at token 1",
+        ),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+    # Repeats between the lists and negative student ids are not errors, whatever log-probability they carry.
+    junk_lp = torch.tensor([[-3.0, math.nan], [-3.0, math.nan], [-3.0, -3.0]])
+    assert torch.isfinite(union_divergence(s_TV, t_ids, t_lp, s_ids, junk_lp, "reverse_kl")).all()
+
+
 def test_minus_inf_teacher_logprobs_mean_zero_mass() -> None:
     g = torch.Generator().manual_seed(9)
     s_TV = torch.randn(3, 12, generator=g, dtype=torch.float64)
@@ -491,13 +708,15 @@ class _NewAllocations(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("mode", ["dense", "topk"])
+@pytest.mark.parametrize("mode", ["dense", "topk", "union"])
 def test_in_place_path_allocates_nothing_the_size_of_the_logits(mode: str) -> None:
     # The trainer's path: no [tokens, V] gradient and, with the stash, at most chunk-sized scratch buffers.
     g = torch.Generator().manual_seed(21)
     n_tokens, width, chunk = 64, 500, 8
     s_TV, t_TV = torch.randn(n_tokens, width, generator=g), torch.randn(n_tokens, width, generator=g)
     ids_TK, lp_TK = make_topk(t_TV, 16, g, low_mass=True)
+    t_ids, t_lp, s_ids, s_lp = make_union(s_TV, t_TV, 16, 8, g)
+    union = (t_ids, t_lp.float(), s_ids, s_lp.float())
     shard_bytes = n_tokens * width * 4
     for kind in KINDS:
         for in_place in (False, True):
@@ -506,14 +725,18 @@ def test_in_place_path_allocates_nothing_the_size_of_the_logits(mode: str) -> No
             with _NewAllocations() as seen:
                 if mode == "dense":
                     loss = dense_divergence(logits, t_TV, kind, chunk_size=chunk, inplace_backward=in_place)
-                else:
+                elif mode == "topk":
                     loss = topk_divergence(logits, ids_TK, lp_TK, kind, chunk_size=chunk, inplace_backward=in_place)
+                else:
+                    loss = union_divergence(logits, *union, kind, chunk_size=chunk, inplace_backward=in_place)
                 (grad_TV,) = torch.autograd.grad(loss.sum(), logits)  # stops at the logits, as the output layer would
             ref_x_TV = s_TV.double().requires_grad_(True)
             if mode == "dense":
                 ref_T = reference_dense(ref_x_TV, t_TV.double(), kind)
-            else:
+            elif mode == "topk":
                 ref_T = reference_topk(ref_x_TV, ids_TK, lp_TK.double(), kind, 0.5, "bucket")
+            else:
+                ref_T = reference_union(ref_x_TV, *union, kind, 0.5, "bucket")
             expected = torch.autograd.grad(ref_T.sum(), ref_x_TV)[0]
             assert rel_err(grad_TV, expected) < 1e-4
             if in_place:

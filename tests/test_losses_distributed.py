@@ -6,7 +6,7 @@ world size loops over every kind x mode x tail x dtype x temperature x chunking 
 each spawn costs seconds. A last job initialises Megatron-Core at TP=2 x DP=2 and checks ``group=None`` picks the
 tensor-parallel group, not the world.
 
-Shape legend: ``T`` tokens, ``V`` padded global vocabulary, ``K`` teacher top-k.
+Shape legend: ``T`` tokens, ``V`` padded global vocabulary, ``K`` teacher top-k, ``R`` student top-k.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_opd.losses import dense_divergence, topk_divergence
+from megatron_opd.losses import dense_divergence, topk_divergence, union_divergence
 from megatron_opd.losses.vocab_parallel import resolve_group
 from megatron_opd.testing.multiprocess import run_distributed
-from tests.test_losses import make_topk, reference_dense, reference_topk, rel_err
+from tests.test_losses import make_topk, make_union, reference_dense, reference_topk, reference_union, rel_err
 
 KINDS = ("forward_kl", "reverse_kl", "jsd")
 TAILS = ("bucket", "renorm", "ignore")
@@ -34,12 +34,18 @@ def _case_data(seed: int, n_tokens: int, padded: int, vocab_size: int, k: int) -
     ids_top, lp_top = make_topk(teacher_TV[:, :vocab_size], k, g, low_mass=False)
     ids_rand, lp_rand = make_topk(teacher_TV[:, :vocab_size], k, g, low_mass=True)
     odd_T1 = (torch.arange(n_tokens) % 2 == 1)[:, None]
+    # Union: the student's own top ids (some repeating the teacher's, some -1) and the teacher's log-probs at them.
+    union = make_union(student_TV, teacher_TV[:, :vocab_size], k, max(2, k - 2), g)
     return {
         "student": student_TV,
         "teacher": teacher_TV,
         "ids": torch.where(odd_T1, ids_rand, ids_top),
         "logprobs": torch.where(odd_T1, lp_rand, lp_top),
         "weights": torch.randn(n_tokens, generator=g, dtype=torch.float64),
+        "union_teacher_ids": union[0],
+        "union_teacher_logprobs": union[1],
+        "student_ids": union[2],
+        "logprobs_at_student_ids": union[3],
     }
 
 
@@ -57,10 +63,12 @@ def _shard_errors(
     cols = slice(tp_rank * width, (tp_rank + 1) * width)
     weights_T = data["weights"]
     out = []
+    references: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # in place and not share a reference
     for dtype in (torch.float64, torch.float32):
         student_TV = data["student"].to(dtype)
         teacher_TV = data["teacher"].to(dtype)
         logprobs_TK = data["logprobs"].to(dtype)
+        union_lp = (data["union_teacher_logprobs"].to(dtype), data["logprobs_at_student_ids"].to(dtype))
         # In place (as the trainer calls them): the torch path keeps the student's exponentials in its logits.
         for ts, tt, chunk, inplace in (
             (1.0, 1.0, None, False),
@@ -68,27 +76,42 @@ def _shard_errors(
             (1.6, 0.7, 4, True),
             (1.0, 1.0, None, True),
         ):
-            modes = [("dense", kind, None) for kind in KINDS] + [
-                ("topk", kind, tail) for kind in KINDS for tail in TAILS
-            ]
+            modes = (
+                [("dense", kind, None) for kind in KINDS]
+                + [("topk", kind, tail) for kind in KINDS for tail in TAILS]
+                + [("union", kind, tail) for kind in KINDS for tail in TAILS]
+            )
             for mode, kind, tail in modes:
                 leaf_TV = student_TV[:, cols].clone().requires_grad_(True)
                 x_TV = leaf_TV * 1.0 if inplace else leaf_TV  # in place needs a non-leaf, as a model's logits are
                 ref_x_TV = student_TV.double().clone().requires_grad_(True)
+                key = (mode, kind, tail, dtype, ts, tt)
                 common = dict(beta=0.3, student_temperature=ts, chunk_size=chunk, group=group, vocab_size=vocab_size)
                 common["inplace_backward"] = inplace
                 if mode == "dense":
                     loss_T = dense_divergence(x_TV, teacher_TV[:, cols], kind, teacher_temperature=tt, **common)
                     ref_T = reference_dense(ref_x_TV, teacher_TV, kind, 0.3, ts, tt, vocab_size)
-                else:
+                elif mode == "topk":
                     loss_T = topk_divergence(x_TV, data["ids"], logprobs_TK, kind, tail=tail, **common)
                     ref_T = reference_topk(ref_x_TV, data["ids"], logprobs_TK, kind, 0.3, tail, ts, vocab_size)
+                else:
+                    # The coverage term on the cases with a student temperature.
+                    coverage = 0.4 if ts != 1.0 else 0.0
+                    ids = (data["union_teacher_ids"], union_lp[0], data["student_ids"], union_lp[1])
+                    loss_T = union_divergence(
+                        x_TV, ids[0], ids[1], ids[2], ids[3], kind, tail=tail, coverage_weight=coverage, **common
+                    )
+                    if key not in references:  # the per-token reference is slow: once per case
+                        ref_T = reference_union(ref_x_TV, *ids, kind, 0.3, tail, ts, vocab_size, coverage)
                 (loss_T * weights_T.to(loss_T.dtype)).sum().backward()
-                (ref_T * weights_T).sum().backward()
+                if key not in references:
+                    (ref_T * weights_T).sum().backward()
+                    references[key] = (ref_T.detach(), ref_x_TV.grad)
+                ref_T, ref_grad_TV = references[key]
                 name = (
                     f"{label} {mode} {kind} {tail or ''} {str(dtype)[6:]} T=({ts},{tt}) chunk={chunk} inplace={inplace}"
                 )
-                grad_err = rel_err(leaf_TV.grad, ref_x_TV.grad[:, cols])
+                grad_err = rel_err(leaf_TV.grad, ref_grad_TV[:, cols])
                 out.append((name, rel_err(loss_T, ref_T), grad_err, TOLERANCE[dtype]))
     return out
 

@@ -81,6 +81,20 @@ def _tp_equivalence_body(hf_dir: str, samplings: list[SamplingParams]):
     return out
 
 
+def _topk_ids_body(hf_dir: str, sampling: SamplingParams):
+    """The same sampling with and without ``return_topk``, at TP=1 and then TP=2, in one job."""
+    from megatron_opd.distributed import ParallelConfig, initialize_distributed, initialize_model_parallel
+
+    out = {}
+    for tp in (1, 2):
+        parallel = ParallelConfig(tensor_model_parallel_size=tp)
+        (initialize_distributed if tp == 1 else initialize_model_parallel)(parallel)
+        _, sampler = _build_sampler(hf_dir, parallel)
+        plain = sampler.generate(PROMPTS, replace(sampling, return_topk=0), n=2).result()
+        out[tp] = (sampler.generate(PROMPTS, sampling, n=2).result(), plain)
+    return out
+
+
 def _stop_and_limits_body(hf_dir: str):
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
 
@@ -121,6 +135,7 @@ def _stop_and_limits_body(hf_dir: str):
         "outside the vocabulary": ([[1, 1000]], SamplingParams(), 1),
         "stop_token_ids": ([[1]], SamplingParams(stop_token_ids=(1000,)), 1),
         "n (samples": ([[1]], SamplingParams(), 0),
+        "return_topk=1001 asks for more ids": ([[1]], SamplingParams(return_topk=1001), 1),
     }
     for label, (prompts, params, n) in bad_inputs.items():
         try:
@@ -333,6 +348,30 @@ def test_tp2_samples_equal_tp1(tiny_model_dirs):
     assert [r.tolist() for r in seed7.response_ids] != [r.tolist() for r in seed8.response_ids]
     # The two samples of one prompt differ (independent noise per row).
     assert seed7.response_ids[0].tolist() != seed7.response_ids[1].tolist()
+
+
+def test_student_topk_ids_are_recorded(tiny_model_dirs):
+    """``return_topk``: each generated position's global top-k ids of the raw logits (qwen3: vocabulary 1001 padded
+    to 1024), the same at TP=1 and TP=2, equal to transformers' top-k, and the samples themselves unchanged."""
+    hf_dir, k = tiny_model_dirs["qwen3"], 8
+    sampling = SamplingParams(max_new_tokens=9, temperature=1.3, top_k=20, seed=11, return_topk=k)
+    per_rank = run_distributed(_topk_ids_body, 2, args=(hf_dir, sampling), timeout=300)
+    for rank_out in per_rank:
+        (tp1, tp1_plain), (tp2, tp2_plain) = rank_out[1], rank_out[2]
+        assert tp1_plain.topk_ids is None
+        for with_ids, plain in ((tp1, tp1_plain), (tp2, tp2_plain)):  # asking for ids draws no noise
+            assert [r.tolist() for r in with_ids.response_ids] == [r.tolist() for r in plain.response_ids]
+        for a, b in zip(tp1.topk_ids, tp2.topk_ids):
+            assert torch.equal(a, b)
+    rollouts = per_rank[0][2][0]
+    for prompt, response, ids in zip(rollouts.prompt_ids, rollouts.response_ids, rollouts.topk_ids):
+        assert ids.dtype == torch.int64 and ids.shape == (response.numel(), k)
+        assert int(ids.min()) >= 0 and int(ids.max()) < 1001, "a padding column entered the top-k"
+        with torch.no_grad():
+            logits = _hf_model(hf_dir)(torch.cat([prompt, response])[None]).logits[0, prompt.numel() - 1 : -1, :1001]
+        # The recorded ids hold the k largest logits, largest first (ids may differ only on float32 ties).
+        torch.testing.assert_close(logits.gather(-1, ids), logits.topk(k, dim=-1).values, rtol=0, atol=1e-4)
+        assert (ids.sort(-1).values[:, 1:] != ids.sort(-1).values[:, :-1]).all()
 
 
 def test_stop_tokens_limits_and_errors(tiny_model_dirs):

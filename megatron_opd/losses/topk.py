@@ -23,7 +23,17 @@ logits' storage (one multiply per element instead of a second exponential).
 Teacher log-probabilities are used as given (any teacher temperature must already be applied); only the student's
 logits are divided by ``student_temperature``.
 
-Shape legend: ``T`` tokens (leading dims flattened), ``V`` local shard columns, ``K`` teacher top-k ids.
+Two generalisations serve the union support (``losses.union``, TCAD):
+
+- ``support_mask``: slots marked ``False`` hold no id. They never touch the shard (their local id is -1, like an
+  id held on another rank), are left out of validation, carry log-probability ``-inf`` on both sides of the
+  ``[tokens, k]`` algebra (where zero-weight terms count as 0, so their coefficient ``c`` is exactly 0) and get no
+  gradient. A fixed ``[tokens, k]`` shape thus holds a different number of ids per token.
+- ``coverage_weight``: adds ``coverage_weight * -log(sum of q over the support)`` per token; its derivative with
+  respect to ``log q_i`` is ``-coverage_weight * q_i / sum q``, folded into ``c``, so backward is unchanged.
+
+Shape legend: ``T`` tokens (leading dims flattened), ``V`` local shard columns, ``K`` support slots (the teacher's
+top-k ids, or the union's teacher + student slots).
 """
 
 from __future__ import annotations
@@ -47,6 +57,11 @@ from megatron_opd.losses.vocab_parallel import (
 
 TAILS: tuple[str, ...] = ("bucket", "renorm", "ignore")
 
+TOPK_CHUNK_ELEMENTS = 1 << 18
+"""Automatic chunks hold at most this many ``tokens x k`` entries, so the per-chunk id and log-probability
+temporaries stay small next to what is kept for backward (measured on an H100: with the Triton path's single
+chunk they made the peak 1.4x verl's algorithm's)."""
+
 MIN_TAIL_MASS = 1e-30
 """Tail masses (teacher's and student's) are floored here before taking logs. A teacher whose top-k mass rounds to
 1 would otherwise make ``reverse_kl`` infinite; the floor turns that into a large finite penalty on the student's
@@ -63,6 +78,13 @@ def _first_row(bad_T: torch.Tensor) -> int | None:
     return int(bad_T.nonzero()[0, 0])
 
 
+def _slot_name(slot: int, student_slots_from: int | None) -> tuple[str, str]:
+    """The argument names (ids, log-probabilities) an error about support slot ``slot`` should mention."""
+    if student_slots_from is not None and slot >= student_slots_from:
+        return "student_topk_ids", "teacher_logprobs_at_student_ids"
+    return "teacher_topk_ids", "teacher_topk_logprobs"
+
+
 def validate_topk(
     ids_TK: torch.Tensor,
     logprobs_TK: torch.Tensor,
@@ -72,11 +94,15 @@ def validate_topk(
     leading_shape: torch.Size,
     *,
     unsharded_guess: bool = False,
+    support_TK: torch.Tensor | None = None,
+    student_slots_from: int | None = None,
 ) -> None:
     """Raise ``ValueError`` naming the first offending token for inputs the losses cannot handle.
 
     ``unsharded_guess=True`` (no tensor-parallel group and no ``vocab_size``: the logits' width was taken as the
     vocabulary) adds to an out-of-range id's message that logits which are one rank's shard need a group.
+    ``support_TK`` (bool): only slots marked ``True`` are checked; a token with none is refused.
+    ``student_slots_from``: slots from this index on are the student's (union support), for the messages.
 
     Accepted: ``-inf`` log-probabilities (an id the teacher gives zero mass, e.g. padding of a short top-k list)
     for ``forward_kl`` and ``jsd``. Rejected: non-integer ids, ``k`` larger than the vocabulary, ids outside
@@ -84,26 +110,43 @@ def validate_topk(
     0 or summing above ``1 + MASS_TOLERANCE``, ``-inf`` with ``reverse_kl`` (infinite), and a token whose k
     log-probabilities are all ``-inf`` with ``tail="renorm"`` (nothing to renormalise).
     """
-    bad = _first_row(((ids_TK < 0) | (ids_TK >= vocab_size)).any(dim=1))
+    present_TK = torch.ones_like(ids_TK, dtype=torch.bool) if support_TK is None else support_TK
+
+    def first_bad(bad_TK: torch.Tensor) -> tuple[int, int] | None:
+        row = _first_row((bad_TK & present_TK).any(dim=1))
+        if row is None:
+            return None
+        return row, int((bad_TK[row] & present_TK[row]).nonzero()[0, 0])
+
+    if support_TK is not None:
+        row = _first_row(~present_TK.any(dim=1))
+        if row is not None:
+            raise ValueError(f"support_mask holds no id at {where_token(row, leading_shape)}; every token needs one")
+    bad = first_bad((ids_TK < 0) | (ids_TK >= vocab_size))
     if bad is not None:
-        row_K = ids_TK[bad]
-        value = int(row_K[(row_K < 0) | (row_K >= vocab_size)][0])
+        row, slot = bad
         shard_hint = (
             "; or, if student_logits is one rank's shard of the vocabulary, no tensor-parallel group was found: "
             "pass group= (and vocab_size=) or initialise Megatron's parallel state"
         )
         raise ValueError(
-            f"teacher_topk_ids has id {value} at {where_token(bad, leading_shape)}, outside [0, vocab_size="
-            f"{vocab_size}); map teacher ids into the student's vocabulary (and drop ids it lacks) before calling"
-            + (shard_hint if unsharded_guess else "")
+            f"{_slot_name(slot, student_slots_from)[0]} has id {int(ids_TK[row, slot])} at "
+            f"{where_token(row, leading_shape)}, outside [0, vocab_size={vocab_size}); map teacher ids into the "
+            "student's vocabulary (and drop ids it lacks) before calling" + (shard_hint if unsharded_guess else "")
         )
     if ids_TK.shape[1] > 1:
-        sorted_TK = ids_TK.sort(dim=1).values
-        bad = _first_row((sorted_TK[:, 1:] == sorted_TK[:, :-1]).any(dim=1))
+        # Absent slots get distinct negative ids, so they never match anything.
+        absent_ids_TK = -1 - torch.arange(ids_TK.shape[1], device=ids_TK.device).expand_as(ids_TK)
+        keyed_TK = torch.where(present_TK, ids_TK.long(), absent_ids_TK)
+        sorted_TK, order_TK = keyed_TK.sort(dim=1, stable=True)
+        repeat_TK = torch.zeros_like(present_TK)
+        repeat_TK.scatter_(1, order_TK[:, 1:], sorted_TK[:, 1:] == sorted_TK[:, :-1])
+        bad = first_bad(repeat_TK)
         if bad is not None:
+            row, slot = bad
             raise ValueError(
-                f"teacher_topk_ids contains duplicate ids at {where_token(bad, leading_shape)}; deduplicate before "
-                "calling (pad a short list with unused ids and -inf log-probabilities)"
+                f"{_slot_name(slot, student_slots_from)[0]} contains duplicate ids at {where_token(row, leading_shape)}"
+                "; deduplicate before calling (pad a short list with unused ids and -inf log-probabilities)"
             )
     checks = [
         (torch.isnan(logprobs_TK), "is NaN", "fix the teacher's output"),
@@ -118,21 +161,25 @@ def validate_topk(
             )
         )
     for bad_TK, what, fix in checks:
-        bad = _first_row(bad_TK.any(dim=1))
+        bad = first_bad(bad_TK)
         if bad is not None:
-            raise ValueError(f"teacher_topk_logprobs {what} at {where_token(bad, leading_shape)}; {fix}")
-    lse_T = torch.logsumexp(logprobs_TK.double(), dim=1)
+            row, slot = bad
+            name = _slot_name(slot, student_slots_from)[1]
+            raise ValueError(f"{name} {what} at {where_token(row, leading_shape)}; {fix}")
+    lse_T = torch.logsumexp(logprobs_TK.double().masked_fill(~present_TK, float("-inf")), dim=1)
     bad = _first_row(lse_T > math.log1p(MASS_TOLERANCE))
     if bad is not None:
+        name = "teacher_topk_logprobs" if student_slots_from is None else "the teacher's log-probabilities"
         raise ValueError(
-            f"teacher_topk_logprobs sum to probability {math.exp(float(lse_T[bad])):.6f} > 1 at "
+            f"{name} sum to probability {math.exp(float(lse_T[bad])):.6f} > 1 at "
             f"{where_token(bad, leading_shape)}; pass log-probabilities normalised over the full vocabulary"
         )
     if tail == "renorm":
         bad = _first_row(lse_T == float("-inf"))
         if bad is not None:
+            name = "teacher_topk_logprobs" if student_slots_from is None else "the teacher's log-probabilities"
             raise ValueError(
-                f"teacher_topk_logprobs are all -inf at {where_token(bad, leading_shape)}; "
+                f"{name} are all -inf at {where_token(bad, leading_shape)}; "
                 "tail='renorm' has nothing to renormalise there (mask that token or use tail='bucket')"
             )
 
@@ -168,6 +215,17 @@ def topk_coarse_divergence(
     return d_TN.sum(dim=1), c_TK
 
 
+def coverage_term(logq_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """TCAD's coverage term ``-log sum_i q_i`` over the support slots and its derivative w.r.t. each ``log q_i``.
+
+    ``-(logZ_sub - logZ_global)`` in TCAD's terms: 0 when all the student's mass is on the support, growing as it
+    leaks outside, so it pulls the student's mass onto the ids the loss sees. Absent slots (``log q = -inf``) add
+    nothing and get 0.
+    """
+    log_mass_T = torch.logsumexp(logq_TK, dim=1)
+    return -log_mass_T, -torch.exp(logq_TK - log_mass_T[:, None])
+
+
 class _TopkDivergence(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -175,9 +233,11 @@ class _TopkDivergence(torch.autograd.Function):
         student_TV: torch.Tensor,
         ids_TK: torch.Tensor,
         logprobs_TK: torch.Tensor,
+        support_TK: torch.Tensor | None,
         kind: str,
         beta: float,
         tail: str,
+        coverage_weight: float,
         inv_ts: float,
         rows_per_chunk: int,
         shard: VocabShard,
@@ -192,6 +252,8 @@ class _TopkDivergence(torch.autograd.Function):
         # int32 (half the memory of int64; chunks are widened for indexing): the column of each id held here, -1 else.
         local_ids_TK = ids_TK.to(torch.int32, copy=True).sub_(shard.start)
         local_ids_TK.masked_fill_((local_ids_TK < 0) | (local_ids_TK >= n_valid), -1)
+        if support_TK is not None:
+            local_ids_TK.masked_fill_(~support_TK, -1)  # absent slots: like ids held on another rank
         need_tail = tail == "bucket"
         # In place, the student's chunks keep their exponentials for backward (see kernels.divergence_torch).
         stash = inplace_backward and ops.supports_stash and student_TV.dtype == cd
@@ -215,6 +277,8 @@ class _TopkDivergence(torch.autograd.Function):
         log_total_T = torch.log(payload_TN[:, 0])
         lse_s_T = (finite_or_zero(global_max_T) + log_total_T).contiguous()
         logq_TK = payload_TN[:, 2:].sub_(lse_s_T[:, None])  # in the payload's storage
+        if support_TK is not None:
+            logq_TK.masked_fill_(~support_TK, float("-inf"))  # absent: zero mass on both sides
         logq_tail_T = torch.log(payload_TN[:, 1]) - log_total_T
         # The [tokens, k] algebra in blocks of rows, so its temporaries stay small next to the saved [tokens, k].
         loss_T = torch.empty(n_tokens, dtype=cd, device=device)
@@ -223,9 +287,15 @@ class _TopkDivergence(torch.autograd.Function):
         for lo in range(0, n_tokens, block):
             hi = min(lo + block, n_tokens)
             lp_BK = logprobs_TK[lo:hi].to(cd)
+            if support_TK is not None:
+                lp_BK = lp_BK.masked_fill(~support_TK[lo:hi], float("-inf"))
             loss_T[lo:hi], c_TK[lo:hi] = topk_coarse_divergence(
                 logq_TK[lo:hi], lp_BK, logq_tail_T[lo:hi], kind, beta, tail
             )
+            if coverage_weight:
+                cover_B, dcover_BK = coverage_term(logq_TK[lo:hi])
+                loss_T[lo:hi] += coverage_weight * cover_B
+                c_TK[lo:hi] += coverage_weight * dcover_BK
 
         # With a stash, q = exp(z - local max) * q_scale off the top-k; else q is recomputed from lse.
         q_scale_T = torch.exp(finite_or_zero(max_T) - lse_s_T) if stash else lse_s_T
@@ -255,7 +325,7 @@ class _TopkDivergence(torch.autograd.Function):
                 s_CV = student_TV[lo:hi, :n_valid]
                 ops.topk_grad(s_CV, inv_ts, q_scale_T[lo:hi], ids_CK, coef_CK, coef_sum_C, grad_TV[lo:hi, :n_valid])
         ops.release()
-        return grad_TV, None, None, None, None, None, None, None, None, None, None
+        return grad_TV, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 def topk_divergence(
@@ -266,6 +336,8 @@ def topk_divergence(
     *,
     beta: float = 0.5,
     tail: str = "bucket",
+    support_mask: torch.Tensor | None = None,
+    coverage_weight: float = 0.0,
     student_temperature: float = 1.0,
     chunk_size: int | None = None,
     group: dist.ProcessGroup | None = None,
@@ -286,6 +358,11 @@ def topk_divergence(
         beta: the teacher's weight in the JSD mixture, in [0, 1].
         tail: ``"bucket"`` (k ids plus one bucket for the remaining mass; exact), ``"renorm"`` (both
             renormalised over the k ids) or ``"ignore"`` (k ids' terms with masses as they are, as verl does).
+        support_mask: optional ``[..., k]`` bool; ``False`` marks a slot holding no id (its id and
+            log-probability are ignored, it gets no gradient). Lets a fixed shape carry a varying number of ids
+            per token (the union support of ``union_divergence``). Every token needs at least one id.
+        coverage_weight: adds ``coverage_weight * -log(sum of the student's q over the support)`` per token
+            (TCAD's coverage term), with its exact gradient.
         student_temperature: the student's logits are divided by it.
         chunk_size: tokens per chunk; ``None`` chooses automatically (see ``dense_divergence``).
         group: the tensor-parallel group; ``None`` means Megatron-Core's when initialised, else one process.
@@ -315,6 +392,14 @@ def topk_divergence(
         raise ValueError(f"teacher_topk_logprobs must be floating point, got {teacher_topk_logprobs.dtype}")
     if teacher_topk_ids.shape[-1] == 0:
         raise ValueError("teacher top-k is empty (k == 0); send at least one id per token")
+    if support_mask is not None and (support_mask.shape != teacher_topk_ids.shape or support_mask.dtype != torch.bool):
+        raise ValueError(
+            f"support_mask must be a bool tensor of the ids' shape {tuple(teacher_topk_ids.shape)}, got "
+            f"{support_mask.dtype} {tuple(support_mask.shape)}"
+        )
+    coverage_weight = float(coverage_weight)
+    if not coverage_weight >= 0.0 or math.isinf(coverage_weight):
+        raise ValueError(f"coverage_weight must be a finite number >= 0, got {coverage_weight}")
     inv_ts = 1.0 / check_temperature("student_temperature", student_temperature)
     check_inplace(student_logits, inplace_backward)
     student_TV = as_rows(student_logits, "student_logits")
@@ -322,16 +407,22 @@ def topk_divergence(
     logprobs_TK = teacher_topk_logprobs.detach().reshape(ids_TK.shape).to(student_TV.device)
     shard = make_vocab_shard(student_TV.shape[1], group, vocab_size)
     k = ids_TK.shape[1]
-    if k > shard.vocab_size:
+    support_TK = None if support_mask is None else support_mask.reshape(ids_TK.shape).to(student_TV.device)
+    if k > shard.vocab_size and support_TK is None:  # with a mask, validation counts the ids actually present
         raise ValueError(
             f"teacher top-k has k={k} ids per token, more than vocab_size={shard.vocab_size}; send at most that many"
         )
     if validate:
         guessed = shard.group is None and vocab_size is None
-        validate_topk(ids_TK, logprobs_TK, shard.vocab_size, kind, tail, lead, unsharded_guess=guessed)
+        validate_topk(
+            ids_TK, logprobs_TK, shard.vocab_size, kind, tail, lead, unsharded_guess=guessed, support_TK=support_TK
+        )
     ops = select_local_ops(backend, student_TV.device)
     rows = chunk_rows(chunk_size, student_TV.shape[0], shard.valid_width, ops, student_TV.device)
+    if chunk_size is None:  # also bound the per-chunk [rows, k] temporaries (one chunk on the Triton path)
+        rows = min(rows, max(1, TOPK_CHUNK_ELEMENTS // max(1, ids_TK.shape[1])))
     loss_T = _TopkDivergence.apply(
-        student_TV, ids_TK, logprobs_TK, kind, beta, tail, inv_ts, rows, shard, ops, inplace_backward
-    )
+        student_TV, ids_TK, logprobs_TK, support_TK, kind, beta, tail, coverage_weight, inv_ts, rows, shard, ops,
+        inplace_backward,
+    )  # fmt: skip
     return loss_T.reshape(lead)

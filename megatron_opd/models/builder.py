@@ -224,6 +224,9 @@ def build_model(
         )
     chunks = build_chunks(arch, parallel, build, transformer_config(arch, parallel, build))
     for chunk in chunks:
+        # As Megatron's own get_model: Megatron's layers are created on the GPU, our norms and buffers on the CPU.
+        if torch.cuda.is_available() and any(p.device.type == "cpu" for p in chunk.parameters()):
+            chunk.cuda(torch.cuda.current_device())
         if not trainable:
             chunk.requires_grad_(False)
             chunk.eval()

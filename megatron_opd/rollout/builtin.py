@@ -7,7 +7,9 @@ Generation is static batching with Megatron-Core's KV cache (``StaticInferenceCo
 lengths are right-padded; the batch is prefilled up to the shortest prompt and then advances one position at a time
 for every row, feeding a row its own prompt token while its prompt lasts (Megatron-LM's legacy generation loop). All
 rows then share positions, so no attention mask is needed and the result is exact. Logits stay vocab-sharded:
-sampling uses :mod:`megatron_opd.rollout.sampling`, which never gathers the vocabulary.
+sampling uses :mod:`megatron_opd.rollout.sampling`, which never gathers the vocabulary. Asked for
+(``SamplingParams.return_topk = k``), each generated position also records the global top-k ids of the raw logits
+(a merge of k candidates per rank, no gather): the student's half of the union loss support, at no extra forward.
 
 Shape legend: ``N`` rows (prompts x n), ``L`` positions (prompt + response), ``V`` this rank's vocabulary shard.
 """
@@ -24,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_opd.interfaces import Rollouts, SamplingParams, completed
+from megatron_opd.losses.shard_ops import global_topk
 from megatron_opd.losses.vocab_parallel import make_vocab_shard
 from megatron_opd.rollout.sampling import sample_next, token_logprobs
 
@@ -148,6 +151,8 @@ class BuiltinSampler:
         bad = [t for t in sampling.stop_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab}) and could never be sampled")
+        if sampling.return_topk > vocab:
+            raise ValueError(f"return_topk={sampling.return_topk} asks for more ids than the vocabulary's {vocab}")
 
     def _forward(self, tokens_NL: torch.Tensor, start: int, context) -> torch.Tensor:
         """Logits ``[N, V]`` of the last of positions ``[start, start + L)``, whose keys/values join the cache."""
@@ -177,6 +182,8 @@ class BuiltinSampler:
         for i, prompt in enumerate(prompts):
             tokens_NL[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.int64)
         logprobs_NL = torch.zeros(rows, total, dtype=torch.float32, device=device)
+        k = sampling.return_topk
+        topk_NLK = torch.full((rows, total if k else 0, k), -1, dtype=torch.int64, device=device)
         end_N = limit_N.clone()
         done_N = torch.zeros(rows, dtype=torch.bool, device=device)
         stopped_N = torch.zeros(rows, dtype=torch.bool, device=device)
@@ -197,6 +204,8 @@ class BuiltinSampler:
                 token_N = torch.where(done_N, torch.full_like(token_N, self.pad_token_id), token_N)
                 tokens_NL[:, pos] = token_N
                 logprobs_NL[:, pos] = torch.where(new_N, token_logprobs(logits_NV, token_N, self.shard), 0.0)
+                if k:  # an all-gather of k candidates per rank; the noise stream is untouched
+                    topk_NLK[:, pos] = torch.where(new_N[:, None], global_topk(logits_NV, k, self.shard)[1], -1)
                 stop_N = new_N & torch.isin(token_N, stop_ids)
                 finish_N = new_N & (stop_N | (pos + 1 >= limit_N))
                 stopped_N |= stop_N
@@ -207,7 +216,7 @@ class BuiltinSampler:
                     break
                 logits_NV = self._forward(tokens_NL[:, pos : pos + 1], pos, context)
 
-        tokens_NL, logprobs_NL = tokens_NL.cpu(), logprobs_NL.cpu()
+        tokens_NL, logprobs_NL, topk_NLK = tokens_NL.cpu(), logprobs_NL.cpu(), topk_NLK.cpu()
         starts, ends, stopped = lengths_N.tolist(), end_N.tolist(), stopped_N.tolist()
         response_ids = [tokens_NL[i, starts[i] : ends[i]].clone() for i in range(rows)]
         elapsed = time.perf_counter() - started
@@ -227,5 +236,6 @@ class BuiltinSampler:
                 finish_reasons=["stop" if s else "length" for s in stopped],
                 prompt_index=[i // n for i in range(rows)],
                 policy_version=self.policy_version,
+                topk_ids=[topk_NLK[i, starts[i] : ends[i]].clone() for i in range(rows)] if k else None,
             )
         )

@@ -3,6 +3,10 @@
 The scheduler owns the order of the phases and their timings; the training loop only asks for the next scored
 batch and applies the update. Asynchronous modes (rollouts sampled by weights one or two steps old, overlapping
 the update) plug in here with the same ``next_batch`` contract.
+
+With the union loss support (``student_topk > 0``) the phases stay the same: the rollout records the student's
+top-k ids while it samples (no extra student forward) and the one teacher request also asks for the teacher's
+log-probabilities at them.
 """
 
 from __future__ import annotations
@@ -47,13 +51,23 @@ class ZeroStepOff:
         *,
         pad_token_id: int,
         max_len: int,
+        student_topk: int = 0,
     ) -> None:
+        """``student_topk > 0``: the rollouts record the student's top-k ids and the teacher scores them too (union
+        loss support); a teacher that cannot return log-probabilities at requested ids is refused here."""
+        if student_topk and not getattr(teacher, "supports_requested_logprobs", False):
+            raise ValueError(
+                f"loss.support=union needs the teacher's log-probabilities at the student's top-k ids, which the "
+                f"teacher back end {type(teacher).__name__} does not return (no requested_logprobs); use "
+                "teacher.backend=inprocess or server, or loss.support=teacher_topk"
+            )
         self.rollout = rollout
         self.teacher = teacher
-        self.sampling = sampling
+        self.sampling = dataclasses.replace(sampling, return_topk=student_topk) if student_topk else sampling
         self.n = n
         self.pad_token_id = pad_token_id
         self.max_len = max_len
+        self.student_topk = student_topk
 
     def next_batch(self, prompt_token_ids: list[list[int]], policy_version: int, seed: int) -> ScoredBatch:
         """Rollouts of these prompts by the weights of ``policy_version``, packed and scored by the teacher."""
@@ -65,9 +79,12 @@ class ZeroStepOff:
                 f"rollouts come from policy version {rollouts.policy_version}, expected {policy_version} (on-policy)"
             )
         t1 = time.perf_counter()
-        batch = pack_rollouts(rollouts, pad_token_id=self.pad_token_id, max_len=self.max_len)
-        # Also ask for the teacher's log-probability of each sampled token (teacher-confidence weights, metrics).
-        scores = self.teacher.score(batch.tokens, batch.next_tokens().unsqueeze(-1)).result()
+        batch = pack_rollouts(
+            rollouts, pad_token_id=self.pad_token_id, max_len=self.max_len, student_topk=self.student_topk
+        )
+        # Also ask for the teacher's log-probability of each sampled token (teacher-confidence weights, metrics) and,
+        # for the union support, of the student's top-k ids.
+        scores = self.teacher.score(batch.tokens, batch.teacher_request_ids()).result()
         t2 = time.perf_counter()
         timings = {"rollout": t1 - t0, "teacher": t2 - t1}
         return ScoredBatch(rollouts, batch, scores, trained_version=policy_version, timings=timings)

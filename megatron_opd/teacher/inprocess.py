@@ -29,6 +29,7 @@ class InProcessTeacher:
     """A frozen Megatron teacher colocated with the student (same TP/PP layout, same job)."""
 
     supports_dense = True
+    supports_requested_logprobs = True
 
     def __init__(
         self,

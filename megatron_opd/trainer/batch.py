@@ -5,7 +5,12 @@ Position ``s`` of the packed tokens predicts token ``s + 1``, so the loss mask a
 output. Every micro-batch of a step has the same ``[b, S]`` shape (Megatron's pipeline schedules exchange
 activations of one shape); ``S`` is the longest sample of the step, rounded up to ``pad_multiple``.
 
-Shape legend: ``N`` samples on this data-parallel rank, ``S`` positions, ``b`` samples per micro-batch.
+With the union loss support the student's own top-k ids come from the rollout (``Rollouts.topk_ids``): the ids
+recorded while sampling response token ``j`` sit at the position that predicts it, and the teacher request asks
+for the teacher's log-probabilities there (``TrainBatch.teacher_request_ids``).
+
+Shape legend: ``N`` samples on this data-parallel rank, ``S`` positions, ``b`` samples per micro-batch, ``k`` the
+student's top-k, ``R`` ids per position in the teacher request.
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ class TrainBatch:
     """Prompt + response tokens of each sample."""
     seq_weights: torch.Tensor = field(default_factory=lambda: torch.ones(0))
     """``[N]`` per-sequence loss weights (reward-weighted or teacher-confidence distillation); 1 by default."""
+    student_topk_ids: torch.Tensor | None = None
+    """``[N, S, k]`` int64 (``loss.support=union``): the student's top-k ids at each position that predicts a trained
+    token, recorded by the rollout; -1 everywhere else (prompt, padding, tool tokens: never trained)."""
 
     def __post_init__(self) -> None:
         if self.seq_weights.numel() == 0:
@@ -47,6 +55,15 @@ class TrainBatch:
     def next_tokens(self) -> torch.Tensor:
         """``[N, S]`` the token each position predicts (the last column, never trained, repeats padding)."""
         return torch.cat([self.tokens[:, 1:], self.tokens[:, -1:]], dim=1)
+
+    def teacher_request_ids(self) -> torch.Tensor:
+        """``[N, S, R]`` the ids whose teacher log-probabilities a step needs: first the token each position predicts
+        (teacher-confidence weights, metrics), then the student's top-k ids when the batch has them (union support;
+        a -1 slot asks for the predicted token again). ``objective.teacher_columns`` reads the reply in this order."""
+        next_NS1 = self.next_tokens().unsqueeze(-1)
+        if self.student_topk_ids is None:
+            return next_NS1
+        return torch.cat([next_NS1, torch.where(self.student_topk_ids < 0, next_NS1, self.student_topk_ids)], dim=-1)
 
     def micro_batches(
         self,
@@ -99,8 +116,12 @@ def pack(
     pad_multiple: int = 8,
     max_len: int | None = None,
     seq_len: int | None = None,
+    topk_ids: list[torch.Tensor] | None = None,
 ) -> TrainBatch:
-    """Concatenate each prompt with its response and pad to one length (``seq_len`` if given)."""
+    """Concatenate each prompt with its response and pad to one length (``seq_len`` if given).
+
+    ``topk_ids``: per sample ``[response_len, k]`` ids recorded while sampling each response token; they go to the
+    position that predicts that token, for trained tokens only (``TrainBatch.student_topk_ids``)."""
     lengths = [int(p.numel() + r.numel()) for p, r in zip(prompts, responses)]
     longest = max(lengths)
     if seq_len is None:
@@ -110,23 +131,47 @@ def pack(
     n = len(prompts)
     tokens = torch.full((n, seq_len), pad_token_id, dtype=torch.int64)
     loss_mask = torch.zeros(n, seq_len, dtype=torch.float32)
+    student_topk_ids = None
+    if topk_ids is not None:
+        student_topk_ids = torch.full((n, seq_len, topk_ids[0].shape[-1]), -1, dtype=torch.int64)
     for i, (prompt, response, mask) in enumerate(zip(prompts, responses, response_masks)):
         p, r = prompt.numel(), response.numel()
         tokens[i, :p] = prompt
         tokens[i, p : p + r] = response
         # Position p - 1 + j predicts response token j.
         loss_mask[i, p - 1 : p - 1 + r] = mask.to(torch.float32)
-    return TrainBatch(tokens, loss_mask, [int(p.numel()) for p in prompts], lengths)
+        if student_topk_ids is not None:
+            trained_R1 = (mask != 0)[:, None]
+            student_topk_ids[i, p - 1 : p - 1 + r] = torch.where(trained_R1, topk_ids[i].to(torch.int64), -1)
+    return TrainBatch(tokens, loss_mask, [int(p.numel()) for p in prompts], lengths, student_topk_ids=student_topk_ids)
 
 
-def pack_rollouts(rollouts: Rollouts, *, pad_token_id: int, max_len: int | None = None) -> TrainBatch:
-    """The training batch of a set of rollouts (response mask 0 = tool tokens: never trained)."""
+def pack_rollouts(
+    rollouts: Rollouts, *, pad_token_id: int, max_len: int | None = None, student_topk: int = 0
+) -> TrainBatch:
+    """The training batch of a set of rollouts (response mask 0 = tool tokens: never trained).
+
+    ``student_topk > 0`` (union support): also the first ``student_topk`` of the ids the rollout recorded per token.
+    """
+    topk_ids = None
+    if student_topk:
+        widths = {int(t.shape[-1]) for t in rollouts.topk_ids or []}
+        if rollouts.topk_ids is None or min(widths, default=0) < student_topk:
+            got = "none" if rollouts.topk_ids is None else f"{min(widths, default=0)} per token"
+            raise ValueError(
+                f"loss.support=union needs the student's top-{student_topk} ids of every sampled token from the "
+                f"rollout (Rollouts.topk_ids, asked with SamplingParams.return_topk); the rollout back end returned "
+                f"{got}. Use a back end that records them (the built-in sampler; vLLM with logprobs=k) or "
+                "loss.support=teacher_topk"
+            )
+        topk_ids = [t[:, :student_topk] for t in rollouts.topk_ids]
     return pack(
         rollouts.prompt_ids,
         rollouts.response_ids,
         rollouts.response_mask,
         pad_token_id=pad_token_id,
         max_len=max_len,
+        topk_ids=topk_ids,
     )
 
 

@@ -28,9 +28,26 @@ class TeacherConfig:
     """The frozen model that scores the student's samples."""
 
     path: str = ""
-    """Hugging Face or dist_ckpt folder of the teacher (not needed with ``loss.kind=sft``)."""
-    backend: Literal["inprocess"] = "inprocess"
-    """``inprocess``: a frozen GPTModel in this job, same parallel layout as the student."""
+    """Hugging Face or dist_ckpt folder of the teacher (not needed with ``loss.kind=sft`` or a teacher server)."""
+    backend: Literal["inprocess", "server"] = "inprocess"
+    """``inprocess``: a frozen GPTModel in this job, same parallel layout as the student. ``server``: a teacher
+    server in its own job and layout (``torchrun -m megatron_opd.teacher.serve``) at ``teacher.address``."""
+    address: str = ""
+    """``backend=server``: ``host:port`` of the teacher server, or of several replicas ``host:port,host:port``."""
+    token_file: str | None = None
+    """``backend=server``: file holding the server's ``--token-file`` secret (needed when it is not on loopback)."""
+    timeout_s: float = 300.0
+    """``backend=server``: seconds to wait for one reply before the request is retried (elsewhere if possible)."""
+    retries: int = 8
+    """``backend=server``: retries of a request before the run stops with an error naming the servers and batch."""
+    backoff_s: float = 1.0
+    """``backend=server``: wait after a server fails, doubled at each further failure of that server (max 30 s)."""
+    connect_timeout_s: float = 600.0
+    """``backend=server``: how long start-up waits for a server to answer (it may still be loading)."""
+    wire_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """``backend=server``: dtype of the log-probabilities on the wire (ids are int32); bf16/fp16 halve them."""
+    max_message_bytes: int = 256 << 20
+    """``backend=server``: largest reply accepted; batches are split so every reply fits (and the server's limits)."""
     temperature: float = 1.0
     """The teacher's logits are divided by this before its log-probabilities or top-k are taken."""
     offload: bool = False
@@ -42,6 +59,13 @@ class TeacherConfig:
     def __post_init__(self) -> None:
         if not self.temperature > 0:
             raise ValueError(f"teacher.temperature must be > 0, got {self.temperature}")
+        for name in ("timeout_s", "connect_timeout_s", "max_message_bytes"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"teacher.{name} must be > 0, got {getattr(self, name)}")
+        if self.retries < 0 or self.backoff_s < 0:
+            raise ValueError(
+                f"teacher.retries and teacher.backoff_s must be >= 0, got {self.retries}, {self.backoff_s}"
+            )
 
 
 @dataclass
@@ -74,8 +98,9 @@ class DataConfig:
 class RolloutConfig:
     """How the student samples its responses."""
 
-    backend: Literal["builtin"] = "builtin"
-    """``builtin``: the tensor-parallel sampler on the student's own GPTModel (KV cache, no vocabulary gather)."""
+    backend: Literal["builtin", "vllm"] = "builtin"
+    """``builtin``: the tensor-parallel sampler on the student's own GPTModel (KV cache, no vocabulary gather).
+    ``vllm``: a vLLM engine in a process started by rank 0, weights synced after every step (needs vLLM)."""
     n: int = 1
     """Samples per prompt."""
     max_new_tokens: int = 64
@@ -88,10 +113,49 @@ class RolloutConfig:
     """Sample among the k most probable tokens (0: off)."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Extra stop ids, beside the tokenizer's EOS and every EOS id of generation_config.json."""
+    weight_sync: Literal["transfer_api", "reload"] = "transfer_api"
+    """``backend=vllm``: vLLM's weight-transfer API (gloo engine on CPU), or ``reload``: collective_rpc +
+    reload_weights (used automatically where vLLM lacks that API; set it to run the fallback anyway)."""
+    sync_bucket_mb: float = 512.0
+    """``backend=vllm``: size of the packed buckets the weights travel in (MiB); the sender holds one at a time."""
+    address: str = ""
+    """``backend=vllm``: ``host:port[,host:port]`` of separate vLLM servers (``python -m
+    megatron_opd.rollout.vllm_server``) instead of an engine process started by rank 0."""
+    sync_address: str = "127.0.0.1"
+    """``backend=vllm``: address of this job's rank 0 that the vLLM workers join for weight syncs."""
+    sync_timeout_s: float = 600.0
+    """``backend=vllm``: seconds a sync, or the engine's start, may take before it is an error."""
+    vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """``backend=vllm``: dtype of vLLM's weights and of the sync (auto: the student's parameter dtype)."""
+    vllm_cpu_kv_cache_gib: int = 1
+    """``backend=vllm`` on CPU: KV cache size of the engine (GiB)."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """``backend=vllm`` on GPU: fraction of the GPU vLLM may take (colocated with training)."""
+    vllm_sleep: bool = False
+    """``backend=vllm`` on GPU: the engine sleeps (frees weights and KV cache) while the trainer trains."""
+    vllm_threads: int = 1
+    """``backend=vllm`` on CPU: torch threads of the engine process."""
+    tool_fn: str | None = None
+    """Multi-turn tool rollouts: ``module:function(call_text) -> str`` answering a tool call (e.g.
+    ``megatron_opd.tasks.calculator:calculate``); its tokens get response mask 0 and are never trained on."""
+    tool_stop: str = "</calc>"
+    """With ``tool_fn``: the text that ends a tool call (the model's turn is cut right after it)."""
+    max_turns: int = 4
+    """With ``tool_fn``: model turns per sample (a call in the last turn gets no answer)."""
 
     def __post_init__(self) -> None:
         if self.n < 1:
             raise ValueError(f"rollout.n must be >= 1, got {self.n}")
+        if not self.sync_bucket_mb > 0:
+            raise ValueError(f"rollout.sync_bucket_mb must be > 0, got {self.sync_bucket_mb}")
+        if not self.sync_timeout_s > 0:
+            raise ValueError(f"rollout.sync_timeout_s must be > 0, got {self.sync_timeout_s}")
+        if self.max_turns < 1:
+            raise ValueError(f"rollout.max_turns must be >= 1, got {self.max_turns}")
+        if self.address and self.backend != "vllm":
+            raise ValueError("rollout.address names vLLM servers: set rollout.backend=vllm (or drop rollout.address)")
+        if self.tool_fn is not None and not self.tool_stop:
+            raise ValueError("rollout.tool_stop must be the non-empty text that ends a tool call (e.g. </calc>)")
 
 
 @dataclass
@@ -154,7 +218,14 @@ class LossConfig:
     topk: int = 64
     """k for ``mode=topk``."""
     tail: Literal["bucket", "renorm", "ignore"] = "bucket"
-    """Mass outside the teacher's top-k: one bucket (exact), renormalised away, or ignored (verl)."""
+    """Mass outside the support: one bucket (exact), renormalised away, or ignored (verl)."""
+    support: Literal["teacher_topk", "union"] = "teacher_topk"
+    """Ids the ``mode=topk`` loss is computed over: the teacher's top-k, or its union with the student's own top-k
+    (TCAD; the rollout records the student's ids, the teacher request returns its log-probabilities at them)."""
+    student_topk: int = 0
+    """``support=union``: how many of the student's most probable ids join the support (0: ``loss.topk``)."""
+    coverage_weight: float = 0.0
+    """``mode=topk``: adds this times -log(student's mass on the support) per token (TCAD's coverage term; 0: off)."""
     reduction: Literal["token_mean", "sequence_mean", "sum"] = "token_mean"
     """How per-token losses become the step's loss (over the whole global batch)."""
     student_temperature: float = 1.0
@@ -179,6 +250,26 @@ class LossConfig:
             raise ValueError("loss.weighting=reward needs loss.reward_fn=module:function")
         if not self.weight_temperature > 0:
             raise ValueError(f"loss.weight_temperature must be > 0, got {self.weight_temperature}")
+        if self.student_topk < 0:
+            raise ValueError(f"loss.student_topk must be >= 0 (0: loss.topk), got {self.student_topk}")
+        if not 0.0 <= self.coverage_weight < float("inf"):
+            raise ValueError(f"loss.coverage_weight must be a finite number >= 0, got {self.coverage_weight}")
+        distilling_topk = self.kind != "sft" and self.mode == "topk"
+        if self.support == "union" and not distilling_topk:
+            raise ValueError(
+                f"loss.support=union is a top-k distillation loss (got loss.kind={self.kind}, loss.mode={self.mode}): "
+                "set loss.mode=topk with a divergence loss.kind, or loss.support=teacher_topk"
+            )
+        if self.coverage_weight and not distilling_topk:
+            raise ValueError(
+                f"loss.coverage_weight applies to top-k distillation (got loss.kind={self.kind}, loss.mode="
+                f"{self.mode}; over the dense vocabulary it is 0): set loss.mode=topk or loss.coverage_weight=0"
+            )
+
+    @property
+    def union_student_topk(self) -> int:
+        """The student's ids per token the rollout must record: ``student_topk or topk`` for the union, else 0."""
+        return (self.student_topk or self.topk) if self.support == "union" else 0
 
 
 @dataclass
@@ -279,7 +370,21 @@ class TrainConfig:
             self.checkpoint.dir = f"{self.output_dir.rstrip('/')}/checkpoints"
         if not self.student.path:
             raise ValueError("student.path is required: a Hugging Face or dist_ckpt folder of the student")
-        if self.loss.kind != "sft" and not self.teacher.path:
+        if self.loss.kind != "sft" and self.teacher.backend == "server":
+            from megatron_opd.teacher.transport import split_addresses
+
+            if not self.teacher.address:
+                raise ValueError(
+                    "teacher.address is required with teacher.backend=server: host:port of the teacher server "
+                    "(replicas: host:port,host:port)"
+                )
+            split_addresses(self.teacher.address)
+            if self.loss.mode != "topk":
+                raise ValueError(
+                    "teacher.backend=server sends the teacher's top-k, not its logits: set loss.mode=topk "
+                    "(loss.mode=dense needs teacher.backend=inprocess)"
+                )
+        elif self.loss.kind != "sft" and not self.teacher.path:
             raise ValueError("teacher.path is required for distillation (loss.kind != sft)")
         if not self.data.train_files:
             raise ValueError("data.train_files is required: one path or a list of JSONL/Parquet files")

@@ -12,6 +12,7 @@ counts once: only its first tensor-parallel rank of the last pipeline stage cont
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,8 @@ from megatron_opd.models.pipeline import forward_backward
 from megatron_opd.trainer.batch import TrainBatch, pack_rollouts
 from megatron_opd.trainer.config import TrainConfig
 from megatron_opd.trainer.objective import teacher_columns, teacher_divergence
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -168,7 +171,9 @@ def build_evaluator(cfg: TrainConfig, vocab, encoder, student, teacher, rollout,
     items = usable[: cfg.eval.max_prompts]
     mine = items[ps.get_data_parallel_rank() :: ps.get_data_parallel_world_size()]
     teacher_sampler = None
-    if teacher is not None:
+    if teacher is not None and not hasattr(teacher, "chunks") and cfg.eval.teacher_responses:
+        logger.info("eval.teacher_responses needs the teacher's weights in this job: skipped with a remote teacher")
+    elif teacher is not None:
         teacher_sampler = BuiltinSampler(
             teacher.chunks, vocab_size=vocab.vocab_size, max_seq_len=seq_len, pad_token_id=vocab.pad_token_id
         )

@@ -9,7 +9,12 @@ The logits are the output layer's and are not needed after the loss (the agreeme
 first), so the divergences run in place (``inplace_backward``): the fast path, which keeps the student's
 exponentials in the logits' storage for backward and writes the gradient there, with no ``[tokens, V/TP]`` buffer.
 
-Shape legend: ``B`` samples in the micro-batch, ``S`` positions, ``V`` vocab shard, ``K`` teacher top-k.
+With ``loss.support=union`` the top-k loss runs over the teacher's top-k plus the student's own top-k ids
+(``losses.union_divergence``); the micro-batch then also holds the student's ids (recorded by the rollout) and the
+teacher's log-probabilities at them (from the teacher request), see ``teacher_columns``.
+
+Shape legend: ``B`` samples in the micro-batch, ``S`` positions, ``V`` vocab shard, ``K`` teacher top-k, ``R`` the
+student's top-k.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_opd.losses import dense_divergence, reduce_loss, topk_divergence
+from megatron_opd.losses import dense_divergence, reduce_loss, topk_divergence, union_divergence
 from megatron_opd.losses.shard_ops import global_argmax
 from megatron_opd.losses.vocab_parallel import make_vocab_shard
 from megatron_opd.trainer.config import LossConfig
@@ -71,15 +76,22 @@ def teacher_divergence(
 ) -> torch.Tensor:
     """Per-token divergence ``[B, S]`` of the student's shard to the teacher's scores in ``mb`` (top-k or dense).
 
-    No input validation: the in-process teacher's top-k is valid by construction, and a NaN/inf loss is caught
-    once per step by the trainer (which names the step) instead of by a host sync per micro-batch.
+    ``loss.support=union`` uses the union support where ``mb`` holds the student's ids; without them (evaluation,
+    whose teacher request carries none) the support is the teacher's top-k. ``loss.coverage_weight`` adds TCAD's
+    coverage term in either case. No input validation: the in-process teacher's top-k is valid by construction, and
+    a NaN/inf loss is caught once per step by the trainer (which names the step) instead of by a host sync per
+    micro-batch.
     """
     common = dict(beta=cfg.beta, student_temperature=cfg.student_temperature, chunk_size=cfg.chunk_size,
                   vocab_size=vocab_size, validate=False, inplace_backward=inplace_backward)  # fmt: skip
     if "teacher_topk_ids" in mb:
-        return topk_divergence(
-            logits_BSV, mb["teacher_topk_ids"], mb["teacher_topk_logprobs"], kind, tail=cfg.tail, **common
-        )
+        teacher = (mb["teacher_topk_ids"], mb["teacher_topk_logprobs"])
+        if cfg.support == "union" and "student_topk_ids" in mb:
+            student = (mb["student_topk_ids"], mb["teacher_logprobs_at_student_ids"])
+            return union_divergence(
+                logits_BSV, *teacher, *student, kind, tail=cfg.tail, coverage_weight=cfg.coverage_weight, **common
+            )
+        return topk_divergence(logits_BSV, *teacher, kind, tail=cfg.tail, coverage_weight=cfg.coverage_weight, **common)
     return dense_divergence(logits_BSV, mb["teacher_logits"], kind, teacher_temperature=teacher_temperature, **common)
 
 
@@ -106,6 +118,11 @@ def make_loss_fn(
             target_top1_BS = mb["labels"]
             per_token_BS = sft_per_token(logits_BSV, mb["labels"], vocab_size)
         else:
+            if cfg.support == "union" and "student_topk_ids" not in mb:
+                raise ValueError(
+                    "loss.support=union: the micro-batch has no student top-k ids; pass the batch to teacher_columns "
+                    "and score it with TrainBatch.teacher_request_ids()"
+                )
             with torch.no_grad():
                 if "teacher_topk_ids" in mb:
                     target_top1_BS = mb["teacher_topk_ids"][..., 0]
@@ -140,10 +157,27 @@ def make_loss_fn(
     return loss_fn
 
 
-def teacher_columns(scores) -> dict[str, torch.Tensor]:
-    """The micro-batch columns holding the teacher's scores (none on ranks without a loss)."""
+def teacher_columns(scores, batch=None) -> dict[str, torch.Tensor]:
+    """The micro-batch columns holding the teacher's scores (none on ranks without a loss).
+
+    With a ``batch`` holding the student's top-k ids (union support), also those ids and the teacher's
+    log-probabilities at them: the reply to ``batch.teacher_request_ids()``, whose slots ``1 : 1 + k`` they are.
+    """
     if scores.topk_ids is not None:
-        return {"teacher_topk_ids": scores.topk_ids, "teacher_topk_logprobs": scores.topk_logprobs}
+        columns = {"teacher_topk_ids": scores.topk_ids, "teacher_topk_logprobs": scores.topk_logprobs}
+        student_ids = None if batch is None else batch.student_topk_ids
+        if student_ids is not None:
+            k = student_ids.shape[-1]
+            requested = scores.requested_logprobs
+            if requested is None or requested.shape[-1] != 1 + k:
+                got = None if requested is None else tuple(requested.shape)
+                raise ValueError(
+                    f"the teacher's requested_logprobs are {got}; the union support needs [N, S, {1 + k}] "
+                    "(the sampled token and the student's top-k ids of TrainBatch.teacher_request_ids())"
+                )
+            columns["student_topk_ids"] = student_ids
+            columns["teacher_logprobs_at_student_ids"] = requested[..., 1:]
+        return columns
     if scores.dense_logits is not None:
         return {"teacher_logits": scores.dense_logits}
     return {}
@@ -178,7 +212,7 @@ def train_step(
 
     micro_batches = batch.micro_batches(
         micro_batch_size,
-        teacher_columns(scores) if scores is not None else {},
+        teacher_columns(scores, batch) if scores is not None else {},
         trim=ps.get_pipeline_model_parallel_world_size() == 1,
         pad_multiple=8 * ps.get_tensor_model_parallel_world_size(),  # sequence parallelism splits S over TP
     )

@@ -31,6 +31,8 @@ class Vocabulary:
     stop_token_ids: tuple[int, ...]
     """The tokenizer's EOS, every EOS id of generation_config.json, and rollout.stop_token_ids."""
     tokenizer_dir: Path
+    teacher_fingerprint: str | None = None
+    """``teacher.backend=server``: the checked vocabulary's fingerprint, which every replica must serve."""
 
 
 def load_vocabulary(cfg: TrainConfig) -> Vocabulary:
@@ -53,7 +55,24 @@ def load_vocabulary(cfg: TrainConfig) -> Vocabulary:
             f"student tokenizer ({student_tok_dir}) has {vocab_size} tokens but the student's embedding "
             f"(student.path={cfg.student.path}) only {student_rows} rows; they do not belong together"
         )
-    if cfg.loss.kind != "sft":
+    teacher_fingerprint = None
+    if cfg.loss.kind != "sft" and cfg.teacher.backend == "server":
+        # The server sends its tokenizer summary at connect; the same check runs on it.
+        client = server_client(cfg)
+        try:
+            teacher_tokenizer, info = client.vocabulary()
+        finally:
+            client.close()
+        vocab_size = check_vocab(
+            teacher_tokenizer,
+            tokenizer,
+            teacher_name=f"teacher.address={cfg.teacher.address}",
+            student_name=f"student.path={cfg.student.path}",
+            teacher_embedding_rows=info.embedding_rows,
+            student_embedding_rows=student_rows,
+        )
+        teacher_fingerprint = info.vocab_fingerprint
+    elif cfg.loss.kind != "sft":
         teacher_tok_dir = (
             Path(cfg.teacher.tokenizer) if cfg.teacher.tokenizer else tokenizer_dir(cfg.teacher.path, "teacher.path")
         )
@@ -74,7 +93,7 @@ def load_vocabulary(cfg: TrainConfig) -> Vocabulary:
             "responses could never end; set rollout.stop_token_ids"
         )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
-    return Vocabulary(tokenizer, vocab_size, int(pad), tuple(sorted(stops)), student_tok_dir)
+    return Vocabulary(tokenizer, vocab_size, int(pad), tuple(sorted(stops)), student_tok_dir, teacher_fingerprint)
 
 
 def build_student(cfg: TrainConfig, accel: Accelerator) -> Student:
@@ -85,10 +104,14 @@ def build_student(cfg: TrainConfig, accel: Accelerator) -> Student:
     return Student(chunks, cfg.optim, plan, cfg.train.steps)
 
 
-def build_teacher(cfg: TrainConfig, accel: Accelerator, vocab_size: int, student: Student):
+def build_teacher(
+    cfg: TrainConfig, accel: Accelerator, vocab_size: int, student: Student, teacher_fingerprint: str | None = None
+):
     """The teacher back end of ``teacher.backend`` (None for ``loss.kind=sft``)."""
     if cfg.loss.kind == "sft":
         return None
+    if cfg.teacher.backend == "server":
+        return build_server_teacher(cfg, teacher_fingerprint)
     from megatron_opd.teacher.inprocess import InProcessTeacher
 
     _, chunks = build_and_load(cfg.teacher.path, cfg.parallel, cfg.build, trainable=False, field="teacher.path")
@@ -107,6 +130,52 @@ def build_teacher(cfg: TrainConfig, accel: Accelerator, vocab_size: int, student
         micro_batch_size=cfg.train.micro_batch_size,
         offload=cfg.teacher.offload,
         device=accel.device(torch.cuda.current_device() if accel.type == "cuda" else 0),
+    )
+    check_teacher_mode(teacher, cfg.loss.mode)
+    return teacher
+
+
+def server_client(cfg: TrainConfig, teacher_fingerprint: str | None = None):
+    """The fault-tolerant client of ``teacher.address`` (ZeroMQ transport), configured from ``teacher.*``."""
+    from megatron_opd.teacher.client import TeacherClient
+    from megatron_opd.teacher.serve import read_token
+    from megatron_opd.teacher.transport import split_addresses
+    from megatron_opd.teacher.zmq_transport import ZmqTransportFactory
+
+    t = cfg.teacher
+    factory = ZmqTransportFactory(token=read_token(t.token_file) or b"", max_message_bytes=t.max_message_bytes)
+    return TeacherClient(
+        split_addresses(t.address),
+        factory,
+        topk=cfg.loss.topk,
+        temperature=t.temperature,
+        wire_dtype=t.wire_dtype,
+        timeout_s=t.timeout_s,
+        retries=t.retries,
+        backoff_s=t.backoff_s,
+        connect_timeout_s=t.connect_timeout_s,
+        max_message_bytes=t.max_message_bytes,
+        expected_fingerprint=teacher_fingerprint,
+    )
+
+
+def build_server_teacher(cfg: TrainConfig, teacher_fingerprint: str | None):
+    """``teacher.backend=server``: the first TP rank of the last pipeline stage asks, its TP group shares the scores."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_opd.teacher.shared import GroupSharedTeacher
+
+    last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+    client = None
+    if last_stage and ps.get_tensor_model_parallel_rank() == 0:
+        client = server_client(cfg, teacher_fingerprint)
+        info = client.connect()
+        logger.info("teacher server(s) %s: %s, top-k <= %d", cfg.teacher.address, info.model, info.max_topk)
+    teacher = GroupSharedTeacher(
+        client,
+        group=ps.get_tensor_model_parallel_group(),
+        src=ps.get_tensor_model_parallel_src_rank(),
+        active=last_stage,
     )
     check_teacher_mode(teacher, cfg.loss.mode)
     return teacher
@@ -132,12 +201,26 @@ def max_seq_len(cfg: TrainConfig) -> int:
 
 
 def build_rollout(cfg: TrainConfig, student: Student, vocab: Vocabulary):
-    """The rollout back end of ``rollout.backend``."""
-    from megatron_opd.rollout.builtin import BuiltinSampler
+    """The rollout back end of ``rollout.backend`` (with tool turns when ``rollout.tool_fn`` is set)."""
+    if cfg.rollout.backend == "vllm":
+        from megatron_opd.rollout.vllm_backend import build_vllm_rollout
 
-    return BuiltinSampler(
-        student.chunks, vocab_size=vocab.vocab_size, max_seq_len=max_seq_len(cfg), pad_token_id=vocab.pad_token_id
-    )
+        rollout = build_vllm_rollout(cfg, student.chunks, max_seq_len(cfg))
+    else:
+        from megatron_opd.rollout.builtin import BuiltinSampler
+
+        rollout = BuiltinSampler(
+            student.chunks, vocab_size=vocab.vocab_size, max_seq_len=max_seq_len(cfg), pad_token_id=vocab.pad_token_id
+        )
+    if cfg.rollout.tool_fn:
+        from megatron_opd.rollout.tools import ToolRollout
+        from megatron_opd.trainer.weights import import_function
+
+        tool = import_function(cfg.rollout.tool_fn, "rollout.tool_fn")
+        rollout = ToolRollout(
+            rollout, vocab.tokenizer, tool, stop=cfg.rollout.tool_stop, max_turns=cfg.rollout.max_turns
+        )
+    return rollout
 
 
 def sampling_params(cfg: TrainConfig, vocab: Vocabulary, temperature: float | None = None) -> SamplingParams:

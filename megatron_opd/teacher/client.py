@@ -1,0 +1,422 @@
+"""The one fault-tolerant client for remote teachers: futures, splitting, fan-out, timeouts, retries, validation.
+
+``TeacherClient.score(tokens, request_ids)`` returns a ``Future`` at once (so a scheduler can overlap it with other
+work). The batch is split by rows into pieces that fit the server's limits (``--max-batch-tokens``, message size)
+and at least one per live replica; a small thread pool sends them. Each piece:
+
+- goes to the next live replica (round robin); a replica that times out, drops the connection or sends an invalid
+  reply is marked dead for an exponential back-off (``backoff_s * 2**(failures-1)``, at most ``backoff_max_s``) and
+  the piece is retried at once on another live replica, or after the back-off when none is left;
+- uses a fresh connection after any failure (a ZeroMQ socket that timed out is never reused), re-checked with a
+  hello: limits, and the vocabulary fingerprint the start-up check accepted (a restarted server must serve the
+  same vocabulary);
+- is validated before it is accepted (shapes equal the request's, ids in range and distinct, log-probabilities
+  finite, <= 0 and sorted);
+- after ``retries`` failed retries raises ``TeacherUnavailableError`` naming the servers, the batch and the rows:
+  no batch is ever silently dropped, and each piece's result is taken exactly once.
+
+A request the server refuses (wrong token, protocol version, invalid request) raises at once: retrying cannot help.
+The transport is pluggable (``transport_factory``): the ZeroMQ one talks to ``megatron_opd.teacher.serve``; an
+HTTP transport to a vLLM server reuses all of the above.
+
+Shape legend: ``N`` sequences, ``S`` positions, ``K`` top-k, ``R`` requested ids per position.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from megatron_opd.interfaces import TeacherScores
+from megatron_opd.teacher import wire
+from megatron_opd.teacher.transport import (
+    WIRE_DTYPES,
+    RequestRefusedError,
+    ScoreReply,
+    ScoreRequest,
+    ServerInfo,
+    TeacherUnavailableError,
+    Transport,
+    TransportError,
+    TransportFactory,
+)
+from megatron_opd.teacher.vocabulary import RemoteTokenizer, fingerprint
+
+logger = logging.getLogger(__name__)
+
+LOGPROB_TOLERANCE = 1e-4
+"""Slack for ``log-prob <= 0`` and sortedness checks (rounding in the server's dtype)."""
+
+
+@dataclass
+class _Piece:
+    """Rows ``lo:hi`` of batch ``batch`` and their request."""
+
+    batch: int
+    lo: int
+    hi: int
+    total_rows: int
+    request: ScoreRequest
+
+    def describe(self) -> str:
+        s = self.request.shape[1]
+        return f"batch {self.batch} (rows {self.lo}..{self.hi - 1} of {self.total_rows}, {s} positions)"
+
+
+def check_reply(request: ScoreRequest, reply: ScoreReply, vocab_size: int) -> None:
+    """Raise ``ValueError`` unless ``reply`` answers ``request``: shapes, id range and uniqueness, log-prob values."""
+    n, s = request.shape
+    k, r = request.k, request.num_requested
+    if tuple(reply.topk_ids.shape) != (n, s, k):
+        raise ValueError(f"topk_ids has shape {tuple(reply.topk_ids.shape)}, the request needs {(n, s, k)}")
+    if tuple(reply.topk_logprobs.shape) != (n, s, k):
+        raise ValueError(f"topk_logprobs has shape {tuple(reply.topk_logprobs.shape)}, the request needs {(n, s, k)}")
+    if r == 0 and reply.requested_logprobs is not None and reply.requested_logprobs.numel():
+        raise ValueError("requested_logprobs were sent but none were requested")
+    if r and (reply.requested_logprobs is None or tuple(reply.requested_logprobs.shape) != (n, s, r)):
+        got = None if reply.requested_logprobs is None else tuple(reply.requested_logprobs.shape)
+        raise ValueError(f"requested_logprobs has shape {got}, the request needs {(n, s, r)}")
+    ids = reply.topk_ids.to(torch.int64)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(
+            f"top-k ids outside the teacher's vocabulary [0, {vocab_size}): {int(ids.min())}..{int(ids.max())}"
+        )
+    if k > 1 and bool((ids.sort(dim=-1).values.diff(dim=-1) == 0).any()):
+        raise ValueError("a position's top-k ids repeat an id")
+    for name in ("topk_logprobs", "requested_logprobs"):
+        values = getattr(reply, name)
+        if values is None or not values.numel():
+            continue
+        values = values.float()
+        if not bool(torch.isfinite(values).all()):
+            raise ValueError(f"{name} holds NaN or infinite values")
+        if float(values.max()) > LOGPROB_TOLERANCE:
+            raise ValueError(f"{name} holds positive log-probabilities (max {float(values.max()):.3g})")
+    if k > 1 and bool((reply.topk_logprobs.float().diff(dim=-1) > LOGPROB_TOLERANCE).any()):
+        raise ValueError("topk_logprobs are not sorted, most probable first")
+
+
+def _rows_per_piece(info: ServerInfo, s: int, k: int, r: int, wire_dtype: str, own_max_bytes: int) -> int:
+    """Most rows one request may carry under the server's token and message limits and the client's own."""
+    by_tokens = info.max_batch_tokens // s
+    reply_row = wire.scores_size(1, s, k, r, wire_dtype) - wire.scores_size(0, s, k, r, wire_dtype)
+    request_row = wire.score_size(1, s, r, b"") - wire.score_size(0, s, r, b"")
+    header = wire.score_size(0, s, r, b"x" * wire.MAX_TOKEN_BYTES) + wire.scores_size(0, s, k, r, wire_dtype)
+    by_reply = (min(info.max_message_bytes, own_max_bytes) - header) // reply_row
+    by_request = (info.max_message_bytes - header) // request_row
+    return min(by_tokens, by_reply, by_request)
+
+
+class TeacherClient:
+    """``TeacherBackend`` over one or more teacher-server replicas (``supports_dense=False``: top-k only)."""
+
+    supports_dense = False
+    supports_requested_logprobs = True
+
+    def __init__(
+        self,
+        addresses: list[str],
+        transport_factory: TransportFactory,
+        *,
+        topk: int,
+        temperature: float = 1.0,
+        wire_dtype: str = "fp32",
+        timeout_s: float = 300.0,
+        retries: int = 8,
+        backoff_s: float = 1.0,
+        backoff_max_s: float = 30.0,
+        connect_timeout_s: float = 600.0,
+        max_in_flight: int | None = None,
+        max_message_bytes: int = 256 << 20,
+        expected_fingerprint: str | None = None,
+    ) -> None:
+        if not addresses:
+            raise ValueError("teacher.address: give at least one host:port")
+        if wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"teacher.wire_dtype must be one of {sorted(WIRE_DTYPES)}, got {wire_dtype!r}")
+        self.addresses = list(dict.fromkeys(addresses))
+        self.factory = transport_factory
+        self.topk, self.temperature, self.wire_dtype = topk, temperature, wire_dtype
+        self.timeout_s, self.retries = timeout_s, retries
+        self.backoff_s, self.backoff_max_s, self.connect_timeout_s = backoff_s, backoff_max_s, connect_timeout_s
+        self.max_message_bytes = max_message_bytes
+        self._fingerprint = expected_fingerprint
+        self._info: ServerInfo | None = None
+        self._pool = ThreadPoolExecutor(
+            max_workers=max_in_flight or 2 * len(self.addresses), thread_name_prefix="teacher-client"
+        )
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._open: list[Transport] = []
+        self._failures = dict.fromkeys(self.addresses, 0)
+        self._dead_until = dict.fromkeys(self.addresses, 0.0)
+        self._round_robin = itertools.count()
+        self._batches = itertools.count()
+        self.stats = {"requests": 0, "retries": 0, "reconnects": 0}
+        """Pieces answered, attempts retried, and connections replaced (for logs and tests)."""
+
+    # ---- connections ---------------------------------------------------------------------------------------
+
+    def _verify(self, address: str, info: ServerInfo) -> None:
+        """Pin every replica to one vocabulary and check the request fits its limits."""
+        with self._lock:
+            if self._fingerprint is None:
+                self._fingerprint = info.vocab_fingerprint
+            expected = self._fingerprint
+        if info.vocab_fingerprint != expected:
+            raise RequestRefusedError(
+                f"teacher server {address} serves a different vocabulary (fingerprint {info.vocab_fingerprint[:12]}) "
+                f"than the one checked at start-up ({expected[:12]}); every replica in teacher.address must serve the "
+                "same teacher"
+            )
+        if self.topk > min(info.max_topk, info.vocab_size):
+            raise RequestRefusedError(
+                f"loss.topk={self.topk} exceeds what teacher server {address} allows (--topk={info.max_topk}, "
+                f"{info.vocab_size} tokens); lower loss.topk or restart the server with a larger --topk"
+            )
+        with self._lock:
+            if self._info is None:
+                self._info = info
+
+    def _transport(self, address: str) -> Transport:
+        """This thread's verified connection to ``address`` (a fresh one after a failure)."""
+        cache = self._local.__dict__.setdefault("transports", {})
+        if address in cache:
+            return cache[address]
+        transport = self.factory(address)
+        with self._lock:
+            self._open.append(transport)
+        try:
+            self._verify(address, transport.hello(with_tokenizer=False, timeout_s=self.timeout_s))
+        except BaseException:
+            self._discard(transport)
+            raise
+        cache[address] = transport
+        return transport
+
+    def _discard(self, transport: Transport) -> None:
+        transport.close()
+        with self._lock:
+            if transport in self._open:
+                self._open.remove(transport)
+
+    def _drop(self, address: str) -> None:
+        cache = self._local.__dict__.setdefault("transports", {})
+        if address in cache:
+            self._discard(cache.pop(address))
+            with self._lock:
+                self.stats["reconnects"] += 1
+
+    def _mark_dead(self, address: str) -> float:
+        with self._lock:
+            self._failures[address] += 1
+            wait = min(self.backoff_s * 2 ** (self._failures[address] - 1), self.backoff_max_s)
+            self._dead_until[address] = time.monotonic() + wait
+            return wait
+
+    def _mark_alive(self, address: str) -> None:
+        with self._lock:
+            self._failures[address] = 0
+            self._dead_until[address] = 0.0
+
+    def _pick(self, avoid: str | None) -> str:
+        """The next live replica (not ``avoid`` if another is live); waits out the shortest back-off if none is."""
+        while True:
+            with self._lock:
+                now = time.monotonic()
+                live = [a for a in self.addresses if self._dead_until[a] <= now]
+                if len(live) > 1 and avoid in live:
+                    live.remove(avoid)
+                if live:
+                    return live[next(self._round_robin) % len(live)]
+                wait = min(self._dead_until.values()) - now
+            time.sleep(max(wait, 0.0))
+
+    def connect(self) -> ServerInfo:
+        """Wait (up to ``connect_timeout_s``) until a replica answers a hello; returns its limits."""
+        if self._info is not None:
+            return self._info
+        deadline = time.monotonic() + self.connect_timeout_s
+        errors: dict[str, str] = {}
+        while True:
+            for address in self.addresses:
+                try:
+                    self._transport(address)
+                    self._mark_alive(address)
+                    return self._info  # type: ignore[return-value]
+                except TransportError as err:
+                    errors[address] = str(err)
+                    self._mark_dead(address)
+            if time.monotonic() >= deadline:
+                raise TeacherUnavailableError(
+                    f"no teacher server answered within teacher.connect_timeout_s={self.connect_timeout_s:g} s: "
+                    + "; ".join(f"{a}: {e}" for a, e in errors.items())
+                )
+            time.sleep(min(self.backoff_s, max(deadline - time.monotonic(), 0.0)))
+
+    def vocabulary(self) -> tuple[RemoteTokenizer, ServerInfo]:
+        """The server's tokenizer (for the vocabulary check) from the first replica that answers; pins its fingerprint."""
+        self.connect()
+        last: Exception | None = None
+        for address in self.addresses:
+            transport = self.factory(address)
+            try:
+                info = transport.hello(with_tokenizer=True, timeout_s=self.timeout_s)
+            except TransportError as err:
+                last = err
+                continue
+            finally:
+                transport.close()
+            if info.tokenizer is None:
+                raise RequestRefusedError(f"teacher server {address} sent no tokenizer summary")
+            if fingerprint(info.tokenizer) != info.vocab_fingerprint:
+                raise RequestRefusedError(
+                    f"teacher server {address}: the tokenizer summary does not match its fingerprint"
+                )
+            self._verify(address, info)
+            try:
+                return RemoteTokenizer(info.tokenizer, f"teacher server {address}"), info
+            except ValueError as err:
+                raise RequestRefusedError(str(err)) from None
+        raise TeacherUnavailableError(f"no teacher server sent its tokenizer: {last}")
+
+    # ---- scoring -------------------------------------------------------------------------------------------
+
+    def score(self, tokens: torch.Tensor, request_ids: torch.Tensor | None = None) -> Future[TeacherScores]:
+        """Score ``tokens`` ``[N, S]`` (and log-probs at ``request_ids`` ``[N, S, R]``); a future of the scores."""
+        if tokens.dim() != 2 or tokens.dtype.is_floating_point:
+            raise ValueError(f"tokens must be an integer [N, S] tensor, got {tokens.dtype} {tuple(tokens.shape)}")
+        n, s = tokens.shape
+        if request_ids is not None and (request_ids.dim() != 3 or tuple(request_ids.shape[:2]) != (n, s)):
+            raise ValueError(f"request_ids must be [N, S, R] = [{n}, {s}, R], got {tuple(request_ids.shape)}")
+        if request_ids is not None and request_ids.shape[-1] == 0:
+            request_ids = None
+        batch = next(self._batches)
+        outer: Future[TeacherScores] = Future()
+        if n == 0 or s == 0:
+            outer.set_exception(ValueError(f"batch {batch} is empty ({n} sequences of {s} positions)"))
+            return outer
+        try:
+            pieces = self._split(batch, tokens.cpu(), None if request_ids is None else request_ids.cpu())
+        except Exception as err:  # noqa: BLE001 - surfaced through the future like every other failure
+            outer.set_exception(err)
+            return outer
+        parts: list[ScoreReply | None] = [None] * len(pieces)
+        left = [len(pieces)]
+        guard = threading.Lock()
+
+        def finished(i: int, future: Future) -> None:
+            with guard:
+                if outer.done():
+                    return
+                if future.cancelled():
+                    outer.set_exception(TeacherUnavailableError(f"batch {batch}: the teacher client was closed"))
+                    return
+                if future.exception() is not None:
+                    outer.set_exception(future.exception())
+                    return
+                parts[i] = future.result()
+                left[0] -= 1
+                if left[0] == 0:
+                    outer.set_result(_concat(parts))  # type: ignore[arg-type]
+
+        for i, piece in enumerate(pieces):
+            self._pool.submit(self._score_piece, piece).add_done_callback(lambda f, i=i: finished(i, f))
+        return outer
+
+    def _split(self, batch: int, tokens: torch.Tensor, request_ids: torch.Tensor | None) -> list[_Piece]:
+        info = self.connect()
+        n, s = tokens.shape
+        r = 0 if request_ids is None else int(request_ids.shape[-1])
+        if s > info.max_seq_len:
+            raise ValueError(f"batch {batch}: {s} positions exceed the teacher server's context of {info.max_seq_len}")
+        if r > info.max_requested:
+            raise ValueError(f"batch {batch}: {r} requested ids per position exceed the server's {info.max_requested}")
+        rows = _rows_per_piece(info, s, self.topk, r, self.wire_dtype, self.max_message_bytes)
+        if rows < 1:
+            raise ValueError(
+                f"batch {batch}: one sequence of {s} positions does not fit the teacher server's limits "
+                f"(--max-batch-tokens={info.max_batch_tokens}, --max-message-bytes={info.max_message_bytes}) or "
+                f"teacher.max_message_bytes={self.max_message_bytes}; raise them"
+            )
+        count = max(math.ceil(n / rows), min(n, len(self.addresses)))
+        bounds = [round(i * n / count) for i in range(count + 1)]
+        return [
+            _Piece(
+                batch,
+                lo,
+                hi,
+                n,
+                ScoreRequest(
+                    tokens[lo:hi],
+                    self.topk,
+                    self.temperature,
+                    None if request_ids is None else request_ids[lo:hi],
+                    self.wire_dtype,
+                ),
+            )
+            for lo, hi in zip(bounds[:-1], bounds[1:])
+        ]
+
+    def _score_piece(self, piece: _Piece) -> ScoreReply:
+        errors: list[str] = []
+        address: str | None = None
+        for attempt in range(self.retries + 1):
+            address = self._pick(avoid=address)
+            try:
+                transport = self._transport(address)
+                reply = transport.score(piece.request, self.timeout_s)
+                try:
+                    check_reply(piece.request, reply, self._info.vocab_size)  # type: ignore[union-attr]
+                except ValueError as err:
+                    raise TransportError(f"teacher server {address} sent an invalid reply: {err}") from None
+            except RequestRefusedError as err:
+                self._drop(address)
+                raise RequestRefusedError(f"{err} ({piece.describe()})") from None
+            except TransportError as err:
+                self._drop(address)
+                wait = self._mark_dead(address)
+                errors.append(str(err))
+                with self._lock:
+                    self.stats["retries"] += 1
+                if attempt < self.retries:
+                    logger.warning("%s: %s; retrying (back-off %.1f s for that server)", piece.describe(), err, wait)
+                continue
+            self._mark_alive(address)
+            with self._lock:
+                self.stats["requests"] += 1
+            return reply
+        raise TeacherUnavailableError(
+            f"teacher {piece.describe()} was not scored after {self.retries + 1} attempts on "
+            f"{', '.join(self.addresses)}; last errors: {' | '.join(errors[-3:])}"
+        )
+
+    def close(self) -> None:
+        """Stop the workers, close every connection, then the transport factory (idempotent)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            transports, self._open = self._open, []
+        for transport in transports:
+            transport.close()
+        close_factory = getattr(self.factory, "close", None)
+        if close_factory is not None:
+            close_factory()
+
+
+def _concat(parts: list[ScoreReply]) -> TeacherScores:
+    """Pieces in row order -> one ``TeacherScores`` (int64 ids, float32 log-probabilities)."""
+    requested = None
+    if parts[0].requested_logprobs is not None:
+        requested = torch.cat([p.requested_logprobs.float() for p in parts], dim=0)  # type: ignore[union-attr]
+    return TeacherScores(
+        topk_ids=torch.cat([p.topk_ids.to(torch.int64) for p in parts], dim=0),
+        topk_logprobs=torch.cat([p.topk_logprobs.float() for p in parts], dim=0),
+        requested_logprobs=requested,
+    )

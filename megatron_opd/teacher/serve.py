@@ -1,0 +1,280 @@
+"""Serve a frozen teacher under its own TP/PP layout: ``torchrun ... -m megatron_opd.teacher.serve --model PATH``.
+
+    torchrun [--nnodes M ...] --nproc-per-node N -m megatron_opd.teacher.serve --model PATH --tp T --pp P \\
+        [--host 127.0.0.1] [--port 5555] [--token-file F] [--topk 256] [--ready-file F]
+
+Every rank loads its shard of the teacher (a Hugging Face folder or a ``dist_ckpt``) forward-only. Rank 0 runs the
+request loop (:mod:`megatron_opd.teacher.server`); for each batch it broadcasts the shapes, the temperature and
+the tokens to all ranks, every rank runs the in-process teacher's sharded forward and vocab-parallel top-k
+(:class:`megatron_opd.teacher.inprocess.InProcessTeacher`, no vocabulary gather), and the last pipeline stage
+sends the result to rank 0. While idle, rank 0 broadcasts a heartbeat so the other ranks' waits never reach the
+process group's timeout. ``--ready-file`` is written (atomically, with the bound address) once the server accepts
+requests; a health check (PING) also answers then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_opd import quiet
+from megatron_opd.interfaces import TeacherScores
+from megatron_opd.teacher.server import ServerLimits, TeacherServer, fault_request_from_env
+from megatron_opd.teacher.transport import ServerInfo
+from megatron_opd.teacher.vocabulary import fingerprint, tokenizer_summary
+from megatron_opd.teacher.wire import MAX_TOKEN_BYTES, VERSION
+from megatron_opd.teacher.zmq_transport import LOOPBACK_HOSTS
+
+logger = logging.getLogger("megatron_opd.teacher.serve")
+
+_STOP, _SCORE, _NOOP = 0.0, 1.0, 2.0
+
+
+class ShardedScorer:
+    """Runs each batch on every rank of the server job; rank 0 calls ``score``, the others ``follow``."""
+
+    HEARTBEAT_S = 60.0
+    """Idle seconds between heartbeats (well below the process group's 600 s timeout)."""
+
+    def __init__(self, teacher, device: torch.device) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.teacher = teacher
+        self.device = device
+        self.pipeline = ps.get_pipeline_model_parallel_world_size()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        self.first_rank = ps.get_pipeline_model_parallel_first_rank()
+        self.last_rank = ps.get_pipeline_model_parallel_last_rank()
+        self._last_collective = time.monotonic()
+
+    def _control(self, op: float, n: int = 0, s: int = 0, r: int = 0, k: int = 0, temperature: float = 1.0) -> None:
+        ctrl = torch.tensor([op, n, s, r, k, temperature], dtype=torch.float64, device=self.device)
+        dist.broadcast(ctrl, src=0)  # a sync point: every rank waits here between batches
+        self._last_collective = time.monotonic()
+
+    def score(self, tokens_NS: torch.Tensor, request_ids_NSR: torch.Tensor | None, k: int, temperature: float):
+        n, s = tokens_NS.shape
+        r = 0 if request_ids_NSR is None else request_ids_NSR.shape[-1]
+        self._control(_SCORE, n, s, r, k, temperature)
+        tokens_NS = tokens_NS.to(self.device)
+        dist.broadcast(tokens_NS, src=0)
+        if request_ids_NSR is not None:
+            request_ids_NSR = request_ids_NSR.to(self.device)
+            dist.broadcast(request_ids_NSR, src=0)
+        return self._run(tokens_NS, request_ids_NSR, k, temperature)
+
+    def heartbeat(self) -> None:
+        if time.monotonic() - self._last_collective > self.HEARTBEAT_S:
+            self._control(_NOOP)
+
+    def shutdown(self) -> None:
+        try:
+            self._control(_STOP)
+        except Exception as err:  # noqa: BLE001 - the other ranks may already be gone (SIGTERM from torchrun)
+            logger.warning("could not tell the other ranks to stop: %s", err)
+
+    def follow(self) -> None:
+        """Non-zero ranks: take part in every batch until rank 0 says stop."""
+        while True:
+            ctrl = torch.empty(6, dtype=torch.float64, device=self.device)
+            dist.broadcast(ctrl, src=0)
+            op, n, s, r, k, temperature = ctrl.tolist()
+            if op == _STOP:
+                return
+            if op == _NOOP:
+                continue
+            tokens_NS = torch.empty(int(n), int(s), dtype=torch.int64, device=self.device)
+            dist.broadcast(tokens_NS, src=0)
+            request_ids_NSR = None
+            if r:
+                request_ids_NSR = torch.empty(int(n), int(s), int(r), dtype=torch.int64, device=self.device)
+                dist.broadcast(request_ids_NSR, src=0)
+            self._run(tokens_NS, request_ids_NSR, int(k), temperature)
+
+    def _run(self, tokens_NS, request_ids_NSR, k: int, temperature: float) -> TeacherScores:
+        """The sharded forward and top-k on every rank; the result reaches rank 0 (from the last stage)."""
+        self.teacher.topk, self.teacher.temperature = k, temperature
+        scores = self.teacher.score(tokens_NS, request_ids_NSR).result()
+        n, s = tokens_NS.shape
+        r = 0 if request_ids_NSR is None else request_ids_NSR.shape[-1]
+        if self.pipeline > 1 and self.tp_rank == 0:
+            names = ("topk_ids", "topk_logprobs") + (("requested_logprobs",) if r else ())
+            if self.last_stage:
+                for name in names:
+                    dist.send(getattr(scores, name).contiguous().to(self.device), dst=self.first_rank)
+            elif dist.get_rank() == 0:
+                shapes = {"topk_ids": (n, s, k), "topk_logprobs": (n, s, k), "requested_logprobs": (n, s, r)}
+                dtypes = {"topk_ids": torch.int64, "topk_logprobs": torch.float32, "requested_logprobs": torch.float32}
+                received = {}
+                for name in names:
+                    received[name] = torch.empty(shapes[name], dtype=dtypes[name], device=self.device)
+                    dist.recv(received[name], src=self.last_rank)
+                scores = TeacherScores(**received)
+        self._last_collective = time.monotonic()
+        if dist.get_rank() != 0:
+            return scores
+        return TeacherScores(
+            topk_ids=scores.topk_ids.cpu(),
+            topk_logprobs=scores.topk_logprobs.float().cpu(),
+            requested_logprobs=None if scores.requested_logprobs is None else scores.requested_logprobs.float().cpu(),
+        )
+
+
+def read_token(path: str | None) -> bytes | None:
+    """The shared secret of ``path`` (surrounding whitespace stripped); None without a file."""
+    if not path:
+        return None
+    token = Path(path).read_bytes().strip()
+    if not token:
+        raise ValueError(f"token file {path} is empty")
+    if len(token) > MAX_TOKEN_BYTES:
+        raise ValueError(f"token file {path}: the token is {len(token)} bytes, at most {MAX_TOKEN_BYTES}")
+    return token
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="torchrun ... -m megatron_opd.teacher.serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="teacher: Hugging Face folder or dist_ckpt from tools/checkpoint")
+    p.add_argument("--tokenizer", help="folder with the teacher's tokenizer files (default: the model's)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the teacher")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the teacher")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback; others need a token)")
+    p.add_argument("--port", type=int, default=5555, help="TCP port (0: any free port, see --ready-file)")
+    p.add_argument("--token-file", help="file holding the shared secret clients must send (teacher.token_file)")
+    p.add_argument("--topk", type=int, default=256, help="largest k a request may ask (loss.topk)")
+    p.add_argument("--ready-file", help="written with {address, pid} once the server accepts requests")
+    p.add_argument("--max-batch-tokens", type=int, default=65536, help="most padded positions in one forward")
+    p.add_argument("--max-message-bytes", type=int, default=256 << 20, help="largest request or reply in bytes")
+    p.add_argument("--max-requested", type=int, default=1024, help="most requested ids per position")
+    p.add_argument("--micro-batch-size", type=int, default=8, help="sequences per forward micro-batch")
+    p.add_argument("--batch-wait-ms", type=float, default=2.0, help="wait for more requests to batch together")
+    p.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto", help="auto: bf16 on GPU/NPU")
+    p.add_argument("--device", choices=("auto", "cuda", "npu", "cpu"), default="auto")
+    args = p.parse_args(argv)
+    if args.host not in LOOPBACK_HOSTS and not args.token_file:
+        p.error(
+            f"--host {args.host} is not loopback: give --token-file (clients send the token; it travels in plaintext)"
+        )
+    for name in ("tp", "pp", "topk", "max_batch_tokens", "max_message_bytes", "micro_batch_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def _write_ready_file(path: str, address: str) -> None:
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps({"address": address, "pid": os.getpid(), "protocol": VERSION}) + "\n")
+    os.replace(tmp, path)
+
+
+def _die() -> None:
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        child.kill()
+    os._exit(17)
+
+
+def main(argv: list[str] | None = None) -> None:
+    quiet.install()
+    args = parse_args(argv)
+    token = read_token(args.token_file)
+
+    from megatron_opd.distributed import LaunchEnv, ParallelConfig, destroy_distributed, init_process_group
+    from megatron_opd.distributed.device import collective_device
+    from megatron_opd.distributed.parallel import initialize_model_parallel
+    from megatron_opd.models.builder import ModelBuildConfig
+    from megatron_opd.models.source import build_and_load
+    from megatron_opd.teacher.inprocess import InProcessTeacher
+    from megatron_opd.tokenizer import load_tokenizer
+    from megatron_opd.vocab import tokenizer_dir
+
+    accel = init_process_group(None if args.device == "auto" else args.device)
+    parallel = ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
+    if dist.get_world_size() != parallel.model_parallel_size:
+        raise ValueError(
+            f"the teacher server runs one replica per job: launch exactly --tp x --pp = {parallel.model_parallel_size} "
+            f"processes (got {dist.get_world_size()}); start more servers and list them all in teacher.address"
+        )
+    initialize_model_parallel(parallel)
+    dtype = args.dtype if args.dtype != "auto" else ("fp32" if accel.type == "cpu" else "bf16")
+    arch, chunks = build_and_load(args.model, parallel, ModelBuildConfig(dtype=dtype), trainable=False, field="--model")
+    # Megatron allocates its parallel layers on the current device, but norms (local spec) start on the CPU.
+    device = accel.device(LaunchEnv.from_environ().local_rank)
+    for chunk in chunks:
+        chunk.to(device)
+    tok_dir = Path(args.tokenizer) if args.tokenizer else tokenizer_dir(args.model, "--model")
+    tokenizer = load_tokenizer(tok_dir, "--tokenizer")
+    vocab_size = len(tokenizer)
+    if vocab_size > arch.vocab_size:
+        raise ValueError(f"the tokenizer ({tok_dir}) has {vocab_size} tokens, the model only {arch.vocab_size} rows")
+    teacher = InProcessTeacher(
+        chunks, vocab_size=vocab_size, mode="topk", topk=args.topk, micro_batch_size=args.micro_batch_size
+    )
+    scorer = ShardedScorer(teacher, collective_device())
+    if dist.get_rank() != 0:
+        scorer.follow()
+        destroy_distributed()
+        return
+
+    summary = tokenizer_summary(tokenizer)
+    limits = ServerLimits(
+        max_topk=args.topk,
+        max_seq_len=arch.max_position_embeddings,
+        max_batch_tokens=args.max_batch_tokens,
+        max_message_bytes=args.max_message_bytes,
+        max_requested=args.max_requested,
+        batch_wait_s=args.batch_wait_ms / 1000,
+    )
+    info = ServerInfo(
+        protocol=VERSION,
+        vocab_size=vocab_size,
+        embedding_rows=arch.vocab_size,
+        max_topk=limits.max_topk,
+        max_seq_len=limits.max_seq_len,
+        max_batch_tokens=limits.max_batch_tokens,
+        max_message_bytes=limits.max_message_bytes,
+        max_requested=limits.max_requested,
+        vocab_fingerprint=fingerprint(summary),
+        model=str(args.model),
+        tokenizer=summary,
+        extra={"tp": args.tp, "pp": args.pp, "dtype": dtype},
+    )
+    server = TeacherServer(
+        scorer,
+        info,
+        host=args.host,
+        port=args.port,
+        token=token,
+        limits=limits,
+        fault_at_request=fault_request_from_env(),
+        on_fault=_die,
+    )
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    if args.ready_file:
+        _write_ready_file(args.ready_file, server.address)
+    logger.info(
+        "teacher server ready on %s (TP=%d PP=%d, %s, %d tokens, top-k <= %d%s)",
+        server.address, args.tp, args.pp, dtype, vocab_size, args.topk, ", token required" if token else "",
+    )  # fmt: skip
+    try:
+        server.serve(stop)
+    finally:
+        scorer.shutdown()
+        destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

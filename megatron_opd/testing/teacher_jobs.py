@@ -1,0 +1,87 @@
+"""Launch a real teacher server job (torchrun, its own process group) for tests and benchmarks, and stop it.
+
+Servers run under ``torchrun --standalone``-like settings on loopback with a free master port, one thread per
+process. Stopping kills torchrun and every descendant (its workers live in sessions of their own).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from megatron_opd.testing.multiprocess import find_free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start_teacher_server(
+    model: str | os.PathLike,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    port: int,
+    ready_file: str | os.PathLike,
+    log_file: str | os.PathLike,
+    extra_args: list[str] = (),
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen:
+    """``torchrun --nproc-per-node tp*pp -m megatron_opd.teacher.serve`` in a new session; output to ``log_file``."""
+    Path(ready_file).unlink(missing_ok=True)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp * pp}",
+        f"--master-port={find_free_port()}", "-m", "megatron_opd.teacher.serve", "--model", str(model),
+        "--tp", str(tp), "--pp", str(pp), "--port", str(port), "--ready-file", str(ready_file), *extra_args,
+    ]  # fmt: skip
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    if env is None or "MEGATRON_OPD_TEACHER_FAULT" not in env:
+        full_env.pop("MEGATRON_OPD_TEACHER_FAULT", None)
+    with open(log_file, "ab") as log:
+        return subprocess.Popen(
+            command, cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+def wait_ready(proc: subprocess.Popen, ready_file: str | os.PathLike, log_file: str, timeout: float = 240) -> str:
+    """The server's address once ``ready_file`` appears; raises with the log's tail if it died or took too long."""
+    deadline = time.monotonic() + timeout
+    while not Path(ready_file).exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            tail = Path(log_file).read_text(errors="replace")[-3000:]
+            stop(proc)
+            raise RuntimeError(f"teacher server not ready (exit code {proc.returncode}):\n{tail}")
+        time.sleep(0.2)
+    return json.loads(Path(ready_file).read_text())["address"]
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``, its process group and every descendant.
+
+    torchrun starts each worker in a session of its own, so killing torchrun's group alone would orphan a server's
+    ranks (they serve on forever); the descendants are collected before anything dies.
+    """
+    import psutil
+
+    try:
+        family = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    for child in family:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Kill the server job: torchrun and all its ranks (idempotent)."""
+    kill_tree(proc.pid)
+    proc.wait(timeout=30)

@@ -1,0 +1,43 @@
+"""The fallback where vLLM has no weight-transfer API: ``collective_rpc`` into a worker extension that feeds the
+received buckets to vLLM's own ``reload_weights`` (checkpoint format, so it runs the layerwise reload too).
+
+Never a direct write into parameters: on vLLM CPU that is a silent no-op (linear weights are repacked for its
+kernels). The wire is the same gloo transport as the weight-transfer engine; ``rollout.vllm_weight_sync=reload``
+forces this path so it is tested where the API exists. Enable it with
+``worker_extension_cls="megatron_opd.weight_sync.reload_fallback.ReloadWorkerExtension"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from megatron_opd.weight_sync.transport import (
+    GlooInitInfo,
+    GlooUpdateInfo,
+    open_gloo_group,
+    receive_buckets,
+    worker_rank,
+)
+
+
+class ReloadWorkerExtension:
+    """Methods mixed into every vLLM worker (``collective_rpc("opd_reload_...")``)."""
+
+    def opd_reload_init(self, init_info: dict) -> None:
+        info = GlooInitInfo(**init_info)
+        self._opd_bucket_bytes = info.bucket_bytes
+        rank = worker_rank(self.vllm_config.parallel_config, info.rank_offset)
+        self._opd_group = open_gloo_group(info.master_address, info.master_port, rank, info.world_size, info.timeout_s)
+
+    def opd_reload_weights(self, update_info: dict) -> None:
+        buckets = receive_buckets(self._opd_group, GlooUpdateInfo(**update_info), self._opd_bucket_bytes)
+
+        def weights() -> Iterator:
+            for pairs in buckets:
+                yield from pairs
+
+        try:
+            self.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
+        except BaseException:
+            buckets.close()
+            raise

@@ -1,0 +1,185 @@
+"""The student's weights as vLLM sees them: Hugging Face-named full tensors rebuilt from TP/PP shards.
+
+:class:`MegatronWeightSource` is a vLLM ``WeightSource`` (``metadata()`` + iteration in the same order) over this
+rank's model chunks. Names and layouts come from :mod:`megatron_opd.models.name_mapping`, the mapping the model
+loader and the checkpoint converter use: QKV and gate/up are split back into ``q_proj``/``k_proj``/``v_proj`` and
+``gate_proj``/``up_proj``, the vocabulary padding is dropped.
+
+Every trainer rank iterates the source in lockstep (each tensor is a collective among the ranks that hold it):
+
+- only data-parallel replica 0 takes part; other replicas yield ``(name, None)`` without communicating;
+- the pipeline stage that holds a tensor gathers its tensor-parallel shards onto its first TP rank
+  (``dist.gather``, not an all-gather), which rebuilds the full tensor and splits it into Hugging Face tensors;
+- a stage other than the first sends them to global rank 0 (the sender) point to point.
+
+So the sender holds one tensor at a time (plus the transfer engine's bucket) and every other rank yields ``None``.
+Tensor order: embedding, layer 0 ... L-1 (in each, the mapping's rule order), final norm, output layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_opd.models.architecture import ModelArchitecture
+from megatron_opd.models.name_mapping import (
+    WeightRule,
+    expand_rules,
+    global_layer_name,
+    hf_shapes,
+    megatron_to_hf,
+    unshard,
+)
+
+try:  # vLLM's classes when it is installed, so vLLM's own trainer engines (NCCL on GPU) accept the source
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+except ImportError:  # pragma: no cover - the source is also usable (and tested) without vLLM
+    from abc import ABC as WeightSource  # type: ignore[assignment]
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class ParamMeta:  # type: ignore[no-redef]
+        name: str
+        dtype: torch.dtype
+        shape: tuple[int, ...]
+
+
+def hf_metadata(arch: ModelArchitecture, dtype: torch.dtype) -> list[ParamMeta]:
+    """Every Hugging Face tensor of ``arch`` in stream order, with its full shape, as ``dtype``."""
+    return [
+        ParamMeta(name, dtype, tuple(shape))
+        for rule, layer in expand_rules(arch)
+        for name, shape in zip(rule.hf_names(layer), hf_shapes(rule, arch))
+    ]
+
+
+def check_against(expected: list[ParamMeta], actual: list[ParamMeta], what: str) -> None:
+    """Raise naming the first tensor whose name or shape differs between two tensor lists."""
+    for i, (e, a) in enumerate(zip(expected, actual)):
+        if e.name != a.name or tuple(e.shape) != tuple(a.shape):
+            raise ValueError(
+                f"{what}: tensor {i} is {a.name!r} {tuple(a.shape)} but the student sends {e.name!r} "
+                f"{tuple(e.shape)}; the rollout model and the student do not match"
+            )
+    if len(expected) != len(actual):
+        longer, extra = (expected, "the student sends") if len(expected) > len(actual) else (actual, f"{what} has")
+        name = longer[min(len(expected), len(actual))].name
+        raise ValueError(
+            f"{what}: {len(actual)} tensors, the student sends {len(expected)}; {extra} {name!r} beyond the other"
+        )
+
+
+class MegatronWeightSource(WeightSource):  # noqa: B024 - abstract only in the fallback base
+    """This rank's view of the student as a stream of full Hugging Face tensors (see the module docstring)."""
+
+    def __init__(
+        self,
+        chunks: list[torch.nn.Module],
+        arch: ModelArchitecture,
+        *,
+        tp_group: dist.ProcessGroup,
+        pp_group: dist.ProcessGroup,
+        dp_rank: int,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """``tp_group`` / ``pp_group``: Megatron's tensor- and pipeline-parallel groups of this rank; ``dtype``:
+        wire dtype (default: the parameters')."""
+        from megatron_opd.models.loading import chunk_layer_range
+
+        self.arch = arch
+        self.tp_group, self.pp_group = tp_group, pp_group
+        self.tp_rank, self.tp_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
+        self.pp_rank = dist.get_rank(pp_group)
+        self.active = dp_rank == 0
+        params: dict[str, torch.nn.Parameter] = {}
+        for chunk in chunks:
+            offset = chunk_layer_range(chunk).start
+            for local, param in chunk.named_parameters():
+                params[global_layer_name(local, offset)] = param
+        first = next(iter(params.values()))
+        self.dtype = dtype or first.dtype
+        self.te = any(name.endswith("layer_norm_weight") for name in params)
+        self.rules = list(expand_rules(arch))
+        self.params = {}
+        for rule, layer in self.rules:
+            name = rule.megatron_name(layer, te=self.te)
+            if name in params:
+                self.params[name] = params[name]
+        # Which pipeline stage holds each tensor (one exchange of names within the pipeline group).
+        held = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(held, sorted(self.params), group=pp_group)
+        self.owner = {name: stage for stage in range(len(held)) for name in held[stage]}
+        missing = [r.megatron_name(layer, te=self.te) for r, layer in self.rules]
+        missing = [n for n in missing if n not in self.owner]
+        if missing:
+            raise ValueError(f"no pipeline stage holds the student parameters {missing[:5]}")
+        self._metadata = hf_metadata(arch, self.dtype)
+
+    @property
+    def is_sender(self) -> bool:
+        """Global rank 0: the rank that holds every full tensor in turn."""
+        return self.active and self.pp_rank == 0 and self.tp_rank == 0
+
+    def metadata(self) -> list[ParamMeta]:
+        return list(self._metadata)
+
+    def _full(self, rule: WeightRule, name: str) -> torch.Tensor | None:
+        """The full Megatron tensor on this stage's first TP rank (a gather over the TP group), else None."""
+        local = self.params[name].detach()
+        if self.tp_size == 1:
+            return local
+        parts = [torch.empty_like(local) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+        dist.gather(local.contiguous(), parts, group_dst=0, group=self.tp_group)
+        return unshard(rule, parts) if parts is not None else None
+
+    def _stage_tensors(self, rule: WeightRule, layer: int | None, name: str) -> Iterator[torch.Tensor | None]:
+        owner = self.owner[name]
+        hf_names = rule.hf_names(layer)
+        if self.pp_rank == owner:
+            full = self._full(rule, name)
+            if full is None:
+                yield from (None for _ in hf_names)
+                return
+            for tensor in megatron_to_hf(rule, full, self.arch):
+                tensor = tensor.to(self.dtype).contiguous()
+                if owner != 0:  # a later stage's first TP rank hands the tensor to the sender
+                    dist.send(tensor, group_dst=0, group=self.pp_group)
+                    tensor = None
+                yield tensor
+        elif self.is_sender:
+            for shape in hf_shapes(rule, self.arch):
+                tensor = torch.empty(shape, dtype=self.dtype)
+                dist.recv(tensor, group_src=owner, group=self.pp_group)
+                yield tensor
+        else:
+            yield from (None for _ in hf_names)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        for rule, layer in self.rules:
+            name = rule.megatron_name(layer, te=self.te)
+            hf_names = rule.hf_names(layer)
+            if not self.active or (self.tp_rank != 0 and self.pp_rank != self.owner[name]):
+                yield from ((n, None) for n in hf_names)
+                continue
+            with torch.no_grad():
+                yield from zip(hf_names, self._stage_tensors(rule, layer, name))
+
+    def held_names(self) -> list[str] | None:
+        """The sender holds every tensor when it yields it; other ranks hold none (they only help gather)."""
+        return None if self.is_sender else []
+
+
+def megatron_weight_source(chunks: list[torch.nn.Module], arch: ModelArchitecture, dtype: torch.dtype | None = None):
+    """:class:`MegatronWeightSource` over Megatron-Core's groups of this rank (set-up code only)."""
+    from megatron.core import parallel_state as ps
+
+    return MegatronWeightSource(
+        chunks,
+        arch,
+        tp_group=ps.get_tensor_model_parallel_group(),
+        pp_group=ps.get_pipeline_model_parallel_group(),
+        dp_rank=ps.get_data_parallel_rank(),
+        dtype=dtype,
+    )

