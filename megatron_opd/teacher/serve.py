@@ -28,9 +28,8 @@ import torch.distributed as dist
 
 from megatron_opd import quiet
 from megatron_opd.interfaces import TeacherScores
-from megatron_opd.teacher.server import ServerLimits, TeacherServer, fault_request_from_env
-from megatron_opd.teacher.transport import ServerInfo
-from megatron_opd.teacher.vocabulary import fingerprint, tokenizer_summary
+from megatron_opd.teacher.server import ServerLimits, TeacherServer, describe_server, fault_request_from_env
+from megatron_opd.teacher.vocabulary import tokenizer_summary
 from megatron_opd.teacher.wire import MAX_TOKEN_BYTES, VERSION
 from megatron_opd.teacher.zmq_transport import LOOPBACK_HOSTS
 
@@ -236,18 +235,12 @@ def main(argv: list[str] | None = None) -> None:
         max_requested=args.max_requested,
         batch_wait_s=args.batch_wait_ms / 1000,
     )
-    info = ServerInfo(
-        protocol=VERSION,
+    info = describe_server(
+        limits,
         vocab_size=vocab_size,
         embedding_rows=arch.vocab_size,
-        max_topk=limits.max_topk,
-        max_seq_len=limits.max_seq_len,
-        max_batch_tokens=limits.max_batch_tokens,
-        max_message_bytes=limits.max_message_bytes,
-        max_requested=limits.max_requested,
-        vocab_fingerprint=fingerprint(summary),
-        model=str(args.model),
         tokenizer=summary,
+        model=str(args.model),
         extra={"tp": args.tp, "pp": args.pp, "dtype": dtype},
     )
     server = TeacherServer(

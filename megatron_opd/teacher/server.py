@@ -34,6 +34,7 @@ from zmq.utils.monitor import recv_monitor_message
 from megatron_opd.interfaces import TeacherScores
 from megatron_opd.teacher import wire
 from megatron_opd.teacher.transport import ScoreReply, ScoreRequest, ServerInfo
+from megatron_opd.teacher.vocabulary import fingerprint
 from megatron_opd.teacher.zmq_transport import endpoint
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,32 @@ class ServerLimits:
     """Most requested ids per position."""
     batch_wait_s: float = 0.002
     """How long to wait for more requests once one is queued, to batch them together."""
+
+
+def describe_server(
+    limits: ServerLimits,
+    *,
+    vocab_size: int,
+    embedding_rows: int,
+    tokenizer: dict,
+    model: str,
+    extra: dict | None = None,
+) -> ServerInfo:
+    """The hello reply of a server with ``limits`` serving a model and its tokenizer summary."""
+    return ServerInfo(
+        protocol=wire.VERSION,
+        vocab_size=vocab_size,
+        embedding_rows=embedding_rows,
+        max_topk=limits.max_topk,
+        max_seq_len=limits.max_seq_len,
+        max_batch_tokens=limits.max_batch_tokens,
+        max_message_bytes=limits.max_message_bytes,
+        max_requested=limits.max_requested,
+        vocab_fingerprint=fingerprint(tokenizer),
+        model=model,
+        tokenizer=tokenizer,
+        extra=extra or {},
+    )
 
 
 @dataclass

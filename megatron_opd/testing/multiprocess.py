@@ -35,13 +35,37 @@ def find_free_port() -> int:
         return sock.getsockname()[1]
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``, its process group and every descendant.
+
+    torchrun starts each worker in a session of its own, so killing torchrun's group alone would orphan its ranks
+    (a server serves on, a trainer keeps the output pipe open); the descendants are collected before anything dies.
+    """
+    import signal
+
+    import psutil
+
+    try:
+        family = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    for child in family:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def run_process_group(
     command: Sequence[str], *, env: dict[str, str], cwd: str | os.PathLike, timeout: float
 ) -> tuple[int, str]:
     """Run ``command`` in its own session and return ``(returncode, stdout+stderr)``; whatever it leaves behind
-    (torchrun workers, dist_checkpointing's helper processes holding the pipe) is killed with the group.
+    (torchrun workers, dist_checkpointing's helper processes holding the pipe) is killed with it (``kill_tree``).
     A run past ``timeout`` fails the calling test with the output's tail."""
-    import signal
     import subprocess
 
     proc = subprocess.Popen(
@@ -51,16 +75,13 @@ def run_process_group(
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         out, _ = proc.communicate()
         import pytest
 
         pytest.fail(f"{' '.join(command[:6])} ... did not finish within {timeout} s:\n{out[-3000:]}")
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_tree(proc.pid)
     return proc.returncode, out
 
 

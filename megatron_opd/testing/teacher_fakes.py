@@ -14,9 +14,8 @@ import torch
 import zmq
 
 from megatron_opd.interfaces import TeacherScores
-from megatron_opd.teacher.server import ServerLimits, TeacherServer
+from megatron_opd.teacher.server import ServerLimits, TeacherServer, describe_server
 from megatron_opd.teacher.transport import ServerInfo
-from megatron_opd.teacher.vocabulary import fingerprint
 
 
 class ToyScorer:
@@ -65,18 +64,8 @@ def toy_tokenizer_summary(vocab: int, tag: str = "") -> dict:
 
 def toy_server_info(scorer: ToyScorer, limits: ServerLimits, summary: dict | None = None) -> ServerInfo:
     summary = summary or toy_tokenizer_summary(scorer.vocab)
-    return ServerInfo(
-        protocol=1,
-        vocab_size=scorer.vocab,
-        embedding_rows=scorer.embed.shape[0],
-        max_topk=limits.max_topk,
-        max_seq_len=limits.max_seq_len,
-        max_batch_tokens=limits.max_batch_tokens,
-        max_message_bytes=limits.max_message_bytes,
-        max_requested=limits.max_requested,
-        vocab_fingerprint=fingerprint(summary),
-        model="toy",
-        tokenizer=summary,
+    return describe_server(
+        limits, vocab_size=scorer.vocab, embedding_rows=scorer.embed.shape[0], tokenizer=summary, model="toy"
     )
 
 

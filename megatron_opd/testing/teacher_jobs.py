@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from megatron_opd.testing.multiprocess import find_free_port
+from megatron_opd.testing.multiprocess import find_free_port, kill_tree
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,29 +55,6 @@ def wait_ready(proc: subprocess.Popen, ready_file: str | os.PathLike, log_file: 
             raise RuntimeError(f"teacher server not ready (exit code {proc.returncode}):\n{tail}")
         time.sleep(0.2)
     return json.loads(Path(ready_file).read_text())["address"]
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid``, its process group and every descendant.
-
-    torchrun starts each worker in a session of its own, so killing torchrun's group alone would orphan a server's
-    ranks (they serve on forever); the descendants are collected before anything dies.
-    """
-    import psutil
-
-    try:
-        family = psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        family = []
-    for child in family:
-        try:
-            child.kill()
-        except psutil.NoSuchProcess:
-            pass
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def stop(proc: subprocess.Popen) -> None:
