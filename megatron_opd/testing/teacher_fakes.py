@@ -142,3 +142,92 @@ class RawServer:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(10)
+
+
+def vllm_prompt_logprobs(logprobs_SV: torch.Tensor, tokens_S: torch.Tensor, k: int) -> list[dict | None]:
+    """What vLLM's ``/v1/completions`` returns as ``prompt_logprobs`` for one prompt: entry ``j`` scores token ``j``
+    from the distribution at ``j - 1`` (entry 0 is null): its top-k, plus the actual token when outside it."""
+    out: list[dict | None] = [None]
+    for j in range(1, len(tokens_S)):
+        row = logprobs_SV[j - 1]
+        ids = row.topk(k).indices.tolist()
+        actual = int(tokens_S[j])
+        if actual not in ids:
+            ids.append(actual)
+        ranks = (row.unsqueeze(-1) < row[ids]).sum(0) + 1
+        out.append({str(i): {"logprob": float(row[i]), "rank": int(r), "decoded_token": f"t{i}"}
+                    for i, r in zip(ids, ranks.tolist())})  # fmt: skip
+    return out
+
+
+class FakeVLLMServer:
+    """vLLM's OpenAI routes the vLLM teacher uses (``/v1/models``, ``/tokenize``, ``/v1/completions``), answered
+    from a ``ToyScorer`` and a tokenizer in a thread; ``mode`` makes it misbehave like a broken server would:
+    ``silent`` never answers a completion, ``malformed`` drops a position, ``oversized`` pads the reply,
+    ``max_logprobs`` refuses k like vLLM above ``--max-logprobs``, ``other_tokenizer`` tokenizes differently."""
+
+    def __init__(self, scorer: ToyScorer, tokenizer, mode: str = "ok", max_logprobs: int = 20) -> None:
+        import json
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        fake = self
+        self.scorer, self.tokenizer, self.mode, self.max_logprobs = scorer, tokenizer, mode, max_logprobs
+        self.completions = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _reply(self, status: int, body: dict | str) -> None:
+                data = (body if isinstance(body, str) else json.dumps(body)).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                self._reply(200, {"data": [{"id": "toy", "max_model_len": 64}]})
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path == "/tokenize":
+                    ids = fake.tokenizer.encode(body["prompt"], add_special_tokens=False)
+                    if fake.mode == "other_tokenizer":
+                        ids = [(i + 1) % len(fake.tokenizer) for i in ids]
+                    return self._reply(200, {"tokens": ids, "count": len(ids), "max_model_len": 64})
+                self._reply(*fake.complete(body))
+
+        self._http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._http.daemon_threads = True
+        self.address = f"http://127.0.0.1:{self._http.server_address[1]}"
+        self._stop = threading.Event()
+        threading.Thread(target=self._http.serve_forever, daemon=True).start()
+
+    def complete(self, body: dict) -> tuple[int, dict | str]:
+        k = int(body["prompt_logprobs"])
+        if k > self.max_logprobs:
+            message = f"Requested prompt logprobs of {k}, which is greater than max allowed: {self.max_logprobs}"
+            return 400, {"error": {"message": message, "type": "BadRequestError", "code": 400}}
+        self.completions += 1
+        probe = len(body["prompt"][0]) <= 2  # the hello's probe is always answered
+        if self.mode == "silent" and not probe:
+            self._stop.wait()
+            return 500, "stopped"
+        tokens = torch.tensor(body["prompt"])
+        logprobs = self.scorer.logprobs(tokens)
+        choices = []
+        for row in range(len(tokens)):
+            prompt = vllm_prompt_logprobs(logprobs[row], tokens[row], k)
+            if self.mode == "malformed":
+                prompt = prompt[:-1]
+            choices.append({"index": row, "text": "", "prompt_logprobs": prompt, "logprobs": None})
+        reply: dict = {"choices": choices}
+        if self.mode == "oversized" and not probe:
+            reply["padding"] = "x" * (1 << 20)
+        return 200, reply
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._http.shutdown()
+        self._http.server_close()

@@ -61,3 +61,27 @@ def stop(proc: subprocess.Popen) -> None:
     """Kill the server job: torchrun and all its ranks (idempotent)."""
     kill_tree(proc.pid)
     proc.wait(timeout=30)
+
+
+def train_cli(overrides: list[str], nproc: int = 2, timeout: float = 400) -> tuple[int, str]:
+    """``torchrun --nproc-per-node nproc -m megatron_opd.train overrides``: (exit code, output); a hang is killed
+    and reported as exit code -9 with what it printed."""
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               f"--master-port={find_free_port()}", "-m", "megatron_opd.train", *overrides]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, _ = proc.communicate()
+        return -9, f"the trainer did not finish within {timeout} s:\n{out}"
+    finally:
+        kill_tree(proc.pid)  # dist_checkpointing helpers may linger holding stdout
+    return proc.returncode, out
+
+
+def train_metrics(output_dir: str | os.PathLike) -> list[dict]:
+    """The records of a run's ``metrics.jsonl``."""
+    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]

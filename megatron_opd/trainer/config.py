@@ -29,13 +29,16 @@ class TeacherConfig:
 
     path: str = ""
     """Hugging Face or dist_ckpt folder of the teacher (not needed with ``loss.kind=sft`` or a teacher server)."""
-    backend: Literal["inprocess", "server"] = "inprocess"
+    backend: Literal["inprocess", "server", "vllm"] = "inprocess"
     """``inprocess``: a frozen GPTModel in this job, same parallel layout as the student. ``server``: a teacher
-    server in its own job and layout (``torchrun -m megatron_opd.teacher.serve``) at ``teacher.address``."""
+    server in its own job and layout (``torchrun -m megatron_opd.teacher.serve``) at ``teacher.address``.
+    ``vllm``: a vLLM OpenAI-compatible server at ``teacher.address`` (top-k from its prompt log-probabilities)."""
     address: str = ""
-    """``backend=server``: ``host:port`` of the teacher server, or of several replicas ``host:port,host:port``."""
+    """``backend=server``: ``host:port`` of the teacher server, or of several replicas ``host:port,host:port``.
+    ``backend=vllm``: the server's base URL (``http://host:port``; replicas comma-separated)."""
     token_file: str | None = None
-    """``backend=server``: file holding the server's ``--token-file`` secret (needed when it is not on loopback)."""
+    """``backend=server``: file holding the server's ``--token-file`` secret (needed when it is not on loopback).
+    ``backend=vllm``: file holding the server's ``--api-key``, if it has one."""
     timeout_s: float = 300.0
     """``backend=server``: seconds to wait for one reply before the request is retried (elsewhere if possible)."""
     retries: int = 8
@@ -47,7 +50,10 @@ class TeacherConfig:
     wire_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """``backend=server``: dtype of the log-probabilities on the wire (ids are int32); bf16/fp16 halve them."""
     max_message_bytes: int = 256 << 20
-    """``backend=server``: largest reply accepted; batches are split so every reply fits (and the server's limits)."""
+    """``backend=server``: largest reply accepted; batches are split so every reply fits (and the server's limits).
+    ``backend=vllm``: largest JSON reply accepted (bound the batches with ``teacher.max_batch_tokens``)."""
+    max_batch_tokens: int = 16384
+    """``backend=vllm``: most positions (sequences x length) in one HTTP request; larger batches are split."""
     temperature: float = 1.0
     """The teacher's logits are divided by this before its log-probabilities or top-k are taken."""
     offload: bool = False
@@ -59,7 +65,7 @@ class TeacherConfig:
     def __post_init__(self) -> None:
         if not self.temperature > 0:
             raise ValueError(f"teacher.temperature must be > 0, got {self.temperature}")
-        for name in ("timeout_s", "connect_timeout_s", "max_message_bytes"):
+        for name in ("timeout_s", "connect_timeout_s", "max_message_bytes", "max_batch_tokens"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"teacher.{name} must be > 0, got {getattr(self, name)}")
         if self.retries < 0 or self.backoff_s < 0:
@@ -364,26 +370,48 @@ class TrainConfig:
     export_hf: bool = True
     """Export the final student to ``output_dir/hf`` (loadable by transformers and vLLM)."""
 
+    def _validate_remote_teacher(self) -> None:
+        from megatron_opd.teacher.transport import split_addresses
+
+        backend, t = self.teacher.backend, self.teacher
+        if not t.address:
+            example = "host:port of the teacher server" if backend == "server" else "http://host:port of vLLM's server"
+            raise ValueError(f"teacher.address is required with teacher.backend={backend}: {example} "
+                             "(replicas: comma-separated)")  # fmt: skip
+        if backend == "server":
+            split_addresses(t.address)
+        if self.loss.mode != "topk":
+            raise ValueError(
+                f"teacher.backend={backend} sends the teacher's top-k, not its logits: set loss.mode=topk "
+                "(loss.mode=dense needs teacher.backend=inprocess)"
+            )
+        if backend != "vllm":
+            return
+        if t.temperature != 1.0:
+            raise ValueError(
+                f"teacher.temperature={t.temperature} cannot be applied by teacher.backend=vllm: vLLM applies no "
+                "temperature to prompt log-probabilities and a top-k cannot be re-tempered exactly; use "
+                "teacher.backend=server or inprocess, or teacher.temperature=1"
+            )
+        if self.loss.support == "union":
+            raise ValueError(
+                "loss.support=union needs the teacher's log-probabilities at the student's top-k ids, which vLLM's "
+                "prompt_logprobs cannot give: use teacher.backend=server or inprocess, or loss.support=teacher_topk"
+            )
+        if not (t.tokenizer or t.path):
+            raise ValueError(
+                "teacher.backend=vllm needs the teacher's tokenizer files for the vocabulary check (vLLM publishes "
+                "no vocabulary): set teacher.tokenizer (or teacher.path) to the folder of the model the server runs"
+            )
+
     def validate(self) -> None:
         """Checks that need the whole config (run by the entry point, after overrides); fills derived defaults."""
         if self.checkpoint.dir is None:
             self.checkpoint.dir = f"{self.output_dir.rstrip('/')}/checkpoints"
         if not self.student.path:
             raise ValueError("student.path is required: a Hugging Face or dist_ckpt folder of the student")
-        if self.loss.kind != "sft" and self.teacher.backend == "server":
-            from megatron_opd.teacher.transport import split_addresses
-
-            if not self.teacher.address:
-                raise ValueError(
-                    "teacher.address is required with teacher.backend=server: host:port of the teacher server "
-                    "(replicas: host:port,host:port)"
-                )
-            split_addresses(self.teacher.address)
-            if self.loss.mode != "topk":
-                raise ValueError(
-                    "teacher.backend=server sends the teacher's top-k, not its logits: set loss.mode=topk "
-                    "(loss.mode=dense needs teacher.backend=inprocess)"
-                )
+        if self.loss.kind != "sft" and self.teacher.backend in ("server", "vllm"):
+            self._validate_remote_teacher()
         elif self.loss.kind != "sft" and not self.teacher.path:
             raise ValueError("teacher.path is required for distillation (loss.kind != sft)")
         if not self.data.train_files:

@@ -32,7 +32,7 @@ class Vocabulary:
     """The tokenizer's EOS, every EOS id of generation_config.json, and rollout.stop_token_ids."""
     tokenizer_dir: Path
     teacher_fingerprint: str | None = None
-    """``teacher.backend=server``: the checked vocabulary's fingerprint, which every replica must serve."""
+    """Remote teachers: the checked vocabulary's fingerprint, which every replica must serve."""
 
 
 def load_vocabulary(cfg: TrainConfig) -> Vocabulary:
@@ -56,9 +56,10 @@ def load_vocabulary(cfg: TrainConfig) -> Vocabulary:
             f"(student.path={cfg.student.path}) only {student_rows} rows; they do not belong together"
         )
     teacher_fingerprint = None
-    if cfg.loss.kind != "sft" and cfg.teacher.backend == "server":
-        # The server sends its tokenizer summary at connect; the same check runs on it.
-        client = server_client(cfg)
+    if cfg.loss.kind != "sft" and cfg.teacher.backend in ("server", "vllm"):
+        # A teacher server sends its tokenizer summary at connect; a vLLM server's is read from teacher.tokenizer
+        # and confirmed against its /tokenize. The same check runs on it.
+        client = remote_client(cfg)
         try:
             teacher_tokenizer, info = client.vocabulary()
         finally:
@@ -110,8 +111,8 @@ def build_teacher(
     """The teacher back end of ``teacher.backend`` (None for ``loss.kind=sft``)."""
     if cfg.loss.kind == "sft":
         return None
-    if cfg.teacher.backend == "server":
-        return build_server_teacher(cfg, teacher_fingerprint)
+    if cfg.teacher.backend in ("server", "vllm"):
+        return build_remote_teacher(cfg, teacher_fingerprint)
     from megatron_opd.teacher.inprocess import InProcessTeacher
 
     _, chunks = build_and_load(cfg.teacher.path, cfg.parallel, cfg.build, trainable=False, field="teacher.path")
@@ -135,17 +136,35 @@ def build_teacher(
     return teacher
 
 
-def server_client(cfg: TrainConfig, teacher_fingerprint: str | None = None):
-    """The fault-tolerant client of ``teacher.address`` (ZeroMQ transport), configured from ``teacher.*``."""
+def remote_client(cfg: TrainConfig, teacher_fingerprint: str | None = None):
+    """The fault-tolerant client of ``teacher.address``, configured from ``teacher.*``: ZeroMQ to teacher servers,
+    HTTP to vLLM servers."""
     from megatron_opd.teacher.client import TeacherClient
     from megatron_opd.teacher.serve import read_token
     from megatron_opd.teacher.transport import split_addresses
-    from megatron_opd.teacher.zmq_transport import ZmqTransportFactory
 
     t = cfg.teacher
-    factory = ZmqTransportFactory(token=read_token(t.token_file) or b"", max_message_bytes=t.max_message_bytes)
+    token = read_token(t.token_file) or b""
+    if t.backend == "vllm":
+        from megatron_opd.teacher.vllm_transport import VLLMTransportFactory
+
+        factory = VLLMTransportFactory(
+            _teacher_tokenizer(cfg),
+            topk=cfg.loss.topk,
+            embedding_rows=model_architecture(t.path, "teacher.path").vocab_size if t.path else None,
+            api_key=token.decode(),
+            max_batch_tokens=t.max_batch_tokens,
+            max_message_bytes=t.max_message_bytes,
+            tokenizer_name="teacher.tokenizer" if t.tokenizer else "teacher.path",
+        )
+        addresses = [a.strip() for a in t.address.split(",") if a.strip()]
+    else:
+        from megatron_opd.teacher.zmq_transport import ZmqTransportFactory
+
+        factory = ZmqTransportFactory(token=token, max_message_bytes=t.max_message_bytes)
+        addresses = split_addresses(t.address)
     return TeacherClient(
-        split_addresses(t.address),
+        addresses,
         factory,
         topk=cfg.loss.topk,
         temperature=t.temperature,
@@ -159,8 +178,19 @@ def server_client(cfg: TrainConfig, teacher_fingerprint: str | None = None):
     )
 
 
-def build_server_teacher(cfg: TrainConfig, teacher_fingerprint: str | None):
-    """``teacher.backend=server``: the first TP rank of the last pipeline stage asks, its TP group shares the scores."""
+def _teacher_tokenizer(cfg: TrainConfig):
+    """The teacher's tokenizer from its files: ``teacher.tokenizer``, else the one beside ``teacher.path``."""
+    from megatron_opd.tokenizer import load_tokenizer
+    from megatron_opd.vocab import tokenizer_dir
+
+    t = cfg.teacher
+    folder = Path(t.tokenizer) if t.tokenizer else tokenizer_dir(t.path, "teacher.path")
+    return load_tokenizer(folder, "teacher.tokenizer")
+
+
+def build_remote_teacher(cfg: TrainConfig, teacher_fingerprint: str | None):
+    """``teacher.backend=server|vllm``: the first TP rank of the last pipeline stage asks, its TP group shares the
+    scores."""
     from megatron.core import parallel_state as ps
 
     from megatron_opd.teacher.shared import GroupSharedTeacher
@@ -168,7 +198,7 @@ def build_server_teacher(cfg: TrainConfig, teacher_fingerprint: str | None):
     last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
     client = None
     if last_stage and ps.get_tensor_model_parallel_rank() == 0:
-        client = server_client(cfg, teacher_fingerprint)
+        client = remote_client(cfg, teacher_fingerprint)
         info = client.connect()
         logger.info("teacher server(s) %s: %s, top-k <= %d", cfg.teacher.address, info.model, info.max_topk)
     teacher = GroupSharedTeacher(
@@ -176,6 +206,7 @@ def build_server_teacher(cfg: TrainConfig, teacher_fingerprint: str | None):
         group=ps.get_tensor_model_parallel_group(),
         src=ps.get_tensor_model_parallel_src_rank(),
         active=last_stage,
+        supports_requested_logprobs=cfg.teacher.backend != "vllm",
     )
     check_teacher_mode(teacher, cfg.loss.mode)
     return teacher

@@ -1,0 +1,53 @@
+"""Start and stop a vLLM OpenAI-compatible server for tests: vLLM's own, or our launcher with the RL routes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+VLLM_OPENAI_SERVER = "vllm.entrypoints.openai.api_server"
+"""The server users run (``vllm serve``; on CPU the console command is missing, so ``python -m`` this)."""
+
+
+def start_vllm_server(
+    model: str,
+    port: int,
+    log: str,
+    extra_args: list[str] = (),
+    module: str = VLLM_OPENAI_SERVER,
+    ready_path: str = "v1/models",
+    timeout_s: float = 300.0,
+) -> subprocess.Popen:
+    """``python -m module --model model --port port ...`` in its own session; returns once ``ready_path`` answers."""
+    import requests
+
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [sys.executable, "-m", module, "--model", model, "--port", str(port), "--enforce-eager", *extra_args]
+    with open(log, "a") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(f"http://127.0.0.1:{port}/{ready_path}", timeout=2).ok:
+                return proc
+        except requests.RequestException:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"the vLLM server exited ({proc.returncode}); see {log}")
+        time.sleep(2)
+    stop_vllm_server(proc)
+    raise TimeoutError(f"the vLLM server did not start within {timeout_s:.0f} s; see {log}")
+
+
+def stop_vllm_server(proc: subprocess.Popen) -> None:
+    """Kill the server's whole session (vLLM spawns engine processes)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
