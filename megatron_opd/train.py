@@ -10,6 +10,7 @@ optimizer step. ``loss.kind=sft`` trains on the records' responses instead (no r
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -50,8 +51,9 @@ from megatron_opd.trainer.weights import import_function, sequence_weights
 logger = logging.getLogger("megatron_opd.train")
 
 
-def training_state(student: Student, data: PromptStream, step: int, cfg: TrainConfig, loading: bool) -> dict:
-    """Everything a resume needs, as one dist_checkpointing state dict."""
+def training_state(student: Student, data_state: dict, step: int, cfg: TrainConfig, loading: bool) -> dict:
+    """Everything a resume needs, as one dist_checkpointing state dict (``data_state``: the prompt stream's
+    position before the first batch not yet trained)."""
     state = chunks_sharded_state_dict(student.chunks)
     # dp_reshardable: each rank saves its own distributed-optimizer shard in parallel (Megatron's default format,
     # 0.16 still defaults to fully_sharded_model_space, whose flattened ranges its torch_dist saver refuses).
@@ -59,7 +61,7 @@ def training_state(student: Student, data: PromptStream, step: int, cfg: TrainCo
     state["optimizer"] = student.optimizer.sharded_state_dict(state, is_loading=loading, metadata=optimizer_format)
     state["opt_param_scheduler"] = student.scheduler.state_dict()
     state["rng_state"] = sharded_rng_state()
-    state["trainer"] = {"step": step, "data": data.state_dict(), "config": to_dict(cfg)}
+    state["trainer"] = {"step": step, "data": data_state, "config": to_dict(cfg)}
     return state
 
 
@@ -68,7 +70,7 @@ def resume(ckpt: CheckpointManager, student: Student, data: PromptStream, cfg: T
     path = ckpt.latest() if cfg.checkpoint.resume else None
     if path is None:
         return 0
-    state = ckpt.load(path, training_state(student, data, 0, cfg, loading=True))
+    state = ckpt.load(path, training_state(student, data.state_dict(), 0, cfg, loading=True))
     for i, chunk in enumerate(student.chunks):
         chunk.load_state_dict(state["model" if len(student.chunks) == 1 else f"model{i}"])
     student.optimizer.load_state_dict(state["optimizer"])
@@ -132,15 +134,19 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     if not sft:
         from megatron_opd.scheduler import build_scheduler
 
+        dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         scheduler = build_scheduler(
             cfg.scheduler.mode,
             rollout,
             teacher,
             sampling=sampling_params(cfg, vocab),
             n=cfg.rollout.n,
+            data=data,
+            seed_for=lambda b: cfg.seed * 1_000_003 + b * dp_size + dp_rank,  # batch b's sampling seed
             pad_token_id=vocab.pad_token_id,
             max_len=seq_len,
             student_topk=cfg.loss.union_student_topk,  # loss.support=union: the rollout records the student's ids
+            total_steps=cfg.train.steps,
         )
     evaluator = build_evaluator(cfg, vocab, encoder, student, teacher, rollout, prompt_room, seq_len)
     reward_fn = import_function(cfg.loss.reward_fn, "loss.reward_fn") if cfg.loss.weighting == "reward" else None
@@ -155,6 +161,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
         start_step=start_step,
         run_config=to_dict(cfg),
     )
+    audit = open(Path(cfg.output_dir) / "batches.jsonl", "a") if rank == 0 and not sft else None
     guard = PreemptionGuard()
     dp_size = ps.get_data_parallel_world_size()
     last_eval: dict[str, float] = {}
@@ -167,18 +174,17 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     step, saved_step = start_step, start_step
     while step < cfg.train.steps:
         t_start = time.perf_counter()
-        items = data.next_batch()
         scores, timings = None, {}
         if sft:
+            items = data.next_batch()
             responses = [encoder.response_ids(it.record, where=f"record {it.index}") for it in items]
             batch = pack_sft(
                 [it.prompt_ids for it in items], responses, pad_token_id=vocab.pad_token_id, max_len=seq_len
             )
             staleness, response_tokens = 0, sum(len(r) for r in responses)
         else:
-            seed = cfg.seed * 1_000_003 + step * dp_size + ps.get_data_parallel_rank()
-            scored = scheduler.next_batch([it.prompt_ids for it in items], policy_version=step, seed=seed)
-            batch, scores, timings = scored.batch, scored.scores, dict(scored.timings)
+            scored = scheduler.next_batch(step)  # batch `step`: sampled, scored; rollouts ahead per scheduler.mode
+            items, batch, scores, timings = scored.items, scored.batch, scored.scores, dict(scored.timings)
             staleness, response_tokens = scored.staleness, sum(scored.rollouts.response_lengths)
             batch.seq_weights = sequence_weights(cfg.loss, scored, items, encoder, vocab.tokenizer, reward_fn)
 
@@ -199,8 +205,10 @@ def train(cfg: TrainConfig) -> dict[str, float]:
                 f"({ckpt.latest() or 'none'}) is kept; lower optim.lr or check the data and the teacher"
             ) from None
         step += 1
-        rollout.sync_weights(step)  # policy version = optimizer steps applied
-        timings["update"] = time.perf_counter() - t_update
+        t_sync = time.perf_counter()
+        timings["update"] = t_sync - t_update
+        rollout.sync_weights(step)  # policy version = optimizer steps applied (waits for rollouts in flight)
+        timings["weight_sync"] = time.perf_counter() - t_sync
         elapsed = time.perf_counter() - t_start
         s = result.stats
         total_response_tokens = global_count(torch.tensor([float(response_tokens)]), "sum")
@@ -210,16 +218,25 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             "top1_agreement": s.agree_sum / max(s.tokens, 1.0),
             "response_length": total_response_tokens / (len(batch.lengths) * dp_size),
             "tokens_per_s": total_response_tokens / elapsed,
+            "time/step": elapsed,
             "grad_norm": result.grad_norm,
             "lr": result.lr,
             "staleness": float(staleness),
+            "sampled_by": float(step - 1 - staleness),  # policy version of the weights that sampled this batch
             **{f"time/{k}": v for k, v in timings.items()},
         }
         metrics.log(step, row)
+        if rank == 0 and not sft:  # the audit trail of the data order and staleness (rank 0's prompts)
+            audit.write(
+                json.dumps({"step": step, "prompts": [it.index for it in items], "sampled_by": row["sampled_by"]})
+                + "\n"
+            )
+            audit.flush()
 
         stop = guard.should_stop()
         if step == cfg.train.steps or stop or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-            ckpt.save(step, training_state(student, data, step, cfg, loading=False), {"config": to_dict(cfg)})
+            data_state = data.state_dict() if sft else scheduler.data_state()  # rollouts in flight are redone
+            ckpt.save(step, training_state(student, data_state, step, cfg, loading=False), {"config": to_dict(cfg)})
             saved_step = step
         if evaluator is not None and (step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0)):
             last_eval = evaluator.run()
@@ -231,6 +248,8 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             break
 
     metrics.close()
+    if audit is not None:
+        audit.close()
     if hasattr(rollout, "close"):
         rollout.close()  # the vLLM back end's engine process
     guard.restore()

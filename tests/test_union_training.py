@@ -41,11 +41,12 @@ def _full_logits(chunks, tokens_NS: torch.Tensor) -> torch.Tensor:
 
 
 def _union_run_body(dirs: dict[str, str], loss_cfg: LossConfig, teacher_temperature: float):
+    from megatron_opd.data.stream import PromptStream
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
     from megatron_opd.distributed.device import detect_accelerator
     from megatron_opd.models.source import build_and_load
     from megatron_opd.rollout.builtin import BuiltinSampler
-    from megatron_opd.scheduler.zero_step_off import ZeroStepOff
+    from megatron_opd.scheduler import Scheduler
     from megatron_opd.teacher.inprocess import InProcessTeacher
     from megatron_opd.trainer.config import OptimConfig
     from megatron_opd.trainer.objective import train_step
@@ -63,12 +64,14 @@ def _union_run_body(dirs: dict[str, str], loss_cfg: LossConfig, teacher_temperat
     )
     sampler = BuiltinSampler(student.chunks, vocab_size=VOCAB, max_seq_len=32, pad_token_id=0)
     sampling = SamplingParams(max_new_tokens=6, temperature=0.0)  # greedy: the loss is a function of the weights
-    scheduler = ZeroStepOff(
-        sampler, teacher, sampling, 2, pad_token_id=0, max_len=32, student_topk=loss_cfg.union_student_topk
-    )
+    data = PromptStream(PROMPTS, [{}] * len(PROMPTS), seed=0, shuffle=False, global_batch=len(PROMPTS))
+    scheduler = Scheduler(
+        "zero_step_off", sampler, teacher, sampling, 2, data=data, seed_for=lambda b: b, pad_token_id=0, max_len=32,
+        student_topk=loss_cfg.union_student_topk,
+    )  # fmt: skip
     losses, first = [], None
     for step in range(STEPS):
-        scored = scheduler.next_batch(PROMPTS, policy_version=step, seed=step)
+        scored = scheduler.next_batch(step)
         if step == 0:
             # What an independent computation needs: the rollouts, the teacher's scores, both models' full logits.
             first = {
@@ -229,13 +232,14 @@ def test_config_refuses_what_cannot_work() -> None:
 
 
 def test_a_teacher_without_requested_logprobs_is_refused_at_start_up() -> None:
-    from megatron_opd.scheduler.zero_step_off import ZeroStepOff
+    from megatron_opd.scheduler import Scheduler
 
     class TopkOnlyTeacher:
         supports_dense = False
         supports_requested_logprobs = False
 
+    common = dict(data=None, seed_for=int, pad_token_id=0, max_len=8)
     with pytest.raises(ValueError, match="loss.support=union needs the teacher's log-probabilities .* TopkOnlyTeacher"):
-        ZeroStepOff(None, TopkOnlyTeacher(), SamplingParams(), 1, pad_token_id=0, max_len=8, student_topk=4)
-    scheduler = ZeroStepOff(None, TopkOnlyTeacher(), SamplingParams(), 1, pad_token_id=0, max_len=8)
+        Scheduler("zero_step_off", None, TopkOnlyTeacher(), SamplingParams(), 1, student_topk=4, **common)
+    scheduler = Scheduler("zero_step_off", None, TopkOnlyTeacher(), SamplingParams(), 1, **common)
     assert scheduler.sampling.return_topk == 0

@@ -53,9 +53,9 @@ def _faults_body(hf_dir: str, other_dir: str, missing_dir: str, log_file: str) -
     rollout = VLLMRollout(source, options, dp_rank=0, bucket_bytes=64 * 1024)
     sampling = SamplingParams(max_new_tokens=6, temperature=1.0, seed=11)
 
-    def check() -> float:
+    def check(pending=None) -> float:
         """Max difference between the engine's sampling log-probs and the trainer's, on a fresh rollout."""
-        rollouts = rollout.generate(PROMPTS, sampling, 2).result()
+        rollouts = (pending or rollout.generate(PROMPTS, sampling, 2)).result()
         seqs = [torch.cat([p, r]).tolist() for p, r in zip(rollouts.prompt_ids, rollouts.response_ids)]
         ref = trainer_logprobs(chunks, seqs, arch.vocab_size)
         errs = [
@@ -100,6 +100,12 @@ def _faults_body(hf_dir: str, other_dir: str, missing_dir: str, log_file: str) -
     rollout.engine.process.kill()
     rollout.engine.process.join()
     out["after_kill"] = check()
+
+    # An engine that dies with a rollout in flight: restarted, re-synced and asked again by the handle's result().
+    pending = rollout.generate(PROMPTS, sampling, 2)
+    rollout.engine.process.kill()
+    rollout.engine.process.join()
+    out["killed_in_flight"] = check(pending)
     rollout.close()
     return out
 
@@ -119,7 +125,7 @@ def test_faults_and_fallback(tiny_model_dirs, tmp_path):
     )
     assert "model.layers.0.mlp.gate_proj.weight" in out["mismatch"] and "(96, 64)" in out["mismatch"], out["mismatch"]
     assert "NoSuchModelForCausalLM" in out["no_start"], out["no_start"][-2000:]
-    for key in ("fallback", "after_partial", "after_kill"):
+    for key in ("fallback", "after_partial", "after_kill", "killed_in_flight"):
         version, err = out[key]
         assert version == 0 and err <= 1e-4, f"{key}: version {version}, log-prob error {err:.2e}"
     for ids, ref in out["topk"]:

@@ -22,9 +22,9 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as dist
 
-from megatron_opd.interfaces import Rollouts, SamplingParams, completed
+from megatron_opd.interfaces import DeferredFuture, Rollouts, SamplingParams
 from megatron_opd.models.architecture import load_architecture
-from megatron_opd.rollout.vllm_engine import EngineOptions, EngineProcess
+from megatron_opd.rollout.vllm_engine import EngineGone, EngineOptions, EngineProcess
 from megatron_opd.weight_sync.buckets import DEFAULT_BUCKET_BYTES
 from megatron_opd.weight_sync.source import check_against, hf_metadata
 
@@ -40,6 +40,9 @@ def _broadcast(value, src: int = 0):
 
 class VLLMRollout:
     """:class:`~megatron_opd.interfaces.RolloutBackend` on a vLLM engine owned by rank 0."""
+
+    asynchronous = True
+    """It samples in the background (an engine process or servers), so a scheduler can train meanwhile."""
 
     def __init__(
         self,
@@ -68,6 +71,8 @@ class VLLMRollout:
         self.engine: EngineProcess | None = None
         self.transfer = None
         self._fresh = False  # rank 0: the engine was just started and has never been sent weights
+        self._outstanding = 0  # rollouts asked for and not yet collected (the same on every rank)
+        self._in_flight: list[Future] = []  # rank 0: the engine's replies to those rollouts
         self.on_bucket = None  # rank 0: called after each bucket of a sync lands (tests inject faults here)
         self.sync_seconds = 0.0
         self.bytes_synced = 0
@@ -177,7 +182,10 @@ class VLLMRollout:
         return _broadcast(error)
 
     def sync_weights(self, policy_version: int) -> None:
-        """Send the student's weights to the engine as ``policy_version`` (collective; all-or-nothing)."""
+        """Send the student's weights to the engine as ``policy_version`` (collective; all-or-nothing). Rollouts in
+        flight finish first with the weights they were asked of."""
+        if self.rank == 0:
+            self.wait_in_flight()
         started = time.perf_counter()
         self._fresh = False
         error = self._send(policy_version)
@@ -217,51 +225,123 @@ class VLLMRollout:
 
     # ---- sampling -----------------------------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams, n: int) -> Future[Rollouts]:
-        """Sample ``n`` responses per prompt of this rank's replica (collective over every rank of the job)."""
+        """Sample ``n`` responses per prompt of this rank's replica; returns at once while the engine samples.
+
+        Collective over every rank of the job, and so is the handle's ``result()`` (rank 0 collects the engine's
+        reply and scatters each replica's rollouts): every rank calls both in the same order. Several rollouts may
+        be in flight; the engine samples them in order, and a weight sync first waits for all of them, so each is
+        sampled by exactly the weights it is tagged with. An engine that died is restarted, re-synced with the
+        current weights and asked again (the rollouts then carry that version).
+        """
         if n < 1:
             raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
         if not prompt_token_ids or any(len(p) == 0 for p in prompt_token_ids):
             raise ValueError("generate needs at least one prompt, and no empty prompt")
-        self._ensure_synced()
+        if not self._outstanding:  # outstanding rollouts were checked when asked for, and nothing synced since
+            self._ensure_synced()
         world = dist.get_world_size()
         asked = [None] * world if self.rank == 0 else None
         dist.gather_object((self.dp_rank, [list(p) for p in prompt_token_ids]), asked, dst=0)
-        replies = None
-        if self.rank == 0:
-            replies = self._sample(asked, sampling, n)
-        box = [None]
-        dist.scatter_object_list(box, replies, src=0)
-        return completed(box[0])
+        params = _params(sampling, self.options)
+        self._outstanding += 1
+        request = {"pending": self._submit(asked, params, n), "version": self.policy_version}
 
-    def _sample(self, asked: list, sampling: SamplingParams, n: int) -> list[Rollouts]:
-        """Rank 0: one engine call for every replica's prompts; the rollouts each rank must get."""
-        replicas: dict[int, list[list[int]]] = {}
-        for dp, prompts in asked:
-            replicas.setdefault(dp, prompts)
-        order = sorted(replicas)
-        prompts = [p for dp in order for p in replicas[dp]]
-        params = {
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "top_k": sampling.top_k,
-            "max_new_tokens": sampling.max_new_tokens,
-            "stop_token_ids": list(sampling.stop_token_ids),
-            "seed": sampling.seed,
-            "return_topk": sampling.return_topk,
-        }
-        if sampling.return_topk > self.options.max_logprobs:
-            raise ValueError(
-                f"return_topk={sampling.return_topk} exceeds the engine's max_logprobs={self.options.max_logprobs}"
-            )
-        out = self.engine.call("generate", prompts=prompts, sampling=params, n=n)
-        if out["version"] != self.policy_version:
-            raise RuntimeError(f"vLLM sampled with version {out['version']}, the trainer is at {self.policy_version}")
+        def collect() -> Rollouts:
+            self._outstanding -= 1
+            for attempt in range(2):
+                replies, error = None, None
+                if self.rank == 0:
+                    try:
+                        replies = self._split(asked, self._reply(request["pending"], request["version"]), n)
+                    except Exception as err:  # noqa: BLE001 - every rank must learn it, or they would wait forever
+                        error = err
+                died = isinstance(error, EngineGone)
+                error_text, died = _broadcast((None if error is None else f"{type(error).__name__}: {error}", died))
+                if error_text is None:
+                    box = [None]
+                    dist.scatter_object_list(box, replies, src=0)
+                    return box[0]
+                if attempt == 0 and died:
+                    logger.warning(
+                        "the vLLM engine died during a rollout (%s); restarting and asking again", error_text
+                    )
+                    self._ensure_synced()
+                    request.update(pending=self._submit(asked, params, n), version=self.policy_version)
+                    continue
+                if error is not None:
+                    raise error
+                raise RuntimeError(f"rank 0's vLLM rollout failed: {error_text}")
+            raise AssertionError("unreachable")
+
+        return DeferredFuture(collect)
+
+    def _submit(self, asked: list | None, params: dict, n: int) -> Future | None:
+        """Rank 0: hand every replica's prompts to the engine (a failure is kept for ``result()`` to raise)."""
+        if self.rank != 0:
+            return None
+        try:
+            pending = self.engine.submit("generate", prompts=_prompts(asked), sampling=params, n=n)
+        except Exception as err:  # noqa: BLE001 - raised by result(), where every rank learns of it
+            pending = Future()
+            pending.set_exception(err)
+        self._in_flight.append(pending)
+        return pending
+
+    def _reply(self, pending: Future, version: int) -> dict:
+        """Rank 0: the engine's answer to a submitted generate, checked to come from ``version``."""
+        try:
+            out = pending.result() if pending.done() else self.engine.wait(pending, self.timeout_s)
+        finally:
+            if pending in self._in_flight:
+                self._in_flight.remove(pending)
+        if out["version"] != version:
+            raise RuntimeError(f"vLLM sampled with version {out['version']}, the trainer asked at {version}")
+        return out
+
+    def wait_in_flight(self) -> None:
+        """Rank 0: let every submitted rollout finish before the weights change (their results are kept)."""
+        for pending in list(self._in_flight):
+            if not pending.done():
+                try:
+                    self.engine.wait(pending, self.timeout_s)
+                except Exception:  # noqa: BLE001 - raised again by the rollout's own result()
+                    pass
+
+    def _split(self, asked: list, out: dict, n: int) -> list[Rollouts]:
+        """Rank 0: the engine's rows -> the rollouts each rank must get."""
+        replicas = _replicas(asked)
         by_replica, row = {}, 0
-        for dp in order:
-            count = len(replicas[dp]) * n
-            by_replica[dp] = _rollouts(replicas[dp], out, row, count, n)
-            row += count
+        for dp, prompts in replicas.items():
+            by_replica[dp] = _rollouts(prompts, out, row, len(prompts) * n, n)
+            row += len(prompts) * n
         return [by_replica[dp] for dp, _ in asked]
+
+
+def _replicas(asked: list) -> dict[int, list[list[int]]]:
+    """Every data-parallel replica's prompts once, in replica order (its tensor/pipeline ranks repeat them)."""
+    replicas: dict[int, list[list[int]]] = {}
+    for dp, prompts in asked:
+        replicas.setdefault(dp, prompts)
+    return dict(sorted(replicas.items()))
+
+
+def _prompts(asked: list) -> list[list[int]]:
+    return [p for prompts in _replicas(asked).values() for p in prompts]
+
+
+def _params(sampling: SamplingParams, options: EngineOptions) -> dict:
+    """The engine's sampling arguments."""
+    if sampling.return_topk > options.max_logprobs:
+        raise ValueError(f"return_topk={sampling.return_topk} exceeds the engine's max_logprobs={options.max_logprobs}")
+    return {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "max_new_tokens": sampling.max_new_tokens,
+        "stop_token_ids": list(sampling.stop_token_ids),
+        "seed": sampling.seed,
+        "return_topk": sampling.return_topk,
+    }
 
 
 def _rollouts(prompts: list[list[int]], out: dict, start: int, count: int, n: int) -> Rollouts:

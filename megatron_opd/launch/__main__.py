@@ -1,0 +1,5 @@
+import sys
+
+from megatron_opd.launch.cli import main
+
+sys.exit(main())

@@ -1,0 +1,125 @@
+"""The layout file of a recipe (``*.launch.yaml``): which nodes run the trainer, the teacher servers and the vLLM
+servers, on which ports. Node numbers index the job's node list (``--nodes`` or ``SLURM_JOB_NODELIST``); every
+job gets whole nodes. Loaded with the trainer's own config loader, so an unknown key is an error."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_opd.config import load_config
+from megatron_opd.trainer.config import TrainConfig
+
+
+@dataclass
+class TrainerLayout:
+    """The training job: one ``torchrun`` over ``nodes``, every GPU of each."""
+
+    nodes: list[int] = field(default_factory=lambda: [0])
+    """Nodes of the trainer; the first hosts torchrun's rendezvous and the weight-sync store (rank 0)."""
+    master_port: int = 29500
+    """torchrun's rendezvous port on the first trainer node."""
+
+
+@dataclass
+class TeacherLayout:
+    """Teacher-server jobs (``torchrun -m megatron_opd.teacher.serve``), one per replica of ``tp x pp`` GPUs."""
+
+    nodes: list[int] = field(default_factory=list)
+    """Nodes of the teacher. Replicas smaller than a node are packed onto each node; a larger replica spans
+    ``tp x pp / gpus_per_node`` consecutive nodes (pipeline stages across nodes, TP inside one)."""
+    tp: int = 1
+    """Tensor-parallel size of each replica."""
+    pp: int = 1
+    """Pipeline-parallel size of each replica."""
+    port: int = 5555
+    """Port of a node's first replica; further replicas on the same node use the next ports."""
+    master_port: int = 29600
+    """torchrun's rendezvous port of a node's first replica (next ones: +1)."""
+    micro_batch_size: int = 8
+    """Sequences per forward micro-batch (the server's ``--micro-batch-size``)."""
+    max_batch_tokens: int = 65536
+    """Most padded positions in one forward (the server's ``--max-batch-tokens``)."""
+    extra_args: list[str] = field(default_factory=list)
+    """Further ``megatron_opd.teacher.serve`` flags."""
+
+
+@dataclass
+class RolloutLayout:
+    """vLLM rollout servers (``python -m megatron_opd.rollout.vllm_server``), as many per node as fit."""
+
+    nodes: list[int] = field(default_factory=list)
+    """Nodes of the vLLM servers; each runs ``gpus_per_node / tensor_parallel_size`` servers."""
+    tensor_parallel_size: int = 1
+    """GPUs of one server (within a node)."""
+    port: int = 8000
+    """Port of a node's first server; further servers on the same node use the next ports."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of each GPU vLLM takes (weights, then KV cache)."""
+    extra_args: list[str] = field(default_factory=list)
+    """Further vLLM serve flags (e.g. ``--dtype bfloat16``, ``--load-format dummy``: the trainer syncs the weights
+    before the first rollout)."""
+
+
+@dataclass
+class LaunchConfig:
+    """Where each job of a recipe runs."""
+
+    train_config: str = ""
+    """The trainer's YAML, relative to this file."""
+    gpus_per_node: int = 8
+    """GPUs of every node."""
+    gpu_memory_gib: float = 79.6
+    """Memory of one GPU, for the memory estimate (an H100 80 GB reports 81,559 MiB)."""
+    run_dir: str = "runs/scale"
+    """Folder for the teacher's token and ready files and the servers' logs; on a shared file system for
+    multi-node runs (every node reads the same token file)."""
+    trainer: TrainerLayout = field(default_factory=TrainerLayout)
+    """The training job."""
+    teacher: TeacherLayout = field(default_factory=TeacherLayout)
+    """The teacher-server jobs."""
+    rollout: RolloutLayout = field(default_factory=RolloutLayout)
+    """The vLLM servers."""
+
+    def validate(self) -> None:
+        """Every job has nodes of its own (checked after loading: the defaults leave them empty)."""
+        jobs = {"trainer": self.trainer.nodes, "teacher": self.teacher.nodes, "rollout": self.rollout.nodes}
+        for name, nodes in jobs.items():
+            if not nodes:
+                raise ValueError(f"{name}.nodes is empty: give the node numbers of the {name} job")
+        used = [n for nodes in jobs.values() for n in nodes]
+        if len(used) != len(set(used)) or min(used) < 0:
+            raise ValueError(f"every job needs its own nodes (numbers >= 0, none shared), got {jobs}")
+
+
+@dataclass
+class Recipe:
+    """A trainer config and its layout."""
+
+    launch: LaunchConfig
+    train: TrainConfig
+    launch_path: Path
+    train_path: Path
+
+    @property
+    def name(self) -> str:
+        return self.launch_path.name.removesuffix(".launch.yaml")
+
+
+def load_recipe(launch_path: str | Path) -> Recipe:
+    """Read a layout file and the trainer config it names; check the trainer uses a teacher server and vLLM servers
+    (the jobs the layout places). Paths inside are not checked (the models may live only on the cluster)."""
+    launch_path = Path(launch_path)
+    launch = load_config(LaunchConfig, launch_path)
+    launch.validate()
+    if not launch.train_config:
+        raise ValueError(f"{launch_path}: train_config must name the trainer's YAML (relative to this file)")
+    train_path = launch_path.parent / launch.train_config
+    train = load_config(TrainConfig, train_path)
+    wanted = {"teacher.backend": (train.teacher.backend, "server"), "rollout.backend": (train.rollout.backend, "vllm")}
+    for key, (value, expected) in wanted.items():
+        if value != expected:
+            raise ValueError(f"{train_path}: {key}={value}, but the layout starts {expected} jobs: set {expected}")
+    if not (train.teacher.path and train.student.path):
+        raise ValueError(f"{train_path}: teacher.path and student.path are needed (the servers' --model)")
+    return Recipe(launch=launch, train=train, launch_path=launch_path, train_path=train_path)

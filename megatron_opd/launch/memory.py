@@ -1,0 +1,285 @@
+"""Memory per device of each job of a recipe, from the models' parameters counted on the meta device.
+
+Placement: the Hugging Face model is built on the meta device (no memory) and each tensor is placed by the one
+name mapping (:mod:`megatron_opd.models.name_mapping`): split over the TP ranks unless its rule is replicated
+(norms), an embedding or output layer padded to Megatron's vocabulary; layers evenly over the PP stages, the
+embedding on the first stage, the final norm and the output layer on the last (a tied output layer is a second
+copy of the embedding there when PP > 1, as in Megatron).
+
+Bytes per parameter on a device:
+
+- teacher server (forward only): 2 (bf16 weights);
+- student: 2 (bf16 weights) + 4 (fp32 gradient buffer) + 12 / DP (fp32 master copy and Adam's two moments,
+  sharded over the data-parallel ranks by the distributed optimizer);
+- vLLM server: 2 (bf16 weights); what ``gpu_memory_utilization`` leaves is KV cache.
+
+Activations, rough (bf16, flash attention, no dropout). Per token and layer, the tensors a layer keeps for its
+backward are the inputs of the two norms, of QKV and of fc1 (h each, split over TP only under sequence
+parallelism), the QKV output and the attention output (2·Nq·D + 2·Nkv·D) and the gate/up and SwiGLU outputs (3F),
+the last two groups split over TP: ``A = 2·(4h/s + (2·Nq·D + 2·Nkv·D + 3F)/t)`` bytes, s = t with sequence
+parallelism, else 1 (with full recomputation a layer keeps only its input, 2h/s, plus one layer's A while it
+recomputes).
+
+- student: A × layers of the stage × tokens of a micro-batch × micro-batches in flight (PP − stage under 1F1B),
+  plus on the last stage the logits, tokens × Vp/t × 8 bytes (bf16 logits, their bf16 gradient, an fp32 copy);
+- teacher: one layer's A for one micro-batch (forward only: freed layer by layer) plus on the last stage
+  tokens × Vp/t × 6 bytes (bf16 logits and the fp32 log-softmax its top-k is taken from);
+- vLLM: KV cache of 2·L·(Nkv/t)·D·2 bytes per token; capacity = utilization × memory − weights − 3 GiB (CUDA
+  graphs, sampler and activations; vLLM measures the real figure at start-up).
+
+Legend: h hidden, F ffn hidden, D head dim, Nq / Nkv query / key-value heads, L layers, Vp padded vocabulary,
+t / PP / DP tensor / pipeline / data-parallel sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_opd.launch.layout import Recipe
+from megatron_opd.models.architecture import ModelArchitecture, architecture_from_hf_config
+from megatron_opd.models.builder import ModelBuildConfig
+from megatron_opd.models.name_mapping import Split, WeightRule, expand_rules
+
+GIB = 1 << 30
+VLLM_OVERHEAD_BYTES = 3 * GIB
+"""vLLM's non-KV working memory assumed by the estimate (CUDA graphs, sampler, activations)."""
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192, "rope_theta": 500000.0}  # fmt: skip
+KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
+    "Qwen3-32B": dict(model_type="qwen3", hidden_size=5120, num_hidden_layers=64, num_attention_heads=64,
+                      num_key_value_heads=8, head_dim=128, intermediate_size=25600, vocab_size=151936,
+                      max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=False),
+    "Qwen3-1.7B": dict(model_type="qwen3", hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=6144, vocab_size=151936,
+                       max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=True),
+    "Llama-3.1-70B-Instruct": dict(model_type="llama", hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
+                                   num_key_value_heads=8, intermediate_size=28672, vocab_size=128256,
+                                   max_position_embeddings=131072, rms_norm_eps=1e-5, rope_scaling=_LLAMA3_ROPE,
+                                   tie_word_embeddings=False),
+    "Llama-3.1-8B-Instruct": dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                                  num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+                                  max_position_embeddings=131072, rms_norm_eps=1e-5, rope_scaling=_LLAMA3_ROPE,
+                                  tie_word_embeddings=False),
+}  # fmt: skip
+"""``config.json`` sizes of the recipes' models, used when a model folder is not on this machine (keyed by the
+folder's name): the estimate then runs anywhere."""
+
+
+def hf_config(path: str):
+    """The ``transformers`` config of the model at ``path``: its ``config.json``, else ``KNOWN_CONFIGS`` by name."""
+    from transformers import AutoConfig
+
+    if (Path(path) / "config.json").is_file():
+        return AutoConfig.from_pretrained(path)
+    fields = dict(KNOWN_CONFIGS.get(Path(path).name) or {})
+    if not fields:
+        raise ValueError(f"{path} has no config.json here and is not one of {sorted(KNOWN_CONFIGS)}")
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def meta_model(config) -> torch.nn.Module:
+    """The Hugging Face model skeleton on the meta device (shapes only, no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+@dataclass(frozen=True)
+class ParamShard:
+    """Where one Hugging Face tensor lives under a TP x PP layout."""
+
+    name: str
+    stage: int
+    """Pipeline stage holding it."""
+    numel: int
+    """Elements of the whole tensor."""
+    split: bool
+    """Split over the TP ranks of its stage (else every rank holds all of it)."""
+    per_rank: int
+    """Elements on one TP rank of its stage (vocabulary padding included)."""
+
+
+def _per_rank(rule: WeightRule, name: str, numel: int, arch: ModelArchitecture, tp: int, vocab_multiple) -> int:
+    if rule.split is Split.REPLICATED:
+        return numel
+    if rule.split is Split.VOCAB and vocab_multiple:
+        return arch.padded_vocab_size(tp, vocab_multiple) // tp * arch.hidden_size
+    if numel % tp:
+        raise ValueError(f"tensor_model_parallel_size={tp} does not divide {name} ({numel} elements)")
+    return numel // tp
+
+
+def shard_parameters(model: torch.nn.Module, tp: int, pp: int, vocab_multiple: int | None = 128) -> list[ParamShard]:
+    """Every parameter of ``model`` placed under TP=``tp``, PP=``pp`` by the name mapping's rules, the vocabulary
+    padded to a multiple of ``vocab_multiple x tp`` rows (None: unpadded, as in vLLM); raises when a parameter has
+    no rule (the mapping would not load this model)."""
+    arch = architecture_from_hf_config(model.config.to_dict())
+    arch.validate_tensor_parallel(tp)
+    if arch.num_layers % pp:
+        raise ValueError(f"pipeline_model_parallel_size={pp} does not divide the {arch.num_layers} layers")
+    layers_per_stage = arch.num_layers // pp
+    params = dict(model.named_parameters())
+    shards = []
+    for rule, layer in expand_rules(arch):
+        if layer is not None:
+            stage = layer // layers_per_stage
+        else:
+            stage = 0 if rule.megatron.startswith("embedding") else pp - 1
+        for name in rule.hf_names(layer):
+            numel = params[name].numel()
+            split = rule.split is not Split.REPLICATED
+            shards.append(ParamShard(name, stage, numel, split, _per_rank(rule, name, numel, arch, tp, vocab_multiple)))
+    if arch.tie_word_embeddings and pp > 1:
+        embedding = shards[0]
+        shards.append(ParamShard(embedding.name, pp - 1, embedding.numel, True, embedding.per_rank))
+    unplaced = sorted(set(params) - {s.name for s in shards})
+    if unplaced:
+        raise ValueError(f"no name-mapping rule places {unplaced[:5]} ({len(unplaced)} tensors)")
+    return shards
+
+
+def stage_params(shards: list[ParamShard], pp: int) -> list[int]:
+    """Elements on one device of each pipeline stage."""
+    totals = [0] * pp
+    for shard in shards:
+        totals[shard.stage] += shard.per_rank
+    return totals
+
+
+def layer_activation_bytes(arch: ModelArchitecture, tp: int, sequence_parallel: bool) -> float:
+    """``A``: bytes one layer keeps per token for its backward (see the module docstring)."""
+    d, s = arch.head_dim, tp if sequence_parallel else 1
+    split = 2 * arch.num_attention_heads * d + 2 * arch.num_key_value_heads * d + 3 * arch.ffn_hidden_size
+    return 2 * (4 * arch.hidden_size / s + split / tp)
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """Bytes on one device of a job (one row of the table)."""
+
+    job: str
+    layout: str
+    params: int
+    weights: float
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    """Activations, or the KV cache for a vLLM server."""
+    note: str = ""
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations
+
+
+def _model(path: str, tp: int, pp: int, vocab_multiple: int | None) -> tuple[ModelArchitecture, list[ParamShard]]:
+    model = meta_model(hf_config(path))
+    return architecture_from_hf_config(model.config.to_dict()), shard_parameters(model, tp, pp, vocab_multiple)
+
+
+def student_memory(recipe: Recipe) -> list[DeviceMemory]:
+    """One row per pipeline stage of the trainer."""
+    cfg, launch = recipe.train, recipe.launch
+    tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
+    dp = len(launch.trainer.nodes) * launch.gpus_per_node // cfg.parallel.model_parallel_size
+    multiple = cfg.build.make_vocab_size_divisible_by
+    arch, shards = _model(cfg.student.path, tp, pp, multiple)
+    seq = cfg.train.max_seq_len or arch.max_position_embeddings
+    tokens = cfg.train.micro_batch_size * seq
+    micro_batches = cfg.train.prompts_per_step * cfg.rollout.n // (dp * cfg.train.micro_batch_size)
+    per_layer = layer_activation_bytes(arch, tp, cfg.parallel.sequence_parallel)
+    if cfg.build.recompute_activations:
+        per_layer = 2 * arch.hidden_size / (tp if cfg.parallel.sequence_parallel else 1)
+    vocab = arch.padded_vocab_size(tp, multiple) // tp
+    distributed = cfg.optim.use_distributed_optimizer is not False
+    rows = []
+    for stage, params in enumerate(stage_params(shards, pp)):
+        in_flight = min(pp - stage, max(micro_batches, 1))
+        activations = per_layer * arch.num_layers / pp * tokens * in_flight
+        if cfg.build.recompute_activations:
+            activations += layer_activation_bytes(arch, tp, cfg.parallel.sequence_parallel) * tokens
+        activations += tokens * vocab * 8 if stage == pp - 1 else 0
+        rows.append(
+            DeviceMemory(
+                "student (trainer)",
+                f"TP={tp} PP={pp} DP={dp}, stage {stage}",
+                params,
+                weights=2 * params,
+                grads=4 * params,
+                optimizer=12 * params / (dp if distributed else 1),
+                activations=activations,
+                note=f"{in_flight} micro-batch(es) of {cfg.train.micro_batch_size} x {seq} tokens in flight",
+            )
+        )
+    return rows
+
+
+def teacher_memory(recipe: Recipe) -> list[DeviceMemory]:
+    """One row per pipeline stage of a teacher replica."""
+    cfg, layout = recipe.train, recipe.launch.teacher
+    multiple = ModelBuildConfig().make_vocab_size_divisible_by  # the server builds with the default
+    arch, shards = _model(cfg.teacher.path, layout.tp, layout.pp, multiple)
+    seq = cfg.train.max_seq_len or arch.max_position_embeddings
+    tokens = min(layout.micro_batch_size * seq, layout.max_batch_tokens)
+    vocab = arch.padded_vocab_size(layout.tp, multiple) // layout.tp
+    replicas = len(layout.nodes) * recipe.launch.gpus_per_node // (layout.tp * layout.pp)
+    rows = []
+    for stage, params in enumerate(stage_params(shards, layout.pp)):
+        activations = layer_activation_bytes(arch, layout.tp, False) * tokens
+        activations += tokens * vocab * 6 if stage == layout.pp - 1 else 0
+        rows.append(
+            DeviceMemory(
+                "teacher server",
+                f"TP={layout.tp} PP={layout.pp} x{replicas}, stage {stage}",
+                params,
+                weights=2 * params,
+                activations=activations,
+                note=f"micro-batch of {tokens} tokens",
+            )
+        )
+    return rows
+
+
+def vllm_memory(recipe: Recipe) -> DeviceMemory:
+    """One GPU of a vLLM server: weights, and the KV cache the rest of its budget holds."""
+    cfg, launch = recipe.train, recipe.launch
+    tp = launch.rollout.tensor_parallel_size
+    arch, shards = _model(cfg.student.path, tp, 1, vocab_multiple=None)
+    (params,) = stage_params(shards, 1)
+    budget = launch.rollout.gpu_memory_utilization * launch.gpu_memory_gib * GIB
+    kv_cache = max(budget - 2 * params - VLLM_OVERHEAD_BYTES, 0.0)
+    kv_per_token = 2 * arch.num_layers * (arch.num_key_value_heads // tp) * arch.head_dim * 2
+    servers = len(launch.rollout.nodes) * launch.gpus_per_node // tp
+    sequences = -(-cfg.train.prompts_per_step * cfg.rollout.n // servers)
+    seq = cfg.train.max_seq_len or arch.max_position_embeddings
+    note = (
+        f"KV cache holds {kv_cache / kv_per_token / 1e3:.0f}k tokens; {sequences} sequences per server x {seq} "
+        f"= {sequences * seq / 1e3:.0f}k at most"
+    )
+    return DeviceMemory(
+        "vllm server", f"TP={tp}, x{servers} servers", params, weights=2 * params, activations=kv_cache, note=note
+    )
+
+
+def recipe_memory(recipe: Recipe) -> list[DeviceMemory]:
+    """Every job's per-device rows: teacher stages, student stages, one vLLM GPU."""
+    return [*teacher_memory(recipe), *student_memory(recipe), vllm_memory(recipe)]
+
+
+def format_table(rows: list[DeviceMemory], gpu_memory_gib: float) -> str:
+    """A Markdown table in GiB (what ``--memory`` prints), then each row's note."""
+    head = "| job | layout | params/GPU | weights | grads | optimizer | activations / KV | total | of GPU |"
+    lines = [head, "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        gib = [f"{x / GIB:.1f}" if x else "-" for x in (r.weights, r.grads, r.optimizer, r.activations, r.total)]
+        share = f"{r.total / (gpu_memory_gib * GIB):.0%}"
+        lines.append(f"| {r.job} | {r.layout} | {r.params / 1e9:.2f}B | {' | '.join(gib)} | {share} |")
+    lines += ["", f"GiB per device of {gpu_memory_gib:g} GiB."]
+    lines += [f"- {r.job}, {r.layout}: {r.note}" for r in rows if r.note]
+    return "\n".join(lines)

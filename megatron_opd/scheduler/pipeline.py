@@ -1,0 +1,190 @@
+"""The scheduler: which batch is sampled, scored and trained when, with bounded staleness.
+
+``scheduler.mode`` sets how far rollouts run ahead of the update (their *depth*):
+
+- ``zero_step_off`` (depth 0): rollout -> teacher -> update, in sequence; every batch is sampled by the weights it
+  trains (on-policy).
+- ``one_step_off`` (depth 1): the rollout of batch i+1, sampled by the weights after update i-1, runs while batch i
+  is scored by the teacher and trained.
+- ``two_step_off`` (depth 2): three batches in flight: batch i+2 being sampled, batch i+1 scored by the teacher,
+  batch i trained.
+
+Step ``i`` trains batch ``i``, always, exactly once: batch ``b`` is drawn from the prompt stream and asked of the
+rollout back end at step ``max(b - depth, first step)`` (with the weights of that step, policy version
+``b - depth``), so its staleness (optimizer steps between the weights that sampled it and the weights it trains)
+is at most ``depth``, and less during warm-up (verl's one-step-off trains its first batch twice; this does not).
+The rollout back end samples asked-for batches in order and a weight sync waits for them, so no rollout mixes
+versions. A checkpoint saves the prompt stream's position before the oldest untrained batch: on resume, rollouts
+that were in flight at the kill are sampled again, never half-used.
+
+The asynchronous modes need rollouts that run outside the trainer's ranks (``rollout.backend=vllm``); a teacher
+whose ``score`` returns at once (the remote clients) also overlaps with the update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from megatron_opd.interfaces import RolloutBackend, Rollouts, SamplingParams, TeacherBackend, TeacherScores
+from megatron_opd.trainer.batch import TrainBatch, pack_rollouts
+
+DEPTH = {"zero_step_off": 0, "one_step_off": 1, "two_step_off": 2}
+"""Batches sampled ahead of the update in each ``scheduler.mode`` (= the staleness bound)."""
+
+
+class PromptSource(Protocol):
+    """The prompt stream (:class:`megatron_opd.data.stream.PromptStream`) as the scheduler uses it."""
+
+    def next_batch(self) -> list: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+
+@dataclass
+class ScoredBatch:
+    """A step's rollouts, packed for training, with the teacher's scores and the phase times."""
+
+    rollouts: Rollouts
+    batch: TrainBatch
+    scores: TeacherScores
+    trained_version: int = 0
+    """The policy version (optimizer step) of the weights this batch will update."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds: ``rollout`` and ``teacher`` (each phase, from asked to answered), ``wait_rollout`` and
+    ``wait_teacher`` (how long the trainer waited for them)."""
+    items: list = field(default_factory=list)
+    """The prompt-stream items of this batch (this rank's prompts)."""
+
+    @property
+    def staleness(self) -> int:
+        """Optimizer steps between the weights that sampled the rollouts and the weights they train."""
+        return self.trained_version - self.rollouts.policy_version
+
+
+@dataclass
+class _InFlight:
+    """One batch on its way: drawn, asked of the rollout back end, then of the teacher."""
+
+    items: list
+    rollout: Future
+    asked: float
+    rollouts: Rollouts | None = None
+    batch: TrainBatch | None = None
+    teacher: Future | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class Scheduler:
+    """Draws each batch's prompts, asks the rollout and teacher back ends as early as ``mode`` allows, and hands
+    the training loop one scored batch per step."""
+
+    def __init__(
+        self,
+        mode: str,
+        rollout: RolloutBackend,
+        teacher: TeacherBackend,
+        sampling: SamplingParams,
+        n: int,
+        *,
+        data: PromptSource,
+        seed_for: Callable[[int], int],
+        pad_token_id: int,
+        max_len: int,
+        student_topk: int = 0,
+        total_steps: int | None = None,
+    ) -> None:
+        """``seed_for(b)``: the sampling seed of batch ``b``; ``total_steps``: no batch past the last step is asked
+        for (``train.steps``; None: no end). ``student_topk > 0``: the rollouts record the
+        student's top-k ids and the teacher scores them too (union loss support); a teacher that cannot return
+        log-probabilities at requested ids is refused here."""
+        if mode not in DEPTH:
+            raise ValueError(f"scheduler.mode must be one of {sorted(DEPTH)}, got {mode!r}")
+        if DEPTH[mode] and not getattr(rollout, "asynchronous", False):
+            raise ValueError(
+                f"scheduler.mode={mode} samples while the trainer trains, which needs rollouts outside the trainer's "
+                f"ranks (rollout.backend=vllm); the {type(rollout).__name__} back end supports "
+                "scheduler.mode=zero_step_off only"
+            )
+        if student_topk and not getattr(teacher, "supports_requested_logprobs", False):
+            raise ValueError(
+                f"loss.support=union needs the teacher's log-probabilities at the student's top-k ids, which the "
+                f"teacher back end {type(teacher).__name__} does not return (no requested_logprobs); use "
+                "teacher.backend=inprocess or server, or loss.support=teacher_topk"
+            )
+        self.mode, self.depth = mode, DEPTH[mode]
+        self.teacher_depth = 1 if mode == "two_step_off" else 0
+        """Batches scored by the teacher ahead of the update (two_step_off scores batch i+1 while i trains)."""
+        self.rollout, self.teacher, self.data, self.seed_for = rollout, teacher, data, seed_for
+        self.sampling = dataclasses.replace(sampling, return_topk=student_topk) if student_topk else sampling
+        self.n, self.pad_token_id, self.max_len, self.student_topk = n, pad_token_id, max_len, student_topk
+        self._flights: dict[int, _InFlight] = {}
+        self._data_before: dict[int, dict[str, Any]] = {}
+        self._next_asked: int | None = None
+        self._next_scored = 0
+        self._next_trained = 0
+        self._end = total_steps
+
+    def next_batch(self, step: int) -> ScoredBatch:
+        """Batch ``step``, scored, for the update from the weights of policy version ``step``."""
+        if self._next_asked is None:  # the first step of this process (0, or the step a resume starts at)
+            self._next_asked = self._next_scored = self._next_trained = step
+        if step != self._next_trained:
+            raise RuntimeError(f"the scheduler hands out batch {self._next_trained} next, the loop asked for {step}")
+        last = step + self.depth if self._end is None else min(step + self.depth, self._end - 1)
+        while self._next_asked <= last:
+            self._ask_rollout(self._next_asked)  # sampled by the weights of now: policy version ``step``
+        while self._next_scored <= min(step + self.teacher_depth, last):
+            self._ask_teacher(self._next_scored)
+        flight = self._flights.pop(step)
+        t0 = time.perf_counter()
+        scores = flight.teacher.result()
+        flight.timings["wait_teacher"] = time.perf_counter() - t0
+        self._next_trained = step + 1
+        scored = ScoredBatch(flight.rollouts, flight.batch, scores, step, flight.timings, flight.items)
+        if not 0 <= scored.staleness <= self.depth:
+            raise RuntimeError(
+                f"batch {step} was sampled by policy version {scored.rollouts.policy_version} and trains version "
+                f"{step}: staleness {scored.staleness} is outside scheduler.mode={self.mode}'s bound of {self.depth}"
+            )
+        return scored
+
+    def data_state(self) -> dict[str, Any]:
+        """The prompt stream's position before the oldest batch not yet trained (what a checkpoint must save)."""
+        for b in [b for b in self._data_before if b < self._next_trained]:
+            del self._data_before[b]
+        return self._data_before.get(self._next_trained) or self.data.state_dict()
+
+    # ---- phases ------------------------------------------------------------------------------------------------
+    def _ask_rollout(self, b: int) -> None:
+        self._data_before[b] = dict(self.data.state_dict())
+        items = self.data.next_batch()
+        sampling = dataclasses.replace(self.sampling, seed=self.seed_for(b))
+        future = self.rollout.generate([it.prompt_ids for it in items], sampling, self.n)
+        self._flights[b] = _InFlight(items, future, time.perf_counter())
+        self._next_asked = b + 1
+
+    def _ask_teacher(self, b: int) -> None:
+        flight = self._flights[b]
+        t0 = time.perf_counter()
+        flight.rollouts = flight.rollout.result()
+        done = time.perf_counter()
+        flight.timings.update(rollout=done - flight.asked, wait_rollout=done - t0)
+        flight.batch = pack_rollouts(
+            flight.rollouts, pad_token_id=self.pad_token_id, max_len=self.max_len, student_topk=self.student_topk
+        )
+        # Also ask for the teacher's log-probability of each sampled token (teacher-confidence weights, metrics)
+        # and, for the union support, of the student's top-k ids.
+        asked = time.perf_counter()
+        flight.teacher = self.teacher.score(flight.batch.tokens, flight.batch.teacher_request_ids())
+        flight.teacher.add_done_callback(lambda _: flight.timings.setdefault("teacher", time.perf_counter() - asked))
+        self._next_scored = b + 1
+
+
+def build_scheduler(mode: str, rollout: RolloutBackend, teacher: TeacherBackend, **kwargs) -> Scheduler:
+    """The scheduler for ``scheduler.mode``."""
+    return Scheduler(mode, rollout, teacher, **kwargs)
