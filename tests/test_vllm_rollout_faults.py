@@ -196,3 +196,50 @@ def test_engine_process_exit_leaves_no_semaphore_for_the_trainer_to_report(tmp_p
     proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert "exit code 0" in proc.stdout, proc.stdout + proc.stderr
     assert "leaked" not in proc.stderr, proc.stderr
+
+
+def _padded_body(student_dir: str, vocab: int, out_dir: str) -> dict:
+    from dataclasses import replace
+
+    from megatron_opd.distributed import ParallelConfig, initialize_distributed
+    from megatron_opd.models.source import build_and_load
+    from megatron_opd.rollout.vllm_backend import VLLMRollout, engine_model_dir
+    from megatron_opd.rollout.vllm_engine import EngineOptions
+    from megatron_opd.testing.logprobs import trainer_logprobs
+    from megatron_opd.weight_sync.source import megatron_weight_source
+
+    initialize_distributed(ParallelConfig())
+    arch, chunks = build_and_load(student_dir, ParallelConfig(), trainable=False)
+    model = engine_model_dir(Path(student_dir), Path(out_dir), vocab)
+    source = megatron_weight_source(chunks, replace(arch, vocab_size=vocab))
+    rollout = VLLMRollout(source, EngineOptions(model=str(model), max_model_len=64), dp_rank=0)
+    rollout.sync_weights(0)
+    sampling = SamplingParams(max_new_tokens=8, temperature=1.0, seed=5)
+    rollouts = rollout.generate(PROMPTS * 4, sampling, 4).result()
+    seqs = [torch.cat([p, r]).tolist() for p, r in zip(rollouts.prompt_ids, rollouts.response_ids)]
+    ref = trainer_logprobs(chunks, seqs, vocab)
+    rollout.close()
+    return {
+        "rows": arch.vocab_size,
+        "max_id": max(int(r.max()) for r in rollouts.response_ids),
+        "err": max(
+            (lp.double() - r[len(p) - 1 :]).abs().max().item()
+            for lp, r, p in zip(rollouts.logprobs, ref, rollouts.prompt_ids)
+        ),  # fmt: skip
+    }
+
+
+def test_padded_student_never_samples_padding_and_matches_the_trainer(tmp_path):
+    """A student whose embedding has more rows than its tokenizer has tokens (1000 vs a few hundred): the engine
+    runs the unpadded model, so no padded id is sampled and its log-probs normalise over the real tokens only,
+    exactly as the trainer's."""
+    from transformers import AutoTokenizer
+
+    from megatron_opd.testing.distill_fixture import make_distill_fixture
+
+    pair = make_distill_fixture(tmp_path / "pair")
+    vocab = len(AutoTokenizer.from_pretrained(pair.student))
+    (out,) = run_distributed(_padded_body, 1, args=(pair.student, vocab, str(tmp_path / "engine")), timeout=600)
+    assert out["rows"] == 1000 and vocab < 1000
+    assert out["max_id"] < vocab, f"sampled padded id {out['max_id']} (tokenizer: {vocab} tokens)"
+    assert out["err"] <= 1e-4, f"log-prob error {out['err']:.2e}"

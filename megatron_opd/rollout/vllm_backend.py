@@ -15,9 +15,12 @@ rank 0 samples them all in one engine call and hands each rank its replica's rol
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import time
 from concurrent.futures import Future
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -55,11 +58,14 @@ class VLLMRollout:
         timeout_s: float = 600.0,
         policy_version: int = 0,
         addresses: list[str] | None = None,
+        allowed_token_ids: int | None = None,
     ) -> None:
         """``source``: this rank's weight source; ``options``: how rank 0 builds the engine (``options.model`` is
         the student's config folder); ``dp_rank``: this rank's data-parallel replica (its prompts); ``addresses``:
         separate vLLM servers (``host:port``) to use instead of an engine process of rank 0."""
         self.addresses = list(addresses or [])
+        self.allowed_token_ids = allowed_token_ids
+        """Servers of a padded student: sample only ids below this (their log-probs still normalise over every row)."""
         self.source = source
         self.options = options
         self.dp_rank = dp_rank
@@ -243,6 +249,8 @@ class VLLMRollout:
         asked = [None] * world if self.rank == 0 else None
         dist.gather_object((self.dp_rank, [list(p) for p in prompt_token_ids]), asked, dst=0)
         params = _params(sampling, self.options)
+        if self.allowed_token_ids:
+            params["allowed_token_ids"] = self.allowed_token_ids
         self._outstanding += 1
         request = {"pending": self._submit(asked, params, n), "version": self.policy_version}
 
@@ -360,10 +368,27 @@ def _rollouts(prompts: list[list[int]], out: dict, start: int, count: int, n: in
     )
 
 
-def build_vllm_rollout(cfg, chunks: list, seq_len: int) -> VLLMRollout:
-    """``rollout.backend=vllm`` from the trainer's config (set-up code: reads Megatron's groups)."""
+def engine_model_dir(student_config_dir: Path, out_dir: Path, vocab_size: int) -> Path:
+    """The engine's model folder: the student's ``config.json`` with ``vocab_size`` cut to the real tokens.
+
+    vLLM samples from (and normalises over) every row of the output layer; a student whose embedding is padded
+    beyond its tokenizer would otherwise sample ids that are no token. The engine loads no weights from the
+    folder (they come from the first sync, cut to the same rows), so only the config is written (rank 0).
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "generation_config.json"):
+        if (student_config_dir / name).is_file():
+            config = json.loads((student_config_dir / name).read_text())
+            if name == "config.json":
+                config["vocab_size"] = vocab_size
+            (out_dir / name).write_text(json.dumps(config, indent=2))
+    return out_dir
+
+
+def build_vllm_rollout(cfg, chunks: list, seq_len: int, vocab_size: int | None = None) -> VLLMRollout:
+    """``rollout.backend=vllm`` from the trainer's config (set-up code: reads Megatron's groups). ``vocab_size``:
+    the real tokens, when the student's embedding is padded beyond them (never sampled)."""
     import importlib.util
-    from pathlib import Path
 
     from megatron.core import parallel_state as ps
 
@@ -382,6 +407,15 @@ def build_vllm_rollout(cfg, chunks: list, seq_len: int) -> VLLMRollout:
         logger.warning("this vLLM has no weight-transfer API (vLLM < 0.16): syncing through reload_weights")
         weight_sync = "reload"
     arch = model_architecture(cfg.student.path, "student.path")
+    model_dir = config_dir(cfg.student.path, "student.path")
+    addresses = [a.strip() for a in r.address.split(",") if a.strip()]
+    padded = vocab_size is not None and vocab_size < arch.vocab_size
+    if padded and not addresses:  # our engine runs the unpadded model: exact log-probs, no padded id sampled
+        arch = dataclasses.replace(arch, vocab_size=vocab_size)
+        model_dir = Path(cfg.output_dir) / "vllm_model"
+        if dist.get_rank() == 0:
+            engine_model_dir(Path(config_dir(cfg.student.path, "student.path")), model_dir, vocab_size)
+        dist.barrier()
     params_dtype = next(chunks[0].parameters()).dtype
     dtype = str(params_dtype).removeprefix("torch.") if r.vllm_dtype == "auto" else r.vllm_dtype
     source = megatron_weight_source(chunks, arch, dtype=getattr(torch, dtype))
@@ -389,7 +423,7 @@ def build_vllm_rollout(cfg, chunks: list, seq_len: int) -> VLLMRollout:
     if dist.get_rank() == 0:
         log_file.parent.mkdir(parents=True, exist_ok=True)
     options = EngineOptions(
-        model=str(config_dir(cfg.student.path, "student.path")),
+        model=str(model_dir),
         dtype=dtype,
         max_model_len=seq_len,
         seed=cfg.seed,
@@ -409,5 +443,6 @@ def build_vllm_rollout(cfg, chunks: list, seq_len: int) -> VLLMRollout:
         bucket_bytes=int(r.sync_bucket_mb * (1 << 20)),
         sync_address=r.sync_address,
         timeout_s=r.sync_timeout_s,
-        addresses=[a.strip() for a in r.address.split(",") if a.strip()],
+        addresses=addresses,
+        allowed_token_ids=vocab_size if padded and addresses else None,
     )

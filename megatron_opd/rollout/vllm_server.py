@@ -93,6 +93,11 @@ class ServerClient:
             "seed": seed,
             "stop_token_ids": sampling["stop_token_ids"],
             "ignore_eos": True,
+            **(
+                {"allowed_token_ids": list(range(sampling["allowed_token_ids"]))}
+                if sampling.get("allowed_token_ids")
+                else {}
+            ),
             "logprobs": 0,
             "return_tokens_as_token_ids": True,
             "skip_special_tokens": False,

@@ -236,7 +236,7 @@ def build_rollout(cfg: TrainConfig, student: Student, vocab: Vocabulary):
     if cfg.rollout.backend == "vllm":
         from megatron_opd.rollout.vllm_backend import build_vllm_rollout
 
-        rollout = build_vllm_rollout(cfg, student.chunks, max_seq_len(cfg))
+        rollout = build_vllm_rollout(cfg, student.chunks, max_seq_len(cfg), vocab.vocab_size)
     else:
         from megatron_opd.rollout.builtin import BuiltinSampler
 
