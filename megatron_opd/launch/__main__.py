@@ -1,5 +1,8 @@
+"""``python -m megatron_opd.launch RECIPE [--dry-run | --memory]``."""
+
 import sys
 
 from megatron_opd.launch.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())
