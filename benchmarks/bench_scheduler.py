@@ -14,9 +14,9 @@
    (measured in zero_step_off, where they do not overlap): their sum for zero_step_off, the longest phase
    otherwise, plus the weight sync. On 2 cores the three processes compete for the same cores, so the ratio shows what
    is left of the overlap here, not on a cluster.
-3. ``--quality``: the quick start's task (``examples/quickstart.py --rollout-backend vllm``) distilled in each
-   mode from one SFT teacher: the final held-out divergence and accuracy of each mode beside zero_step_off's
-   (~10 more minutes on 2 cores).
+3. ``--quality [--quality-steps N]``: the quick start's task (``examples/quickstart.py --rollout-backend vllm``)
+   distilled in each mode from one SFT teacher for N steps (default 300), zero_step_off with three sampling seeds:
+   the final held-out divergence and accuracy of each run beside zero_step_off's (N=600: ~35 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -92,9 +92,10 @@ def pipeline(steps: int, workdir: Path) -> list[dict]:
     return rows
 
 
-def quality(workdir: Path) -> list[dict]:
-    """Final held-out divergence per mode on the quick start's task, one teacher for all (the quick start trains it
-    once, with zero_step_off; the other modes distil from the same teacher and task)."""
+def quality(workdir: Path, steps: int) -> list[dict]:
+    """Final held-out divergence per mode on the quick start's task, one teacher for all (the quick start trains
+    it once). Every mode then distils the same student for ``steps`` steps; zero_step_off runs twice more with other
+    sampling seeds, so the spread between runs of one mode stands beside the gaps between modes."""
     import subprocess
 
     sys.path.insert(0, str(REPO / "examples"))
@@ -103,16 +104,18 @@ def quality(workdir: Path) -> list[dict]:
     subprocess.run([sys.executable, str(HERE / "quickstart.py"), "--workdir", str(workdir), "--rollout-backend",
                     "vllm"], cwd=REPO, check=True, stdout=subprocess.DEVNULL)  # fmt: skip
     task, rows = workdir / "task", []
-    for mode in MODES:
-        run = workdir / "student" if mode == "zero_step_off" else workdir / mode
-        if mode != "zero_step_off":
-            torchrun(2, HERE / "quickstart" / "distil.yaml", [
-                f"student.path={task / 'student-init'}", f"teacher.path={workdir / 'teacher' / 'hf'}",
-                f"data.train_files={task / 'train.jsonl'}", f"data.eval_files={task / 'eval.jsonl'}",
-                f"output_dir={run}", "rollout.backend=vllm", f"scheduler.mode={mode}", "logging.progress_bar=false",
-            ])  # fmt: skip
+    runs = [(mode, 0) for mode in MODES] + [("zero_step_off", 1), ("zero_step_off", 2)]
+    for mode, seed_offset in runs:
+        run = workdir / f"{mode}_{seed_offset}"
+        torchrun(2, HERE / "quickstart" / "distil.yaml", [
+            f"student.path={task / 'student-init'}", f"teacher.path={workdir / 'teacher' / 'hf'}",
+            f"data.train_files={task / 'train.jsonl'}", f"data.eval_files={task / 'eval.jsonl'}",
+            f"output_dir={run}", "rollout.backend=vllm", f"scheduler.mode={mode}", "logging.progress_bar=false",
+            f"train.steps={steps}", f"eval.every={steps // 3}", f"seed={1234 + seed_offset}", "export_hf=false",
+        ])  # fmt: skip
         before, after = evals(run)
-        rows.append({"mode": mode, "divergence_before": before["eval/divergence_own_samples"],
+        rows.append({"mode": mode, "seed": 1234 + seed_offset,
+                     "divergence_before": before["eval/divergence_own_samples"],
                      "divergence_after": after["eval/divergence_own_samples"],
                      "accuracy_after": after["eval/accuracy"]})  # fmt: skip
     base = rows[0]["divergence_after"]
@@ -126,6 +129,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8, help="training steps per mode (the first 1 + depth are warm-up)")
     p.add_argument("--skip-pipeline", action="store_true", help="only the controlled-phase stand-ins")
     p.add_argument("--quality", action="store_true", help="also distil the quick start's task in each mode")
+    p.add_argument("--quality-steps", type=int, default=300, help="distillation steps per mode with --quality")
     p.add_argument("--json", help="also write the figures here")
     args = p.parse_args()
 
@@ -148,11 +152,11 @@ def main() -> None:
                   f"{r['ideal']:>8.3f}{r['ratio']:>7.2f}x")  # fmt: skip
     if args.quality:
         with tempfile.TemporaryDirectory() as tmp:
-            results["quality"] = quality(Path(tmp) / "qs")
+            results["quality"] = quality(Path(tmp) / "qs", args.quality_steps)
         print("\nquick start's task, held-out divergence on the student's own samples (one teacher for all)")
-        print(f"{'mode':<15}{'before':>9}{'after':>9}{'vs zero':>9}{'accuracy':>10}")
+        print(f"{'mode':<15}{'seed':>6}{'before':>9}{'after':>9}{'vs zero':>9}{'accuracy':>10}")
         for r in results["quality"]:
-            print(f"{r['mode']:<15}{r['divergence_before']:>9.4f}{r['divergence_after']:>9.4f}"
+            print(f"{r['mode']:<15}{r['seed']:>6}{r['divergence_before']:>9.4f}{r['divergence_after']:>9.4f}"
                   f"{r['vs_zero_step_off']:>8.2f}x{r['accuracy_after']:>10.1%}")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

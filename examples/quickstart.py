@@ -1,6 +1,6 @@
 """Quick start: distil a tiny teacher into a smaller student on CPU, in a few minutes, with megatron-opd's trainer.
 
-    python examples/quickstart.py [--workdir runs/quickstart] [--nproc 2]
+    python examples/quickstart.py [--workdir runs/quickstart] [--nproc 2] [--rollout-backend vllm]
 
 1. ``tools/make_quickstart_task.py`` writes a digit-reversal task ("reverse 40912 =" -> "21904"), a tokenizer and
    two randomly initialised Qwen3 models: a teacher and a 5.6x smaller student.
@@ -54,6 +54,10 @@ def main() -> None:
         "--scheduler-mode", choices=("zero_step_off", "one_step_off", "two_step_off"), default="zero_step_off",
         help="how far rollouts run ahead of the update (the asynchronous modes need --rollout-backend vllm)",
     )  # fmt: skip
+    parser.add_argument(
+        "--teacher-run", type=Path,
+        help="skip step 1: reuse the teacher trained by an earlier quick start (its WORKDIR/teacher folder)",
+    )  # fmt: skip
     args = parser.parse_args()
     start = time.perf_counter()
     work = args.workdir.resolve()
@@ -66,10 +70,14 @@ def main() -> None:
     data = [f"data.train_files={task / 'train.jsonl'}", f"data.eval_files={task / 'eval.jsonl'}"]
     tp = f"parallel.tensor_model_parallel_size={args.nproc}"
 
-    print("\n== 1/2 teacher: supervised fine-tuning on the task ==", flush=True)
     teacher_run = work / "teacher"
-    torchrun(args.nproc, HERE / "quickstart" / "teacher_sft.yaml",
-             [f"student.path={task / 'teacher-init'}", *data, f"output_dir={teacher_run}", tp])  # fmt: skip
+    if args.teacher_run is not None:  # the task is the same: make_quickstart_task is seeded
+        print(f"\n== 1/2 teacher: reusing {args.teacher_run} ==", flush=True)
+        teacher_run = args.teacher_run.resolve()
+    else:
+        print("\n== 1/2 teacher: supervised fine-tuning on the task ==", flush=True)
+        torchrun(args.nproc, HERE / "quickstart" / "teacher_sft.yaml",
+                 [f"student.path={task / 'teacher-init'}", *data, f"output_dir={teacher_run}", tp])  # fmt: skip
     _, teacher_eval = evals(teacher_run)
 
     print("\n== 2/2 student: on-policy distillation from the teacher ==", flush=True)

@@ -30,6 +30,7 @@ from megatron_opd.trainer.checkpointing import (
     CheckpointManager,
     PreemptionGuard,
     fault_point,
+    hold_point,
     set_rng_state,
     sharded_rng_state,
 )
@@ -70,10 +71,11 @@ def resume(ckpt: CheckpointManager, student: Student, data: PromptStream, cfg: T
     path = ckpt.latest() if cfg.checkpoint.resume else None
     if path is None:
         return 0
+    student.prepare_optimizer_for_loading()
     state = ckpt.load(path, training_state(student, data.state_dict(), 0, cfg, loading=True))
     for i, chunk in enumerate(student.chunks):
         chunk.load_state_dict(state["model" if len(student.chunks) == 1 else f"model{i}"])
-    student.optimizer.load_state_dict(state["optimizer"])
+    student.load_optimizer_state(state["optimizer"])
     student.scheduler.load_state_dict(state["opt_param_scheduler"])
     set_rng_state(state["rng_state"])
     data.load_state_dict(state["trainer"]["data"])
@@ -181,11 +183,12 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             batch = pack_sft(
                 [it.prompt_ids for it in items], responses, pad_token_id=vocab.pad_token_id, max_len=seq_len
             )
-            staleness, response_tokens = 0, sum(len(r) for r in responses)
+            staleness, response_tokens, tool_tokens = 0, sum(len(r) for r in responses), 0
         else:
             scored = scheduler.next_batch(step)  # batch `step`: sampled, scored; rollouts ahead per scheduler.mode
             items, batch, scores, timings = scored.items, scored.batch, scored.scores, dict(scored.timings)
             staleness, response_tokens = scored.staleness, sum(scored.rollouts.response_lengths)
+            tool_tokens = sum(int((m == 0).sum()) for m in scored.rollouts.response_mask)  # never in the loss
             batch.seq_weights = sequence_weights(cfg.loss, scored, items, encoder, vocab.tokenizer, reward_fn)
 
         t_update = time.perf_counter()
@@ -212,12 +215,14 @@ def train(cfg: TrainConfig) -> dict[str, float]:
         elapsed = time.perf_counter() - t_start
         s = result.stats
         total_response_tokens = global_count(torch.tensor([float(response_tokens)]), "sum")
+        total_tool_tokens = global_count(torch.tensor([float(tool_tokens)]), "sum")
         row = {
             "loss": s.loss,
             "divergence": s.divergence_sum / max(s.tokens, 1.0),
             "top1_agreement": s.agree_sum / max(s.tokens, 1.0),
             "response_length": total_response_tokens / (len(batch.lengths) * dp_size),
             "tokens_per_s": total_response_tokens / elapsed,
+            "tool_tokens": total_tool_tokens / (len(batch.lengths) * dp_size),  # per sample; never trained
             "time/step": elapsed,
             "grad_norm": result.grad_norm,
             "lr": result.lr,
@@ -243,6 +248,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             metrics.log(step, last_eval, advance=False)
             metrics.write(f"eval after step {step}: " + _fmt(last_eval))
         fault_point("kill_after_step", step)
+        hold_point(step)
         if stop:
             metrics.write(f"SIGTERM: saved step {step}; resume by starting the same command again")
             break

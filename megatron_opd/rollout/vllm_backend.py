@@ -3,8 +3,9 @@
 Rank 0 owns the engine (:class:`~megatron_opd.rollout.vllm_engine.EngineProcess`, a process of its own); every rank
 takes part in a sync, since the student's shards are gathered from the ranks that hold them
 (:class:`~megatron_opd.weight_sync.source.MegatronWeightSource`). The transfer goes through vLLM's weight-transfer
-API (a trainer engine from ``WeightTransferTrainerFactory``; on CPU our gloo back end) or, with
-``weight_sync="reload"``, through ``collective_rpc`` + ``reload_weights``.
+API (a trainer engine from ``WeightTransferTrainerFactory``: vLLM's NCCL engine with packed buffers on GPU, our
+gloo engine on CPU) or, with ``weight_sync="reload"``, through ``collective_rpc`` + ``reload_weights``. With
+``rollout.vllm_sleep`` (GPU) the engine sleeps while the trainer trains (:mod:`megatron_opd.rollout.sleep`).
 
 Versions are all-or-nothing: the engine tags rollouts with the version of its last *complete* sync. Before every
 ``generate`` rank 0 checks that the engine holds exactly the trainer's current version (a restarted or partially
@@ -27,7 +28,8 @@ import torch.distributed as dist
 
 from megatron_opd.interfaces import DeferredFuture, Rollouts, SamplingParams
 from megatron_opd.models.architecture import load_architecture
-from megatron_opd.rollout.vllm_engine import EngineGone, EngineOptions, EngineProcess
+from megatron_opd.rollout.sleep import SleepCycle
+from megatron_opd.rollout.vllm_engine import EngineGone, EngineOptions, EngineProcess, WeightsNotSynced
 from megatron_opd.weight_sync.buckets import DEFAULT_BUCKET_BYTES
 from megatron_opd.weight_sync.source import check_against, hf_metadata
 
@@ -59,11 +61,14 @@ class VLLMRollout:
         policy_version: int = 0,
         addresses: list[str] | None = None,
         allowed_token_ids: int | None = None,
+        server_wait_s: float = 60.0,
     ) -> None:
         """``source``: this rank's weight source; ``options``: how rank 0 builds the engine (``options.model`` is
         the student's config folder); ``dp_rank``: this rank's data-parallel replica (its prompts); ``addresses``:
-        separate vLLM servers (``host:port``) to use instead of an engine process of rank 0."""
+        separate vLLM servers (``host:port``) to use instead of an engine process of rank 0; ``server_wait_s``: how long
+        to wait for one of them to answer (at the start, and when every server is down)."""
         self.addresses = list(addresses or [])
+        self.server_wait_s = server_wait_s
         self.allowed_token_ids = allowed_token_ids
         """Servers of a padded student: sample only ids below this (their log-probs still normalise over every row)."""
         self.source = source
@@ -76,6 +81,8 @@ class VLLMRollout:
         self.rank = dist.get_rank()
         self.engine: EngineProcess | None = None
         self.transfer = None
+        self.client: VersionedClient | None = None  # rank 0: the engine's control plane, as the transfer sees it
+        self.sleep: SleepCycle | None = None  # rank 0: when the engine sleeps (rollout.vllm_sleep, GPU)
         self._fresh = False  # rank 0: the engine was just started and has never been sent weights
         self._outstanding = 0  # rollouts asked for and not yet collected (the same on every rank)
         self._in_flight: list[Future] = []  # rank 0: the engine's replies to those rollouts
@@ -113,7 +120,9 @@ class VLLMRollout:
                 if self.addresses:
                     from megatron_opd.rollout.vllm_server import ServerGroup
 
-                    self.engine = ServerGroup(self.addresses, self.timeout_s, self.options.max_model_len)
+                    self.engine = ServerGroup(
+                        self.addresses, self.timeout_s, self.options.max_model_len, self.server_wait_s
+                    )
                     workers = self.engine.workers
                     logger.info("vLLM servers %s: %d workers", ",".join(self.addresses), workers)
                 else:
@@ -121,6 +130,7 @@ class VLLMRollout:
                     pid = self.engine.process.pid
                     logger.info("vLLM engine started in %.1f s (pid %d)", time.perf_counter() - started, pid)
                 self._fresh = True
+                self.sleep = SleepCycle(self.engine.call, enabled=self.options.enable_sleep_mode)
                 port = find_free_port()
             except Exception as err:  # noqa: BLE001 - every rank must learn it before anyone raises
                 error = err
@@ -132,15 +142,15 @@ class VLLMRollout:
         self.transfer = self._transfer_engine(port, workers)
 
     def _transfer_engine(self, port: int, workers: int):
+        """This rank's side of the transfer: a trainer engine from vLLM's factory (NCCL on GPU, our gloo engine on
+        CPU), or the reload fallback's sender."""
         is_sender = self.rank == 0
+        self.client = VersionedClient(self.engine)
         if self.options.weight_sync == "transfer_api":
             from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-            from megatron_opd.weight_sync.gloo_engine import GlooTrainerInitInfo
-            from megatron_opd.weight_sync.plugin import register
-
-            register()
-            info = GlooTrainerInitInfo(
+            info = transfer_init_info(
+                self.options.backend,
                 master_address=self.sync_address,
                 master_port=port,
                 world_size=1 + workers,  # the sender and every vLLM worker
@@ -148,11 +158,11 @@ class VLLMRollout:
                 timeout_s=self.timeout_s,
                 rank=0 if is_sender else max(self.rank, 1),
             )
-            return WeightTransferTrainerFactory.trainer_init(info, client=self.engine, source=self.source)
+            return WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=self.source)
         from megatron_opd.weight_sync.transport import GlooSender
 
         sender = GlooSender(
-            client=self.engine, source=self.source, is_sender=is_sender, bucket_bytes=self.bucket_bytes,
+            client=self.client, source=self.source, is_sender=is_sender, bucket_bytes=self.bucket_bytes,
             timeout_s=self.timeout_s,
         )  # fmt: skip
         if is_sender:
@@ -179,19 +189,34 @@ class VLLMRollout:
                 if self.on_bucket is not None:
                     self.on_bucket(index)
 
-            self.transfer.after_bucket = after_bucket
+            self.transfer.after_bucket = after_bucket  # our gloo engine calls it; vLLM's NCCL engine does not
+            self.client.version = str(policy_version)
         try:
-            self.transfer.send_weights(weight_version=str(policy_version))
+            if self.rank == 0:
+                self.sleep.before_sync()
+            self.transfer.send_weights()
         except Exception as err:  # noqa: BLE001 - every rank must learn the outcome before anyone raises
             error = f"{type(err).__name__}: {err}"
             logger.error("weight sync to vLLM failed: %s", error)
         return _broadcast(error)
 
+    def _membership_change(self) -> str | None:
+        """Rank 0: why the servers' group must be formed anew (None for an engine process, or no change)."""
+        check = getattr(self.engine, "membership_change", None)
+        return check() if check is not None else None
+
     def sync_weights(self, policy_version: int) -> None:
         """Send the student's weights to the engine as ``policy_version`` (collective; all-or-nothing). Rollouts in
-        flight finish first with the weights they were asked of."""
+        flight finish first with the weights they were asked of; a server that went down or came back since the
+        last sync makes the group form anew first (so the restarted one gets these weights)."""
+        change = None
         if self.rank == 0:
             self.wait_in_flight()
+            change = self._membership_change()
+        change = _broadcast(change)
+        if change is not None:
+            logger.warning("forming the vLLM servers' group anew before the sync: %s", change)
+            self._start_engine()
         started = time.perf_counter()
         self._fresh = False
         error = self._send(policy_version)
@@ -207,20 +232,29 @@ class VLLMRollout:
         if self.rank == 0:
             self.bytes_synced = getattr(self.transfer, "bytes_sent", 0)
 
+    def _why_resync(self) -> tuple[str | None, bool]:
+        """Rank 0: why the engine must be sent the current version again (None: it holds it), and whether it must
+        be restarted (servers: the group formed anew) first."""
+        if self.engine is None or not self.engine.alive:
+            return "the engine process is not running", True
+        change = self._membership_change()
+        if change is not None:
+            return change, True
+        try:
+            version = self.engine.call("state")["version"]
+        except EngineGone as err:  # died since the check above (a server: went down)
+            return str(err), True
+        if version is None and self._fresh:
+            return "the engine was never synced", False
+        if version is None:  # partial: vLLM's reload state is mid-way, start from a clean engine
+            return "the engine's weights are partial (a sync did not finish)", True
+        if version != self.policy_version:
+            return f"the engine holds version {version}, the trainer {self.policy_version}", False
+        return None, False
+
     def _ensure_synced(self) -> None:
         """Re-send the current version when the engine does not hold it complete (restarted, partial); collective."""
-        reason, restart = None, False
-        if self.rank == 0:
-            if self.engine is None or not self.engine.alive:
-                reason, restart = "the engine process is not running", True
-            else:
-                version = self.engine.call("state")["version"]
-                if version is None and self._fresh:
-                    reason = "the engine was never synced"
-                elif version is None:  # partial: vLLM's reload state is mid-way, start from a clean engine
-                    reason, restart = "the engine's weights are partial (a sync did not finish)", True
-                elif version != self.policy_version:
-                    reason = f"the engine holds version {version}, the trainer {self.policy_version}"
+        reason, restart = self._why_resync() if self.rank == 0 else (None, False)
         reason, restart = _broadcast((reason, restart))
         if reason is None:
             return
@@ -261,9 +295,11 @@ class VLLMRollout:
                 if self.rank == 0:
                     try:
                         replies = self._split(asked, self._reply(request["pending"], request["version"]), n)
+                        self.sleep.rollouts_collected(self._outstanding)
                     except Exception as err:  # noqa: BLE001 - every rank must learn it, or they would wait forever
                         error = err
-                died = isinstance(error, EngineGone)
+                # A dead engine or server, or one whose weights are not the trainer's: sync afresh and ask again.
+                died = isinstance(error, (EngineGone, WeightsNotSynced))
                 error_text, died = _broadcast((None if error is None else f"{type(error).__name__}: {error}", died))
                 if error_text is None:
                     box = [None]
@@ -271,7 +307,7 @@ class VLLMRollout:
                     return box[0]
                 if attempt == 0 and died:
                     logger.warning(
-                        "the vLLM engine died during a rollout (%s); restarting and asking again", error_text
+                        "the vLLM engine or a server failed a rollout (%s); re-syncing and asking again", error_text
                     )
                     self._ensure_synced()
                     request.update(pending=self._submit(asked, params, n), version=self.policy_version)
@@ -288,6 +324,7 @@ class VLLMRollout:
         if self.rank != 0:
             return None
         try:
+            self.sleep.before_rollout()
             pending = self.engine.submit("generate", prompts=_prompts(asked), sampling=params, n=n)
         except Exception as err:  # noqa: BLE001 - raised by result(), where every rank learns of it
             pending = Future()
@@ -323,6 +360,44 @@ class VLLMRollout:
             by_replica[dp] = _rollouts(prompts, out, row, len(prompts) * n, n)
             row += len(prompts) * n
         return [by_replica[dp] for dp, _ in asked]
+
+
+class VersionedClient:
+    """The engine's weight-sync control plane as a trainer-side transfer engine sees it, committing ``version`` at
+    ``finish_weight_update`` (vLLM's own trainer engines, NCCL's among them, finish without one)."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self.version: str | None = None
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.client.init_weight_transfer_engine(init_info)
+
+    def start_weight_update(self) -> None:
+        self.client.start_weight_update()
+
+    def update_weights(self, update_info: dict) -> None:
+        self.client.update_weights(update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.client.finish_weight_update(weight_version if weight_version is not None else self.version)
+
+
+def transfer_init_info(backend: str, *, bucket_bytes: int, timeout_s: float, **common):
+    """The trainer-side init info of vLLM's weight-transfer ``backend``: ``nccl`` (vLLM's own engine; packed
+    buffers of ``bucket_bytes``, two in rotation) or our gloo engine (buckets of ``bucket_bytes``)."""
+    from megatron_opd.weight_sync.plugin import register
+
+    register()
+    if backend == "nccl":
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+        return NCCLTrainerInitInfo(packed=True, packed_buffer_size_bytes=bucket_bytes, **common)
+    from megatron_opd.weight_sync.gloo_engine import BACKEND, GlooTrainerInitInfo
+
+    if backend != BACKEND:
+        raise ValueError(f"unknown weight-transfer back end {backend!r}: nccl or {BACKEND}")
+    return GlooTrainerInitInfo(bucket_bytes=bucket_bytes, timeout_s=timeout_s, **common)
 
 
 def _replicas(asked: list) -> dict[int, list[list[int]]]:
@@ -385,6 +460,27 @@ def engine_model_dir(student_config_dir: Path, out_dir: Path, vocab_size: int) -
     return out_dir
 
 
+def resolve_transfer_backend(r, on_cuda: bool) -> str:
+    """The vLLM weight-transfer back end for ``rollout`` config ``r`` (``nccl``, or our gloo engine's name); refuses
+    what the device cannot do."""
+    from megatron_opd.weight_sync.gloo_engine import BACKEND
+
+    backend = r.weight_transfer_backend
+    if backend == "auto":
+        backend = "nccl" if on_cuda else "gloo"
+    if backend == "nccl" and not on_cuda:
+        raise ValueError(
+            "rollout.weight_transfer_backend=nccl needs the student on CUDA (NCCL moves GPU memory); "
+            "use rollout.weight_transfer_backend=gloo or auto"
+        )
+    if r.vllm_sleep and not on_cuda:
+        raise ValueError(
+            "rollout.vllm_sleep frees the engine's GPU memory while the trainer trains; there is none on CPU "
+            "(vLLM's CPU back end has no sleep mode): set rollout.vllm_sleep=false"
+        )
+    return "nccl" if backend == "nccl" else BACKEND
+
+
 def build_vllm_rollout(cfg, chunks: list, seq_len: int, vocab_size: int | None = None) -> VLLMRollout:
     """``rollout.backend=vllm`` from the trainer's config (set-up code: reads Megatron's groups). ``vocab_size``:
     the real tokens, when the student's embedding is padded beyond them (never sampled)."""
@@ -417,6 +513,8 @@ def build_vllm_rollout(cfg, chunks: list, seq_len: int, vocab_size: int | None =
             engine_model_dir(Path(config_dir(cfg.student.path, "student.path")), model_dir, vocab_size)
         dist.barrier()
     params_dtype = next(chunks[0].parameters()).dtype
+    on_cuda = next(chunks[0].parameters()).is_cuda
+    backend = resolve_transfer_backend(r, on_cuda)
     dtype = str(params_dtype).removeprefix("torch.") if r.vllm_dtype == "auto" else r.vllm_dtype
     source = megatron_weight_source(chunks, arch, dtype=getattr(torch, dtype))
     log_file = Path(cfg.output_dir) / "vllm_engine.log"
@@ -428,6 +526,7 @@ def build_vllm_rollout(cfg, chunks: list, seq_len: int, vocab_size: int | None =
         max_model_len=seq_len,
         seed=cfg.seed,
         weight_sync=weight_sync,
+        backend=backend,
         enable_sleep_mode=r.vllm_sleep,
         gpu_memory_utilization=r.vllm_gpu_memory_utilization,
         cpu_kvcache_gib=r.vllm_cpu_kv_cache_gib,
@@ -445,4 +544,5 @@ def build_vllm_rollout(cfg, chunks: list, seq_len: int, vocab_size: int | None =
         timeout_s=r.sync_timeout_s,
         addresses=addresses,
         allowed_token_ids=vocab_size if padded and addresses else None,
+        server_wait_s=r.server_wait_s,
     )

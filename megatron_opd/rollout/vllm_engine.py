@@ -148,14 +148,15 @@ class _Engine:
         self.version = int(weight_version) if weight_version is not None else 0
 
     # ---- sleep mode (GPU) --------------------------------------------------------------------------------------
-    def sleep(self) -> None:
-        self.llm.sleep(level=1)
+    def sleep(self, level: int = 1) -> None:
+        self.llm.sleep(level=level)
         self.asleep = True
 
-    def wake_up(self) -> None:
-        self.llm.wake_up(tags=["weights"])  # weights first: a sync must not race the KV cache for memory
-        self.llm.wake_up(tags=["kv_cache"])
-        self.asleep = False
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """``tags``: ``["weights"]`` then ``["kv_cache"]`` (the trainer's order, so a sync never races the KV cache
+        for memory); None: both."""
+        self.llm.wake_up(tags=tags)
+        self.asleep = tags == ["weights"]
 
     # ---- generation --------------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: dict, n: int) -> dict[str, Any]:

@@ -11,6 +11,11 @@ All-or-nothing versions on a server: before a sync its weight version is set to 
 ``/finish_weight_update`` sets the new one. Before every rollout rank 0 reads each server's version; a server
 that does not hold the trainer's (restarted: its transfer group is gone too; or left partial) makes every rank
 reconnect and re-send the current weights before it serves anything.
+
+Servers come and go: the group is formed of the servers that answer (waiting up to ``rollout.server_wait_s`` for at
+least one). A member that stops answering (during a rollout, a sync, or the check before either) or a left-out
+server that answers again makes the trainer form the group anew, so the transfer group always spans exactly the
+live servers, and a server that comes back is synced before it gets a rollout.
 """
 
 from __future__ import annotations
@@ -19,16 +24,19 @@ import json
 import logging
 import os
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+from megatron_opd.rollout.vllm_engine import EngineGone, WeightsNotSynced
 
 logger = logging.getLogger(__name__)
 
 PARTIAL = "partial"
 
 
-class ServerDown(RuntimeError):
-    """A vLLM server did not answer."""
+class ServerDown(EngineGone):
+    """A vLLM server did not answer (like a dead engine process: the trainer forms the group anew and asks again)."""
 
 
 def _as_version(value: str | None) -> int | None:
@@ -81,6 +89,12 @@ class ServerClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._request("POST", "finish_weight_update", {"weight_version": weight_version})
 
+    def sleep(self, level: int = 1) -> None:
+        self._request("POST", f"sleep?level={level}")
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._request("POST", "wake_up" + ("?" + "&".join(f"tags={t}" for t in tags) if tags else ""))
+
     # data plane
     def complete(self, prompt: list[int], sampling: dict, seed: int, max_tokens: int) -> dict[str, Any]:
         body = {
@@ -120,10 +134,29 @@ class ServerGroup:
     """Several servers driven as one engine: the control plane fans out (each server's workers get their own
     ranks in the transfer group), rollouts are split over the servers."""
 
-    def __init__(self, addresses: list[str], timeout_s: float, max_model_len: int) -> None:
-        self.servers = [ServerClient(a, timeout_s) for a in addresses]
+    def __init__(self, addresses: list[str], timeout_s: float, max_model_len: int, wait_s: float = 0.0) -> None:
+        """The group of the servers of ``addresses`` that answer; waits up to ``wait_s`` for at least one."""
         self.max_model_len = max_model_len
-        self.sizes = [s.world_size() for s in self.servers]
+        deadline = time.monotonic() + wait_s
+        while True:
+            self.servers, self.sizes, self.left_out, errors = [], [], [], []
+            for client in [ServerClient(a, timeout_s) for a in addresses]:
+                try:
+                    self.sizes.append(client.world_size())
+                    self.servers.append(client)
+                except ServerDown as err:
+                    self.left_out.append(client)
+                    errors.append(str(err))
+            if self.servers:
+                break
+            if time.monotonic() >= deadline:
+                raise ServerDown("; ".join(errors))
+            time.sleep(2.0)
+        if self.left_out:
+            logger.warning(
+                "vLLM servers %s do not answer: rollouts go to %s until they are back",
+                ",".join(c.address for c in self.left_out), ",".join(c.address for c in self.servers),
+            )  # fmt: skip
         self.pool = ThreadPoolExecutor(max_workers=max(8, 2 * len(self.servers)))
         self._calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-servers")
         self.alive = True
@@ -131,6 +164,21 @@ class ServerGroup:
     @property
     def workers(self) -> int:
         return sum(self.sizes)
+
+    def membership_change(self) -> str | None:
+        """Why the group must be formed anew (a member is down, a left-out server answers again), or None."""
+        for client in self.servers:
+            try:
+                client.version()
+            except ServerDown:
+                return f"vLLM server {client.address} is down"
+        for client in self.left_out:
+            try:
+                client.world_size()
+                return f"vLLM server {client.address} is back"
+            except ServerDown:
+                pass
+        return None
 
     def _all(self, fn) -> list:
         return [f.result() for f in [self.pool.submit(fn, s, i) for i, s in enumerate(self.servers)]]
@@ -167,14 +215,14 @@ class ServerGroup:
             return {"version": versions[0] if same else None, "versions": versions}
         if method == "generate":
             return self._generate(**kwargs)
+        if method in ("sleep", "wake_up"):  # rollout.vllm_sleep (GPU servers)
+            return self._all(lambda s, i: getattr(s, method)(**kwargs))
         raise ValueError(f"servers do not support {method}")
 
     def _generate(self, prompts: list[list[int]], sampling: dict, n: int) -> dict:
         rows = [p for p in prompts for _ in range(n)]
         versions = {_as_version(v) for v in self._all(lambda s, i: s.version())}
         if len(versions) != 1 or None in versions:
-            from megatron_opd.rollout.vllm_engine import WeightsNotSynced
-
             raise WeightsNotSynced(f"the vLLM servers hold versions {sorted(map(str, versions))}")
         futures = [
             self.pool.submit(
@@ -203,7 +251,11 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"
     args = list(sys.argv[1:] if argv is None else argv)
     if not any(a.startswith("--weight-transfer-config") for a in args):
-        args += ["--weight-transfer-config", json.dumps({"backend": BACKEND})]
+        import torch
+
+        # The trainer's rollout.weight_transfer_backend=auto makes the same choice.
+        backend = "nccl" if torch.cuda.is_available() else BACKEND
+        args += ["--weight-transfer-config", json.dumps({"backend": backend})]
     from megatron_opd.weight_sync.plugin import register
 
     register()  # enough when the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); else the entry point

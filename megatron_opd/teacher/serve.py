@@ -159,6 +159,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-wait-ms", type=float, default=2.0, help="wait for more requests to batch together")
     p.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto", help="auto: bf16 on GPU/NPU")
     p.add_argument("--device", choices=("auto", "cuda", "npu", "cpu"), default="auto")
+    p.add_argument("--log-level", choices=("info", "debug"), default="info", help="debug: a line per scored batch")
     args = p.parse_args(argv)
     if args.host not in LOOPBACK_HOSTS and not args.token_file:
         p.error(
@@ -185,8 +186,8 @@ def _die() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    quiet.install()
     args = parse_args(argv)
+    quiet.install(level=getattr(logging, args.log_level.upper()))
     token = read_token(args.token_file)
 
     from megatron_opd.distributed import LaunchEnv, ParallelConfig, destroy_distributed, init_process_group

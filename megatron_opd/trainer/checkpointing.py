@@ -11,7 +11,8 @@ A save writes ``tmp.step_N`` first, then renames it and only then moves ``latest
 leaves the previous checkpoint as ``latest``. Older checkpoints beyond ``keep_last`` are deleted after the new one
 is in place. Fault-injection hooks (tests only): ``MEGATRON_OPD_FAULT=abort_during_save:N`` kills the process after
 the tensors of step N are written but before the checkpoint is committed; ``kill_after_step:N`` right after step N
-(and its checkpoint, if one is due) is done.
+(and its checkpoint, if one is due) is done. ``MEGATRON_OPD_HOLD=2,5@DIR`` pauses every rank after steps 2 and 5
+(writing ``DIR/held_2`` and waiting for ``DIR/release_2``), so a test can kill and restart servers mid-run.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 LATEST = "latest"
 STATE_FILE = "trainer_state.json"
 FAULT_ENV = "MEGATRON_OPD_FAULT"
+HOLD_ENV = "MEGATRON_OPD_HOLD"
 
 
 def fault_point(name: str, step: int) -> None:
@@ -49,6 +51,27 @@ def fault_point(name: str, step: int) -> None:
         for child in psutil.Process().children(recursive=True):
             child.kill()
         os._exit(17)
+
+
+def hold_point(step: int, timeout_s: float = 900.0) -> None:
+    """Pause after ``step`` when ``MEGATRON_OPD_HOLD=steps@DIR`` names it, until ``DIR/release_<step>`` exists
+    (fault-injection tests; never set otherwise)."""
+    spec = os.environ.get(HOLD_ENV)
+    if not spec:
+        return
+    steps, folder = spec.split("@", 1)
+    if str(step) not in steps.split(","):
+        return
+    import time
+
+    if _rank0():
+        (Path(folder) / f"held_{step}").touch()
+    logger.warning("fault injection: holding after step %d until %s/release_%d exists", step, folder, step)
+    deadline = time.monotonic() + timeout_s
+    while not (Path(folder) / f"release_{step}").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"fault injection: nobody released the hold after step {step}")
+        time.sleep(0.2)
 
 
 class CheckpointLockedError(RuntimeError):

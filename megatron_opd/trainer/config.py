@@ -44,7 +44,9 @@ class TeacherConfig:
     retries: int = 8
     """``backend=server``: retries of a request before the run stops with an error naming the servers and batch."""
     backoff_s: float = 1.0
-    """``backend=server``: wait after a server fails, doubled at each further failure of that server (max 30 s)."""
+    """``backend=server``: wait after a server fails, doubled at each further failure of that server."""
+    backoff_max_s: float = 30.0
+    """``backend=server``: the longest wait before a failed server is tried again (how soon a restart is noticed)."""
     connect_timeout_s: float = 600.0
     """``backend=server``: how long start-up waits for a server to answer (it may still be loading)."""
     wire_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -122,11 +124,17 @@ class RolloutConfig:
     weight_sync: Literal["transfer_api", "reload"] = "transfer_api"
     """``backend=vllm``: vLLM's weight-transfer API (gloo engine on CPU), or ``reload``: collective_rpc +
     reload_weights (used automatically where vLLM lacks that API; set it to run the fallback anyway)."""
+    weight_transfer_backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """``backend=vllm``, ``weight_sync=transfer_api``: vLLM's NCCL engine (GPU) or our gloo engine (CPU; also
+    GPU, through host memory); auto: NCCL when the student is on CUDA. Servers must be started with the same."""
     sync_bucket_mb: float = 512.0
     """``backend=vllm``: size of the packed buckets the weights travel in (MiB); the sender holds one at a time."""
     address: str = ""
     """``backend=vllm``: ``host:port[,host:port]`` of separate vLLM servers (``python -m
     megatron_opd.rollout.vllm_server``) instead of an engine process started by rank 0."""
+    server_wait_s: float = 60.0
+    """``backend=vllm`` with ``address``: seconds to wait for a server to answer, at the start (servers still
+    loading) and whenever every server is down; servers that do not answer are left out until they are back."""
     sync_address: str = "127.0.0.1"
     """``backend=vllm``: address of this job's rank 0 that the vLLM workers join for weight syncs."""
     sync_timeout_s: float = 600.0
@@ -419,3 +427,9 @@ class TrainConfig:
             raise ValueError("teacher.path is required for distillation (loss.kind != sft)")
         if not self.data.train_files:
             raise ValueError("data.train_files is required: one path or a list of JSONL/Parquet files")
+        if self.rollout.vllm_sleep and self.scheduler.mode != "zero_step_off":
+            raise ValueError(
+                f"rollout.vllm_sleep frees the engine's memory while the trainer trains, but scheduler.mode="
+                f"{self.scheduler.mode} keeps a rollout running then: use scheduler.mode=zero_step_off or "
+                "rollout.vllm_sleep=false"
+            )

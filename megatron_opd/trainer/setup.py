@@ -172,6 +172,7 @@ def remote_client(cfg: TrainConfig, teacher_fingerprint: str | None = None):
         timeout_s=t.timeout_s,
         retries=t.retries,
         backoff_s=t.backoff_s,
+        backoff_max_s=t.backoff_max_s,
         connect_timeout_s=t.connect_timeout_s,
         max_message_bytes=t.max_message_bytes,
         expected_fingerprint=teacher_fingerprint,

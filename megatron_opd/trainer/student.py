@@ -137,6 +137,37 @@ class Student:
         else:
             config.no_sync_func = self.model[0].no_sync
 
+    def prepare_optimizer_for_loading(self) -> None:
+        """Give a fresh distributed optimizer its state before a checkpoint is loaded into it.
+
+        dist_checkpointing loads optimizer state in place, so it must exist first; a torch Adam has none before its
+        first step, and Megatron's distributed optimizer asserts on the missing step count. Megatron fills it the
+        way its own loader does: one step on zero gradients (the loaded checkpoint then replaces every value).
+        """
+        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            fill = getattr(optimizer, "_init_optimizer_states_with_dummy_values", None)
+            if fill is not None and not optimizer.optimizer.state:
+                fill()
+
+    def load_optimizer_state(self, state_dict: dict) -> None:
+        """Load a checkpoint's optimizer state (after :meth:`prepare_optimizer_for_loading` and the load).
+
+        With torch's Adam (no apex/TE), Megatron's distributed optimizer (0.16) saves Adam's step count in each
+        parameter group, not per parameter, and on loading leaves the per-parameter counts wrong (the placeholder
+        step's, or one tensor shared by every parameter, which torch's Adam would then advance once per parameter).
+        Each parameter gets its own count from its group, as the uninterrupted run has it.
+        """
+        self.optimizer.load_state_dict(state_dict)
+        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = optimizer.optimizer
+            for group in inner.param_groups:
+                if group.get("step") is None:  # only the distributed optimizer's groups carry it
+                    continue
+                for param in group["params"]:
+                    state = inner.state.get(param, {})
+                    if torch.is_tensor(state.get("step")):
+                        state["step"] = torch.full_like(state["step"], float(group["step"]))
+
     def train(self) -> None:
         for chunk in self.model:
             chunk.train()
