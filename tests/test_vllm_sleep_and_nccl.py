@@ -61,9 +61,11 @@ def test_sleep_is_refused_with_an_asynchronous_scheduler(tmp_path):
     cfg = TrainConfig()
     cfg.student.path = cfg.teacher.path = str(tmp_path)
     cfg.data.train_files = [str(tmp_path / "train.jsonl")]
-    cfg.rollout.backend, cfg.rollout.vllm_sleep, cfg.scheduler.mode = "vllm", True, "one_step_off"
+    cfg.rollout.backend, cfg.scheduler.mode, cfg.rollout.vllm_sleep = "vllm", "one_step_off", True
     with pytest.raises(ValueError, match="use scheduler.mode=zero_step_off or rollout.vllm_sleep=false"):
         cfg.validate()
+    cfg.scheduler.mode = "zero_step_off"
+    cfg.validate()
 
 
 @needs_vllm

@@ -11,6 +11,12 @@ answer. The whole response (model and tool tokens) stays within ``sampling.max_n
 Inner back ends may be collective over all ranks (vLLM) or a tensor-parallel group (built-in sampler): every rank
 runs the same number of turns (an all-reduce of "any row still calling"), and a rank with nothing left to continue
 samples one throw-away token to keep the collective in step.
+
+Over an asynchronous back end (vLLM) the first turn is asked at once and the later turns when the rollout is
+collected (``result()``, which every rank calls at the same point), so the scheduler's asynchronous modes work with
+tool turns. A later turn may then be sampled by newer weights than the first (the weights synced in between); the
+rollout is tagged with its *oldest* turn's policy version, so the staleness the scheduler counts and bounds is the
+largest of its turns'.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as dist
 
-from megatron_opd.interfaces import RolloutBackend, Rollouts, SamplingParams, completed
+from megatron_opd.interfaces import DeferredFuture, RolloutBackend, Rollouts, SamplingParams, completed
 
 
 @dataclasses.dataclass
@@ -86,6 +92,11 @@ class ToolRollout:
     def policy_version(self) -> int:
         return self.inner.policy_version
 
+    @property
+    def asynchronous(self) -> bool:
+        """As the inner back end: the later turns run when the rollout is collected."""
+        return getattr(self.inner, "asynchronous", False)
+
     def sync_weights(self, policy_version: int) -> None:
         self.inner.sync_weights(policy_version)
 
@@ -120,7 +131,13 @@ class ToolRollout:
         row.calling = True
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams, n: int) -> Future[Rollouts]:
-        first = self.inner.generate(prompt_token_ids, sampling, n).result()
+        first = self.inner.generate(prompt_token_ids, sampling, n)
+        if self.asynchronous:
+            return DeferredFuture(lambda: self._turns(first.result(), sampling))
+        return completed(self._turns(first.result(), sampling))
+
+    def _turns(self, first: Rollouts, sampling: SamplingParams) -> Rollouts:
+        """The first turn's rollouts with the later turns (and the tool's answers) appended."""
         version = first.policy_version
         rows = [_Row(p.tolist(), g) for p, g in zip(first.prompt_ids, first.prompt_index)]
         budget = sampling.max_new_tokens
@@ -137,19 +154,17 @@ class ToolRollout:
             contexts = [r.prompt + r.tokens for r in active]
             remaining = min(budget - len(r.tokens) for r in active)
             out = self.inner.generate(contexts, dataclasses.replace(step, max_new_tokens=max(1, remaining)), 1).result()
-            if out.policy_version != version:
+            if out.policy_version < version:
                 raise RuntimeError(f"tool turn {turn} sampled by version {out.policy_version}, turn 0 by {version}")
             for i, row in enumerate(active):
                 self._take_turn(row, out, i, budget, last_turn=turn == self.max_turns - 1)
         as_tensor = dict(dtype=torch.int64)
-        return completed(
-            Rollouts(
-                prompt_ids=[torch.tensor(r.prompt, **as_tensor) for r in rows],
-                response_ids=[torch.tensor(r.tokens, **as_tensor) for r in rows],
-                response_mask=[torch.tensor(r.mask, **as_tensor) for r in rows],
-                logprobs=[torch.tensor(r.logprobs, dtype=torch.float32) for r in rows],
-                finish_reasons=[r.finish for r in rows],
-                prompt_index=[r.prompt_index for r in rows],
-                policy_version=version,
-            )
+        return Rollouts(
+            prompt_ids=[torch.tensor(r.prompt, **as_tensor) for r in rows],
+            response_ids=[torch.tensor(r.tokens, **as_tensor) for r in rows],
+            response_mask=[torch.tensor(r.mask, **as_tensor) for r in rows],
+            logprobs=[torch.tensor(r.logprobs, dtype=torch.float32) for r in rows],
+            finish_reasons=[r.finish for r in rows],
+            prompt_index=[r.prompt_index for r in rows],
+            policy_version=version,  # the oldest turn's: staleness is counted from it
         )
