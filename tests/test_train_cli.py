@@ -280,3 +280,19 @@ def test_sft_skips_records_longer_than_the_context(pair, tmp_path):
     assert code == 0, out[-3000:]
     assert "skipped 1 of 8 records of data.train_files whose prompt + response is longer than 32 tokens" in out
     assert sorted(losses(tmp_path / "sft")) == [1, 2]
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_resume_on_gpu_with_the_distributed_optimizer_is_bitwise(pair, tmp_path):
+    """On CUDA the trainer runs bf16 with Megatron's distributed optimizer, whose torch-Adam step counts Megatron
+    0.16 restores wrongly: a resumed run must still reproduce the uninterrupted losses bitwise."""
+    common = {"device": "cuda", "train.steps": 6, "checkpoint.every": 2, "export_hf": False}
+    code, out = run(pair.overrides(tmp_path / "straight", **common), nproc=1)
+    assert code == 0, out[-3000:]
+    straight = losses(tmp_path / "straight")
+    killed = tmp_path / "killed"
+    code, out = run(pair.overrides(killed, **common), nproc=1, fault="kill_after_step:4")
+    assert code != 0 and sorted(losses(killed)) == [1, 2, 3, 4], out[-3000:]
+    code, out = run(pair.overrides(killed, **common), nproc=1)
+    assert code == 0 and "resumed from" in out, out[-3000:]
+    assert losses(killed) == straight, "a resumed GPU run must reproduce the uninterrupted losses bitwise"
