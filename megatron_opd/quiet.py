@@ -30,6 +30,10 @@ _HARMLESS_WARNINGS: tuple[tuple[type[Warning], str], ...] = (
     (UserWarning, r".*`torch_dist` and `zarr`.*"),
     (UserWarning, r".*full scope is deprecated.*"),
     (UserWarning, r".*CUDA_DEVICE_MAX_CONNECTIONS.*"),
+    # megatron-core 0.19: an import-time notice, and torch's notes when every rank reads the common state alone.
+    (UserWarning, r".*MimoModelConfig is experimental.*"),
+    (UserWarning, r".*assuming the intent is to load in a single process.*"),
+    (UserWarning, r".*argument order of load has been changed.*"),
     (FutureWarning, r".*"),
     (DeprecationWarning, r".*"),
 )

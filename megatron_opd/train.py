@@ -25,12 +25,14 @@ from megatron_opd.data.prompts import PromptEncoder, load_prompts
 from megatron_opd.data.stream import PromptStream
 from megatron_opd.distributed import destroy_distributed, initialize_distributed
 from megatron_opd.fused_libraries import log_fused_libraries
+from megatron_opd.rollout.fidelity import RolloutMismatchError, check_step, fidelity_metrics, startup_check
 from megatron_opd.trainer.batch import pack_sft
 from megatron_opd.trainer.checkpointing import (
     CheckpointManager,
     PreemptionGuard,
     fault_point,
     hold_point,
+    reseed_rng,
     set_rng_state,
     sharded_rng_state,
 )
@@ -38,6 +40,7 @@ from megatron_opd.trainer.config import TrainConfig
 from megatron_opd.trainer.evaluation import build_evaluator
 from megatron_opd.trainer.metrics import MetricsLogger
 from megatron_opd.trainer.objective import global_count, train_step
+from megatron_opd.trainer.resharding import check_optimizer_state, current_layout, saved_layout
 from megatron_opd.trainer.setup import (
     build_rollout,
     build_student,
@@ -52,35 +55,68 @@ from megatron_opd.trainer.weights import import_function, sequence_weights
 logger = logging.getLogger("megatron_opd.train")
 
 
-def training_state(student: Student, data_state: dict, step: int, cfg: TrainConfig, loading: bool) -> dict:
+def training_state(
+    student: Student,
+    data_state: dict,
+    step: int,
+    cfg: TrainConfig,
+    loading: bool,
+    *,
+    rng: bool = True,
+    optimizer: bool = True,
+) -> dict:
     """Everything a resume needs, as one dist_checkpointing state dict (``data_state``: the prompt stream's
-    position before the first batch not yet trained)."""
+    position before the first batch not yet trained). ``rng`` / ``optimizer``: include those (a resume leaves out
+    what the layout or ``checkpoint.load_optimizer`` cannot take); the layout is saved for the next resume."""
     state = chunks_sharded_state_dict(student.chunks)
-    # dp_reshardable: each rank saves its own distributed-optimizer shard in parallel (Megatron's default format,
-    # 0.16 still defaults to fully_sharded_model_space, whose flattened ranges its torch_dist saver refuses).
-    optimizer_format = {"distrib_optim_sharding_type": "dp_reshardable"}
-    state["optimizer"] = student.optimizer.sharded_state_dict(state, is_loading=loading, metadata=optimizer_format)
+    if optimizer:
+        # dp_reshardable: each rank saves its own distributed-optimizer shard in parallel (Megatron's default format,
+        # 0.16 still defaults to fully_sharded_model_space, whose flattened ranges its torch_dist saver refuses).
+        optimizer_format = {"distrib_optim_sharding_type": "dp_reshardable"}
+        state["optimizer"] = student.optimizer.sharded_state_dict(state, is_loading=loading, metadata=optimizer_format)
     state["opt_param_scheduler"] = student.scheduler.state_dict()
-    state["rng_state"] = sharded_rng_state()
-    state["trainer"] = {"step": step, "data": data_state, "config": to_dict(cfg)}
+    if rng:
+        state["rng_state"] = sharded_rng_state()
+    layout = current_layout(student).to_dict()
+    state["trainer"] = {"step": step, "data": data_state, "config": to_dict(cfg), "layout": layout}
     return state
 
 
 def resume(ckpt: CheckpointManager, student: Student, data: PromptStream, cfg: TrainConfig) -> int:
-    """Load the latest checkpoint into the student, optimizer, schedule, RNG and data stream; its step (0: fresh)."""
+    """Load the latest checkpoint into the student, optimizer, schedule, RNG and data stream, at this run's layout
+    whatever the checkpoint's; its step (0: fresh). A refused resume leaves the run folder's lock as it was."""
     path = ckpt.latest() if cfg.checkpoint.resume else None
     if path is None:
         return 0
-    student.prepare_optimizer_for_loading()
-    state = ckpt.load(path, training_state(student, data.state_dict(), 0, cfg, loading=True))
-    for i, chunk in enumerate(student.chunks):
-        chunk.load_state_dict(state["model" if len(student.chunks) == 1 else f"model{i}"])
-    student.load_optimizer_state(state["optimizer"])
-    student.scheduler.load_state_dict(state["opt_param_scheduler"])
-    set_rng_state(state["rng_state"])
-    data.load_state_dict(state["trainer"]["data"])
-    logger.info("resumed from %s (step %d)", path, state["trainer"]["step"])
-    return int(state["trainer"]["step"])
+    with ckpt.starting():
+        saved, current = saved_layout(path), current_layout(student)
+        same_ranks, load_optimizer = saved.ranks() == current.ranks(), cfg.checkpoint.load_optimizer
+        if load_optimizer:
+            check_optimizer_state(saved, current, path)
+            student.prepare_optimizer_for_loading()
+        wanted = training_state(
+            student, data.state_dict(), 0, cfg, loading=True, rng=same_ranks, optimizer=load_optimizer
+        )
+        state = ckpt.load(path, wanted)
+        for i, chunk in enumerate(student.chunks):
+            chunk.load_state_dict(state["model" if len(student.chunks) == 1 else f"model{i}"])
+        if load_optimizer:
+            student.load_optimizer_state(state["optimizer"])
+        student.scheduler.load_state_dict(state["opt_param_scheduler"])
+        data.load_state_dict(state["trainer"]["data"])
+    step = int(state["trainer"]["step"])
+    if same_ranks:
+        set_rng_state(state["rng_state"])
+    else:
+        seed = reseed_rng(cfg.seed, step)
+        if dist.get_rank() == 0:
+            logger.warning(
+                "resumed at %s from a checkpoint saved at %s: model%s resharded; the per-rank RNG states do not "
+                "carry over, every stream is re-seeded from seed and step (%d)",
+                current.describe(), saved.describe(), " and optimizer" if load_optimizer else "", seed,
+            )  # fmt: skip
+    logger.info("resumed from %s (step %d)", path, step)
+    return step
 
 
 def build_data(cfg: TrainConfig, encoder: PromptEncoder, files: list[str], key: str, max_prompt_len: int, batch: int):
@@ -155,6 +191,10 @@ def train(cfg: TrainConfig) -> dict[str, float]:
 
     start_step = resume(ckpt, student, data, cfg)
     rollout.sync_weights(start_step)
+    max_logprob_diff = max_logprob_diff_for(cfg, student)
+    if not sft and cfg.rollout.backend == "vllm" and cfg.rollout.startup_check:
+        diffs = startup_check(rollout, student.chunks, vocab.vocab_size, max_logprob_diff, seq_len)
+        logger.info("rollout start-up check passed: %s", ", ".join(f"{k} {v:.2g}" for k, v in diffs.items()))
     metrics = MetricsLogger(
         cfg.logging,
         cfg.output_dir,
@@ -192,6 +232,10 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             batch.seq_weights = sequence_weights(cfg.loss, scored, items, encoder, vocab.tokenizer, reward_fn)
 
         t_update = time.perf_counter()
+
+        def fidelity_guard(stats, staleness=staleness) -> None:  # a sampler that is not the model stops the run
+            check_step(fidelity_metrics(stats.as_dict()), max_logprob_diff, staleness)
+
         try:
             result = train_step(
                 student,
@@ -201,11 +245,17 @@ def train(cfg: TrainConfig) -> dict[str, float]:
                 vocab_size=vocab.vocab_size,
                 teacher_temperature=cfg.teacher.temperature,
                 micro_batch_size=cfg.train.micro_batch_size,
+                guard=fidelity_guard,
             )
         except NonFiniteLossError as err:
             raise NonFiniteLossError(
                 f"step {step + 1}: {err}; stopped without applying the update. The last checkpoint "
                 f"({ckpt.latest() or 'none'}) is kept; lower optim.lr or check the data and the teacher"
+            ) from None
+        except RolloutMismatchError as err:
+            raise RolloutMismatchError(
+                f"step {step + 1} (sampled by policy version {step - staleness}): {err}. Stopped without applying "
+                f"the update; the last checkpoint ({ckpt.latest() or 'none'}) is kept"
             ) from None
         step += 1
         t_sync = time.perf_counter()
@@ -228,6 +278,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             "lr": result.lr,
             "staleness": float(staleness),
             "sampled_by": float(step - 1 - staleness),  # policy version of the weights that sampled this batch
+            **fidelity_metrics(s.as_dict()),  # rollout/logprob_diff_* etc.: is the sampler the trained model?
             **{f"time/{k}": v for k, v in timings.items()},
         }
         metrics.log(step, row)
@@ -285,6 +336,17 @@ def _export(ckpt_dir: str, out: str, hf_config_dir: str) -> None:
     quiet.install(rank=0, level=logging.WARNING)
 
     convert_mcore_to_hf(ckpt_dir, out, hf_config_dir=hf_config_dir, force=True)
+
+
+def max_logprob_diff_for(cfg: TrainConfig, student: Student) -> float:
+    """``rollout.max_logprob_diff``, or its default for the trainer's and the sampler's dtypes."""
+    from megatron_opd.rollout.fidelity import default_max_logprob_diff
+
+    if cfg.rollout.max_logprob_diff is not None:
+        return cfg.rollout.max_logprob_diff
+    trainer_dtype = str(next(student.chunks[0].parameters()).dtype)
+    sampler_dtype = cfg.rollout.vllm_dtype if cfg.rollout.backend == "vllm" else "auto"
+    return default_max_logprob_diff(trainer_dtype, trainer_dtype if sampler_dtype == "auto" else sampler_dtype)
 
 
 def _fmt(metrics: dict[str, float]) -> str:

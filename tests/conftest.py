@@ -6,6 +6,28 @@ import pytest
 
 from megatron_opd.testing.tiny_models import make_tiny_hf_model
 
+# The smoke set run against the newest Megatron-Core release (``pytest -m mcore_smoke``; .ci/run): a distillation
+# step at TP=2 equal to TP=1, the converter's round trip, a resume at other layouts, and the CPU patches. Node ids
+# or their prefixes, so the tests themselves stay unmarked.
+MCORE_SMOKE = (
+    "tests/test_train_step.py::test_step_equals_tp1[tp2]",
+    "tests/test_checkpoint.py::test_round_trip_is_bitwise",
+    "tests/test_resume_layouts.py::",
+    "tests/test_cpu_compat.py::test_every_patch_is_needed_and_works",
+    "tests/test_cpu_compat.py::test_grad_sync_stream_patch_is_needed_and_works",
+)
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "mcore_smoke: the smoke set for the newest Megatron-Core (see conftest.py)")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if item.nodeid.startswith(MCORE_SMOKE):
+            item.add_marker(pytest.mark.mcore_smoke)
+
+
 # family -> overrides. Together they cover llama3 RoPE scaling, QKV bias, QK-norm, tied embeddings,
 # and a vocabulary (1001) that divides by neither TP nor 128.
 TINY_MODELS = {

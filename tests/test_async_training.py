@@ -1,6 +1,9 @@
-"""The asynchronous scheduler modes in real training runs (student TP=2, rollouts from a vLLM engine process synced
-after every step): every batch is trained exactly once in the prompt stream's order, staleness stays within the
-mode's bound, and a two-step-off run killed mid-run resumes with the same order. Skips without vLLM."""
+"""The asynchronous scheduler modes in real training runs (student TP=2 with tied embeddings, rollouts from a vLLM
+engine process synced after every step): every batch is trained exactly once in the prompt stream's order,
+staleness stays within the mode's bound, and a two-step-off run killed mid-run resumes with the same order. The
+rollout-fidelity checks run in each: the start-up check passes and every step logs the sampler/trainer log-prob
+statistics (exact in zero_step_off); a run whose sync leaves a tensor out, with the start-up check off, stops at
+step 1 before the update. Skips without vLLM."""
 
 from __future__ import annotations
 
@@ -55,3 +58,15 @@ def test_async_modes_train_every_batch_once_in_order_with_bounded_staleness(tmp_
         assert [b["sampled_by"] for b in batches] == [r["step"] - 1 - s for r, s in zip(rows, staleness)]
         assert all(math.isfinite(r["loss"]) for r in rows)
         assert {"time/wait_rollout", "time/wait_teacher", "time/weight_sync", "time/update"} <= set(rows[-1])
+        # The sampler is the trained model: exact on fresh batches, policy drift only on stale ones.
+        fresh = [r["rollout/logprob_diff_max"] for r, s in zip(rows, staleness) if s == 0]
+        assert fresh and max(fresh) <= 1e-4, f"{mode}: {fresh}"
+        assert all(r["rollout/kl_k3"] >= 0 and "rollout/ppl_ratio" in r for r in rows)
+    assert "rollout start-up check passed" in runs["zero_step_off"]
+
+    # A sync that leaves one tensor out, the start-up check off: the monitor stops step 1 before its update.
+    broken = pair.overrides(tmp_path / "broken", **common, **{"rollout.startup_check": False})
+    code, out = train_cli(broken, env={"MEGATRON_OPD_SYNC_SKIP": "model.layers.1.mlp.down_proj.weight"})
+    assert code != 0 and "step 1 (sampled by policy version 0)" in out, out[-3000:]
+    assert "do not come from the model being trained" in out and "Stopped without applying the update" in out
+    assert not (tmp_path / "broken" / "checkpoints" / "step_00000001").exists()

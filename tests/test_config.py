@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import pytest
@@ -42,3 +43,35 @@ def test_bad_keys_and_values_are_named(tmp_path):
         load_config(_Job, None, ["steps=many"])
     with pytest.raises(ConfigError, match="sequence_parallel needs tensor_model_parallel_size > 1"):
         load_config(_Job, None, ["parallel.sequence_parallel=true"])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optim.lr=-1", "optim.lr must be a finite number > 0 (e.g. 1e-5), got -1"),
+        ("optim.lr=0", "optim.lr must be a finite number > 0"),
+        ("optim.min_lr=-1e-6", "optim.min_lr must be in [0, optim.lr=1e-05] (where the decay ends), got -1e-06"),
+        ("optim.min_lr=1e-3", "optim.min_lr must be in [0, optim.lr=1e-05]"),
+        ("optim.lr_warmup_steps=-1", "optim.lr_warmup_steps must be >= 0 (0: no warm-up), got -1"),
+        ("optim.adam_beta1=1", "optim.adam_beta1 must be in [0, 1) (e.g. 0.9, 0.999), got 1"),
+        ("optim.adam_beta2=-0.1", "optim.adam_beta2 must be in [0, 1)"),
+        ("optim.adam_eps=0", "optim.adam_eps must be a finite number > 0 (e.g. 1e-8), got 0"),
+        ("optim.weight_decay=-0.1", "optim.weight_decay must be a finite number >= 0 (0: off), got -0.1"),
+        ("optim.clip_grad=-1", "optim.clip_grad must be a finite number >= 0 (0: no clipping), got -1"),
+    ],
+)
+def test_optimizer_fields_are_checked_by_name(override, message):
+    from megatron_opd.trainer.config import TrainConfig
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_args(TrainConfig, [override])
+
+
+def test_warm_up_must_end_before_the_last_step():
+    from megatron_opd.trainer.config import TrainConfig
+
+    base = ["student.path=s", "teacher.path=t", "data.train_files=x.jsonl", "train.steps=10"]
+    parse_args(TrainConfig, [*base, "optim.lr_warmup_steps=9"]).validate()
+    cfg = parse_args(TrainConfig, [*base, "optim.lr_warmup_steps=10"])
+    with pytest.raises(ValueError, match=re.escape("optim.lr_warmup_steps=10 must be < train.steps=10")):
+        cfg.validate()

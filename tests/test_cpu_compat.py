@@ -69,6 +69,45 @@ def test_every_patch_is_needed_and_works():
         assert patched[name] == "ok", f"{name}: still fails with the patch: {patched[name]}"
 
 
+def _grad_sync_outcomes():
+    """A DDP gradient sync with every CPU patch, first without the CUDA-stream one, then with it."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer import MegatronModule, TransformerConfig
+
+    from megatron_opd.distributed import cpu_compat
+
+    parallel_state.initialize_model_parallel()
+    unpatched = torch.cuda.current_stream
+    cpu_compat.apply_cpu_patches()
+    patched, outcomes = torch.cuda.current_stream, {}
+    for name, current_stream in (("without", unpatched), ("with", patched)):
+        torch.cuda.current_stream = current_stream
+        config = TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=1)
+        module = MegatronModule(config)
+        module.weight = torch.nn.Parameter(torch.ones(4))
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), module)
+        module.weight.main_grad.fill_(2.0)
+        try:
+            ddp.finish_grad_sync()
+            outcomes[name] = "ok" if torch.equal(module.weight.main_grad, torch.full((4,), 2.0)) else "wrong grad"
+        except Exception as err:  # noqa: BLE001
+            outcomes[name] = f"{type(err).__name__}: {err}"
+    return outcomes
+
+
+def test_grad_sync_stream_patch_is_needed_and_works():
+    import megatron.core
+
+    from megatron_opd.distributed.cpu_compat import grad_sync_uses_cuda_stream
+
+    if not grad_sync_uses_cuda_stream():  # then the patch is not applied
+        pytest.skip(f"megatron-core {megatron.core.__version__}'s gradient sync makes no CUDA stream call")
+    outcomes = run_distributed(_grad_sync_outcomes, 1)[0]
+    assert "CUDA" in outcomes["without"], f"the gradient sync works without the stream patch: {outcomes}"
+    assert outcomes["with"] == "ok", outcomes
+
+
 def _hang(rank_to_fail: int):
     import torch.distributed as dist
 

@@ -68,6 +68,14 @@ def test_read_jsonl_and_parquet(tmp_path):
     assert read_records(str(jsonl)) == rows  # one path as a string
 
 
+def test_a_byte_order_mark_is_accepted(tmp_path):
+    """UTF-8 with a BOM (what many Windows tools write), in JSON lines and in a JSON array."""
+    jsonl, array = tmp_path / "bom.jsonl", tmp_path / "bom.json"
+    jsonl.write_bytes(b"\xef\xbb\xbf" + '{"prompt": "caf\u00e9"}\n{"prompt": "b"}\n'.encode())
+    array.write_bytes(b"\xef\xbb\xbf" + b'[{"prompt": "c"}]')
+    assert [r["prompt"] for r in read_records([str(jsonl), str(array)])] == ["caf\u00e9", "b", "c"]
+
+
 def test_record_errors(tmp_path):
     with pytest.raises(DataError, match=r"data\.eval_files: file .*nope\.jsonl.* does not exist"):
         read_records([str(tmp_path / "nope.jsonl")], key="data.eval_files")

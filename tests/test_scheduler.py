@@ -10,7 +10,14 @@ import pytest
 from megatron_opd.data.stream import PromptStream
 from megatron_opd.interfaces import SamplingParams
 from megatron_opd.scheduler import DEPTH, Scheduler
-from megatron_opd.testing.scheduler_fakes import PHASES, RecordingRollout, RecordingTeacher, timed_steps
+from megatron_opd.testing.scheduler_fakes import (
+    PHASES,
+    RecordingRollout,
+    RecordingTeacher,
+    SynchronousRollout,
+    SynchronousTeacher,
+    timed_steps,
+)
 
 PROMPTS = [[i + 1, i + 2, i + 3] for i in range(40)]
 STEPS = 8
@@ -115,3 +122,15 @@ def test_controlled_phases_overlap_to_the_longest_one():
     assert step["zero_step_off"] >= 0.95 * total
     assert step["one_step_off"] <= 1.2 * longest, f"one_step_off: {step['one_step_off']:.3f} s per step"
     assert step["two_step_off"] <= 1.2 * longest, f"two_step_off: {step['two_step_off']:.3f} s per step"
+
+
+def test_synchronous_back_ends_time_is_counted():
+    """The built-in sampler and the in-process teacher work inside ``generate`` / ``score`` and return completed
+    futures: that time is their phase's, and all of it is time the trainer waited."""
+    log = []
+    scheduler = Scheduler("zero_step_off", SynchronousRollout(log, 0.2), SynchronousTeacher(log, 0.1),
+                          SamplingParams(max_new_tokens=2), 1, data=_stream(), seed_for=int, pad_token_id=0,
+                          max_len=16)  # fmt: skip
+    timings = scheduler.next_batch(0).timings
+    assert timings["rollout"] >= 0.2 and timings["wait_rollout"] >= 0.2, timings
+    assert timings["teacher"] >= 0.1 and timings["wait_teacher"] >= 0.1, timings

@@ -8,6 +8,7 @@ The real Megatron server under torchrun is tested in ``test_teacher_server.py``.
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -17,6 +18,7 @@ import pytest
 import torch
 import zmq
 
+from megatron_opd import server_wait
 from megatron_opd.interfaces import TeacherScores
 from megatron_opd.teacher import wire
 from megatron_opd.teacher.client import TeacherClient
@@ -24,11 +26,12 @@ from megatron_opd.teacher.server import ServerLimits
 from megatron_opd.teacher.transport import RequestRefusedError, ScoreReply, ScoreRequest, TeacherUnavailableError
 from megatron_opd.teacher.vocabulary import fingerprint
 from megatron_opd.teacher.zmq_transport import ZmqTransportFactory
-from megatron_opd.testing.multiprocess import run_distributed
+from megatron_opd.testing.multiprocess import find_free_port, run_distributed
 from megatron_opd.testing.teacher_fakes import (
     RawServer,
     ThreadServer,
     ToyScorer,
+    ToyServerProcess,
     toy_server_info,
     toy_tokenizer_summary,
 )
@@ -151,9 +154,9 @@ def test_dead_replica_is_skipped_and_its_requests_retried_elsewhere(servers):
     dying = ThreadServer(scorer, fault_at_request=2)
     healthy = ThreadServer(scorer)
     servers.extend([dying, healthy])
-    # A long timeout: the in-flight request on the dead replica must move on after the timeout, while the other
-    # requests go to the live replica at once (its back-off keeps them off the dead one).
-    client = _client([dying.address, healthy.address], timeout_s=1.0, retries=4, backoff_s=30.0)
+    # The default timeout: the in-flight request on the dead replica moves on when its connection closes, not after
+    # the timeout, and the other requests go to the live replica at once (its back-off keeps them off the dead one).
+    client = _client([dying.address, healthy.address], timeout_s=300.0, retries=4, backoff_s=30.0)
     t0 = time.monotonic()
     for i in range(6):
         tokens, request_ids = _batch(i)  # 4 rows: one piece per replica
@@ -162,6 +165,63 @@ def test_dead_replica_is_skipped_and_its_requests_retried_elsewhere(servers):
     assert dying.server.requests == 2 and dying.server.answered + healthy.server.answered == 12
     assert healthy.server.requests == healthy.server.answered
     assert time.monotonic() - t0 < 10, "the client waited on the dead replica"
+    client.close()
+
+
+def test_killed_server_is_noticed_at_once_and_answers_after_its_restart(servers):
+    """SIGKILL while a request is in flight, with teacher.timeout_s=300: the client notices within seconds (the TCP
+    connection closes), not after the timeout, waits for the restart on the same port, and gets its answer."""
+    port = find_free_port()
+    slow = ToyServerProcess(port, delay_s=60.0)
+    servers.append(slow)
+    client = _client([slow.address], timeout_s=300.0, retries=2, backoff_s=0.05)
+    tokens, request_ids = _batch(0)
+    future = client.score(tokens, request_ids)
+    slow.wait_scoring()
+    slow.stop()
+    killed = time.monotonic()
+    while client.stats["retries"] == 0 and time.monotonic() - killed < 10:
+        time.sleep(0.01)
+    noticed = time.monotonic() - killed
+    assert noticed < 3, f"the client noticed the killed server after {noticed:.1f} s"
+    servers.append(ToyServerProcess(port))
+    restarted = time.monotonic()
+    _assert_matches(future.result(timeout=30), ToyScorer(), tokens, request_ids, 8, 1.0)
+    assert time.monotonic() - restarted < 5, "the client did not notice the restart within seconds"
+    assert client.stats["retries"] == 1 and client.stats["requests"] == 1
+    client.close()
+
+
+def test_nobody_listening_stops_start_up_after_connect_timeout_naming_the_address(servers, caplog, monkeypatch):
+    """teacher.timeout_s=300 does not stretch the start-up wait; progress is logged while it lasts."""
+    monkeypatch.setattr(server_wait, "PROGRESS_EVERY_S", 0.2)
+    caplog.set_level(logging.INFO, logger=server_wait.__name__)
+    address = f"127.0.0.1:{find_free_port()}"
+    client = _client([address], timeout_s=300.0, connect_timeout_s=1.5, backoff_s=0.1)
+    t0 = time.monotonic()
+    with pytest.raises(TeacherUnavailableError) as info:
+        client.connect()
+    assert time.monotonic() - t0 < 4
+    text = str(info.value)
+    assert (
+        "within teacher.connect_timeout_s=1.5 s" in text and f"{address}: teacher server {address} accepts no" in text
+    )
+    assert f"waiting for teacher server at {address} (" in caplog.text
+    assert "of 1.5 s, teacher.connect_timeout_s)" in caplog.text
+    client.close()
+
+
+def test_start_up_and_scoring_skip_a_replica_that_is_down(servers):
+    """A replica listed in teacher.address but not running costs a second at start-up, not teacher.timeout_s."""
+    live = ThreadServer()
+    servers.append(live)
+    down = f"127.0.0.1:{find_free_port()}"
+    client = _client([down, live.address], timeout_s=300.0)
+    t0 = time.monotonic()
+    assert len(client.vocabulary()[0]) == VOCAB
+    tokens, request_ids = _batch(0)
+    _assert_matches(client.score(tokens, request_ids).result(timeout=30), live.scorer, tokens, request_ids, 8, 1.0)
+    assert time.monotonic() - t0 < 10  # about 1 s per look at the down replica: connect, vocabulary, one piece
     client.close()
 
 

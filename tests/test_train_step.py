@@ -1,5 +1,7 @@
 """A distillation step under TP=2, TP=2xPP=2 and DP=2 equals TP=1 (loss and updated parameters), given the same
-rollouts; the in-process teacher's top-k equals torch.topk over transformers' log-softmax."""
+rollouts, and its rollout-fidelity sums (the trainer's log-probability of each sampled token, read in the loss pass
+at temperature 1, also with loss.student_temperature != 1) equal a float64 transformers reference at every layout;
+the in-process teacher's top-k equals torch.topk over transformers' log-softmax."""
 
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ def _fixed_batch():
         responses.append(torch.randint(0, 1000, (r_len,), generator=gen))
     masks = [torch.ones(r.numel()) for r in responses]
     masks[3][2:4] = 0  # tool tokens: never trained
-    return pack(prompts, responses, masks, pad_token_id=0, seq_len=S)
+    logprobs = [-3 - torch.rand(r.numel(), generator=gen) for r in responses]  # "the sampler's" values
+    return pack(prompts, responses, masks, pad_token_id=0, seq_len=S, logprobs=logprobs)
 
 
 def _step_body(layout: dict, dirs: dict[str, str]):
@@ -46,7 +49,8 @@ def _step_body(layout: dict, dirs: dict[str, str]):
     results = {}
     # A sharp teacher (temperature 0.1) keeps the top-k divergence O(1): two random tiny models are otherwise so
     # close that the loss is a float32 cancellation of much larger terms.
-    for mode, kind, temperature in [("dense", "jsd", 1.0), ("topk", "reverse_kl", 0.1)]:
+    # The top-k case trains at student temperature 2: the monitor then takes its own logsumexp at temperature 1.
+    for mode, kind, temperature, t_student in [("dense", "jsd", 1.0, 1.0), ("topk", "reverse_kl", 0.1, 2.0)]:
 
         def load(path, trainable):
             return build_and_load(path, parallel, trainable=trainable)[1]
@@ -65,9 +69,10 @@ def _step_body(layout: dict, dirs: dict[str, str]):
         per_rank = N // dp_size
         batch.tokens = batch.tokens[dp_rank * per_rank : (dp_rank + 1) * per_rank]
         batch.loss_mask = batch.loss_mask[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+        batch.rollout_logprobs = batch.rollout_logprobs[dp_rank * per_rank : (dp_rank + 1) * per_rank]
         batch.seq_weights = torch.tensor([1.0, 0.5, 2.0, 1.5])[dp_rank * per_rank : (dp_rank + 1) * per_rank]
         scores = teacher.score(batch.tokens).result()
-        loss_cfg = LossConfig(kind=kind, mode=mode, topk=16, beta=0.3)
+        loss_cfg = LossConfig(kind=kind, mode=mode, topk=16, beta=0.3, student_temperature=t_student)
         result = train_step(
             student,
             batch,
@@ -80,6 +85,7 @@ def _step_body(layout: dict, dirs: dict[str, str]):
         params = full_tensors(student.chunks, load_architecture(dirs["student"]), ps.get_tensor_model_parallel_group())
         params = params if tp[1] == 0 and dp_rank == 0 else {}
         results[mode] = (result.stats.loss, result.grad_norm, params)
+        results[f"{mode}_stats"] = result.stats.as_dict()
     return results
 
 
@@ -108,7 +114,7 @@ def tp1_reference(student_teacher):
 
 def _merge(per_rank: list[dict]) -> dict:
     merged = {}
-    for mode in per_rank[0]:
+    for mode in ("dense", "topk"):
         losses = {r[mode][0] for r in per_rank}
         params = {}
         for r in per_rank:
@@ -120,8 +126,11 @@ def _merge(per_rank: list[dict]) -> dict:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_step_equals_tp1(layout, student_teacher, tp1_reference):
     world, kwargs = LAYOUTS[layout]
-    ours = _merge(run_distributed(_step_body, world, args=(kwargs, student_teacher), timeout=240))
-    for mode, (ref_loss, ref_norm, ref_params) in tp1_reference.items():
+    per_rank = run_distributed(_step_body, world, args=(kwargs, student_teacher), timeout=240)
+    _check_fidelity_sums(per_rank, student_teacher["student"])
+    ours = _merge(per_rank)
+    for mode in ("dense", "topk"):
+        ref_loss, ref_norm, ref_params = tp1_reference[mode]
         loss, norm, params, losses = ours[mode]
         assert len(losses) == 1, f"{layout}/{mode}: ranks disagree on the loss: {losses}"
         assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), f"{layout}/{mode}: loss {loss} vs TP=1 {ref_loss}"
@@ -132,6 +141,27 @@ def test_step_equals_tp1(layout, student_teacher, tp1_reference):
             # can move by a few 1e-6 between layouts while the tensor as a whole agrees to ~1e-7.
             err = ((params[name] - ref).norm() / ref.norm()).item()
             assert err <= 1e-5, f"{layout}/{mode}: {name} differs by {err:.2e} (relative, in norm)"
+
+
+def _check_fidelity_sums(results: list[dict], student_dir: str) -> None:
+    """Every rank's fidelity sums equal ``fidelity_sums`` over a float64 transformers forward of the whole batch."""
+    from megatron_opd.models.reference import hf_logits
+    from megatron_opd.rollout.fidelity import fidelity_sums
+
+    batch = _fixed_batch()
+    logits = hf_logits(student_dir, batch.tokens).double()
+    reference = torch.log_softmax(logits, -1).gather(-1, batch.next_tokens()[..., None])[..., 0]
+    expected = fidelity_sums(reference, batch.rollout_logprobs, batch.loss_mask)
+    assert expected["fidelity_tokens"] == float((batch.loss_mask != 0).sum())
+    for mode in ("dense", "topk"):
+        for rank, r in enumerate(results):
+            for name, value in expected.items():
+                got = r[f"{mode}_stats"][name]
+                assert got == pytest.approx(value, rel=1e-5, abs=1e-5), f"rank {rank}, {mode}: {name} {got} vs {value}"
+
+
+def test_fidelity_sums_match_transformers(student_teacher, tp1_reference):
+    _check_fidelity_sums([tp1_reference], student_teacher["student"])
 
 
 def test_step_changes_parameters(student_teacher, tp1_reference):

@@ -27,9 +27,9 @@ PROMPTS = [[5, 6, 7], [11, 12, 13, 14]]
 def _faults_body(hf_dir: str, other_dir: str, missing_dir: str, log_file: str) -> dict:
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
     from megatron_opd.models.source import build_and_load
+    from megatron_opd.rollout.fidelity import sequence_logprobs as trainer_logprobs
     from megatron_opd.rollout.vllm_backend import VLLMRollout
     from megatron_opd.rollout.vllm_engine import EngineError, EngineOptions, WeightsNotSynced
-    from megatron_opd.testing.logprobs import trainer_logprobs
     from megatron_opd.weight_sync.source import megatron_weight_source
 
     parallel = ParallelConfig()
@@ -203,9 +203,9 @@ def _padded_body(student_dir: str, vocab: int, out_dir: str) -> dict:
 
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
     from megatron_opd.models.source import build_and_load
+    from megatron_opd.rollout.fidelity import sequence_logprobs as trainer_logprobs
     from megatron_opd.rollout.vllm_backend import VLLMRollout, engine_model_dir
     from megatron_opd.rollout.vllm_engine import EngineOptions
-    from megatron_opd.testing.logprobs import trainer_logprobs
     from megatron_opd.weight_sync.source import megatron_weight_source
 
     initialize_distributed(ParallelConfig())

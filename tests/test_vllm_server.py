@@ -1,6 +1,8 @@
 """Remote vLLM servers (``rollout.address``): a server started with ``python -m megatron_opd.rollout.vllm_server``
-is synced over vLLM's HTTP weight-transfer routes and samples exactly like the trainer; a restarted server is
-re-synced before it serves a rollout; a server that is down is named in the error. Skips without vLLM."""
+is synced over vLLM's HTTP weight-transfer routes and samples exactly like the trainer (a student with tied
+embeddings, whose output layer vLLM must re-process after a sync); the rollout start-up check scores through the
+server's prompt log-probabilities; a restarted server is re-synced before it serves a rollout; a server that is down
+is named in the error. Skips without vLLM."""
 
 from __future__ import annotations
 
@@ -30,10 +32,11 @@ def start_server(model: str, port: int, log: str) -> subprocess.Popen:
 def _server_body(model: str, log: str) -> dict:
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
     from megatron_opd.models.source import build_and_load
+    from megatron_opd.rollout.fidelity import sequence_logprobs as trainer_logprobs
+    from megatron_opd.rollout.fidelity import startup_check
     from megatron_opd.rollout.vllm_backend import VLLMRollout
     from megatron_opd.rollout.vllm_engine import EngineOptions
     from megatron_opd.rollout.vllm_server import ServerDown
-    from megatron_opd.testing.logprobs import trainer_logprobs
     from megatron_opd.weight_sync.source import megatron_weight_source
 
     initialize_distributed(ParallelConfig())
@@ -50,9 +53,8 @@ def _server_body(model: str, log: str) -> dict:
     port = find_free_port()
     server = start_server(model, port, log)
     try:
-        rollout = VLLMRollout(
-            source, options, dp_rank=0, addresses=[f"127.0.0.1:{port}"], timeout_s=120, server_wait_s=5
-        )
+        out["address"] = f"127.0.0.1:{port}"
+        rollout = VLLMRollout(source, options, dp_rank=0, addresses=[out["address"]], timeout_s=120, server_wait_s=5)
         sampling = SamplingParams(max_new_tokens=6, temperature=1.0, seed=2)
 
         def check():
@@ -65,6 +67,7 @@ def _server_body(model: str, log: str) -> dict:
 
         rollout.sync_weights(3)
         out["synced"] = check()
+        out["startup_check"] = startup_check(rollout, chunks, arch.vocab_size, threshold=1e-4, max_len=64)
         stop_vllm_server(server)  # the server restarts with dummy weights and no transfer group
         server = start_server(model, port, log)
         out["restarted"] = check()
@@ -82,7 +85,7 @@ def _server_body(model: str, log: str) -> dict:
 def test_remote_server_sync_restart_and_down(tmp_path):
     from megatron_opd.testing.tiny_models import make_tiny_hf_model, make_tiny_tokenizer
 
-    model = make_tiny_hf_model("qwen3", tmp_path / "student", seed=3)
+    model = make_tiny_hf_model("qwen3", tmp_path / "student", seed=3, tie_word_embeddings=True)
     make_tiny_tokenizer(model)  # the OpenAI server loads a tokenizer; rollouts stay token ids
     (out,) = run_distributed(_server_body, 1, args=(str(model), str(tmp_path / "server.log")), timeout=600)
     address, message = out["down"]
@@ -91,3 +94,5 @@ def test_remote_server_sync_restart_and_down(tmp_path):
         version, err = out[key]
         assert version == 3 and err <= 1e-4, f"{key}: version {version}, log-prob error {err:.2e}"
     assert "down or unreachable" in out["gone"]
+    ((address, diff),) = out["startup_check"].items()  # one entry per server, by address
+    assert address == out["address"] and diff <= 1e-5, out["startup_check"]

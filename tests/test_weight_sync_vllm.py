@@ -1,9 +1,14 @@
-"""Exact weight sync from a TP=2 and a TP=2xPP=2 student into vLLM through its weight-transfer API (our gloo back
-end on CPU), against the trainer's own log-probabilities gathered in the test.
+"""Exact weight sync from a TP=1, TP=2 and TP=2xPP=2 student into vLLM, against the trainer's own log-probabilities
+gathered in the test, for a student with tied embeddings (one matrix for input and output: vLLM's tied ``lm_head``
+must be re-processed after every sync) and one without, through vLLM's weight-transfer API (our gloo back end on
+CPU) and the ``reload_weights`` fallback.
 
-Each layout runs one job: sync, compare vLLM's log-probabilities of fixed sequences (and of its own samples) with
-the trainer's, re-sync unchanged weights (greedy outputs identical), one optimizer step, sync, compare again. The
-built-in sampler (sharing the trainer's weights) passes the same checks at TP=2. Skips without vLLM.
+Each layout runs one job over its cases: sync, compare vLLM's log-probabilities of fixed sequences (and of its own
+samples) with the trainer's, re-sync unchanged weights (greedy outputs identical), one optimizer step, sync, compare
+again. The built-in sampler (sharing the trainer's weights) passes the same checks at TP=1 and TP=2, and vLLM's
+greedy output equals it wherever the trainer's top-2 logit gap exceeds 1e-4. At TP=1 a sync that leaves one tensor
+out (``MEGATRON_OPD_SYNC_SKIP``) is refused by the rollout start-up check, and its samples stop a training step
+through the fidelity monitor before the update. Skips without vLLM.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import pytest
 import torch
 
 from megatron_opd.interfaces import SamplingParams
-from megatron_opd.testing.logprobs import trainer_logprobs
+from megatron_opd.rollout.fidelity import sequence_logprobs as trainer_logprobs
 from megatron_opd.testing.multiprocess import run_distributed
 
 pytestmark = pytest.mark.skipif(
@@ -32,11 +37,23 @@ def _loss(logits, batch):
     return loss, StepStats(loss=float(loss.detach()), tokens=1.0)
 
 
-def _sync_body(hf_dir: str, tp: int, pp: int, log_file: str, with_builtin: bool) -> dict:
+def _layout_body(cases: list[tuple[str, str]], tp: int, pp: int, log_file: str, broken: bool) -> dict:
+    """Every (model folder, weight_sync) case of one layout in one job; with ``broken``, the broken-sync checks."""
+    from megatron_opd.distributed import ParallelConfig, initialize_distributed
+
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    accel = initialize_distributed(parallel)
+    out = {f"{i}": _sync_case(hf_dir, weight_sync, parallel, accel, log_file) for i, (hf_dir, weight_sync) in
+           enumerate(cases)}  # fmt: skip
+    if broken:
+        out["broken"] = _broken_sync(cases[0][0], parallel, accel, log_file)
+    return out
+
+
+def _sync_case(hf_dir: str, weight_sync: str, parallel, accel, log_file: str) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_opd.distributed import ParallelConfig, initialize_distributed
     from megatron_opd.models.source import build_and_load
     from megatron_opd.rollout.vllm_backend import VLLMRollout
     from megatron_opd.rollout.vllm_engine import EngineOptions
@@ -44,15 +61,14 @@ def _sync_body(hf_dir: str, tp: int, pp: int, log_file: str, with_builtin: bool)
     from megatron_opd.trainer.student import Student, precision_plan
     from megatron_opd.weight_sync.source import megatron_weight_source
 
-    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    accel = initialize_distributed(parallel)
+    with_builtin = parallel.pipeline_model_parallel_size == 1
     arch, chunks = build_and_load(hf_dir, parallel, trainable=True)
     optim = OptimConfig(lr=1e-2)
     student = Student(chunks, optim, precision_plan(optim, accel), total_steps=10)
     for chunk in chunks:
         chunk.eval()
     source = megatron_weight_source(chunks, arch)
-    options = EngineOptions(model=hf_dir, max_model_len=64, log_file=log_file)
+    options = EngineOptions(model=hf_dir, max_model_len=64, log_file=log_file, weight_sync=weight_sync)
     # Small buckets: the model travels in many of them, and a tensor larger than a bucket goes alone.
     rollout = VLLMRollout(source, options, dp_rank=ps.get_data_parallel_rank(), bucket_bytes=96 * 1024)
     builtin = None
@@ -86,7 +102,9 @@ def _sync_body(hf_dir: str, tp: int, pp: int, log_file: str, with_builtin: bool)
     rollout.sync_weights(0)  # unchanged weights
     out["greedy_b"] = rollout.generate(PROMPTS, greedy, 1).result()
     if builtin is not None:
-        out["builtin_greedy_a"] = builtin.generate(PROMPTS, greedy, 1).result()
+        own = out["builtin_greedy_a"] = builtin.generate(PROMPTS, greedy, 1).result()
+        seqs = [torch.cat([p, r]).tolist() for p, r in zip(own.prompt_ids, own.response_ids)]
+        out["builtin_greedy_gaps"] = [_top2_gaps(chunks, seq, arch.vocab_size) for seq in seqs]
     student.step([{"tokens": torch.tensor([fixed[0]])}], _loss)
     for chunk in chunks:
         chunk.eval()
@@ -95,6 +113,75 @@ def _sync_body(hf_dir: str, tp: int, pp: int, log_file: str, with_builtin: bool)
     if builtin is not None:
         builtin.sync_weights(0)  # the built-in sampler's greedy output moves with the weights it shares
         out["builtin_greedy_b"] = builtin.generate(PROMPTS, greedy, 1).result()
+    rollout.close()
+    return out
+
+
+def _top2_gaps(chunks, seq: list[int], vocab_size: int) -> list[float] | None:
+    """The trainer's gap between its two largest logits at each position of ``seq`` (None off the gathering rank)."""
+    from megatron_opd.checkpoint.verify import megatron_logits
+
+    logits = megatron_logits(chunks, torch.tensor([seq]), vocab_size)
+    if logits is None:
+        return None
+    top2 = logits[0].double().topk(2, dim=-1).values
+    return (top2[:, 0] - top2[:, 1]).tolist()
+
+
+def _broken_sync(hf_dir: str, parallel, accel, log_file: str) -> dict:
+    """A sync that leaves one tensor out: the start-up check refuses it, and a training step on its samples is
+    stopped by the fidelity monitor before the update (the parameters stay as they were)."""
+    import os
+
+    from megatron_opd.models.source import build_and_load
+    from megatron_opd.rollout.fidelity import RolloutMismatchError, check_step, fidelity_metrics, startup_check
+    from megatron_opd.rollout.vllm_backend import VLLMRollout
+    from megatron_opd.rollout.vllm_engine import EngineOptions
+    from megatron_opd.trainer.batch import pack_rollouts
+    from megatron_opd.trainer.config import LossConfig, OptimConfig
+    from megatron_opd.trainer.objective import train_step
+    from megatron_opd.trainer.student import Student, precision_plan
+    from megatron_opd.weight_sync.source import SKIP_ENV, megatron_weight_source
+
+    arch, chunks = build_and_load(hf_dir, parallel, trainable=True)
+    optim = OptimConfig(lr=1e-2)
+    student = Student(chunks, optim, precision_plan(optim, accel), total_steps=10)
+    source = megatron_weight_source(chunks, arch)
+    rollout = VLLMRollout(source, EngineOptions(model=hf_dir, max_model_len=64, log_file=log_file), dp_rank=0)
+    out: dict = {}
+
+    def step(batch):
+        before = [p.detach().clone() for p in student.chunks[0].parameters()]
+        metrics = {}
+
+        def guard(stats):
+            metrics.update(fidelity_metrics(stats.as_dict()))
+            check_step(metrics, threshold=1e-3, staleness=0)
+
+        try:
+            train_step(student, batch, None, LossConfig(kind="sft"), vocab_size=arch.vocab_size,
+                       teacher_temperature=1.0, micro_batch_size=2, guard=guard)  # fmt: skip
+            error = None
+        except RolloutMismatchError as err:
+            error = str(err)
+        moved = any(not torch.equal(a, b) for a, b in zip(before, student.chunks[0].parameters()))
+        return error, metrics, moved
+
+    sampling = SamplingParams(max_new_tokens=8, temperature=1.0, seed=5)
+    os.environ[SKIP_ENV] = "model.layers.1.mlp.down_proj.weight"
+    try:
+        rollout.sync_weights(0)
+        try:
+            startup_check(rollout, chunks, arch.vocab_size, threshold=1e-3, max_len=64)
+        except RolloutMismatchError as err:
+            out["startup"] = str(err)
+        rollouts = rollout.generate(PROMPTS, sampling, 2).result()
+        out["monitor"] = step(pack_rollouts(rollouts, pad_token_id=0))
+    finally:
+        os.environ.pop(SKIP_ENV)
+    rollout.sync_weights(0)  # the whole model: the same checks pass, and the step is applied
+    out["healthy_startup"] = startup_check(rollout, chunks, arch.vocab_size, threshold=1e-3, max_len=64)
+    out["healthy"] = step(pack_rollouts(rollout.generate(PROMPTS, sampling, 2).result(), pad_token_id=0))
     rollout.close()
     return out
 
@@ -133,13 +220,53 @@ def _check(results: list[dict], with_builtin: bool) -> None:
     assert [r.tolist() for r in a.response_ids] == [r.tolist() for r in b.response_ids]
     assert all(torch.equal(x, y) for x, y in zip(a.logprobs, b.logprobs)), "a no-op sync changed vLLM's numbers"
     assert results[0]["bytes"] > 0
+    if with_builtin:  # vLLM's greedy choice is the trainer's wherever the trainer's choice is clear
+        gaps = next(r["builtin_greedy_gaps"] for r in results if r["builtin_greedy_gaps"][0] is not None)
+        own = results[0]["builtin_greedy_a"]
+        for i, (ours, theirs) in enumerate(zip(a.response_ids, own.response_ids)):
+            prompt_len = len(own.prompt_ids[i])
+            for j, (x, y) in enumerate(zip(ours.tolist(), theirs.tolist())):
+                if x != y:
+                    gap = gaps[i][prompt_len - 1 + j]
+                    assert gap <= 1e-4, f"prompt {i}, token {j}: vLLM {x}, built-in {y}, top-2 gap {gap:.2e}"
+                    break
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (2, 2)], ids=["tp2", "tp2pp2"])
-def test_sync_from_sharded_student_is_exact(tiny_model_dirs, tmp_path, tp, pp):
-    hf_dir = tiny_model_dirs["qwen3"]  # QK-norm, a vocabulary (1001) that TP does not divide
-    with_builtin = pp == 1
+@pytest.fixture(scope="module")
+def students(tmp_path_factory):
+    """QK-norm, a vocabulary (1001) that TP does not divide; tied (Qwen3-0.6B/1.7B/4B's layout) and untied."""
+    from megatron_opd.testing.tiny_models import make_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("sync_students")
+    return {
+        tied: str(make_tiny_hf_model("qwen3", root / f"tied_{tied}", seed=4, vocab_size=1001, tie_word_embeddings=tied))
+        for tied in (True, False)
+    }
+
+
+LAYOUT_CASES = {  # (tp, pp): [(tied, weight_sync)]; each job also runs the built-in sampler where PP=1
+    (1, 1): [(True, "transfer_api"), (True, "reload")],
+    (2, 1): [(True, "transfer_api"), (False, "reload")],
+    (2, 2): [(True, "transfer_api"), (False, "transfer_api")],
+}
+
+
+@pytest.mark.parametrize("tp,pp", list(LAYOUT_CASES), ids=["tp1", "tp2", "tp2pp2"])
+def test_sync_is_exact(students, tmp_path, tp, pp):
+    cases = [(students[tied], weight_sync) for tied, weight_sync in LAYOUT_CASES[(tp, pp)]]
+    broken = tp == 1
     results = run_distributed(
-        _sync_body, tp * pp, args=(hf_dir, tp, pp, str(tmp_path / "vllm.log"), with_builtin), timeout=600
+        _layout_body, tp * pp, args=(cases, tp, pp, str(tmp_path / "vllm.log"), broken), timeout=900
     )
-    _check(results, with_builtin)
+    for i in range(len(cases)):
+        _check([r[f"{i}"] for r in results], with_builtin=pp == 1)
+    if broken:
+        out = results[0]["broken"]
+        assert "rollout start-up check" in out["startup"] and "rollout.startup_check=false" in out["startup"]
+        error, metrics, moved = out["monitor"]
+        assert error is not None and "do not come from the model being trained" in error, metrics
+        assert not moved, "the refused step changed the parameters"
+        assert metrics["rollout/logprob_diff_mean"] > 1e-3  # the threshold the guard was given
+        error, metrics, moved = out["healthy"]
+        assert error is None and moved and metrics["rollout/logprob_diff_mean"] <= 1e-5, metrics
+        assert max(out["healthy_startup"].values()) <= 1e-5

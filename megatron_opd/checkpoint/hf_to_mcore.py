@@ -226,11 +226,14 @@ def check_tokenizer_files(hf_dir: Path) -> None:
 
 
 def _write_megatron_files(staging: Path, layout: CheckpointLayout) -> None:
-    """``common.pt`` and ``metadata.json``, written exactly as ``dist_checkpointing.save`` writes them."""
-    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
-    from megatron.core.dist_checkpointing.serialization import get_default_save_common_strategy
+    """``common.pt`` and ``metadata.json``, written exactly as ``dist_checkpointing.save`` writes them (0.16).
 
-    get_default_save_common_strategy().save_common(layout.common_state, str(staging))
+    Megatron-Core 0.17+ keeps the common state inside the torch_dist items instead and still reads ``common.pt``
+    (its "legacy" format), so this folder loads with either."""
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+    from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
+
+    torch.save(layout.common_state, staging / COMMON_STATE_FNAME)
     save_config(CheckpointingConfig("torch_dist", 1), str(staging))
 
 

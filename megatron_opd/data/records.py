@@ -34,7 +34,7 @@ def _check_path(path: str | os.PathLike, key: str) -> Path:
 
 
 def _read_json_lines(path: Path) -> list[dict[str, Any]]:
-    text = path.read_text(encoding="utf-8")
+    text = path.read_text(encoding="utf-8-sig")  # drops the byte-order mark many Windows tools write
     # A .json file holding one array of objects is common enough to accept beside JSON lines.
     if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
         try:

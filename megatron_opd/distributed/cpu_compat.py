@@ -3,7 +3,7 @@
 Megatron-Core assumes CUDA in a handful of spots. On a machine without CUDA (tests, the quick start,
 CI) :func:`apply_cpu_patches` redirects them to the CPU; it is a no-op when CUDA is available, and
 nothing else in megatron-opd patches Megatron. Each patch is covered by a test that fails without it
-(``tests/test_cpu_compat.py``). Measured against megatron-core 0.16.1; see
+(``tests/test_cpu_compat.py``). Measured against megatron-core 0.16.1 and 0.19.2; see
 ``shared/notes/megatron-cpu.md`` for the survey these come from.
 
 Patches (all idempotent):
@@ -21,6 +21,9 @@ Patches (all idempotent):
    which are not used on CPU; nothing to patch.
 6. Gradient clipping: ``clip_grad_by_total_norm_fp32`` asserts every gradient is a
    ``torch.cuda.FloatTensor``; the optimizer gets a copy without that type check (same arithmetic).
+7. Newer Megatron-Core (0.19.2; not 0.16.1): every gradient sync (``start_grad_sync``) asks for
+   ``torch.cuda.current_stream()`` to wait on CUDA-graph events; it gets the CPU's current stream (whose
+   ``wait_event`` / ``wait_stream`` are no-ops). Applied only when the installed release makes that call.
 """
 
 from __future__ import annotations
@@ -174,6 +177,13 @@ def clip_grad_by_total_norm_cpu(
             grad.mul_(clip_coeff)
 
 
+def grad_sync_uses_cuda_stream() -> bool:
+    """Whether this Megatron-Core's gradient sync calls ``torch.cuda.current_stream()`` (0.19.2 does, 0.16.1 not)."""
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+
+    return "current_stream" in _ParamAndGradBucketGroup.start_grad_sync.__code__.co_names
+
+
 def apply_cpu_patches() -> None:
     """Make Megatron-Core usable on a CPU-only process. No-op when CUDA is available."""
     global _APPLIED
@@ -183,6 +193,8 @@ def apply_cpu_patches() -> None:
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
     torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
     torch.Tensor.cuda = _identity_cuda  # type: ignore[method-assign]
+    if grad_sync_uses_cuda_stream():
+        torch.cuda.current_stream = torch.cpu.current_stream  # type: ignore[assignment]
 
     from megatron.core.tensor_parallel import random as mcore_random
 

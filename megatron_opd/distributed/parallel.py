@@ -116,7 +116,6 @@ def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234) -> Non
     The data-parallel size is whatever is left: ``world_size / (TP * PP * CP)``.
     """
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     world = dist.get_world_size()
     if world % parallel.model_parallel_size:
@@ -134,8 +133,7 @@ def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234) -> Non
         virtual_pipeline_model_parallel_size=vp if vp and vp > 1 else None,
         context_parallel_size=parallel.context_parallel_size,
     )
-    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
-    torch.manual_seed(seed)
+    seed_rng(seed)
     logger.info(
         "model parallel: TP=%d PP=%d VP=%s CP=%d DP=%d",
         parallel.tensor_model_parallel_size,
@@ -144,6 +142,15 @@ def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234) -> Non
         parallel.context_parallel_size,
         parallel_state.get_data_parallel_world_size(),
     )
+
+
+def seed_rng(seed: int) -> None:
+    """Seed every random stream of this rank: the default generator and Megatron's tracker (tensor-parallel
+    streams offset by the rank). Needs the parallel groups."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    torch.manual_seed(seed)
 
 
 def initialize_distributed(parallel: ParallelConfig, device: str | None = None, seed: int = 1234) -> Accelerator:

@@ -125,6 +125,7 @@ class _DenseDivergence(torch.autograd.Function):
         inplace_backward: bool,
         validate: bool,
         leading_shape: torch.Size,
+        outputs: dict | None,
     ) -> torch.Tensor:
         n_tokens, n_valid = student_TV.shape[0], shard.valid_width
         cd = compute_dtype(student_TV.dtype)
@@ -163,6 +164,8 @@ class _DenseDivergence(torch.autograd.Function):
         log_sums_T2 = torch.log(sums_T3[:, :2])
         lse_T2 = finite_or_zero(global_max_T2) + log_sums_T2
         lse_s_T, lse_t_T = lse_T2[:, 0].contiguous(), lse_T2[:, 1].contiguous()
+        if outputs is not None:
+            outputs["student_lse"] = lse_s_T.clone()
         if kind == "forward_kl":
             loss_T = sums_T3[:, 2] / sums_T3[:, 1] - log_sums_T2[:, 1] + log_sums_T2[:, 0]
             coef_T = torch.zeros_like(loss_T)
@@ -219,7 +222,7 @@ class _DenseDivergence(torch.autograd.Function):
                 grad_TV[lo:hi, :n_valid],
             )
         ops.release()
-        return grad_TV, None, None, None, None, None, None, None, None, None, None, None
+        return grad_TV, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 def dense_divergence(
@@ -236,6 +239,7 @@ def dense_divergence(
     validate: bool = True,
     inplace_backward: bool = False,
     backend: str = "auto",
+    outputs: dict | None = None,
 ) -> torch.Tensor:
     """Per-token divergence between a student and a colocated teacher, both vocab-sharded over ``group``.
 
@@ -263,6 +267,10 @@ def dense_divergence(
             of an exponential. From the call on, the logits hold intermediates and then the gradient: use it only
             when nothing reads them after the loss (true for the output layer's logits in training).
         backend: ``"auto"`` (Triton kernels on CUDA when available), ``"torch"`` or ``"triton"``.
+        outputs: optional dict; the forward puts per-token statistics it computes anyway there, no extra pass:
+            ``"student_lse"``, the student's log-normaliser at ``student_temperature`` over the whole vocabulary
+            (leading shape). With the logits gathered at a label before the call (an in-place call overwrites
+            them), it gives the label's log-probability: the rollout-fidelity monitor reads it that way.
 
     Returns:
         Per-token losses with the logits' leading shape, float32 (float64 for float64 logits). Every rank of
@@ -285,6 +293,8 @@ def dense_divergence(
     ops = select_local_ops(backend, student_TV.device)
     rows = chunk_rows(chunk_size, student_TV.shape[0], shard.valid_width, ops, student_TV.device)
     lead = student_logits.shape[:-1]
-    args = (kind, beta, inv_ts, inv_tt, rows, shard, ops, inplace_backward, validate, lead)
+    args = (kind, beta, inv_ts, inv_tt, rows, shard, ops, inplace_backward, validate, lead, outputs)
     loss_T = _DenseDivergence.apply(student_TV, teacher_TV, *args)
+    if outputs is not None:
+        outputs["student_lse"] = outputs["student_lse"].reshape(lead)
     return loss_T.reshape(lead)

@@ -34,6 +34,22 @@ def global_logsumexp(logits_TV: torch.Tensor, shard: VocabShard) -> torch.Tensor
     return shift_T + torch.log(sum_T)
 
 
+def chunked_logsumexp(logits_TV: torch.Tensor, shard: VocabShard, chunk_elements: int = 1 << 20) -> torch.Tensor:
+    """``global_logsumexp`` a block of rows at a time, so no float copy of the whole shard exists (long responses)."""
+    rows_TV = logits_TV.reshape(-1, logits_TV.shape[-1])
+    step = max(1, chunk_elements // max(1, rows_TV.shape[-1]))
+    dtype = torch.float64 if logits_TV.dtype == torch.float64 else torch.float32
+    max_T = torch.empty(rows_TV.shape[0], dtype=dtype, device=logits_TV.device)
+    for lo in range(0, rows_TV.shape[0], step):
+        max_T[lo : lo + step] = valid_logits(rows_TV[lo : lo + step], shard).amax(dim=-1)
+    shift_T = finite_or_zero(all_reduce_max_(max_T, shard))
+    sum_T = torch.empty_like(max_T)
+    for lo in range(0, rows_TV.shape[0], step):
+        z_CV = valid_logits(rows_TV[lo : lo + step], shard)
+        sum_T[lo : lo + step] = torch.exp(z_CV - shift_T[lo : lo + step, None]).sum(dim=-1)
+    return (shift_T + torch.log(all_reduce_sum_(sum_T, shard))).reshape(logits_TV.shape[:-1])
+
+
 def gather_at_ids(logits_TV: torch.Tensor, ids_TR: torch.Tensor, shard: VocabShard) -> torch.Tensor:
     """The logits at global ids ``ids_TR`` (each owned by one rank, summed over the group)."""
     local_TR = ids_TR.to(torch.int64) - shard.start

@@ -243,6 +243,7 @@ class _TopkDivergence(torch.autograd.Function):
         shard: VocabShard,
         ops: LocalOps,
         inplace_backward: bool,
+        outputs: dict | None,
     ) -> torch.Tensor:
         n_tokens, n_valid = student_TV.shape[0], shard.valid_width
         k = ids_TK.shape[1]
@@ -276,6 +277,8 @@ class _TopkDivergence(torch.autograd.Function):
 
         log_total_T = torch.log(payload_TN[:, 0])
         lse_s_T = (finite_or_zero(global_max_T) + log_total_T).contiguous()
+        if outputs is not None:
+            outputs["student_lse"] = lse_s_T.clone()
         logq_TK = payload_TN[:, 2:].sub_(lse_s_T[:, None])  # in the payload's storage
         if support_TK is not None:
             logq_TK.masked_fill_(~support_TK, float("-inf"))  # absent: zero mass on both sides
@@ -325,7 +328,7 @@ class _TopkDivergence(torch.autograd.Function):
                 s_CV = student_TV[lo:hi, :n_valid]
                 ops.topk_grad(s_CV, inv_ts, q_scale_T[lo:hi], ids_CK, coef_CK, coef_sum_C, grad_TV[lo:hi, :n_valid])
         ops.release()
-        return grad_TV, None, None, None, None, None, None, None, None, None, None, None, None
+        return grad_TV, None, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 def topk_divergence(
@@ -345,6 +348,7 @@ def topk_divergence(
     validate: bool = True,
     inplace_backward: bool = False,
     backend: str = "auto",
+    outputs: dict | None = None,
 ) -> torch.Tensor:
     """Per-token divergence between a vocab-sharded student and a teacher's top-k log-probabilities.
 
@@ -372,6 +376,8 @@ def topk_divergence(
         inplace_backward: reuse ``student_logits``' storage for the loss's intermediates and then the gradient
             (see ``dense_divergence``).
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        outputs: optional dict; the forward puts the per-token statistics it computes anyway there (see
+            ``dense_divergence``).
 
     Returns:
         Per-token losses with the logits' leading shape, float32 (float64 for float64 logits), equal on every
@@ -423,6 +429,8 @@ def topk_divergence(
         rows = min(rows, max(1, TOPK_CHUNK_ELEMENTS // max(1, ids_TK.shape[1])))
     loss_T = _TopkDivergence.apply(
         student_TV, ids_TK, logprobs_TK, support_TK, kind, beta, tail, coverage_weight, inv_ts, rows, shard, ops,
-        inplace_backward,
+        inplace_backward, outputs,
     )  # fmt: skip
+    if outputs is not None:
+        outputs["student_lse"] = outputs["student_lse"].reshape(lead)
     return loss_T.reshape(lead)

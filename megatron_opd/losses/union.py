@@ -66,6 +66,7 @@ def union_divergence(
     validate: bool = True,
     inplace_backward: bool = False,
     backend: str = "auto",
+    outputs: dict | None = None,
 ) -> torch.Tensor:
     """Per-token divergence over the union of the teacher's top-k and the student's top-k ids (TCAD).
 
@@ -76,8 +77,8 @@ def union_divergence(
             teacher's list already has are counted once (the teacher's slot).
         teacher_logprobs_at_student_ids: ``[..., R]`` the teacher's log-probabilities at ``student_topk_ids``
             (normalised over the full vocabulary, at the teacher's temperature); ignored where no id is held.
-        kind, beta, tail, student_temperature, chunk_size, group, vocab_size, inplace_backward, backend: as for
-            ``topk_divergence``; ``tail`` applies to the mass outside the union.
+        kind, beta, tail, student_temperature, chunk_size, group, vocab_size, inplace_backward, backend, outputs: as
+            for ``topk_divergence``; ``tail`` applies to the mass outside the union.
         coverage_weight: adds ``coverage_weight * -log(student mass on the union)`` per token (TCAD's coverage
             term), with its exact gradient.
         validate: also checks the student's ids (in range, distinct) and the teacher's log-probabilities at them.
@@ -146,4 +147,5 @@ def union_divergence(
         validate=False,
         inplace_backward=inplace_backward,
         backend=backend,
+        outputs=outputs,
     )

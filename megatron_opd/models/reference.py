@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -16,9 +17,10 @@ def hf_logits(hf_dir: str | os.PathLike, tokens: torch.Tensor) -> torch.Tensor:
         return model(input_ids=tokens).logits.float()
 
 
-def full_tensors(chunks: list, arch, group, of: str = "data") -> dict[str, torch.Tensor]:
-    """This pipeline stage's parameters (``of="data"``) or gradients (``of="grad"``), unsharded, by global Megatron
-    name (layer indices across all stages): a collective over the tensor-parallel ``group``."""
+def full_tensors(chunks: list, arch, group, of: str | Callable = "data") -> dict[str, torch.Tensor]:
+    """This pipeline stage's parameters (``of="data"``), gradients (``of="grad"``) or any tensor shaped like each
+    parameter (``of``: a function of the parameter, e.g. its Adam moment), unsharded, by global Megatron name
+    (layer indices across all stages): a collective over the tensor-parallel ``group``."""
     from megatron_opd.distributed.gather import gather_tp_shards
     from megatron_opd.models.loading import chunk_layer_range
     from megatron_opd.models.name_mapping import global_layer_name, rules_by_megatron_name, unshard
@@ -29,5 +31,6 @@ def full_tensors(chunks: list, arch, group, of: str = "data") -> dict[str, torch
         offset = chunk_layer_range(chunk).start
         for local_name, param in chunk.named_parameters():
             name = global_layer_name(local_name, offset)
-            out[name] = unshard(rules[name], gather_tp_shards(getattr(param, of), group)).clone()
+            local = of(param) if callable(of) else getattr(param, of)
+            out[name] = unshard(rules[name], gather_tp_shards(local, group)).clone()
     return out

@@ -97,7 +97,11 @@ class VLLMRollout:
                     raise ValueError("global rank 0 must be the weight source's sender (DP 0, PP stage 0, TP rank 0)")
                 # The engine's model must take exactly the tensors the student sends (names and shapes).
                 engine_arch = load_architecture(options.model)
-                check_against(source.metadata(), hf_metadata(engine_arch, source.dtype), f"vLLM model {options.model}")
+                check_against(
+                    hf_metadata(source.arch, source.dtype),
+                    hf_metadata(engine_arch, source.dtype),
+                    f"vLLM model {options.model}",
+                )
             except ValueError as err:
                 error = str(err)
         error = _broadcast(error)
@@ -262,6 +266,12 @@ class VLLMRollout:
         if restart:
             self._start_engine()
         self.sync_weights(self.policy_version)
+
+    def score(self, sequences: list[list[int]]) -> dict[str, list[list[float]]]:
+        """Rank 0: each engine's log p(token_i | tokens_<i), i >= 1, of ``sequences``, by engine (the engine
+        process, or each server by address); for the start-up check (``rollout.fidelity``)."""
+        out = self.engine.call("score", sequences=sequences)
+        return out.get("by_engine") or {"engine process": out["logprobs"]}
 
     # ---- sampling -----------------------------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams, n: int) -> Future[Rollouts]:

@@ -24,11 +24,11 @@ import json
 import logging
 import os
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any
 
 from megatron_opd.rollout.vllm_engine import EngineGone, WeightsNotSynced
+from megatron_opd.server_wait import StartupWait
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +124,19 @@ class ServerClient:
             "finish_reason": "stop" if choice["finish_reason"] == "stop" else "length",
         }
 
+    def score(self, sequence: list[int]) -> list[float]:
+        """log p(token_i | tokens_<i), i >= 1 (prompt log-probabilities; the rollout start-up check)."""
+        import torch
+
+        from megatron_opd.teacher.vllm_transport import parse_completions
+
+        body = {"model": self.model_name(), "prompt": sequence, "max_tokens": 1, "temperature": 0.0,
+                "prompt_logprobs": 0, "return_tokens_as_token_ids": True}  # fmt: skip
+        reply = self._request("POST", "v1/completions", body)
+        actual = torch.tensor([sequence[1:]], dtype=torch.int64)
+        _, _, requested = parse_completions(reply, 1, len(sequence) - 1, 0, actual)
+        return requested[0, :, 0].tolist()
+
     def model_name(self) -> str:
         if not hasattr(self, "_model"):
             self._model = self._request("GET", "v1/models", timeout=30)["data"][0]["id"]
@@ -137,7 +150,7 @@ class ServerGroup:
     def __init__(self, addresses: list[str], timeout_s: float, max_model_len: int, wait_s: float = 0.0) -> None:
         """The group of the servers of ``addresses`` that answer; waits up to ``wait_s`` for at least one."""
         self.max_model_len = max_model_len
-        deadline = time.monotonic() + wait_s
+        waiting = StartupWait(f"vLLM server at {','.join(addresses)}", wait_s, "rollout.server_wait_s")
         while True:
             self.servers, self.sizes, self.left_out, errors = [], [], [], []
             for client in [ServerClient(a, timeout_s) for a in addresses]:
@@ -149,9 +162,12 @@ class ServerGroup:
                     errors.append(str(err))
             if self.servers:
                 break
-            if time.monotonic() >= deadline:
-                raise ServerDown("; ".join(errors))
-            time.sleep(2.0)
+            waiting.progress(errors[-1])
+            if waiting.expired():
+                raise ServerDown(
+                    f"no vLLM server answered within rollout.server_wait_s={wait_s:g} s: {'; '.join(errors)}"
+                )
+            waiting.sleep(2.0)
         if self.left_out:
             logger.warning(
                 "vLLM servers %s do not answer: rollouts go to %s until they are back",
@@ -215,6 +231,9 @@ class ServerGroup:
             return {"version": versions[0] if same else None, "versions": versions}
         if method == "generate":
             return self._generate(**kwargs)
+        if method == "score":  # every server's numbers, by address
+            per_server = self._all(lambda s, i: [s.score(seq) for seq in kwargs["sequences"]])
+            return {"by_engine": {c.address: lps for c, lps in zip(self.servers, per_server)}}
         if method in ("sleep", "wake_up"):  # rollout.vllm_sleep (GPU servers)
             return self._all(lambda s, i: getattr(s, method)(**kwargs))
         raise ValueError(f"servers do not support {method}")
@@ -234,6 +253,11 @@ class ServerGroup:
             )
             for i, p in enumerate(rows)
         ]
+        # The first failure (a server killed mid-rollout resets its connections) ends the wait at once.
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for future in done:
+            if future.exception() is not None:
+                raise future.exception()
         outs = [f.result() for f in futures]
         return {
             "tokens": [o["tokens"] for o in outs],

@@ -55,8 +55,11 @@ class ScoredBatch:
     trained_version: int = 0
     """The policy version (optimizer step) of the weights this batch will update."""
     timings: dict[str, float] = field(default_factory=dict)
-    """Seconds: ``rollout`` and ``teacher`` (each phase, from asked to answered), ``wait_rollout`` and
-    ``wait_teacher`` (how long the trainer waited for them)."""
+    """Seconds. ``rollout``: from just before the back end's ``generate`` call (where a synchronous sampler does all
+    its work) until the scheduler collected the rollouts; ``teacher``: from just before ``score`` until its future
+    completed. ``wait_rollout`` / ``wait_teacher``: how long the trainer was blocked on each phase (inside the
+    asking call plus waiting for the result): all of it for a synchronous back end, only what was not overlapped
+    for an asynchronous one."""
     items: list = field(default_factory=list)
     """The prompt-stream items of this batch (this rank's prompts)."""
 
@@ -73,6 +76,9 @@ class _InFlight:
     items: list
     rollout: Future
     asked: float
+    """When ``generate`` was called (``time.perf_counter``)."""
+    blocked: float
+    """Seconds the ``generate`` call itself took (a synchronous sampler's whole rollout)."""
     rollouts: Rollouts | None = None
     batch: TrainBatch | None = None
     teacher: Future | None = None
@@ -143,7 +149,7 @@ class Scheduler:
         flight = self._flights.pop(step)
         t0 = time.perf_counter()
         scores = flight.teacher.result()
-        flight.timings["wait_teacher"] = time.perf_counter() - t0
+        flight.timings["wait_teacher"] += time.perf_counter() - t0
         self._next_trained = step + 1
         scored = ScoredBatch(flight.rollouts, flight.batch, scores, step, flight.timings, flight.items)
         if not 0 <= scored.staleness <= self.depth:
@@ -164,8 +170,9 @@ class Scheduler:
         self._data_before[b] = dict(self.data.state_dict())
         items = self.data.next_batch()
         sampling = dataclasses.replace(self.sampling, seed=self.seed_for(b))
+        asked = time.perf_counter()  # before the call: a synchronous sampler returns a completed future
         future = self.rollout.generate([it.prompt_ids for it in items], sampling, self.n)
-        self._flights[b] = _InFlight(items, future, time.perf_counter())
+        self._flights[b] = _InFlight(items, future, asked, blocked=time.perf_counter() - asked)
         self._next_asked = b + 1
 
     def _ask_teacher(self, b: int) -> None:
@@ -173,7 +180,7 @@ class Scheduler:
         t0 = time.perf_counter()
         flight.rollouts = flight.rollout.result()
         done = time.perf_counter()
-        flight.timings.update(rollout=done - flight.asked, wait_rollout=done - t0)
+        flight.timings.update(rollout=done - flight.asked, wait_rollout=flight.blocked + done - t0)
         flight.batch = pack_rollouts(
             flight.rollouts, pad_token_id=self.pad_token_id, max_len=self.max_len, student_topk=self.student_topk
         )
@@ -181,6 +188,7 @@ class Scheduler:
         # and, for the union support, of the student's top-k ids.
         asked = time.perf_counter()
         flight.teacher = self.teacher.score(flight.batch.tokens, flight.batch.teacher_request_ids())
+        flight.timings["wait_teacher"] = time.perf_counter() - asked  # a synchronous teacher scores inside score()
         flight.teacher.add_done_callback(lambda _: flight.timings.setdefault("teacher", time.perf_counter() - asked))
         self._next_scored = b + 1
 

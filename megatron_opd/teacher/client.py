@@ -10,6 +10,9 @@ and at least one per live replica; a small thread pool sends them. Each piece:
 - uses a fresh connection after any failure (a ZeroMQ socket that timed out is never reused), re-checked with a
   hello: limits, and the vocabulary fingerprint the start-up check accepted (a restarted server must serve the
   same vocabulary);
+- fails at once when the server's connection closes while it waits (a killed server), and, on a fresh connection
+  to a server that accepts none (down or restarting), gives up within ``PROBE_S`` while another replica is up, or
+  waits up to ``timeout_s`` for the restart when none is: ``timeout_s`` is for servers that are alive but slow;
 - is validated before it is accepted (shapes equal the request's, ids in range and distinct, log-probabilities
   finite, <= 0 and sorted);
 - after ``retries`` failed retries raises ``TeacherUnavailableError`` naming the servers, the batch and the rows:
@@ -35,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_opd.interfaces import TeacherScores
+from megatron_opd.server_wait import StartupWait
 from megatron_opd.teacher import wire
 from megatron_opd.teacher.transport import (
     WIRE_DTYPES,
@@ -53,6 +57,10 @@ logger = logging.getLogger(__name__)
 
 LOGPROB_TOLERANCE = 1e-4
 """Slack for ``log-prob <= 0`` and sortedness checks (rounding in the server's dtype)."""
+
+PROBE_S = 1.0
+"""How long a fresh connection to a replica that accepts none is waited for while another replica is up; also the
+step of the start-up wait."""
 
 
 @dataclass
@@ -186,8 +194,9 @@ class TeacherClient:
             if self._info is None:
                 self._info = info
 
-    def _transport(self, address: str) -> Transport:
-        """This thread's verified connection to ``address`` (a fresh one after a failure)."""
+    def _transport(self, address: str, wait_s: float | None = None, hello_timeout_s: float | None = None) -> Transport:
+        """This thread's verified connection to ``address`` (a fresh one after a failure); a fresh one waits up to
+        ``wait_s`` (default ``timeout_s``) for the server to accept it, then ``hello_timeout_s`` for the hello."""
         cache = self._local.__dict__.setdefault("transports", {})
         if address in cache:
             return cache[address]
@@ -195,12 +204,33 @@ class TeacherClient:
         with self._lock:
             self._open.append(transport)
         try:
-            self._verify(address, transport.hello(with_tokenizer=False, timeout_s=self.timeout_s))
+            self._await_connection(transport, self.timeout_s if wait_s is None else wait_s)
+            hello = transport.hello(with_tokenizer=False, timeout_s=hello_timeout_s or self.timeout_s)
+            self._verify(address, hello)
         except BaseException:
             self._discard(transport)
             raise
         cache[address] = transport
         return transport
+
+    def _await_connection(self, transport: Transport, wait_s: float) -> None:
+        """Wait until ``transport``'s server accepts the connection (transports that connect lazily return at once).
+
+        A server that is down or restarting accepts none: while another replica is up (its last request succeeded)
+        this gives up after ``PROBE_S``, so the request moves there; when none is, it waits for the restart."""
+        wait = getattr(transport, "wait_connected", None)
+        if wait is None:
+            return
+        deadline = time.monotonic() + wait_s
+        while not wait(min(PROBE_S, max(deadline - time.monotonic(), 0.0))):
+            if time.monotonic() >= deadline or self._other_up(transport.address):
+                raise TransportError(
+                    f"teacher server {transport.address} accepts no connection (not running, or restarting)"
+                )
+
+    def _other_up(self, address: str) -> bool:
+        with self._lock:
+            return any(a != address and self._failures[a] == 0 for a in self.addresses)
 
     def _discard(self, transport: Transport) -> None:
         transport.close()
@@ -241,26 +271,31 @@ class TeacherClient:
             time.sleep(max(wait, 0.0))
 
     def connect(self) -> ServerInfo:
-        """Wait (up to ``connect_timeout_s``) until a replica answers a hello; returns its limits."""
+        """Wait (up to ``connect_timeout_s``, logging progress) until a replica answers a hello; returns its limits."""
         if self._info is not None:
             return self._info
-        deadline = time.monotonic() + self.connect_timeout_s
+        waiting = StartupWait(
+            f"teacher server at {','.join(self.addresses)}", self.connect_timeout_s, "teacher.connect_timeout_s"
+        )
         errors: dict[str, str] = {}
         while True:
             for address in self.addresses:
                 try:
-                    self._transport(address)
+                    left = max(waiting.remaining(), 0.1)
+                    self._transport(address, wait_s=min(PROBE_S, left), hello_timeout_s=min(self.timeout_s, left))
                     self._mark_alive(address)
                     return self._info  # type: ignore[return-value]
                 except TransportError as err:
                     errors[address] = str(err)
                     self._mark_dead(address)
-            if time.monotonic() >= deadline:
+            waiting.progress("; ".join(errors.values()))
+            if waiting.expired():
                 raise TeacherUnavailableError(
                     f"no teacher server answered within teacher.connect_timeout_s={self.connect_timeout_s:g} s: "
                     + "; ".join(f"{a}: {e}" for a, e in errors.items())
+                    + " (check teacher.address and that the server is running)"
                 )
-            time.sleep(min(self.backoff_s, max(deadline - time.monotonic(), 0.0)))
+            waiting.sleep(self.backoff_s)
 
     def vocabulary(self) -> tuple[RemoteTokenizer, ServerInfo]:
         """The server's tokenizer (for the vocabulary check) from the first replica that answers; pins its fingerprint."""
@@ -269,6 +304,7 @@ class TeacherClient:
         for address in self.addresses:
             transport = self.factory(address)
             try:
+                self._await_connection(transport, PROBE_S)  # a replica that is down is skipped, not waited for
                 info = transport.hello(with_tokenizer=True, timeout_s=self.timeout_s)
             except TransportError as err:
                 last = err

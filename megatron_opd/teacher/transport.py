@@ -138,7 +138,9 @@ class Transport(Protocol):
     """One connection to one teacher server, used by one thread at a time.
 
     After any ``TransportError`` the client calls ``close()`` and builds a fresh transport for the next attempt
-    (a ZeroMQ socket that timed out must never be reused).
+    (a ZeroMQ socket that timed out must never be reused). A transport whose connection is made in the background
+    also has ``wait_connected(timeout_s) -> bool`` (the ZeroMQ one): the client waits on it before the hello, to
+    tell a server that accepts no connection (down, restarting) from one that is slow to answer.
     """
 
     address: str

@@ -4,6 +4,11 @@ The server's rank 0 holds a ROUTER socket; each client thread talks to each repl
 sockets are not thread-safe). A DEALER carries a request id in every message instead of REQ's strict
 send/receive alternation, so a reply that arrives late is recognised and dropped, and a timed-out socket is
 simply closed and replaced (``close()``; the client builds a fresh transport for the next attempt).
+
+A transport serves one connection. A socket monitor reports when it is up (ZeroMQ handshake done) and when it closes:
+a server that exits or is killed closes its TCP connections at once, so a request in flight fails then, not after
+``teacher.timeout_s`` (which is left for servers that are alive but slow); and a connection that closed since the
+hello is never used again (DEALER would silently reconnect to whatever now listens on the port, unchecked).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import secrets
 import time
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from megatron_opd.teacher import wire
 from megatron_opd.teacher.transport import (
@@ -46,6 +52,11 @@ class ZmqTransport:
         self._token = token
         self._max_bytes = max_message_bytes
         self._socket: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
+        self._up = False
+        """The connection is up (handshake done) and has not closed."""
+        self._lost = False
+        """A connection was up and closed: whatever was in flight on it is gone."""
 
     def _connected(self) -> zmq.Socket:
         if self._socket is None:
@@ -56,22 +67,58 @@ class ZmqTransport:
             sock.setsockopt(zmq.MAXMSGSIZE, 2 * self._max_bytes)
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+            self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
             sock.connect(self._endpoint)
             self._socket = sock
         return self._socket
 
+    def _read_events(self, timeout_ms: int = 0) -> None:
+        """Apply the monitor's pending connection events, waiting up to ``timeout_ms`` for the first."""
+        while self._monitor.poll(timeout_ms):  # type: ignore[union-attr]
+            event = recv_monitor_message(self._monitor)["event"]  # type: ignore[arg-type]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED and not self._lost:
+                self._up = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                self._up, self._lost = False, True
+            timeout_ms = 0
+
+    def _check_connection(self) -> None:
+        self._read_events()
+        if self._lost:
+            raise TransportError(
+                f"the connection to teacher server {self.address} closed (the server exited, was killed or restarted; "
+                "or a message exceeded a size limit)"
+            )
+
+    def wait_connected(self, timeout_s: float) -> bool:
+        """Whether the server accepts the connection (handshake done) within ``timeout_s``; False once it closed."""
+        self._connected()
+        deadline = time.monotonic() + timeout_s
+        self._read_events()
+        while not (self._up or self._lost) and (remaining := deadline - time.monotonic()) > 0:
+            self._read_events(max(1, int(remaining * 1000)))
+        return self._up
+
     def _roundtrip(self, body: bytes, request_id: int, timeout_s: float) -> wire.Message:
         sock = self._connected()
+        self._check_connection()
         deadline = time.monotonic() + timeout_s
         sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
         try:
             sock.send(body, copy=False)
         except zmq.Again:
             raise TransportError(f"teacher server {self.address}: could not send within {timeout_s:.1f} s") from None
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not sock.poll(max(1, int(remaining * 1000)), zmq.POLLIN):
+            ready = dict(poller.poll(max(1, int(remaining * 1000)))) if remaining > 0 else {}
+            if not ready:
                 raise TransportError(f"no reply from teacher server {self.address} within {timeout_s:.1f} s")
+            if sock not in ready:  # a connection event; a closed connection fails the request now
+                self._check_connection()
+                continue
             frames = sock.recv_multipart(copy=True)
             size = sum(len(f) for f in frames)
             if size > self._max_bytes:
@@ -127,8 +174,10 @@ class ZmqTransport:
 
     def close(self) -> None:
         if self._socket is not None:
+            self._socket.disable_monitor()
+            self._monitor.close(linger=0)  # type: ignore[union-attr]
             self._socket.close(linger=0)
-            self._socket = None
+            self._socket = self._monitor = None
 
 
 class ZmqTransportFactory:

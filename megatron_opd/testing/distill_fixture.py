@@ -40,11 +40,13 @@ class DistillFixture:
 
 
 def make_distill_fixture(
-    root: str | os.PathLike, *, num_prompts: int = 32, padded_embeddings: bool = True
+    root: str | os.PathLike, *, num_prompts: int = 32, padded_embeddings: bool = True, tied_student: bool = True
 ) -> DistillFixture:
     """Write ``root/teacher`` (4 layers), ``root/student`` (2 layers), tokenizer files in both, and prompts.
 
     ``padded_embeddings=False`` gives the models exactly the tokenizer's rows (vLLM normalises over every row).
+    ``tied_student``: the student's input and output embeddings are one matrix, like most small Qwen and Llama
+    students (the teacher's are untied).
     """
     from transformers import AutoTokenizer
 
@@ -55,7 +57,8 @@ def make_distill_fixture(
     if not padded_embeddings:
         rows = len(AutoTokenizer.from_pretrained(make_tiny_tokenizer(root / "tokenizer", vocab_size=1000)))
     dirs = {}
-    for name, seed, overrides in (("teacher", 0, {}), ("student", 1, {"num_hidden_layers": 2})):
+    student = {"num_hidden_layers": 2, "tie_word_embeddings": tied_student}
+    for name, seed, overrides in (("teacher", 0, {}), ("student", 1, student)):
         dirs[name] = make_tiny_hf_model("qwen3", root / name, seed=seed, vocab_size=rows, **overrides)
         make_tiny_tokenizer(dirs[name], vocab_size=1000)
     words = ("tensor", "pipeline", "teacher", "student", "vocabulary", "divergence", "sample", "token")

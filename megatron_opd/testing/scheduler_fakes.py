@@ -90,6 +90,32 @@ class TimedTeacher(RecordingTeacher):
         return self.worker.submit(lambda: (time.sleep(self.seconds), TeacherScores())[1])
 
 
+class SynchronousRollout(RecordingRollout):
+    """Samples inside ``generate`` (``seconds``) and returns a completed future, like the built-in sampler."""
+
+    asynchronous = False
+
+    def __init__(self, log: list, seconds: float) -> None:
+        super().__init__(log)
+        self.seconds = seconds
+
+    def generate(self, prompt_token_ids, sampling: SamplingParams, n: int):
+        time.sleep(self.seconds)
+        return completed(super().generate(prompt_token_ids, sampling, n).result())
+
+
+class SynchronousTeacher(RecordingTeacher):
+    """Scores inside ``score`` (``seconds``), like the in-process teacher."""
+
+    def __init__(self, log: list, seconds: float) -> None:
+        super().__init__(log)
+        self.seconds = seconds
+
+    def score(self, tokens, request_ids=None):
+        time.sleep(self.seconds)
+        return super().score(tokens, request_ids)
+
+
 PHASES = {"rollout": 0.4, "teacher": 0.1, "update": 0.2}
 """Seconds per phase (sleeps: they overlap whatever the machine's load)."""
 

@@ -3,11 +3,17 @@
 The client's fault handling (time-outs, restarts, dead replicas, bad replies) is tested against the real
 ``TeacherServer`` front end running in a thread with ``ToyScorer`` (no Megatron, milliseconds per batch), and
 against raw ZeroMQ sockets that never answer or answer garbage. The Megatron server itself is tested under torchrun.
+``python -m megatron_opd.testing.teacher_fakes --port P`` serves a ``ToyScorer`` in a process of its own, for tests
+that kill a server with SIGKILL (``ToyServerProcess`` starts one).
 """
 
 from __future__ import annotations
 
+import argparse
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -47,6 +53,20 @@ class ToyScorer:
 
     def heartbeat(self) -> None:
         pass
+
+
+class SlowToyScorer(ToyScorer):
+    """A ``ToyScorer`` that prints ``scoring`` when a batch starts and takes ``delay_s`` over it (a request in
+    flight that a test can kill the server under)."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+
+    def score(self, tokens_NS, request_ids_NSR, k: int, temperature: float) -> TeacherScores:
+        print("scoring", flush=True)
+        time.sleep(self.delay_s)
+        return super().score(tokens_NS, request_ids_NSR, k, temperature)
 
 
 def toy_tokenizer_summary(vocab: int, tag: str = "") -> dict:
@@ -110,6 +130,34 @@ class ThreadServer:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(10)
+
+
+class ToyServerProcess:
+    """``python -m megatron_opd.testing.teacher_fakes`` on ``port``: ready when the constructor returns."""
+
+    def __init__(self, port: int, delay_s: float = 0.0) -> None:
+        command = [sys.executable, "-m", "megatron_opd.testing.teacher_fakes", "--port", str(port)]
+        command += ["--delay-s", str(delay_s)]
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        self.address = f"127.0.0.1:{port}"
+        if self.proc.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
+            self.stop()
+            raise RuntimeError(
+                f"the toy teacher server on port {port} did not start (exit code {self.proc.returncode})"
+            )
+
+    def wait_scoring(self) -> None:
+        """Block until the server starts scoring a batch."""
+        line = self.proc.stdout.readline().strip()  # type: ignore[union-attr]
+        if line != "scoring":
+            raise RuntimeError(f"the toy teacher server printed {line!r}, expected 'scoring'")
+
+    def stop(self) -> None:
+        """SIGKILL (idempotent)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        self.proc.stdout.close()  # type: ignore[union-attr]
 
 
 class RawServer:
@@ -231,3 +279,20 @@ class FakeVLLMServer:
         self._stop.set()
         self._http.shutdown()
         self._http.server_close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve a ``ToyScorer`` (each batch taking ``--delay-s``) on loopback until killed; prints ``ready`` once bound."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--delay-s", type=float, default=0.0)
+    args = parser.parse_args(argv)
+    scorer = SlowToyScorer(args.delay_s) if args.delay_s else ToyScorer()
+    limits = ServerLimits(max_topk=16, max_seq_len=64, max_batch_tokens=512, batch_wait_s=0.0)
+    server = TeacherServer(scorer, toy_server_info(scorer, limits), port=args.port, limits=limits)
+    print("ready", flush=True)
+    server.serve()
+
+
+if __name__ == "__main__":
+    main()

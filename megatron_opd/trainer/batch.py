@@ -39,6 +39,10 @@ class TrainBatch:
     student_topk_ids: torch.Tensor | None = None
     """``[N, S, k]`` int64 (``loss.support=union``): the student's top-k ids at each position that predicts a trained
     token, recorded by the rollout; -1 everywhere else (prompt, padding, tool tokens: never trained)."""
+    rollout_logprobs: torch.Tensor | None = None
+    """``[N, S]`` float32: the sampler's log-probability (temperature 1) of the token each position predicts, where
+    that token is a sampled response token; 0 elsewhere. The rollout-fidelity monitor compares it with the
+    trainer's (``rollout.fidelity``). None for SFT."""
 
     def __post_init__(self) -> None:
         if self.seq_weights.numel() == 0:
@@ -90,6 +94,8 @@ class TrainBatch:
             "labels": self.next_tokens(),
             "seq_weights": self.seq_weights,
         }
+        if self.rollout_logprobs is not None:
+            columns["rollout_logprobs"] = self.rollout_logprobs
         columns.update(extra or {})
         out = []
         for lo in range(0, self.num_samples, micro_batch_size):
@@ -117,11 +123,14 @@ def pack(
     max_len: int | None = None,
     seq_len: int | None = None,
     topk_ids: list[torch.Tensor] | None = None,
+    logprobs: list[torch.Tensor] | None = None,
 ) -> TrainBatch:
     """Concatenate each prompt with its response and pad to one length (``seq_len`` if given).
 
     ``topk_ids``: per sample ``[response_len, k]`` ids recorded while sampling each response token; they go to the
-    position that predicts that token, for trained tokens only (``TrainBatch.student_topk_ids``)."""
+    position that predicts that token, for trained tokens only (``TrainBatch.student_topk_ids``). ``logprobs``: per
+    sample ``[response_len]``, the sampler's log-probability of each response token, placed the same way
+    (``TrainBatch.rollout_logprobs``)."""
     lengths = [int(p.numel() + r.numel()) for p, r in zip(prompts, responses)]
     longest = max(lengths)
     if seq_len is None:
@@ -134,6 +143,7 @@ def pack(
     student_topk_ids = None
     if topk_ids is not None:
         student_topk_ids = torch.full((n, seq_len, topk_ids[0].shape[-1]), -1, dtype=torch.int64)
+    rollout_logprobs = None if logprobs is None else torch.zeros(n, seq_len, dtype=torch.float32)
     for i, (prompt, response, mask) in enumerate(zip(prompts, responses, response_masks)):
         p, r = prompt.numel(), response.numel()
         tokens[i, :p] = prompt
@@ -143,7 +153,14 @@ def pack(
         if student_topk_ids is not None:
             trained_R1 = (mask != 0)[:, None]
             student_topk_ids[i, p - 1 : p - 1 + r] = torch.where(trained_R1, topk_ids[i].to(torch.int64), -1)
-    return TrainBatch(tokens, loss_mask, [int(p.numel()) for p in prompts], lengths, student_topk_ids=student_topk_ids)
+        if rollout_logprobs is not None:
+            if logprobs[i].numel() != r:
+                raise ValueError(f"sample {i}: {logprobs[i].numel()} rollout log-probabilities for {r} response tokens")
+            rollout_logprobs[i, p - 1 : p - 1 + r] = torch.where(mask != 0, logprobs[i].to(torch.float32), 0.0)
+    return TrainBatch(
+        tokens, loss_mask, [int(p.numel()) for p in prompts], lengths, student_topk_ids=student_topk_ids,
+        rollout_logprobs=rollout_logprobs,
+    )  # fmt: skip
 
 
 def pack_rollouts(
@@ -172,6 +189,7 @@ def pack_rollouts(
         pad_token_id=pad_token_id,
         max_len=max_len,
         topk_ids=topk_ids,
+        logprobs=rollouts.logprobs,
     )
 
 

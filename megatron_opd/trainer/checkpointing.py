@@ -17,6 +17,7 @@ the tensors of step N are written but before the checkpoint is committed; ``kill
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -118,6 +119,16 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def reseed_rng(seed: int, step: int) -> int:
+    """Fresh random streams for a resume at another layout, where the saved per-rank states have no owner: seeded
+    from ``seed`` and ``step`` (``seed`` alone would replay the first steps' streams). Returns the seed used."""
+    from megatron_opd.distributed.parallel import seed_rng
+
+    derived = seed + 7919 * step
+    seed_rng(derived)
+    return derived
+
+
 def sharded_rng_state():
     """This rank's RNG states as a ``ShardedObject`` (one per pipeline x tensor x data-parallel rank)."""
     from megatron.core import parallel_state as ps
@@ -145,6 +156,7 @@ class CheckpointManager:
         self.dir = Path(directory)
         self.keep_last = keep_last
         self._lock_file = None
+        self._previous_owner = ""
 
     # ---- the run's lock --------------------------------------------------------------------------------------
     def acquire_lock(self) -> None:
@@ -165,6 +177,8 @@ class CheckpointManager:
                 )
             else:
                 lock.seek(0)
+                self._previous_owner = lock.read()
+                lock.seek(0)
                 lock.truncate()
                 lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
                 lock.flush()
@@ -180,6 +194,21 @@ class CheckpointManager:
             fcntl.flock(self._lock_file, fcntl.LOCK_UN)
             self._lock_file.close()
             self._lock_file = None
+
+    @contextlib.contextmanager
+    def starting(self):
+        """A start that fails inside (a refused resume) hands the folder back as it found it: the previous run's
+        line back in ``.lock``, and the lock released, so the error is all that changed."""
+        try:
+            yield
+        except BaseException:
+            if self._lock_file is not None:
+                self._lock_file.seek(0)
+                self._lock_file.truncate()
+                self._lock_file.write(self._previous_owner)
+                self._lock_file.flush()
+            self.release_lock()
+            raise
 
     # ---- finding ---------------------------------------------------------------------------------------------
     def latest(self) -> Path | None:

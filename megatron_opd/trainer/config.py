@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -156,10 +157,22 @@ class RolloutConfig:
     """With ``tool_fn``: the text that ends a tool call (the model's turn is cut right after it)."""
     max_turns: int = 4
     """With ``tool_fn``: model turns per sample (a call in the last turn gets no answer)."""
+    startup_check: bool = True
+    """``backend=vllm``: after the first weight sync, score a fixed sequence in the engine (and in every server) and
+    in the trainer, and refuse to start when they differ by more than ``max_logprob_diff`` (``rollout.fidelity``)."""
+    max_logprob_diff: float | None = None
+    """Largest mean |log p_trainer - log p_sampler| per sampled token before a step is refused (the run stops before
+    the update; asynchronous modes check batches of staleness 0 only). Default: 1e-3 when trainer and sampler are
+    fp32, 0.1 otherwise (see ``rollout.fidelity.MAX_LOGPROB_DIFF_DEFAULTS``); ``inf`` logs without stopping."""
 
     def __post_init__(self) -> None:
         if self.n < 1:
             raise ValueError(f"rollout.n must be >= 1, got {self.n}")
+        if self.max_logprob_diff is not None and not self.max_logprob_diff > 0:
+            raise ValueError(
+                f"rollout.max_logprob_diff must be > 0 (inf: never stop), got {self.max_logprob_diff}; leave it unset "
+                "for the per-dtype default"
+            )
         if not self.sync_bucket_mb > 0:
             raise ValueError(f"rollout.sync_bucket_mb must be > 0, got {self.sync_bucket_mb}")
         if not self.sync_timeout_s > 0:
@@ -217,6 +230,26 @@ class OptimConfig:
     """bf16 parameters with fp32 main parameters; None: on when the accelerator is a GPU/NPU, off on CPU."""
     use_distributed_optimizer: bool | None = None
     """Shard optimizer state over data-parallel ranks; None: on with bf16 on GPU/NPU, off on CPU."""
+
+    def __post_init__(self) -> None:
+        # Checked here so a bad value names its key (torch's own errors do not) before anything is built.
+        if not 0 < self.lr < math.inf:
+            raise ValueError(f"optim.lr must be a finite number > 0 (e.g. 1e-5), got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(
+                f"optim.min_lr must be in [0, optim.lr={self.lr:g}] (where the decay ends), got {self.min_lr}"
+            )
+        if self.lr_warmup_steps < 0:
+            raise ValueError(f"optim.lr_warmup_steps must be >= 0 (0: no warm-up), got {self.lr_warmup_steps}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"optim.{name} must be in [0, 1) (e.g. 0.9, 0.999), got {getattr(self, name)}")
+        if not 0 < self.adam_eps < math.inf:
+            raise ValueError(f"optim.adam_eps must be a finite number > 0 (e.g. 1e-8), got {self.adam_eps}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise ValueError(f"optim.weight_decay must be a finite number >= 0 (0: off), got {self.weight_decay}")
+        if not 0 <= self.clip_grad < math.inf:
+            raise ValueError(f"optim.clip_grad must be a finite number >= 0 (0: no clipping), got {self.clip_grad}")
 
 
 @dataclass
@@ -309,7 +342,11 @@ class CheckpointConfig:
     keep_last: int = 2
     """Checkpoints kept; older ones are deleted after a successful save."""
     resume: bool = True
-    """Resume from ``dir``'s latest checkpoint when there is one."""
+    """Resume from ``dir``'s latest checkpoint when there is one (at any parallel layout: see
+    ``trainer/resharding.py``)."""
+    load_optimizer: bool = True
+    """Resume the optimizer state too; false starts Adam's moments afresh (the model, LR schedule and data position
+    still carry over), for a distributed-optimizer checkpoint resumed at another TP/PP/VP."""
 
 
 @dataclass
@@ -427,6 +464,11 @@ class TrainConfig:
             raise ValueError("teacher.path is required for distillation (loss.kind != sft)")
         if not self.data.train_files:
             raise ValueError("data.train_files is required: one path or a list of JSONL/Parquet files")
+        if self.optim.lr_warmup_steps >= self.train.steps:
+            raise ValueError(
+                f"optim.lr_warmup_steps={self.optim.lr_warmup_steps} must be < train.steps={self.train.steps}: the "
+                "learning rate would never reach optim.lr; lower the warm-up or raise train.steps"
+            )
         if self.rollout.vllm_sleep and self.scheduler.mode != "zero_step_off":
             raise ValueError(
                 f"rollout.vllm_sleep frees the engine's memory while the trainer trains, but scheduler.mode="

@@ -20,19 +20,27 @@ student's top-k.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
+from typing import ClassVar
 
 import torch
 
 from megatron_opd.losses import dense_divergence, reduce_loss, topk_divergence, union_divergence
-from megatron_opd.losses.shard_ops import global_argmax
+from megatron_opd.losses.shard_ops import chunked_logsumexp, gather_at_ids, global_argmax
 from megatron_opd.losses.vocab_parallel import make_vocab_shard
+from megatron_opd.rollout.fidelity import fidelity_sums
 from megatron_opd.trainer.config import LossConfig
 
 
 @dataclass
 class StepStats:
-    """Sums over one micro-batch's trained tokens (added over micro-batches and data-parallel ranks)."""
+    """Sums over one micro-batch's trained tokens (added over micro-batches and data-parallel ranks), and maxima
+    (``MAX_FIELDS``: the largest over micro-batches and ranks).
+
+    The ``fidelity_*``/``logprob_*``/``prob_ratio``/``kl_k3`` entries compare the trainer's log-probability of each
+    sampled token (temperature 1, read in the loss pass) with the sampler's (``rollout.fidelity``)."""
+
+    MAX_FIELDS: ClassVar[tuple[str, ...]] = ("logprob_diff_max",)
 
     loss: float = 0.0
     """The micro-batch's share of the global loss (already divided by the global denominator)."""
@@ -44,13 +52,35 @@ class StepStats:
     """Trained tokens."""
     nonfinite: float = 0.0
     """1 when the loss is NaN or infinite."""
+    fidelity_tokens: float = 0.0
+    """Trained tokens that carry the sampler's log-probability."""
+    logprob_diff_abs_sum: float = 0.0
+    """Sum of |log p_trainer - log p_sampler|."""
+    logprob_diff_sq_sum: float = 0.0
+    """Sum of (log p_trainer - log p_sampler)^2."""
+    logprob_diff_sum: float = 0.0
+    """Sum of log p_trainer - log p_sampler."""
+    prob_ratio_sum: float = 0.0
+    """Sum of p_trainer / p_sampler."""
+    kl_k3_sum: float = 0.0
+    """Sum of the k3 terms exp(d) - 1 - d of KL(sampler || trainer)."""
+    logprob_diff_max: float = 0.0
+    """Largest |log p_trainer - log p_sampler| (a maximum, not a sum)."""
 
     def as_tensor(self) -> torch.Tensor:
-        return torch.tensor([self.loss, self.divergence_sum, self.agree_sum, self.tokens, self.nonfinite])
+        return torch.tensor([getattr(self, f.name) for f in fields(self)], dtype=torch.float64)
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> StepStats:
         return cls(*[float(x) for x in t.tolist()])
+
+    @classmethod
+    def max_mask(cls) -> torch.Tensor:
+        """``[fields]`` bool: which entries of ``as_tensor`` are maxima."""
+        return torch.tensor([f.name in cls.MAX_FIELDS for f in fields(cls)])
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
 
 
 def sft_per_token(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -73,6 +103,7 @@ def teacher_divergence(
     vocab_size: int,
     teacher_temperature: float,
     inplace_backward: bool,
+    outputs: dict | None = None,
 ) -> torch.Tensor:
     """Per-token divergence ``[B, S]`` of the student's shard to the teacher's scores in ``mb`` (top-k or dense).
 
@@ -80,10 +111,11 @@ def teacher_divergence(
     whose teacher request carries none) the support is the teacher's top-k. ``loss.coverage_weight`` adds TCAD's
     coverage term in either case. No input validation: the in-process teacher's top-k is valid by construction, and
     a NaN/inf loss is caught once per step by the trainer (which names the step) instead of by a host sync per
-    micro-batch.
+    micro-batch. ``outputs``: receives the loss pass's per-token statistics (``dense_divergence``).
     """
     common = dict(beta=cfg.beta, student_temperature=cfg.student_temperature, chunk_size=cfg.chunk_size,
-                  vocab_size=vocab_size, validate=False, inplace_backward=inplace_backward)  # fmt: skip
+                  vocab_size=vocab_size, validate=False, inplace_backward=inplace_backward,
+                  outputs=outputs)  # fmt: skip
     if "teacher_topk_ids" in mb:
         teacher = (mb["teacher_topk_ids"], mb["teacher_topk_logprobs"])
         if cfg.support == "union" and "student_topk_ids" in mb:
@@ -112,8 +144,14 @@ def make_loss_fn(
     def loss_fn(logits_BSV: torch.Tensor, mb: dict) -> tuple[torch.Tensor, StepStats]:
         mask_BS = mb["loss_mask"]
         shard = make_vocab_shard(logits_BSV.shape[-1], None, vocab_size)
+        monitor = "rollout_logprobs" in mb  # the rollout-fidelity monitor: the label's log-prob at temperature 1
+        outputs: dict = {}
         with torch.no_grad():
             student_top1_BS = global_argmax(logits_BSV.detach(), shard)
+            if monitor:  # read before the in-place loss overwrites the logits: a [B, S] gather, no vocabulary pass
+                label_logit_BS = gather_at_ids(logits_BSV.detach(), mb["labels"][..., None], shard)[..., 0]
+                # The loss pass normalises at loss.student_temperature: at another one, one logsumexp pass at 1.
+                lse_t1_BS = None if cfg.student_temperature == 1.0 else chunked_logsumexp(logits_BSV.detach(), shard)
         if cfg.kind == "sft":
             target_top1_BS = mb["labels"]
             per_token_BS = sft_per_token(logits_BSV, mb["labels"], vocab_size)
@@ -137,6 +175,7 @@ def make_loss_fn(
                 vocab_size=vocab_size,
                 teacher_temperature=teacher_temperature,
                 inplace_backward=True,
+                outputs=outputs,
             )
         weighted_BS = per_token_BS * mb["seq_weights"][:, None].to(per_token_BS.dtype)
         if cfg.reduction == "sum":
@@ -145,12 +184,20 @@ def make_loss_fn(
             loss = reduce_loss(weighted_BS, mask_BS, cfg.reduction, normalizer=normalizer)
         with torch.no_grad():
             valid_BS = mask_BS != 0
+            fidelity = {}
+            if monitor:
+                if cfg.kind == "sft":  # cross-entropy is minus the label's log-probability (temperature 1)
+                    label_lp_BS = -per_token_BS.detach()
+                else:
+                    label_lp_BS = label_logit_BS - (lse_t1_BS if lse_t1_BS is not None else outputs["student_lse"])
+                fidelity = fidelity_sums(label_lp_BS, mb["rollout_logprobs"], mask_BS)
             stats = StepStats(
                 loss=float(loss),
                 divergence_sum=float(torch.where(valid_BS, per_token_BS.detach(), 0.0).sum()),
                 agree_sum=float(((student_top1_BS == target_top1_BS) & valid_BS).sum()),
                 tokens=float(valid_BS.sum()),
                 nonfinite=float(not torch.isfinite(loss)),
+                **fidelity,
             )
         return loss * scale, stats
 
@@ -205,9 +252,18 @@ def global_count(mask: torch.Tensor, reduction: str) -> float:
 
 
 def train_step(
-    student, batch, scores, cfg: LossConfig, *, vocab_size: int, teacher_temperature: float, micro_batch_size: int
+    student,
+    batch,
+    scores,
+    cfg: LossConfig,
+    *,
+    vocab_size: int,
+    teacher_temperature: float,
+    micro_batch_size: int,
+    guard: Callable[[StepStats], None] | None = None,
 ):
-    """One optimizer step of ``student`` on ``batch`` (and the teacher's ``scores``; None for SFT)."""
+    """One optimizer step of ``student`` on ``batch`` (and the teacher's ``scores``; None for SFT); ``guard`` may
+    refuse the step before it is applied (``Student.step``)."""
     from megatron.core import parallel_state as ps
 
     micro_batches = batch.micro_batches(
@@ -223,4 +279,4 @@ def train_step(
         normalizer=global_count(batch.loss_mask, cfg.reduction),
         scale=len(micro_batches) * ps.get_data_parallel_world_size(),
     )
-    return student.step(micro_batches, loss_fn)
+    return student.step(micro_batches, loss_fn, guard)

@@ -173,9 +173,13 @@ class Student:
             chunk.train()
 
     def step(
-        self, micro_batches: list[dict], loss_fn: Callable[[torch.Tensor, dict], tuple[torch.Tensor, StepStats]]
+        self,
+        micro_batches: list[dict],
+        loss_fn: Callable[[torch.Tensor, dict], tuple[torch.Tensor, StepStats]],
+        guard: Callable[[StepStats], None] | None = None,
     ) -> StepResult:
-        """Forward and backward every micro-batch, check the loss, then apply one optimizer step."""
+        """Forward and backward every micro-batch, check the loss (and ``guard``, which raises to refuse the step:
+        the rollout-fidelity monitor), then apply one optimizer step."""
         self.train()
         for chunk in self.model:
             chunk.zero_grad_buffer()
@@ -184,6 +188,8 @@ class Student:
         stats = sum_stats(outputs)
         if stats.nonfinite:
             raise NonFiniteLossError(f"loss is {stats.loss}")
+        if guard is not None:
+            guard(stats)  # identical stats on every rank: all refuse together, before any update
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:  # only a loss-scaled fp16 optimizer skips steps; bf16/fp32 never do
             logger.warning("optimizer skipped the step (gradient overflow)")
@@ -196,15 +202,21 @@ def sum_stats(outputs: list[StepStats]) -> StepStats:
     """Add the micro-batch stats of the last pipeline stage and share the totals with every rank (a collective).
 
     Data-parallel ranks' sums add up; pipeline stages without a loss contribute zeros; tensor-parallel ranks
-    hold identical values, so the total is divided by the tensor-parallel size.
+    hold identical values, so the total is divided by the tensor-parallel size. ``StepStats.MAX_FIELDS`` (never
+    negative) take the maximum instead, over micro-batches and ranks (a second all-reduce).
     """
     from megatron.core import parallel_state as ps
 
-    total = torch.zeros(5, dtype=torch.float64)
+    is_max = StepStats.max_mask()
+    total = torch.zeros(len(is_max), dtype=torch.float64)
     for stats in outputs:
-        total += stats.as_tensor().to(torch.float64)
+        values = stats.as_tensor().to(torch.float64)
+        total = torch.where(is_max, torch.maximum(total, values), total + values)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        total = total.to(collective_device())
-        dist.all_reduce(total)
-        total /= ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size()
+        sums = torch.where(is_max, 0.0, total).to(collective_device())
+        maxima = torch.where(is_max, total, 0.0).to(collective_device())
+        dist.all_reduce(sums)
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+        sums /= ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size()
+        total = torch.where(is_max, maxima.cpu(), sums.cpu())
     return StepStats.from_tensor(total.cpu())

@@ -5,7 +5,8 @@ protocol (``init_weight_transfer_engine`` -> ``start_weight_update`` -> ``update
 ``finish_weight_update``) over :mod:`megatron_opd.weight_sync.transport`. The worker loads each bucket with
 ``model.load_weights`` inside vLLM's layerwise reload (``initialize_layerwise_reload`` /
 ``finalize_layerwise_reload``), exactly as vLLM's NCCL engine does, so CPU kernels that repack weights see the new
-values (writing parameters directly is a silent no-op there).
+values (writing parameters directly is a silent no-op there); then layers sharing a parameter (a tied ``lm_head``)
+are re-processed, which the layerwise reload does not do (:mod:`megatron_opd.weight_sync.tied`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from megatron_opd.weight_sync.buckets import DEFAULT_BUCKET_BYTES
+from megatron_opd.weight_sync.tied import refresh_shared_layers
 from megatron_opd.weight_sync.transport import (
     GlooInitInfo,
     GlooSender,
@@ -63,6 +65,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
+        refresh_shared_layers(self.model)  # a tied lm_head's packed kernel (megatron_opd.weight_sync.tied)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(): nothing to wait for on a gloo receive.

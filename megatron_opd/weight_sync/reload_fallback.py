@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from megatron_opd.weight_sync.tied import refresh_shared_layers
 from megatron_opd.weight_sync.transport import (
     GlooInitInfo,
     GlooUpdateInfo,
@@ -41,3 +42,4 @@ class ReloadWorkerExtension:
         except BaseException:
             buckets.close()
             raise
+        refresh_shared_layers(self.model_runner.get_model())  # a tied lm_head (megatron_opd.weight_sync.tied)

@@ -14,10 +14,14 @@ Every trainer rank iterates the source in lockstep (each tensor is a collective 
 
 So the sender holds one tensor at a time (plus the transfer engine's bucket) and every other rank yields ``None``.
 Tensor order: embedding, layer 0 ... L-1 (in each, the mapping's rule order), final norm, output layer.
+
+``MEGATRON_OPD_SYNC_SKIP=NAME[,NAME]`` (tests only, never set otherwise) leaves those Hugging Face tensors out of
+every sync, as a sync that misses a tensor would: the checks that must catch a wrong sampler are tested with it.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import torch
@@ -44,6 +48,13 @@ except ImportError:  # pragma: no cover - the source is also usable (and tested)
         name: str
         dtype: torch.dtype
         shape: tuple[int, ...]
+
+
+SKIP_ENV = "MEGATRON_OPD_SYNC_SKIP"
+
+
+def _skipped() -> frozenset[str]:
+    return frozenset(n for n in os.environ.get(SKIP_ENV, "").split(",") if n)
 
 
 def hf_metadata(arch: ModelArchitecture, dtype: torch.dtype) -> list[ParamMeta]:
@@ -123,7 +134,8 @@ class MegatronWeightSource(WeightSource):  # noqa: B024 - abstract only in the f
         return self.active and self.pp_rank == 0 and self.tp_rank == 0
 
     def metadata(self) -> list[ParamMeta]:
-        return list(self._metadata)
+        skip = _skipped()
+        return [m for m in self._metadata if m.name not in skip]
 
     def _full(self, rule: WeightRule, name: str) -> torch.Tensor | None:
         """The full Megatron tensor on this stage's first TP rank (a gather over the TP group), else None."""
@@ -157,6 +169,12 @@ class MegatronWeightSource(WeightSource):  # noqa: B024 - abstract only in the f
             yield from (None for _ in hf_names)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        skip = _skipped()
+        for name, tensor in self._stream():
+            if name not in skip:
+                yield name, tensor
+
+    def _stream(self) -> Iterator[tuple[str, torch.Tensor | None]]:
         for rule, layer in self.rules:
             name = rule.megatron_name(layer, te=self.te)
             hf_names = rule.hf_names(layer)

@@ -1,0 +1,184 @@
+"""Is the sampler the model being trained? A start-up check and a per-step monitor that stop a wrong run.
+
+On-policy distillation trains on the sampler's own tokens, so a sampler that is not the trainer's model (a weight
+sync that missed a tensor, a tied output layer left stale, another dtype, a wrong tokenizer or stop id) makes the
+student learn from another model's samples while every loss still falls. Both checks compare the sampler's
+log-probability of a token with the trainer's at temperature 1, which is what vLLM and the built-in sampler record
+(``Rollouts.logprobs``); with ``d = log p_trainer - log p_sampler`` over a step's trained tokens the monitor logs
+
+- ``rollout/logprob_diff_mean``, ``_max``, ``_std``: mean, largest and standard deviation of ``|d|``;
+- ``rollout/prob_ratio_mean``: mean of ``p_trainer / p_sampler`` (1 for a faithful sampler);
+- ``rollout/kl_k3``: the k3 estimate ``mean(exp(d) - 1 - d)`` of KL(sampler || trainer), unbiased on the sampler's
+  tokens and never negative per token;
+- ``rollout/ppl_ratio``: the trainer's perplexity of the responses over the sampler's, ``exp(-mean d)``.
+
+The trainer's value is read in the loss pass (``trainer.objective``), no extra forward. A batch whose
+``logprob_diff_mean`` exceeds ``rollout.max_logprob_diff`` stops the run before ``optimizer.step()``
+(:class:`RolloutMismatchError`): in ``zero_step_off`` every batch, in the asynchronous modes only batches sampled by
+the weights being trained (staleness 0), since older ones also differ by the policy's drift.
+
+Shape legend: ``B`` samples, ``S`` positions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+MAX_LOGPROB_DIFF_DEFAULTS: dict[str, float] = {"fp32": 1e-3, "bf16": 0.1}
+"""``rollout.max_logprob_diff`` when unset, by the lower of the trainer's and the sampler's precision.
+
+fp32: healthy runs measured here stay below 2e-6 (``benchmarks/RESULTS.md``, "rollout fidelity"), the broken
+tied-embedding sync gave 0.2-0.5; 1e-3 leaves a factor of 500 over the healthy values. bf16 (and fp16): no CUDA
+build of vLLM has run against this code, so this is a conservative guess from what verl and slime users report for
+healthy bf16 runs (mean |d| about 0.01-0.03): a gross mismatch still stops the run, ordinary kernel differences do
+not. Measure it on your set-up (the metric is logged every step) and set the key."""
+
+
+class RolloutMismatchError(RuntimeError):
+    """The sampler's log-probabilities are not the trainer's; the step was not applied."""
+
+
+def default_max_logprob_diff(*dtypes: str) -> float:
+    """The default threshold for a run whose trainer and sampler use ``dtypes`` (torch dtype names or short names)."""
+    full = all(str(d).removeprefix("torch.") in ("fp32", "float32", "float64", "fp64") for d in dtypes)
+    return MAX_LOGPROB_DIFF_DEFAULTS["fp32" if full else "bf16"]
+
+
+def fidelity_sums(trainer_lp_BS: torch.Tensor, sampler_lp_BS: torch.Tensor, mask_BS: torch.Tensor) -> dict[str, float]:
+    """Sums (and the maximum) over the trained tokens of ``mask_BS`` that ``fidelity_metrics`` turns into metrics."""
+    valid_BS = mask_BS != 0
+    d = (trainer_lp_BS.double() - sampler_lp_BS.double())[valid_BS]
+    if d.numel() == 0:
+        return dict.fromkeys(FIDELITY_SUMS, 0.0) | {"logprob_diff_max": 0.0}
+    ratio = torch.exp(d)
+    return {
+        "fidelity_tokens": float(d.numel()),
+        "logprob_diff_abs_sum": float(d.abs().sum()),
+        "logprob_diff_sq_sum": float((d * d).sum()),
+        "logprob_diff_sum": float(d.sum()),
+        "prob_ratio_sum": float(ratio.sum()),
+        "kl_k3_sum": float((ratio - 1.0 - d).sum()),
+        "logprob_diff_max": float(d.abs().max()),
+    }
+
+
+FIDELITY_SUMS = (
+    "fidelity_tokens",
+    "logprob_diff_abs_sum",
+    "logprob_diff_sq_sum",
+    "logprob_diff_sum",
+    "prob_ratio_sum",
+    "kl_k3_sum",
+)
+
+
+def fidelity_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """The logged ``rollout/*`` metrics of a step's global sums (empty when no token carried a sampler value)."""
+    n = sums["fidelity_tokens"]
+    if n <= 0:
+        return {}
+    mean_abs = sums["logprob_diff_abs_sum"] / n
+    return {
+        "rollout/logprob_diff_mean": mean_abs,
+        "rollout/logprob_diff_max": sums["logprob_diff_max"],
+        "rollout/logprob_diff_std": math.sqrt(max(sums["logprob_diff_sq_sum"] / n - mean_abs * mean_abs, 0.0)),
+        "rollout/prob_ratio_mean": sums["prob_ratio_sum"] / n,
+        "rollout/kl_k3": sums["kl_k3_sum"] / n,
+        "rollout/ppl_ratio": math.exp(-sums["logprob_diff_sum"] / n),
+    }
+
+
+LIKELY_CAUSES = (
+    "the weight sync (a tensor not sent or not applied by the engine: compare rollout/logprob_diff_max with the "
+    "start-up check's numbers), the sampler's dtype (rollout.vllm_dtype) or kernels, a tokenizer or stop-id mismatch "
+    "between the data and the sampler, or sampling settings the sampler applies to its recorded log-probabilities"
+)
+
+
+def check_step(metrics: dict[str, float], threshold: float, staleness: int) -> None:
+    """Raise :class:`RolloutMismatchError` when a step's mean |d| exceeds ``threshold`` (only for staleness 0)."""
+    value = metrics.get("rollout/logprob_diff_mean")
+    if value is None or staleness != 0 or value <= threshold:  # NaN compares False: it stops the run
+        return
+    raise RolloutMismatchError(
+        f"the sampler's log-probabilities differ from the trainer's by {value:.3g} nats per token on average "
+        f"(max {metrics['rollout/logprob_diff_max']:.3g}, k3 KL {metrics['rollout/kl_k3']:.3g}), above "
+        f"rollout.max_logprob_diff={threshold:g}: the samples do not come from the model being trained. Likely "
+        f"causes: {LIKELY_CAUSES}. Set rollout.max_logprob_diff higher only if this level is expected"
+    )
+
+
+def sequence_logprobs(chunks: list, sequences: list[list[int]], vocab_size: int) -> list[torch.Tensor] | None:
+    """log p(token_i | tokens_<i), i >= 1, of each sequence from the trainer's own forward (float64 after the gather).
+    Collective over TP and PP; None except on the rank that gathers the logits."""
+    from megatron_opd.checkpoint.verify import megatron_logits
+
+    out = []
+    for seq in sequences:
+        tokens = torch.tensor([seq])
+        logits = megatron_logits(chunks, tokens, vocab_size)
+        if logits is not None:
+            logprobs = torch.log_softmax(logits[0].double(), dim=-1)
+            out.append(logprobs[torch.arange(len(seq) - 1), tokens[0, 1:]])
+    return out or None
+
+
+def probe_sequence(vocab_size: int, length: int = 32, seed: int = 1234) -> list[int]:
+    """The start-up check's fixed sequence: ``length`` ids drawn uniformly from the vocabulary (every row of the
+    embedding and output layer is equally likely to be probed)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (length,), generator=generator).tolist()
+
+
+def startup_check(rollout, chunks: list, vocab_size: int, threshold: float, max_len: int) -> dict[str, float]:
+    """Score one fixed sequence in the rollout engine (each server) and in the trainer; refuse to start on a mismatch.
+
+    Collective over every rank; returns the mean |d| per engine (rank 0's numbers, on every rank)."""
+    import torch.distributed as dist
+
+    sequence = probe_sequence(vocab_size, length=max(2, min(32, max_len)))
+    reference = sequence_logprobs(chunks, [sequence], vocab_size)
+    box = [None]
+    if reference is not None:  # the rank that gathered the logits hands them to rank 0
+        box = [reference[0]]
+    src = _holder_rank(reference is not None)
+    dist.broadcast_object_list(box, src=src)
+    result: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            engines = rollout.score([sequence])
+            result = [{name: _diff(lps[0], box[0]) for name, lps in engines.items()}]
+        except Exception as err:  # noqa: BLE001 - every rank must learn it
+            result = [f"{type(err).__name__}: {err}"]
+    dist.broadcast_object_list(result, src=0)
+    (outcome,) = result
+    if isinstance(outcome, str):
+        raise RuntimeError(f"the rollout start-up check could not score its sequence: {outcome}")
+    bad = {name: d for name, d in outcome.items() if not d["mean"] <= threshold}
+    if bad:
+        numbers = "; ".join(f"{name}: mean {d['mean']:.3g}, max {d['max']:.3g}" for name, d in bad.items())
+        raise RolloutMismatchError(
+            f"rollout start-up check: the sampler's log-probabilities of a fixed {len(sequence)}-token sequence differ "
+            f"from the trainer's ({numbers}; rollout.max_logprob_diff={threshold:g}) right after the first weight "
+            f"sync, so rollouts would come from another model. Likely causes: {LIKELY_CAUSES}. "
+            "rollout.startup_check=false skips this check"
+        )
+    return {name: d["mean"] for name, d in outcome.items()}
+
+
+def _holder_rank(holds: bool) -> int:
+    """The lowest global rank for which ``holds`` is true (a collective)."""
+    import torch.distributed as dist
+
+    from megatron_opd.distributed.device import collective_device
+
+    rank = torch.tensor([dist.get_rank() if holds else dist.get_world_size()], device=collective_device())
+    dist.all_reduce(rank, op=dist.ReduceOp.MIN)
+    return int(rank.item())
+
+
+def _diff(ours: list[float], reference: torch.Tensor) -> dict[str, float]:
+    d = (torch.tensor(ours, dtype=torch.float64) - reference.double()).abs()
+    return {"mean": float(d.mean()), "max": float(d.max())}

@@ -1,0 +1,125 @@
+"""Resuming a training checkpoint at another parallel layout: what carries over, and what cannot.
+
+Model weights and the plain optimizer's Adam moments are ``ShardedTensor`` s keyed by model parameter, so
+``dist_checkpointing`` reshards them to any TP/PP/VP/DP. The LR schedule, step and data position are plain values.
+Two things are per rank and do not reshard:
+
+* RNG states (one per pipeline x tensor x data-parallel rank): restored when the layout is unchanged, otherwise
+  every stream is re-seeded from ``seed`` and the step (as Megatron-LM's ``--no-load-rng``).
+* The distributed optimizer's ``dp_reshardable`` state: flat buckets of one model-parallel rank, which Megatron
+  reshards over data-parallel ranks only; a resume at another TP/PP/VP/CP is refused before anything is loaded.
+
+The layout is saved in the checkpoint's trainer state; checkpoints written before that are read from their
+metadata (the shape of the ``rng_state`` objects, the config's ``parallel`` section).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_opd.models.hf_io import CheckpointError
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the ranks of a run are laid out, and which optimizer state format they hold."""
+
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    virtual_pipeline_model_parallel_size: int
+    """Model chunks per pipeline rank (1: not interleaved)."""
+    context_parallel_size: int
+    data_parallel_size: int
+    distributed_optimizer: bool
+    """Optimizer state saved by Megatron's distributed optimizer (``dp_reshardable`` buckets)."""
+
+    def ranks(self) -> tuple[int, ...]:
+        """The sizes that decide which rank holds which per-rank state."""
+        return self.model_parallel() + (self.data_parallel_size,)
+
+    def model_parallel(self) -> tuple[int, ...]:
+        return (
+            self.tensor_model_parallel_size,
+            self.pipeline_model_parallel_size,
+            self.virtual_pipeline_model_parallel_size,
+            self.context_parallel_size,
+        )
+
+    def describe(self) -> str:
+        return (
+            f"TP={self.tensor_model_parallel_size} PP={self.pipeline_model_parallel_size} "
+            f"VP={self.virtual_pipeline_model_parallel_size} CP={self.context_parallel_size} "
+            f"DP={self.data_parallel_size}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def current_layout(student) -> Layout:
+    """This run's layout (Megatron's parallel state and the student's optimizer)."""
+    from megatron.core import parallel_state as ps
+
+    return Layout(
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=len(student.chunks),
+        context_parallel_size=ps.get_context_parallel_world_size(),
+        data_parallel_size=ps.get_data_parallel_world_size(),
+        distributed_optimizer=bool(student.model[0].ddp_config.use_distributed_optimizer),
+    )
+
+
+_RNG_KEY = re.compile(r"^rng_state/shard_[\d.]+_(\d+)\.(\d+)\.(\d+)$")
+
+
+def saved_layout(path: str | Path) -> Layout:
+    """The layout checkpoint ``path`` was written at (read on every rank: a small file, no collective)."""
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(str(path))
+    trainer = common.get("trainer", {})
+    if "layout" in trainer:
+        return Layout(**trainer["layout"])
+    return layout_from_metadata(Path(path), trainer.get("config", {}).get("parallel", {}), common)
+
+
+def layout_from_metadata(path: Path, parallel: dict, common: dict) -> Layout:
+    """A checkpoint from before the layout was saved: PP, TP and DP are the shape of its ``rng_state`` objects."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    shapes = {tuple(int(s) for s in m.groups()) for m in map(_RNG_KEY.match, keys) if m}
+    if len(shapes) != 1:
+        raise CheckpointError(f"{path} holds no readable rng_state objects, so its parallel layout is unknown")
+    pp, tp, dp = shapes.pop()
+    return Layout(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=parallel.get("virtual_pipeline_model_parallel_size") or 1,
+        context_parallel_size=parallel.get("context_parallel_size", 1),
+        data_parallel_size=dp,
+        distributed_optimizer="param_state_sharding_type" in repr(common.get("optimizer", {})),
+    )
+
+
+def check_optimizer_state(saved: Layout, current: Layout, path: str | Path) -> None:
+    """Refuse, before anything is loaded, an optimizer state this layout cannot read."""
+    names = {True: "Megatron's distributed optimizer", False: "the plain (non-distributed) optimizer"}
+    if saved.distributed_optimizer != current.distributed_optimizer:
+        raise ValueError(
+            f"{path} holds the state of {names[saved.distributed_optimizer]}, but this run uses "
+            f"{names[current.distributed_optimizer]}: set optim.use_distributed_optimizer="
+            f"{str(saved.distributed_optimizer).lower()} to resume it, or checkpoint.load_optimizer=false to load "
+            "the model, LR schedule and data position and start Adam's moments afresh"
+        )
+    if saved.distributed_optimizer and saved.model_parallel() != current.model_parallel():
+        raise ValueError(
+            f"{path} holds the distributed optimizer's state in Megatron's dp_reshardable format, saved at "
+            f"{saved.describe()}; it loads at that TP/PP/VP/CP with any number of data-parallel ranks, not at "
+            f"{current.describe()}. Resume at the saved parallel.* sizes, or set checkpoint.load_optimizer=false to "
+            "reshard the model, keep the LR schedule and data position, and start Adam's moments afresh"
+        )

@@ -1,0 +1,300 @@
+"""A training checkpoint resumes at another layout (issue 23): TP1 -> TP2 (from DP2), TP2 -> TP2xPP2, DP2 -> DP1.
+
+Each resume goes through ``train.resume``: the resumed parameters and Adam moments equal the saved ones bitwise
+(gathered to full tensors), the step, LR schedule and data position carry over, the next step's loss equals the
+saving layout's next step, and the RNG is re-seeded with one warning (restored exactly at an unchanged layout). A
+refused resume leaves the run folder's lock as it was. Three launches (world 2, 4, 1), grouped so each layout's
+checks share one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_opd.testing.multiprocess import run_distributed
+
+SEED, GLOBAL_BATCH = 7, 4
+
+
+def _rank_batch(dp_rank: int, dp_size: int):
+    """This data-parallel rank's share of a fixed SFT batch of GLOBAL_BATCH sequences of different lengths."""
+    from dataclasses import replace
+
+    from megatron_opd.trainer.batch import pack_sft
+
+    gen = torch.Generator().manual_seed(11)
+    lengths = [(4, 7), (2, 10), (6, 3), (3, 8)]
+    prompts = [torch.randint(1, 1000, (p,), generator=gen).tolist() for p, _ in lengths]
+    responses = [torch.randint(1, 1000, (r,), generator=gen).tolist() for _, r in lengths]
+    batch, per_rank = pack_sft(prompts, responses, pad_token_id=0), GLOBAL_BATCH // dp_size
+    rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+    return replace(batch, tokens=batch.tokens[rows], loss_mask=batch.loss_mask[rows], seq_weights=torch.ones(0),
+                   prompt_lengths=batch.prompt_lengths[rows], lengths=batch.lengths[rows])  # fmt: skip
+
+
+class _Run:
+    """One layout's student, checkpoint folder, prompt stream and step, in a running job."""
+
+    def __init__(self, layout: dict, student_dir: str, ckpt_dir: str, data_seed: int = SEED) -> None:
+        from megatron.core import parallel_state as ps
+
+        from megatron_opd.data.stream import PromptStream
+        from megatron_opd.distributed import ParallelConfig, initialize_distributed
+        from megatron_opd.distributed.device import detect_accelerator
+        from megatron_opd.models.source import build_and_load
+        from megatron_opd.trainer.checkpointing import CheckpointManager
+        from megatron_opd.trainer.config import OptimConfig, StudentConfig, TrainConfig
+        from megatron_opd.trainer.student import Student, precision_plan
+
+        parallel = ParallelConfig(**layout)
+        initialize_distributed(parallel, "cpu", seed=SEED)
+        optim = OptimConfig(lr=1e-3, lr_warmup_steps=2, lr_decay_style="linear", clip_grad=0.5)
+        self.cfg = TrainConfig(student=StudentConfig(path=student_dir), optim=optim, parallel=parallel, seed=SEED)
+        chunks = build_and_load(student_dir, parallel, trainable=True)[1]
+        self.student = Student(chunks, optim, precision_plan(optim, detect_accelerator("cpu")), total_steps=10)
+        self.ckpt = CheckpointManager(ckpt_dir)
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        prompts = [[i + 1, i + 2] for i in range(16)]
+        self.data = PromptStream(prompts, [{}] * 16, seed=data_seed, shuffle=True, global_batch=GLOBAL_BATCH,
+                                 dp_rank=self.dp_rank, dp_size=self.dp_size)  # fmt: skip
+        self.step_count = 0
+
+    def step(self) -> dict:
+        """One SFT step on this rank's share of the fixed batch (the stream advances as in the trainer)."""
+        from megatron_opd.trainer.config import LossConfig
+        from megatron_opd.trainer.objective import train_step
+
+        self.data.next_batch()
+        batch = _rank_batch(self.dp_rank, self.dp_size)
+        result = train_step(self.student, batch, None, LossConfig(kind="sft"), vocab_size=1000,
+                            teacher_temperature=1.0, micro_batch_size=1)  # fmt: skip
+        self.step_count += 1
+        return {"loss": result.stats.loss, "lr": result.lr, "grad_norm": result.grad_norm}
+
+    def save(self) -> None:
+        from megatron_opd.train import training_state
+
+        state = training_state(self.student, self.data.state_dict(), self.step_count, self.cfg, loading=False)
+        self.ckpt.save(self.step_count, state, {})
+
+    def resume(self) -> int:
+        from megatron_opd.train import resume
+
+        self.step_count = resume(self.ckpt, self.student, self.data, self.cfg)
+        return self.step_count
+
+    def full_state(self) -> dict:
+        """Parameters, Adam moments and step counts as full tensors (on tensor- and data-parallel rank 0 only),
+        the schedule's step and the data position."""
+        from megatron.core import parallel_state as ps
+
+        from megatron_opd.models import load_architecture
+        from megatron_opd.models.reference import full_tensors
+
+        inner = [o.optimizer for o in getattr(self.student.optimizer, "chained_optimizers", [self.student.optimizer])]
+
+        def adam(key):
+            return lambda p: next(opt.state[p][key] for opt in inner if p in opt.state)
+
+        arch, group = load_architecture(self.cfg.student.path), ps.get_tensor_model_parallel_group()
+        out = {"param": full_tensors(self.student.chunks, arch, group)}
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[key] = full_tensors(self.student.chunks, arch, group, of=adam(key))
+        steps = {float(opt.state[p]["step"]) for opt in inner for p in opt.state}
+        keep = ps.get_tensor_model_parallel_rank() == 0 and self.dp_rank == 0
+        return {
+            "tensors": out if keep else {},
+            "adam_steps": steps,
+            "scheduler_steps": self.student.scheduler.num_steps,
+            "consumed": self.data.consumed,
+        }
+
+
+def _rng_snapshot() -> dict:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    return {"torch": torch.get_rng_state(), **get_cuda_rng_tracker().get_states()}
+
+
+class _Warnings:
+    """Counts the trainer's re-seeding warnings."""
+
+    def __enter__(self):
+        import logging
+
+        self.records, self.logger = [], logging.getLogger("megatron_opd.train")
+        self.handler = logging.Handler(logging.WARNING)
+        self.handler.emit = self.records.append
+        self.logger.addHandler(self.handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.logger.removeHandler(self.handler)
+
+    @property
+    def reseeded(self) -> int:
+        return sum("re-seeded" in r.getMessage() for r in self.records)
+
+
+def _resume_and_continue(run: _Run) -> dict:
+    """Resume ``run`` from its folder, record what was restored, take the next step."""
+    from megatron_opd.trainer.checkpointing import reseed_rng
+
+    with _Warnings() as caught:
+        step = run.resume()
+    restored, rng = run.full_state(), _rng_snapshot()
+    reseed_rng(SEED, step)
+    reseeded = all(torch.equal(rng[k], v) for k, v in _rng_snapshot().items())
+    return {"step": step, "restored": restored, "warnings": caught.reseeded, "reseeded": reseeded, "next": run.step()}
+
+
+def _save_then_step(run: _Run) -> dict:
+    """Save ``run`` now, record the saved state, take the next step (the reference for a resumed layout)."""
+    run.save()
+    saved, rng = run.full_state(), _rng_snapshot()
+    return {"saved": saved, "rng": rng, "next": run.step()}
+
+
+def _launch_world2(dirs: dict) -> dict:
+    """DP2: step 1, save; TP2 resumes it (TP1 -> TP2, DP2 -> DP1), steps 2, saves; TP2 again resumes that exactly."""
+    from megatron_opd.trainer.checkpointing import CheckpointManager
+
+    out = {}
+    dp2 = _Run({}, dirs["student"], dirs["dp2"])
+    dp2.step()
+    out["dp2"] = _save_then_step(dp2)
+    tp2 = _Run({"tensor_model_parallel_size": 2}, dirs["student"], dirs["dp2"])
+    out["dp2_to_tp2"] = _resume_and_continue(tp2)
+    tp2.ckpt = CheckpointManager(dirs["tp2"])
+    out["tp2"] = _save_then_step(tp2)
+    again = _Run({"tensor_model_parallel_size": 2}, dirs["student"], dirs["tp2"])
+    with _Warnings() as caught:
+        again.resume()
+    out["tp2_same_layout"] = {"rng": _rng_snapshot(), "warnings": caught.reseeded}
+    return out
+
+
+def _launch_world4(dirs: dict) -> dict:
+    run = _Run({"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, dirs["student"], dirs["tp2"])
+    return {"tp2_to_tp2pp2": _resume_and_continue(run)}
+
+
+def _launch_world1(dirs: dict) -> dict:
+    """DP2 -> DP1; the legacy layout reader agrees with the saved layout; a refused resume keeps the lock."""
+    import fcntl
+    from pathlib import Path
+
+    from megatron.core import dist_checkpointing
+
+    from megatron_opd.data.records import DataError
+    from megatron_opd.trainer.resharding import layout_from_metadata, saved_layout
+
+    out = {"dp2_to_dp1": _resume_and_continue(_Run({}, dirs["student"], dirs["dp2"]))}
+    path = Path(dirs["dp2"]) / "step_00000001"
+    common = dist_checkpointing.load_common_state_dict(str(path))
+    legacy = layout_from_metadata(path, common["trainer"]["config"]["parallel"], common)  # read as for old folders
+    out["legacy_layout_matches"] = legacy == saved_layout(path)
+
+    lock_path = Path(dirs["dp2"]) / ".lock"
+    before = "pid 4242 on the-last-host\n"  # the line the run that wrote the checkpoints left
+    lock_path.write_text(before)
+    run = _Run({}, dirs["student"], dirs["dp2"], data_seed=SEED + 1)  # other data order: the resume is refused
+    run.ckpt.acquire_lock()
+    try:
+        run.resume()
+        out["refused"] = False
+    except DataError:
+        out["refused"] = True
+    out["lock_kept"] = lock_path.read_text() == before
+    with open(lock_path) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            out["lock_released"] = True
+        except OSError:
+            out["lock_released"] = False
+    return out
+
+
+def _merged_tensors(per_rank: list[dict], key: str) -> dict:
+    merged = {}
+    for rank in per_rank:
+        for kind, tensors in rank[key]["tensors"].items():
+            merged.setdefault(kind, {}).update(tensors)
+    return merged
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    from megatron_opd.testing.tiny_models import make_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("resume_layouts")
+    dirs = {"student": str(make_tiny_hf_model("qwen3", root / "student", seed=1, num_hidden_layers=2))}
+    dirs.update({name: str(root / name) for name in ("dp2", "tp2")})
+    world2 = run_distributed(_launch_world2, 2, args=(dirs,), timeout=300)
+    world4 = run_distributed(_launch_world4, 4, args=(dirs,), timeout=300)
+    world1 = run_distributed(_launch_world1, 1, args=(dirs,), timeout=300)
+    return {"world2": world2, "world4": world4, "world1": world1}
+
+
+CASES = {  # resumed case -> (its launch, the saving layout's entry in the world-2 launch)
+    "dp2_to_tp2": ("world2", "dp2"),
+    "tp2_to_tp2pp2": ("world4", "tp2"),
+    "dp2_to_dp1": ("world1", "dp2"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_resume_at_another_layout(case, launches):
+    launch, source = CASES[case]
+    saved_ranks, resumed_ranks = launches["world2"], launches[launch]
+    saved = _merged_tensors([r[source] for r in saved_ranks], "saved")
+    resumed = _merged_tensors([r[case] for r in resumed_ranks], "restored")
+    assert set(resumed) == {"param", "exp_avg", "exp_avg_sq"} and set(resumed["param"]) == set(saved["param"])
+    for kind in resumed:
+        for name, ref in saved[kind].items():
+            assert torch.equal(resumed[kind][name], ref), f"{case}: {kind} of {name} differs from the saved one"
+
+    reference = saved_ranks[0][source]
+    first = resumed_ranks[0][case]
+    for rank in resumed_ranks:
+        r = rank[case]["restored"]
+        assert r["adam_steps"] == reference["saved"]["adam_steps"], f"{case}: Adam step counts {r['adam_steps']}"
+        assert r["scheduler_steps"] == reference["saved"]["scheduler_steps"], f"{case}: LR schedule not resumed"
+        assert r["consumed"] == reference["saved"]["consumed"], f"{case}: data position not resumed"
+        assert rank[case]["reseeded"], f"{case}: the RNG was not re-seeded from seed and step"
+    assert first["step"] == saved_ranks[0][source]["saved"]["scheduler_steps"]
+    assert sum(rank[case]["warnings"] for rank in resumed_ranks) == 1, "one re-seeding warning per resume"
+    ours, ref = first["next"], reference["next"]
+    assert abs(ours["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), f"{case}: next loss {ours} vs {ref}"
+    assert ours["lr"] == ref["lr"], f"{case}: next LR {ours['lr']} vs {ref['lr']}"
+    assert abs(ours["grad_norm"] - ref["grad_norm"]) <= 1e-4 * ref["grad_norm"], f"{case}: grad norm {ours} vs {ref}"
+
+
+def test_unchanged_layout_restores_every_rng_state(launches):
+    for rank in launches["world2"]:
+        saved, restored = rank["tp2"]["rng"], rank["tp2_same_layout"]["rng"]
+        assert saved.keys() == restored.keys() and all(torch.equal(saved[k], restored[k]) for k in saved)
+        assert rank["tp2_same_layout"]["warnings"] == 0
+
+
+def test_refused_resume_keeps_the_lock_and_legacy_layouts_read(launches):
+    result = launches["world1"][0]
+    assert result["refused"], "a resume on another data order must be refused"
+    assert result["lock_kept"], "a refused resume rewrote the previous run's line in .lock"
+    assert result["lock_released"], "a refused resume left checkpoint.dir locked"
+    assert result["legacy_layout_matches"], "the layout read from a checkpoint's metadata differs from the saved one"
+
+
+def test_distributed_optimizer_state_is_refused_at_another_model_parallel_layout():
+    from megatron_opd.trainer.resharding import Layout, check_optimizer_state
+
+    def layout(tp=1, pp=1, dp=1, distributed=True):
+        return Layout(tp, pp, 1, 1, dp, distributed)
+
+    check_optimizer_state(layout(dp=8), layout(dp=4), "ckpt")  # dp_reshardable: any data-parallel size
+    with pytest.raises(ValueError, match="dp_reshardable.*checkpoint.load_optimizer=false"):
+        check_optimizer_state(layout(tp=2), layout(tp=4), "ckpt")
+    with pytest.raises(ValueError, match="optim.use_distributed_optimizer=true"):
+        check_optimizer_state(layout(), layout(distributed=False), "ckpt")
+    check_optimizer_state(layout(tp=2, distributed=False), layout(pp=2, distributed=False), "ckpt")
