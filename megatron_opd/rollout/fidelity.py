@@ -46,6 +46,16 @@ def default_max_logprob_diff(*dtypes: str) -> float:
     return MAX_LOGPROB_DIFF_DEFAULTS["fp32" if full else "bf16"]
 
 
+FIDELITY_SUMS = (  # the summed entries; logprob_diff_max is a maximum
+    "fidelity_tokens",
+    "logprob_diff_abs_sum",
+    "logprob_diff_sq_sum",
+    "logprob_diff_sum",
+    "prob_ratio_sum",
+    "kl_k3_sum",
+)
+
+
 def fidelity_sums(trainer_lp_BS: torch.Tensor, sampler_lp_BS: torch.Tensor, mask_BS: torch.Tensor) -> dict[str, float]:
     """Sums (and the maximum) over the trained tokens of ``mask_BS`` that ``fidelity_metrics`` turns into metrics."""
     valid_BS = mask_BS != 0
@@ -62,16 +72,6 @@ def fidelity_sums(trainer_lp_BS: torch.Tensor, sampler_lp_BS: torch.Tensor, mask
         "kl_k3_sum": float((ratio - 1.0 - d).sum()),
         "logprob_diff_max": float(d.abs().max()),
     }
-
-
-FIDELITY_SUMS = (
-    "fidelity_tokens",
-    "logprob_diff_abs_sum",
-    "logprob_diff_sq_sum",
-    "logprob_diff_sum",
-    "prob_ratio_sum",
-    "kl_k3_sum",
-)
 
 
 def fidelity_metrics(sums: dict[str, float]) -> dict[str, float]:

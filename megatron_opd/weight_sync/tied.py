@@ -22,11 +22,8 @@ def shared_parameter_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
         for param in module._parameters.values():
             if param is not None:
                 holders.setdefault(id(param), []).append(module)
-    out: list[torch.nn.Module] = []
-    for modules in holders.values():
-        if len(modules) > 1:
-            out += [m for m in modules if all(m is not o for o in out)]
-    return out
+    shared = {id(m): m for modules in holders.values() if len(modules) > 1 for m in modules}  # each layer once
+    return list(shared.values())
 
 
 @torch.no_grad()
