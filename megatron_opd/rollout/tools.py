@@ -100,6 +100,10 @@ class ToolRollout:
     def sync_weights(self, policy_version: int) -> None:
         self.inner.sync_weights(policy_version)
 
+    def score(self, sequences: list[list[int]]) -> dict[str, list[list[float]]]:
+        """The inner engine's log-probabilities of ``sequences`` (the rollout start-up check's probe)."""
+        return self.inner.score(sequences)
+
     def close(self) -> None:
         if hasattr(self.inner, "close"):
             self.inner.close()
