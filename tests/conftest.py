@@ -44,3 +44,11 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
         family: str(make_tiny_hf_model(family, root / family, seed=i, **overrides))
         for i, (family, overrides) in enumerate(TINY_MODELS.items())
     }
+
+
+@pytest.fixture(scope="session")
+def shape_dirs(tmp_path_factory) -> dict[str, str]:
+    """Every shape of the model-shape matrix (``megatron_opd.testing.shapes``), built once: name -> folder."""
+    from megatron_opd.testing.shapes import make_shapes
+
+    return make_shapes(tmp_path_factory.mktemp("shapes"))

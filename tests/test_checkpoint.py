@@ -1,7 +1,9 @@
-"""Checkpoint conversion: HF -> dist_ckpt -> HF is bitwise, and Megatron loads the dist_ckpt under other layouts.
+"""Checkpoint conversion: HF -> dist_ckpt -> HF is bitwise, and Megatron loads the dist_ckpt under other layouts;
+the trainer's Hugging Face export of a Megatron model is bitwise too.
 
 References are independent of the converter: the original safetensors files (``torch.equal``),
-transformers' logits, and Megatron-Core's own ``dist_checkpointing.load`` at TP=1 and TP=4.
+transformers' logits, and Megatron-Core's own ``dist_checkpointing.load`` at TP=1 and TP=4. The round trip and the
+export run the model-shape matrix's shapes (``megatron_opd.testing.shapes``) at its layouts.
 """
 
 from __future__ import annotations
@@ -16,10 +18,18 @@ import torch
 from megatron_opd.models.hf_io import HFCheckpointReader, HFCheckpointWriter
 from megatron_opd.models.reference import hf_logits
 from megatron_opd.testing.multiprocess import run_distributed
+from megatron_opd.testing.shapes import MATRIX, shapes_at
 from megatron_opd.testing.tiny_models import make_tiny_hf_model, make_tiny_tokenizer
 
 ROUND_TRIP = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
 WRITTEN_AT = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+LAYOUTS = {  # the matrix's layouts: name -> (world size, layout)
+    "tp1": (1, dict()),
+    "tp2_pp2": (4, WRITTEN_AT),
+    "pp2_vp2": (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
+}
+ROUND_TRIP_PATH = "tools/checkpoint round trip (bitwise)"
+ROUND_TRIP_CELLS = [(layout, name) for layout in MATRIX[ROUND_TRIP_PATH] for name in shapes_at(ROUND_TRIP_PATH, layout)]
 
 # TP=4 needs 4 key/value heads. Vocabulary 1100 pads to 1152 (TP=1), 1280 (TP=2) and 1536 (TP=4), so
 # every load below crosses a vocabulary-padding change.
@@ -47,11 +57,12 @@ def _resharded(src: Path, dst: Path, max_shard_bytes: int) -> Path:
 
 @pytest.fixture(scope="module")
 def sources(tiny_model_dirs, tmp_path_factory) -> dict[str, str]:
-    """The session's tiny models (llama untied, qwen2 tied, qwen3 vocab 1001), one of them sharded with a tokenizer."""
+    """The session's tiny llama as several safetensors shards with a tokenizer, and qwen3 (vocabulary 1001)."""
     root = tmp_path_factory.mktemp("ckpt_sources")
-    dirs = dict(tiny_model_dirs)
-    dirs["llama"] = str(_resharded(Path(tiny_model_dirs["llama"]), root / "llama_sharded", 200_000))
-    return dirs
+    return {
+        "llama": str(_resharded(Path(tiny_model_dirs["llama"]), root / "llama_sharded", 200_000)),
+        "qwen3": tiny_model_dirs["qwen3"],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -79,15 +90,20 @@ def _convert_body(jobs: list[tuple[str, str, dict, str | None, int, str | None]]
 
 
 @pytest.fixture(scope="module")
-def converted(sources, tp4_sources, tmp_path_factory) -> dict[str, dict[str, str]]:
-    """All conversions of this module in one 2-process job: round trips at TP2xPP2xVP2, TP4 sources at TP2xPP2."""
+def converted(sources, tp4_sources, shape_dirs, tmp_path_factory) -> dict[str, dict[str, str]]:
+    """All conversions of this module in one 2-process job: the matrix's round trips (``shape@layout``), the sharded
+    llama's at TP2xPP2xVP2, a bf16 one, and TP4 sources at TP2xPP2."""
     root = tmp_path_factory.mktemp("ckpt_converted")
     jobs, out = [], {}
-    for family, hf_dir in sources.items():
-        ckpt, back = root / f"{family}_mcore", root / f"{family}_back"
-        # llama's export is split into several safetensors files; the others fit one file.
-        jobs.append((hf_dir, str(ckpt), ROUND_TRIP, str(back), 300_000 if family == "llama" else 5 * 10**9, None))
-        out[family] = {"hf": hf_dir, "mcore": str(ckpt), "back": str(back)}
+    for layout, name in ROUND_TRIP_CELLS:
+        key = f"{name}@{layout}"
+        ckpt, back = root / f"{key}_mcore", root / f"{key}_back"
+        jobs.append((shape_dirs[name], str(ckpt), LAYOUTS[layout][1], str(back), 5 * 10**9, None))
+        out[key] = {"hf": shape_dirs[name], "mcore": str(ckpt), "back": str(back)}
+    # The sharded llama's export is split into several safetensors files.
+    ckpt, back = root / "llama_mcore", root / "llama_back"
+    jobs.append((sources["llama"], str(ckpt), ROUND_TRIP, str(back), 300_000, None))
+    out["llama"] = {"hf": sources["llama"], "mcore": str(ckpt), "back": str(back)}
     ckpt, back = root / "qwen3_bf16_mcore", root / "qwen3_bf16_back"
     jobs.append((sources["qwen3"], str(ckpt), WRITTEN_AT, str(back), 5 * 10**9, "bf16"))
     out["qwen3_bf16"] = {"hf": sources["qwen3"], "mcore": str(ckpt), "back": str(back)}
@@ -101,17 +117,74 @@ def converted(sources, tp4_sources, tmp_path_factory) -> dict[str, dict[str, str
     return out
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_round_trip_is_bitwise(family, converted):
-    paths = converted[family]
-    original, exported = HFCheckpointReader(paths["hf"]), HFCheckpointReader(paths["back"])
-    assert sorted(exported.names()) == sorted(original.names())
+def _assert_same_hf(original_dir: str | Path, exported_dir: str | Path, what: str) -> None:
+    """Every tensor of ``exported_dir`` equals the original's bitwise (names, dtypes, shapes, values), and so does
+    ``config.json``."""
+    original, exported = HFCheckpointReader(original_dir), HFCheckpointReader(exported_dir)
+    assert sorted(exported.names()) == sorted(original.names()), what
     for name in original.names():
         a, b = original.get(name), exported.get(name)
-        assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, b.dtype, a.shape, b.shape)
-        assert torch.equal(a, b), f"{name} changed in the round trip"
-    with open(Path(paths["hf"]) / "config.json") as f, open(Path(paths["back"]) / "config.json") as g:
-        assert json.load(f) == json.load(g)
+        assert a.dtype == b.dtype and a.shape == b.shape, (what, name, a.dtype, b.dtype, a.shape, b.shape)
+        assert torch.equal(a, b), f"{what}: {name} changed"
+    with open(Path(original_dir) / "config.json") as f, open(Path(exported_dir) / "config.json") as g:
+        assert json.load(f) == json.load(g), what
+
+
+@pytest.mark.parametrize("layout, shape", ROUND_TRIP_CELLS, ids=[f"{lay}-{n}" for lay, n in ROUND_TRIP_CELLS])
+def test_round_trip_is_bitwise(layout, shape, converted):
+    paths = converted[f"{shape}@{layout}"]
+    _assert_same_hf(paths["hf"], paths["back"], f"round trip of {shape} at {layout}")
+
+
+def _export_each(jobs: list[tuple[str, str, str]]) -> None:
+    """The trainer's export (``megatron_opd.train._export``, what ``export_student`` runs in a fresh process) of
+    every ``(checkpoint, output, config folder)``: one fresh process for all of them."""
+    from megatron_opd.train import _export
+
+    for ckpt_dir, out, hf_config_dir in jobs:
+        _export(ckpt_dir, out, hf_config_dir)
+
+
+def _trainer_export_body(layout: dict, shapes: dict[str, str], root: str) -> None:
+    """Each shape as the trainer's student at ``layout``, saved as the trainer saves its final step, then exported
+    to ``output_dir/hf`` as ``train.export_student`` does (rank 0, in a fresh process: one for all the shapes)."""
+    import torch.distributed as dist
+
+    from megatron_opd.checkpoint.workers import run_in_fresh_process
+    from megatron_opd.config import to_dict
+    from megatron_opd.distributed import ParallelConfig, initialize_distributed
+    from megatron_opd.models.source import config_dir
+    from megatron_opd.train import training_state
+    from megatron_opd.trainer.checkpointing import CheckpointManager
+    from megatron_opd.trainer.config import CheckpointConfig, StudentConfig, TrainConfig
+    from megatron_opd.trainer.setup import build_student
+
+    parallel = ParallelConfig(**layout)
+    accel = initialize_distributed(parallel, "cpu")
+    exports = []
+    for name, hf_dir in shapes.items():
+        out = Path(root) / name
+        cfg = TrainConfig(student=StudentConfig(path=hf_dir), parallel=parallel, output_dir=str(out),
+                          checkpoint=CheckpointConfig(dir=str(out / "checkpoints")))  # fmt: skip
+        student = build_student(cfg, accel)
+        path = CheckpointManager(cfg.checkpoint.dir).save(
+            1, training_state(student, {}, 1, cfg, loading=False), {"config": to_dict(cfg)}
+        )
+        exports.append((str(path), str(out / "hf"), str(config_dir(cfg.student.path))))
+    if dist.get_rank() == 0:
+        run_in_fresh_process(_export_each, exports)
+    dist.barrier()
+
+
+@pytest.mark.parametrize("layout", list(MATRIX["trainer HF export (bitwise)"]))
+def test_trainer_export_is_bitwise(layout, shape_dirs, tmp_path):
+    """A Megatron model loaded from each shape and exported by the trainer at ``layout`` (tied embeddings, padded
+    vocabulary rows, split QKV and gate/up) gives back the original safetensors bitwise."""
+    world, parallel = LAYOUTS[layout]
+    shapes = {name: shape_dirs[name] for name in shapes_at("trainer HF export (bitwise)", layout)}
+    run_distributed(_trainer_export_body, world, args=(parallel, shapes, str(tmp_path)), timeout=600)
+    for name, hf_dir in shapes.items():
+        _assert_same_hf(hf_dir, tmp_path / name / "hf", f"trainer export of {name} at {layout}")
 
 
 def test_bf16_conversion_is_a_cast(converted):
@@ -127,9 +200,11 @@ def test_bf16_conversion_is_a_cast(converted):
 
 
 def test_round_trip_keeps_tokenizer_and_shards(converted):
+    """A sharded checkpoint with a tokenizer, at TP2xPP2xVP2: bitwise, its side files kept, the export sharded."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src, back = Path(converted["llama"]["hf"]), Path(converted["llama"]["back"])
+    _assert_same_hf(src, back, "round trip of the sharded llama")
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert filecmp.cmp(src / name, back / name, shallow=False), name
     index = json.loads((back / "model.safetensors.index.json").read_text())
@@ -142,11 +217,11 @@ def test_round_trip_keeps_tokenizer_and_shards(converted):
 
 
 def test_dist_ckpt_holds_megatron_files(converted):
-    ckpt = Path(converted["qwen2"]["mcore"])
+    ckpt = Path(converted["qwen2_mha_v97@tp2_pp2"]["mcore"])
     assert (ckpt / "metadata.json").is_file() and (ckpt / "common.pt").is_file() and (ckpt / ".metadata").is_file()
     assert json.loads((ckpt / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
     info = json.loads((ckpt / "conversion.json").read_text())
-    assert info["padded_vocab_size"] == 1024 and info["tensor_model_parallel_size"] == 2
+    assert info["padded_vocab_size"] == 256 and info["tensor_model_parallel_size"] == 2  # vocabulary 97
     assert (ckpt / "hf_config" / "config.json").is_file()
     assert not list(ckpt.parent.glob(".*partial*")), "staging folders were left behind"
 

@@ -19,14 +19,15 @@ from megatron_opd.models import (
 )
 from megatron_opd.models.reference import hf_logits
 from megatron_opd.testing.multiprocess import run_distributed
+from megatron_opd.testing.shapes import SHAPES, shapes_at
 from megatron_opd.testing.tiny_models import tiny_hf_config
 
 SEQ = 16
 
 
-def _tokens(num_micro_batches: int = 2, batch: int = 2) -> torch.Tensor:
+def _tokens(num_micro_batches: int = 2, batch: int = 2, vocab: int = 1000) -> torch.Tensor:
     gen = torch.Generator().manual_seed(0)
-    return torch.randint(0, 1000, (num_micro_batches, batch, SEQ), generator=gen)
+    return torch.randint(0, vocab, (num_micro_batches, batch, SEQ), generator=gen)
 
 
 def _load(parallel: ParallelConfig, hf_dir: str, trainable: bool):
@@ -35,8 +36,9 @@ def _load(parallel: ParallelConfig, hf_dir: str, trainable: bool):
     return build_and_load(hf_dir, parallel, trainable=trainable)
 
 
-def _logits_body(layout: dict, model_dirs: dict[str, str], tokens: torch.Tensor):
-    """Full logits of every model on the last pipeline stage (tensor-parallel rank 0), else None."""
+def _logits_body(layout: dict, models: dict[str, tuple[str, torch.Tensor]]):
+    """Full logits of every model (name -> (HF folder, its tokens)) on the last pipeline stage (tensor-parallel
+    rank 0), else None."""
     from megatron.core import parallel_state as ps
 
     from megatron_opd.distributed import initialize_distributed
@@ -47,7 +49,7 @@ def _logits_body(layout: dict, model_dirs: dict[str, str], tokens: torch.Tensor)
     initialize_distributed(parallel)
     tp_group = ps.get_tensor_model_parallel_group()
     results = {}
-    for name, hf_dir in model_dirs.items():
+    for name, (hf_dir, tokens) in models.items():
         arch, chunks = _load(parallel, hf_dir, trainable=False)
         assert not any(p.requires_grad for c in chunks for p in c.parameters()), "teacher must be frozen"
 
@@ -68,16 +70,19 @@ LAYOUTS = {
     "pp2_vp2": (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
     "tp2_pp2": (4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)),
 }
+MATRIX_PATH = "Megatron model vs transformers logits"
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_logits_match_transformers(layout, tiny_model_dirs):
+def test_logits_match_transformers(layout, shape_dirs):
+    """The matrix's shapes at each layout (sequence parallelism: TP=2's shapes); tokens below each vocabulary."""
     world, kwargs = LAYOUTS[layout]
-    tokens = _tokens()
-    per_rank = run_distributed(_logits_body, world, args=(kwargs, tiny_model_dirs, tokens), timeout=600)
+    names = shapes_at(MATRIX_PATH, "tp2" if layout == "tp2_sp" else layout)
+    models = {name: (shape_dirs[name], _tokens(vocab=SHAPES[name].vocab_size)) for name in names}
+    per_rank = run_distributed(_logits_body, world, args=(kwargs, models), timeout=600)
     results = [r for r in per_rank if r is not None]
     assert len(results) == 1, f"expected exactly one reporting rank, got {len(results)}"
-    for name, hf_dir in tiny_model_dirs.items():
+    for name, (hf_dir, tokens) in models.items():
         ours = results[0][name]
         ref = torch.stack([hf_logits(hf_dir, t) for t in tokens])
         assert ours.shape == ref.shape, (name, ours.shape, ref.shape)
@@ -202,7 +207,7 @@ def test_linear_rope_scaling_matches_transformers(tmp_path):
     hf_dir = str(make_tiny_hf_model("llama", tmp_path / "linear", rope_scaling={"rope_type": "linear", "factor": 4.0}))
     assert load_architecture(hf_dir).rope.type == "linear"
     tokens = _tokens(num_micro_batches=1)
-    (result,) = run_distributed(_logits_body, 1, args=({}, {"linear": hf_dir}, tokens))
+    (result,) = run_distributed(_logits_body, 1, args=({}, {"linear": (hf_dir, tokens)}))
     ref = hf_logits(hf_dir, tokens[0])
     rel = ((result["linear"][0] - ref).abs().max() / ref.abs().max()).item()
     assert rel <= 1e-4, f"linear RoPE scaling: max relative error {rel:.2e} vs transformers"

@@ -1,4 +1,5 @@
-"""A training checkpoint resumes at another layout (issue 23): TP1 -> TP2 (from DP2), TP2 -> TP2xPP2, DP2 -> DP1.
+"""A training checkpoint resumes at another layout (issue 23): TP1 -> TP2 (from DP2), TP2 -> TP2xPP2,
+TP2 -> PP2xVP2 (DP2), DP2 -> DP1.
 
 Each resume goes through ``train.resume``: the resumed parameters and Adam moments equal the saved ones bitwise
 (gathered to full tensors), the step, LR schedule and data position carry over, the next step's loss equals the
@@ -176,8 +177,12 @@ def _launch_world2(dirs: dict) -> dict:
 
 
 def _launch_world4(dirs: dict) -> dict:
+    """TP2 -> TP2xPP2, and TP2 -> PP2xVP2 at DP2 (two model chunks a rank)."""
     run = _Run({"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, dirs["student"], dirs["tp2"])
-    return {"tp2_to_tp2pp2": _resume_and_continue(run)}
+    out = {"tp2_to_tp2pp2": _resume_and_continue(run)}
+    vp = {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}
+    out["tp2_to_pp2vp2"] = _resume_and_continue(_Run(vp, dirs["student"], dirs["tp2"]))
+    return out
 
 
 def _launch_world1(dirs: dict) -> dict:
@@ -229,7 +234,7 @@ def launches(tmp_path_factory):
     from megatron_opd.testing.tiny_models import make_tiny_hf_model
 
     root = tmp_path_factory.mktemp("resume_layouts")
-    dirs = {"student": str(make_tiny_hf_model("qwen3", root / "student", seed=1, num_hidden_layers=2))}
+    dirs = {"student": str(make_tiny_hf_model("qwen3", root / "student", seed=1, num_hidden_layers=4))}
     dirs.update({name: str(root / name) for name in ("dp2", "tp2")})
     world2 = run_distributed(_launch_world2, 2, args=(dirs,), timeout=300)
     world4 = run_distributed(_launch_world4, 4, args=(dirs,), timeout=300)
@@ -240,6 +245,7 @@ def launches(tmp_path_factory):
 CASES = {  # resumed case -> (its launch, the saving layout's entry in the world-2 launch)
     "dp2_to_tp2": ("world2", "dp2"),
     "tp2_to_tp2pp2": ("world4", "tp2"),
+    "tp2_to_pp2vp2": ("world4", "tp2"),
     "dp2_to_dp1": ("world1", "dp2"),
 }
 

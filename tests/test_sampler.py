@@ -23,6 +23,7 @@ from megatron_opd.interfaces import RolloutBackend, Rollouts, SamplingParams
 from megatron_opd.losses.vocab_parallel import make_vocab_shard
 from megatron_opd.rollout.sampling import processed_logits, sample_next, token_logprobs
 from megatron_opd.testing.multiprocess import run_distributed
+from megatron_opd.testing.shapes import SHAPES, shapes_at
 
 PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15, 16], [100], [7, 8, 9, 10, 200]]
 MAX_NEW = 10
@@ -43,18 +44,19 @@ def _build_sampler(hf_dir: str, parallel, **sampler_kwargs):
     return chunks, BuiltinSampler(chunks, **kwargs)
 
 
-def _greedy_body(layouts: dict[str, dict], model_dirs: dict[str, str]):
-    """Greedy rollouts of every model under every layout (re-initialised in this job), n=2."""
+def _greedy_body(layouts: dict[str, dict], models: dict[str, tuple[str, list[list[int]]]]):
+    """Greedy rollouts of every model (name -> (HF folder, its prompts)) under every layout (re-initialised in this
+    job), n=2."""
     from megatron_opd.distributed import ParallelConfig, initialize_distributed, initialize_model_parallel
 
     out = {}
     for i, (label, layout) in enumerate(layouts.items()):
         parallel = ParallelConfig(**layout)
         (initialize_distributed if i == 0 else initialize_model_parallel)(parallel)
-        for name, hf_dir in model_dirs.items():
+        for name, (hf_dir, prompts) in models.items():
             chunks, sampler = _build_sampler(hf_dir, parallel)
             sampler.sync_weights(3)
-            rollouts = sampler.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0), n=2).result()
+            rollouts = sampler.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0), n=2).result()
             out[label, name] = (rollouts, chunks[0].training)
     return out
 
@@ -257,22 +259,31 @@ GREEDY_LAYOUTS = {
 }
 
 
+def _prompts(vocab: int) -> list[list[int]]:
+    """``PROMPTS`` with every id below ``vocab``."""
+    return [[t % vocab for t in prompt] for prompt in PROMPTS]
+
+
 @pytest.mark.parametrize("layout", list(GREEDY_LAYOUTS))
-def test_greedy_matches_transformers(layout, tiny_model_dirs):
+def test_greedy_matches_transformers(layout, shape_dirs):
+    """The matrix's shapes at TP=1, and at TP=2 with and without sequence parallelism."""
     world, layouts = GREEDY_LAYOUTS[layout]
-    per_rank = run_distributed(_greedy_body, world, args=(layouts, tiny_model_dirs), timeout=300)
+    names = shapes_at("built-in sampler greedy vs transformers", layout)
+    models = {name: (shape_dirs[name], _prompts(SHAPES[name].vocab_size)) for name in names}
+    per_rank = run_distributed(_greedy_body, world, args=(layouts, models), timeout=300)
     results = per_rank[0]
+    assert set(results) == {(label, name) for label in layouts for name in names}
     for (label, name), (rollouts, training) in results.items():
-        hf_dir = tiny_model_dirs[name]
+        hf_dir, prompts = models[name]
         where = f"{label}/{name}"
         assert training, f"{where}: the trainer's training mode was not restored"
         for other in per_rank[1:]:  # every rank returns the same rollouts
             assert all(torch.equal(a, b) for a, b in zip(rollouts.response_ids, other[label, name][0].response_ids))
-        assert len(rollouts) == 2 * len(PROMPTS)
-        assert rollouts.prompt_index == [i // 2 for i in range(2 * len(PROMPTS))]
+        assert len(rollouts) == 2 * len(prompts)
+        assert rollouts.prompt_index == [i // 2 for i in range(2 * len(prompts))]
         assert rollouts.policy_version == 3
         assert rollouts.finish_reasons == ["length"] * len(rollouts)
-        for i, prompt in enumerate(PROMPTS):
+        for i, prompt in enumerate(prompts):
             ref = _hf_greedy(hf_dir, prompt, MAX_NEW)
             assert len(ref) == MAX_NEW
             for row in (2 * i, 2 * i + 1):

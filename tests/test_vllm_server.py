@@ -2,7 +2,9 @@
 is synced over vLLM's HTTP weight-transfer routes and samples exactly like the trainer (a student with tied
 embeddings, whose output layer vLLM must re-process after a sync); the rollout start-up check scores through the
 server's prompt log-probabilities; a restarted server is re-synced before it serves a rollout; a server that is down
-is named in the error. Skips without vLLM."""
+is named in the error. On every shape of the model-shape matrix (``megatron_opd.testing.shapes``) at TP=1, one
+server is both the rollout server, synced exactly before and after an optimizer step, and the vLLM teacher
+(``teacher.backend=vllm``), whose top-k matches transformers'. Skips without vLLM."""
 
 from __future__ import annotations
 
@@ -96,3 +98,153 @@ def test_remote_server_sync_restart_and_down(tmp_path):
     assert "down or unreachable" in out["gone"]
     ((address, diff),) = out["startup_check"].items()  # one entry per server, by address
     assert address == out["address"] and diff <= 1e-5, out["startup_check"]
+
+
+# ---- the model-shape matrix: one server per shape is the rollout server and the vLLM teacher ----------------------
+
+SHAPES_PATH = "vLLM sync, rollout server"
+TEACHER_PATH = "vLLM teacher top-k vs transformers"
+TOPK = 20  # vLLM's default --max-logprobs
+
+
+def _loss(logits, batch):
+    from megatron_opd.trainer.objective import StepStats
+
+    loss = logits.float().mean()
+    return loss, StepStats(loss=float(loss.detach()), tokens=1.0)
+
+
+def _teacher_tokens(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids the teacher scores, and the id each position predicts (the last one: any token that follows)."""
+    tokens = torch.randint(0, vocab_size, (4, 12), generator=torch.Generator().manual_seed(3))
+    return tokens, torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)
+
+
+def _shape_case(model: str, address: str, accel) -> dict:
+    """A rollout server of ``model`` (dummy weights): the trainer's first sync, the server scored as the vLLM teacher
+    (the weights are then the checkpoint's), its log-probs of fixed sequences and of its samples against the
+    trainer's, one optimizer step, a sync, the same comparisons."""
+    from transformers import AutoTokenizer
+
+    from megatron_opd.distributed import ParallelConfig
+    from megatron_opd.models.source import build_and_load
+    from megatron_opd.rollout.fidelity import sequence_logprobs as trainer_logprobs
+    from megatron_opd.rollout.vllm_backend import VLLMRollout
+    from megatron_opd.rollout.vllm_engine import EngineOptions
+    from megatron_opd.teacher.client import TeacherClient
+    from megatron_opd.teacher.vllm_transport import VLLMTransportFactory
+    from megatron_opd.trainer.config import OptimConfig
+    from megatron_opd.trainer.student import Student, precision_plan
+    from megatron_opd.weight_sync.source import megatron_weight_source
+
+    arch, chunks = build_and_load(model, ParallelConfig(), trainable=True)
+    optim = OptimConfig(lr=1e-2)
+    student = Student(chunks, optim, precision_plan(optim, accel), total_steps=10)
+    for chunk in chunks:
+        chunk.eval()
+    source = megatron_weight_source(chunks, arch)
+    options = EngineOptions(model=model, max_model_len=64)
+    rollout = VLLMRollout(source, options, dp_rank=0, addresses=[address], timeout_s=120, server_wait_s=5)
+    gen = torch.Generator().manual_seed(0)
+    fixed = [torch.randint(0, arch.vocab_size, (n,), generator=gen).tolist() for n in (16, 9, 24)]
+    sampling = SamplingParams(max_new_tokens=6, temperature=1.0, seed=2)
+    out: dict = {}
+
+    def snapshot(version: int) -> None:
+        out[f"trainer{version}"] = trainer_logprobs(chunks, fixed, arch.vocab_size)
+        out[f"server{version}"] = rollout.score(fixed)[address]
+        rollouts = rollout.generate([[5, 6, 7], [9, 10]], sampling, 2).result()
+        seqs = [torch.cat([p, r]).tolist() for p, r in zip(rollouts.prompt_ids, rollouts.response_ids)]
+        ref = trainer_logprobs(chunks, seqs, arch.vocab_size)
+        out[f"sampled{version}"] = (rollouts.policy_version, [lp.tolist() for lp in rollouts.logprobs],
+                                    [r[len(p) - 1 :].tolist() for r, p in zip(ref, rollouts.prompt_ids)])  # fmt: skip
+
+    rollout.sync_weights(0)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    factory = VLLMTransportFactory(tokenizer, topk=TOPK, max_batch_tokens=64)
+    teacher = TeacherClient([f"http://{address}"], factory, topk=TOPK, timeout_s=120.0, retries=1, backoff_s=0.05,
+                            connect_timeout_s=60.0)  # fmt: skip
+    try:
+        tokens, predicted = _teacher_tokens(arch.vocab_size)
+        scores = teacher.score(tokens, predicted[..., None]).result(timeout=300)
+        out["teacher"] = (scores.topk_ids, scores.topk_logprobs, scores.requested_logprobs)
+    finally:
+        teacher.close()
+    snapshot(0)
+    student.step([{"tokens": torch.tensor([fixed[0]])}], _loss)
+    for chunk in chunks:
+        chunk.eval()
+    rollout.sync_weights(1)
+    snapshot(1)
+    rollout.close()
+    return out
+
+
+def _shapes_body(models: dict[str, str], log_dir: str) -> dict:
+    """Every shape in turn, each with a server of its own (started together: a start is mostly one process
+    importing at a time, the test of a shape takes seconds)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megatron_opd.distributed import ParallelConfig, initialize_distributed
+
+    names = list(models)
+    ports = {name: find_free_port() for name in names}
+    starting = ThreadPoolExecutor(max_workers=len(names))
+    servers = {name: starting.submit(start_server, models[name], ports[name], f"{log_dir}/{name}.log")
+               for name in names}  # fmt: skip
+    accel = initialize_distributed(ParallelConfig())
+    out = {}
+    try:
+        for name in names:
+            server = servers[name].result()
+            try:
+                out[name] = _shape_case(models[name], f"127.0.0.1:{ports[name]}", accel)
+            finally:
+                stop_vllm_server(server)
+    finally:
+        starting.shutdown(wait=True)
+        for future in servers.values():
+            if future.done() and future.exception() is None and future.result().poll() is None:
+                stop_vllm_server(future.result())
+    return out
+
+
+def test_server_sync_and_teacher_per_shape(shape_dirs, tmp_path):
+    """Per shape of the matrix, at TP=1: one rollout server is the vLLM teacher right after the trainer's first sync
+    (its top-k log-probs, through the project's teacher client, within 1e-4 of the float64 log-softmax of
+    transformers' logits) and follows the trainer exactly (log-probs of fixed sequences and of its samples within
+    1e-4 after the first sync and after an optimizer step)."""
+    import shutil
+
+    from megatron_opd.models.reference import hf_logits
+    from megatron_opd.testing.shapes import SHAPES, shapes_at
+    from megatron_opd.testing.vllm_jobs import make_exact_tokenizer
+    from tests.test_teacher_vllm import _assert_topk_close
+
+    names = shapes_at(SHAPES_PATH, "tp1")
+    assert names == shapes_at(TEACHER_PATH, "tp1"), "one server per shape serves both paths"
+    models = {}
+    for name in names:  # the OpenAI server loads a tokenizer (the teacher client checks it); rollouts stay token ids
+        models[name] = make_exact_tokenizer(shutil.copytree(shape_dirs[name], tmp_path / name), SHAPES[name].vocab_size)
+    (out,) = run_distributed(_shapes_body, 1, args=(models, str(tmp_path)), timeout=1200)
+    for name in names:
+        got = out[name]
+        ids, logprobs, requested = got["teacher"]
+        tokens, predicted = _teacher_tokens(SHAPES[name].vocab_size)
+        following = torch.cat([tokens, predicted[:, -1:]], dim=1)
+        ref = torch.log_softmax(hf_logits(models[name], following).double()[:, :-1], dim=-1)  # transformers, float64
+        try:
+            _assert_topk_close(ids, logprobs, ref, atol=1e-4)
+            torch.testing.assert_close(requested.double(), ref.gather(-1, predicted[..., None]), atol=1e-4, rtol=0)
+        except AssertionError as err:
+            raise AssertionError(f"{name}: the vLLM teacher's top-k differs from transformers': {err}") from err
+        for v in (0, 1):
+            assert len(got[f"server{v}"]) == len(got[f"trainer{v}"]) == 3
+            err = max((torch.tensor(a, dtype=torch.float64) - b).abs().max().item()
+                      for a, b in zip(got[f"server{v}"], got[f"trainer{v}"]))  # fmt: skip
+            assert err <= 1e-4, f"{name}, version {v}: the server's log-probs differ from the trainer's by {err:.2e}"
+            version, sampled, ref_sampled = got[f"sampled{v}"]
+            err = max(abs(a - b) for lp, r in zip(sampled, ref_sampled) for a, b in zip(lp, r))
+            assert version == v and err <= 1e-4, f"{name}, version {v}: sampled at {version}, log-prob error {err:.2e}"
+        moved = max((a - b).abs().max().item() for a, b in zip(got["trainer1"], got["trainer0"]))
+        assert moved > 1e-2, f"{name}: the optimizer step barely changed the model ({moved:.2e})"

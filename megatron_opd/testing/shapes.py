@@ -1,0 +1,149 @@
+"""The model-shape matrix: which tiny model shapes every path that moves or re-implements the model is tested on.
+
+Users bring Llama, Qwen2 and Qwen3 students and teachers in every combination of tied or untied embeddings, MHA,
+GQA or a single KV head, vocabularies that no tensor-parallel size or 128 divides, and scaled RoPE. A bug in one
+mapping (a tied output layer, a QKV bias, padded vocabulary rows) shows on that shape only, so each path runs on a
+*covering* set of shapes: every (property, path) pair at least once, and every property at every layout at least
+once, without the full product. ``MATRIX`` is the single source: the tests read their shapes from it,
+``tests/test_shape_matrix.py`` checks the covering conditions, and ``docs/models.md`` shows :func:`markdown_table`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_opd.testing.tiny_models import make_tiny_hf_model
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One tiny Hugging Face model shape; ``properties`` are the labels the covering conditions count."""
+
+    family: str  # llama / qwen2 (QKV bias) / qwen3 (QK-norm)
+    tied: bool  # tie_word_embeddings
+    kv_heads: int  # of 4 query heads: 4 = MHA, 2 = GQA, 1 = a single KV head (TP=1 only)
+    vocab_size: int
+    rope: str  # "llama3", "linear" or "none" (no scaling)
+
+    @property
+    def properties(self) -> frozenset[str]:
+        attention = {4: "mha", 2: "gqa", 1: "one-kv-head"}[self.kv_heads]
+        labels = {f"family:{self.family}", f"embeddings:{'tied' if self.tied else 'untied'}", f"attention:{attention}"}
+        if self.vocab_size < 128:
+            labels.add("vocab:smaller-than-128")
+        if self.vocab_size % 2 and self.vocab_size % 128:
+            labels.add("vocab:odd")  # neither TP=2 nor 128 divides it: padded rows at every layout
+        if self.rope != "none":
+            labels.add(f"rope:{self.rope}")
+        return frozenset(labels)
+
+    def hf_overrides(self) -> dict[str, Any]:
+        """``make_tiny_hf_model`` keyword arguments (head_dim stays 32: vLLM's CPU attention needs >= 32)."""
+        out: dict[str, Any] = dict(
+            tie_word_embeddings=self.tied, num_attention_heads=4, num_key_value_heads=self.kv_heads,
+            vocab_size=self.vocab_size,
+        )  # fmt: skip
+        if self.rope == "linear":
+            out["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+        elif self.rope == "none":
+            out["rope_scaling"] = None
+        return out  # "llama3" is the llama family's default in tiny_models
+
+
+SHAPES: dict[str, Shape] = {
+    "llama_tied": Shape("llama", tied=True, kv_heads=2, vocab_size=1001, rope="llama3"),
+    "qwen2_mha_v97": Shape("qwen2", tied=False, kv_heads=4, vocab_size=97, rope="linear"),
+    "qwen3_tied": Shape("qwen3", tied=True, kv_heads=2, vocab_size=1001, rope="none"),
+    "qwen3_one_kv": Shape("qwen3", tied=False, kv_heads=1, vocab_size=1001, rope="linear"),
+}
+"""Four shapes: at TP=1 ``llama_tied``, ``qwen2_mha_v97`` and ``qwen3_one_kv`` hold every property; at TP=2 and
+TP=2xPP=2 the first three hold every property but the single KV head (which TP=2 cannot split)."""
+
+LOCAL = ("llama_tied", "qwen2_mha_v97", "qwen3_one_kv")  # TP=1 (and PP/VP without TP)
+SPLIT = ("llama_tied", "qwen2_mha_v97", "qwen3_tied")  # any layout with TP=2
+
+ALL_PROPERTIES = frozenset().union(*(s.properties for s in SHAPES.values()))
+TP1_ONLY = frozenset({"attention:one-kv-head"})
+
+# path -> layout -> (shape names, the test that runs the cell)
+MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
+    "Megatron model vs transformers logits": {
+        "tp1": (LOCAL, "test_models.py::test_logits_match_transformers"),
+        "tp2": (SPLIT, "test_models.py::test_logits_match_transformers"),
+        "pp2_vp2": (LOCAL, "test_models.py::test_logits_match_transformers"),
+        "tp2_pp2": (SPLIT, "test_models.py::test_logits_match_transformers"),
+    },
+    "vLLM sync, engine process": {
+        "tp1": (LOCAL, "test_weight_sync_vllm.py::test_sync_is_exact"),
+        "tp2": (SPLIT, "test_weight_sync_vllm.py::test_sync_is_exact"),
+        "tp2_pp2": (SPLIT, "test_weight_sync_vllm.py::test_sync_is_exact"),
+    },
+    "vLLM sync, rollout server": {
+        "tp1": (LOCAL, "test_vllm_server.py::test_server_sync_and_teacher_per_shape"),
+    },
+    "built-in sampler greedy vs transformers": {
+        "tp1": (LOCAL, "test_sampler.py::test_greedy_matches_transformers"),
+        "tp2": (SPLIT, "test_sampler.py::test_greedy_matches_transformers"),
+    },
+    "tools/checkpoint round trip (bitwise)": {
+        "tp2_pp2": (SPLIT, "test_checkpoint.py::test_round_trip_is_bitwise"),
+        "pp2_vp2": (LOCAL, "test_checkpoint.py::test_round_trip_is_bitwise"),
+    },
+    "trainer HF export (bitwise)": {
+        "tp1": (LOCAL, "test_checkpoint.py::test_trainer_export_is_bitwise"),
+        "tp2_pp2": (SPLIT, "test_checkpoint.py::test_trainer_export_is_bitwise"),
+    },
+    "in-process teacher top-k vs transformers": {
+        "tp1": (LOCAL, "test_teacher_server.py::test_teacher_topk_per_shape"),
+        "tp2": (SPLIT, "test_teacher_server.py::test_teacher_topk_per_shape"),
+    },
+    "teacher server top-k vs transformers": {
+        "tp1": (("qwen3_one_kv",), "test_teacher_server.py::test_teacher_topk_per_shape"),
+        "tp2": (SPLIT, "test_teacher_server.py::test_teacher_topk_per_shape"),
+    },
+    "vLLM teacher top-k vs transformers": {
+        "tp1": (LOCAL, "test_vllm_server.py::test_server_sync_and_teacher_per_shape"),
+    },
+}
+"""Which shapes every path runs at every layout, and the test that runs them."""
+
+
+def shapes_at(path: str, layout: str) -> tuple[str, ...]:
+    """The shape names ``path`` runs at ``layout`` (KeyError names a cell that is not in the matrix)."""
+    return MATRIX[path][layout][0]
+
+
+def make_shape(name: str, out_dir: str | os.PathLike, seed: int = 0) -> Path:
+    """Save the tiny model of shape ``name`` to ``out_dir``."""
+    shape = SHAPES[name]
+    return make_tiny_hf_model(shape.family, out_dir, seed=seed, **shape.hf_overrides())
+
+
+def make_shapes(root: str | os.PathLike, names: tuple[str, ...] | None = None) -> dict[str, str]:
+    """Every shape (or ``names``) under ``root``, one folder each; name -> folder."""
+    names = tuple(SHAPES) if names is None else names
+    return {name: str(make_shape(name, Path(root) / name, seed=i)) for i, name in enumerate(names)}
+
+
+def markdown_table() -> str:
+    """The matrix as the markdown table in ``docs/models.md``: a row per path, a column per layout."""
+    layouts = ["tp1", "tp2", "tp2_pp2", "pp2_vp2"]
+    header = "| path | " + " | ".join(layouts) + " | test |"
+    lines = [header, "|" + "---|" * (len(layouts) + 2)]
+    for path, cells in MATRIX.items():
+        row = [", ".join(f"`{s}`" for s in cells[layout][0]) if layout in cells else "" for layout in layouts]
+        tests = sorted({test for _, test in cells.values()})
+        lines.append(f"| {path} | " + " | ".join(row) + " | " + "<br>".join(f"`{t}`" for t in tests) + " |")
+    shapes = [
+        "| shape | family | embeddings | attention (4 query heads) | vocabulary | RoPE scaling |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, s in SHAPES.items():
+        kv = {4: "MHA", 2: "GQA, 2 KV heads", 1: "1 KV head"}[s.kv_heads]
+        shapes.append(
+            f"| `{name}` | {s.family} | {'tied' if s.tied else 'untied'} | {kv} | {s.vocab_size} | {s.rope} |"
+        )
+    return "\n".join(shapes) + "\n\n" + "\n".join(lines) + "\n"

@@ -1,0 +1,53 @@
+"""The model-shape matrix is a covering design, its cells name tests that exist, and docs/models.md shows it.
+
+The cells themselves run in the tests they name (``megatron_opd.testing.shapes.MATRIX``); this file checks the
+matrix: every (property, path) pair at least once, every property at every layout at least once (a single KV head
+only without tensor parallelism), and the table in the docs equal to the one the matrix renders."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from megatron_opd.testing.shapes import ALL_PROPERTIES, MATRIX, SHAPES, TP1_ONLY, markdown_table
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _properties(names) -> frozenset[str]:
+    return frozenset().union(*(SHAPES[n].properties for n in names))
+
+
+@pytest.mark.parametrize("path", list(MATRIX))
+def test_every_property_runs_through_every_path(path):
+    missing = ALL_PROPERTIES - _properties(n for names, _ in MATRIX[path].values() for n in names)
+    assert not missing, f"{path}: no shape with {sorted(missing)}"
+
+
+def test_every_property_runs_at_every_layout():
+    layouts = {layout for cells in MATRIX.values() for layout in cells}
+    for layout in layouts:
+        names = [n for cells in MATRIX.values() if layout in cells for n in cells[layout][0]]
+        split = layout.startswith("tp2")  # tensor-parallel size 2
+        expected = ALL_PROPERTIES - TP1_ONLY if split else ALL_PROPERTIES
+        missing = expected - _properties(names)
+        assert not missing, f"{layout}: no shape with {sorted(missing)}"
+        if split:
+            assert not TP1_ONLY & _properties(names), f"{layout}: a single KV head cannot be split over TP=2"
+
+
+def test_every_cell_names_a_test_that_exists():
+    for path, cells in MATRIX.items():
+        for layout, (names, test) in cells.items():
+            assert set(names) <= set(SHAPES), (path, layout, names)
+            file, func = test.split("::")
+            tree = ast.parse((ROOT / "tests" / file).read_text())
+            defined = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
+            assert func in defined, f"{path} at {layout}: {test} does not exist"
+
+
+def test_docs_show_the_matrix():
+    text = (ROOT / "docs" / "models.md").read_text()
+    assert markdown_table() in text, "docs/models.md is out of date: paste megatron_opd.testing.shapes.markdown_table()"
