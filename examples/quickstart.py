@@ -3,7 +3,7 @@
     python examples/quickstart.py [--workdir runs/quickstart] [--nproc 2] [--rollout-backend vllm]
 
 1. ``tools/make_quickstart_task.py`` writes a digit-reversal task ("reverse 40912 =" -> "21904"), a tokenizer and
-   two randomly initialised Qwen3 models: a teacher and a 5.6x smaller student.
+   two randomly initialised Qwen3 models: a teacher and a 6.6x smaller student (tied embeddings).
 2. The teacher learns the task with the trainer's own supervised mode (``loss.kind=sft``), TP=2 under torchrun.
 3. The student distils from it on-policy: it samples its own answers, the teacher scores every token, and the
    student minimises the per-token forward KL (``examples/quickstart/distil.yaml``), TP=2 under torchrun.
@@ -58,6 +58,9 @@ def main() -> None:
         "--teacher-run", type=Path,
         help="skip step 1: reuse the teacher trained by an earlier quick start (its WORKDIR/teacher folder)",
     )  # fmt: skip
+    parser.add_argument(
+        "--seed", type=int, help="the distillation run's seed (sampling, prompt order); default: the config's"
+    )
     args = parser.parse_args()
     start = time.perf_counter()
     work = args.workdir.resolve()
@@ -85,7 +88,7 @@ def main() -> None:
     torchrun(args.nproc, HERE / "quickstart" / "distil.yaml",
              [f"student.path={task / 'student-init'}", f"teacher.path={teacher_run / 'hf'}", *data,
               f"output_dir={student_run}", tp, f"rollout.backend={args.rollout_backend}",
-              f"scheduler.mode={args.scheduler_mode}"])  # fmt: skip
+              f"scheduler.mode={args.scheduler_mode}", *([f"seed={args.seed}"] if args.seed is not None else [])])  # fmt: skip
     before, after = evals(student_run)
 
     own = ("eval/divergence_own_samples", "divergence to the teacher, student's own answers")

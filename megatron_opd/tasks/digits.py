@@ -129,7 +129,7 @@ def make_model(out_dir: str | os.PathLike, size: str, seed: int) -> Path:
         head_dim=HEAD_DIM,
         max_position_embeddings=MAX_POSITION_EMBEDDINGS,
         rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
+        tie_word_embeddings=size == "student",  # like Qwen3-0.6B/1.7B: the students people distil into are tied
         bos_token_id=eos_id,
         eos_token_id=eos_id,
         pad_token_id=eos_id,
