@@ -232,7 +232,7 @@ def test_teacher_topk_per_shape(shape_dirs, tmp_path):
             for name in shapes_at(SERVER_PATH, layout):
                 root = tmp_path / f"{name}@{layout}"
                 tokenizer = make_exact_tokenizer(root / "tokenizer", SHAPES[name].vocab_size)  # every row a token
-                proc = start_teacher_server(shape_dirs[name], tp=SERVER_TP[layout], port=find_free_port(),
+                proc = start_teacher_server(shape_dirs[name], tp=SERVER_TP[layout], port=0,
                                             ready_file=root / "ready", log_file=str(root / "server.log"),
                                             extra_args=["--topk", str(K), "--tokenizer", tokenizer])  # fmt: skip
                 servers[f"server@{layout}", name] = (proc, root)
