@@ -223,7 +223,7 @@ def test_teacher_topk_per_shape(shape_dirs, tmp_path):
     """The matrix's shapes through the in-process teacher (TP=1, TP=2) and a teacher server each at the matrix's
     layouts (a server holds one model; all start together, while the in-process job runs), against float64
     transformers."""
-    from megatron_opd.testing.vllm_jobs import make_exact_tokenizer
+    from megatron_opd.testing.tiny_models import make_tiny_tokenizer
 
     cells = {label: {n: shape_dirs[n] for n in shapes_at(INPROCESS_PATH, label)} for label in MATRIX[INPROCESS_PATH]}
     servers = {}
@@ -231,7 +231,9 @@ def test_teacher_topk_per_shape(shape_dirs, tmp_path):
         for layout in MATRIX[SERVER_PATH]:
             for name in shapes_at(SERVER_PATH, layout):
                 root = tmp_path / f"{name}@{layout}"
-                tokenizer = make_exact_tokenizer(root / "tokenizer", SHAPES[name].vocab_size)  # every row a token
+                tokenizer = str(
+                    make_tiny_tokenizer(root / "tokenizer", SHAPES[name].vocab_size, exact=True)
+                )  # a row a token
                 proc = start_teacher_server(shape_dirs[name], tp=SERVER_TP[layout], port=0,
                                             ready_file=root / "ready", log_file=str(root / "server.log"),
                                             extra_args=["--topk", str(K), "--tokenizer", tokenizer])  # fmt: skip

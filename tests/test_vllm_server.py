@@ -107,13 +107,6 @@ TEACHER_PATH = "vLLM teacher top-k vs transformers"
 TOPK = 20  # vLLM's default --max-logprobs
 
 
-def _loss(logits, batch):
-    from megatron_opd.trainer.objective import StepStats
-
-    loss = logits.float().mean()
-    return loss, StepStats(loss=float(loss.detach()), tokens=1.0)
-
-
 def _teacher_tokens(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids the teacher scores, and the id each position predicts (the last one: any token that follows)."""
     tokens = torch.randint(0, vocab_size, (4, 12), generator=torch.Generator().manual_seed(3))
@@ -136,6 +129,7 @@ def _shape_case(model: str, address: str, accel) -> dict:
     from megatron_opd.trainer.config import OptimConfig
     from megatron_opd.trainer.student import Student, precision_plan
     from megatron_opd.weight_sync.source import megatron_weight_source
+    from tests.test_weight_sync_vllm import _loss
 
     arch, chunks = build_and_load(model, ParallelConfig(), trainable=True)
     optim = OptimConfig(lr=1e-2)
@@ -218,14 +212,15 @@ def test_server_sync_and_teacher_per_shape(shape_dirs, tmp_path):
 
     from megatron_opd.models.reference import hf_logits
     from megatron_opd.testing.shapes import SHAPES, shapes_at
-    from megatron_opd.testing.vllm_jobs import make_exact_tokenizer
+    from megatron_opd.testing.tiny_models import make_tiny_tokenizer
     from tests.test_teacher_vllm import _assert_topk_close
 
     names = shapes_at(SHAPES_PATH, "tp1")
     assert names == shapes_at(TEACHER_PATH, "tp1"), "one server per shape serves both paths"
     models = {}
     for name in names:  # the OpenAI server loads a tokenizer (the teacher client checks it); rollouts stay token ids
-        models[name] = make_exact_tokenizer(shutil.copytree(shape_dirs[name], tmp_path / name), SHAPES[name].vocab_size)
+        models[name] = str(shutil.copytree(shape_dirs[name], tmp_path / name))
+        make_tiny_tokenizer(models[name], SHAPES[name].vocab_size, exact=True)
     (out,) = run_distributed(_shapes_body, 1, args=(models, str(tmp_path)), timeout=1200)
     for name in names:
         got = out[name]

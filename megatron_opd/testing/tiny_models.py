@@ -80,25 +80,37 @@ _CORPUS = (
 )
 
 
-def make_tiny_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 1000) -> Path:
+def make_tiny_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 1000, exact: bool = False) -> Path:
     """Train a byte-level BPE tokenizer locally and save it as a ``PreTrainedTokenizerFast``.
 
-    Byte-level BPE can encode any text, so the tiny model never sees an unknown token.
+    Byte-level BPE can encode any text, so the tiny model never sees an unknown token. The corpus is small, so the
+    tokenizer has fewer tokens than ``vocab_size`` (a model's padded embedding rows); ``exact=True`` pads it with
+    ``<|extra_i|>`` tokens to exactly ``vocab_size``, for a server whose client checks every top-k id against the
+    tokenizer. Below 259 tokens (the 256 bytes and three special tokens) the alphabet is then the corpus's own
+    characters, and other characters are dropped.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=special,
+        initial_alphabet=alphabet if not exact or vocab_size >= len(alphabet) + len(special) else [],
         show_progress=False,
     )
     tokenizer.train_from_iterator([_CORPUS] * 4, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=special[0], pad_token=special[0])
+    if exact:
+        fast.add_special_tokens(
+            {"additional_special_tokens": [f"<|extra_{i}|>" for i in range(vocab_size - len(fast))]}
+        )
+        if len(fast) != vocab_size:
+            raise ValueError(f"made a tokenizer of {len(fast)} tokens, not {vocab_size}")
     out = Path(out_dir)
     fast.save_pretrained(out)
     return out

@@ -51,31 +51,3 @@ def stop_vllm_server(proc: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
-
-
-def make_exact_tokenizer(out_dir: str | os.PathLike, vocab_size: int) -> str:
-    """A byte-level BPE tokenizer of exactly ``vocab_size`` tokens saved into ``out_dir`` (a model's folder, or a
-    folder of its own) for a server of a random tiny model: a teacher client refuses a top-k id the tokenizer does
-    not have (a padded embedding row to it), so every row needs a token. Below 259 tokens (the 256 bytes and three
-    special tokens) the alphabet is the training text's own characters, and other characters are dropped."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from megatron_opd.testing.tiny_models import _CORPUS
-
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=special, show_progress=False,
-        initial_alphabet=alphabet if vocab_size >= len(alphabet) + len(special) else [],
-    )  # fmt: skip
-    tokenizer.train_from_iterator([_CORPUS] * 4, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=special[0], pad_token=special[0])
-    fast.add_special_tokens({"additional_special_tokens": [f"<|extra_{i}|>" for i in range(vocab_size - len(fast))]})
-    if len(fast) != vocab_size:
-        raise ValueError(f"made a tokenizer of {len(fast)} tokens, not {vocab_size}")
-    fast.save_pretrained(out_dir)
-    return str(out_dir)
