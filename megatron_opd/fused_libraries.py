@@ -1,7 +1,8 @@
 """Which fused-kernel library runs each part of training: TransformerEngine, NVIDIA apex, or plain torch.
 
-Megatron-Core picks them itself from what is importable. Layers (linear, attention, norms) come from the
-TransformerEngine layer spec when TE is usable (``build.use_transformer_engine`` can turn it off); Megatron's
+Megatron-Core picks them itself from what is importable. Layers (linear, core attention, norms) come from the
+TransformerEngine layer spec when TE is usable (``build.use_transformer_engine`` can turn it off); without it the
+core attention is ours on torch's SDPA, or Megatron's local one (``build.attention``). Megatron's
 optimizer (Adam) and its multi-tensor ops (gradient norm, clipping, scaling) use TE's, else NVIDIA apex's
 (``apex`` with its ``amp_C`` CUDA extension, built from NVIDIA's sources; the PyPI package named ``apex`` is an
 unrelated project), else torch's. Nothing here changes that choice: the trainer logs it once at start-up, so a run
@@ -19,9 +20,12 @@ from dataclasses import dataclass
 logger = logging.getLogger(__name__)
 
 TE, APEX, TORCH = "TransformerEngine", "apex", "torch"
+SDPA, LOCAL = "torch SDPA", "Megatron local (keeps s x s scores)"
+"""Core attention without TE: ``build.attention=sdpa`` (megatron_opd.models.attention) or ``local``."""
 
 PARTS = {
-    "layers": "layers (linear, attention, norms)",
+    "layers": "layers (linear, norms)",
+    "attention": "core attention",
     "optimizer": "optimizer (Adam)",
     "multi_tensor": "gradient norm / clipping / scaling (multi-tensor ops)",
 }
@@ -57,23 +61,28 @@ def probe_libraries() -> Libraries:
     return Libraries(transformer_engine=has_transformer_engine(), apex=nvidia_apex_available())
 
 
-def fused_parts(libraries: Libraries, use_transformer_engine: bool | None = None) -> dict[str, str]:
+def fused_parts(
+    libraries: Libraries, use_transformer_engine: bool | None = None, attention: str = "sdpa"
+) -> dict[str, str]:
     """For each part of :data:`PARTS`, the library it runs on, in Megatron-Core's order of preference."""
     te_layers = libraries.transformer_engine and use_transformer_engine is not False
     kernels = TE if libraries.transformer_engine else APEX if libraries.apex else TORCH
-    return {"layers": TE if te_layers else TORCH, "optimizer": kernels, "multi_tensor": kernels}
+    core = TE if te_layers else SDPA if attention == "sdpa" else LOCAL
+    return {"layers": TE if te_layers else TORCH, "attention": core, "optimizer": kernels, "multi_tensor": kernels}
 
 
 _logged = False
 
 
 def log_fused_libraries(
-    use_transformer_engine: bool | None = None, probe: Callable[[], Libraries] = probe_libraries
+    use_transformer_engine: bool | None = None,
+    probe: Callable[[], Libraries] = probe_libraries,
+    attention: str = "sdpa",
 ) -> dict[str, str]:
     """Log once per process which library runs each part; returns the mapping (every call)."""
     global _logged
     libraries = probe()
-    parts = fused_parts(libraries, use_transformer_engine)
+    parts = fused_parts(libraries, use_transformer_engine, attention)
     if not _logged:
         _logged = True
         missing = [

@@ -153,7 +153,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     """Run ``cfg`` to ``train.steps`` (resuming from ``checkpoint.dir``); returns the last eval metrics."""
     cfg.validate()
     accel = initialize_distributed(cfg.parallel, None if cfg.device == "auto" else cfg.device, seed=cfg.seed)
-    log_fused_libraries(cfg.build.use_transformer_engine)
+    log_fused_libraries(cfg.build.use_transformer_engine, attention=cfg.build.attention)
     from megatron.core import parallel_state as ps
 
     rank, sft = dist.get_rank(), cfg.loss.kind == "sft"
@@ -246,6 +246,8 @@ def train(cfg: TrainConfig) -> dict[str, float]:
                 teacher_temperature=cfg.teacher.temperature,
                 micro_batch_size=cfg.train.micro_batch_size,
                 guard=fidelity_guard,
+                packing=cfg.train.packing,
+                micro_batch_tokens=cfg.train.micro_batch_tokens,
             )
         except NonFiniteLossError as err:
             raise NonFiniteLossError(

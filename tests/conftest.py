@@ -1,6 +1,11 @@
-"""Shared fixtures: tiny Hugging Face checkpoints built once per test session."""
+"""Shared fixtures: tiny Hugging Face checkpoints built once per test session, and the quick start's run."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -52,3 +57,30 @@ def shape_dirs(tmp_path_factory) -> dict[str, str]:
     from megatron_opd.testing.shapes import make_shapes
 
     return make_shapes(tmp_path_factory.mktemp("shapes"))
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_quickstart(workdir: Path, *args: str, timeout: float = 900) -> tuple[subprocess.CompletedProcess, str]:
+    """``examples/quickstart.py --workdir workdir args``; asserts it passed its bar with no library warnings."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "examples/quickstart.py", "--workdir", str(workdir), *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "PASS: divergence at least halved, accuracy up 10+ points" in proc.stdout
+    # What a newcomer sees is our output, not pages of library warnings.
+    noise = [line for line in out.splitlines() if "Warning" in line or "warnings.warn" in line]
+    assert not noise, "unfiltered library warnings:\n" + "\n".join(noise[:20])
+    return proc, out
+
+
+@pytest.fixture(scope="session")
+def quickstart_run(tmp_path_factory) -> Path:
+    """The README's first command (built-in rollouts), run once: its task, its teacher and its student run (the
+    reference the vLLM and asynchronous runs are held to) serve tests/test_quickstart.py and
+    tests/test_async_training.py."""
+    workdir = tmp_path_factory.mktemp("quickstart") / "qs"
+    run_quickstart(workdir)
+    return workdir

@@ -53,6 +53,7 @@ def test_bad_keys_and_values_are_named(tmp_path):
         ("optim.min_lr=-1e-6", "optim.min_lr must be in [0, optim.lr=1e-05] (where the decay ends), got -1e-06"),
         ("optim.min_lr=1e-3", "optim.min_lr must be in [0, optim.lr=1e-05]"),
         ("optim.lr_warmup_steps=-1", "optim.lr_warmup_steps must be >= 0 (0: no warm-up), got -1"),
+        ("optim.lr_decay_steps=0", "optim.lr_decay_steps=0 must be > optim.lr_warmup_steps=0"),
         ("optim.adam_beta1=1", "optim.adam_beta1 must be in [0, 1) (e.g. 0.9, 0.999), got 1"),
         ("optim.adam_beta2=-0.1", "optim.adam_beta2 must be in [0, 1)"),
         ("optim.adam_eps=0", "optim.adam_eps must be a finite number > 0 (e.g. 1e-8), got 0"),

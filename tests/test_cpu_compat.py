@@ -34,8 +34,15 @@ def _megatron_calls():
         mcore_optimizer.clip_grad_by_total_norm_fp32([param], max_norm=1.0, total_norm=6.0)
         assert torch.allclose(param.grad, torch.full((4,), 0.5), atol=1e-6), param.grad
 
+    def recompute():
+        tensor_parallel.model_parallel_cuda_manual_seed(123, force_reset_rng=True)
+        x = torch.ones(3, requires_grad=True)
+        tensor_parallel.checkpoint(lambda t: (t * t).sum(), False, x).backward()
+        assert torch.equal(x.grad, torch.full((3,), 2.0)), x.grad
+
     return {
         "rng_tracker": rng_tracker,
+        "recompute": recompute,
         "clip_grads": clip_grads,
         "current_device": lambda: torch.empty(2, device=torch.cuda.current_device()),
         "synchronize": lambda: torch.cuda.synchronize(),

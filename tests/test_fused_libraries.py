@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from megatron_opd import fused_libraries
-from megatron_opd.fused_libraries import APEX, TE, TORCH, Libraries, fused_parts, log_fused_libraries
+from megatron_opd.fused_libraries import APEX, LOCAL, SDPA, TE, TORCH, Libraries, fused_parts, log_fused_libraries
 
 
 @pytest.fixture(autouse=True)
@@ -17,16 +17,17 @@ def fresh_report(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("te", "apex", "use_te", "expected"),
+    ("te", "apex", "use_te", "attention", "expected"),
     [
-        (True, True, None, {"layers": TE, "optimizer": TE, "multi_tensor": TE}),
-        (True, False, False, {"layers": TORCH, "optimizer": TE, "multi_tensor": TE}),  # TE layers turned off
-        (False, True, None, {"layers": TORCH, "optimizer": APEX, "multi_tensor": APEX}),
-        (False, False, None, {"layers": TORCH, "optimizer": TORCH, "multi_tensor": TORCH}),
+        (True, True, None, "sdpa", {"layers": TE, "attention": TE, "optimizer": TE, "multi_tensor": TE}),
+        # TE layers turned off: our SDPA attention runs
+        (True, False, False, "sdpa", {"layers": TORCH, "attention": SDPA, "optimizer": TE, "multi_tensor": TE}),
+        (False, True, None, "local", {"layers": TORCH, "attention": LOCAL, "optimizer": APEX, "multi_tensor": APEX}),
+        (False, False, None, "sdpa", {"layers": TORCH, "attention": SDPA, "optimizer": TORCH, "multi_tensor": TORCH}),
     ],
 )
-def test_parts_follow_megatron_preference(te, apex, use_te, expected):
-    assert fused_parts(Libraries(transformer_engine=te, apex=apex), use_te) == expected
+def test_parts_follow_megatron_preference(te, apex, use_te, attention, expected):
+    assert fused_parts(Libraries(transformer_engine=te, apex=apex), use_te, attention) == expected
 
 
 def test_logged_once_per_process(caplog):
@@ -38,7 +39,7 @@ def test_logged_once_per_process(caplog):
         assert log_fused_libraries(None, probe=gpu_probe)["optimizer"] == TE
     (record,) = caplog.records
     message = record.getMessage()
-    assert "layers (linear, attention, norms): TransformerEngine" in message
+    assert "layers (linear, norms): TransformerEngine" in message and "core attention: TransformerEngine" in message
     assert "optimizer (Adam): TransformerEngine" in message and "(NVIDIA apex not available)" in message
 
 

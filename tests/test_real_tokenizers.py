@@ -181,7 +181,9 @@ def test_distillation_ran_and_export_loads_in_transformers(pipelines, kind):
     losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
     assert sorted(losses) == list(range(1, STEPS + 1)) and all(torch.isfinite(torch.tensor(list(losses.values()))))
     assert "different chat templates" not in run.log  # same tokenizer files: no template warning
-    assert run.log.count("fused kernels: layers (linear, attention, norms): torch") == 1  # once, on CPU: torch
+    assert (
+        run.log.count("fused kernels: layers (linear, norms): torch; core attention: torch SDPA") == 1
+    )  # once, on CPU
     model = AutoModelForCausalLM.from_pretrained(run.export, dtype=torch.float32)
     assert model.config.vocab_size == run.vocab_size
     ids = torch.tensor([reference_prompt_ids(kind)[0]])

@@ -24,6 +24,8 @@ Patches (all idempotent):
 7. Newer Megatron-Core (0.19.2; not 0.16.1): every gradient sync (``start_grad_sync``) asks for
    ``torch.cuda.current_stream()`` to wait on CUDA-graph events; it gets the CPU's current stream (whose
    ``wait_event`` / ``wait_stream`` are no-ops). Applied only when the installed release makes that call.
+8. Activation recomputation (``build.recompute_granularity``): Megatron's ``CheckpointFunction`` saves and restores
+   the CUDA generator state around the recomputed forward; it gets the CPU generator's.
 """
 
 from __future__ import annotations
@@ -159,6 +161,15 @@ class CpuRNGStatesTracker:
             torch.set_rng_state(orig)
 
 
+def _get_cpu_rng_state(device: Any = None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    """Megatron's ``_get_cuda_rng_state`` for recomputation: the CPU generator's state (already a copy)."""
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(new_state: torch.Tensor, device: Any = None, graph_safe: bool = False) -> None:
+    torch.set_rng_state(new_state)
+
+
 def _identity_cuda(self: torch.Tensor, device: Any = None, non_blocking: bool = False, **kwargs: Any) -> torch.Tensor:
     return self
 
@@ -200,6 +211,8 @@ def apply_cpu_patches() -> None:
 
     mcore_random.CudaRNGStatesTracker = CpuRNGStatesTracker  # type: ignore[misc,assignment]
     mcore_random.initialize_rng_tracker(force_reset=True)
+    mcore_random._get_cuda_rng_state = _get_cpu_rng_state  # type: ignore[assignment]
+    mcore_random._set_cuda_rng_state = _set_cpu_rng_state  # type: ignore[assignment]
 
     from megatron.core.optimizer import clip_grads as mcore_clip_grads
     from megatron.core.optimizer import optimizer as mcore_optimizer

@@ -194,7 +194,7 @@ def student_memory(recipe: Recipe) -> list[DeviceMemory]:
     tokens = cfg.train.micro_batch_size * seq
     micro_batches = cfg.train.prompts_per_step * cfg.rollout.n // (dp * cfg.train.micro_batch_size)
     per_layer = layer_activation_bytes(arch, tp, cfg.parallel.sequence_parallel)
-    if cfg.build.recompute_activations:
+    if cfg.build.recompute == "full":
         per_layer = 2 * arch.hidden_size / (tp if cfg.parallel.sequence_parallel else 1)
     vocab = arch.padded_vocab_size(tp, multiple) // tp
     distributed = cfg.optim.use_distributed_optimizer is not False
@@ -202,7 +202,7 @@ def student_memory(recipe: Recipe) -> list[DeviceMemory]:
     for stage, params in enumerate(stage_params(shards, pp)):
         in_flight = min(pp - stage, max(micro_batches, 1))
         activations = per_layer * arch.num_layers / pp * tokens * in_flight
-        if cfg.build.recompute_activations:
+        if cfg.build.recompute == "full":
             activations += layer_activation_bytes(arch, tp, cfg.parallel.sequence_parallel) * tokens
         activations += tokens * vocab * 8 if stage == pp - 1 else 0
         rows.append(

@@ -27,6 +27,7 @@ def reduce_loss(
     mode: ReductionMode = "token_mean",
     *,
     normalizer: float | torch.Tensor | None = None,
+    segment_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduce per-token losses to a scalar.
 
@@ -37,6 +38,8 @@ def reduce_loss(
         mode: ``"token_mean"``, ``"sequence_mean"`` or ``"sum"``.
         normalizer: replaces the denominator (the number of valid tokens for ``token_mean``, of sequences with
             at least one valid token for ``sequence_mean``); not allowed with ``sum``.
+        segment_ids: same shape, int: the sequence of each token when sequences are packed into one row (THD);
+            ``sequence_mean`` then averages within each id instead of along the last dim.
 
     Returns:
         A scalar in the loss's dtype; 0 (with a gradient of zeros) when nothing is valid.
@@ -59,10 +62,18 @@ def reduce_loss(
     if mode == "token_mean":
         denominator = weight.sum() if normalizer is None else torch.as_tensor(normalizer, dtype=weighted.dtype)
         return _safe_divide(weighted.sum(), denominator)
-    if per_token_loss.dim() < 1:
+    if segment_ids is not None:
+        if segment_ids.shape != per_token_loss.shape:
+            raise ValueError(f"segment_ids shape {tuple(segment_ids.shape)} must equal {tuple(per_token_loss.shape)}")
+        ids = segment_ids.reshape(-1).long()
+        count = int(ids.max()) + 1 if ids.numel() else 0
+        seq_weight_B = weight.new_zeros(count).index_add(0, ids, weight.reshape(-1))
+        seq_sum_B = weighted.new_zeros(count).index_add(0, ids, weighted.reshape(-1))
+    elif per_token_loss.dim() < 1:
         raise ValueError("sequence_mean needs per_token_loss shaped [..., seq]")
-    seq_weight_B = weight.sum(dim=-1)
-    seq_mean_B = _safe_divide(weighted.sum(dim=-1), seq_weight_B)
+    else:
+        seq_weight_B, seq_sum_B = weight.sum(dim=-1), weighted.sum(dim=-1)
+    seq_mean_B = _safe_divide(seq_sum_B, seq_weight_B)
     has_tokens_B = seq_weight_B != 0
     if normalizer is None:
         denominator = has_tokens_B.sum().to(weighted.dtype)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -48,12 +49,41 @@ class ModelBuildConfig:
     """Vocabulary padding multiple per tensor-parallel rank (Megatron's ``make_vocab_size_divisible_by``)."""
     use_transformer_engine: bool | None = None
     """TransformerEngine layer spec: None picks it when TE is importable on a CUDA machine."""
+    attention: Literal["sdpa", "local"] = "sdpa"
+    """Core attention when TransformerEngine does not run: ``sdpa`` (torch's flash / memory-efficient kernels,
+    memory linear in the sequence length, packed sequences) or ``local`` (Megatron's ``DotProductAttention``, which
+    keeps every ``s x s`` score matrix; for comparison)."""
+    recompute_granularity: Literal["selective", "full"] | None = None
+    """Activation recomputation in the backward: ``selective`` (core attention only: cheap, needs little with
+    ``attention=sdpa``), ``full`` (whole layers: the least memory, about a third more compute); None: off."""
+    recompute_num_layers: int = 1
+    """With ``full``: layers recomputed as one block (Megatron's ``uniform`` method); more saves more memory."""
     recompute_activations: bool = False
-    """Full activation recomputation of every layer (saves memory for long rollouts)."""
+    """Alias of ``recompute_granularity=full`` (older configs)."""
     hidden_dropout: float = 0.0
     """Dropout after attention and MLP (0 for distillation: it would perturb student log-probs)."""
     attention_dropout: float = 0.0
     """Dropout on attention probabilities."""
+
+    def __post_init__(self) -> None:
+        if self.attention not in ("sdpa", "local"):
+            raise ValueError(f"build.attention must be 'sdpa' or 'local', got {self.attention!r}")
+        if self.recompute_granularity not in (None, "selective", "full"):
+            raise ValueError(
+                f"build.recompute_granularity must be 'selective', 'full' or null (off), got {self.recompute_granularity!r}"
+            )
+        if self.recompute_activations and self.recompute_granularity == "selective":
+            raise ValueError(
+                "build.recompute_activations=true means recompute_granularity=full, but build.recompute_granularity="
+                "selective was also set; keep one of them"
+            )
+        if self.recompute_num_layers < 1:
+            raise ValueError(f"build.recompute_num_layers must be >= 1, got {self.recompute_num_layers}")
+
+    @property
+    def recompute(self) -> str | None:
+        """The recompute granularity in effect (``recompute_activations`` is ``full``)."""
+        return "full" if self.recompute_activations else self.recompute_granularity
 
 
 def validate_layout(arch: ModelArchitecture, parallel: ParallelConfig) -> None:
@@ -113,8 +143,12 @@ def transformer_config(arch: ModelArchitecture, parallel: ParallelConfig, build:
         # Upstream bug: with two pipeline ranks the previous and next stage are the same peer and the
         # batched p2p exchange silently mixes up tensors in the interleaved schedule (Megatron-LM #1450).
         kwargs["batch_p2p_comm"] = False
-    if build.recompute_activations:
-        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if build.recompute == "full":
+        kwargs.update(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=build.recompute_num_layers
+        )
+    elif build.recompute == "selective":
+        kwargs.update(recompute_granularity="selective", recompute_modules=["core_attn"])
     return TransformerConfig(**kwargs)
 
 
@@ -127,11 +161,12 @@ def use_te_spec(build: ModelBuildConfig) -> bool:
     return build.use_transformer_engine
 
 
-def layer_spec(arch: ModelArchitecture, te: bool, config, vp_stage: int | None):
+def layer_spec(arch: ModelArchitecture, te: bool, config, vp_stage: int | None, attention: str = "sdpa"):
     """Megatron-Core spec of one chunk's decoder: TransformerEngine layers when available, local otherwise.
 
     The local spec gets megatron-opd's :class:`RMSNorm` (layer, QK and final norms), which supports
-    sequence parallelism where Megatron's torch fallback norm does not.
+    sequence parallelism where Megatron's torch fallback norm does not, and with ``attention="sdpa"`` its
+    :class:`~megatron_opd.models.attention.SDPAttention` as core attention.
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
@@ -147,6 +182,10 @@ def layer_spec(arch: ModelArchitecture, te: bool, config, vp_stage: int | None):
     if arch.qk_norm:
         spec.submodules.self_attention.submodules.q_layernorm = RMSNorm
         spec.submodules.self_attention.submodules.k_layernorm = RMSNorm
+    if attention == "sdpa":
+        from megatron_opd.models.attention import SDPAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=RMSNorm)
 
@@ -176,6 +215,7 @@ def build_model_chunk(
     pre_process: bool,
     post_process: bool,
     padded_vocab_size: int,
+    attention: str = "sdpa",
 ):
     """One ``GPTModel`` chunk: the layers of one (virtual) pipeline stage."""
     from megatron.core.models.gpt import GPTModel
@@ -183,7 +223,7 @@ def build_model_chunk(
     rope = arch.rope
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(arch, te, config, vp_stage),
+        transformer_layer_spec=layer_spec(arch, te, config, vp_stage, attention),
         vocab_size=padded_vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,
@@ -255,6 +295,7 @@ def build_chunks(arch: ModelArchitecture, parallel: ParallelConfig, build: Model
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
                 post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
                 padded_vocab_size=padded_vocab,
+                attention=build.attention,
             )
         )
     return chunks

@@ -26,7 +26,8 @@ def forward_backward(
 ) -> list[Any]:
     """Forward (and backward unless ``forward_only``) every micro-batch through ``chunks``.
 
-    Each micro-batch holds ``tokens`` ``[b, s]`` and optionally ``position_ids``. With pipeline
+    Each micro-batch holds ``tokens`` ``[b, s]`` and optionally ``position_ids``; a packed one (THD) is ``[1, t]``
+    with ``cu_seqlens`` and ``max_seqlen`` (``TrainBatch.packed_micro_batches``). With pipeline
     parallelism all must have the same shape (stages exchange activations of one shape); without it,
     ``s`` may differ between micro-batches, so each is padded only to its own longest sequence. Returns the data ``loss_fn`` returned, one entry per micro-batch, on the last
     pipeline stage (an empty list elsewhere). Gradients accumulate into ``param.grad`` (or DDP's
@@ -54,7 +55,7 @@ def forward_backward(
         position_ids = batch.get("position_ids")
         if position_ids is None:
             position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-        output = model(tokens, position_ids, None)
+        output = model(tokens, position_ids, None, **packed_seq_params(batch))
 
         def reduce(output_tensor: torch.Tensor):
             return loss_fn(output_tensor, batch)
@@ -73,3 +74,16 @@ def forward_backward(
         micro_batch_size=batch_size,
         forward_only=forward_only,
     )
+
+
+def packed_seq_params(batch: MicroBatch) -> dict:
+    """``{"packed_seq_params": ...}`` for a packed micro-batch (Megatron's THD contract), else ``{}``."""
+    if "cu_seqlens" not in batch:
+        return {}
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu, longest = batch["cu_seqlens"].to(torch.int32), int(batch["max_seqlen"])
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+    )
+    return {"packed_seq_params": params}

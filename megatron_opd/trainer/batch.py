@@ -9,8 +9,14 @@ With the union loss support the student's own top-k ids come from the rollout (`
 recorded while sampling response token ``j`` sit at the position that predicts it, and the teacher request asks
 for the teacher's log-probabilities there (``TrainBatch.teacher_request_ids``).
 
+Packed micro-batches (``train.packing``, :meth:`TrainBatch.packed_micro_batches`) concatenate their samples into one
+row ``[1, T]`` with no padding between them (Megatron's THD layout): ``cu_seqlens`` marks where each sample starts,
+``segment_ids`` says which sample each token belongs to (sequence-level reductions), ``token_weights`` carries each
+sample's weight to its tokens, and every per-token column is concatenated the same way, so the loss pass reads the
+same values at the same tokens as in the padded layout. Attention stays within each sample; RoPE restarts at 0.
+
 Shape legend: ``N`` samples on this data-parallel rank, ``S`` positions, ``b`` samples per micro-batch, ``k`` the
-student's top-k, ``R`` ids per position in the teacher request.
+student's top-k, ``R`` ids per position in the teacher request, ``T`` tokens of a packed micro-batch.
 """
 
 from __future__ import annotations
@@ -106,6 +112,88 @@ class TrainBatch:
                 mb = {k: v[:, :length] if v.dim() >= 2 and v.shape[1] == self.seq_len else v for k, v in mb.items()}
             out.append(mb)
         return out
+
+    def packed_micro_batches(
+        self,
+        micro_batch_size: int,
+        extra: dict[str, torch.Tensor] | None = None,
+        *,
+        pad_multiple: int = 1,
+        token_budget: int | None = None,
+    ) -> list[dict]:
+        """Micro-batches of samples concatenated without padding (THD), for the student update.
+
+        Without ``token_budget``: the same groups of ``micro_batch_size`` samples as :meth:`micro_batches`, each
+        ``T`` = its samples' tokens rounded up to ``pad_multiple`` (sequence parallelism splits ``T`` over TP).
+        With ``token_budget`` (pipeline parallelism: stages exchange activations of one shape): samples in order
+        fill micro-batches of at most that many tokens, each padded to exactly ``token_budget``. Padding is a
+        segment of its own that nothing trains.
+        """
+        if token_budget is None:
+            if self.num_samples % micro_batch_size:
+                raise ValueError(
+                    f"{self.num_samples} samples per data-parallel rank is not divisible by train.micro_batch_size="
+                    f"{micro_batch_size}; choose a divisor"
+                )
+            groups = [list(range(lo, lo + micro_batch_size)) for lo in range(0, self.num_samples, micro_batch_size)]
+        else:
+            groups = _fill(self.lengths, token_budget)
+        columns = {"loss_mask": self.loss_mask, "labels": self.next_tokens()}
+        if self.rollout_logprobs is not None:
+            columns["rollout_logprobs"] = self.rollout_logprobs
+        columns.update(extra or {})
+        out = []
+        for group in groups:
+            lengths = [self.lengths[i] for i in group]
+            used = sum(lengths)
+            total = token_budget if token_budget is not None else _padded_length(max(used, 1), pad_multiple, None)
+            pad = total - used
+            bounds = [0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()] + ([total] if pad else [])
+            i64 = torch.zeros(0, dtype=torch.int64)
+            mb = {
+                "tokens": _concat([self.tokens[i, :n] for i, n in zip(group, lengths)], pad, i64),
+                "position_ids": _concat([torch.arange(n) for n in lengths], pad, i64, fill="arange"),
+                "segment_ids": _concat([torch.full((n,), j) for j, n in enumerate(lengths)], pad, i64, len(group)),
+                "token_weights": _concat(
+                    [self.seq_weights[i].expand(n) for i, n in zip(group, lengths)], pad, self.seq_weights[:0]
+                ),
+                "cu_seqlens": torch.tensor(bounds, dtype=torch.int32),
+                "max_seqlen": torch.tensor(max([*lengths, pad])),
+            }
+            for name, value in columns.items():
+                mb[name] = _concat([value[i, :n] for i, n in zip(group, lengths)], pad, value[0, :0])
+            out.append(mb)
+        return out
+
+
+def _fill(lengths: list[int], budget: int) -> list[list[int]]:
+    """Samples in order into groups of at most ``budget`` tokens."""
+    groups: list[list[int]] = [[]]
+    used = 0
+    for i, n in enumerate(lengths):
+        if n > budget:
+            raise ValueError(
+                f"a sample of {n} tokens does not fit train.micro_batch_tokens={budget}; raise it to at least the "
+                "longest sample (train.max_seq_len)"
+            )
+        if used + n > budget:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += n
+    return groups
+
+
+def _concat(pieces: list[torch.Tensor], pad: int, like: torch.Tensor, fill: float | str = 0) -> torch.Tensor:
+    """``[1, T, ...]``: the pieces (``[n_i, ...]``, dtype and trailing shape of ``like``) end to end, then ``pad``
+    rows of ``fill`` (``"arange"``: 0, 1, ...)."""
+    if pad:
+        if fill == "arange":
+            tail = torch.arange(pad, dtype=like.dtype)
+        else:
+            tail = torch.full((pad, *like.shape[1:]), fill, dtype=like.dtype)
+        pieces = [*pieces, tail]
+    return torch.cat([like, *pieces])[None]
 
 
 def _padded_length(longest: int, pad_multiple: int, max_len: int | None) -> int:

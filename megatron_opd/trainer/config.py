@@ -197,11 +197,19 @@ class TrainLoopConfig:
     """Sequences (prompts x rollout.n) per forward/backward micro-batch on one data-parallel rank."""
     max_seq_len: int | None = None
     """Longest prompt + response; default: the student's max_position_embeddings. Longer prompts are skipped."""
+    packing: bool = True
+    """Concatenate a micro-batch's sequences with no padding (THD: attention within each, RoPE restarting) for the
+    student update; false pads each micro-batch to its longest sequence. Needs build.attention=sdpa or TE."""
+    micro_batch_tokens: int | None = None
+    """With packing and pipeline parallelism: tokens per packed micro-batch (each filled with whole sequences, then
+    padded to it: stages exchange one shape); None: micro_batch_size x the step's longest sequence."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
+            raise ValueError(f"train.micro_batch_tokens must be >= 1 (or null), got {self.micro_batch_tokens}")
 
 
 @dataclass
@@ -216,6 +224,9 @@ class OptimConfig:
     """Linear warm-up steps from 0 to ``lr``."""
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
     """Decay from ``lr`` to ``min_lr`` over the steps after warm-up."""
+    lr_decay_steps: int | None = None
+    """The step at which the decay reaches ``min_lr`` (Megatron-LM's ``--lr-decay-iters``); None: ``train.steps``.
+    Set it to shorten a run while keeping a longer run's schedule."""
     weight_decay: float = 0.0
     """Decoupled (AdamW) weight decay."""
     adam_beta1: float = 0.9
@@ -241,6 +252,11 @@ class OptimConfig:
             )
         if self.lr_warmup_steps < 0:
             raise ValueError(f"optim.lr_warmup_steps must be >= 0 (0: no warm-up), got {self.lr_warmup_steps}")
+        if self.lr_decay_steps is not None and self.lr_decay_steps <= self.lr_warmup_steps:
+            raise ValueError(
+                f"optim.lr_decay_steps={self.lr_decay_steps} must be > optim.lr_warmup_steps={self.lr_warmup_steps} "
+                "(the decay starts after the warm-up); unset it to decay over train.steps"
+            )
         for name in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"optim.{name} must be in [0, 1) (e.g. 0.9, 0.999), got {getattr(self, name)}")
@@ -469,6 +485,23 @@ class TrainConfig:
                 f"optim.lr_warmup_steps={self.optim.lr_warmup_steps} must be < train.steps={self.train.steps}: the "
                 "learning rate would never reach optim.lr; lower the warm-up or raise train.steps"
             )
+        if self.train.packing and self.build.attention == "local" and self.build.use_transformer_engine is not True:
+            raise ValueError(
+                "train.packing=true needs build.attention=sdpa (Megatron's local attention cannot separate packed "
+                "sequences) or TransformerEngine; set train.packing=false to keep build.attention=local"
+            )
+        if self.train.packing and self.parallel.context_parallel_size > 1:
+            raise ValueError(
+                "train.packing=true with parallel.context_parallel_size > 1 is not supported (context parallelism is "
+                "out of scope for packed sequences); set train.packing=false or context_parallel_size=1"
+            )
+        if self.train.micro_batch_tokens is not None:
+            tp = self.parallel.tensor_model_parallel_size
+            if self.train.micro_batch_tokens % tp:
+                raise ValueError(
+                    f"train.micro_batch_tokens={self.train.micro_batch_tokens} must divide by "
+                    f"tensor_model_parallel_size={tp} (sequence parallelism splits it); round it up"
+                )
         if self.rollout.vllm_sleep and self.scheduler.mode != "zero_step_off":
             raise ValueError(
                 f"rollout.vllm_sleep frees the engine's memory while the trainer trains, but scheduler.mode="

@@ -177,11 +177,15 @@ def make_loss_fn(
                 inplace_backward=True,
                 outputs=outputs,
             )
-        weighted_BS = per_token_BS * mb["seq_weights"][:, None].to(per_token_BS.dtype)
+        # Packed micro-batches (THD, one row) carry each sample's weight and index per token.
+        weights_BS = mb["token_weights"] if "token_weights" in mb else mb["seq_weights"][:, None]
+        weighted_BS = per_token_BS * weights_BS.to(per_token_BS.dtype)
         if cfg.reduction == "sum":
             loss = reduce_loss(weighted_BS, mask_BS, "sum")
         else:
-            loss = reduce_loss(weighted_BS, mask_BS, cfg.reduction, normalizer=normalizer)
+            loss = reduce_loss(
+                weighted_BS, mask_BS, cfg.reduction, normalizer=normalizer, segment_ids=mb.get("segment_ids")
+            )
         with torch.no_grad():
             valid_BS = mask_BS != 0
             fidelity = {}
@@ -261,17 +265,25 @@ def train_step(
     teacher_temperature: float,
     micro_batch_size: int,
     guard: Callable[[StepStats], None] | None = None,
+    packing: bool = False,
+    micro_batch_tokens: int | None = None,
 ):
     """One optimizer step of ``student`` on ``batch`` (and the teacher's ``scores``; None for SFT); ``guard`` may
-    refuse the step before it is applied (``Student.step``)."""
+    refuse the step before it is applied (``Student.step``). ``packing``: THD micro-batches (``train.packing``)."""
     from megatron.core import parallel_state as ps
 
-    micro_batches = batch.micro_batches(
-        micro_batch_size,
-        teacher_columns(scores, batch) if scores is not None else {},
-        trim=ps.get_pipeline_model_parallel_world_size() == 1,
-        pad_multiple=8 * ps.get_tensor_model_parallel_world_size(),  # sequence parallelism splits S over TP
-    )
+    columns = teacher_columns(scores, batch) if scores is not None else {}
+    tp, one_stage = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size() == 1
+    if packing:
+        budget = None if one_stage else micro_batch_tokens or -(-micro_batch_size * batch.seq_len // tp) * tp
+        micro_batches = batch.packed_micro_batches(micro_batch_size, columns, pad_multiple=tp, token_budget=budget)
+    else:
+        micro_batches = batch.micro_batches(
+            micro_batch_size,
+            columns,
+            trim=one_stage,
+            pad_multiple=8 * tp,  # sequence parallelism splits S over TP
+        )
     loss_fn = make_loss_fn(
         cfg,
         vocab_size=vocab_size,

@@ -115,7 +115,8 @@ class Student:
             for i, chunk in enumerate(chunks)
         ]
         self.optimizer = get_megatron_optimizer(megatron_optimizer_config(optim, plan), self.model)
-        decay_steps = max(1, total_steps - optim.lr_warmup_steps)
+        decay_end = optim.lr_decay_steps or total_steps
+        decay_steps = max(1, decay_end - optim.lr_warmup_steps)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
             init_lr=0.0 if optim.lr_warmup_steps else optim.lr,

@@ -1,0 +1,171 @@
+"""Core attention for Megatron-Core's local layer spec on ``torch.nn.functional.scaled_dot_product_attention``.
+
+Without TransformerEngine, Megatron's ``DotProductAttention`` builds every ``[b, heads, s, s]`` score matrix and
+keeps the probabilities for the backward: memory grows with the square of the sequence. :class:`SDPAttention` is
+a drop-in ``core_attention`` module (the layer spec's submodule, same constructor and ``forward``) that hands the
+work to SDPA, which picks a flash / cuDNN / memory-efficient kernel on a GPU and a flash kernel on CPU: nothing of
+size ``s x s`` is kept, grouped K/V heads are not repeated (``enable_gqa``), and the numbers are Megatron's
+(softmax scale, attention dropout under Megatron's RNG tracker, heads split over tensor-parallel ranks).
+
+Three cases, from what Megatron's ``Attention`` passes:
+- training, scoring and the sampler's prefill: causal over ``s`` queries and ``s`` keys (``is_causal``);
+- the sampler's decode steps: one query against the cached keys; Megatron then passes ``no_mask`` (SDPA's
+  ``is_causal`` is top-left aligned when the lengths differ, so it must not be used there);
+- packed sequences (``PackedSeqParams``, ``qkv_format="thd"``): ``[t, heads, d]`` with ``cu_seqlens``; every
+  sequence attends causally to itself only, through ``torch.nn.attention.varlen`` on a GPU where it exists and one
+  SDPA call per sequence otherwise.
+
+Shape legend: ``s`` queries, ``k`` keys, ``b`` batch, ``h`` query heads on this rank, ``g`` K/V heads on this
+rank, ``d`` head dim, ``t`` packed tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def _tp_size(pg_collection) -> int:
+    if pg_collection is not None and getattr(pg_collection, "tp", None) is not None:
+        return pg_collection.tp.size()
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def _varlen_causal_attn():
+    """A causal ``varlen_attn(q, k, v, cu, max_len, scale)`` from ``torch.nn.attention.varlen`` (a GPU flash kernel
+    for packed sequences), or None where this torch has none. Its causal argument changed between releases."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" in params:
+        causal = {"window_size": (-1, 0)}
+    elif "is_causal" in params:
+        causal = {"is_causal": True}
+    else:
+        return None
+    gqa = {"enable_gqa": True} if "enable_gqa" in params else None
+
+    def attend(q, k, v, cu, max_len, scale, grouped):
+        if grouped and gqa is None:
+            return None
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, **causal, **(gqa if grouped else {}))
+
+    return attend
+
+
+class SDPAttention(torch.nn.Module):
+    """Megatron-Core ``core_attention`` on SDPA: causal, GQA, TP-sharded heads, dropout, packed sequences."""
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+        **_,
+    ) -> None:
+        super().__init__()
+        if config.context_parallel_size != 1:
+            raise ValueError(
+                "context parallelism needs TransformerEngine's attention; set parallel.context_parallel_size=1"
+            )
+        if getattr(config, "window_size", None) is not None:
+            raise ValueError("sliding-window attention is not supported by build.attention=sdpa; use TE or 'local'")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by build.attention=sdpa")
+        self.config = config
+        tp = _tp_size(pg_collection)
+        self.heads = config.num_attention_heads // tp
+        self.groups = config.num_query_groups // tp
+        self.head_dim = config.kv_channels
+        # Megatron's apply_query_key_layer_scaling divides the scale by the layer number and multiplies it back in
+        # the softmax: the product is this scale.
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.attn_mask_type = attn_mask_type
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type=None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        """``query [s, b, h, d]``, ``key``/``value`` ``[k, b, g, d]`` -> ``[s, b, h * d]`` (packed: ``[t, h, d]`` in,
+        ``[t, h * d]`` out)."""
+        from megatron.core.transformer.enums import AttnMaskType
+
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported by build.attention=sdpa")
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        dropout_p = self.dropout_p if self.training else 0.0
+        with self._dropout_rng(dropout_p):
+            if packed_seq_params is not None:
+                return self._packed(query, key, value, packed_seq_params, dropout_p)
+            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, d]
+            s, k_len = q.shape[2], k.shape[2]
+            mask = None
+            if attention_mask is not None:
+                mask = ~attention_mask.bool()  # Megatron: True = masked out; SDPA: True = attends
+            elif mask_type == AttnMaskType.causal and s != k_len:
+                # Bottom-right aligned: query i sits at key position k_len - s + i (SDPA's is_causal would not).
+                mask = torch.ones(s, k_len, dtype=torch.bool, device=q.device).tril(diagonal=k_len - s)
+            causal = mask is None and mask_type == AttnMaskType.causal and s > 1
+            out = self._sdpa(q, k, v, mask, causal, dropout_p)  # [b, h, s, d]
+        return out.permute(2, 0, 1, 3).reshape(s, out.shape[0], self.heads * self.head_dim)
+
+    def _sdpa(self, q, k, v, mask, causal: bool, dropout_p: float) -> torch.Tensor:
+        gqa = self.groups != self.heads
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=self.softmax_scale, enable_gqa=gqa
+        )
+
+    def _packed(self, query, key, value, params, dropout_p: float) -> torch.Tensor:
+        """Packed sequences ``[t, heads, d]``: each sequence of ``cu_seqlens`` attends causally to itself only."""
+        if params.qkv_format != "thd":
+            raise ValueError(f"packed sequences must use qkv_format='thd', got {params.qkv_format!r}")
+        cu_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        cu_k = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
+        if not torch.equal(cu_q, cu_k):
+            raise ValueError("packed self-attention needs cu_seqlens_q == cu_seqlens_kv")
+        varlen = _varlen_causal_attn() if query.is_cuda and dropout_p == 0.0 else None
+        if varlen is not None:
+            max_len = int(params.max_seqlen_q or int((cu_q[1:] - cu_q[:-1]).max()))
+            out = varlen(
+                query, key, value, cu_q.to(torch.int32), max_len, self.softmax_scale, self.groups != self.heads
+            )
+            if out is not None:
+                return out.reshape(out.shape[0], self.heads * self.head_dim)
+        bounds = cu_q.tolist()
+        pieces = []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            if hi == lo:
+                continue
+            q, k, v = (x[lo:hi].permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))  # [1, heads, n, d]
+            pieces.append(self._sdpa(q, k, v, None, hi - lo > 1, dropout_p)[0].permute(1, 0, 2))
+        if bounds[-1] < query.shape[0]:  # tokens after the last sequence (padding) attend to nothing useful
+            pieces.append(torch.zeros_like(query[bounds[-1] :]))
+        return torch.cat(pieces).reshape(query.shape[0], self.heads * self.head_dim)
+
+    def _dropout_rng(self, dropout_p: float):
+        """Megatron's RNG for attention dropout: the tensor-parallel tracker's stream, unless sequence-parallel."""
+        if dropout_p == 0.0 or self.config.sequence_parallel:
+            return contextlib.nullcontext()
+        from megatron.core import tensor_parallel
+
+        return tensor_parallel.get_cuda_rng_tracker().fork()

@@ -1,0 +1,187 @@
+"""The SDPA core attention of the local spec (``build.attention=sdpa``) against a float64 softmax reference:
+causal training/scoring, GQA and one KV head, decode steps against cached keys (bottom-right, not SDPA's top-left
+``is_causal``), packed sequences (THD) equal to each sequence alone, gradients (``gradcheck``), dropout under
+Megatron's RNG, and the bad configurations it refuses."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_opd.models.attention import SDPAttention
+
+
+def _config(heads=4, groups=2, head_dim=8, dropout=0.0, **extra):
+    base = dict(num_attention_heads=heads, num_query_groups=groups, kv_channels=head_dim, attention_dropout=dropout,
+                context_parallel_size=1, window_size=None, softmax_type="vanilla", sequence_parallel=False)  # fmt: skip
+    return SimpleNamespace(**{**base, **extra})
+
+
+class _TP:
+    def __init__(self, size: int) -> None:
+        self.tp = SimpleNamespace(size=lambda: size)
+
+
+def _attention(dtype=torch.float32, tp=1, **config) -> SDPAttention:
+    from megatron.core.transformer.enums import AttnMaskType
+
+    return SDPAttention(_config(**config), 1, AttnMaskType.causal, "self", pg_collection=_TP(tp)).to(dtype)
+
+
+def _reference(q, k, v, offset: int = 0) -> torch.Tensor:
+    """float64 attention of ``q [s, b, h, d]`` over ``k, v [k, b, g, d]``; query i sits at key position offset + i."""
+    q, k, v = (x.double() for x in (q, k, v))
+    s, b, h, d = q.shape
+    rep = h // k.shape[2]
+    k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    scores = torch.einsum("sbhd,kbhd->bhsk", q, k) / math.sqrt(d)
+    allowed = torch.arange(k.shape[0])[None, :] <= (offset + torch.arange(s))[:, None]
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.einsum("bhsk,kbhd->sbhd", probs, v).reshape(s, b, h * d)
+
+
+def _qkv(s, b=2, heads=4, groups=2, d=8, k_len=None, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(s, b, heads, d, generator=gen, dtype=dtype)
+    k = torch.randn(k_len or s, b, groups, d, generator=gen, dtype=dtype)
+    v = torch.randn(k_len or s, b, groups, d, generator=gen, dtype=dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("heads, groups", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "one_kv"])
+def test_causal_matches_reference(heads, groups):
+    attn = _attention(heads=heads, groups=groups)
+    q, k, v = _qkv(13, heads=heads, groups=groups)
+    out = attn(q, k, v, None)
+    assert out.shape == (13, 2, heads * 8)
+    torch.testing.assert_close(out.double(), _reference(q, k, v), rtol=1e-5, atol=1e-6)
+
+
+def test_decode_steps_equal_prefill():
+    """The sampler's path: a prefill, then one query at a time against the growing cache (Megatron passes
+    ``no_mask`` there); each step's output equals that row of the full causal pass."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    attn = _attention()
+    q, k, v = _qkv(10)
+    full = attn(q, k, v, None)
+    prefill = attn(q[:4], k[:4], v[:4], None)
+    torch.testing.assert_close(prefill, full[:4], rtol=1e-6, atol=1e-6)
+    for pos in range(4, 10):
+        step = attn(q[pos : pos + 1], k[: pos + 1], v[: pos + 1], None, attn_mask_type=AttnMaskType.no_mask)
+        torch.testing.assert_close(step, full[pos : pos + 1], rtol=1e-6, atol=1e-6)
+    # Several new queries against a longer cache under the causal type: bottom-right aligned.
+    chunk = attn(q[6:], k, v, None)
+    torch.testing.assert_close(chunk.double(), _reference(q[6:], k, v, offset=6), rtol=1e-5, atol=1e-6)
+
+
+def test_packed_sequences_equal_each_sequence_alone():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    attn = _attention()
+    lengths = [7, 1, 12, 3]
+    seqs = [_qkv(n, b=1, seed=i) for i, n in enumerate(lengths)]
+    q, k, v = (torch.cat([s[j][:, 0] for s in seqs]) for j in range(3))  # [t, heads, d]
+    q = torch.cat([q, torch.zeros(2, *q.shape[1:])])  # two padding tokens after the last sequence
+    k, v = (torch.cat([x, torch.zeros(2, *x.shape[1:])]) for x in (k, v))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=12, max_seqlen_kv=12)
+    out = attn(q, k, v, None, packed_seq_params=params)
+    assert out.shape == (sum(lengths) + 2, 4 * 8)
+    for (lo, hi), (sq, sk, sv) in zip(zip(cu[:-1].tolist(), cu[1:].tolist()), seqs):
+        torch.testing.assert_close(out[lo:hi], attn(sq, sk, sv, None)[:, 0], rtol=1e-6, atol=1e-6)
+    assert out[-2:].abs().max() == 0
+
+
+def test_gradients_gradcheck():
+    attn = _attention(dtype=torch.float64, heads=4, groups=2, head_dim=4)
+    q, k, v = (x.requires_grad_() for x in _qkv(5, b=1, d=4, dtype=torch.float64))
+    assert torch.autograd.gradcheck(lambda q, k, v: attn(q, k, v, None), (q, k, v))
+
+
+def test_dropout_only_in_training_and_under_megatron_rng():
+    attn = _attention(dropout=0.5, sequence_parallel=True)  # SP: the default generator, as in Megatron
+    q, k, v = _qkv(8)
+    attn.eval()
+    torch.testing.assert_close(attn(q, k, v, None).double(), _reference(q, k, v), rtol=1e-5, atol=1e-6)
+    attn.train()
+    assert not torch.allclose(attn(q, k, v, None).double(), _reference(q, k, v), atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"context_parallel_size": 2}, "context parallelism needs TransformerEngine"),
+        ({"window_size": (8, 0)}, "sliding-window attention is not supported"),
+        ({"softmax_type": "learnable"}, "softmax_type='learnable' is not supported"),
+    ],
+)
+def test_refuses_what_it_cannot_run(extra, message):
+    with pytest.raises(ValueError, match=message):
+        _attention(**extra)
+
+
+def _recompute_body(model_dir: str):
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from megatron_opd.distributed import ParallelConfig, initialize_distributed
+    from megatron_opd.models.builder import ModelBuildConfig
+    from megatron_opd.models.pipeline import forward_backward
+    from megatron_opd.models.source import build_and_load
+
+    initialize_distributed(ParallelConfig())
+    tokens = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for name, build in {
+        "none": ModelBuildConfig(),
+        "selective": ModelBuildConfig(recompute_granularity="selective"),
+        "full": ModelBuildConfig(recompute_granularity="full", recompute_num_layers=2),
+        "local": ModelBuildConfig(attention="local"),
+    }.items():
+        _, chunks = build_and_load(model_dir, ParallelConfig(), build)
+
+        def ce(logits, mb):
+            loss = vocab_parallel_cross_entropy(logits.float(), torch.roll(mb["tokens"], -1, dims=1)).mean()
+            return loss, loss.detach()
+
+        (loss,) = forward_backward(chunks, [{"tokens": tokens}], ce)
+        checkpointed = chunks[0].decoder.layers[0].self_attention.checkpoint_core_attention
+        results[name] = (loss, {n: p.grad.clone() for n, p in chunks[0].named_parameters()}, checkpointed)
+    return results
+
+
+def test_recompute_granularities_and_local_attention_give_the_same_gradients(tmp_path):
+    """Selective (core attention) and full recompute, and Megatron's local attention, against the default."""
+    from megatron_opd.testing.multiprocess import run_distributed
+    from megatron_opd.testing.tiny_models import make_tiny_hf_model
+
+    model = make_tiny_hf_model("qwen3", tmp_path / "m", seed=0, num_hidden_layers=2)
+    (results,) = run_distributed(_recompute_body, 1, args=(str(model),), timeout=300)
+    ref_loss, ref_grads, _ = results["none"]
+    assert results["selective"][2] and not results["none"][2] and not results["full"][2]
+    for name in ("selective", "full", "local"):
+        loss, grads, _ = results[name]
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+        for param, ref in ref_grads.items():
+            torch.testing.assert_close(
+                grads[param], ref, rtol=1e-5, atol=1e-7, msg=lambda m, p=param, n=name: f"{n} {p}: {m}"
+            )
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"attention": "flash"}, "build.attention must be 'sdpa' or 'local'"),
+        ({"recompute_granularity": "layers"}, "build.recompute_granularity must be 'selective', 'full' or null"),
+        ({"recompute_activations": True, "recompute_granularity": "selective"}, "keep one of them"),
+        ({"recompute_num_layers": 0}, "build.recompute_num_layers must be >= 1"),
+    ],
+)
+def test_build_config_refuses_bad_values(kwargs, message):
+    from megatron_opd.models.builder import ModelBuildConfig
+
+    with pytest.raises(ValueError, match=message):
+        ModelBuildConfig(**kwargs)
