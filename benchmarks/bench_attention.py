@@ -11,7 +11,8 @@ SDPA keeps no ``s x s`` matrix, so it grows linearly; the local attention keeps 
 
 Packing: the same model, the pinned skewed lengths (1 x 2,048 + 7 x 128 tokens) as one micro-batch of 8, padded to
 its longest sample (today's trimmed micro-batches, ``train.packing=false``) or packed (THD, ``train.packing=true``);
-median forward + backward time over ``--repeats`` after one warm-up. Both with SDPA attention.
+median forward + backward time over ``--repeats`` after one warm-up. Both with SDPA attention. The same batch scored
+by the in-process teacher (forward, vocab-parallel top-64), padded or packed.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ def _worker(model_dir: str, attention: str, job: str, lengths: list[int], repeat
 
     torch.set_num_threads(2)
     initialize_distributed(ParallelConfig())
-    _, chunks = build_and_load(model_dir, ParallelConfig(), ModelBuildConfig(attention=attention))
+    teacher_job = job.startswith("teacher")
+    build = ModelBuildConfig(attention=attention)
+    _, chunks = build_and_load(model_dir, ParallelConfig(), build, trainable=not teacher_job)
 
     def loss_fn(logits, mb):
         ce = vocab_parallel_cross_entropy(logits.float(), mb["labels"]) * mb["loss_mask"]
@@ -64,14 +67,28 @@ def _worker(model_dir: str, attention: str, job: str, lengths: list[int], repeat
         base = _rss("VmRSS")
         forward_backward(chunks, micro_batches, loss_fn)
         return {"extra_mib": (_rss("VmHWM") - base) / 2**20}
-    if job == "packed":
-        micro_batches = batch.packed_micro_batches(len(lengths))
+    if teacher_job:
+        from megatron_opd.teacher.inprocess import InProcessTeacher
+
+        teacher = InProcessTeacher(chunks, vocab_size=1000, mode="topk", topk=64, micro_batch_size=len(lengths),
+                                   packing=job == "teacher_packed")  # fmt: skip
+        tokens = batch.tokens[:, : max(lengths)]
+
+        def once():
+            teacher.score(tokens, lengths=batch.lengths).result()
     else:
-        micro_batches = batch.micro_batches(len(lengths), trim=True, pad_multiple=8)
+        if job == "packed":
+            micro_batches = batch.packed_micro_batches(len(lengths))
+        else:
+            micro_batches = batch.micro_batches(len(lengths), trim=True, pad_multiple=8)
+
+        def once():
+            forward_backward(chunks, micro_batches, loss_fn)
+
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
-        forward_backward(chunks, micro_batches, loss_fn)
+        once()
         times.append(time.perf_counter() - start)
     seconds = statistics.median(times[1:])
     return {"seconds": seconds, "tokens_per_s": sum(lengths) / seconds}
@@ -117,7 +134,7 @@ def main() -> None:
             results["memory"].append(row)
             print(json.dumps(row), flush=True)
         skewed = [2048] + [128] * 7
-        for job in ("trimmed", "packed"):
+        for job in ("trimmed", "packed", "teacher_padded", "teacher_packed"):
             results["packing"][job] = run(model, "sdpa", job, skewed, args.repeats)
             print(job, json.dumps(results["packing"][job]), flush=True)
 
@@ -129,16 +146,23 @@ def main() -> None:
         ratio = f"{local / sdpa:.1f}x" if sdpa and local else "—"
         fmt = lambda v: "not run" if v is None else f"{v:,.0f}"  # noqa: E731
         print(f"| {row['length']:,} | {fmt(sdpa)} | {fmt(local)} | {ratio} |")
-    trimmed, packed = results["packing"]["trimmed"], results["packing"]["packed"]
-    if "tokens_per_s" in trimmed and "tokens_per_s" in packed:
-        print("\nSkewed micro-batch (1 x 2,048 + 7 x 128 tokens), forward + backward, SDPA:")
-        print("| layout | s | tokens/s | vs trimmed |")
-        print("| --- | ---: | ---: | ---: |")
-        for name, r in (("trimmed (padded to 2,048)", trimmed), ("packed (THD)", packed)):
-            speedup = r["tokens_per_s"] / trimmed["tokens_per_s"]
-            print(f"| {name} | {r['seconds']:.3f} | {r['tokens_per_s']:,.0f} | {speedup:.2f}x |")
+    runs = results["packing"]
+    _speed_table("Skewed micro-batch (1 x 2,048 + 7 x 128 tokens), forward + backward, SDPA:",
+                 {"trimmed (padded to 2,048)": runs["trimmed"], "packed (THD)": runs["packed"]})  # fmt: skip
+    _speed_table("The same batch scored by the in-process teacher (forward + top-64), SDPA:",
+                 {"padded to 2,048": runs["teacher_padded"], "packed (THD)": runs["teacher_packed"]})  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+def _speed_table(title: str, rows: dict[str, dict]) -> None:
+    """A markdown table of ``rows`` (name -> result), speed-ups against the first."""
+    if not all("tokens_per_s" in r for r in rows.values()):
+        return
+    base = next(iter(rows.values()))["tokens_per_s"]
+    print(f"\n{title}\n| layout | s | tokens/s | vs the first |\n| --- | ---: | ---: | ---: |")
+    for name, r in rows.items():
+        print(f"| {name} | {r['seconds']:.3f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base:.2f}x |")
 
 
 if __name__ == "__main__":

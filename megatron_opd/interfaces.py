@@ -161,6 +161,10 @@ class TeacherBackend(Protocol):
     """Whether ``score`` returns ``requested_logprobs`` at any ``request_ids`` (the union loss support needs them
     at the student's top-k ids; a back end without them is refused at start-up for ``loss.support=union``)."""
 
-    def score(self, tokens: torch.Tensor, request_ids: torch.Tensor | None = None) -> Future[TeacherScores]:
-        """Score ``tokens`` ``[N, S]``; ``request_ids`` ``[N, S, R]`` asks for log-probabilities at those ids."""
+    def score(
+        self, tokens: torch.Tensor, request_ids: torch.Tensor | None = None, lengths: list[int] | None = None
+    ) -> Future[TeacherScores]:
+        """Score ``tokens`` ``[N, S]``; ``request_ids`` ``[N, S, R]`` asks for log-probabilities at those ids.
+        ``lengths``: each row's real tokens (the rest is padding), so a back end may skip the padding; scores at
+        padded positions are then any valid ones (nothing trains on them)."""
         ...

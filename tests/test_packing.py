@@ -3,7 +3,8 @@
 per-sequence reduction over segment ids, and in spawned jobs at TP=1, TP=2 with sequence parallelism and TP=2 x
 PP=2, for samples of very different lengths: the same per-token losses and gradients (<= 1e-6 relative, fp32), and
 three training steps from the same rollouts (a teacher's divergence, ``sequence_mean``, per-sequence weights) with
-the same losses (<= 1e-5 relative)."""
+the same losses (<= 1e-5 relative); the in-process teacher's packed scoring (dense shards, top-k, requested ids)
+equals its padded scoring at every real position."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def test_token_budget_for_pipeline_parallelism():
     packed = batch.packed_micro_batches(2, token_budget=68)
     assert [mb["tokens"].shape for mb in packed] == [(1, 68)] * 2  # one shape for every stage
     assert [mb["cu_seqlens"].tolist() for mb in packed] == [[0, 60, 67, 68], [0, 5, 36, 68]]
-    with pytest.raises(ValueError, match="a sample of 60 tokens does not fit train.micro_batch_tokens=32"):
+    with pytest.raises(ValueError, match="a sequence of 60 tokens does not fit train.micro_batch_tokens=32"):
         batch.packed_micro_batches(2, token_budget=32)
 
 
@@ -133,10 +134,16 @@ def _packed_vs_padded_body(layout: dict, dirs: dict[str, str]):
                         values[(2 * index + j, int(mb["position_ids"][0, t]))] = float(out[0, t])
         tokens[name] = {k: v for k, v in values.items() if batch.loss_mask[k] != 0}
 
-    # Three steps from the same rollouts and teacher scores, packed and padded.
-    teacher = InProcessTeacher(build_and_load(dirs["teacher"], parallel, trainable=False)[1], vocab_size=1000,
-                               mode="dense", topk=16, temperature=1.0, micro_batch_size=2)  # fmt: skip
-    scores = teacher.score(batch.tokens).result()
+    # Teacher scoring, packed and padded: dense logit shards, and top-k with log-probs at requested ids.
+    teacher_chunks = build_and_load(dirs["teacher"], parallel, trainable=False)[1]
+    scored = {}
+    for mode in ("dense", "topk"):
+        for packing in (False, True):
+            teacher = InProcessTeacher(teacher_chunks, vocab_size=1000, mode=mode, topk=16, micro_batch_size=2,
+                                       packing=packing, micro_batch_tokens=None if one_stage else 68)  # fmt: skip
+            scored[mode, packing] = teacher.score(batch.tokens, batch.teacher_request_ids(), batch.lengths).result()
+
+    # Three steps from the same rollouts, packed and padded (each with its own teacher scoring).
     cfg = LossConfig(kind="jsd", mode="dense", beta=0.3, reduction="sequence_mean")
     losses = {}
     for packing in (False, True):
@@ -147,7 +154,7 @@ def _packed_vs_padded_body(layout: dict, dirs: dict[str, str]):
             train_step(
                 student,
                 batch,
-                scores,
+                scored["dense", packing],
                 cfg,
                 vocab_size=1000,
                 teacher_temperature=1.0,
@@ -157,7 +164,29 @@ def _packed_vs_padded_body(layout: dict, dirs: dict[str, str]):
             ).stats.loss  # fmt: skip
             for _ in range(3)
         ]
-    return grads, tokens, losses
+    return grads, tokens, losses, scored
+
+
+def _assert_scores_equal_at_real_positions(scored: dict, layout: str) -> None:
+    """Packed teacher scores equal the padded ones at every real position (padding scores anything valid)."""
+    lengths = _batch().lengths
+    for (mode, packing), scores in scored.items():
+        if not packing:
+            continue
+        ref = scored[mode, False]
+        names = ["requested_logprobs"] + (["dense_logits"] if mode == "dense" else ["topk_logprobs"])
+        for row, n in enumerate(lengths):
+            for name in names:
+                what = f"{layout} {mode} {name} row {row}:"
+                got, want = getattr(scores, name)[row, :n], getattr(ref, name)[row, :n]
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m, w=what: f"{w} {m}")
+            if mode == "topk":  # the packed ids hold the padded log-probabilities (any order among ties)
+                want_SV = torch.full((n, 1000), -torch.inf).scatter(
+                    -1, ref.topk_ids[row, :n], ref.topk_logprobs[row, :n]
+                )
+                torch.testing.assert_close(want_SV.gather(-1, scores.topk_ids[row, :n]), scores.topk_logprobs[row, :n],
+                                           atol=1e-5, rtol=1e-5)  # fmt: skip
+        assert torch.isfinite(scores.requested_logprobs).all()  # padding positions hold valid values too
 
 
 LAYOUTS = {
@@ -178,13 +207,15 @@ def test_packed_equals_padded(layout, tmp_path):
     world, kwargs = LAYOUTS[layout]
     results = run_distributed(_packed_vs_padded_body, world, args=(kwargs, dirs), timeout=400)
     grads = {"padded": {}, "packed": {}}
-    for rank_grads, tokens, losses in results:
+    for rank_grads, tokens, losses, scored in results:
         for name in grads:
             grads[name].update(rank_grads[name])
         if tokens["padded"]:  # the last pipeline stage
             assert set(tokens["packed"]) == set(tokens["padded"]) and len(tokens["padded"]) == 89  # every trained one
             for key, ref in tokens["padded"].items():
                 assert tokens["packed"][key] == pytest.approx(ref, rel=1e-6, abs=1e-6), f"{layout}: token {key}"
+        if scored["topk", False].topk_ids is not None:  # the last pipeline stage
+            _assert_scores_equal_at_real_positions(scored, layout)
         assert losses[True] == pytest.approx(losses[False], rel=1e-5), f"{layout}: {losses}"
         assert losses[False][2] < losses[False][0], "the steps did not train"
     assert set(grads["packed"]) == set(grads["padded"])

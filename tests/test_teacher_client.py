@@ -127,6 +127,49 @@ def test_batches_are_split_to_fit_the_server_limits(servers):
     client.close()
 
 
+def test_lengths_cut_each_request_to_its_longest_row_and_scores_come_back_in_order(servers):
+    """With each row's length the client sends rows of similar length together, each request only as wide as its
+    longest row; the scores return in the caller's order, exact at every real position, valid past it."""
+    limits = ServerLimits(max_topk=16, max_seq_len=128, max_batch_tokens=64, batch_wait_s=0.0)
+    server = ThreadServer(limits=limits)
+    servers.append(server)
+    client = _client([server.address])
+    tokens, request_ids = _batch(2, n=10, s=20)  # 3 rows per request (at 20 positions)
+    lengths = [4, 20, 9, 1, 13, 7, 20, 2, 11, 5]
+    scores = client.score(tokens, request_ids, lengths).result(timeout=30)
+    assert sorted(shape for shape, _ in server.scorer.seen) == [(2, 2), (2, 20), (3, 7), (3, 13)]  # sorted, then cut
+    for row, n in enumerate(lengths):
+        ref = server.scorer.logprobs(tokens[row : row + 1, :n], 1.0)[0]
+        values, ids = ref.topk(8, dim=-1)
+        assert torch.equal(scores.topk_ids[row, :n], ids), row
+        torch.testing.assert_close(scores.topk_logprobs[row, :n].double(), values, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(
+            scores.requested_logprobs[row, :n].double(), ref.gather(-1, request_ids[row, :n]), atol=1e-6, rtol=1e-6
+        )
+    assert scores.topk_ids.shape == (10, 20, 8) and torch.isfinite(scores.topk_logprobs).all()
+    with pytest.raises(ValueError, match="lengths must hold 10 values in 1..20"):
+        client.score(tokens, request_ids, [21] * 10)
+    client.close()
+
+
+def test_a_packing_scorer_batches_requests_by_their_real_positions():
+    """Requests of 2x30 and 6x5 positions: 60 + 30 fit a budget of 90 when packed, not 8 rows x 30 padded."""
+    from megatron_opd.teacher.server import TeacherServer, _Pending
+
+    limits = ServerLimits(max_topk=16, max_seq_len=64, max_batch_tokens=90, batch_wait_s=0.0)
+    for packing, batched in ((True, 2), (False, 1)):
+        scorer = ToyScorer()
+        scorer.packing = packing
+        server = TeacherServer(scorer, toy_server_info(scorer, limits), limits=limits)
+        try:
+            for i, (n, s) in enumerate(((2, 30), (6, 5))):
+                request = ScoreRequest(torch.zeros(n, s, dtype=torch.int64), 4, 1.0, None, "fp32")
+                server._queue.append(_Pending(b"client", i, request))
+            assert len(server._take_batch()) == batched
+        finally:
+            server.close()
+
+
 def test_server_killed_and_restarted_answers_every_batch_once(servers):
     server = ThreadServer(fault_at_request=3)  # dies when its 3rd request arrives, before answering it
     port = server.port
@@ -402,7 +445,7 @@ class _FixedBackend:
     def __init__(self, fail: bool) -> None:
         self.fail = fail
 
-    def score(self, tokens, request_ids=None):
+    def score(self, tokens, request_ids=None, lengths=None):
         future = Future()
         if self.fail:
             future.set_exception(TeacherUnavailableError("teacher batch 0 was not scored (test)"))

@@ -184,6 +184,10 @@ INPROCESS_LAYOUTS = {"tp2": dict(tensor_model_parallel_size=2), "tp1": dict()}  
 SERVER_TP = {"tp1": 1, "tp2": 2}
 
 
+LENGTHS = [12, 3, 7, 1]
+"""Real tokens of each row of ``_inputs`` (the rest is padding): the packed (THD) paths get rows of other lengths."""
+
+
 def _inputs(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens below ``vocab`` and two requested ids per position (the next token and an arbitrary one)."""
     g = torch.Generator().manual_seed(3)
@@ -201,7 +205,8 @@ def _reference64(hf_dir: str, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def _inprocess_layouts_body(cells: dict[str, dict[str, str]]):
-    """The in-process teacher's top-k (mode="topk") of every shape of every layout, re-initialised in one job."""
+    """The in-process teacher's top-k (mode="topk") of every shape of every layout, re-initialised in one job; rows
+    of ``LENGTHS`` tokens packed two to a micro-batch."""
     from megatron_opd.distributed import ParallelConfig, initialize_distributed, initialize_model_parallel
     from megatron_opd.models.source import build_and_load
     from megatron_opd.teacher.inprocess import InProcessTeacher
@@ -214,7 +219,8 @@ def _inprocess_layouts_body(cells: dict[str, dict[str, str]]):
             vocab = SHAPES[name].vocab_size
             _, chunks = build_and_load(hf_dir, parallel, trainable=False)
             tokens, request_ids = _inputs(vocab)
-            scores = InProcessTeacher(chunks, vocab_size=vocab, mode="topk", topk=K).score(tokens, request_ids).result()
+            teacher = InProcessTeacher(chunks, vocab_size=vocab, mode="topk", topk=K, micro_batch_size=2, packing=True)
+            scores = teacher.score(tokens, request_ids, LENGTHS).result()
             out[label, name] = (scores.topk_ids, scores.topk_logprobs, scores.requested_logprobs)
     return out
 
@@ -245,7 +251,7 @@ def test_teacher_topk_per_shape(shape_dirs, tmp_path):
             remote, info = client.vocabulary()
             assert len(remote) == info.embedding_rows == SHAPES[name].vocab_size, name
             tokens, request_ids = _inputs(SHAPES[name].vocab_size)
-            scores = client.score(tokens, request_ids).result(timeout=120)
+            scores = client.score(tokens, request_ids, LENGTHS).result(timeout=120)
             results[where, name] = (scores.topk_ids, scores.topk_logprobs, scores.requested_logprobs)
             client.close()
     finally:
@@ -260,6 +266,8 @@ def test_teacher_topk_per_shape(shape_dirs, tmp_path):
         tokens, request_ids = _inputs(vocab)
         ref = _reference64(shape_dirs[name], tokens, vocab)
         assert ids.shape == (4, 12, K) and int(ids.max()) < vocab, (where, name)  # never a padded row
-        _assert_topk_close(ids, logprobs, ref, atol=2e-5, what=f"{where}/{name}:")
-        torch.testing.assert_close(requested.double(), ref.gather(-1, request_ids), atol=2e-5, rtol=0,
-                                   msg=lambda m, w=f"{where}/{name}": f"{w}: {m}")  # fmt: skip
+        for row, n in enumerate(LENGTHS):  # a causal model: the real positions do not see the padding after them
+            what = f"{where}/{name} row {row}:"
+            _assert_topk_close(ids[row, :n], logprobs[row, :n], ref[row, :n], atol=2e-5, what=what)
+            torch.testing.assert_close(requested[row, :n].double(), ref[row, :n].gather(-1, request_ids[row, :n]),
+                                       atol=2e-5, rtol=0, msg=lambda m, w=what: f"{w} {m}")  # fmt: skip

@@ -187,7 +187,9 @@ class Scheduler:
         # Also ask for the teacher's log-probability of each sampled token (teacher-confidence weights, metrics)
         # and, for the union support, of the student's top-k ids.
         asked = time.perf_counter()
-        flight.teacher = self.teacher.score(flight.batch.tokens, flight.batch.teacher_request_ids())
+        flight.teacher = self.teacher.score(
+            flight.batch.tokens, flight.batch.teacher_request_ids(), flight.batch.lengths
+        )
         flight.timings["wait_teacher"] = time.perf_counter() - asked  # a synchronous teacher scores inside score()
         flight.teacher.add_done_callback(lambda _: flight.timings.setdefault("teacher", time.perf_counter() - asked))
         self._next_scored = b + 1

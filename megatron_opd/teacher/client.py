@@ -326,8 +326,14 @@ class TeacherClient:
 
     # ---- scoring -------------------------------------------------------------------------------------------
 
-    def score(self, tokens: torch.Tensor, request_ids: torch.Tensor | None = None) -> Future[TeacherScores]:
-        """Score ``tokens`` ``[N, S]`` (and log-probs at ``request_ids`` ``[N, S, R]``); a future of the scores."""
+    def score(
+        self, tokens: torch.Tensor, request_ids: torch.Tensor | None = None, lengths: list[int] | None = None
+    ) -> Future[TeacherScores]:
+        """Score ``tokens`` ``[N, S]`` (and log-probs at ``request_ids`` ``[N, S, R]``); a future of the scores.
+
+        With ``lengths`` (each row's real tokens) the rows are sorted by length and each request is cut to its
+        longest row, so the padding sent and scored is what similar lengths leave (a packing server then skips
+        the rest); the scores come back in the caller's order, ``[N, S, ...]``."""
         if tokens.dim() != 2 or tokens.dtype.is_floating_point:
             raise ValueError(f"tokens must be an integer [N, S] tensor, got {tokens.dtype} {tuple(tokens.shape)}")
         n, s = tokens.shape
@@ -335,13 +341,20 @@ class TeacherClient:
             raise ValueError(f"request_ids must be [N, S, R] = [{n}, {s}, R], got {tuple(request_ids.shape)}")
         if request_ids is not None and request_ids.shape[-1] == 0:
             request_ids = None
+        if lengths is not None and (len(lengths) != n or not all(1 <= length <= s for length in lengths)):
+            raise ValueError(f"lengths must hold {n} values in 1..{s}, got {list(lengths)[:8]}")
+        order = None
+        if lengths is not None:  # longest first, so each request's rows have similar lengths
+            order = torch.tensor(sorted(range(n), key=lambda i: -lengths[i]))
+            tokens, lengths = tokens[order], [lengths[i] for i in order.tolist()]
+            request_ids = None if request_ids is None else request_ids[order]
         batch = next(self._batches)
         outer: Future[TeacherScores] = Future()
         if n == 0 or s == 0:
             outer.set_exception(ValueError(f"batch {batch} is empty ({n} sequences of {s} positions)"))
             return outer
         try:
-            pieces = self._split(batch, tokens.cpu(), None if request_ids is None else request_ids.cpu())
+            pieces = self._split(batch, tokens.cpu(), None if request_ids is None else request_ids.cpu(), lengths)
         except Exception as err:  # noqa: BLE001 - surfaced through the future like every other failure
             outer.set_exception(err)
             return outer
@@ -362,13 +375,15 @@ class TeacherClient:
                 parts[i] = future.result()
                 left[0] -= 1
                 if left[0] == 0:
-                    outer.set_result(_concat(parts))  # type: ignore[arg-type]
+                    outer.set_result(_concat(parts, s, order))  # type: ignore[arg-type]
 
         for i, piece in enumerate(pieces):
             self._pool.submit(self._score_piece, piece).add_done_callback(lambda f, i=i: finished(i, f))
         return outer
 
-    def _split(self, batch: int, tokens: torch.Tensor, request_ids: torch.Tensor | None) -> list[_Piece]:
+    def _split(
+        self, batch: int, tokens: torch.Tensor, request_ids: torch.Tensor | None, lengths: list[int] | None
+    ) -> list[_Piece]:
         info = self.connect()
         n, s = tokens.shape
         r = 0 if request_ids is None else int(request_ids.shape[-1])
@@ -388,22 +403,13 @@ class TeacherClient:
             )
         count = max(math.ceil(n / rows), min(n, len(self.addresses)))
         bounds = [round(i * n / count) for i in range(count + 1)]
-        return [
-            _Piece(
-                batch,
-                lo,
-                hi,
-                n,
-                ScoreRequest(
-                    tokens[lo:hi],
-                    self.topk,
-                    self.temperature,
-                    None if request_ids is None else request_ids[lo:hi],
-                    self.wire_dtype,
-                ),
-            )
-            for lo, hi in zip(bounds[:-1], bounds[1:])
-        ]
+        pieces = []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            w = s if lengths is None else max(lengths[lo:hi])  # the piece's longest row
+            ids = None if request_ids is None else request_ids[lo:hi, :w]
+            request = ScoreRequest(tokens[lo:hi, :w], self.topk, self.temperature, ids, self.wire_dtype)
+            pieces.append(_Piece(batch, lo, hi, n, request))
+        return pieces
 
     def _score_piece(self, piece: _Piece) -> ScoreReply:
         errors: list[str] = []
@@ -450,13 +456,22 @@ class TeacherClient:
             close_factory()
 
 
-def _concat(parts: list[ScoreReply]) -> TeacherScores:
-    """Pieces in row order -> one ``TeacherScores`` (int64 ids, float32 log-probabilities)."""
+def _concat(parts: list[ScoreReply], seq_len: int, order: torch.Tensor | None) -> TeacherScores:
+    """Pieces in row order -> one ``TeacherScores`` ``[N, seq_len, ...]`` (int64 ids, float32 log-probabilities).
+
+    A piece cut to its longest row is widened by repeating its last position (valid scores of padding that nothing
+    trains); rows sorted by ``order`` go back to the caller's order."""
+
+    def cat(values: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        widened = [v[:, torch.arange(seq_len).clamp(max=v.shape[1] - 1)] for v in values]
+        out = torch.cat(widened, dim=0).to(dtype)
+        return out if order is None else out[torch.argsort(order)]
+
     requested = None
     if parts[0].requested_logprobs is not None:
-        requested = torch.cat([p.requested_logprobs.float() for p in parts], dim=0)  # type: ignore[union-attr]
+        requested = cat([p.requested_logprobs for p in parts], torch.float32)  # type: ignore[misc]
     return TeacherScores(
-        topk_ids=torch.cat([p.topk_ids.to(torch.int64) for p in parts], dim=0),
-        topk_logprobs=torch.cat([p.topk_logprobs.float() for p in parts], dim=0),
+        topk_ids=cat([p.topk_ids for p in parts], torch.int64),
+        topk_logprobs=cat([p.topk_logprobs for p in parts], torch.float32),
         requested_logprobs=requested,
     )

@@ -22,6 +22,7 @@ import torch
 from megatron_opd.interfaces import TeacherScores, completed
 from megatron_opd.losses.shard_ops import global_topk_logprobs, logprobs_at
 from megatron_opd.losses.vocab_parallel import make_vocab_shard
+from megatron_opd.models import packing
 from megatron_opd.models.pipeline import forward_backward
 
 
@@ -42,6 +43,8 @@ class InProcessTeacher:
         micro_batch_size: int = 8,
         offload: bool = False,
         device: torch.device | None = None,
+        packing: bool = False,
+        micro_batch_tokens: int | None = None,
     ) -> None:
         if any(p.requires_grad for chunk in chunks for p in chunk.parameters()):
             raise ValueError("the teacher must be frozen: build it with build_model(..., trainable=False)")
@@ -51,6 +54,10 @@ class InProcessTeacher:
         self.topk = topk
         self.temperature = temperature
         self.micro_batch_size = micro_batch_size
+        self.packing = packing
+        """Pack rows without padding (THD) when ``score`` is told their lengths (``train.packing``)."""
+        self.micro_batch_tokens = micro_batch_tokens
+        """Tokens per packed micro-batch under pipeline parallelism (default: ``micro_batch_size`` rows of ``S``)."""
         self.offload = offload and device is not None and device.type != "cpu"
         self.device = device
         if self.offload:
@@ -61,10 +68,31 @@ class InProcessTeacher:
             chunk.to(device)
 
     @torch.no_grad()
-    def score(self, tokens: torch.Tensor, request_ids: torch.Tensor | None = None) -> Future[TeacherScores]:
-        """Score ``tokens`` ``[N, S]``; returns a completed future (this runs collectives on every rank)."""
+    def score(
+        self, tokens: torch.Tensor, request_ids: torch.Tensor | None = None, lengths: list[int] | None = None
+    ) -> Future[TeacherScores]:
+        """Score ``tokens`` ``[N, S]``; returns a completed future (this runs collectives on every rank).
+
+        With ``lengths`` (each row's real tokens) and ``packing``, the rows are packed (THD) so no compute goes to
+        padding; the scores come back as ``[N, S, ...]`` either way."""
         if self.offload:
             self._move(self.device)
+        packed = self.packing and lengths is not None
+        micro_batches = self._packed(tokens, request_ids, lengths) if packed else self._padded(tokens, request_ids)
+
+        def collect(logits_BSV: torch.Tensor, mb: dict):
+            scores = self._scores_of(logits_BSV, mb.get("request_ids"))
+            if packed:  # [1, T, ...] -> [b, S, ...]
+                sizes = mb["sequence_lengths"].tolist()
+                scores = _map(scores, lambda v: packing.unpack(v, sizes, tokens.shape[1]))
+            return logits_BSV.new_zeros(()), _map(scores, self._to_host)
+
+        outputs = forward_backward(self.chunks, micro_batches, collect, forward_only=True)
+        if self.offload:
+            self._move("cpu")
+        return completed(self._concat(outputs))
+
+    def _padded(self, tokens: torch.Tensor, request_ids: torch.Tensor | None) -> list[dict]:
         n = tokens.shape[0]
         # Pipeline schedules need micro-batches of one shape: the largest size <= micro_batch_size dividing n.
         mbs = next(size for size in range(min(self.micro_batch_size, n), 0, -1) if n % size == 0)
@@ -74,28 +102,40 @@ class InProcessTeacher:
             if request_ids is not None:
                 mb["request_ids"] = request_ids[lo : lo + mbs]
             micro_batches.append(mb)
+        return micro_batches
 
-        def collect(logits_BSV: torch.Tensor, mb: dict):
-            return logits_BSV.new_zeros(()), self._scores_of(logits_BSV, mb.get("request_ids"))
+    def _packed(self, tokens: torch.Tensor, request_ids: torch.Tensor | None, lengths: list[int]):
+        """THD micro-batches of ``micro_batch_size`` rows; with PP, of ``micro_batch_tokens`` (one shape per stage)."""
+        from megatron.core import parallel_state as ps
 
-        outputs = forward_backward(self.chunks, micro_batches, collect, forward_only=True)
-        if self.offload:
-            self._move("cpu")
-        return completed(self._concat(outputs))
+        tp = ps.get_tensor_model_parallel_world_size()
+        budget = None
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            budget = self.micro_batch_tokens or -(-self.micro_batch_size * tokens.shape[1] // tp) * tp
+        groups = packing.group_sequences(
+            lengths,
+            per_group=self.micro_batch_size,
+            token_budget=budget,
+            field="train.micro_batch_tokens (a teacher server's --micro-batch-tokens)",
+        )
+        columns = {"tokens": tokens} | ({} if request_ids is None else {"request_ids": request_ids})
+        micro_batches = packing.pack(lengths, groups, columns, pad_multiple=tp, token_budget=budget)
+        for mb, group in zip(micro_batches, groups):
+            mb["sequence_lengths"] = torch.tensor([lengths[i] for i in group])
+        return micro_batches
 
     def _scores_of(self, logits_BSV: torch.Tensor, request_ids_BSR: torch.Tensor | None) -> TeacherScores:
         shard = make_vocab_shard(logits_BSV.shape[-1], None, self.vocab_size)
         scores = TeacherScores()
         lse_BS = None
         if self.mode == "dense":
-            scores.dense_logits = self._to_host(logits_BSV.detach().clone())
+            scores.dense_logits = logits_BSV.detach().clone()
         else:
             ids_BSK, logprobs_BSK, lse_BS = global_topk_logprobs(logits_BSV, self.topk, shard, self.temperature)
-            scores.topk_ids = self._to_host(ids_BSK)
-            scores.topk_logprobs = self._to_host(logprobs_BSK.float())
+            scores.topk_ids, scores.topk_logprobs = ids_BSK, logprobs_BSK.float()
         if request_ids_BSR is not None:
             z_BSV = logits_BSV if self.temperature == 1.0 else logits_BSV.float() / self.temperature
-            scores.requested_logprobs = self._to_host(logprobs_at(z_BSV, request_ids_BSR, shard, lse_BS).float())
+            scores.requested_logprobs = logprobs_at(z_BSV, request_ids_BSR, shard, lse_BS).float()
         return scores
 
     def _to_host(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,3 +160,10 @@ class InProcessTeacher:
             dense_logits=cat("dense_logits"),
             requested_logprobs=cat("requested_logprobs"),
         )
+
+
+_FIELDS = ("topk_ids", "topk_logprobs", "dense_logits", "requested_logprobs")
+
+
+def _map(scores: TeacherScores, fn) -> TeacherScores:
+    return TeacherScores(**{name: None if (v := getattr(scores, name)) is None else fn(v) for name in _FIELDS})

@@ -49,6 +49,8 @@ class ShardedScorer:
 
         self.teacher = teacher
         self.device = device
+        self.packing = teacher.packing
+        """Rows are packed (THD) to their lengths: the padding between requests costs nothing."""
         self.pipeline = ps.get_pipeline_model_parallel_world_size()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
@@ -61,7 +63,8 @@ class ShardedScorer:
         dist.broadcast(ctrl, src=0)  # a sync point: every rank waits here between batches
         self._last_collective = time.monotonic()
 
-    def score(self, tokens_NS: torch.Tensor, request_ids_NSR: torch.Tensor | None, k: int, temperature: float):
+    def score(self, tokens_NS, request_ids_NSR, k: int, temperature: float, lengths: list[int] | None = None):
+        """``BatchScorer.score``: broadcast the batch, then every rank runs it."""
         n, s = tokens_NS.shape
         r = 0 if request_ids_NSR is None else request_ids_NSR.shape[-1]
         self._control(_SCORE, n, s, r, k, temperature)
@@ -70,7 +73,9 @@ class ShardedScorer:
         if request_ids_NSR is not None:
             request_ids_NSR = request_ids_NSR.to(self.device)
             dist.broadcast(request_ids_NSR, src=0)
-        return self._run(tokens_NS, request_ids_NSR, k, temperature)
+        lengths_N = torch.tensor(lengths if lengths is not None else [s] * n, device=self.device)
+        dist.broadcast(lengths_N, src=0)
+        return self._run(tokens_NS, request_ids_NSR, k, temperature, lengths_N.tolist())
 
     def heartbeat(self) -> None:
         if time.monotonic() - self._last_collective > self.HEARTBEAT_S:
@@ -98,12 +103,14 @@ class ShardedScorer:
             if r:
                 request_ids_NSR = torch.empty(int(n), int(s), int(r), dtype=torch.int64, device=self.device)
                 dist.broadcast(request_ids_NSR, src=0)
-            self._run(tokens_NS, request_ids_NSR, int(k), temperature)
+            lengths_N = torch.empty(int(n), dtype=torch.int64, device=self.device)
+            dist.broadcast(lengths_N, src=0)
+            self._run(tokens_NS, request_ids_NSR, int(k), temperature, lengths_N.tolist())
 
-    def _run(self, tokens_NS, request_ids_NSR, k: int, temperature: float) -> TeacherScores:
+    def _run(self, tokens_NS, request_ids_NSR, k: int, temperature: float, lengths: list[int]) -> TeacherScores:
         """The sharded forward and top-k on every rank; the result reaches rank 0 (from the last stage)."""
         self.teacher.topk, self.teacher.temperature = k, temperature
-        scores = self.teacher.score(tokens_NS, request_ids_NSR).result()
+        scores = self.teacher.score(tokens_NS, request_ids_NSR, lengths).result()
         n, s = tokens_NS.shape
         r = 0 if request_ids_NSR is None else request_ids_NSR.shape[-1]
         if self.pipeline > 1 and self.tp_rank == 0:
@@ -152,10 +159,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--token-file", help="file holding the shared secret clients must send (teacher.token_file)")
     p.add_argument("--topk", type=int, default=256, help="largest k a request may ask (loss.topk)")
     p.add_argument("--ready-file", help="written with {address, pid} once the server accepts requests")
-    p.add_argument("--max-batch-tokens", type=int, default=65536, help="most padded positions in one forward")
+    p.add_argument("--max-batch-tokens", type=int, default=65536, help="most positions in one forward")
     p.add_argument("--max-message-bytes", type=int, default=256 << 20, help="largest request or reply in bytes")
     p.add_argument("--max-requested", type=int, default=1024, help="most requested ids per position")
     p.add_argument("--micro-batch-size", type=int, default=8, help="sequences per forward micro-batch")
+    p.add_argument(
+        "--no-packing",
+        dest="packing",
+        action="store_false",
+        help="pad every batch to its longest request instead of packing the requests' rows (THD)",
+    )
+    p.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        help="with --pp > 1 and packing: tokens per packed micro-batch (default --micro-batch-size x longest row)",
+    )
     p.add_argument("--batch-wait-ms", type=float, default=2.0, help="wait for more requests to batch together")
     p.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto", help="auto: bf16 on GPU/NPU")
     p.add_argument("--device", choices=("auto", "cuda", "npu", "cpu"), default="auto")
@@ -168,6 +186,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("tp", "pp", "topk", "max_batch_tokens", "max_message_bytes", "micro_batch_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.micro_batch_tokens is not None and (args.micro_batch_tokens < 1 or args.micro_batch_tokens % args.tp):
+        p.error(f"--micro-batch-tokens={args.micro_batch_tokens} must be >= 1 and divide by --tp={args.tp}")
     return args
 
 
@@ -219,7 +239,13 @@ def main(argv: list[str] | None = None) -> None:
     if vocab_size > arch.vocab_size:
         raise ValueError(f"the tokenizer ({tok_dir}) has {vocab_size} tokens, the model only {arch.vocab_size} rows")
     teacher = InProcessTeacher(
-        chunks, vocab_size=vocab_size, mode="topk", topk=args.topk, micro_batch_size=args.micro_batch_size
+        chunks,
+        vocab_size=vocab_size,
+        mode="topk",
+        topk=args.topk,
+        micro_batch_size=args.micro_batch_size,
+        packing=args.packing,
+        micro_batch_tokens=args.micro_batch_tokens,
     )
     scorer = ShardedScorer(teacher, collective_device())
     if dist.get_rank() != 0:

@@ -1,9 +1,10 @@
 """The teacher server's front end on rank 0: a ZeroMQ ROUTER, request checks, dynamic batching, replies.
 
 Requests from any number of clients are checked as they arrive (token, protocol version, limits, id ranges) and
-queued; whenever the model is free, queued requests with the same temperature are packed into one batch of at most
-``max_batch_tokens`` padded positions (sequences are right-padded: a causal model's scores at earlier positions do
-not see the padding), scored once with the largest ``k`` and number of requested ids among them, and each client
+queued; whenever the model is free, queued requests with the same temperature are batched together, at most
+``max_batch_tokens`` positions in one forward. A packing scorer (THD) gets each request's rows at their own length
+and computes nothing for the padding between requests; otherwise the rows are right-padded to the longest (a causal
+model's scores at earlier positions do not see the padding). Each batch is scored once with the largest ``k`` and number of requested ids among them, and each client
 gets its own slice back in the wire dtype it asked for. Anything malformed gets an error reply (or, past the
 message-size limit, is cut off by libzmq) and never reaches the model, so one bad client cannot disturb the others.
 
@@ -55,12 +56,21 @@ def fault_request_from_env() -> int | None:
 
 
 class BatchScorer(Protocol):
-    """The model: scores one packed batch (every rank of a sharded server takes part)."""
+    """The model: scores one batch (every rank of a sharded server takes part)."""
+
+    packing: bool
+    """Whether ``score`` skips the padding past ``lengths`` (then the batch's budget counts real positions)."""
 
     def score(
-        self, tokens_NS: torch.Tensor, request_ids_NSR: torch.Tensor | None, k: int, temperature: float
+        self,
+        tokens_NS: torch.Tensor,
+        request_ids_NSR: torch.Tensor | None,
+        k: int,
+        temperature: float,
+        lengths: list[int] | None = None,
     ) -> TeacherScores:
-        """Top-``k`` ids and log-probs at ``temperature`` per position (and at ``request_ids_NSR``), on the CPU."""
+        """Top-``k`` ids and log-probs at ``temperature`` per position (and at ``request_ids_NSR``), on the CPU;
+        ``lengths``: each row's real positions (scores past them are any valid ones)."""
         ...
 
     def heartbeat(self) -> None:
@@ -77,7 +87,8 @@ class ServerLimits:
     max_seq_len: int = 4096
     """Longest sequence (the teacher's context)."""
     max_batch_tokens: int = 65536
-    """Most padded positions in one forward (a request may carry at most this many; smaller ones are batched)."""
+    """Most positions in one forward, padding counted unless the scorer packs (a request may carry at most this
+    many; smaller ones are batched)."""
     max_message_bytes: int = 256 << 20
     """Largest request (libzmq cuts off a longer one) and largest reply."""
     max_requested: int = 1024
@@ -301,16 +312,15 @@ class TeacherServer:
         """The oldest request and every queued one with its temperature that fits the token budget with it."""
         first = self._queue.popleft()
         batch, rows, width = [first], first.request.shape[0], first.request.shape[1]
+        real = rows * width  # positions with packing: each request's rows at their own width
         rest: deque[_Pending] = deque()
         while self._queue:
             p = self._queue.popleft()
             n, s = p.request.shape
-            if (
-                p.request.temperature == first.request.temperature
-                and (rows + n) * max(width, s) <= self.limits.max_batch_tokens
-            ):
+            cost = real + n * s if self.scorer.packing else (rows + n) * max(width, s)
+            if p.request.temperature == first.request.temperature and cost <= self.limits.max_batch_tokens:
                 batch.append(p)
-                rows, width = rows + n, max(width, s)
+                rows, width, real = rows + n, max(width, s), real + n * s
             else:
                 rest.append(p)
         self._queue = rest
@@ -323,6 +333,7 @@ class TeacherServer:
         k = max(p.request.k for p in batch)
         r = max(p.request.num_requested for p in batch)
         tokens = torch.zeros(rows, width, dtype=torch.int64)
+        lengths = [p.request.shape[1] for p in batch for _ in range(p.request.shape[0])]
         request_ids = torch.zeros(rows, width, r, dtype=torch.int64) if r else None
         lo = 0
         for p in batch:
@@ -333,7 +344,7 @@ class TeacherServer:
             lo += n
         t0 = time.perf_counter()
         try:
-            scores = self.scorer.score(tokens, request_ids, k, batch[0].request.temperature)
+            scores = self.scorer.score(tokens, request_ids, k, batch[0].request.temperature, lengths)
         except Exception as err:
             for p in batch:
                 self._error(p.identity, p.request_id, wire.ErrorCode.INTERNAL, f"scoring failed: {err}")

@@ -99,14 +99,16 @@ class GroupSharedTeacher:
         self.device = collective_device()
         self.shared = active and dist.is_initialized() and dist.get_world_size(group) > 1
 
-    def score(self, tokens: torch.Tensor, request_ids: torch.Tensor | None = None) -> Future[TeacherScores]:
+    def score(
+        self, tokens: torch.Tensor, request_ids: torch.Tensor | None = None, lengths: list[int] | None = None
+    ) -> Future[TeacherScores]:
         """The scores of ``tokens`` on every active rank; ``result()`` is a collective over the group."""
         if not self.active:
             return completed(TeacherScores())
         inner = None
         if self.backend is not None:
             try:
-                inner = self.backend.score(tokens, request_ids)
+                inner = self.backend.score(tokens, request_ids, lengths)
             except Exception as err:  # noqa: BLE001 - shared like any other failure, or the group would wait forever
                 inner = Future()
                 inner.set_exception(err)

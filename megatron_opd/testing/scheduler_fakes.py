@@ -60,7 +60,7 @@ class RecordingTeacher:
     def __init__(self, log: list) -> None:
         self.log = log
 
-    def score(self, tokens, request_ids=None):
+    def score(self, tokens, request_ids=None, lengths=None):
         self.log.append(("teacher", int(tokens[0, 3])))  # the first response token (after 3 prompt tokens): the seed
         return completed(TeacherScores())
 
@@ -85,7 +85,7 @@ class TimedTeacher(RecordingTeacher):
         super().__init__(log)
         self.seconds, self.worker = seconds, ThreadPoolExecutor(max_workers=1)
 
-    def score(self, tokens, request_ids=None):
+    def score(self, tokens, request_ids=None, lengths=None):
         super().score(tokens, request_ids)
         return self.worker.submit(lambda: (time.sleep(self.seconds), TeacherScores())[1])
 
@@ -111,7 +111,7 @@ class SynchronousTeacher(RecordingTeacher):
         super().__init__(log)
         self.seconds = seconds
 
-    def score(self, tokens, request_ids=None):
+    def score(self, tokens, request_ids=None, lengths=None):
         time.sleep(self.seconds)
         return super().score(tokens, request_ids)
 

@@ -37,6 +37,8 @@ class ToyScorer:
         self.out = torch.randn(hidden, width, generator=g, dtype=torch.float64)
         self.out[:, vocab:] += 10.0  # padded columns would dominate any top-k that did not exclude them
         self.batches = 0
+        self.seen: list[tuple[tuple[int, int], list[int] | None]] = []
+        """``(tokens shape, lengths)`` of every batch scored."""
 
     def logprobs(self, tokens_NS: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """``[N, S, vocab]`` reference log-probabilities (float64) over the real vocabulary."""
@@ -44,8 +46,11 @@ class ToyScorer:
         logits = (h @ self.out)[..., : self.vocab] / temperature
         return torch.log_softmax(logits, dim=-1)
 
-    def score(self, tokens_NS, request_ids_NSR, k: int, temperature: float) -> TeacherScores:
+    packing = False
+
+    def score(self, tokens_NS, request_ids_NSR, k: int, temperature: float, lengths=None) -> TeacherScores:
         self.batches += 1
+        self.seen.append((tuple(tokens_NS.shape), lengths))
         logprobs = self.logprobs(tokens_NS, temperature)
         values, ids = torch.topk(logprobs, k, dim=-1)
         requested = None if request_ids_NSR is None else logprobs.gather(-1, request_ids_NSR.long()).float()
@@ -63,10 +68,10 @@ class SlowToyScorer(ToyScorer):
         super().__init__()
         self.delay_s = delay_s
 
-    def score(self, tokens_NS, request_ids_NSR, k: int, temperature: float) -> TeacherScores:
+    def score(self, tokens_NS, request_ids_NSR, k: int, temperature: float, lengths=None) -> TeacherScores:
         print("scoring", flush=True)
         time.sleep(self.delay_s)
-        return super().score(tokens_NS, request_ids_NSR, k, temperature)
+        return super().score(tokens_NS, request_ids_NSR, k, temperature, lengths)
 
 
 def toy_tokenizer_summary(vocab: int, tag: str = "") -> dict:

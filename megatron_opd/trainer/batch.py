@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_opd.interfaces import Rollouts
+from megatron_opd.models import packing
 
 
 @dataclass
@@ -129,71 +130,25 @@ class TrainBatch:
         fill micro-batches of at most that many tokens, each padded to exactly ``token_budget``. Padding is a
         segment of its own that nothing trains.
         """
-        if token_budget is None:
-            if self.num_samples % micro_batch_size:
-                raise ValueError(
-                    f"{self.num_samples} samples per data-parallel rank is not divisible by train.micro_batch_size="
-                    f"{micro_batch_size}; choose a divisor"
-                )
-            groups = [list(range(lo, lo + micro_batch_size)) for lo in range(0, self.num_samples, micro_batch_size)]
-        else:
-            groups = _fill(self.lengths, token_budget)
-        columns = {"loss_mask": self.loss_mask, "labels": self.next_tokens()}
+        if token_budget is None and self.num_samples % micro_batch_size:
+            raise ValueError(
+                f"{self.num_samples} samples per data-parallel rank is not divisible by train.micro_batch_size="
+                f"{micro_batch_size}; choose a divisor"
+            )
+        groups = packing.group_sequences(
+            self.lengths, per_group=micro_batch_size, token_budget=token_budget, field="train.micro_batch_tokens"
+        )
+        n, s = self.tokens.shape
+        columns = {
+            "tokens": self.tokens,
+            "token_weights": self.seq_weights[:, None].expand(n, s),
+            "loss_mask": self.loss_mask,
+            "labels": self.next_tokens(),
+        }
         if self.rollout_logprobs is not None:
             columns["rollout_logprobs"] = self.rollout_logprobs
         columns.update(extra or {})
-        out = []
-        for group in groups:
-            lengths = [self.lengths[i] for i in group]
-            used = sum(lengths)
-            total = token_budget if token_budget is not None else _padded_length(max(used, 1), pad_multiple, None)
-            pad = total - used
-            bounds = [0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()] + ([total] if pad else [])
-            i64 = torch.zeros(0, dtype=torch.int64)
-            mb = {
-                "tokens": _concat([self.tokens[i, :n] for i, n in zip(group, lengths)], pad, i64),
-                "position_ids": _concat([torch.arange(n) for n in lengths], pad, i64, fill="arange"),
-                "segment_ids": _concat([torch.full((n,), j) for j, n in enumerate(lengths)], pad, i64, len(group)),
-                "token_weights": _concat(
-                    [self.seq_weights[i].expand(n) for i, n in zip(group, lengths)], pad, self.seq_weights[:0]
-                ),
-                "cu_seqlens": torch.tensor(bounds, dtype=torch.int32),
-                "max_seqlen": torch.tensor(max([*lengths, pad])),
-            }
-            for name, value in columns.items():
-                mb[name] = _concat([value[i, :n] for i, n in zip(group, lengths)], pad, value[0, :0])
-            out.append(mb)
-        return out
-
-
-def _fill(lengths: list[int], budget: int) -> list[list[int]]:
-    """Samples in order into groups of at most ``budget`` tokens."""
-    groups: list[list[int]] = [[]]
-    used = 0
-    for i, n in enumerate(lengths):
-        if n > budget:
-            raise ValueError(
-                f"a sample of {n} tokens does not fit train.micro_batch_tokens={budget}; raise it to at least the "
-                "longest sample (train.max_seq_len)"
-            )
-        if used + n > budget:
-            groups.append([])
-            used = 0
-        groups[-1].append(i)
-        used += n
-    return groups
-
-
-def _concat(pieces: list[torch.Tensor], pad: int, like: torch.Tensor, fill: float | str = 0) -> torch.Tensor:
-    """``[1, T, ...]``: the pieces (``[n_i, ...]``, dtype and trailing shape of ``like``) end to end, then ``pad``
-    rows of ``fill`` (``"arange"``: 0, 1, ...)."""
-    if pad:
-        if fill == "arange":
-            tail = torch.arange(pad, dtype=like.dtype)
-        else:
-            tail = torch.full((pad, *like.shape[1:]), fill, dtype=like.dtype)
-        pieces = [*pieces, tail]
-    return torch.cat([like, *pieces])[None]
+        return packing.pack(self.lengths, groups, columns, pad_multiple=pad_multiple, token_budget=token_budget)
 
 
 def _padded_length(longest: int, pad_multiple: int, max_len: int | None) -> int:

@@ -96,7 +96,7 @@ class Evaluator:
     @torch.no_grad()
     def _divergence_sums(self, batch: TrainBatch) -> tuple[float, float]:
         """Sum of per-token divergences over response tokens, and their count (on the reporting rank)."""
-        scores = self.teacher.score(batch.tokens).result()
+        scores = self.teacher.score(batch.tokens, lengths=batch.lengths).result()
         mbs = batch.num_samples
         extra = teacher_columns(scores)
 

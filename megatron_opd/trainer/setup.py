@@ -131,6 +131,8 @@ def build_teacher(
         micro_batch_size=cfg.train.micro_batch_size,
         offload=cfg.teacher.offload,
         device=accel.device(torch.cuda.current_device() if accel.type == "cuda" else 0),
+        packing=cfg.train.packing,
+        micro_batch_tokens=cfg.train.micro_batch_tokens,
     )
     check_teacher_mode(teacher, cfg.loss.mode)
     return teacher
