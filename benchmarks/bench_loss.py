@@ -24,6 +24,12 @@ does), so no ``[tokens, V/TP]`` ``.grad`` is kept. The ``excl. grad`` column sub
 gradient buffer a variant allocates (none in place). Time is the median wall time of forward+backward over
 ``--repeats`` interleaved runs (A B C A B C ...) after one warm-up round, max over ranks.
 
+The output layer with the loss (``--hidden H``): each rank holds hidden states ``[tokens, H]`` and a ``[V/TP, H]``
+weight shard instead of logits, and the variants are the output layer followed by the trainer's loss
+(``output+loss``: ``h @ W^T``, then ``chunked+inplace``, autograd through the matmul; the reference) and the fused
+output layer (``fused``: ``losses.fused_output``, logits formed a chunk at a time). The weight's ``.grad`` is
+allocated before the measurement, as Megatron's gradient buffer is, so the extra memory is what the step adds.
+
 CUDA (``--device cuda``): one process, one shard of ``V/TP`` columns (no collectives), comparing the Triton
 kernels, the torch path (chunked and unchunked), verl's algorithm and a full ``log_softmax`` on that shard; peak
 memory from ``torch.cuda.max_memory_allocated`` above the inputs, time from CUDA events.
@@ -32,6 +38,7 @@ memory from ``torch.cuda.max_memory_allocated`` above the inputs, time from CUDA
     python benchmarks/bench_loss.py --mode topk --kind forward_kl --tail ignore --tokens 1024,4096,16384
     python benchmarks/bench_loss.py --mode topk --kind forward_kl,reverse_kl,jsd --tail bucket,renorm,ignore
     python benchmarks/bench_loss.py --device cuda --tokens 4096 --vocab 151936 --tp 1 --dtype bf16
+    python benchmarks/bench_loss.py --hidden 1024 --mode topk --kind reverse_kl --tail bucket --tokens 1024,4096,8192
 """
 
 from __future__ import annotations
@@ -52,10 +59,14 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron_opd.losses import dense_divergence, topk_divergence  # noqa: E402
+from megatron_opd.losses.fused_output import chunk_tokens, fused_output_loss  # noqa: E402
+from megatron_opd.losses.local_ops import select_local_ops  # noqa: E402
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CPU_VARIANTS = ("verl", "all-gather", "unchunked", "chunked", "chunked+inplace")
+OUTPUT_VARIANTS = ("output+loss", "fused")
+"""With ``--hidden``: the output layer then the loss (reference), and the two fused."""
 TRAINER_PATH = "chunked+inplace"
 # Estimated [tokens, V] fp32 buffers alive at the all-gather baseline's peak (gathered logits, log-softmaxes,
 # probabilities, autograd's saved tensors and gradients); used only to skip runs that cannot fit.
@@ -71,8 +82,11 @@ def applies(variant: str, mode: str, kind: str, tail: str | None) -> bool:
     return True
 
 
-def reference_variant(mode: str, kind: str, tail: str | None) -> str:
-    """The ratio columns' reference: verl's algorithm where it exists, else our own unchunked version."""
+def reference_variant(mode: str, kind: str, tail: str | None, hidden: int | None = None) -> str:
+    """The ratio columns' reference: the output layer then the loss with ``--hidden``; else verl's algorithm where
+    it exists, else our own unchunked version."""
+    if hidden:
+        return "output+loss"
     return "verl" if applies("verl", mode, kind, tail) else "unchunked"
 
 
@@ -184,13 +198,45 @@ def _loss(case: tuple, args, student_TV, teacher_TV, ids_TK, lp_TK, group) -> to
     return dense_divergence(student_TV, teacher_TV, kind, **kw)
 
 
-def _inputs(args, n_tokens: int, width: int, rank: int, device: str):
+def _output_loss(case: tuple, args, hidden_TH, weight_VH, teacher_TV, ids_TK, lp_TK, group) -> torch.Tensor:
+    """The output layer and the trainer's loss: ``h @ W^T`` then the in-place loss, or the two fused."""
+    kind, tail, variant = case
+    kw = dict(chunk_size=args.chunk_size, group=group, inplace_backward=True, validate=False)
+
+    def loss_of(logits_CV: torch.Tensor, rows_C: torch.Tensor | None = None) -> torch.Tensor:
+        pick = (lambda x: x) if rows_C is None else (lambda x: x.index_select(0, rows_C))  # noqa: E731
+        if args.mode == "topk":
+            return topk_divergence(logits_CV, pick(ids_TK), pick(lp_TK), kind, tail=tail, **kw)
+        return dense_divergence(logits_CV, pick(teacher_TV), kind, **kw)
+
+    if variant == "output+loss":
+        return loss_of(hidden_TH @ weight_VH.t()).sum()
+    n, device = hidden_TH.shape[0], hidden_TH.device
+    rows = chunk_tokens(args.chunk_size, weight_VH.shape[0], select_local_ops("auto", device).chunk_elements(device))
+    ones = torch.ones(n, dtype=torch.float64, device=device)
+    return fused_output_loss(hidden_TH, weight_VH, ones, ones.bool(), loss_of, rows=rows)[0]
+
+
+def _output_inputs(args, n_tokens: int, width: int, rank: int, device: str):
+    """(hidden states, weight shard with its gradient buffer, teacher, ids, log-probs) for ``--hidden``."""
+    g = torch.Generator(device=device).manual_seed(4321 + rank)
+    dtype = DTYPES[args.dtype]
+    hidden_TH = torch.randn(n_tokens, args.hidden, generator=g, device=device, dtype=dtype).requires_grad_()
+    weight_VH = (torch.randn(width, args.hidden, generator=g, device=device, dtype=dtype) / 16).requires_grad_()
+    weight_VH.grad = torch.zeros_like(weight_VH)  # Megatron's gradient buffer: there before the step
+    _, _, teacher_TV, ids_TK, lp_TK = _inputs(args, n_tokens, width, rank, device, student=False)
+    return hidden_TH, weight_VH, teacher_TV, ids_TK, lp_TK
+
+
+def _inputs(args, n_tokens: int, width: int, rank: int, device: str, student: bool = True):
     """(pristine student, work buffer, teacher, ids, log-probs). The pristine student is kept in bf16 (values
     exactly representable in the work dtype) so that two student copies fit at 16k tokens."""
     g = torch.Generator(device=device).manual_seed(1234 + rank)
     dtype = DTYPES[args.dtype]
-    pristine_TV = torch.randn(n_tokens, width, generator=g, device=device, dtype=dtype).mul_(3).to(torch.bfloat16)
-    work_TV = torch.empty(n_tokens, width, device=device, dtype=dtype)
+    pristine_TV = work_TV = None
+    if student:
+        pristine_TV = torch.randn(n_tokens, width, generator=g, device=device, dtype=dtype).mul_(3).to(torch.bfloat16)
+        work_TV = torch.empty(n_tokens, width, device=device, dtype=dtype)
     teacher_TV = None
     if args.mode == "dense":
         teacher_TV = torch.randn(n_tokens, width, generator=g, device=device, dtype=dtype).mul_(3)
@@ -209,7 +255,7 @@ def _inputs(args, n_tokens: int, width: int, rank: int, device: str):
 
 def _grad_mb(work_TV: torch.Tensor, variant: str) -> float:
     """Size of the gradient a variant allocates (none when it is written into the logits)."""
-    in_place = variant.endswith("+inplace") or variant == "verl"
+    in_place = variant.endswith("+inplace") or variant == "verl" or variant in OUTPUT_VARIANTS
     return 0.0 if in_place else work_TV.numel() * work_TV.element_size() / 2**20
 
 
@@ -251,13 +297,25 @@ class _AnonPeak:
 
 def _cpu_run_once(args, case: tuple, inputs: tuple, group, measure_memory: bool) -> tuple[float, float]:
     """One forward+backward on every rank: (seconds, peak anonymous memory above the start in MiB)."""
-    pristine_TV, work_TV, teacher_TV, ids_TK, lp_TK = inputs
-    logits = _student_logits(work_TV, pristine_TV)  # an input: refilled before the measurement starts
+    if case[2] in OUTPUT_VARIANTS:
+        hidden_TH, weight_VH = inputs[:2]
+        hidden_TH.grad = None
+        weight_VH.grad.zero_()
+
+        def step():
+            _output_loss(case, args, *inputs, group).backward()
+    else:
+        pristine_TV, work_TV, teacher_TV, ids_TK, lp_TK = inputs
+        logits = _student_logits(work_TV, pristine_TV)  # an input: refilled before the measurement starts
+
+        def step():
+            _loss(case, args, logits, teacher_TV, ids_TK, lp_TK, group).sum().backward()
+
     gc.collect()
     dist.barrier()
     with _AnonPeak() if measure_memory else contextlib.nullcontext() as peak:
         t0 = time.perf_counter()
-        _loss(case, args, logits, teacher_TV, ids_TK, lp_TK, group).sum().backward()
+        step()
         dist.barrier()
         elapsed = time.perf_counter() - t0
     return elapsed, peak.peak_mb if measure_memory else 0.0
@@ -274,12 +332,15 @@ def _cpu_job(args, plan: list[tuple]) -> list[dict[str, float]]:
     width = args.vocab // args.tp
     results: dict[tuple, dict[str, float]] = {}
     for n_tokens in sorted({key[0] for key in plan}):
-        inputs = _inputs(args, n_tokens, width, rank, "cpu")
+        make = _output_inputs if args.hidden else _inputs
+        inputs = make(args, n_tokens, width, rank, "cpu")
         for kind, tail in dict.fromkeys((k, t) for n, k, t, _ in plan if n == n_tokens):
             cases = [(kind, tail, v) for n, k, t, v in plan if (n, k, t) == (n_tokens, kind, tail)]
             for case in cases:
                 _, peak_mb = _cpu_run_once(args, case, inputs, group, measure_memory=True)
                 results[(n_tokens, *case)] = {"peak_mb": peak_mb, "grad_mb": _grad_mb(inputs[1], case[2])}
+                if args.hidden:  # the hidden-state gradient: the same [tokens, H] in both variants
+                    results[(n_tokens, *case)]["grad_mb"] = n_tokens * args.hidden * DTYPES[args.dtype].itemsize / 2**20
             times: dict[tuple, list[float]] = {case: [] for case in cases}
             for i in range(args.repeats + 1):  # the first round is a warm-up
                 for case in cases:
@@ -312,6 +373,8 @@ def _estimate_mb(args, variant: str, n_tokens: int) -> float:
         per_rank += shard_mb  # the teacher
     if not (variant.endswith("+inplace") or variant == "verl"):
         per_rank += shard_mb  # the gradient
+    if variant in OUTPUT_VARIANTS:
+        per_rank = (4 if variant == "output+loss" else 1) * shard_mb / 1.5 + 3 * width * args.hidden * 4 / 2**20
     if variant == "all-gather":
         per_rank += _ALLGATHER_FULL_BUFFERS * n_tokens * args.vocab * 4 / 2**20
     elif variant == "unchunked":
@@ -415,7 +478,7 @@ def format_table(args, rows: list[dict]) -> str:
         if "skipped" in r:
             lines.append(f"{head} skipped ({r['skipped']}) | | | | | |")
             continue
-        ref_name = reference_variant(args.mode, r["kind"], r["tail"])
+        ref_name = reference_variant(args.mode, r["kind"], r["tail"], args.hidden)
         ref = by_key.get((r["tokens"], r["kind"], r["tail"], ref_name), {})
         mem_ratio = f"{r['peak_mb'] / ref['peak_mb']:.3f}" if ref.get("peak_mb") else "-"
         time_ratio = f"{r['time_s'] / ref['time_s']:.2f}" if ref.get("time_s") else "-"
@@ -441,6 +504,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunk-size", type=int, default=None, help="tokens per chunk for ours (default: auto)")
     parser.add_argument("--quick", action="store_true", help="small shapes that run in seconds")
+    parser.add_argument("--hidden", type=int, default=None, help="compare the output layer + loss with the fused one")
     args = parser.parse_args(argv)
     if args.quick:
         args.tokens = args.tokens or "64,256"
@@ -459,7 +523,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--tail {tail!r}: choose from bucket, renorm, ignore")
     if args.vocab % args.tp:
         parser.error(f"--vocab {args.vocab} must be divisible by --tp {args.tp} (Megatron pads it so)")
-    if args.device == "cuda":
+    if args.hidden:
+        if args.device == "cuda":
+            parser.error("--hidden runs on the CPU path (spawned TP ranks) for now")
+        default_variants = ",".join(OUTPUT_VARIANTS)
+    elif args.device == "cuda":
         default_variants = "verl,full log_softmax,unchunked,chunked,triton,triton+inplace,chunked+inplace"
     else:
         default_variants = ",".join(v for v in CPU_VARIANTS if v != "all-gather")

@@ -83,15 +83,12 @@ def _packed_vs_padded_body(layout: dict, dirs: dict[str, str]):
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
-    from megatron_opd.distributed.device import detect_accelerator
     from megatron_opd.models import load_architecture
     from megatron_opd.models.pipeline import forward_backward
     from megatron_opd.models.reference import full_tensors
     from megatron_opd.models.source import build_and_load
     from megatron_opd.teacher.inprocess import InProcessTeacher
-    from megatron_opd.trainer.config import LossConfig, OptimConfig
-    from megatron_opd.trainer.objective import train_step
-    from megatron_opd.trainer.student import Student, precision_plan
+    from megatron_opd.trainer.config import LossConfig
 
     parallel = ParallelConfig(**layout)
     initialize_distributed(parallel)
@@ -147,24 +144,39 @@ def _packed_vs_padded_body(layout: dict, dirs: dict[str, str]):
     cfg = LossConfig(kind="jsd", mode="dense", beta=0.3, reduction="sequence_mean")
     losses = {}
     for packing in (False, True):
-        optim = OptimConfig(lr=1e-3, clip_grad=0.5)
-        plan = precision_plan(optim, detect_accelerator("cpu"))
-        student = Student(build_and_load(dirs["student"], parallel, trainable=True)[1], optim, plan, 10)
-        losses[packing] = [
-            train_step(
-                student,
-                batch,
-                scored["dense", packing],
-                cfg,
-                vocab_size=1000,
-                teacher_temperature=1.0,
-                micro_batch_size=2,
-                packing=packing,
-                micro_batch_tokens=None if one_stage else 68,
-            ).stats.loss  # fmt: skip
-            for _ in range(3)
-        ]
+        losses[packing] = step_losses(dirs["student"], parallel, batch, scored["dense", packing], cfg, 1000, packing, 3)
     return grads, tokens, losses, scored
+
+
+def step_losses(hf_dir: str, parallel, batch, scores, cfg, vocab: int, packing: bool, steps: int) -> list[float]:
+    """The losses of ``steps`` training steps of a fresh student from ``hf_dir`` on ``batch`` (micro-batches of 2
+    samples; with PP, packed ones of 68 tokens)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_opd.distributed.device import detect_accelerator
+    from megatron_opd.models.source import build_and_load
+    from megatron_opd.trainer.config import OptimConfig
+    from megatron_opd.trainer.objective import train_step
+    from megatron_opd.trainer.student import Student, precision_plan
+
+    optim = OptimConfig(lr=1e-3, clip_grad=0.5)
+    student = Student(build_and_load(hf_dir, parallel, trainable=True)[1], optim,
+                      precision_plan(optim, detect_accelerator("cpu")), 10)  # fmt: skip
+    one_stage = ps.get_pipeline_model_parallel_world_size() == 1
+    return [
+        train_step(
+            student,
+            batch,
+            scores,
+            cfg,
+            vocab_size=vocab,
+            teacher_temperature=1.0,
+            micro_batch_size=2,
+            packing=packing,
+            micro_batch_tokens=None if one_stage else 68,
+        ).stats.loss  # fmt: skip
+        for _ in range(steps)
+    ]
 
 
 def _assert_scores_equal_at_real_positions(scored: dict, layout: str) -> None:

@@ -206,7 +206,7 @@ def _reference64(hf_dir: str, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def _inprocess_layouts_body(cells: dict[str, dict[str, str]]):
     """The in-process teacher's top-k (mode="topk") of every shape of every layout, re-initialised in one job; rows
-    of ``LENGTHS`` tokens packed two to a micro-batch."""
+    of ``LENGTHS`` tokens packed two to a micro-batch, the logits formed 5 tokens at a time."""
     from megatron_opd.distributed import ParallelConfig, initialize_distributed, initialize_model_parallel
     from megatron_opd.models.source import build_and_load
     from megatron_opd.teacher.inprocess import InProcessTeacher
@@ -219,7 +219,8 @@ def _inprocess_layouts_body(cells: dict[str, dict[str, str]]):
             vocab = SHAPES[name].vocab_size
             _, chunks = build_and_load(hf_dir, parallel, trainable=False)
             tokens, request_ids = _inputs(vocab)
-            teacher = InProcessTeacher(chunks, vocab_size=vocab, mode="topk", topk=K, micro_batch_size=2, packing=True)
+            teacher = InProcessTeacher(chunks, vocab_size=vocab, mode="topk", topk=K, micro_batch_size=2, packing=True,
+                                       chunk_size=5)  # fmt: skip
             scores = teacher.score(tokens, request_ids, LENGTHS).result()
             out[label, name] = (scores.topk_ids, scores.topk_logprobs, scores.requested_logprobs)
     return out

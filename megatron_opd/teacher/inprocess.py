@@ -4,6 +4,8 @@ It scores a packed batch with a forward-only pass through Megatron's pipeline sc
 pipeline stage, either its logit shards (``dense``: for ``dense_divergence``) or its global top-k computed
 without gathering the vocabulary (``topk``: local top-k per shard, then a merge of k candidates per rank).
 Log-probabilities at requested ids (e.g. the sampled tokens, for teacher-confidence weights) come with both.
+In top-k mode the logit shard never exists whole: the model hands over its final hidden states
+(``models.output.HiddenStateOutput``) and the top-k is taken a chunk of tokens at a time from ``h_chunk @ W^T``.
 
 Two-phase memory mode (``offload=True``): the weights move to the accelerator only to score a step's rollouts,
 the scores are cached in (pinned) host memory and the weights leave again before the student trains, so a
@@ -14,15 +16,19 @@ Shape legend: ``N`` samples, ``S`` positions, ``K`` top-k, ``R`` requested ids, 
 
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import Future
 from typing import Literal
 
 import torch
 
 from megatron_opd.interfaces import TeacherScores, completed
+from megatron_opd.losses.fused_output import chunk_tokens
+from megatron_opd.losses.local_ops import select_local_ops
 from megatron_opd.losses.shard_ops import global_topk_logprobs, logprobs_at
 from megatron_opd.losses.vocab_parallel import make_vocab_shard
 from megatron_opd.models import packing
+from megatron_opd.models.output import HiddenStateOutput
 from megatron_opd.models.pipeline import forward_backward
 
 
@@ -45,6 +51,7 @@ class InProcessTeacher:
         device: torch.device | None = None,
         packing: bool = False,
         micro_batch_tokens: int | None = None,
+        chunk_size: int | None = None,
     ) -> None:
         if any(p.requires_grad for chunk in chunks for p in chunk.parameters()):
             raise ValueError("the teacher must be frozen: build it with build_model(..., trainable=False)")
@@ -57,11 +64,15 @@ class InProcessTeacher:
         self.packing = packing
         """Pack rows without padding (THD) when ``score`` is told their lengths (``train.packing``)."""
         self.micro_batch_tokens = micro_batch_tokens
+        self.chunk_size = chunk_size
+        """Top-k mode: tokens whose logits exist at once (None: automatic, ``losses.fused_output.chunk_tokens``)."""
         """Tokens per packed micro-batch under pipeline parallelism (default: ``micro_batch_size`` rows of ``S``)."""
         self.offload = offload and device is not None and device.type != "cpu"
         self.device = device
         if self.offload:
             self._move("cpu")
+        self.output = HiddenStateOutput(chunks)
+        """Top-k mode: the model returns hidden states, the logits are formed chunk by chunk (``_chunked``)."""
 
     def _move(self, device: str | torch.device) -> None:
         for chunk in self.chunks:
@@ -80,14 +91,18 @@ class InProcessTeacher:
         packed = self.packing and lengths is not None
         micro_batches = self._packed(tokens, request_ids, lengths) if packed else self._padded(tokens, request_ids)
 
-        def collect(logits_BSV: torch.Tensor, mb: dict):
-            scores = self._scores_of(logits_BSV, mb.get("request_ids"))
+        def collect(output: torch.Tensor, mb: dict):
+            if self.mode == "topk":  # output: hidden states [b, s, H]
+                scores = self._chunked(output, mb.get("request_ids"))
+            else:  # output: logit shards [b, s, V]
+                scores = self._scores_of(output, mb.get("request_ids"))
             if packed:  # [1, T, ...] -> [b, S, ...]
                 sizes = mb["sequence_lengths"].tolist()
                 scores = _map(scores, lambda v: packing.unpack(v, sizes, tokens.shape[1]))
-            return logits_BSV.new_zeros(()), _map(scores, self._to_host)
+            return output.new_zeros(()), _map(scores, self._to_host)
 
-        outputs = forward_backward(self.chunks, micro_batches, collect, forward_only=True)
+        with self.output.active() if self.mode == "topk" else contextlib.nullcontext():
+            outputs = forward_backward(self.chunks, micro_batches, collect, forward_only=True)
         if self.offload:
             self._move("cpu")
         return completed(self._concat(outputs))
@@ -123,6 +138,23 @@ class InProcessTeacher:
         for mb, group in zip(micro_batches, groups):
             mb["sequence_lengths"] = torch.tensor([lengths[i] for i in group])
         return micro_batches
+
+    def _chunked(self, hidden_BSH: torch.Tensor, request_ids_BSR: torch.Tensor | None) -> TeacherScores:
+        """``_scores_of`` the logits ``h @ W^T`` of a chunk of tokens at a time (never ``[b, s, V]`` at once)."""
+        b, s, h = hidden_BSH.shape
+        weight_VH, device = self.output.weight, hidden_BSH.device
+        rows = chunk_tokens(
+            self.chunk_size, weight_VH.shape[0], select_local_ops("auto", device).chunk_elements(device)
+        )
+        flat_TH = hidden_BSH.reshape(b * s, h)
+        requested_TR = None if request_ids_BSR is None else request_ids_BSR.reshape(b * s, -1)
+        parts = [
+            self._scores_of(
+                flat_TH[lo : lo + rows] @ weight_VH.t(), None if requested_TR is None else requested_TR[lo : lo + rows]
+            )
+            for lo in range(0, b * s, rows)
+        ]
+        return _map(self._concat(parts), lambda v: v.view(b, s, *v.shape[1:]))
 
     def _scores_of(self, logits_BSV: torch.Tensor, request_ids_BSR: torch.Tensor | None) -> TeacherScores:
         shard = make_vocab_shard(logits_BSV.shape[-1], None, self.vocab_size)

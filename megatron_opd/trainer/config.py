@@ -295,6 +295,10 @@ class LossConfig:
     """The student's logits are divided by this inside the loss."""
     chunk_size: int | None = None
     """Tokens per loss chunk (memory bound); None: automatic."""
+    fused_output: Literal["auto", "on", "off"] = "auto"
+    """The output layer fused into the divergence (``losses.fused_output``): the update's logits are formed a chunk
+    of tokens at a time inside the loss and never held whole. ``auto``/``on``: every distillation loss (SFT keeps
+    the output layer; ``on`` refuses it); ``off``: the output layer writes the whole logit shard first."""
     weighting: Literal["none", "reward", "teacher_confidence"] = "none"
     """Per-sequence weights: none, reward-weighted distillation, or TCAD teacher-confidence weights."""
     reward_fn: str | None = None
@@ -317,6 +321,13 @@ class LossConfig:
             raise ValueError(f"loss.student_topk must be >= 0 (0: loss.topk), got {self.student_topk}")
         if not 0.0 <= self.coverage_weight < float("inf"):
             raise ValueError(f"loss.coverage_weight must be a finite number >= 0, got {self.coverage_weight}")
+        if self.fused_output not in ("auto", "on", "off"):
+            raise ValueError(f"loss.fused_output must be auto, on or off, got {self.fused_output!r}")
+        if self.fused_output == "on" and self.kind == "sft":
+            raise ValueError(
+                "loss.fused_output=on fuses the output layer into a distillation divergence; loss.kind=sft keeps the "
+                "logits: set loss.fused_output=auto or off"
+            )
         distilling_topk = self.kind != "sft" and self.mode == "topk"
         if self.support == "union" and not distilling_topk:
             raise ValueError(

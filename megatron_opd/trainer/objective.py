@@ -19,6 +19,7 @@ student's top-k.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import ClassVar
@@ -26,8 +27,11 @@ from typing import ClassVar
 import torch
 
 from megatron_opd.losses import dense_divergence, reduce_loss, topk_divergence, union_divergence
+from megatron_opd.losses.fused_output import chunk_tokens, fused_output_loss, reduction_coefficients
+from megatron_opd.losses.local_ops import select_local_ops
 from megatron_opd.losses.shard_ops import chunked_logsumexp, gather_at_ids, global_argmax
 from megatron_opd.losses.vocab_parallel import make_vocab_shard
+from megatron_opd.models.output import HiddenStateOutput
 from megatron_opd.rollout.fidelity import fidelity_sums
 from megatron_opd.trainer.config import LossConfig
 
@@ -134,42 +138,48 @@ def make_loss_fn(
     teacher_temperature: float,
     normalizer: float,
     scale: float,
+    output: HiddenStateOutput | None = None,
 ) -> Callable[[torch.Tensor, dict], tuple[torch.Tensor, StepStats]]:
     """The loss function Megatron's schedule calls with (logits, micro-batch) on the last pipeline stage.
 
     ``normalizer``: the global denominator of ``cfg.reduction`` (trained tokens or sequences over the global
     batch; unused for ``sum``). ``scale``: micro-batches x data-parallel size (undone by the schedule and DDP).
+    ``output``: the model's hidden-state switch when it is active (``loss.fused_output``): the schedule then hands
+    over final hidden states ``[B, S, H]`` and the logits are formed chunk by chunk inside the loss.
     """
 
-    def loss_fn(logits_BSV: torch.Tensor, mb: dict) -> tuple[torch.Tensor, StepStats]:
-        mask_BS = mb["loss_mask"]
-        shard = make_vocab_shard(logits_BSV.shape[-1], None, vocab_size)
-        monitor = "rollout_logprobs" in mb  # the rollout-fidelity monitor: the label's log-prob at temperature 1
+    def per_token_pass(logits_TV: torch.Tensor, cols: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The per-token loss of ``logits_TV`` (any leading shape; it may be overwritten: in-place backward) and,
+        computed first, the statistics read from the logits: the student's and the target's top-1 and, for the
+        rollout-fidelity monitor, the label's log-probability at temperature 1."""
+        shard = make_vocab_shard(logits_TV.shape[-1], None, vocab_size)
+        monitor = "rollout_logprobs" in cols
         outputs: dict = {}
+        reads = {}
         with torch.no_grad():
-            student_top1_BS = global_argmax(logits_BSV.detach(), shard)
-            if monitor:  # read before the in-place loss overwrites the logits: a [B, S] gather, no vocabulary pass
-                label_logit_BS = gather_at_ids(logits_BSV.detach(), mb["labels"][..., None], shard)[..., 0]
+            reads["student_top1"] = global_argmax(logits_TV.detach(), shard)
+            if monitor:  # read before the in-place loss overwrites the logits: a gather, no vocabulary pass
+                label_logit = gather_at_ids(logits_TV.detach(), cols["labels"][..., None], shard)[..., 0]
                 # The loss pass normalises at loss.student_temperature: at another one, one logsumexp pass at 1.
-                lse_t1_BS = None if cfg.student_temperature == 1.0 else chunked_logsumexp(logits_BSV.detach(), shard)
+                lse_t1 = None if cfg.student_temperature == 1.0 else chunked_logsumexp(logits_TV.detach(), shard)
         if cfg.kind == "sft":
-            target_top1_BS = mb["labels"]
-            per_token_BS = sft_per_token(logits_BSV, mb["labels"], vocab_size)
+            reads["target_top1"] = cols["labels"]
+            per_token = sft_per_token(logits_TV, cols["labels"], vocab_size)
         else:
-            if cfg.support == "union" and "student_topk_ids" not in mb:
+            if cfg.support == "union" and "student_topk_ids" not in cols:
                 raise ValueError(
                     "loss.support=union: the micro-batch has no student top-k ids; pass the batch to teacher_columns "
                     "and score it with TrainBatch.teacher_request_ids()"
                 )
             with torch.no_grad():
-                if "teacher_topk_ids" in mb:
-                    target_top1_BS = mb["teacher_topk_ids"][..., 0]
+                if "teacher_topk_ids" in cols:
+                    reads["target_top1"] = cols["teacher_topk_ids"][..., 0]
                 else:
-                    target_top1_BS = global_argmax(mb["teacher_logits"], shard)
+                    reads["target_top1"] = global_argmax(cols["teacher_logits"], shard)
             # In place: the output layer's logits are not needed after the loss.
-            per_token_BS = teacher_divergence(
-                logits_BSV,
-                mb,
+            per_token = teacher_divergence(
+                logits_TV,
+                cols,
                 cfg,
                 cfg.kind,
                 vocab_size=vocab_size,
@@ -177,33 +187,63 @@ def make_loss_fn(
                 inplace_backward=True,
                 outputs=outputs,
             )
+        if monitor:
+            with torch.no_grad():
+                if cfg.kind == "sft":  # cross-entropy is minus the label's log-probability (temperature 1)
+                    reads["label_lp"] = -per_token.detach()
+                else:
+                    reads["label_lp"] = label_logit - (lse_t1 if lse_t1 is not None else outputs["student_lse"])
+        return per_token, reads
+
+    def loss_fn(output_tensor: torch.Tensor, mb: dict) -> tuple[torch.Tensor, StepStats]:
+        mask_BS = mb["loss_mask"]
         # Packed micro-batches (THD, one row) carry each sample's weight and index per token.
-        weights_BS = mb["token_weights"] if "token_weights" in mb else mb["seq_weights"][:, None]
-        weighted_BS = per_token_BS * weights_BS.to(per_token_BS.dtype)
-        if cfg.reduction == "sum":
-            loss = reduce_loss(weighted_BS, mask_BS, "sum")
+        weights_BS = mb["token_weights"] if "token_weights" in mb else mb["seq_weights"][:, None].expand_as(mask_BS)
+        kwargs = {} if cfg.reduction == "sum" else {"normalizer": normalizer, "segment_ids": mb.get("segment_ids")}
+        if output is None:
+            per_token_BS, reads = per_token_pass(output_tensor, mb)
+            weighted_BS = per_token_BS * weights_BS.to(per_token_BS.dtype)
+            loss = reduce_loss(weighted_BS, mask_BS, cfg.reduction, **kwargs)
         else:
-            loss = reduce_loss(
-                weighted_BS, mask_BS, cfg.reduction, normalizer=normalizer, segment_ids=mb.get("segment_ids")
-            )
+            loss, per_token_BS, reads = _fused_pass(output_tensor, output.weight, mb, weights_BS, kwargs)
         with torch.no_grad():
             valid_BS = mask_BS != 0
             fidelity = {}
-            if monitor:
-                if cfg.kind == "sft":  # cross-entropy is minus the label's log-probability (temperature 1)
-                    label_lp_BS = -per_token_BS.detach()
-                else:
-                    label_lp_BS = label_logit_BS - (lse_t1_BS if lse_t1_BS is not None else outputs["student_lse"])
-                fidelity = fidelity_sums(label_lp_BS, mb["rollout_logprobs"], mask_BS)
+            if "rollout_logprobs" in mb:
+                fidelity = fidelity_sums(reads["label_lp"], mb["rollout_logprobs"], mask_BS)
             stats = StepStats(
                 loss=float(loss),
                 divergence_sum=float(torch.where(valid_BS, per_token_BS.detach(), 0.0).sum()),
-                agree_sum=float(((student_top1_BS == target_top1_BS) & valid_BS).sum()),
+                agree_sum=float(((reads["student_top1"] == reads["target_top1"]) & valid_BS).sum()),
                 tokens=float(valid_BS.sum()),
                 nonfinite=float(not torch.isfinite(loss)),
                 **fidelity,
             )
         return loss * scale, stats
+
+    def _fused_pass(hidden_BSH: torch.Tensor, weight_VH: torch.Tensor, mb: dict, weights_BS, kwargs: dict):
+        """``per_token_pass`` a chunk of trained tokens at a time on logits formed from the hidden states."""
+        mask_BS = mb["loss_mask"]
+        (b, s), n = mask_BS.shape, mask_BS.numel()
+        cols = {k: v.reshape(n, *v.shape[2:]) for k, v in mb.items() if v.dim() >= 2 and tuple(v.shape[:2]) == (b, s)}
+        reads_T: dict[str, torch.Tensor] = {}
+
+        def token_pass(logits_CV: torch.Tensor, index_C: torch.Tensor) -> torch.Tensor:
+            per_token_C, reads = per_token_pass(logits_CV, {k: v.index_select(0, index_C) for k, v in cols.items()})
+            for name, value in reads.items():
+                reads_T.setdefault(name, value.new_zeros(n)).index_copy_(0, index_C, value)
+            return per_token_C
+
+        coeff = reduction_coefficients(mask_BS, weights_BS, cfg.reduction, **kwargs)
+        rows = chunk_tokens(cfg.chunk_size, weight_VH.shape[0], select_local_ops("auto", hidden_BSH.device)
+                            .chunk_elements(hidden_BSH.device))  # fmt: skip
+        loss, per_token_N, index_N = fused_output_loss(
+            hidden_BSH.reshape(n, -1), weight_VH, coeff, mask_BS != 0, token_pass, rows=rows
+        )
+        per_token_BS = per_token_N.new_zeros(n).index_copy(0, index_N, per_token_N).view(b, s)
+        needed = ("student_top1", "target_top1") + (("label_lp",) if "rollout_logprobs" in mb else ())
+        reads = {name: reads_T.get(name, mask_BS.new_zeros(n)).view(b, s) for name in needed}  # none: nothing trained
+        return loss, per_token_BS, reads
 
     return loss_fn
 
@@ -284,11 +324,19 @@ def train_step(
             trim=one_stage,
             pad_multiple=8 * tp,  # sequence parallelism splits S over TP
         )
+    output = HiddenStateOutput(student.model) if fused_output_applies(cfg) else None
     loss_fn = make_loss_fn(
         cfg,
         vocab_size=vocab_size,
         teacher_temperature=teacher_temperature,
         normalizer=global_count(batch.loss_mask, cfg.reduction),
         scale=len(micro_batches) * ps.get_data_parallel_world_size(),
+        output=output,
     )
-    return student.step(micro_batches, loss_fn, guard)
+    with output.active() if output is not None else contextlib.nullcontext():
+        return student.step(micro_batches, loss_fn, guard)
+
+
+def fused_output_applies(cfg: LossConfig) -> bool:
+    """Whether the update forms its logits inside the loss (``loss.fused_output``; SFT keeps the output layer)."""
+    return cfg.kind != "sft" and cfg.fused_output != "off"

@@ -1,0 +1,118 @@
+"""The output layer fused into the loss: logits formed a chunk of tokens at a time, never all at once.
+
+Today's path multiplies every final hidden state by the output layer's weight shard, keeps the whole
+``[tokens, V/TP]`` logit shard, and the vocab-parallel divergence then works on it. Here one autograd function
+takes the hidden states ``[T, H]`` (already gathered over sequence parallelism), this rank's weight shard
+``[V/TP, H]`` and, per token, the coefficient the reduction gives its loss; per chunk of trained tokens it forms
+``logits = h_chunk @ W^T``, runs the per-token divergence on them (any kind, tail, mode or support; its own
+vocab-parallel statistics cross ranks, nothing ``[*, V]`` does), and takes the gradient of the chunk's weighted
+loss with respect to those logits at once, in the forward pass (as Liger-Kernel's fused linear losses do): the
+gradients of ``h`` and ``W`` are then two matmuls, so no chunk is recomputed in backward and at most one
+``[chunk, V/TP]`` block is alive. Tokens nothing trains (prompt, padding, tool output) are skipped outright.
+
+The loss is linear in the per-token losses, ``sum_t a_t l_t``, with ``a_t`` read off the reduction itself
+(``reduction_coefficients``), so ``token_mean``, ``sequence_mean`` (also over packed segments), ``sum`` and
+per-sequence weights need no code of their own here. Backward scales the stored gradients by the incoming one.
+
+Shape legend: ``T`` tokens, ``H`` hidden size, ``V`` this rank's vocabulary columns, ``C`` tokens in a chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from megatron_opd.losses.reduction import reduce_loss
+
+TokenPass = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``token_pass(logits_CV, index_C)``: the per-token losses ``[C]`` of the trained tokens at flat positions
+``index_C`` (differentiable in ``logits_CV``, which it may overwrite: in-place backward)."""
+
+MIN_CHUNK_TOKENS = 256
+"""Automatic chunks hold at least this many tokens: each chunk reads the whole weight shard, so fewer, larger
+chunks keep the matmuls efficient; ``[256, V/TP]`` is 78 MB at Qwen's vocabulary over TP=2 in fp32."""
+
+
+def chunk_tokens(chunk_size: int | None, vocab_columns: int, chunk_elements: int) -> int:
+    """Tokens per chunk: ``chunk_size`` if given, else about ``chunk_elements / V`` but at least ``MIN_CHUNK_TOKENS``."""
+    if chunk_size is not None:
+        return chunk_size
+    return max(MIN_CHUNK_TOKENS, chunk_elements // max(vocab_columns, 1))
+
+
+def reduction_coefficients(
+    mask_BS: torch.Tensor,
+    weights_BS: torch.Tensor,
+    mode: str,
+    *,
+    normalizer: float | None = None,
+    segment_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``a`` with ``reduce_loss(l * weights, mask, mode, ...) == sum(a * l)`` for every ``l`` (float64): the
+    reduction is linear in the per-token losses, so its gradient is the coefficient of each."""
+    x_BS = torch.zeros(mask_BS.shape, dtype=torch.float64, device=mask_BS.device, requires_grad=True)
+    with torch.enable_grad():
+        kwargs = {} if mode == "sum" else {"normalizer": normalizer, "segment_ids": segment_ids}
+        total = reduce_loss(x_BS * weights_BS.to(torch.float64), mask_BS, mode, **kwargs)
+        (coefficients,) = torch.autograd.grad(total, x_BS, allow_unused=True)
+    return torch.zeros_like(x_BS) if coefficients is None else coefficients.detach()
+
+
+class _FusedOutputLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_TH, weight_VH, coeff_T, index_N, token_pass, rows):
+        grad_h_TH = torch.zeros_like(hidden_TH)
+        exact = weight_VH.dtype in (torch.float32, torch.float64)
+        grad_w_VH = torch.zeros(weight_VH.shape, dtype=torch.float32 if not exact else weight_VH.dtype,
+                                device=weight_VH.device)  # fmt: skip
+        per_token_N = torch.zeros(index_N.numel(), dtype=torch.float32, device=hidden_TH.device)
+        weight_leaf = weight_VH.detach().requires_grad_()
+        for lo in range(0, index_N.numel(), rows):
+            index_C = index_N[lo : lo + rows]
+            h_CH = hidden_TH.index_select(0, index_C)
+            with torch.enable_grad():
+                # Non-leaf logits (the divergence may turn them into their own gradient); the matmul's backward
+                # is never run: the two gradients below are written by hand.
+                logits_CV = h_CH.requires_grad_() @ weight_leaf.t()
+                loss_C = token_pass(logits_CV, index_C)
+                coeff_C = coeff_T.index_select(0, index_C).to(loss_C.dtype)
+                (grad_CV,) = torch.autograd.grad(loss_C, logits_CV, grad_outputs=coeff_C)
+            grad_CV = grad_CV.to(weight_VH.dtype)
+            grad_h_TH.index_copy_(0, index_C, grad_CV @ weight_VH.detach())
+            if exact:
+                grad_w_VH.addmm_(grad_CV.t(), h_CH.detach())
+            else:  # low precision: accumulate the chunks' products in fp32
+                grad_w_VH += (grad_CV.t() @ h_CH.detach()).float()
+            per_token_N[lo : lo + rows] = loss_C.detach().float()
+            del logits_CV, grad_CV, loss_C
+        coeff_N = coeff_T.index_select(0, index_N)
+        loss = torch.where(coeff_N != 0, per_token_N.double() * coeff_N, 0.0).sum().to(torch.float32)
+        ctx.grads = (grad_h_TH, grad_w_VH.to(weight_VH.dtype))  # not saved tensors: backward scales them in place
+        ctx.mark_non_differentiable(per_token_N)
+        return loss, per_token_N
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_per_token):
+        grad_h_TH, grad_w_VH = ctx.grads
+        del ctx.grads  # no second copy of either while autograd accumulates them
+        return grad_h_TH.mul_(grad_loss), grad_w_VH.mul_(grad_loss), None, None, None, None
+
+
+def fused_output_loss(
+    hidden_TH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    coeff_T: torch.Tensor,
+    trained_T: torch.Tensor,
+    token_pass: TokenPass,
+    *,
+    rows: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, per_token_N, index_N)``: ``sum_t coeff_t * l_t`` over the tokens where ``trained_T`` (the same on
+    every TP rank), differentiable in ``hidden_TH`` and ``weight_VH``; the per-token losses at flat positions
+    ``index_N`` (detached, for statistics). ``rows`` tokens per chunk."""
+    index_N = trained_T.reshape(-1).nonzero().reshape(-1)
+    loss, per_token_N = _FusedOutputLoss.apply(
+        hidden_TH, weight_VH, coeff_T.reshape(-1), index_N, token_pass, max(1, int(rows))
+    )
+    return loss, per_token_N, index_N
