@@ -214,7 +214,8 @@ def _output_loss(case: tuple, args, hidden_TH, weight_VH, teacher_TV, ids_TK, lp
     n, device = hidden_TH.shape[0], hidden_TH.device
     rows = chunk_tokens(args.chunk_size, weight_VH.shape[0], select_local_ops("auto", device).chunk_elements(device))
     ones = torch.ones(n, dtype=torch.float64, device=device)
-    return fused_output_loss(hidden_TH, weight_VH, ones, ones.bool(), loss_of, rows=rows)[0]
+    # grad_hint=1: .backward() of the loss itself; the weight gradient goes straight into its buffer.
+    return fused_output_loss(hidden_TH, weight_VH, ones, ones.bool(), loss_of, rows=rows, grad_hint=1.0)[0]
 
 
 def _output_inputs(args, n_tokens: int, width: int, rank: int, device: str):

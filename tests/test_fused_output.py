@@ -69,8 +69,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("kind,mode,tail,support", CASES)
-@pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean", "sum"])
-def test_fused_equals_the_output_layer_then_the_loss(kind, mode, tail, support, reduction):
+@pytest.mark.parametrize("reduction,grad_hint", [("token_mean", None), ("sequence_mean", 1.0), ("sum", None)])
+def test_fused_equals_the_output_layer_then_the_loss(kind, mode, tail, support, reduction, grad_hint):
+    """``grad_hint``: the weight gradient written straight into ``.grad`` (no accumulator), else accumulated."""
     gen = torch.Generator().manual_seed(hash((kind, mode, tail, support, reduction)) % 1000)
     mb = _micro_batch(mode, support or "teacher_topk", gen)
     cfg = LossConfig(kind=kind, mode=mode, tail=tail or "bucket", support=support or "teacher_topk", beta=0.3,
@@ -83,7 +84,7 @@ def test_fused_equals_the_output_layer_then_the_loss(kind, mode, tail, support, 
     for fused in (False, True):
         hidden.grad = weight.grad = None
         if fused:
-            loss_fn = make_loss_fn(cfg, output=_Switch(weight), **common)
+            loss_fn = make_loss_fn(cfg, output=_Switch(weight), grad_hint=grad_hint, **common)
             loss, stats = loss_fn(hidden, mb)
         else:
             loss_fn = make_loss_fn(cfg, **common)
@@ -99,6 +100,18 @@ def test_fused_equals_the_output_layer_then_the_loss(kind, mode, tail, support, 
     assert grad_w[VOCAB:].abs().max() == 0  # padded vocabulary rows get nothing
     for name, value in stats.as_dict().items():
         assert value == pytest.approx(getattr(ref_stats, name), rel=1e-5, abs=1e-6), name
+
+
+def test_a_gradient_other_than_the_hint_is_refused():
+    gen = torch.Generator().manual_seed(2)
+    mb = _micro_batch("topk", "teacher_topk", gen)
+    hidden = torch.randn(B, S, H, generator=gen, requires_grad=True)
+    weight = torch.randn(V, H, generator=gen, requires_grad=True)
+    loss_fn = make_loss_fn(LossConfig(mode="topk", topk=K), vocab_size=VOCAB, teacher_temperature=1.0,
+                           normalizer=5.0, scale=1.0, output=_Switch(weight), grad_hint=1.0)  # fmt: skip
+    loss, _ = loss_fn(hidden, mb)
+    with pytest.raises(RuntimeError, match="wrote its weight gradient for an incoming gradient of 1 but got 3"):
+        (3 * loss).backward()
 
 
 def test_a_micro_batch_with_nothing_trained_gives_zero_loss_and_gradients():
@@ -173,7 +186,8 @@ def _switch_body(layout: dict, dirs: dict[str, str], packed: bool):
             for chunk in chunks:
                 chunk.zero_grad()
             loss_fn = make_loss_fn(cfg, vocab_size=vocab, teacher_temperature=1.0, normalizer=3.0, scale=1.0,
-                                   output=switch if fused else None)  # fmt: skip
+                                   output=switch if fused else None,
+                                   grad_hint=1 / len(micro_batches) if fused else None)  # fmt: skip
             if fused:
                 with switch.active():
                     outputs = forward_backward(chunks, micro_batches, loss_fn)

@@ -139,6 +139,7 @@ def make_loss_fn(
     normalizer: float,
     scale: float,
     output: HiddenStateOutput | None = None,
+    grad_hint: float | None = None,
 ) -> Callable[[torch.Tensor, dict], tuple[torch.Tensor, StepStats]]:
     """The loss function Megatron's schedule calls with (logits, micro-batch) on the last pipeline stage.
 
@@ -146,6 +147,8 @@ def make_loss_fn(
     batch; unused for ``sum``). ``scale``: micro-batches x data-parallel size (undone by the schedule and DDP).
     ``output``: the model's hidden-state switch when it is active (``loss.fused_output``): the schedule then hands
     over final hidden states ``[B, S, H]`` and the logits are formed chunk by chunk inside the loss.
+    ``grad_hint``: the gradient Megatron's schedule will bring to the returned loss (``fused_output_loss``: the
+    weight gradient then goes straight into its buffer); None when unknown.
     """
 
     def per_token_pass(logits_TV: torch.Tensor, cols: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -238,7 +241,13 @@ def make_loss_fn(
         rows = chunk_tokens(cfg.chunk_size, weight_VH.shape[0], select_local_ops("auto", hidden_BSH.device)
                             .chunk_elements(hidden_BSH.device))  # fmt: skip
         loss, per_token_N, index_N = fused_output_loss(
-            hidden_BSH.reshape(n, -1), weight_VH, coeff, mask_BS != 0, token_pass, rows=rows
+            hidden_BSH.reshape(n, -1),
+            weight_VH,
+            coeff,
+            mask_BS != 0,
+            token_pass,
+            rows=rows,
+            grad_hint=None if grad_hint is None else grad_hint * scale,
         )
         per_token_BS = per_token_N.new_zeros(n).index_copy(0, index_N, per_token_N).view(b, s)
         needed = ("student_top1", "target_top1") + (("label_lp",) if "rollout_logprobs" in mb else ())
@@ -325,6 +334,9 @@ def train_step(
             pad_multiple=8 * tp,  # sequence parallelism splits S over TP
         )
     output = HiddenStateOutput(student.model) if fused_output_applies(cfg) else None
+    # What the schedule does to the loss: x CP size / micro-batches, and fp16's dynamic loss scale (not known here).
+    fp16 = any(getattr(getattr(chunk, "config", None), "fp16", False) for chunk in student.model)
+    grad_hint = None if fp16 else ps.get_context_parallel_world_size() / len(micro_batches)
     loss_fn = make_loss_fn(
         cfg,
         vocab_size=vocab_size,
@@ -332,6 +344,7 @@ def train_step(
         normalizer=global_count(batch.loss_mask, cfg.reduction),
         scale=len(micro_batches) * ps.get_data_parallel_world_size(),
         output=output,
+        grad_hint=grad_hint,
     )
     with output.active() if output is not None else contextlib.nullcontext():
         return student.step(micro_batches, loss_fn, guard)
