@@ -268,3 +268,23 @@ def test_config_refuses_the_fused_output_layer_where_it_cannot_apply():
         LossConfig(fused_output="yes")
     assert fused_output_applies(LossConfig()) and not fused_output_applies(LossConfig(fused_output="off"))
     assert not fused_output_applies(LossConfig(kind="sft"))  # auto: SFT keeps the output layer
+
+
+def test_fp32_hidden_states_meet_a_bf16_weight():
+    """Megatron's Float16Module returns the last stage's output in fp32 while the weight is bf16 (GPU runs)."""
+    gen = torch.Generator().manual_seed(3)
+    mb = _micro_batch("topk", "teacher_topk", gen)
+    hidden = torch.randn(B, S, H, generator=gen, requires_grad=True)
+    weight = (torch.randn(V, H, generator=gen) / 2).bfloat16().requires_grad_()
+    cfg = LossConfig(mode="topk", topk=K)
+    common = dict(vocab_size=VOCAB, teacher_temperature=1.0, normalizer=5.0, scale=1.0)
+    fused, _ = make_loss_fn(cfg, output=_Switch(weight), grad_hint=1.0, **common)(hidden, mb)
+    fused.backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    ref, _ = make_loss_fn(cfg, **common)(hidden.bfloat16() @ weight.t(), mb)
+    ref.backward()
+    assert float(fused) == pytest.approx(float(ref), rel=1e-2)
+    assert grads[0].dtype == torch.float32 and grads[1].dtype == torch.bfloat16
+    torch.testing.assert_close(grads[0], hidden.grad, rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(grads[1].float(), weight.grad.float(), rtol=2e-2, atol=2e-3)

@@ -134,6 +134,7 @@ def fused_output_loss(
     gradient buffer (``main_grad`` under Megatron's DDP, else ``.grad``, created if missing) during the forward,
     with no ``[V/TP, H]`` accumulator; backward checks the hint and refuses a different gradient."""
     index_N = trained_T.reshape(-1).nonzero().reshape(-1)
+    hidden_TH = hidden_TH.to(weight_VH.dtype)  # Megatron's Float16Module hands the last stage's output over in fp32
     grad_into = None
     if grad_hint is not None:
         grad_into = getattr(weight_VH, "main_grad", None)

@@ -146,7 +146,7 @@ class InProcessTeacher:
         rows = chunk_tokens(
             self.chunk_size, weight_VH.shape[0], select_local_ops("auto", device).chunk_elements(device)
         )
-        flat_TH = hidden_BSH.reshape(b * s, h)
+        flat_TH = hidden_BSH.reshape(b * s, h).to(weight_VH.dtype)  # Float16Module's output is fp32
         requested_TR = None if request_ids_BSR is None else request_ids_BSR.reshape(b * s, -1)
         parts = [
             self._scores_of(
