@@ -124,7 +124,8 @@ class TeacherScores:
     """The teacher's view of a packed batch ``[N, S]`` of token sequences (see ``trainer.batch.TrainBatch``).
 
     Position ``s`` holds the teacher's distribution of the token at ``s + 1`` (next-token, like logits).
-    Exactly one of ``dense_logits`` / ``topk_ids`` is set. Log-probabilities are at the teacher temperature.
+    Exactly one of ``dense_logits`` / ``dense_hidden`` / ``topk_ids`` is set. Log-probabilities are at the teacher
+    temperature.
     """
 
     topk_ids: torch.Tensor | None = None
@@ -133,6 +134,11 @@ class TeacherScores:
     """``[N, S, K]`` float32 log-probabilities at ``topk_ids`` (normalised over the full vocabulary)."""
     dense_logits: torch.Tensor | None = None
     """Colocated teachers only: this rank's ``[N, S, V]`` logit shard (raw logits; on the last pipeline stage)."""
+    dense_hidden: torch.Tensor | None = None
+    """Colocated teachers only, instead of ``dense_logits``: the final hidden states ``[N, S, H]`` (last pipeline
+    stage); the loss forms the logits a chunk at a time as ``dense_hidden @ output_weight^T``."""
+    output_weight: torch.Tensor | None = None
+    """With ``dense_hidden``: this rank's ``[V, H]`` shard of the teacher's output layer (a reference, not a copy)."""
     requested_logprobs: torch.Tensor | None = None
     """``[N, S, R]`` float32 log-probabilities at the ids the request listed (e.g. the sampled next token)."""
     extras: dict[str, torch.Tensor] = field(default_factory=dict)

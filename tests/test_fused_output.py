@@ -102,6 +102,29 @@ def test_fused_equals_the_output_layer_then_the_loss(kind, mode, tail, support, 
         assert value == pytest.approx(getattr(ref_stats, name), rel=1e-5, abs=1e-6), name
 
 
+@pytest.mark.parametrize("kind", ["forward_kl", "reverse_kl", "jsd"])
+def test_a_dense_teacher_given_as_hidden_states_and_its_output_weight(kind):
+    """The in-process teacher's dense scores are ``[tokens, H]`` hidden states plus its weight shard: the fused loss
+    forms the teacher's logits a chunk at a time; equal to handing over ``h_t @ W_t^T`` whole."""
+    gen = torch.Generator().manual_seed(4)
+    mb = _micro_batch("dense", "teacher_topk", gen)
+    teacher_hidden, teacher_weight = torch.randn(B, S, 12, generator=gen), torch.randn(V, 12, generator=gen)
+    del mb["teacher_logits"]
+    cfg = LossConfig(kind=kind, mode="dense", chunk_size=4)
+    hidden = torch.randn(B, S, H, generator=gen, requires_grad=True)
+    weight = torch.randn(V, H, generator=gen, requires_grad=True)
+    common = dict(vocab_size=VOCAB, teacher_temperature=1.3, normalizer=5.0, scale=1.0)
+    fused, _ = make_loss_fn(cfg, output=_Switch(weight), teacher_weight=teacher_weight, **common)(
+        hidden, {**mb, "teacher_hidden": teacher_hidden}
+    )
+    ref, _ = make_loss_fn(cfg, **common)(
+        hidden @ weight.t(), {**mb, "teacher_logits": teacher_hidden @ teacher_weight.t()}
+    )
+    assert float(fused) == pytest.approx(float(ref), rel=1e-6)
+    with pytest.raises(ValueError, match="no teacher output weight was given"):
+        make_loss_fn(cfg, output=_Switch(weight), **common)(hidden, {**mb, "teacher_hidden": teacher_hidden})
+
+
 def test_a_gradient_other_than_the_hint_is_refused():
     gen = torch.Generator().manual_seed(2)
     mb = _micro_batch("topk", "teacher_topk", gen)

@@ -139,6 +139,15 @@ def _packed_vs_padded_body(layout: dict, dirs: dict[str, str]):
             teacher = InProcessTeacher(teacher_chunks, vocab_size=1000, mode=mode, topk=16, micro_batch_size=2,
                                        packing=packing, micro_batch_tokens=None if one_stage else 68)  # fmt: skip
             scored[mode, packing] = teacher.score(batch.tokens, batch.teacher_request_ids(), batch.lengths).result()
+    # Dense scores are hidden states and the output weight: h @ W^T is the model's own logit shard.
+    logits = forward_backward(teacher_chunks, [{"tokens": batch.tokens}],
+                              lambda out, mb: (out.new_zeros(()), out.detach().clone()), forward_only=True)  # fmt: skip
+    if logits:
+        from megatron_opd.trainer.objective import teacher_logits_of
+
+        dense = scored["dense", False]
+        formed = teacher_logits_of({"teacher_hidden": dense.dense_hidden}, dense.output_weight)
+        torch.testing.assert_close(formed, logits[0], rtol=1e-5, atol=1e-5)
 
     # Three steps from the same rollouts, packed and padded (each with its own teacher scoring).
     cfg = LossConfig(kind="jsd", mode="dense", beta=0.3, reduction="sequence_mean")
@@ -186,7 +195,7 @@ def _assert_scores_equal_at_real_positions(scored: dict, layout: str) -> None:
         if not packing:
             continue
         ref = scored[mode, False]
-        names = ["requested_logprobs"] + (["dense_logits"] if mode == "dense" else ["topk_logprobs"])
+        names = ["requested_logprobs"] + (["dense_hidden"] if mode == "dense" else ["topk_logprobs"])
         for row, n in enumerate(lengths):
             for name in names:
                 what = f"{layout} {mode} {name} row {row}:"

@@ -4,8 +4,10 @@ It scores a packed batch with a forward-only pass through Megatron's pipeline sc
 pipeline stage, either its logit shards (``dense``: for ``dense_divergence``) or its global top-k computed
 without gathering the vocabulary (``topk``: local top-k per shard, then a merge of k candidates per rank).
 Log-probabilities at requested ids (e.g. the sampled tokens, for teacher-confidence weights) come with both.
-In top-k mode the logit shard never exists whole: the model hands over its final hidden states
-(``models.output.HiddenStateOutput``) and the top-k is taken a chunk of tokens at a time from ``h_chunk @ W^T``.
+The logit shard never exists whole: the model hands over its final hidden states (``models.output.HiddenStateOutput``);
+in top-k mode the top-k is taken a chunk of tokens at a time from ``h_chunk @ W^T``, and in dense mode the hidden
+states and the output weight go to the student's loss, which forms the teacher's logits chunk by chunk (with
+``offload`` the weights leave the accelerator, so dense mode keeps whole logit shards there).
 
 Two-phase memory mode (``offload=True``): the weights move to the accelerator only to score a step's rollouts,
 the scores are cached in (pinned) host memory and the weights leave again before the student trains, so a
@@ -89,11 +91,14 @@ class InProcessTeacher:
         if self.offload:
             self._move(self.device)
         packed = self.packing and lengths is not None
+        hidden = self.mode == "topk" or not self.offload  # the model returns hidden states, not logits
         micro_batches = self._packed(tokens, request_ids, lengths) if packed else self._padded(tokens, request_ids)
 
         def collect(output: torch.Tensor, mb: dict):
-            if self.mode == "topk":  # output: hidden states [b, s, H]
+            if hidden:  # output: hidden states [b, s, H]
                 scores = self._chunked(output, mb.get("request_ids"))
+                if self.mode == "dense":
+                    scores.dense_hidden = output.detach().clone()
             else:  # output: logit shards [b, s, V]
                 scores = self._scores_of(output, mb.get("request_ids"))
             if packed:  # [1, T, ...] -> [b, S, ...]
@@ -101,11 +106,14 @@ class InProcessTeacher:
                 scores = _map(scores, lambda v: packing.unpack(v, sizes, tokens.shape[1]))
             return output.new_zeros(()), _map(scores, self._to_host)
 
-        with self.output.active() if self.mode == "topk" else contextlib.nullcontext():
+        with self.output.active() if hidden else contextlib.nullcontext():
             outputs = forward_backward(self.chunks, micro_batches, collect, forward_only=True)
+        result = self._concat(outputs)
+        if hidden and self.mode == "dense" and outputs:
+            result.output_weight = self.output.weight
         if self.offload:
             self._move("cpu")
-        return completed(self._concat(outputs))
+        return completed(result)
 
     def _padded(self, tokens: torch.Tensor, request_ids: torch.Tensor | None) -> list[dict]:
         n = tokens.shape[0]
@@ -150,18 +158,23 @@ class InProcessTeacher:
         requested_TR = None if request_ids_BSR is None else request_ids_BSR.reshape(b * s, -1)
         parts = [
             self._scores_of(
-                flat_TH[lo : lo + rows] @ weight_VH.t(), None if requested_TR is None else requested_TR[lo : lo + rows]
+                flat_TH[lo : lo + rows] @ weight_VH.t(),
+                None if requested_TR is None else requested_TR[lo : lo + rows],
+                keep_dense=False,
             )
             for lo in range(0, b * s, rows)
         ]
         return _map(self._concat(parts), lambda v: v.view(b, s, *v.shape[1:]))
 
-    def _scores_of(self, logits_BSV: torch.Tensor, request_ids_BSR: torch.Tensor | None) -> TeacherScores:
+    def _scores_of(
+        self, logits_BSV: torch.Tensor, request_ids_BSR: torch.Tensor | None, keep_dense: bool = True
+    ) -> TeacherScores:
         shard = make_vocab_shard(logits_BSV.shape[-1], None, self.vocab_size)
         scores = TeacherScores()
         lse_BS = None
         if self.mode == "dense":
-            scores.dense_logits = logits_BSV.detach().clone()
+            if keep_dense:
+                scores.dense_logits = logits_BSV.detach().clone()
         else:
             ids_BSK, logprobs_BSK, lse_BS = global_topk_logprobs(logits_BSV, self.topk, shard, self.temperature)
             scores.topk_ids, scores.topk_logprobs = ids_BSK, logprobs_BSK.float()
@@ -190,11 +203,12 @@ class InProcessTeacher:
             topk_ids=cat("topk_ids"),
             topk_logprobs=cat("topk_logprobs"),
             dense_logits=cat("dense_logits"),
+            dense_hidden=cat("dense_hidden"),
             requested_logprobs=cat("requested_logprobs"),
         )
 
 
-_FIELDS = ("topk_ids", "topk_logprobs", "dense_logits", "requested_logprobs")
+_FIELDS = ("topk_ids", "topk_logprobs", "dense_logits", "dense_hidden", "requested_logprobs")
 
 
 def _map(scores: TeacherScores, fn) -> TeacherScores:

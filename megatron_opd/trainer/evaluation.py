@@ -109,6 +109,7 @@ class Evaluator:
                 vocab_size=self.vocab_size,
                 teacher_temperature=self.cfg.teacher.temperature,
                 inplace_backward=False,
+                teacher_weight=scores.output_weight,
             )
             mask = mb["loss_mask"] != 0
             return logits_BSV.new_zeros(()), (float(torch.where(mask, d, 0.0).sum()), float(mask.sum()))

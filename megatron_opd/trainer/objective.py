@@ -108,6 +108,7 @@ def teacher_divergence(
     teacher_temperature: float,
     inplace_backward: bool,
     outputs: dict | None = None,
+    teacher_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token divergence ``[B, S]`` of the student's shard to the teacher's scores in ``mb`` (top-k or dense).
 
@@ -116,6 +117,8 @@ def teacher_divergence(
     coverage term in either case. No input validation: the in-process teacher's top-k is valid by construction, and
     a NaN/inf loss is caught once per step by the trainer (which names the step) instead of by a host sync per
     micro-batch. ``outputs``: receives the loss pass's per-token statistics (``dense_divergence``).
+    ``teacher_weight``: the in-process teacher's output-weight shard, when ``mb`` holds its hidden states
+    (``teacher_hidden``) rather than its logits.
     """
     common = dict(beta=cfg.beta, student_temperature=cfg.student_temperature, chunk_size=cfg.chunk_size,
                   vocab_size=vocab_size, validate=False, inplace_backward=inplace_backward,
@@ -128,7 +131,16 @@ def teacher_divergence(
                 logits_BSV, *teacher, *student, kind, tail=cfg.tail, coverage_weight=cfg.coverage_weight, **common
             )
         return topk_divergence(logits_BSV, *teacher, kind, tail=cfg.tail, coverage_weight=cfg.coverage_weight, **common)
-    return dense_divergence(logits_BSV, mb["teacher_logits"], kind, teacher_temperature=teacher_temperature, **common)
+    teacher_logits = mb["teacher_logits"] if "teacher_logits" in mb else teacher_logits_of(mb, teacher_weight)
+    return dense_divergence(logits_BSV, teacher_logits, kind, teacher_temperature=teacher_temperature, **common)
+
+
+def teacher_logits_of(cols: dict, teacher_weight: torch.Tensor | None) -> torch.Tensor:
+    """The teacher's logit shard at the rows of ``cols["teacher_hidden"]``: ``h @ W^T`` (a chunk's worth in the
+    fused loss, so the teacher's logits never exist whole either)."""
+    if teacher_weight is None:
+        raise ValueError("the teacher's scores are hidden states, but no teacher output weight was given")
+    return cols["teacher_hidden"].to(teacher_weight.dtype) @ teacher_weight.t()
 
 
 def make_loss_fn(
@@ -140,6 +152,7 @@ def make_loss_fn(
     scale: float,
     output: HiddenStateOutput | None = None,
     grad_hint: float | None = None,
+    teacher_weight: torch.Tensor | None = None,
 ) -> Callable[[torch.Tensor, dict], tuple[torch.Tensor, StepStats]]:
     """The loss function Megatron's schedule calls with (logits, micro-batch) on the last pipeline stage.
 
@@ -148,7 +161,8 @@ def make_loss_fn(
     ``output``: the model's hidden-state switch when it is active (``loss.fused_output``): the schedule then hands
     over final hidden states ``[B, S, H]`` and the logits are formed chunk by chunk inside the loss.
     ``grad_hint``: the gradient Megatron's schedule will bring to the returned loss (``fused_output_loss``: the
-    weight gradient then goes straight into its buffer); None when unknown.
+    weight gradient then goes straight into its buffer); None when unknown. ``teacher_weight``: the in-process
+    teacher's output-weight shard when its scores are hidden states (``TeacherScores.output_weight``).
     """
 
     def per_token_pass(logits_TV: torch.Tensor, cols: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -178,6 +192,8 @@ def make_loss_fn(
                 if "teacher_topk_ids" in cols:
                     reads["target_top1"] = cols["teacher_topk_ids"][..., 0]
                 else:
+                    if "teacher_hidden" in cols:  # formed here, for this chunk's (or micro-batch's) rows only
+                        cols = {**cols, "teacher_logits": teacher_logits_of(cols, teacher_weight)}
                     reads["target_top1"] = global_argmax(cols["teacher_logits"], shard)
             # In place: the output layer's logits are not needed after the loss.
             per_token = teacher_divergence(
@@ -280,6 +296,8 @@ def teacher_columns(scores, batch=None) -> dict[str, torch.Tensor]:
         return columns
     if scores.dense_logits is not None:
         return {"teacher_logits": scores.dense_logits}
+    if scores.dense_hidden is not None:
+        return {"teacher_hidden": scores.dense_hidden}
     return {}
 
 
@@ -345,6 +363,7 @@ def train_step(
         scale=len(micro_batches) * ps.get_data_parallel_world_size(),
         output=output,
         grad_hint=grad_hint,
+        teacher_weight=getattr(scores, "output_weight", None),
     )
     with output.active() if output is not None else contextlib.nullcontext():
         return student.step(micro_batches, loss_fn, guard)
