@@ -60,7 +60,6 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron_opd.losses import dense_divergence, topk_divergence  # noqa: E402
 from megatron_opd.losses.fused_output import chunk_tokens, fused_output_loss  # noqa: E402
-from megatron_opd.losses.local_ops import select_local_ops  # noqa: E402
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -212,7 +211,7 @@ def _output_loss(case: tuple, args, hidden_TH, weight_VH, teacher_TV, ids_TK, lp
     if variant == "output+loss":
         return loss_of(hidden_TH @ weight_VH.t()).sum()
     n, device = hidden_TH.shape[0], hidden_TH.device
-    rows = chunk_tokens(args.chunk_size, weight_VH.shape[0], select_local_ops("auto", device).chunk_elements(device))
+    rows = chunk_tokens(args.chunk_size, weight_VH.shape[0], device)
     ones = torch.ones(n, dtype=torch.float64, device=device)
     # grad_hint=1: .backward() of the loss itself; the weight gradient goes straight into its buffer.
     return fused_output_loss(hidden_TH, weight_VH, ones, ones.bool(), loss_of, rows=rows, grad_hint=1.0)[0]

@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from megatron_opd.losses.local_ops import select_local_ops
 from megatron_opd.losses.reduction import reduce_loss
 
 TokenPass = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -38,10 +39,12 @@ waste time re-reading it. ``[64, V/TP]`` is 19 MB at Qwen's vocabulary over TP=2
 chunk is larger: ``chunk_elements / V/TP`` tokens, about 880 there)."""
 
 
-def chunk_tokens(chunk_size: int | None, vocab_columns: int, chunk_elements: int) -> int:
-    """Tokens per chunk: ``chunk_size`` if given, else about ``chunk_elements / V`` but at least ``MIN_CHUNK_TOKENS``."""
+def chunk_tokens(chunk_size: int | None, vocab_columns: int, device: torch.device) -> int:
+    """Tokens per chunk: ``chunk_size`` if given, else about the loss back end's elements per chunk on ``device``
+    over ``V``, but at least ``MIN_CHUNK_TOKENS``."""
     if chunk_size is not None:
         return chunk_size
+    chunk_elements = select_local_ops("auto", device).chunk_elements(device)
     return max(MIN_CHUNK_TOKENS, chunk_elements // max(vocab_columns, 1))
 
 

@@ -39,6 +39,18 @@ def group_sequences(
     return groups
 
 
+def pipeline_token_budget(micro_batch_tokens: int | None, micro_batch_size: int, seq_len: int) -> int | None:
+    """Tokens per packed micro-batch: None without pipeline parallelism (each micro-batch its own length), else
+    ``micro_batch_tokens`` or ``micro_batch_size`` rows of ``seq_len``, rounded up to a multiple of TP (sequence
+    parallelism splits it)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return None
+    tp = ps.get_tensor_model_parallel_world_size()
+    return micro_batch_tokens or -(-micro_batch_size * seq_len // tp) * tp
+
+
 def pack(
     lengths: list[int],
     groups: list[list[int]],

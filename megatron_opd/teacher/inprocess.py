@@ -26,7 +26,6 @@ import torch
 
 from megatron_opd.interfaces import TeacherScores, completed
 from megatron_opd.losses.fused_output import chunk_tokens
-from megatron_opd.losses.local_ops import select_local_ops
 from megatron_opd.losses.shard_ops import global_topk_logprobs, logprobs_at
 from megatron_opd.losses.vocab_parallel import make_vocab_shard
 from megatron_opd.models import packing
@@ -66,15 +65,15 @@ class InProcessTeacher:
         self.packing = packing
         """Pack rows without padding (THD) when ``score`` is told their lengths (``train.packing``)."""
         self.micro_batch_tokens = micro_batch_tokens
-        self.chunk_size = chunk_size
-        """Top-k mode: tokens whose logits exist at once (None: automatic, ``losses.fused_output.chunk_tokens``)."""
         """Tokens per packed micro-batch under pipeline parallelism (default: ``micro_batch_size`` rows of ``S``)."""
+        self.chunk_size = chunk_size
+        """Tokens whose logits exist at once (None: automatic, ``losses.fused_output.chunk_tokens``)."""
         self.offload = offload and device is not None and device.type != "cpu"
         self.device = device
         if self.offload:
             self._move("cpu")
         self.output = HiddenStateOutput(chunks)
-        """Top-k mode: the model returns hidden states, the logits are formed chunk by chunk (``_chunked``)."""
+        """The model returns hidden states; the logits are formed chunk by chunk (``_chunked``, or the loss)."""
 
     def _move(self, device: str | torch.device) -> None:
         for chunk in self.chunks:
@@ -132,9 +131,7 @@ class InProcessTeacher:
         from megatron.core import parallel_state as ps
 
         tp = ps.get_tensor_model_parallel_world_size()
-        budget = None
-        if ps.get_pipeline_model_parallel_world_size() > 1:
-            budget = self.micro_batch_tokens or -(-self.micro_batch_size * tokens.shape[1] // tp) * tp
+        budget = packing.pipeline_token_budget(self.micro_batch_tokens, self.micro_batch_size, tokens.shape[1])
         groups = packing.group_sequences(
             lengths,
             per_group=self.micro_batch_size,
@@ -151,9 +148,7 @@ class InProcessTeacher:
         """``_scores_of`` the logits ``h @ W^T`` of a chunk of tokens at a time (never ``[b, s, V]`` at once)."""
         b, s, h = hidden_BSH.shape
         weight_VH, device = self.output.weight, hidden_BSH.device
-        rows = chunk_tokens(
-            self.chunk_size, weight_VH.shape[0], select_local_ops("auto", device).chunk_elements(device)
-        )
+        rows = chunk_tokens(self.chunk_size, weight_VH.shape[0], device)
         flat_TH = hidden_BSH.reshape(b * s, h).to(weight_VH.dtype)  # Float16Module's output is fp32
         requested_TR = None if request_ids_BSR is None else request_ids_BSR.reshape(b * s, -1)
         parts = [
@@ -199,13 +194,7 @@ class InProcessTeacher:
             values = [getattr(p, name) for p in parts]
             return None if values[0] is None else torch.cat(values, dim=0)
 
-        return TeacherScores(
-            topk_ids=cat("topk_ids"),
-            topk_logprobs=cat("topk_logprobs"),
-            dense_logits=cat("dense_logits"),
-            dense_hidden=cat("dense_hidden"),
-            requested_logprobs=cat("requested_logprobs"),
-        )
+        return TeacherScores(**{name: cat(name) for name in _FIELDS})
 
 
 _FIELDS = ("topk_ids", "topk_logprobs", "dense_logits", "dense_hidden", "requested_logprobs")

@@ -28,10 +28,10 @@ import torch
 
 from megatron_opd.losses import dense_divergence, reduce_loss, topk_divergence, union_divergence
 from megatron_opd.losses.fused_output import chunk_tokens, fused_output_loss, reduction_coefficients
-from megatron_opd.losses.local_ops import select_local_ops
 from megatron_opd.losses.shard_ops import chunked_logsumexp, gather_at_ids, global_argmax
 from megatron_opd.losses.vocab_parallel import make_vocab_shard
 from megatron_opd.models.output import HiddenStateOutput
+from megatron_opd.models.packing import pipeline_token_budget
 from megatron_opd.rollout.fidelity import fidelity_sums
 from megatron_opd.trainer.config import LossConfig
 
@@ -254,8 +254,7 @@ def make_loss_fn(
             return per_token_C
 
         coeff = reduction_coefficients(mask_BS, weights_BS, cfg.reduction, **kwargs)
-        rows = chunk_tokens(cfg.chunk_size, weight_VH.shape[0], select_local_ops("auto", hidden_BSH.device)
-                            .chunk_elements(hidden_BSH.device))  # fmt: skip
+        rows = chunk_tokens(cfg.chunk_size, weight_VH.shape[0], hidden_BSH.device)
         loss, per_token_N, index_N = fused_output_loss(
             hidden_BSH.reshape(n, -1),
             weight_VH,
@@ -342,7 +341,7 @@ def train_step(
     columns = teacher_columns(scores, batch) if scores is not None else {}
     tp, one_stage = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size() == 1
     if packing:
-        budget = None if one_stage else micro_batch_tokens or -(-micro_batch_size * batch.seq_len // tp) * tp
+        budget = pipeline_token_budget(micro_batch_tokens, micro_batch_size, batch.seq_len)
         micro_batches = batch.packed_micro_batches(micro_batch_size, columns, pad_multiple=tp, token_budget=budget)
     else:
         micro_batches = batch.micro_batches(
