@@ -131,13 +131,16 @@ def test_lengths_cut_each_request_to_its_longest_row_and_scores_come_back_in_ord
     """With each row's length the client sends rows of similar length together, each request only as wide as its
     longest row; the scores return in the caller's order, exact at every real position, valid past it."""
     limits = ServerLimits(max_topk=16, max_seq_len=128, max_batch_tokens=64, batch_wait_s=0.0)
-    server = ThreadServer(limits=limits)
+    scorer = ToyScorer()
+    scorer.packing = True  # told each row's width: what every request sent, however the server batched them
+    server = ThreadServer(scorer, limits=limits)
     servers.append(server)
     client = _client([server.address])
     tokens, request_ids = _batch(2, n=10, s=20)  # 3 rows per request (at 20 positions)
     lengths = [4, 20, 9, 1, 13, 7, 20, 2, 11, 5]
     scores = client.score(tokens, request_ids, lengths).result(timeout=30)
-    assert sorted(shape for shape, _ in server.scorer.seen) == [(2, 2), (2, 20), (3, 7), (3, 13)]  # sorted, then cut
+    widths = sorted(width for _, batch_lengths in scorer.seen for width in batch_lengths)
+    assert widths == [2, 2, 7, 7, 7, 13, 13, 13, 20, 20]  # rows sorted, then each request cut to its longest
     for row, n in enumerate(lengths):
         ref = server.scorer.logprobs(tokens[row : row + 1, :n], 1.0)[0]
         values, ids = ref.topk(8, dim=-1)
