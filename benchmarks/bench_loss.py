@@ -31,7 +31,8 @@ output layer (``fused``: ``losses.fused_output``, logits formed a chunk at a tim
 allocated before the measurement, as Megatron's gradient buffer is, so the extra memory is what the step adds.
 
 CUDA (``--device cuda``): one process, one shard of ``V/TP`` columns (no collectives), comparing the Triton
-kernels, the torch path (chunked and unchunked), verl's algorithm and a full ``log_softmax`` on that shard; peak
+kernels, the torch path (chunked and unchunked), verl's algorithm and a full ``log_softmax`` on that shard (with
+``--hidden``: the output layer + loss against the fused one, the loss's kernels as ``auto`` picks them); peak
 memory from ``torch.cuda.max_memory_allocated`` above the inputs, time from CUDA events.
 
     python benchmarks/bench_loss.py --quick
@@ -70,6 +71,11 @@ TRAINER_PATH = "chunked+inplace"
 # Estimated [tokens, V] fp32 buffers alive at the all-gather baseline's peak (gathered logits, log-softmaxes,
 # probabilities, autograd's saved tensors and gradients); used only to skip runs that cannot fit.
 _ALLGATHER_FULL_BUFFERS = 9
+
+
+def _is_output_variant(variant: str) -> bool:
+    """``output+loss``, ``fused`` or ``fused(N)`` (``--fused-chunk-size``)."""
+    return variant == "output+loss" or variant.startswith("fused")
 
 
 def applies(variant: str, mode: str, kind: str, tail: str | None) -> bool:
@@ -211,7 +217,8 @@ def _output_loss(case: tuple, args, hidden_TH, weight_VH, teacher_TV, ids_TK, lp
     if variant == "output+loss":
         return loss_of(hidden_TH @ weight_VH.t()).sum()
     n, device = hidden_TH.shape[0], hidden_TH.device
-    rows = chunk_tokens(args.chunk_size, weight_VH.shape[0], device)
+    fixed = variant.removeprefix("fused").strip("()")  # fused(N): N tokens per chunk
+    rows = int(fixed) if fixed else chunk_tokens(args.chunk_size, weight_VH.shape[0], device)
     ones = torch.ones(n, dtype=torch.float64, device=device)
     # grad_hint=1: .backward() of the loss itself; the weight gradient goes straight into its buffer.
     return fused_output_loss(hidden_TH, weight_VH, ones, ones.bool(), loss_of, rows=rows, grad_hint=1.0)[0]
@@ -255,7 +262,7 @@ def _inputs(args, n_tokens: int, width: int, rank: int, device: str, student: bo
 
 def _grad_mb(work_TV: torch.Tensor, variant: str) -> float:
     """Size of the gradient a variant allocates (none when it is written into the logits)."""
-    in_place = variant.endswith("+inplace") or variant == "verl" or variant in OUTPUT_VARIANTS
+    in_place = variant.endswith("+inplace") or variant == "verl" or _is_output_variant(variant)
     return 0.0 if in_place else work_TV.numel() * work_TV.element_size() / 2**20
 
 
@@ -297,7 +304,7 @@ class _AnonPeak:
 
 def _cpu_run_once(args, case: tuple, inputs: tuple, group, measure_memory: bool) -> tuple[float, float]:
     """One forward+backward on every rank: (seconds, peak anonymous memory above the start in MiB)."""
-    if case[2] in OUTPUT_VARIANTS:
+    if _is_output_variant(case[2]):
         hidden_TH, weight_VH = inputs[:2]
         hidden_TH.grad = None
         weight_VH.grad.zero_()
@@ -373,7 +380,7 @@ def _estimate_mb(args, variant: str, n_tokens: int) -> float:
         per_rank += shard_mb  # the teacher
     if not (variant.endswith("+inplace") or variant == "verl"):
         per_rank += shard_mb  # the gradient
-    if variant in OUTPUT_VARIANTS:
+    if _is_output_variant(variant):
         per_rank = (4 if variant == "output+loss" else 1) * shard_mb / 1.5 + 3 * width * args.hidden * 4 / 2**20
     if variant == "all-gather":
         per_rank += _ALLGATHER_FULL_BUFFERS * n_tokens * args.vocab * 4 / 2**20
@@ -431,16 +438,30 @@ def run_cuda(args) -> list[dict]:
         if n_tokens not in by_tokens:
             by_tokens.clear()
             torch.cuda.empty_cache()
-            by_tokens[n_tokens] = _inputs(args, n_tokens, width, 0, "cuda")
-        pristine_TV, work_TV, teacher_TV, ids_TK, lp_TK = by_tokens[n_tokens]
+            by_tokens[n_tokens] = (_output_inputs if args.hidden else _inputs)(args, n_tokens, width, 0, "cuda")
+        inputs = by_tokens[n_tokens]
         case = (row["kind"], row["tail"], row["variant"])
-        row["grad_mb"] = _grad_mb(work_TV, row["variant"])
-        logits = _student_logits(work_TV, pristine_TV)
+        if args.hidden:  # the hidden-state gradient: the same [tokens, H] in both variants
+            row["grad_mb"] = n_tokens * args.hidden * DTYPES[args.dtype].itemsize / 2**20
+        else:
+            row["grad_mb"] = _grad_mb(inputs[1], row["variant"])
+
+        def step(case=case, inputs=inputs):
+            """One forward+backward; the refill of the logits (or gradients) happens before the timed region."""
+            if args.hidden:
+                inputs[0].grad = None
+                inputs[1].grad.zero_()
+                return lambda: _output_loss(case, args, *inputs, None).backward()
+            pristine_TV, work_TV, teacher_TV, ids_TK, lp_TK = inputs
+            logits = _student_logits(work_TV, pristine_TV)
+            return lambda: _loss(case, args, logits, teacher_TV, ids_TK, lp_TK, None).sum().backward()
+
+        run = step()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
         try:
-            _loss(case, args, logits, teacher_TV, ids_TK, lp_TK, None).sum().backward()
+            run()
         except torch.OutOfMemoryError:
             row["skipped"] = "out of memory"
             continue
@@ -448,10 +469,11 @@ def run_cuda(args) -> list[dict]:
         row["peak_mb"] = (torch.cuda.max_memory_allocated() - before) / 2**20
         times = []
         for i in range(args.repeats + 1):  # the first is a warm-up
-            logits = _student_logits(work_TV, pristine_TV)  # the refill is outside the timed region
+            run = step()
+            torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            _loss(case, args, logits, teacher_TV, ids_TK, lp_TK, None).sum().backward()
+            run()
             end.record()
             torch.cuda.synchronize()
             if i > 0:
@@ -505,6 +527,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chunk-size", type=int, default=None, help="tokens per chunk for ours (default: auto)")
     parser.add_argument("--quick", action="store_true", help="small shapes that run in seconds")
     parser.add_argument("--hidden", type=int, default=None, help="compare the output layer + loss with the fused one")
+    parser.add_argument("--fused-chunk-size", default=None,
+                        help="with --hidden: comma-separated tokens per chunk, each adding a variant fused(N)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.quick:
         args.tokens = args.tokens or "64,256"
@@ -524,9 +548,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.vocab % args.tp:
         parser.error(f"--vocab {args.vocab} must be divisible by --tp {args.tp} (Megatron pads it so)")
     if args.hidden:
-        if args.device == "cuda":
-            parser.error("--hidden runs on the CPU path (spawned TP ranks) for now")
-        default_variants = ",".join(OUTPUT_VARIANTS)
+        sizes = args.fused_chunk_size.split(",") if args.fused_chunk_size else []
+        default_variants = ",".join(OUTPUT_VARIANTS + tuple(f"fused({int(n)})" for n in sizes))
     elif args.device == "cuda":
         default_variants = "verl,full log_softmax,unchunked,chunked,triton,triton+inplace,chunked+inplace"
     else:

@@ -16,6 +16,10 @@
    4-client run shows what dynamic batching adds. A CPU-only machine is forward-bound with any model; the same
    rows with a near-free toy scorer (``megatron_opd.testing.teacher_fakes``, no Megatron) show the rate of the
    wire, ZeroMQ, batching and the client's checks (clients and server share the same cores).
+3. Wire cost of ``teacher.transfer=hidden`` (the final hidden states, ``H`` values a token: exact dense
+   distillation) against the top-k reply, at the hidden sizes and vocabularies of Llama-3.1-8B (4,096; 128,256)
+   and Llama-3.1-70B (8,192; 128,256): bytes of real encoded messages per token, and the full logits a dense
+   reply would otherwise carry (``V`` values a token).
 """
 
 from __future__ import annotations
@@ -89,6 +93,26 @@ def payload_sizes(teacher_dir: str, k: int, n: int, s: int) -> dict[str, float]:
     return out
 
 
+TRANSFER_MODELS = (("Llama-3.1-8B", 4096, 128256), ("Llama-3.1-70B", 8192, 128256))
+"""(name, hidden size, vocabulary) of the ``teacher.transfer`` rows."""
+
+
+def transfer_sizes(s: int = 64) -> list[tuple[str, str, float]]:
+    """(model, payload, bytes per token) of encoded replies of one ``s``-token sequence."""
+    rows = []
+    for name, hidden, vocab in TRANSFER_MODELS:
+        for k in (64, 256):
+            ids = torch.arange(k, dtype=torch.int32).expand(1, s, k)
+            reply = ScoreReply(ids, torch.zeros(1, s, k), torch.zeros(1, s, 1))
+            for dtype in ("fp32", "bf16"):
+                rows.append((name, f"top-{k} + 1 requested id ({dtype})", len(wire.encode_scores(1, reply, dtype)) / s))
+        for dtype in ("fp32", "bf16"):
+            message = wire.encode_hidden(1, ScoreReply(hidden=torch.zeros(1, s, hidden)), dtype)
+            rows.append((name, f"hidden states, H={hidden} ({dtype})", len(message) / s))
+        rows.append((name, f"full logits, V={vocab} (fp32, for scale)", 4.0 * vocab))
+    return rows
+
+
 def throughput(address: str, clients: int, requests: int, n: int, s: int, vocab: int) -> float:
     """Scored tokens per second of ``clients`` concurrent clients, each ``requests`` sequential batches."""
     batches = [torch.randint(0, vocab, (n, s), generator=torch.Generator().manual_seed(i)) for i in range(requests)]
@@ -129,7 +153,11 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4, help="sequences per request")
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     p.add_argument("--json", help="also write the figures here")
+    p.add_argument("--transfer-only", action="store_true", help="only the teacher.transfer wire-cost table")
     args = p.parse_args()
+    print_transfer_sizes()
+    if args.transfer_only:
+        return
 
     from megatron_opd.testing.distill_fixture import make_distill_fixture
     from megatron_opd.testing.multiprocess import find_free_port
@@ -182,6 +210,16 @@ def main() -> None:
         print(f"| {name} | {rate:,.0f} | {rate / base:.2f}x |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+def print_transfer_sizes() -> None:
+    print("\nWire cost per token of teacher.transfer=hidden vs top-k (encoded replies of one 64-token sequence)\n")
+    print("| teacher | reply | B/token | vs top-256 fp32 |")
+    print("| --- | --- | ---: | ---: |")
+    rows = transfer_sizes()
+    for model, payload, size in rows:
+        base = next(b for m, p, b in rows if m == model and p.startswith("top-256") and p.endswith("(fp32)"))
+        print(f"| {model} | {payload} | {size:,.0f} | {size / base:.1f}x |")
 
 
 if __name__ == "__main__":

@@ -155,6 +155,37 @@ def test_lengths_cut_each_request_to_its_longest_row_and_scores_come_back_in_ord
     client.close()
 
 
+def test_hidden_transfer_returns_the_final_hidden_states_split_cut_and_in_order(servers):
+    """``transfer="hidden"``: the servers' final hidden states ``[N, S, H]`` (fp32 on the wire: exact), split to the
+    reply limits (hidden states are H values a position), cut to each request's longest row, in the caller's order,
+    never mixed with top-k requests in one batch; a server without hidden states is refused at connect."""
+    limits = ServerLimits(max_topk=16, max_seq_len=128, max_batch_tokens=64, batch_wait_s=0.0)
+    server = ThreadServer(ToyScorer(), limits=limits)
+    servers.append(server)
+    # Replies of at most ~1.2 KB: 2 rows of 20 x 16 fp32 values each; the client splits rows to fit.
+    client = _client([server.address], transfer="hidden", max_message_bytes=2600)
+    assert client.supports_dense
+    tokens, _ = _batch(2, n=7, s=20)
+    lengths = [4, 20, 9, 1, 13, 7, 20]
+    scores = client.score(tokens, None, lengths).result(timeout=30)
+    assert scores.topk_ids is None and scores.dense_hidden.shape == (7, 20, 16)
+    for row, n in enumerate(lengths):
+        ref = server.scorer.hidden(tokens[row : row + 1, :n])[0].float()
+        assert torch.equal(scores.dense_hidden[row, :n], ref), row
+    assert client.stats["requests"] >= 4  # the message limit split the batch
+    with pytest.raises(ValueError, match="teacher.transfer=hidden takes no requested ids"):
+        client.score(tokens, tokens[..., None]).result(timeout=30)
+    topk = _client([server.address])  # both kinds from one server, each answered in its own kind
+    both = [topk.score(tokens), client.score(tokens)]
+    assert both[0].result(timeout=30).topk_ids.shape == (7, 20, 8)
+    assert both[1].result(timeout=30).dense_hidden.shape == (7, 20, 16)
+    # A server whose scorer has no hidden states (no hidden_size in its info) is refused with the fix.
+    plain = ThreadServer(ToyScorer(), limits=limits, hidden_states=False)
+    servers.append(plain)
+    with pytest.raises(RequestRefusedError, match="does not send hidden states, which teacher.transfer=hidden"):
+        _client([plain.address], transfer="hidden").score(tokens).result(timeout=30)
+
+
 def test_a_packing_scorer_batches_requests_by_their_real_positions():
     """Requests of 2x30 and 6x5 positions: 60 + 30 fit a budget of 90 when packed, not 8 rows x 30 padded."""
     from megatron_opd.teacher.server import TeacherServer, _Pending

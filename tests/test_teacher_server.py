@@ -66,6 +66,16 @@ def _assert_topk_close(ids, logprobs, ref: torch.Tensor, atol: float, rtol: floa
     )
 
 
+def _assert_hidden_gives(hidden, teacher_dir: str, ref: torch.Tensor, vocab: int, what: str = "") -> None:
+    """Hidden states from a server (``teacher.transfer=hidden``) times the output layer of ``teacher_dir`` give the
+    reference log-probabilities (what the trainer's loss forms from them)."""
+    from megatron_opd.models.source import load_output_weight
+
+    weight = load_output_weight(teacher_dir)[:vocab].double()
+    got = torch.log_softmax(hidden.double() @ weight.t(), dim=-1)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=0, msg=lambda m: f"{what} hidden states: {m}")
+
+
 def _inprocess_body(teacher_dir: str, tokens, request_ids, temperatures, vocab: int):
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
     from megatron_opd.models.source import build_and_load
@@ -111,21 +121,26 @@ def test_server_tp2_matches_transformers_and_the_inprocess_teacher(pair, server)
     client.close()
 
 
-def test_distillation_through_the_server_matches_the_inprocess_teacher(pair, server, tmp_path):
-    """Student TP=2 in one torchrun job, teacher TP=2 in another: the first step's loss equals the in-process one."""
+@pytest.mark.parametrize("transfer", ["topk", "hidden"])
+def test_distillation_through_the_server_matches_the_inprocess_teacher(transfer, pair, server, tmp_path):
+    """Student TP=2 in one torchrun job, teacher TP=2 in another: the first step's loss equals the in-process one.
+    ``hidden``: the server sends final hidden states (fp32 on the wire) and the trainer forms the teacher's logits
+    with its output layer from ``teacher.path``: dense distillation, equal to the in-process dense loss."""
     common = {"parallel.tensor_model_parallel_size": 2, "train.steps": 1, "loss.mode": "topk", "loss.topk": 8,
               "teacher.temperature": 1.5, "loss.weighting": "teacher_confidence", "rollout.n": 2,
               "export_hf": False}  # fmt: skip
+    if transfer == "hidden":
+        common.update({"loss.mode": "dense", "loss.kind": "jsd"})
     code, out = train_cli(pair.overrides(tmp_path / "inprocess", **common))
     assert code == 0, out[-3000:]
-    remote = dict(common, **{"teacher.backend": "server", "teacher.address": server})
+    remote = dict(common, **{"teacher.backend": "server", "teacher.address": server, "teacher.transfer": transfer})
     code, out = train_cli(pair.overrides(tmp_path / "server", **remote))
     assert code == 0, out[-3000:]
     assert "eval.teacher_responses needs the teacher's weights in this job" in out
     ref, got = train_metrics(tmp_path / "inprocess"), train_metrics(tmp_path / "server")
     ref_loss, got_loss = [r["loss"] for r in ref if "loss" in r], [r["loss"] for r in got if "loss" in r]
     assert len(ref_loss) == len(got_loss) == 1
-    assert got_loss[0] == pytest.approx(ref_loss[0], rel=1e-5, abs=1e-7)
+    assert got_loss[0] == pytest.approx(ref_loss[0], rel=1e-6 if transfer == "hidden" else 1e-5, abs=1e-7)
     # The evaluation's divergence to the teacher goes through the server too.
     key = "eval/divergence_own_samples"
     ref_eval, got_eval = [r[key] for r in ref if key in r], [r[key] for r in got if key in r]
@@ -148,8 +163,12 @@ def test_killed_pipeline_parallel_server_restarts_and_every_batch_is_answered_on
     try:
         wait_ready(proc, ready, log)
         results = [f.result(timeout=300) for f in futures]
+        hidden_client = _client(address, transfer="hidden")  # the hidden states travel from the last stage too
+        hidden = hidden_client.score(batches[0]).result(timeout=120).dense_hidden
+        hidden_client.close()
     finally:
         stop(proc)
+    _assert_hidden_gives(hidden, pair.teacher, _reference(pair.teacher, batches[0], vocab, 1.0), vocab)
     for tokens, scores in zip(batches, results):
         ref = _reference(pair.teacher, tokens, vocab, 1.0)
         _assert_topk_close(scores.topk_ids, scores.topk_logprobs, ref, atol=2e-5)
@@ -233,7 +252,7 @@ def test_teacher_topk_per_shape(shape_dirs, tmp_path):
     from megatron_opd.testing.tiny_models import make_tiny_tokenizer
 
     cells = {label: {n: shape_dirs[n] for n in shapes_at(INPROCESS_PATH, label)} for label in MATRIX[INPROCESS_PATH]}
-    servers = {}
+    servers, hidden = {}, {}
     try:
         for layout in MATRIX[SERVER_PATH]:
             for name in shapes_at(SERVER_PATH, layout):
@@ -255,6 +274,9 @@ def test_teacher_topk_per_shape(shape_dirs, tmp_path):
             scores = client.score(tokens, request_ids, LENGTHS).result(timeout=120)
             results[where, name] = (scores.topk_ids, scores.topk_logprobs, scores.requested_logprobs)
             client.close()
+            client = _client(client.addresses[0], transfer="hidden")
+            hidden[where, name] = client.score(tokens, None, LENGTHS).result(timeout=120).dense_hidden
+            client.close()
     finally:
         for proc, _ in servers.values():
             stop(proc)
@@ -272,3 +294,5 @@ def test_teacher_topk_per_shape(shape_dirs, tmp_path):
             _assert_topk_close(ids[row, :n], logprobs[row, :n], ref[row, :n], atol=2e-5, what=what)
             torch.testing.assert_close(requested[row, :n].double(), ref[row, :n].gather(-1, request_ids[row, :n]),
                                        atol=2e-5, rtol=0, msg=lambda m, w=what: f"{w} {m}")  # fmt: skip
+            if (where, name) in hidden:
+                _assert_hidden_gives(hidden[where, name][row, :n], shape_dirs[name], ref[row, :n], vocab, what)

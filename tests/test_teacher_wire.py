@@ -17,6 +17,7 @@ from megatron_opd.teacher import wire
 from megatron_opd.teacher.client import check_reply
 from megatron_opd.teacher.transport import WIRE_DTYPES, ScoreReply, ScoreRequest, split_addresses
 from megatron_opd.teacher.vocabulary import RemoteTokenizer, fingerprint, tokenizer_summary
+from megatron_opd.testing.multiprocess import run_distributed
 
 MAX = 1 << 20
 
@@ -50,6 +51,33 @@ def test_score_request_round_trip(r):
         assert torch.equal(got.request_ids.long(), request.request_ids)
     else:
         assert got.request_ids is None
+
+
+@pytest.mark.parametrize("dtype, tol", [("fp32", 0.0), ("bf16", 2**-8), ("fp16", 2**-11)])
+def test_hidden_request_and_reply_round_trip(dtype, tol):
+    """``transfer=hidden`` (protocol 2): the request's flag bit 1, k may be 0; the reply is a HIDDEN message."""
+    request = ScoreRequest(_request(r=0).tokens, 0, 1.0, None, dtype, "hidden")
+    message = wire.decode(wire.encode_score(3, b"", request), MAX)
+    assert message.request.transfer == "hidden" and message.request.k == 0 and message.request.request_ids is None
+    hidden = torch.randn(3, 5, 7, generator=torch.Generator().manual_seed(2)) * 4
+    data = wire.encode_hidden(4, ScoreReply(hidden=hidden), dtype)
+    assert len(data) == wire.hidden_size(3, 5, 7, dtype)
+    reply = wire.decode(data, MAX)
+    assert isinstance(reply, wire.Hidden) and reply.request_id == 4 and reply.wire_dtype == dtype
+    assert reply.reply.topk_ids is None
+    torch.testing.assert_close(reply.reply.hidden.float(), hidden, atol=0, rtol=tol)
+    check_reply(request, reply.reply, vocab_size=50, hidden_size=7)
+    with pytest.raises(ValueError, match=r"hidden has shape \(3, 5, 7\), the request needs \(3, 5, 8\)"):
+        check_reply(request, reply.reply, vocab_size=50, hidden_size=8)
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        check_reply(request, ScoreReply(hidden=hidden.clone().fill_(math.nan)), vocab_size=50, hidden_size=7)
+    # Requested ids have no meaning for hidden states: refused on both sides of the wire.
+    with pytest.raises(wire.WireError, match="request_ids: a hidden-state request takes no requested ids"):
+        wire.encode_score(5, b"", ScoreRequest(request.tokens, 0, 1.0, _request().request_ids, dtype, "hidden"))
+    flagged = bytearray(wire.encode_score(6, b"", _request(r=2)))
+    flagged[7] |= wire.FLAG_HIDDEN
+    with pytest.raises(wire.WireError, match="R=2: a hidden-state request takes no requested ids"):
+        wire.decode(bytes(flagged), MAX)
 
 
 @pytest.mark.parametrize("dtype, tol", [("fp32", 0.0), ("bf16", 2**-8), ("fp16", 2**-11)])
@@ -111,7 +139,9 @@ def test_malformed_messages_name_the_field():
     with pytest.raises(wire.WireError, match="exceeds the limit"):
         wire.decode(good, len(good) - 1)
     with pytest.raises(wire.VersionError) as info:
-        wire.decode(_corrupt(good, 4, (2).to_bytes(2, "little")), MAX)
+        wire.decode(_corrupt(good, 4, (wire.VERSION + 1).to_bytes(2, "little")), MAX)
+    with pytest.raises(wire.VersionError):  # a version-1 peer (before transfer=hidden) is told to upgrade
+        wire.decode(_corrupt(good, 4, (1).to_bytes(2, "little")), MAX)
     assert info.value.request_id == 9  # the server can still address its error reply
 
 
@@ -224,3 +254,69 @@ def test_serve_refuses_a_public_bind_without_a_token(tmp_path, capsys):
     token.write_text("\n")
     with pytest.raises(ValueError, match="is empty"):
         read_token(str(token))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"loss.mode": "dense"}, "set loss.mode=topk, or teacher.transfer=hidden with a teacher server"),
+        ({"teacher.transfer": "hidden"}, "teacher.transfer=hidden serves loss.mode=dense"),
+        ({"teacher.transfer": "hidden", "loss.mode": "dense", "teacher.backend": "vllm"},
+         "a vLLM server returns log-probabilities, not hidden states"),
+        ({"teacher.transfer": "hidden", "loss.mode": "dense", "teacher.path": ""}, "needs teacher.path"),
+        ({"teacher.transfer": "hidden", "loss.mode": "dense", "teacher.backend": "inprocess"},
+         "teacher.transfer=hidden applies to teacher.backend=server"),
+        ({"teacher.transfer": "hidden", "loss.mode": "dense"}, None),
+    ],
+)  # fmt: skip
+def test_config_of_the_hidden_state_transfer(overrides, message):
+    from megatron_opd.config import load_config
+    from megatron_opd.trainer.config import TrainConfig
+
+    values = {"student.path": "s", "teacher.path": "t", "data.train_files": "d.jsonl", "teacher.backend": "server",
+              "teacher.address": "127.0.0.1:5555", "loss.mode": "topk", **overrides}  # fmt: skip
+    if values["teacher.backend"] == "vllm":
+        values["teacher.address"] = "http://127.0.0.1:8000"
+    cfg = load_config(TrainConfig, None, [f"{k}={v}" for k, v in values.items()])
+    if message is None:
+        cfg.validate()
+        return
+    with pytest.raises(ValueError, match=message):
+        cfg.validate()
+
+
+def _output_weight_body(path: str) -> torch.Tensor:
+    from megatron_opd.distributed import ParallelConfig, initialize_distributed
+    from megatron_opd.models.source import load_output_weight
+
+    initialize_distributed(ParallelConfig())
+    return load_output_weight(path)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # untied, tied (the embedding is the output layer)
+def test_output_weight_of_a_teacher_folder_in_either_format(family, tiny_model_dirs, tmp_path):
+    """``teacher.transfer=hidden`` loads the teacher's output layer from ``teacher.path``: the same rows from a
+    Hugging Face folder and from its ``dist_ckpt`` (padded vocabulary rows there), and the server's check of it."""
+    from megatron_opd.checkpoint.hf_to_mcore import convert_hf_to_mcore
+    from megatron_opd.models.hf_io import HFCheckpointReader
+    from megatron_opd.models.source import load_output_weight, model_architecture
+    from megatron_opd.teacher.transport import ServerInfo
+    from megatron_opd.trainer.setup import check_output_weight
+
+    hf = tiny_model_dirs[family]
+    arch = model_architecture(hf)
+    name = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
+    want = HFCheckpointReader(hf).get(name)
+    assert torch.equal(load_output_weight(hf), want)
+    convert_hf_to_mcore(hf, tmp_path / "dist")
+    # In the trainer's situation: a process group up (the dist_ckpt read is a collective).
+    (got,) = run_distributed(_output_weight_body, 1, args=(str(tmp_path / "dist"),))
+    assert got.shape[0] >= want.shape[0] and torch.equal(got[: want.shape[0]], want)
+    vocab = want.shape[0] - 3
+    sumsq = float(want[:vocab].double().square().sum())
+    info = lambda **extra: ServerInfo(2, vocab, vocab, 8, 64, 64, 1 << 20, 8, "f", "teacher", extra=extra)  # noqa: E731
+    check_output_weight(want, info(hidden_size=want.shape[1], output_weight_sumsq=sumsq, dtype="fp32"), vocab, hf)
+    with pytest.raises(ValueError, match="is not the teacher server's"):
+        check_output_weight(want * 1.001, info(hidden_size=want.shape[1], output_weight_sumsq=sumsq), vocab, hf)
+    with pytest.raises(ValueError, match="sends hidden states of size 7"):
+        check_output_weight(want, info(hidden_size=7, output_weight_sumsq=sumsq), vocab, hf)

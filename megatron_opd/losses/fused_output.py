@@ -35,16 +35,20 @@ TokenPass = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 MIN_CHUNK_TOKENS = 64
 """Automatic chunks hold at least this many tokens: each chunk reads the whole weight shard, so chunks too small
-waste time re-reading it. ``[64, V/TP]`` is 19 MB at Qwen's vocabulary over TP=2 in fp32 (on a GPU the automatic
-chunk is larger: ``chunk_elements / V/TP`` tokens, about 880 there)."""
+waste time re-reading it. ``[64, V/TP]`` is 19 MB at Qwen's vocabulary over TP=2 in fp32."""
+
+MAX_CHUNK_ELEMENTS = 1 << 26
+"""Automatic chunks hold at most this many logits (256 MiB in fp32; about 880 tokens at Qwen's vocabulary over
+TP=2): the loss's own back end may take every token at once (the Triton kernels keep no temporaries), but here
+each chunk's logits and their gradient exist."""
 
 
 def chunk_tokens(chunk_size: int | None, vocab_columns: int, device: torch.device) -> int:
     """Tokens per chunk: ``chunk_size`` if given, else about the loss back end's elements per chunk on ``device``
-    over ``V``, but at least ``MIN_CHUNK_TOKENS``."""
+    (at most ``MAX_CHUNK_ELEMENTS``) over ``V``, but at least ``MIN_CHUNK_TOKENS``."""
     if chunk_size is not None:
         return chunk_size
-    chunk_elements = select_local_ops("auto", device).chunk_elements(device)
+    chunk_elements = min(select_local_ops("auto", device).chunk_elements(device), MAX_CHUNK_ELEMENTS)
     return max(MIN_CHUNK_TOKENS, chunk_elements // max(vocab_columns, 1))
 
 

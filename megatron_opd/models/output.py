@@ -23,6 +23,15 @@ def _unwrap(chunk):
     return chunk
 
 
+def output_weight_of(chunk) -> torch.Tensor:
+    """The ``[V/TP, H]`` weight shard a last-stage chunk's output layer multiplies by (the shared embedding weight
+    when tied)."""
+    model = _unwrap(chunk)
+    if model.share_embeddings_and_output_weights:
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight  # (shared_embedding_or_output_weight returns the embedding on a first stage)
+
+
 class HiddenStateOutput:
     """The per-call switch over one model's chunks; ``weight`` is the output weight of the last forward."""
 

@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from typing import Literal
 
+import torch
+
 from megatron_opd.models.architecture import ModelArchitecture, load_architecture
 from megatron_opd.models.hf_io import CheckpointError
 
@@ -85,3 +87,22 @@ def build_and_load(path: str | os.PathLike, parallel, build=None, *, trainable: 
         tp_size=ps.get_tensor_model_parallel_world_size(),
     )
     return arch, chunks
+
+
+def load_output_weight(path: str | os.PathLike, field: str = "path") -> torch.Tensor:
+    """The full output-layer weight ``[rows, H]`` of the model at ``path`` (the embedding when tied; rows may
+    include padding), on the CPU in its stored dtype. A collective for a ``dist_ckpt``: every rank calls it."""
+    arch = model_architecture(path, field)
+    megatron_name = "embedding.word_embeddings.weight" if arch.tie_word_embeddings else "output_layer.weight"
+    if model_format(path, field) == "hf":
+        from megatron_opd.models.hf_io import HFCheckpointReader
+        from megatron_opd.models.name_mapping import weight_rules
+
+        (rule,) = [r for r in weight_rules(arch) if r.megatron == megatron_name]
+        return HFCheckpointReader(path).get(rule.hf[0])
+    from megatron_opd.checkpoint.mcore_io import load_dist_checkpoint
+    from megatron_opd.checkpoint.mcore_to_hf import plan_reads
+
+    (read,) = [r for group in plan_reads(Path(path), arch) for r in group if r.key.endswith(megatron_name)]
+    loaded = load_dist_checkpoint({"w": read.sharded_tensor()}, path, validate_access_integrity=False)
+    return read.unwrap(loaded["w"])

@@ -78,9 +78,17 @@ class _Piece:
         return f"batch {self.batch} (rows {self.lo}..{self.hi - 1} of {self.total_rows}, {s} positions)"
 
 
-def check_reply(request: ScoreRequest, reply: ScoreReply, vocab_size: int) -> None:
-    """Raise ``ValueError`` unless ``reply`` answers ``request``: shapes, id range and uniqueness, log-prob values."""
+def check_reply(request: ScoreRequest, reply: ScoreReply, vocab_size: int, hidden_size: int | None = None) -> None:
+    """Raise ``ValueError`` unless ``reply`` answers ``request``: shapes, id range and uniqueness, log-prob values
+    (hidden states: shape ``[N, S, hidden_size]`` and finite)."""
     n, s = request.shape
+    if request.transfer == "hidden":
+        if reply.hidden is None or tuple(reply.hidden.shape) != (n, s, hidden_size):
+            got = None if reply.hidden is None else tuple(reply.hidden.shape)
+            raise ValueError(f"hidden has shape {got}, the request needs {(n, s, hidden_size)}")
+        if not bool(torch.isfinite(reply.hidden.float()).all()):
+            raise ValueError("hidden holds NaN or infinite values")
+        return
     k, r = request.k, request.num_requested
     if tuple(reply.topk_ids.shape) != (n, s, k):
         raise ValueError(f"topk_ids has shape {tuple(reply.topk_ids.shape)}, the request needs {(n, s, k)}")
@@ -111,21 +119,29 @@ def check_reply(request: ScoreRequest, reply: ScoreReply, vocab_size: int) -> No
         raise ValueError("topk_logprobs are not sorted, most probable first")
 
 
-def _rows_per_piece(info: ServerInfo, s: int, k: int, r: int, wire_dtype: str, own_max_bytes: int) -> int:
-    """Most rows one request may carry under the server's token and message limits and the client's own."""
+def _rows_per_piece(
+    info: ServerInfo, s: int, k: int, r: int, wire_dtype: str, own_max_bytes: int, hidden_size: int | None = None
+) -> int:
+    """Most rows one request may carry under the server's token and message limits and the client's own
+    (``hidden_size``: the replies are hidden states)."""
     by_tokens = info.max_batch_tokens // s
-    reply_row = wire.scores_size(1, s, k, r, wire_dtype) - wire.scores_size(0, s, k, r, wire_dtype)
+
+    def reply_size(n: int) -> int:
+        if hidden_size is not None:
+            return wire.hidden_size(n, s, hidden_size, wire_dtype)
+        return wire.scores_size(n, s, k, r, wire_dtype)
+
+    reply_row = reply_size(1) - reply_size(0)
     request_row = wire.score_size(1, s, r, b"") - wire.score_size(0, s, r, b"")
-    header = wire.score_size(0, s, r, b"x" * wire.MAX_TOKEN_BYTES) + wire.scores_size(0, s, k, r, wire_dtype)
+    header = wire.score_size(0, s, r, b"x" * wire.MAX_TOKEN_BYTES) + reply_size(0)
     by_reply = (min(info.max_message_bytes, own_max_bytes) - header) // reply_row
     by_request = (info.max_message_bytes - header) // request_row
     return min(by_tokens, by_reply, by_request)
 
 
 class TeacherClient:
-    """``TeacherBackend`` over one or more teacher-server replicas (``supports_dense=False``: top-k only)."""
-
-    supports_dense = False
+    """``TeacherBackend`` over one or more teacher-server replicas: their top-k, or with ``transfer="hidden"`` their
+    final hidden states (``supports_dense``: the trainer forms the logits with the teacher's output layer)."""
 
     def __init__(
         self,
@@ -143,11 +159,17 @@ class TeacherClient:
         max_in_flight: int | None = None,
         max_message_bytes: int = 256 << 20,
         expected_fingerprint: str | None = None,
+        transfer: str = "topk",
     ) -> None:
         if not addresses:
             raise ValueError("teacher.address: give at least one host:port")
         if wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"teacher.wire_dtype must be one of {sorted(WIRE_DTYPES)}, got {wire_dtype!r}")
+        if transfer not in ("topk", "hidden"):
+            raise ValueError(f"teacher.transfer must be topk or hidden, got {transfer!r}")
+        self.transfer = transfer
+        self.supports_dense = transfer == "hidden"
+        """Hidden states let the loss form the teacher's logits (``loss.mode=dense``); top-k does not."""
         self.addresses = list(dict.fromkeys(addresses))
         self.factory = transport_factory
         self.supports_requested_logprobs: bool = getattr(transport_factory, "supports_requested_logprobs", True)
@@ -179,6 +201,11 @@ class TeacherClient:
             if self._fingerprint is None:
                 self._fingerprint = info.vocab_fingerprint
             expected = self._fingerprint
+        if self.transfer == "hidden" and not isinstance(info.extra.get("hidden_size"), int):
+            raise RequestRefusedError(
+                f"teacher server {address} does not send hidden states, which teacher.transfer=hidden needs; serve the "
+                "teacher with this version's megatron_opd.teacher.serve, or use teacher.transfer=topk"
+            )
         if info.vocab_fingerprint != expected:
             raise RequestRefusedError(
                 f"teacher server {address} serves a different vocabulary (fingerprint {info.vocab_fingerprint[:12]}) "
@@ -324,6 +351,13 @@ class TeacherClient:
                 raise RequestRefusedError(str(err)) from None
         raise TeacherUnavailableError(f"no teacher server sent its tokenizer: {last}")
 
+    @property
+    def hidden_size(self) -> int | None:
+        """With ``transfer="hidden"``: the servers' hidden size (once connected); None for top-k."""
+        if self.transfer != "hidden" or self._info is None:
+            return None
+        return self._info.extra["hidden_size"]
+
     # ---- scoring -------------------------------------------------------------------------------------------
 
     def score(
@@ -394,7 +428,11 @@ class TeacherClient:
                 f"batch {batch}: {r} requested ids per position exceed the {info.max_requested} of teacher "
                 f"{info.model or self.addresses[0]} (a vLLM teacher scores only the token each position predicts)"
             )
-        rows = _rows_per_piece(info, s, self.topk, r, self.wire_dtype, self.max_message_bytes)
+        if r and self.transfer == "hidden":
+            raise ValueError(
+                f"batch {batch}: teacher.transfer=hidden takes no requested ids (the loss forms the logits)"
+            )
+        rows = _rows_per_piece(info, s, self.topk, r, self.wire_dtype, self.max_message_bytes, self.hidden_size)
         if rows < 1:
             raise ValueError(
                 f"batch {batch}: one sequence of {s} positions does not fit the teacher server's limits "
@@ -407,7 +445,7 @@ class TeacherClient:
         for lo, hi in zip(bounds[:-1], bounds[1:]):
             w = s if lengths is None else max(lengths[lo:hi])  # the piece's longest row
             ids = None if request_ids is None else request_ids[lo:hi, :w]
-            request = ScoreRequest(tokens[lo:hi, :w], self.topk, self.temperature, ids, self.wire_dtype)
+            request = ScoreRequest(tokens[lo:hi, :w], self.topk, self.temperature, ids, self.wire_dtype, self.transfer)
             pieces.append(_Piece(batch, lo, hi, n, request))
         return pieces
 
@@ -420,7 +458,7 @@ class TeacherClient:
                 transport = self._transport(address)
                 reply = transport.score(piece.request, self.timeout_s)
                 try:
-                    check_reply(piece.request, reply, self._info.vocab_size)  # type: ignore[union-attr]
+                    check_reply(piece.request, reply, self._info.vocab_size, self.hidden_size)  # type: ignore[union-attr]
                 except ValueError as err:
                     raise TransportError(f"teacher server {address} sent an invalid reply: {err}") from None
             except RequestRefusedError as err:
@@ -467,6 +505,8 @@ def _concat(parts: list[ScoreReply], seq_len: int, order: torch.Tensor | None) -
         out = torch.cat(widened, dim=0).to(dtype)
         return out if order is None else out[torch.argsort(order)]
 
+    if parts[0].hidden is not None:
+        return TeacherScores(dense_hidden=cat([p.hidden for p in parts], torch.float32))  # type: ignore[misc]
     requested = None
     if parts[0].requested_logprobs is not None:
         requested = cat([p.requested_logprobs for p in parts], torch.float32)  # type: ignore[misc]

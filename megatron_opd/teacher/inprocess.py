@@ -95,7 +95,8 @@ class InProcessTeacher:
 
         def collect(output: torch.Tensor, mb: dict):
             if hidden:  # output: hidden states [b, s, H]
-                scores = self._chunked(output, mb.get("request_ids"))
+                needs_logits = self.mode == "topk" or "request_ids" in mb
+                scores = self._chunked(output, mb.get("request_ids")) if needs_logits else TeacherScores()
                 if self.mode == "dense":
                     scores.dense_hidden = output.detach().clone()
             else:  # output: logit shards [b, s, V]

@@ -36,6 +36,7 @@ from megatron_opd.teacher.zmq_transport import LOOPBACK_HOSTS
 logger = logging.getLogger("megatron_opd.teacher.serve")
 
 _STOP, _SCORE, _NOOP = 0.0, 1.0, 2.0
+_TRANSFERS = ("topk", "hidden")
 
 
 class ShardedScorer:
@@ -58,16 +59,20 @@ class ShardedScorer:
         self.last_rank = ps.get_pipeline_model_parallel_last_rank()
         self._last_collective = time.monotonic()
 
-    def _control(self, op: float, n: int = 0, s: int = 0, r: int = 0, k: int = 0, temperature: float = 1.0) -> None:
-        ctrl = torch.tensor([op, n, s, r, k, temperature], dtype=torch.float64, device=self.device)
+    def _control(
+        self, op: float, n: int = 0, s: int = 0, r: int = 0, k: int = 0, temperature: float = 1.0, transfer: int = 0
+    ) -> None:
+        ctrl = torch.tensor([op, n, s, r, k, temperature, transfer], dtype=torch.float64, device=self.device)
         dist.broadcast(ctrl, src=0)  # a sync point: every rank waits here between batches
         self._last_collective = time.monotonic()
 
-    def score(self, tokens_NS, request_ids_NSR, k: int, temperature: float, lengths: list[int] | None = None):
+    def score(
+        self, tokens_NS, request_ids_NSR, k: int, temperature: float, lengths: list[int] | None = None, transfer="topk"
+    ):
         """``BatchScorer.score``: broadcast the batch, then every rank runs it."""
         n, s = tokens_NS.shape
         r = 0 if request_ids_NSR is None else request_ids_NSR.shape[-1]
-        self._control(_SCORE, n, s, r, k, temperature)
+        self._control(_SCORE, n, s, r, k, temperature, _TRANSFERS.index(transfer))
         tokens_NS = tokens_NS.to(self.device)
         dist.broadcast(tokens_NS, src=0)
         if request_ids_NSR is not None:
@@ -75,7 +80,7 @@ class ShardedScorer:
             dist.broadcast(request_ids_NSR, src=0)
         lengths_N = torch.tensor(lengths if lengths is not None else [s] * n, device=self.device)
         dist.broadcast(lengths_N, src=0)
-        return self._run(tokens_NS, request_ids_NSR, k, temperature, lengths_N.tolist())
+        return self._run(tokens_NS, request_ids_NSR, k, temperature, lengths_N.tolist(), transfer)
 
     def heartbeat(self) -> None:
         if time.monotonic() - self._last_collective > self.HEARTBEAT_S:
@@ -90,9 +95,9 @@ class ShardedScorer:
     def follow(self) -> None:
         """Non-zero ranks: take part in every batch until rank 0 says stop."""
         while True:
-            ctrl = torch.empty(6, dtype=torch.float64, device=self.device)
+            ctrl = torch.empty(7, dtype=torch.float64, device=self.device)
             dist.broadcast(ctrl, src=0)
-            op, n, s, r, k, temperature = ctrl.tolist()
+            op, n, s, r, k, temperature, transfer = ctrl.tolist()
             if op == _STOP:
                 return
             if op == _NOOP:
@@ -105,35 +110,67 @@ class ShardedScorer:
                 dist.broadcast(request_ids_NSR, src=0)
             lengths_N = torch.empty(int(n), dtype=torch.int64, device=self.device)
             dist.broadcast(lengths_N, src=0)
-            self._run(tokens_NS, request_ids_NSR, int(k), temperature, lengths_N.tolist())
+            self._run(tokens_NS, request_ids_NSR, int(k), temperature, lengths_N.tolist(), _TRANSFERS[int(transfer)])
 
-    def _run(self, tokens_NS, request_ids_NSR, k: int, temperature: float, lengths: list[int]) -> TeacherScores:
-        """The sharded forward and top-k on every rank; the result reaches rank 0 (from the last stage)."""
+    def _run(
+        self, tokens_NS, request_ids_NSR, k: int, temperature: float, lengths: list[int], transfer: str
+    ) -> TeacherScores:
+        """The sharded forward and top-k (or final hidden states) on every rank; the result reaches rank 0 (from
+        the last stage)."""
+        hidden = transfer == "hidden"
+        self.teacher.mode = "dense" if hidden else "topk"  # dense: the hidden states, no logits formed
         self.teacher.topk, self.teacher.temperature = k, temperature
         scores = self.teacher.score(tokens_NS, request_ids_NSR, lengths).result()
         n, s = tokens_NS.shape
         r = 0 if request_ids_NSR is None else request_ids_NSR.shape[-1]
         if self.pipeline > 1 and self.tp_rank == 0:
-            names = ("topk_ids", "topk_logprobs") + (("requested_logprobs",) if r else ())
+            h = self.teacher.chunks[0].config.hidden_size
+            shapes = {"topk_ids": (n, s, k), "topk_logprobs": (n, s, k), "requested_logprobs": (n, s, r),
+                      "dense_hidden": (n, s, h)}  # fmt: skip
+            names = (
+                ("dense_hidden",) if hidden else ("topk_ids", "topk_logprobs") + (("requested_logprobs",) if r else ())
+            )
             if self.last_stage:
                 for name in names:
-                    dist.send(getattr(scores, name).contiguous().to(self.device), dst=self.first_rank)
+                    value = getattr(scores, name)
+                    dist.send(
+                        value.contiguous().to(self.device, torch.float32 if value.is_floating_point() else None),
+                        dst=self.first_rank,
+                    )
             elif dist.get_rank() == 0:
-                shapes = {"topk_ids": (n, s, k), "topk_logprobs": (n, s, k), "requested_logprobs": (n, s, r)}
-                dtypes = {"topk_ids": torch.int64, "topk_logprobs": torch.float32, "requested_logprobs": torch.float32}
                 received = {}
                 for name in names:
-                    received[name] = torch.empty(shapes[name], dtype=dtypes[name], device=self.device)
+                    dtype = torch.int64 if name == "topk_ids" else torch.float32
+                    received[name] = torch.empty(shapes[name], dtype=dtype, device=self.device)
                     dist.recv(received[name], src=self.last_rank)
                 scores = TeacherScores(**received)
         self._last_collective = time.monotonic()
         if dist.get_rank() != 0:
             return scores
+        if hidden:
+            return TeacherScores(dense_hidden=scores.dense_hidden.float().cpu())
         return TeacherScores(
             topk_ids=scores.topk_ids.cpu(),
             topk_logprobs=scores.topk_logprobs.float().cpu(),
             requested_logprobs=None if scores.requested_logprobs is None else scores.requested_logprobs.float().cpu(),
         )
+
+
+def output_weight_sumsq(chunks: list, vocab_size: int, device: torch.device) -> float:
+    """The sum of squares (float64) of the output layer's rows of real tokens, over every rank (a collective):
+    what the server tells a ``teacher.transfer=hidden`` trainer, which loads that layer itself, to compare."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_opd.models.output import output_weight_of
+
+    total = torch.zeros(1, dtype=torch.float64, device=device)
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        weight_VH = output_weight_of(chunks[-1])
+        lo = ps.get_tensor_model_parallel_rank() * weight_VH.shape[0]
+        real_VH = weight_VH[: max(0, min(weight_VH.shape[0], vocab_size - lo))]
+        total += real_VH.double().square().sum().to(device)
+    dist.all_reduce(total)
+    return float(total) / ps.get_data_parallel_world_size()  # data-parallel replicas hold the same layer
 
 
 def read_token(path: str | None) -> bytes | None:
@@ -248,6 +285,7 @@ def main(argv: list[str] | None = None) -> None:
         micro_batch_tokens=args.micro_batch_tokens,
     )
     scorer = ShardedScorer(teacher, collective_device())
+    sumsq = output_weight_sumsq(chunks, vocab_size, collective_device())  # a collective: before ranks part ways
     if dist.get_rank() != 0:
         scorer.follow()
         destroy_distributed()
@@ -269,6 +307,8 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer=summary,
         model=str(args.model),
         extra={"tp": args.tp, "pp": args.pp, "dtype": dtype},
+        hidden_size=arch.hidden_size,
+        output_weight_sumsq=sumsq,
     )
     server = TeacherServer(
         scorer,

@@ -68,9 +68,11 @@ class BatchScorer(Protocol):
         k: int,
         temperature: float,
         lengths: list[int] | None = None,
+        transfer: str = "topk",
     ) -> TeacherScores:
         """Top-``k`` ids and log-probs at ``temperature`` per position (and at ``request_ids_NSR``), on the CPU;
-        ``lengths``: each row's real positions (scores past them are any valid ones)."""
+        ``lengths``: each row's real positions (scores past them are any valid ones). ``transfer="hidden"`` (only
+        where the server's info has ``hidden_size``): the final hidden states ``dense_hidden`` instead."""
         ...
 
     def heartbeat(self) -> None:
@@ -105,8 +107,15 @@ def describe_server(
     tokenizer: dict,
     model: str,
     extra: dict | None = None,
+    hidden_size: int | None = None,
+    output_weight_sumsq: float | None = None,
 ) -> ServerInfo:
-    """The hello reply of a server with ``limits`` serving a model and its tokenizer summary."""
+    """The hello reply of a server with ``limits`` serving a model and its tokenizer summary. ``hidden_size``: the
+    server also answers ``transfer=hidden``; ``output_weight_sumsq`` (the sum of squares of the output layer's
+    rows of real tokens) lets a trainer check that it loaded the same output layer."""
+    extra = dict(extra or {})
+    if hidden_size is not None:
+        extra.update(hidden_size=hidden_size, output_weight_sumsq=output_weight_sumsq)
     return ServerInfo(
         protocol=wire.VERSION,
         vocab_size=vocab_size,
@@ -119,7 +128,7 @@ def describe_server(
         vocab_fingerprint=fingerprint(tokenizer),
         model=model,
         tokenizer=tokenizer,
-        extra=extra or {},
+        extra=extra,
     )
 
 
@@ -283,7 +292,13 @@ class TeacherServer:
         lim, vocab = self.limits, self.info.vocab_size
         n, s = request.shape
         r = request.num_requested
-        if request.k > min(lim.max_topk, vocab):
+        if request.transfer == "hidden":
+            h = self.info.extra.get("hidden_size")
+            if h is None:
+                return wire.ErrorCode.BAD_REQUEST, "this server does not send hidden states (teacher.transfer=hidden)"
+            if wire.hidden_size(n, s, h, request.wire_dtype) > lim.max_message_bytes:
+                return wire.ErrorCode.LIMIT, f"the reply would exceed --max-message-bytes={lim.max_message_bytes}"
+        elif request.k > min(lim.max_topk, vocab):
             return wire.ErrorCode.LIMIT, f"k={request.k} exceeds the server's --topk={lim.max_topk} ({vocab} tokens)"
         if s > lim.max_seq_len:
             return wire.ErrorCode.LIMIT, f"{s} positions exceed the teacher's context of {lim.max_seq_len}"
@@ -291,7 +306,10 @@ class TeacherServer:
             return wire.ErrorCode.LIMIT, f"N*S={n * s} positions exceed --max-batch-tokens={lim.max_batch_tokens}"
         if r > lim.max_requested:
             return wire.ErrorCode.LIMIT, f"{r} requested ids per position exceed the server's {lim.max_requested}"
-        if wire.scores_size(n, s, request.k, r, request.wire_dtype) > lim.max_message_bytes:
+        if (
+            request.transfer == "topk"
+            and wire.scores_size(n, s, request.k, r, request.wire_dtype) > lim.max_message_bytes
+        ):
             return wire.ErrorCode.LIMIT, f"the reply would exceed --max-message-bytes={lim.max_message_bytes}"
         if not (math.isfinite(request.temperature) and request.temperature > 0):
             return wire.ErrorCode.BAD_REQUEST, f"temperature must be finite and > 0, got {request.temperature}"
@@ -309,7 +327,7 @@ class TeacherServer:
     # ---- batching --------------------------------------------------------------------------------------------
 
     def _take_batch(self) -> list[_Pending]:
-        """The oldest request and every queued one with its temperature that fits the token budget with it."""
+        """The oldest request and every queued one with its transfer and temperature that fits the token budget."""
         first = self._queue.popleft()
         batch, rows, width = [first], first.request.shape[0], first.request.shape[1]
         real = rows * width  # positions with packing: each request's rows at their own width
@@ -318,7 +336,8 @@ class TeacherServer:
             p = self._queue.popleft()
             n, s = p.request.shape
             cost = real + n * s if self.scorer.packing else (rows + n) * max(width, s)
-            if p.request.temperature == first.request.temperature and cost <= self.limits.max_batch_tokens:
+            alike = p.request.transfer == first.request.transfer and p.request.temperature == first.request.temperature
+            if alike and cost <= self.limits.max_batch_tokens:
                 batch.append(p)
                 rows, width, real = rows + n, max(width, s), real + n * s
             else:
@@ -343,8 +362,10 @@ class TeacherServer:
                 request_ids[lo : lo + n, :s, : p.request.num_requested] = p.request.request_ids  # type: ignore[index]
             lo += n
         t0 = time.perf_counter()
+        transfer = batch[0].request.transfer
         try:
-            scores = self.scorer.score(tokens, request_ids, k, batch[0].request.temperature, lengths)
+            kwargs = {"transfer": transfer} if transfer != "topk" else {}  # scorers without hidden states take none
+            scores = self.scorer.score(tokens, request_ids, k, batch[0].request.temperature, lengths, **kwargs)
         except Exception as err:
             for p in batch:
                 self._error(p.identity, p.request_id, wire.ErrorCode.INTERNAL, f"scoring failed: {err}")
@@ -360,6 +381,12 @@ class TeacherServer:
         lo = 0
         for p in batch:
             n, s = p.request.shape
+            if transfer == "hidden":
+                reply = ScoreReply(hidden=scores.dense_hidden[lo : lo + n, :s])  # type: ignore[index]
+                self._reply(p.identity, wire.encode_hidden(p.request_id, reply, p.request.wire_dtype))
+                self.answered += 1
+                lo += n
+                continue
             pr = p.request.num_requested
             requested = None
             if pr:

@@ -45,12 +45,15 @@ class _BroadcastFuture(Future):
         header = torch.zeros(6, dtype=torch.int64, device=device)
         message = error.encode("utf-8")
         if self._inner is not None:
-            k = 0 if scores is None else scores.topk_ids.shape[-1]
+            hidden = None if scores is None else scores.dense_hidden
+            first = None if scores is None else (hidden if hidden is not None else scores.topk_ids)
+            k = 0 if scores is None or hidden is not None else scores.topk_ids.shape[-1]
             r = -1 if scores is None or scores.requested_logprobs is None else scores.requested_logprobs.shape[-1]
-            n, s = (0, 0) if scores is None else scores.topk_ids.shape[:2]
-            header.copy_(torch.tensor([len(message), n, s, k, r, 0]))
+            n, s = (0, 0) if first is None else first.shape[:2]
+            h = 0 if hidden is None else hidden.shape[-1]
+            header.copy_(torch.tensor([len(message), n, s, k, r, h]))
         dist.broadcast(header, src=self._src, group=self._group)
-        length, n, s, k, r, _ = header.tolist()
+        length, n, s, k, r, h = header.tolist()
         if length:
             text = torch.zeros(length, dtype=torch.uint8, device=device)
             if self._inner is not None:
@@ -59,7 +62,7 @@ class _BroadcastFuture(Future):
             if failure is not None:
                 raise failure
             raise TeacherError(f"the teacher request of rank {self._src} failed: {bytes(text.tolist()).decode()}")
-        shapes = {"topk_ids": (n, s, k), "topk_logprobs": (n, s, k)}
+        shapes = {"dense_hidden": (n, s, h)} if h else {"topk_ids": (n, s, k), "topk_logprobs": (n, s, k)}
         if r >= 0:
             shapes["requested_logprobs"] = (n, s, r)
         out = {}
@@ -75,7 +78,8 @@ class _BroadcastFuture(Future):
 
 
 class GroupSharedTeacher:
-    """``TeacherBackend`` for every rank: ``backend`` on the group's source rank, a broadcast to the others."""
+    """``TeacherBackend`` for every rank: ``backend`` on the group's source rank, a broadcast to the others (top-k,
+    requested log-probabilities, or the final hidden states of ``teacher.transfer=hidden``)."""
 
     supports_dense = False
 

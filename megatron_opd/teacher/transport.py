@@ -54,6 +54,9 @@ class ScoreRequest:
     """``[N, S, R]`` ids whose log-probabilities are wanted (e.g. the sampled next token), or None."""
     wire_dtype: str = "fp32"
     """Log-probability dtype of the reply: one of ``WIRE_DTYPES``."""
+    transfer: str = "topk"
+    """``topk``: the top-``k`` and requested log-probabilities; ``hidden``: the final hidden states instead (``k``,
+    ``temperature`` and ``request_ids`` unused: the trainer forms the logits with the teacher's output layer)."""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -66,14 +69,17 @@ class ScoreRequest:
 
 @dataclass
 class ScoreReply:
-    """The teacher's answer to a ``ScoreRequest``: ids most probable first, log-probs in the wire dtype."""
+    """The teacher's answer to a ``ScoreRequest``: ids most probable first, log-probs in the wire dtype (or, for
+    ``transfer=hidden``, only ``hidden``)."""
 
-    topk_ids: torch.Tensor
+    topk_ids: torch.Tensor | None = None
     """``[N, S, K]`` integer global token ids."""
-    topk_logprobs: torch.Tensor
+    topk_logprobs: torch.Tensor | None = None
     """``[N, S, K]`` log-probabilities at ``topk_ids`` (normalised over the whole vocabulary)."""
     requested_logprobs: torch.Tensor | None = None
     """``[N, S, R]`` log-probabilities at the request's ``request_ids``."""
+    hidden: torch.Tensor | None = None
+    """``[N, S, H]`` final hidden states (after the final norm), the answer to ``transfer=hidden``."""
 
 
 _INFO_INTS = ("protocol", "vocab_size", "embedding_rows", "max_topk", "max_seq_len", "max_batch_tokens",

@@ -6,7 +6,8 @@ Every message starts with a 16-byte header (little-endian)::
     0       4     magic  b"OPDT"
     4       2     protocol version (1)
     6       1     message type (``MessageType``)
-    7       1     flags (HELLO: bit 0 = send the tokenizer summary; SCORE: bit 0 = request ids follow)
+    7       1     flags (HELLO: bit 0 = send the tokenizer summary; SCORE: bit 0 = request ids follow,
+                  bit 1 = reply with hidden states)
     8       8     request id (chosen by the client, echoed in the reply)
 
 followed by the fields of its type and raw little-endian arrays (see ``docs/teacher.md`` for every layout).
@@ -15,7 +16,10 @@ against the message length, so a lying header can never make the reader allocate
 Decoding errors raise ``WireError`` naming the field; a request whose header was readable carries its request id
 so the server can address the error reply.
 
-Shape legend: ``N`` sequences, ``S`` positions, ``K`` top-k, ``R`` requested ids per position.
+Version 2 added ``transfer=hidden``: a SCORE with flag bit 1 is answered by a HIDDEN message holding the final
+hidden states, from which the trainer forms the teacher's logits itself (exact dense distillation).
+
+Shape legend: ``N`` sequences, ``S`` positions, ``K`` top-k, ``R`` requested ids per position, ``H`` hidden size.
 """
 
 from __future__ import annotations
@@ -32,17 +36,19 @@ import torch
 from megatron_opd.teacher.transport import ScoreReply, ScoreRequest
 
 MAGIC = b"OPDT"
-VERSION = 1
+VERSION = 2
 MAX_TOKEN_BYTES = 1024
 """Longest authentication token."""
 
 FLAG_WITH_TOKENIZER = 1
 FLAG_HAS_REQUESTED = 1
+FLAG_HIDDEN = 2
 
 HEADER = struct.Struct("<4sHBBQ")
 TOKEN_LEN = struct.Struct("<H")
 SCORE_FIELDS = struct.Struct("<BxxxIdIII")  # dtype, k, temperature, N, S, R
 SCORES_FIELDS = struct.Struct("<BxxxIIII")  # dtype, N, S, K, R
+HIDDEN_FIELDS = struct.Struct("<BxxxIII")  # dtype, N, S, H
 ERROR_FIELDS = struct.Struct("<HI")  # code, message length
 INFO_FIELDS = struct.Struct("<I")  # JSON length
 
@@ -55,6 +61,7 @@ class MessageType(IntEnum):
     ERROR = 5
     PING = 6
     PONG = 7
+    HIDDEN = 8
 
 
 class ErrorCode(IntEnum):
@@ -116,6 +123,13 @@ class Scores:
 
 
 @dataclass
+class Hidden:
+    request_id: int
+    reply: ScoreReply
+    wire_dtype: str
+
+
+@dataclass
 class Error:
     request_id: int
     code: int
@@ -132,7 +146,7 @@ class Pong:
     request_id: int
 
 
-Message = Hello | Info | Score | Scores | Error | Ping | Pong
+Message = Hello | Info | Score | Scores | Hidden | Error | Ping | Pong
 
 
 def itemsize(wire_dtype: str) -> int:
@@ -143,6 +157,11 @@ def itemsize(wire_dtype: str) -> int:
 def scores_size(n: int, s: int, k: int, r: int, wire_dtype: str) -> int:
     """Exact bytes of a SCORES reply of these shapes (the client splits batches so replies fit the limits)."""
     return HEADER.size + SCORES_FIELDS.size + n * s * (k * (4 + _ITEMSIZE[wire_dtype]) + r * _ITEMSIZE[wire_dtype])
+
+
+def hidden_size(n: int, s: int, h: int, wire_dtype: str) -> int:
+    """Exact bytes of a HIDDEN reply of these shapes."""
+    return HEADER.size + HIDDEN_FIELDS.size + n * s * h * _ITEMSIZE[wire_dtype]
 
 
 def score_size(n: int, s: int, r: int, token: bytes) -> int:
@@ -200,7 +219,11 @@ def encode_score(request_id: int, token: bytes, request: ScoreRequest) -> bytes:
     r = request.num_requested
     if request.request_ids is not None and tuple(request.request_ids.shape) != (n, s, r):
         raise WireError("request_ids", f"must be [N, S, R] = [{n}, {s}, R], got {tuple(request.request_ids.shape)}")
-    flags = FLAG_HAS_REQUESTED if r else 0
+    if request.transfer not in ("topk", "hidden"):
+        raise WireError("transfer", f"must be 'topk' or 'hidden', got {request.transfer!r}")
+    if request.transfer == "hidden" and r:
+        raise WireError("request_ids", "a hidden-state request takes no requested ids (the trainer forms the logits)")
+    flags = (FLAG_HAS_REQUESTED if r else 0) | (FLAG_HIDDEN if request.transfer == "hidden" else 0)
     parts = [
         _header(MessageType.SCORE, flags, request_id),
         _token(token),
@@ -226,6 +249,18 @@ def encode_scores(request_id: int, reply: ScoreReply, wire_dtype: str) -> bytes:
     if r:
         parts.append(_float_bytes(reply.requested_logprobs, wire_dtype))
     return b"".join(parts)
+
+
+def encode_hidden(request_id: int, reply: ScoreReply, wire_dtype: str) -> bytes:
+    """A HIDDEN reply: the final hidden states ``[N, S, H]`` in ``wire_dtype``."""
+    n, s, h = (int(d) for d in reply.hidden.shape)
+    return b"".join(
+        [
+            _header(MessageType.HIDDEN, 0, request_id),
+            HIDDEN_FIELDS.pack(DTYPE_CODES[wire_dtype], n, s, h),
+            _float_bytes(reply.hidden, wire_dtype),
+        ]
+    )
 
 
 def encode_error(request_id: int, code: ErrorCode, message: str) -> bytes:
@@ -332,14 +367,17 @@ def decode(data: bytes, max_bytes: int) -> Message:
         token = reader.token()
         code, k, temperature, n, s, r = reader.unpack(SCORE_FIELDS, "score fields")
         dtype = _dtype_name(code, reader)
-        _positive(k, "k", reader)
+        transfer = "hidden" if flags & FLAG_HIDDEN else "topk"
+        _positive(k, "k", reader, minimum=0 if transfer == "hidden" else 1)
         _positive(n, "N", reader)
         _positive(s, "S", reader)
         _requested_flag(flags, r, reader)
+        if transfer == "hidden" and r:
+            raise reader.fail("R", f"R={r}: a hidden-state request takes no requested ids")
         tokens = reader.array(n * s, "int32", "tokens").view(n, s)
         request_ids = reader.array(n * s * r, "int32", "request_ids").view(n, s, r) if r else None
         reader.end()
-        return Score(request_id, token, ScoreRequest(tokens, k, temperature, request_ids, dtype))
+        return Score(request_id, token, ScoreRequest(tokens, k, temperature, request_ids, dtype, transfer))
     if kind == MessageType.SCORES:
         code, n, s, k, r = reader.unpack(SCORES_FIELDS, "scores fields")
         dtype = _dtype_name(code, reader)
@@ -349,6 +387,12 @@ def decode(data: bytes, max_bytes: int) -> Message:
         requested = reader.array(n * s * r, dtype, "requested_logprobs").view(n, s, r) if r else None
         reader.end()
         return Scores(request_id, ScoreReply(ids, logprobs, requested), dtype)
+    if kind == MessageType.HIDDEN:
+        code, n, s, h = reader.unpack(HIDDEN_FIELDS, "hidden fields")
+        dtype = _dtype_name(code, reader)
+        hidden = reader.array(n * s * h, dtype, "hidden").view(n, s, h)
+        reader.end()
+        return Hidden(request_id, ScoreReply(hidden=hidden), dtype)
     if kind == MessageType.ERROR:
         code, length = reader.unpack(ERROR_FIELDS, "error fields")
         text = bytes(reader.take(length, "error message")).decode("utf-8", errors="replace")

@@ -155,9 +155,11 @@ class ZmqTransport:
     def score(self, request: ScoreRequest, timeout_s: float) -> ScoreReply:
         request_id = secrets.randbits(63)
         message = self._roundtrip(wire.encode_score(request_id, self._token, request), request_id, timeout_s)
-        if not isinstance(message, wire.Scores):
+        expected = wire.Hidden if request.transfer == "hidden" else wire.Scores
+        if not isinstance(message, expected):
             raise TransportError(
-                f"teacher server {self.address} answered a score request with {type(message).__name__}"
+                f"teacher server {self.address} answered a {request.transfer} score request with "
+                f"{type(message).__name__}"
             )
         if message.wire_dtype != request.wire_dtype:
             raise TransportError(

@@ -42,15 +42,27 @@ class ToyScorer:
 
     def logprobs(self, tokens_NS: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """``[N, S, vocab]`` reference log-probabilities (float64) over the real vocabulary."""
-        h = self.embed[tokens_NS.long()].cumsum(dim=1)
-        logits = (h @ self.out)[..., : self.vocab] / temperature
+        logits = (self.hidden(tokens_NS) @ self.out)[..., : self.vocab] / temperature
         return torch.log_softmax(logits, dim=-1)
+
+    def hidden(self, tokens_NS: torch.Tensor) -> torch.Tensor:
+        """``[N, S, hidden]`` final hidden states (float64); the logits are ``hidden @ out``."""
+        return self.embed[tokens_NS.long()].cumsum(dim=1)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The output layer as a ``[width, hidden]`` weight (what ``teacher.transfer=hidden`` multiplies by)."""
+        return self.out.t()
 
     packing = False
 
-    def score(self, tokens_NS, request_ids_NSR, k: int, temperature: float, lengths=None) -> TeacherScores:
+    def score(
+        self, tokens_NS, request_ids_NSR, k: int, temperature: float, lengths=None, transfer: str = "topk"
+    ) -> TeacherScores:
         self.batches += 1
         self.seen.append((tuple(tokens_NS.shape), lengths))
+        if transfer == "hidden":
+            return TeacherScores(dense_hidden=self.hidden(tokens_NS).float())
         logprobs = self.logprobs(tokens_NS, temperature)
         values, ids = torch.topk(logprobs, k, dim=-1)
         requested = None if request_ids_NSR is None else logprobs.gather(-1, request_ids_NSR.long()).float()
@@ -68,10 +80,10 @@ class SlowToyScorer(ToyScorer):
         super().__init__()
         self.delay_s = delay_s
 
-    def score(self, tokens_NS, request_ids_NSR, k: int, temperature: float, lengths=None) -> TeacherScores:
+    def score(self, tokens_NS, request_ids_NSR, k: int, temperature: float, lengths=None, **kwargs) -> TeacherScores:
         print("scoring", flush=True)
         time.sleep(self.delay_s)
-        return super().score(tokens_NS, request_ids_NSR, k, temperature, lengths)
+        return super().score(tokens_NS, request_ids_NSR, k, temperature, lengths, **kwargs)
 
 
 def toy_tokenizer_summary(vocab: int, tag: str = "") -> dict:
@@ -87,11 +99,17 @@ def toy_tokenizer_summary(vocab: int, tag: str = "") -> dict:
     }
 
 
-def toy_server_info(scorer: ToyScorer, limits: ServerLimits, summary: dict | None = None) -> ServerInfo:
+def toy_server_info(
+    scorer: ToyScorer, limits: ServerLimits, summary: dict | None = None, hidden_states: bool = True
+) -> ServerInfo:
+    """The hello reply of a ``ToyScorer`` server (``hidden_states=False``: one that answers top-k only)."""
     summary = summary or toy_tokenizer_summary(scorer.vocab)
+    weight = scorer.output_weight[: scorer.vocab].float()
     return describe_server(
-        limits, vocab_size=scorer.vocab, embedding_rows=scorer.embed.shape[0], tokenizer=summary, model="toy"
-    )
+        limits, vocab_size=scorer.vocab, embedding_rows=scorer.embed.shape[0], tokenizer=summary, model="toy",
+        hidden_size=scorer.embed.shape[1] if hidden_states else None,
+        output_weight_sumsq=float(weight.double().square().sum()),
+    )  # fmt: skip
 
 
 class ThreadServer:
@@ -106,10 +124,11 @@ class ThreadServer:
         limits: ServerLimits | None = None,
         summary: dict | None = None,
         fault_at_request: int | None = None,
+        hidden_states: bool = True,
     ) -> None:
         self.scorer = scorer or ToyScorer()
         self.limits = limits or ServerLimits(max_topk=16, max_seq_len=64, max_batch_tokens=512, batch_wait_s=0.0)
-        info = toy_server_info(self.scorer, self.limits, summary)
+        info = toy_server_info(self.scorer, self.limits, summary, hidden_states)
         self.server = TeacherServer(
             self.scorer, info, port=port, token=token, limits=self.limits, fault_at_request=fault_at_request
         )

@@ -51,7 +51,13 @@ class TeacherConfig:
     connect_timeout_s: float = 600.0
     """``backend=server``: how long start-up waits for a server to answer (it may still be loading)."""
     wire_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """``backend=server``: dtype of the log-probabilities on the wire (ids are int32); bf16/fp16 halve them."""
+    """``backend=server``: dtype of the log-probabilities (or hidden states) on the wire (ids are int32); bf16/fp16
+    halve them."""
+    transfer: Literal["topk", "hidden"] = "topk"
+    """``backend=server``: what the server sends. ``topk``: its top-k log-probabilities (``loss.mode=topk``).
+    ``hidden``: its final hidden states; the trainer loads the teacher's output layer from ``teacher.path``, sharded
+    like the student's, and forms the teacher's logits chunk by chunk inside the loss: exact ``loss.mode=dense``
+    from a teacher of another layout, at ``H`` values per token on the wire."""
     max_message_bytes: int = 256 << 20
     """``backend=server``: largest reply accepted; batches are split so every reply fits (and the server's limits).
     ``backend=vllm``: largest JSON reply accepted (bound the batches with ``teacher.max_batch_tokens``)."""
@@ -455,10 +461,26 @@ class TrainConfig:
                              "(replicas: comma-separated)")  # fmt: skip
         if backend == "server":
             split_addresses(t.address)
-        if self.loss.mode != "topk":
+        if t.transfer == "hidden":
+            if backend != "server":
+                raise ValueError(
+                    "teacher.transfer=hidden needs teacher.backend=server: a vLLM server returns log-probabilities, "
+                    "not hidden states; use teacher.transfer=topk with loss.mode=topk"
+                )
+            if self.loss.mode != "dense":
+                raise ValueError(
+                    "teacher.transfer=hidden serves loss.mode=dense (the whole distribution); with loss.mode=topk "
+                    "keep teacher.transfer=topk, which sends far fewer bytes"
+                )
+            if not t.path:
+                raise ValueError(
+                    "teacher.transfer=hidden needs teacher.path: the trainer loads the teacher's output layer from it "
+                    "(the Hugging Face or dist_ckpt folder of the model the server runs)"
+                )
+        elif self.loss.mode != "topk":
             raise ValueError(
-                f"teacher.backend={backend} sends the teacher's top-k, not its logits: set loss.mode=topk "
-                "(loss.mode=dense needs teacher.backend=inprocess)"
+                f"teacher.backend={backend} sends the teacher's top-k, not its logits: set loss.mode=topk, or "
+                "teacher.transfer=hidden with a teacher server (exact dense distillation from its hidden states)"
             )
         if backend != "vllm":
             return
@@ -485,6 +507,11 @@ class TrainConfig:
             self.checkpoint.dir = f"{self.output_dir.rstrip('/')}/checkpoints"
         if not self.student.path:
             raise ValueError("student.path is required: a Hugging Face or dist_ckpt folder of the student")
+        if self.teacher.transfer == "hidden" and self.teacher.backend == "inprocess":
+            raise ValueError(
+                "teacher.transfer=hidden applies to teacher.backend=server (an in-process teacher already hands "
+                "the loss its hidden states); remove teacher.transfer"
+            )
         if self.loss.kind != "sft" and self.teacher.backend in ("server", "vllm"):
             self._validate_remote_teacher()
         elif self.loss.kind != "sft" and not self.teacher.path:

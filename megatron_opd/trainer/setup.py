@@ -13,7 +13,7 @@ import torch
 
 from megatron_opd.distributed.device import Accelerator
 from megatron_opd.interfaces import SamplingParams
-from megatron_opd.models.source import build_and_load, config_dir, model_architecture
+from megatron_opd.models.source import build_and_load, config_dir, load_output_weight, model_architecture
 from megatron_opd.trainer.config import TrainConfig
 from megatron_opd.trainer.student import Student, precision_plan
 
@@ -112,7 +112,7 @@ def build_teacher(
     if cfg.loss.kind == "sft":
         return None
     if cfg.teacher.backend in ("server", "vllm"):
-        return build_remote_teacher(cfg, teacher_fingerprint)
+        return build_remote_teacher(cfg, teacher_fingerprint, student, vocab_size)
     from megatron_opd.teacher.inprocess import InProcessTeacher
 
     _, chunks = build_and_load(cfg.teacher.path, cfg.parallel, cfg.build, trainable=False, field="teacher.path")
@@ -178,6 +178,7 @@ def remote_client(cfg: TrainConfig, teacher_fingerprint: str | None = None):
         connect_timeout_s=t.connect_timeout_s,
         max_message_bytes=t.max_message_bytes,
         expected_fingerprint=teacher_fingerprint,
+        transfer=t.transfer,
     )
 
 
@@ -191,19 +192,24 @@ def _teacher_tokenizer(cfg: TrainConfig):
     return load_tokenizer(folder, "teacher.tokenizer")
 
 
-def build_remote_teacher(cfg: TrainConfig, teacher_fingerprint: str | None):
+def build_remote_teacher(cfg: TrainConfig, teacher_fingerprint: str | None, student: Student, vocab_size: int):
     """``teacher.backend=server|vllm``: the first TP rank of the last pipeline stage asks, its TP group shares the
-    scores."""
+    scores (with ``teacher.transfer=hidden``, each rank also holds its shard of the teacher's output layer)."""
     from megatron.core import parallel_state as ps
 
     from megatron_opd.teacher.shared import GroupSharedTeacher
 
     last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+    full_VH = None
+    if cfg.teacher.transfer == "hidden":  # every rank: a collective for a dist_ckpt
+        full_VH = load_output_weight(cfg.teacher.path, "teacher.path")
     client = None
     if last_stage and ps.get_tensor_model_parallel_rank() == 0:
         client = remote_client(cfg, teacher_fingerprint)
         info = client.connect()
         logger.info("teacher server(s) %s: %s, top-k <= %d", cfg.teacher.address, info.model, info.max_topk)
+        if full_VH is not None:
+            check_output_weight(full_VH, info, vocab_size, cfg.teacher.path)
     teacher = GroupSharedTeacher(
         client,
         group=ps.get_tensor_model_parallel_group(),
@@ -211,16 +217,62 @@ def build_remote_teacher(cfg: TrainConfig, teacher_fingerprint: str | None):
         active=last_stage,
         supports_requested_logprobs=cfg.teacher.backend != "vllm",
     )
+    if full_VH is not None:
+        from megatron_opd.teacher.hidden import HiddenStateTeacher
+
+        weight = None
+        if last_stage:
+            weight = output_weight_shard(full_VH, student.chunks[-1].vocab_size, vocab_size, cfg.build.dtype)
+        teacher = HiddenStateTeacher(
+            teacher, weight, vocab_size=vocab_size, temperature=cfg.teacher.temperature, chunk_size=cfg.loss.chunk_size
+        )
     check_teacher_mode(teacher, cfg.loss.mode)
     return teacher
 
 
 def check_teacher_mode(teacher, mode: str) -> None:
-    """Only a colocated teacher has logit shards; a remote one sends its top-k."""
+    """Dense needs the teacher's logit shards, or its hidden states and output layer; a top-k teacher has neither."""
     if mode == "dense" and not teacher.supports_dense:
         raise ValueError(
             f"loss.mode=dense needs the teacher's logit shards, which teacher.backend={type(teacher).__name__} does "
-            "not provide (a remote teacher sends its top-k); use loss.mode=topk"
+            "not provide (a remote teacher sends its top-k); use loss.mode=topk, or teacher.transfer=hidden with a "
+            "teacher server"
+        )
+
+
+def output_weight_shard(full_VH: torch.Tensor, padded_vocab: int, vocab_size: int, dtype: str) -> torch.Tensor:
+    """This TP rank's rows of the teacher's output layer, laid out like the student's output-layer shard (the
+    student's padded vocabulary split over TP; rows past the real tokens zero), on this rank's device."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_opd.distributed.device import collective_device
+    from megatron_opd.models.builder import parse_dtype
+
+    width = padded_vocab // ps.get_tensor_model_parallel_world_size()
+    lo = ps.get_tensor_model_parallel_rank() * width
+    shard_VH = torch.zeros(width, full_VH.shape[1], dtype=parse_dtype(dtype))
+    real = max(0, min(width, vocab_size - lo))
+    shard_VH[:real] = full_VH[lo : lo + real]
+    return shard_VH.to(collective_device())  # the accelerator in use (the CPU with gloo)
+
+
+def check_output_weight(full_VH: torch.Tensor, info, vocab_size: int, path: str) -> None:
+    """Refuse an output layer (from ``teacher.path``) that is not the one the teacher server multiplies by: the
+    hidden sizes must agree and so must the sums of squares of the real tokens' rows (in the server's dtype)."""
+    from megatron_opd.models.builder import parse_dtype
+
+    hidden_size, sumsq = info.extra.get("hidden_size"), info.extra.get("output_weight_sumsq")
+    if full_VH.shape[1] != hidden_size or full_VH.shape[0] < vocab_size:
+        raise ValueError(
+            f"teacher.path={path} has an output layer of {tuple(full_VH.shape)}, but the teacher server "
+            f"({info.model}) sends hidden states of size {hidden_size} for {vocab_size} tokens: point teacher.path "
+            "at the model the server runs"
+        )
+    ours = float(full_VH[:vocab_size].to(parse_dtype(info.extra.get("dtype", "fp32"))).double().square().sum())
+    if sumsq is None or abs(ours - sumsq) > 1e-6 * max(abs(sumsq), 1e-30):
+        raise ValueError(
+            f"the output layer in teacher.path={path} is not the teacher server's ({info.model}): sums of squares "
+            f"{ours:.9g} vs {sumsq}; point teacher.path at the model the server runs"
         )
 
 
