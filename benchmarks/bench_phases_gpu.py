@@ -92,7 +92,16 @@ def _score_step(model, loss: str, tokens, positions, vocab_size: int):
 
 
 def bench(
-    name: str, phase: str, b: int, s: int, attention: str, losses, recompute, reps: int, profile: bool = False
+    name: str,
+    phase: str,
+    b: int,
+    s: int,
+    attention: str,
+    losses,
+    recompute,
+    reps: int,
+    profile: bool = False,
+    norm: str = "torch",
 ) -> list[dict]:
     from megatron_opd.distributed import ParallelConfig
     from megatron_opd.launch.memory import hf_config
@@ -100,7 +109,7 @@ def bench(
     from megatron_opd.models.builder import ModelBuildConfig, build_model
 
     arch = architecture_from_hf_config(hf_config(name).to_dict(), name)
-    build = ModelBuildConfig(dtype="bf16", attention=attention, recompute_granularity=recompute)
+    build = ModelBuildConfig(dtype="bf16", attention=attention, recompute_granularity=recompute, norm=norm)
     (model,) = build_model(arch, ParallelConfig(), build, trainable=phase == "update")
     n = sum(p.numel() for p in model.parameters())
     tokens = torch.randint(0, 1000, (b, s), device="cuda")
@@ -130,11 +139,13 @@ def _profile(once, title: str) -> None:
     """The GPU kernels of two repetitions, by total time (where the rest of the time goes)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         once()
         once()
         torch.cuda.synchronize()
-    print(f"\n{title}\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+    table = prof.key_averages()
+    print(f"\n{title}\n" + table.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+    print(table.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
 
 
 def main() -> None:
@@ -143,35 +154,20 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions after one warm-up")
     parser.add_argument("--case", type=int, action="append", help="run only these rows of CASES (0-based)")
     parser.add_argument("--profile", action="store_true", help="also print the top GPU kernels of each row")
-    parser.add_argument(
-        "--megatron-fusions",
-        action="store_true",
-        help="turn on Megatron's torch.compile'd SwiGLU and bias-dropout-add fusions (an experiment)",
-    )
+    parser.add_argument("--norm", choices=("torch", "triton"), default="torch", help="build.norm of the models")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_phases_gpu.py needs a CUDA GPU")
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
 
     initialize_distributed(ParallelConfig(), "cuda", seed=0)
-    if args.megatron_fusions:
-        from megatron_opd.models import builder
-
-        plain = builder.transformer_config
-
-        def fused(*a, **k):
-            config = plain(*a, **k)
-            config.bias_activation_fusion = config.bias_dropout_fusion = True
-            return config
-
-        builder.transformer_config = fused
     print("| model | phase | attention | loss | recompute | tokens | ms | tokens/s | MFU | peak GiB |")
     print("|---|---|---|---|---|---:|---:|---:|---:|---:|")
     for i, case in enumerate(CASES):
         if (args.only and case[1] != args.only) or (args.case and i not in args.case):
             continue
         try:
-            rows = bench(*case, reps=args.reps, profile=args.profile)
+            rows = bench(*case, reps=args.reps, profile=args.profile, norm=args.norm)
         except torch.OutOfMemoryError as e:
             print(f"| {case[0]} | {case[1]} | {case[4]} | {case[5]} | {case[6] or '-'} | {case[2] * case[3]} | "
                   f"out of memory: {str(e).splitlines()[0][:80]} | | | |", flush=True)  # fmt: skip

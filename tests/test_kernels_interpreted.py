@@ -23,7 +23,8 @@ def test_triton_kernels_under_interpreter():
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels_triton.py"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+        + ["tests/test_kernels_triton.py", "tests/test_kernels_rmsnorm.py"],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -37,10 +37,12 @@ MIN_CHUNK_TOKENS = 64
 """Automatic chunks hold at least this many tokens: each chunk reads the whole weight shard, so chunks too small
 waste time re-reading it. ``[64, V/TP]`` is 19 MB at Qwen's vocabulary over TP=2 in fp32."""
 
-MAX_CHUNK_ELEMENTS = 1 << 26
-"""Automatic chunks hold at most this many logits (256 MiB in fp32; about 880 tokens at Qwen's vocabulary over
+MAX_CHUNK_ELEMENTS = 1 << 28
+"""Automatic chunks hold at most this many logits (1 GiB in fp32; about 3,500 tokens at Qwen's vocabulary over
 TP=2): the loss's own back end may take every token at once (the Triton kernels keep no temporaries), but here
-each chunk's logits and their gradient exist."""
+each chunk's logits and their gradient exist. Smaller chunks cost time on a GPU: each chunk's loss is a few
+dozen small launches, and an H100 update is launch-bound (a Qwen3-1.7B update at 4,096 tokens took 154-191 ms
+with 2^26-element chunks, 137-145 ms with 2^28, 134 ms in one chunk; ``benchmarks/RESULTS.md``)."""
 
 
 def chunk_tokens(chunk_size: int | None, vocab_columns: int, device: torch.device) -> int:

@@ -53,6 +53,10 @@ class ModelBuildConfig:
     """Core attention when TransformerEngine does not run: ``sdpa`` (torch's flash / memory-efficient kernels,
     memory linear in the sequence length, packed sequences) or ``local`` (Megatron's ``DotProductAttention``, which
     keeps every ``s x s`` score matrix; for comparison)."""
+    norm: Literal["torch", "triton"] = "torch"
+    """RMSNorm of the local spec: ``torch`` (``torch.nn.RMSNorm``) or ``triton`` (``kernels.rmsnorm_triton`` on CUDA:
+    5.3x faster forward+backward for Qwen3's QK-norm rows, but no gain measured in a whole H100 update, which
+    is bound by kernel launches; ``benchmarks/RESULTS.md``). CPU runs always use torch."""
     recompute_granularity: Literal["selective", "full"] | None = None
     """Activation recomputation in the backward: ``selective`` (core attention only: cheap, needs little with
     ``attention=sdpa``), ``full`` (whole layers: the least memory, about a third more compute); None: off."""
@@ -66,6 +70,8 @@ class ModelBuildConfig:
     """Dropout on attention probabilities."""
 
     def __post_init__(self) -> None:
+        if self.norm not in ("torch", "triton"):
+            raise ValueError(f"build.norm must be 'torch' or 'triton', got {self.norm!r}")
         if self.attention not in ("sdpa", "local"):
             raise ValueError(f"build.attention must be 'sdpa' or 'local', got {self.attention!r}")
         if self.recompute_granularity not in (None, "selective", "full"):
@@ -161,7 +167,9 @@ def use_te_spec(build: ModelBuildConfig) -> bool:
     return build.use_transformer_engine
 
 
-def layer_spec(arch: ModelArchitecture, te: bool, config, vp_stage: int | None, attention: str = "sdpa"):
+def layer_spec(
+    arch: ModelArchitecture, te: bool, config, vp_stage: int | None, attention: str = "sdpa", norm: str = "torch"
+):
     """Megatron-Core spec of one chunk's decoder: TransformerEngine layers when available, local otherwise.
 
     The local spec gets megatron-opd's :class:`RMSNorm` (layer, QK and final norms), which supports
@@ -174,8 +182,10 @@ def layer_spec(arch: ModelArchitecture, te: bool, config, vp_stage: int | None, 
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    from megatron_opd.models.norms import RMSNorm
+    from megatron_opd.models.norms import RMSNorm, TritonRMSNorm
 
+    if norm == "triton":
+        RMSNorm = TritonRMSNorm  # noqa: N806 - the spec's norm class
     spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
@@ -216,6 +226,7 @@ def build_model_chunk(
     post_process: bool,
     padded_vocab_size: int,
     attention: str = "sdpa",
+    norm: str = "torch",
 ):
     """One ``GPTModel`` chunk: the layers of one (virtual) pipeline stage."""
     from megatron.core.models.gpt import GPTModel
@@ -223,7 +234,7 @@ def build_model_chunk(
     rope = arch.rope
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(arch, te, config, vp_stage, attention),
+        transformer_layer_spec=layer_spec(arch, te, config, vp_stage, attention, norm),
         vocab_size=padded_vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,
@@ -296,6 +307,7 @@ def build_chunks(arch: ModelArchitecture, parallel: ParallelConfig, build: Model
                 post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
                 padded_vocab_size=padded_vocab,
                 attention=build.attention,
+                norm=build.norm,
             )
         )
     return chunks
