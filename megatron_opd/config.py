@@ -23,6 +23,10 @@ class ConfigError(ValueError):
     """A config file or override names an unknown field or gives a value of the wrong type."""
 
 
+_BOOL_WORDS = {True: ("on", "yes", "true", "y"), False: ("off", "no", "false", "n")}
+"""The words YAML 1.1 turns into booleans: a choice spelled so (``loss.fused_output: off``) is read back as its word."""
+
+
 def _coerce(value: Any, hint: Any, where: str) -> Any:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
@@ -55,6 +59,9 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
         return dict(value)
     if origin is typing.Literal:
+        if isinstance(value, bool):  # YAML 1.1 reads on/off/yes/no/true/false as booleans
+            spelled = [c for c in typing.get_args(hint) if str(c).lower() in _BOOL_WORDS[value]]
+            value = spelled[0] if len(spelled) == 1 else value
         if value not in typing.get_args(hint):
             raise ConfigError(f"{where}: must be one of {list(typing.get_args(hint))}, got {value!r}")
         return value

@@ -220,7 +220,7 @@ def _tiktoken_tokenizer(path: Path, config: dict[str, Any]) -> tuple[Any, dict[s
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
     ranks = load_tiktoken_bpe(str(path))
-    byte_to_char = _bytes_to_unicode()
+    byte_to_char = bytes_to_unicode()
     vocab = {"".join(byte_to_char[b] for b in token): rank for token, rank in ranks.items()}
     if len(set(vocab.values())) != len(vocab) or max(vocab.values()) != len(vocab) - 1:
         raise TokenizerError(f"{path}: the tiktoken ranks are not the ids 0..{len(vocab) - 1} without gaps")
@@ -260,7 +260,7 @@ def _tiktoken_tokenizer(path: Path, config: dict[str, Any]) -> tuple[Any, dict[s
     return tokenizer, {k: v for k, v in entries.items() if v is not None}
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table, which byte-level BPE vocabularies (and tiktoken's HF form) use."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]

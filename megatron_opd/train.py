@@ -42,6 +42,7 @@ from megatron_opd.trainer.metrics import MetricsLogger
 from megatron_opd.trainer.objective import global_count, train_step
 from megatron_opd.trainer.resharding import check_optimizer_state, current_layout, saved_layout
 from megatron_opd.trainer.setup import (
+    build_retokenizer,
     build_rollout,
     build_student,
     build_teacher,
@@ -163,7 +164,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     # ---- the pieces: vocabulary, models, back ends, data -------------------------------------------------------
     vocab = load_vocabulary(cfg)
     student = build_student(cfg, accel)
-    teacher = build_teacher(cfg, accel, vocab.vocab_size, student, vocab.teacher_fingerprint)
+    teacher = build_teacher(cfg, accel, vocab.teacher_vocab_size, student, vocab.teacher_fingerprint)
     rollout = build_rollout(cfg, student, vocab)
     seq_len = max_seq_len(cfg)
     encoder = PromptEncoder(vocab.tokenizer, cfg.data.prompt_key, cfg.data.messages_key, cfg.data.response_key)
@@ -185,6 +186,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             max_len=seq_len,
             student_topk=cfg.loss.union_student_topk,  # loss.support=union: the rollout records the student's ids
             total_steps=cfg.train.steps,
+            retokenizer=build_retokenizer(cfg, vocab),  # a teacher with another tokenizer scores its own tokens
         )
     evaluator = build_evaluator(cfg, vocab, encoder, student, teacher, rollout, prompt_room, seq_len)
     reward_fn = import_function(cfg.loss.reward_fn, "loss.reward_fn") if cfg.loss.weighting == "reward" else None
@@ -216,7 +218,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     step, saved_step = start_step, start_step
     while step < cfg.train.steps:
         t_start = time.perf_counter()
-        scores, timings = None, {}
+        scores, timings, batch_metrics = None, {}, {}
         if sft:
             items = data.next_batch()
             responses = [encoder.response_ids(it.record, where=f"record {it.index}") for it in items]
@@ -227,6 +229,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
         else:
             scored = scheduler.next_batch(step)  # batch `step`: sampled, scored; rollouts ahead per scheduler.mode
             items, batch, scores, timings = scored.items, scored.batch, scored.scores, dict(scored.timings)
+            batch_metrics = scored.metrics  # the data path's figures (cross_tokenizer/*)
             staleness, response_tokens = scored.staleness, sum(scored.rollouts.response_lengths)
             tool_tokens = sum(int((m == 0).sum()) for m in scored.rollouts.response_mask)  # never in the loss
             batch.seq_weights = sequence_weights(cfg.loss, scored, items, encoder, vocab.tokenizer, reward_fn)
@@ -282,6 +285,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             "sampled_by": float(step - 1 - staleness),  # policy version of the weights that sampled this batch
             **fidelity_metrics(s.as_dict()),  # rollout/logprob_diff_* etc.: is the sampler the trained model?
             **{f"time/{k}": v for k, v in timings.items()},
+            **batch_metrics,
         }
         metrics.log(step, row)
         if rank == 0 and not sft:  # the audit trail of the data order and staleness (rank 0's prompts)

@@ -76,3 +76,16 @@ def test_warm_up_must_end_before_the_last_step():
     cfg = parse_args(TrainConfig, [*base, "optim.lr_warmup_steps=10"])
     with pytest.raises(ValueError, match=re.escape("optim.lr_warmup_steps=10 must be < train.steps=10")):
         cfg.validate()
+
+
+def test_choices_spelled_like_yaml_booleans_are_read_as_words(tmp_path):
+    """YAML 1.1 reads ``off``/``on`` as booleans: ``loss.fused_output: off`` must still mean "off"."""
+    from megatron_opd.config import load_config
+    from megatron_opd.trainer.config import TrainConfig
+
+    path = tmp_path / "c.yaml"
+    path.write_text("loss:\n  fused_output: off\n  cross_tokenizer: off\n")
+    cfg = load_config(TrainConfig, str(path), ["loss.fused_output=on"])
+    assert cfg.loss.fused_output == "on" and cfg.loss.cross_tokenizer == "off"
+    cfg = load_config(TrainConfig, str(path), [])
+    assert cfg.loss.fused_output == "off"

@@ -154,7 +154,26 @@ def _packed_vs_padded_body(layout: dict, dirs: dict[str, str]):
     losses = {}
     for packing in (False, True):
         losses[packing] = step_losses(dirs["student"], parallel, batch, scored["dense", packing], cfg, 1000, packing, 3)
+    # The sampled reverse KL over aligned groups of a teacher with another tokenizer (groups of 1 and 2 tokens).
+    cfg = LossConfig(kind="reverse_kl", mode="sampled", cross_tokenizer="sampled")
+    groups = _groups_of_two(batch)
+    for packing in (False, True):
+        losses["sampled", packing] = step_losses(dirs["student"], parallel, batch, groups, cfg, 1000, packing, 3)
     return grads, tokens, losses, scored
+
+
+def _groups_of_two(batch):
+    """Cross-tokenizer scores: consecutive trained tokens paired into groups, a group's log p at both its tokens."""
+    from megatron_opd.interfaces import TeacherScores
+
+    logp = -torch.rand(batch.tokens.shape, generator=torch.Generator().manual_seed(3)) * 4
+    offset = torch.zeros(batch.tokens.shape, dtype=torch.int64)
+    trained = batch.loss_mask != 0
+    for i, j in trained.nonzero().tolist():
+        if j > 0 and trained[i, j - 1] and offset[i, j - 1] == 0 and (j % 3):  # pairs, some tokens alone
+            offset[i, j] = -1
+            logp[i, j] = logp[i, j - 1]
+    return TeacherScores(requested_logprobs=logp[..., None], extras={"group_offset": offset})
 
 
 def step_losses(hf_dir: str, parallel, batch, scores, cfg, vocab: int, packing: bool, steps: int) -> list[float]:
@@ -210,6 +229,8 @@ def _assert_scores_equal_at_real_positions(scored: dict, layout: str) -> None:
         assert torch.isfinite(scores.requested_logprobs).all()  # padding positions hold valid values too
 
 
+_SAMPLED_LOSSES: dict[str, list[float]] = {}
+"""The cross-tokenizer sampled losses per layout: every layout's must equal TP=1's (run first)."""
 LAYOUTS = {
     "tp1": (1, dict()),
     "tp2_sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
@@ -238,6 +259,11 @@ def test_packed_equals_padded(layout, tmp_path):
         if scored["topk", False].topk_ids is not None:  # the last pipeline stage
             _assert_scores_equal_at_real_positions(scored, layout)
         assert losses[True] == pytest.approx(losses[False], rel=1e-5), f"{layout}: {losses}"
+        sampled = losses["sampled", True]
+        assert sampled == pytest.approx(losses["sampled", False], rel=1e-5), f"{layout}: {losses}"
+        _SAMPLED_LOSSES.setdefault(layout, sampled)
+        if "tp1" in _SAMPLED_LOSSES:  # the layouts agree (tp1 runs first)
+            assert sampled == pytest.approx(_SAMPLED_LOSSES["tp1"], rel=1e-5), f"{layout}: {_SAMPLED_LOSSES}"
         assert losses[False][2] < losses[False][0], "the steps did not train"
     assert set(grads["packed"]) == set(grads["padded"])
     for name, ref in grads["padded"].items():

@@ -218,10 +218,20 @@ def test_vllm_server_and_inprocess_teachers_return_the_same_top_k(pair, vllm_tea
 
 
 @needs_vllm
-def test_distillation_with_the_vllm_teacher_matches_the_inprocess_teacher(pair, vllm_teacher, tmp_path):
-    """Student TP=2, teacher in vLLM (float32): the first step's loss is within 1e-4 of the in-process teacher's."""
+@pytest.mark.parametrize("loss", ["topk", "cross_tokenizer"])
+def test_distillation_with_the_vllm_teacher_matches_the_inprocess_teacher(loss, pair, vllm_teacher, tmp_path):
+    """Student TP=2, teacher in vLLM (float32): the first step's loss is within 1e-4 of the in-process teacher's.
+
+    ``cross_tokenizer``: the sampled reverse KL with the teacher re-tokenizing every response and scoring its own
+    tokens (here the tokenizers are one, so every group is 1:1, and the in-process run equals ``loss.mode=sampled``
+    without re-tokenization within 1e-6)."""
     common = {"parallel.tensor_model_parallel_size": 2, "train.steps": 1, "loss.mode": "topk", "loss.topk": 8,
               "rollout.n": 2, "eval.every": 0, "export_hf": False}  # fmt: skip
+    if loss == "cross_tokenizer":
+        common.update({"loss.mode": "sampled", "loss.kind": "reverse_kl"})
+        code, out = train_cli(pair.overrides(tmp_path / "sampled", **common))
+        assert code == 0, out[-3000:]
+        common["loss.cross_tokenizer"] = "sampled"
     code, out = train_cli(pair.overrides(tmp_path / "inprocess", **common))
     assert code == 0, out[-3000:]
     remote = dict(common, **{"teacher.backend": "vllm", "teacher.address": vllm_teacher})
@@ -235,3 +245,9 @@ def test_distillation_with_the_vllm_teacher_matches_the_inprocess_teacher(pair, 
     assert got[0] == pytest.approx(ref[0], abs=1e-4)
     assert abs(got[0] - ref[0]) <= 1e-3 * abs(ref[0]), "within 1e-4 only because the loss is small"
     assert got[0] != 0.0
+    if loss == "cross_tokenizer":
+        plain = [r for r in train_metrics(tmp_path / "sampled") if "loss" in r]
+        cross = [r for r in train_metrics(tmp_path / "inprocess") if "loss" in r]
+        assert cross[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-6)
+        assert cross[0]["cross_tokenizer/one_to_one_share"] == 1.0
+        assert cross[0]["cross_tokenizer/unaligned_samples"] == 0.0

@@ -62,6 +62,8 @@ class ScoredBatch:
     for an asynchronous one."""
     items: list = field(default_factory=list)
     """The prompt-stream items of this batch (this rank's prompts)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Per-batch figures of the data path (this rank's; e.g. ``cross_tokenizer/*``)."""
 
     @property
     def staleness(self) -> int:
@@ -83,6 +85,8 @@ class _InFlight:
     batch: TrainBatch | None = None
     teacher: Future | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    teacher_request: object | None = None
+    """With a teacher of another tokenizer: its view of the batch (``cross_tokenizer.TeacherRequest``)."""
 
 
 class Scheduler:
@@ -103,11 +107,13 @@ class Scheduler:
         max_len: int,
         student_topk: int = 0,
         total_steps: int | None = None,
+        retokenizer=None,
     ) -> None:
         """``seed_for(b)``: the sampling seed of batch ``b``; ``total_steps``: no batch past the last step is asked
         for (``train.steps``; None: no end). ``student_topk > 0``: the rollouts record the
         student's top-k ids and the teacher scores them too (union loss support); a teacher that cannot return
-        log-probabilities at requested ids is refused here."""
+        log-probabilities at requested ids is refused here. ``retokenizer`` (``cross_tokenizer.CrossTokenizer``): the
+        teacher has another tokenizer and scores its own re-tokenization of each batch."""
         if mode not in DEPTH:
             raise ValueError(f"scheduler.mode must be one of {sorted(DEPTH)}, got {mode!r}")
         if DEPTH[mode] and not getattr(rollout, "asynchronous", False):
@@ -128,6 +134,7 @@ class Scheduler:
         self.rollout, self.teacher, self.data, self.seed_for = rollout, teacher, data, seed_for
         self.sampling = dataclasses.replace(sampling, return_topk=student_topk) if student_topk else sampling
         self.n, self.pad_token_id, self.max_len, self.student_topk = n, pad_token_id, max_len, student_topk
+        self.retokenizer = retokenizer
         self._flights: dict[int, _InFlight] = {}
         self._data_before: dict[int, dict[str, Any]] = {}
         self._next_asked: int | None = None
@@ -149,9 +156,13 @@ class Scheduler:
         flight = self._flights.pop(step)
         t0 = time.perf_counter()
         scores = flight.teacher.result()
+        metrics = {}
+        if flight.teacher_request is not None:  # the teacher's scores of its own tokens -> the student's positions
+            scores = self.retokenizer.scores(scores, flight.teacher_request, flight.batch)
+            metrics = flight.teacher_request.metrics
         flight.timings["wait_teacher"] += time.perf_counter() - t0
         self._next_trained = step + 1
-        scored = ScoredBatch(flight.rollouts, flight.batch, scores, step, flight.timings, flight.items)
+        scored = ScoredBatch(flight.rollouts, flight.batch, scores, step, flight.timings, flight.items, metrics)
         if not 0 <= scored.staleness <= self.depth:
             raise RuntimeError(
                 f"batch {step} was sampled by policy version {scored.rollouts.policy_version} and trains version "
@@ -187,9 +198,14 @@ class Scheduler:
         # Also ask for the teacher's log-probability of each sampled token (teacher-confidence weights, metrics)
         # and, for the union support, of the student's top-k ids.
         asked = time.perf_counter()
-        flight.teacher = self.teacher.score(
-            flight.batch.tokens, flight.batch.teacher_request_ids(), flight.batch.lengths
-        )
+        if self.retokenizer is not None:  # the teacher's own tokens for the same texts
+            request = self.retokenizer.request(flight.batch, flight.rollouts, [it.record for it in flight.items])
+            flight.teacher_request = request
+            flight.teacher = self.teacher.score(request.tokens, request.request_ids, request.lengths)
+        else:
+            flight.teacher = self.teacher.score(
+                flight.batch.tokens, flight.batch.teacher_request_ids(), flight.batch.lengths
+            )
         flight.timings["wait_teacher"] = time.perf_counter() - asked  # a synchronous teacher scores inside score()
         flight.teacher.add_done_callback(lambda _: flight.timings.setdefault("teacher", time.perf_counter() - asked))
         self._next_scored = b + 1

@@ -26,6 +26,8 @@ MIN_DIGITS = 3
 MAX_DIGITS = 6
 VOCAB_SIZE = 272
 """The models' vocabulary: the tokenizer's 264 ids rounded up to a multiple of 16."""
+PAIRS_VOCAB_SIZE = 368
+"""The vocabulary with a token for every pair of digits (``digit_pairs``: another tokenizer for the same texts)."""
 HEAD_DIM = 32
 """vLLM's CPU attention needs a head dim of at least 32."""
 MAX_POSITION_EMBEDDINGS = 64
@@ -85,11 +87,12 @@ def score(prompt: str, response: str, record: dict) -> float:
     return 1.0 if text == str(record["answer"]).strip() else 0.0
 
 
-def make_tokenizer(out_dir: str | os.PathLike) -> Path:
+def make_tokenizer(out_dir: str | os.PathLike, digit_pairs: bool = False) -> Path:
     """Save a 264-id byte-level BPE tokenizer (``PreTrainedTokenizerFast``) to ``out_dir``.
 
     Its merges come from the prompt's words only, so every digit stays a token of its own. EOS is
-    ``<|endoftext|>`` (id 0), also the pad token.
+    ``<|endoftext|>`` (id 0), also the pad token. ``digit_pairs``: also a token for each pair of digits ("40"),
+    so digit strings tokenize about two digits a token (another tokenizer for the same texts).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -98,20 +101,23 @@ def make_tokenizer(out_dir: str | os.PathLike) -> Path:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=PAIRS_VOCAB_SIZE if digit_pairs else VOCAB_SIZE,
         special_tokens=[EOS_TOKEN],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator([PROMPT_TEMPLATE.format(digits="")] * 4, trainer=trainer)
-    assert len(tokenizer.encode("0123456789").ids) == 10 and tokenizer.get_vocab_size() <= VOCAB_SIZE
+    words = [PROMPT_TEMPLATE.format(digits="")] * 4
+    pairs = [f"{a}{b}" for a in range(10) for b in range(10)] if digit_pairs else []
+    tokenizer.train_from_iterator(words + pairs, trainer=trainer)
+    assert len(tokenizer.encode("0123456789").ids) == (5 if digit_pairs else 10)
+    assert tokenizer.get_vocab_size() <= (PAIRS_VOCAB_SIZE if digit_pairs else VOCAB_SIZE)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
     out = Path(out_dir)
     fast.save_pretrained(out)
     return out
 
 
-def make_model(out_dir: str | os.PathLike, size: str, seed: int) -> Path:
+def make_model(out_dir: str | os.PathLike, size: str, seed: int, digit_pairs: bool = False) -> Path:
     """Save a randomly initialised Qwen3 ``size`` model ("teacher" or "student") and the tokenizer to ``out_dir``.
 
     The folder holds config.json, model.safetensors (fp32), generation_config.json (EOS id) and the tokenizer files.
@@ -122,10 +128,10 @@ def make_model(out_dir: str | os.PathLike, size: str, seed: int) -> Path:
 
     if size not in MODEL_SIZES:
         raise ValueError(f"size must be one of {sorted(MODEL_SIZES)}, got {size!r}")
-    out = make_tokenizer(out_dir)
+    out = make_tokenizer(out_dir, digit_pairs)
     eos_id = Tokenizer.from_file(str(out / "tokenizer.json")).token_to_id(EOS_TOKEN)
     config = Qwen3Config(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=PAIRS_VOCAB_SIZE if digit_pairs else VOCAB_SIZE,
         head_dim=HEAD_DIM,
         max_position_embeddings=MAX_POSITION_EMBEDDINGS,
         rms_norm_eps=1e-6,

@@ -282,8 +282,10 @@ class LossConfig:
     """Divergence to the teacher, or ``sft``: cross-entropy on the records' ``response`` (no rollout, no teacher)."""
     beta: float = 0.5
     """Teacher weight in the JSD mixture (0: forward KL, 1: reverse KL limits)."""
-    mode: Literal["dense", "topk"] = "dense"
-    """``dense``: full teacher logit shards (colocated teacher); ``topk``: the teacher's top-k ids + log-probs."""
+    mode: Literal["dense", "topk", "sampled"] = "dense"
+    """``dense``: full teacher logit shards (colocated teacher); ``topk``: the teacher's top-k ids + log-probs;
+    ``sampled``: only the teacher's log-probability of each sampled token, the sampled reverse KL
+    (``losses.sampled``; every teacher back end can give it, also with another tokenizer)."""
     topk: int = 64
     """k for ``mode=topk``."""
     tail: Literal["bucket", "renorm", "ignore"] = "bucket"
@@ -305,6 +307,10 @@ class LossConfig:
     """The output layer fused into the divergence (``losses.fused_output``): the update's logits are formed a chunk
     of tokens at a time inside the loss and never held whole. ``auto``/``on``: every distillation loss (SFT keeps
     the output layer; ``on`` refuses it); ``off``: the output layer writes the whole logit shard first."""
+    cross_tokenizer: Literal["off", "sampled"] = "off"
+    """A teacher with another tokenizer: ``sampled`` re-tokenizes each response for the teacher, aligns the two
+    tokenizations by byte offsets and trains on the sampled reverse KL per aligned group (``loss.mode=sampled``;
+    ``megatron_opd.cross_tokenizer``). ``off``: the vocabulary check refuses a teacher with another tokenizer."""
     weighting: Literal["none", "reward", "teacher_confidence"] = "none"
     """Per-sequence weights: none, reward-weighted distillation, or TCAD teacher-confidence weights."""
     reward_fn: str | None = None
@@ -334,6 +340,29 @@ class LossConfig:
                 "loss.fused_output=on fuses the output layer into a distillation divergence; loss.kind=sft keeps the "
                 "logits: set loss.fused_output=auto or off"
             )
+        if self.mode == "sampled" and self.kind not in ("reverse_kl", "sft"):
+            raise ValueError(
+                f"loss.mode=sampled estimates the reverse KL from the student's own samples; loss.kind={self.kind} "
+                "needs the teacher's distribution: set loss.kind=reverse_kl, or loss.mode=topk/dense"
+            )
+        if self.cross_tokenizer not in ("off", "sampled"):
+            raise ValueError(f"loss.cross_tokenizer must be off or sampled, got {self.cross_tokenizer!r}")
+        if self.cross_tokenizer == "sampled" and (self.mode != "sampled" or self.kind != "reverse_kl"):
+            raise ValueError(
+                f"loss.cross_tokenizer=sampled compares aligned groups of tokens by their sampled log-probabilities: "
+                f"set loss.mode=sampled and loss.kind=reverse_kl (got loss.mode={self.mode}, loss.kind={self.kind}; "
+                "dense and top-k losses need one vocabulary)"
+            )
+        if self.cross_tokenizer == "sampled" and self.weighting == "teacher_confidence":
+            raise ValueError(
+                "loss.weighting=teacher_confidence averages the teacher's per-token log-probabilities, which a "
+                "teacher with another tokenizer gives per aligned group: use loss.weighting=none or reward"
+            )
+        if self.cross_tokenizer == "sampled" and self.fused_output == "on":
+            raise ValueError(
+                "loss.fused_output=on cannot be used with loss.cross_tokenizer=sampled yet (a group's tokens must "
+                "be in one chunk): set loss.fused_output=auto or off"
+            )
         distilling_topk = self.kind != "sft" and self.mode == "topk"
         if self.support == "union" and not distilling_topk:
             raise ValueError(
@@ -345,6 +374,17 @@ class LossConfig:
                 f"loss.coverage_weight applies to top-k distillation (got loss.kind={self.kind}, loss.mode="
                 f"{self.mode}; over the dense vocabulary it is 0): set loss.mode=topk or loss.coverage_weight=0"
             )
+
+    @property
+    def teacher_mode(self) -> Literal["dense", "topk"]:
+        """What the teacher computes: ``mode``, except ``sampled``, which needs only the log-probability at each
+        sampled token (the requested ids every teacher request carries; a top-1 comes along)."""
+        return "topk" if self.mode == "sampled" else self.mode
+
+    @property
+    def teacher_topk(self) -> int:
+        """The teacher's k: ``topk``, or 1 for ``mode=sampled``."""
+        return 1 if self.mode == "sampled" else self.topk
 
     @property
     def union_student_topk(self) -> int:
@@ -477,7 +517,7 @@ class TrainConfig:
                     "teacher.transfer=hidden needs teacher.path: the trainer loads the teacher's output layer from it "
                     "(the Hugging Face or dist_ckpt folder of the model the server runs)"
                 )
-        elif self.loss.mode != "topk":
+        elif self.loss.mode == "dense":
             raise ValueError(
                 f"teacher.backend={backend} sends the teacher's top-k, not its logits: set loss.mode=topk, or "
                 "teacher.transfer=hidden with a teacher server (exact dense distillation from its hidden states)"
@@ -512,6 +552,17 @@ class TrainConfig:
                 "teacher.transfer=hidden applies to teacher.backend=server (an in-process teacher already hands "
                 "the loss its hidden states); remove teacher.transfer"
             )
+        if self.loss.cross_tokenizer == "sampled":
+            if self.teacher.backend == "server":
+                raise ValueError(
+                    "loss.cross_tokenizer=sampled works with teacher.backend=inprocess or vllm; the teacher server "
+                    "scores one vocabulary for now"
+                )
+            if self.rollout.tool_fn:
+                raise ValueError(
+                    "loss.cross_tokenizer=sampled cannot align tool outputs yet: unset rollout.tool_fn or "
+                    "loss.cross_tokenizer"
+                )
         if self.loss.kind != "sft" and self.teacher.backend in ("server", "vllm"):
             self._validate_remote_teacher()
         elif self.loss.kind != "sft" and not self.teacher.path:

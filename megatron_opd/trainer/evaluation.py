@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megatron_opd.data.stream import PromptItem
 from megatron_opd.distributed.device import collective_device
 from megatron_opd.interfaces import RolloutBackend, SamplingParams
+from megatron_opd.losses.sampled import label_logprobs
 from megatron_opd.models.pipeline import forward_backward
 from megatron_opd.trainer.batch import TrainBatch, pack_rollouts
 from megatron_opd.trainer.config import TrainConfig
@@ -94,13 +95,24 @@ class Evaluator:
             self.teacher_batch = pack_rollouts(rollouts, pad_token_id=pad_token_id, max_len=max_len)
 
     @torch.no_grad()
-    def _divergence_sums(self, batch: TrainBatch) -> tuple[float, float]:
-        """Sum of per-token divergences over response tokens, and their count (on the reporting rank)."""
-        scores = self.teacher.score(batch.tokens, lengths=batch.lengths).result()
+    def _divergence_sums(self, batch: TrainBatch, own: bool = True) -> tuple[float, float]:
+        """Sum of per-token divergences over response tokens, and their count (on the reporting rank).
+
+        ``loss.mode=sampled`` has only the teacher's log-probability of each token: the divergence is then the
+        sampled estimate, ``log q - log p`` on the student's own samples (reverse KL) and ``log p - log q`` on the
+        teacher's (forward KL), each unbiased for samples of the model it is averaged under."""
+        sampled = self.cfg.loss.mode == "sampled"
+        request_ids = batch.teacher_request_ids()[..., :1] if sampled else None
+        scores = self.teacher.score(batch.tokens, request_ids, lengths=batch.lengths).result()
         mbs = batch.num_samples
         extra = teacher_columns(scores)
 
         def measure(logits_BSV: torch.Tensor, mb: dict):
+            if sampled:
+                logq = label_logprobs(logits_BSV, mb["labels"], vocab_size=self.vocab_size)
+                d = (logq - mb["teacher_label_logprobs"]) * (1.0 if own else -1.0)
+                mask = mb["loss_mask"] != 0
+                return logits_BSV.new_zeros(()), (float(torch.where(mask, d, 0.0).sum()), float(mask.sum()))
             d = teacher_divergence(
                 logits_BSV,
                 mb,
@@ -131,7 +143,7 @@ class Evaluator:
         if self.teacher is not None and rollouts is not None:
             own = self._divergence_sums(pack_rollouts(rollouts, pad_token_id=self.pad_token_id, max_len=self.max_len))
             if self.teacher_batch is not None:
-                teacher_fixed = self._divergence_sums(self.teacher_batch)
+                teacher_fixed = self._divergence_sums(self.teacher_batch, own=False)
         length = float(sum(rollouts.response_lengths)) if rollouts is not None else 0.0
         mine = 1.0 if _reporting_rank() else 0.0
         sums = _all_reduce(
@@ -172,6 +184,9 @@ def build_evaluator(cfg: TrainConfig, vocab, encoder, student, teacher, rollout,
     items = usable[: cfg.eval.max_prompts]
     mine = items[ps.get_data_parallel_rank() :: ps.get_data_parallel_world_size()]
     teacher_sampler = None
+    if cfg.loss.cross_tokenizer != "off":  # the teacher scores its own tokens: no per-token divergence here
+        logger.info("evaluation with loss.cross_tokenizer: accuracy only (see cross_tokenizer/* in the step metrics)")
+        teacher = None
     if teacher is not None and not hasattr(teacher, "chunks") and cfg.eval.teacher_responses:
         logger.info("eval.teacher_responses needs the teacher's weights in this job: skipped with a remote teacher")
     elif teacher is not None:

@@ -28,6 +28,7 @@ import torch
 
 from megatron_opd.losses import dense_divergence, reduce_loss, topk_divergence, union_divergence
 from megatron_opd.losses.fused_output import chunk_tokens, fused_output_loss, reduction_coefficients
+from megatron_opd.losses.sampled import label_logprobs, sampled_reverse_kl
 from megatron_opd.losses.shard_ops import chunked_logsumexp, gather_at_ids, global_argmax
 from megatron_opd.losses.vocab_parallel import make_vocab_shard
 from megatron_opd.models.output import HiddenStateOutput
@@ -182,6 +183,16 @@ def make_loss_fn(
         if cfg.kind == "sft":
             reads["target_top1"] = cols["labels"]
             per_token = sft_per_token(logits_TV, cols["labels"], vocab_size)
+        elif cfg.mode == "sampled":
+            # The teacher's top-1, where it has one in the student's vocabulary (not across tokenizers).
+            top1 = cols.get("teacher_topk_ids")
+            reads["target_top1"] = top1[..., 0] if top1 is not None else torch.full_like(cols["labels"], -1)
+            logq = label_logprobs(logits_TV, cols["labels"], vocab_size=vocab_size, temperature=cfg.student_temperature)
+            per_token, reads["divergence"] = sampled_reverse_kl(
+                logq, cols["teacher_label_logprobs"], cols.get("group_offset")
+            )
+            if monitor and cfg.student_temperature == 1.0:
+                outputs["student_lse"] = label_logit - logq.detach()
         else:
             if cfg.support == "union" and "student_topk_ids" not in cols:
                 raise ValueError(
@@ -232,7 +243,7 @@ def make_loss_fn(
                 fidelity = fidelity_sums(reads["label_lp"], mb["rollout_logprobs"], mask_BS)
             stats = StepStats(
                 loss=float(loss),
-                divergence_sum=float(torch.where(valid_BS, per_token_BS.detach(), 0.0).sum()),
+                divergence_sum=float(torch.where(valid_BS, reads.get("divergence", per_token_BS).detach(), 0.0).sum()),
                 agree_sum=float(((reads["student_top1"] == reads["target_top1"]) & valid_BS).sum()),
                 tokens=float(valid_BS.sum()),
                 nonfinite=float(not torch.isfinite(loss)),
@@ -266,6 +277,7 @@ def make_loss_fn(
         )
         per_token_BS = per_token_N.new_zeros(n).index_copy(0, index_N, per_token_N).view(b, s)
         needed = ("student_top1", "target_top1") + (("label_lp",) if "rollout_logprobs" in mb else ())
+        needed += ("divergence",) if cfg.mode == "sampled" else ()
         reads = {name: reads_T.get(name, mask_BS.new_zeros(n)).view(b, s) for name in needed}  # none: nothing trained
         return loss, per_token_BS, reads
 
@@ -277,13 +289,16 @@ def teacher_columns(scores, batch=None) -> dict[str, torch.Tensor]:
 
     With a ``batch`` holding the student's top-k ids (union support), also those ids and the teacher's
     log-probabilities at them: the reply to ``batch.teacher_request_ids()``, whose slots ``1 : 1 + k`` they are.
+    The log-probability at slot 0 (the token each position predicts) is ``teacher_label_logprobs`` (``loss.mode=
+    sampled``), and ``scores.extras`` (e.g. a cross-tokenizer batch's ``group_offset``) are columns as they are.
     """
+    columns: dict[str, torch.Tensor] = {}
+    requested = getattr(scores, "requested_logprobs", None)
     if scores.topk_ids is not None:
         columns = {"teacher_topk_ids": scores.topk_ids, "teacher_topk_logprobs": scores.topk_logprobs}
         student_ids = None if batch is None else batch.student_topk_ids
         if student_ids is not None:
             k = student_ids.shape[-1]
-            requested = scores.requested_logprobs
             if requested is None or requested.shape[-1] != 1 + k:
                 got = None if requested is None else tuple(requested.shape)
                 raise ValueError(
@@ -292,12 +307,14 @@ def teacher_columns(scores, batch=None) -> dict[str, torch.Tensor]:
                 )
             columns["student_topk_ids"] = student_ids
             columns["teacher_logprobs_at_student_ids"] = requested[..., 1:]
-        return columns
-    if scores.dense_logits is not None:
-        return {"teacher_logits": scores.dense_logits}
-    if scores.dense_hidden is not None:
-        return {"teacher_hidden": scores.dense_hidden}
-    return {}
+    elif scores.dense_logits is not None:
+        columns = {"teacher_logits": scores.dense_logits}
+    elif scores.dense_hidden is not None:
+        columns = {"teacher_hidden": scores.dense_hidden}
+    if requested is not None:
+        columns["teacher_label_logprobs"] = requested[..., 0]
+    columns.update(getattr(scores, "extras", None) or {})
+    return columns
 
 
 def global_count(mask: torch.Tensor, reduction: str) -> float:
@@ -369,5 +386,6 @@ def train_step(
 
 
 def fused_output_applies(cfg: LossConfig) -> bool:
-    """Whether the update forms its logits inside the loss (``loss.fused_output``; SFT keeps the output layer)."""
-    return cfg.kind != "sft" and cfg.fused_output != "off"
+    """Whether the update forms its logits inside the loss (``loss.fused_output``; SFT keeps the output layer, and
+    so does a cross-tokenizer loss, whose groups must not be split over chunks)."""
+    return cfg.kind != "sft" and cfg.fused_output != "off" and cfg.cross_tokenizer == "off"

@@ -33,6 +33,13 @@ class Vocabulary:
     tokenizer_dir: Path
     teacher_fingerprint: str | None = None
     """Remote teachers: the checked vocabulary's fingerprint, which every replica must serve."""
+    teacher_tokenizer: object | None = None
+    """``loss.cross_tokenizer``: the teacher's own tokenizer (None: the teacher shares the student's)."""
+
+    @property
+    def teacher_vocab_size(self) -> int:
+        """Real tokens of the teacher's vocabulary."""
+        return self.vocab_size if self.teacher_tokenizer is None else len(self.teacher_tokenizer)
 
 
 def load_vocabulary(cfg: TrainConfig) -> Vocabulary:
@@ -55,8 +62,25 @@ def load_vocabulary(cfg: TrainConfig) -> Vocabulary:
             f"student tokenizer ({student_tok_dir}) has {vocab_size} tokens but the student's embedding "
             f"(student.path={cfg.student.path}) only {student_rows} rows; they do not belong together"
         )
-    teacher_fingerprint = None
-    if cfg.loss.kind != "sft" and cfg.teacher.backend in ("server", "vllm"):
+    teacher_fingerprint, teacher_own = None, None
+    cross = cfg.loss.cross_tokenizer != "off"
+    if cross and cfg.teacher.backend == "vllm":  # the server confirms the tokenizer files against its /tokenize
+        client = remote_client(cfg)
+        try:
+            _, info = client.vocabulary()
+        finally:
+            client.close()
+        teacher_fingerprint = info.vocab_fingerprint
+        teacher_own = _teacher_tokenizer(cfg)
+    elif cross:  # another tokenizer by design: no id-by-id check, only that its ids have embedding rows
+        teacher_own = _teacher_tokenizer(cfg)
+        rows = model_architecture(cfg.teacher.path, "teacher.path").vocab_size
+        if len(teacher_own) > rows:
+            raise ValueError(
+                f"the teacher's tokenizer has {len(teacher_own)} tokens but its embedding (teacher.path="
+                f"{cfg.teacher.path}) only {rows} rows; point teacher.tokenizer at the teacher's own tokenizer"
+            )
+    elif cfg.loss.kind != "sft" and cfg.teacher.backend in ("server", "vllm"):
         # A teacher server sends its tokenizer summary at connect; a vLLM server's is read from teacher.tokenizer
         # and confirmed against its /tokenize. The same check runs on it.
         client = remote_client(cfg)
@@ -94,7 +118,9 @@ def load_vocabulary(cfg: TrainConfig) -> Vocabulary:
             "responses could never end; set rollout.stop_token_ids"
         )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
-    return Vocabulary(tokenizer, vocab_size, int(pad), tuple(sorted(stops)), student_tok_dir, teacher_fingerprint)
+    return Vocabulary(
+        tokenizer, vocab_size, int(pad), tuple(sorted(stops)), student_tok_dir, teacher_fingerprint, teacher_own
+    )
 
 
 def build_student(cfg: TrainConfig, accel: Accelerator) -> Student:
@@ -125,8 +151,8 @@ def build_teacher(
     teacher = InProcessTeacher(
         chunks,
         vocab_size=vocab_size,
-        mode=cfg.loss.mode,
-        topk=cfg.loss.topk,
+        mode=cfg.loss.teacher_mode,
+        topk=cfg.loss.teacher_topk,
         temperature=cfg.teacher.temperature,
         micro_batch_size=cfg.train.micro_batch_size,
         offload=cfg.teacher.offload,
@@ -152,7 +178,7 @@ def remote_client(cfg: TrainConfig, teacher_fingerprint: str | None = None):
 
         factory = VLLMTransportFactory(
             _teacher_tokenizer(cfg),
-            topk=cfg.loss.topk,
+            topk=cfg.loss.teacher_topk,
             embedding_rows=model_architecture(t.path, "teacher.path").vocab_size if t.path else None,
             api_key=token.decode(),
             max_batch_tokens=t.max_batch_tokens,
@@ -168,7 +194,7 @@ def remote_client(cfg: TrainConfig, teacher_fingerprint: str | None = None):
     return TeacherClient(
         addresses,
         factory,
-        topk=cfg.loss.topk,
+        topk=cfg.loss.teacher_topk,
         temperature=t.temperature,
         wire_dtype=t.wire_dtype,
         timeout_s=t.timeout_s,
@@ -274,6 +300,18 @@ def check_output_weight(full_VH: torch.Tensor, info, vocab_size: int, path: str)
             f"the output layer in teacher.path={path} is not the teacher server's ({info.model}): sums of squares "
             f"{ours:.9g} vs {sumsq}; point teacher.path at the model the server runs"
         )
+
+
+def build_retokenizer(cfg: TrainConfig, vocab: Vocabulary):
+    """``loss.cross_tokenizer=sampled``: the teacher's view of each batch (None when the tokenizers are one)."""
+    if cfg.loss.cross_tokenizer == "off" or cfg.loss.kind == "sft":
+        return None
+    from megatron_opd.cross_tokenizer.retokenize import CrossTokenizer
+    from megatron_opd.data.prompts import PromptEncoder
+
+    d = cfg.data
+    encoder = PromptEncoder(vocab.teacher_tokenizer, d.prompt_key, d.messages_key, d.response_key)
+    return CrossTokenizer(vocab.tokenizer, vocab.teacher_tokenizer, encoder, vocab.stop_token_ids)
 
 
 def max_seq_len(cfg: TrainConfig) -> int:

@@ -1,0 +1,151 @@
+"""The teacher's view of a student batch when the two tokenizers differ (``loss.cross_tokenizer=sampled``).
+
+For each sample the student's response ids are decoded to text; the teacher's prompt is built from the record with
+the teacher's own tokenizer (a chat rendered with the teacher's chat template, a ``prompt`` text encoded as is), the
+response text is tokenized by the teacher (its EOS appended where the student stopped), and the two responses are
+aligned into byte groups (:mod:`megatron_opd.cross_tokenizer.alignment`). The teacher scores its own token
+sequences (the log-probability of each of its tokens, ``request_ids`` = the next token); :meth:`CrossTokenizer.scores`
+sums them over each group and puts the group's value at every student position of the group, with the offset to
+the group's first position (``extras["group_offset"]``), which is what the sampled loss reads
+(:mod:`megatron_opd.losses.sampled`). All of it runs on the host in the data path, off the accelerator.
+
+Samples whose texts cannot be aligned (a response cut inside a multi-byte character, a teacher normaliser that
+rewrites text) are not trained on (their loss mask is cleared) and counted in the metrics. Student tokens in a
+group without teacher tokens (a special token only the student has) are not trained on either.
+
+Shape legend: ``N`` samples, ``S`` student positions, ``St`` teacher positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_opd.cross_tokenizer.alignment import (
+    Alignment,
+    Group,
+    TextMismatchError,
+    TokenBytes,
+    align,
+    alignment_stats,
+)
+from megatron_opd.interfaces import Rollouts, TeacherScores
+
+
+@dataclass
+class TeacherRequest:
+    """The teacher's token sequences for one student batch, and what maps its scores back."""
+
+    tokens: torch.Tensor
+    """``[N, St]`` teacher prompt + response ids, right-padded."""
+    request_ids: torch.Tensor
+    """``[N, St, 1]``: the token each teacher position predicts (its log-probability is what the loss needs)."""
+    lengths: list[int]
+    alignments: list[Alignment | None]
+    """Per sample; None where the texts could not be aligned."""
+    teacher_prompt_lengths: list[int]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class CrossTokenizer:
+    """Re-tokenizes student samples for a teacher with another tokenizer, and maps its scores back."""
+
+    def __init__(self, student_tokenizer, teacher_tokenizer, teacher_encoder, student_stop_ids: tuple[int, ...]):
+        self.student_bytes = TokenBytes(student_tokenizer, "student tokenizer")
+        self.teacher_bytes = TokenBytes(teacher_tokenizer, "teacher tokenizer")
+        self.teacher_tokenizer = teacher_tokenizer
+        self.teacher_encoder = teacher_encoder
+        """A ``PromptEncoder`` with the teacher's tokenizer and the run's ``data.*_key`` fields."""
+        self.student_stop_ids = set(student_stop_ids)
+        self.teacher_eos = teacher_tokenizer.eos_token_id
+        self.same_vocabulary = student_tokenizer.get_vocab() == teacher_tokenizer.get_vocab()
+        """One vocabulary: the teacher scores the student's own ids (a re-tokenization would score the canonical
+        segmentation of the text instead of the one sampled) and every token is its own group (byte groups would
+        join tokens that split a character)."""
+
+    def request(self, batch, rollouts: Rollouts, records: list[dict]) -> TeacherRequest:
+        """The teacher's sequences for ``batch`` (``records``: each prompt's record, by ``rollouts.prompt_index``).
+
+        Clears ``batch.loss_mask`` where a student token cannot be compared (see the module docstring)."""
+        sequences, alignments, prompt_lengths = [], [], []
+        for i in range(batch.num_samples):
+            p, length = batch.prompt_lengths[i], batch.lengths[i]
+            student_ids = batch.tokens[i, p:length].tolist()
+            record = records[rollouts.prompt_index[i]]
+            t_prompt = self.teacher_encoder.prompt_ids(record, where=f"sample {i}'s record (teacher tokenizer)")
+            if self.same_vocabulary:
+                t_response = list(student_ids)
+            else:
+                text = self.student_bytes.text(student_ids)
+                t_response = list(self.teacher_tokenizer(text, add_special_tokens=False)["input_ids"])
+                if student_ids and student_ids[-1] in self.student_stop_ids and self.teacher_eos is not None:
+                    t_response.append(int(self.teacher_eos))
+            try:
+                alignment = (
+                    Alignment([Group((k, k + 1), (k, k + 1)) for k in range(len(student_ids))])
+                    if self.same_vocabulary
+                    else align(student_ids, t_response, self.student_bytes, self.teacher_bytes)
+                )
+            except TextMismatchError:
+                alignment = None
+            sequences.append(t_prompt + t_response)
+            alignments.append(alignment)
+            prompt_lengths.append(len(t_prompt))
+            self._mask_uncompared(batch.loss_mask[i], p, alignment)
+        width = max(len(s) for s in sequences)
+        tokens = torch.full((len(sequences), width), self.teacher_eos or 0, dtype=torch.int64)
+        for i, seq in enumerate(sequences):
+            tokens[i, : len(seq)] = torch.tensor(seq, dtype=torch.int64)
+        next_ids = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)[..., None]
+        aligned = [a for a in alignments if a is not None]
+        stats = alignment_stats(aligned) if aligned else None
+        metrics = {
+            "cross_tokenizer/unaligned_samples": float(len(alignments) - len(aligned)),
+            "cross_tokenizer/mean_group_student_tokens": stats.mean_student_tokens if stats else 0.0,
+            "cross_tokenizer/mean_group_teacher_tokens": stats.mean_teacher_tokens if stats else 0.0,
+            "cross_tokenizer/one_to_one_share": stats.one_to_one_share if stats else 0.0,
+        }
+        return TeacherRequest(tokens, next_ids, [len(s) for s in sequences], alignments, prompt_lengths, metrics)
+
+    @staticmethod
+    def _mask_uncompared(mask_S: torch.Tensor, prompt_length: int, alignment: Alignment | None) -> None:
+        """Clear the loss mask of the student tokens nothing on the teacher's side is compared with."""
+        first = prompt_length - 1  # position predicting the first response token
+        if alignment is None:
+            mask_S[first:] = 0.0
+            return
+        for group in alignment.groups:
+            (s0, s1), (t0, t1) = group.student, group.teacher
+            if s1 > s0 and t1 == t0:
+                mask_S[first + s0 : first + s1] = 0.0
+
+    def scores(self, teacher: TeacherScores, request: TeacherRequest, batch) -> TeacherScores:
+        """The teacher's scores on the student's positions: at each position predicting a response token, the log-
+        probability of that token's group under the teacher (``requested_logprobs[..., 0]``), and in
+        ``extras["group_offset"]`` the offset back to the group's first position (0 for a 1:1 group)."""
+        n, s = batch.tokens.shape
+        group_logp = torch.zeros(n, s, 1)
+        offset = torch.zeros(n, s, dtype=torch.int64)
+        logp_NSt = teacher.requested_logprobs[..., 0].double()
+        log_ratio = []
+        for i, alignment in enumerate(request.alignments):
+            if alignment is None:
+                continue
+            first_s = batch.prompt_lengths[i] - 1
+            first_t = request.teacher_prompt_lengths[i] - 1
+            teacher_total = 0.0
+            for group in alignment.groups:
+                (s0, s1), (t0, t1) = group.student, group.teacher
+                if s1 == s0 or t1 == t0:
+                    continue
+                value = float(logp_NSt[i, first_t + t0 : first_t + t1].sum())
+                group_logp[i, first_s + s0 : first_s + s1, 0] = value
+                offset[i, first_s + s0 : first_s + s1] = -torch.arange(s1 - s0)
+                teacher_total += value
+            if batch.rollout_logprobs is not None:
+                trained = batch.loss_mask[i] != 0
+                log_ratio.append(teacher_total - float(batch.rollout_logprobs[i][trained].double().sum()))
+        request.metrics["cross_tokenizer/sequence_log_ratio"] = sum(log_ratio) / max(len(log_ratio), 1)
+        extras = {"group_offset": offset}
+        return TeacherScores(requested_logprobs=group_logp, extras=extras)

@@ -1,0 +1,85 @@
+"""The sampled reverse KL (``loss.mode=sampled``): the teacher's log-probability of each sampled token is all it needs.
+
+On-policy, the student's own samples ``y ~ q`` make ``log q(y) - log p(y)`` an unbiased per-token estimate of
+``KL(q || p)``, and ``E_q[(log q - log p) grad log q]`` is its gradient. Differentiating ``log q - log p`` itself
+would give ``E_q[grad log q] = 0``: the student would not learn. So the loss is the surrogate (slime's estimator)
+
+    sum_t w_t * sg(log q(y_t) - log p(y_t)) * log q(y_t)        (sg: stop-gradient)
+
+whose value is not a divergence but whose gradient is the estimate; the divergence reported is
+``log q(y_t) - log p(y_t)``. Every teacher back end can give ``log p(y_t)`` (a vLLM teacher included), and the
+teacher may use another tokenizer: with ``group_offset`` the estimate is taken per aligned group of tokens
+(``megatron_opd.cross_tokenizer``): ``sg(log q(group) - log p(group)) * log q(y_t)`` for each student token of the
+group, ``log q(group)`` the sum over its student tokens and ``log p(group)`` over its teacher tokens.
+
+``log q(y_t)`` comes from the shard statistics alone (two all-reduces of ``[T]``); its backward needs no
+communication. Shape legend: ``T`` tokens (any leading shape), ``V`` this rank's vocabulary columns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_opd.losses.shard_ops import gather_at_ids, global_logsumexp, valid_logits
+from megatron_opd.losses.vocab_parallel import VocabShard, make_vocab_shard
+
+
+class _LabelLogprob(torch.autograd.Function):
+    """``log softmax(logits / T)`` at the labels over the whole (sharded, unpadded) vocabulary."""
+
+    @staticmethod
+    def forward(ctx, logits_TV, labels_T, shard: VocabShard, inv_temperature: float):
+        z_TV = valid_logits(logits_TV, shard)
+        z_TV = z_TV * inv_temperature if inv_temperature != 1.0 else z_TV
+        lse_T = global_logsumexp(z_TV, shard)
+        label_T = gather_at_ids(z_TV, labels_T[:, None], shard)[:, 0]
+        ctx.save_for_backward(z_TV, labels_T, lse_T)
+        ctx.shard, ctx.inv_temperature, ctx.dtype = shard, inv_temperature, logits_TV.dtype
+        return label_T - lse_T
+
+    @staticmethod
+    def backward(ctx, grad_T):
+        z_TV, labels_T, lse_T = ctx.saved_tensors
+        grad_TV = torch.exp(z_TV - lse_T[:, None]).mul_(-grad_T[:, None])  # padding columns: exp(-inf) = 0
+        local_T = labels_T - ctx.shard.start
+        owned_T = (local_T >= 0) & (local_T < ctx.shard.valid_width)
+        rows_T = torch.arange(grad_TV.shape[0], device=grad_TV.device)
+        grad_TV[rows_T[owned_T], local_T[owned_T]] += grad_T[owned_T]
+        return grad_TV.mul_(ctx.inv_temperature).to(ctx.dtype), None, None, None
+
+
+def label_logprobs(
+    logits_TV: torch.Tensor, labels_T: torch.Tensor, *, vocab_size: int | None, temperature: float = 1.0
+) -> torch.Tensor:
+    """``log q(label)`` per token at ``temperature`` (differentiable; vocab-parallel over Megatron's TP group)."""
+    shard = make_vocab_shard(logits_TV.shape[-1], None, vocab_size)
+    lead = labels_T.shape
+    flat_TV, flat_T = logits_TV.reshape(-1, logits_TV.shape[-1]), labels_T.reshape(-1).to(torch.int64)
+    return _LabelLogprob.apply(flat_TV, flat_T, shard, 1.0 / temperature).view(lead)
+
+
+def group_sums(values_T: torch.Tensor, group_offset_T: torch.Tensor | None) -> torch.Tensor:
+    """Each token's group total: ``values`` summed over the tokens whose ``position + group_offset`` (the group's
+    first position, in the same flattened layout) is the same; ``None``: every token its own group."""
+    if group_offset_T is None:
+        return values_T
+    flat_T, shape = values_T.reshape(-1), values_T.shape
+    first_T = torch.arange(flat_T.numel(), device=flat_T.device) + group_offset_T.reshape(-1).to(torch.int64)
+    totals = torch.zeros_like(flat_T).index_add_(0, first_T, flat_T)
+    return totals[first_T].view(shape)
+
+
+def sampled_reverse_kl(
+    logq_T: torch.Tensor, teacher_logp_T: torch.Tensor, group_offset_T: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(surrogate_T, divergence_T)``: the per-token loss whose gradient is the sampled estimate of
+    ``grad KL(q || p)``, and the estimate itself (a group's ``log q - log p`` spread over its student tokens in
+    proportion to each token's share: they sum to the group's). ``teacher_logp_T``: ``log p`` of each token, or with
+    ``group_offset_T`` of its group (the same value at every token of a group)."""
+    logq_group_T = group_sums(logq_T.detach(), group_offset_T)
+    advantage_T = logq_group_T - teacher_logp_T.to(logq_T.dtype)
+    surrogate_T = advantage_T * logq_T
+    if group_offset_T is None:
+        return surrogate_T, advantage_T
+    size_T = group_sums(torch.ones_like(logq_T.detach()), group_offset_T)
+    return surrogate_T, advantage_T / size_T

@@ -1,0 +1,157 @@
+"""The sampled reverse KL (``loss.mode=sampled``) and its per-group form across tokenizers, against float64.
+
+The surrogate ``sg(log q - log p) * log q`` per token (or per aligned group): its value, its gradient (which must be
+``(log q - log p) grad log q``, not the zero-mean gradient of ``log q - log p``), vocab-parallel at TP=2, through the
+trainer's loss function with and without the fused output layer, and the group form with 1:1 groups equal to the
+per-token one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_opd.losses.sampled import group_sums, label_logprobs, sampled_reverse_kl
+from megatron_opd.testing.multiprocess import run_distributed
+from megatron_opd.trainer.config import LossConfig
+from megatron_opd.trainer.objective import make_loss_fn
+
+T, V, VOCAB = 11, 24, 21  # V - VOCAB padded columns never enter
+
+
+def _inputs(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T, V, generator=g, dtype=torch.float64) * 2
+    labels = torch.randint(0, VOCAB, (T,), generator=g)
+    teacher = -torch.rand(T, generator=g, dtype=torch.float64) * 4
+    return logits, labels, teacher
+
+
+def _reference(logits, labels, teacher, temperature, offset=None):
+    """float64: the loss sum and its gradient, from ``log_softmax`` and the defining formula."""
+    x = logits.detach().clone().requires_grad_()
+    logq = torch.log_softmax(x[:, :VOCAB] / temperature, dim=-1).gather(-1, labels[:, None])[:, 0]
+    logq_group = logq if offset is None else torch.stack([logq[i + int(offset[i]) : i + 1].sum() for i in range(T)])
+    if offset is not None:  # each token's group: its first token and every later token with the same first
+        first = torch.arange(T) + offset
+        logq_group = torch.stack([logq[first == first[i]].sum() for i in range(T)])
+    loss = ((logq_group - teacher).detach() * logq).sum()
+    (grad,) = torch.autograd.grad(loss, x)
+    return float(loss.detach()), grad
+
+
+@pytest.mark.parametrize("temperature", [1.0, 1.7])
+def test_value_and_gradient_against_float64(temperature):
+    logits, labels, teacher = _inputs()
+    x = logits.clone().requires_grad_()
+    logq = label_logprobs(x, labels, vocab_size=VOCAB, temperature=temperature)
+    surrogate, divergence = sampled_reverse_kl(logq, teacher)
+    surrogate.sum().backward()
+    ref_loss, ref_grad = _reference(logits, labels, teacher, temperature)
+    assert float(surrogate.sum().detach()) == pytest.approx(ref_loss, rel=1e-12)
+    torch.testing.assert_close(x.grad, ref_grad, rtol=1e-10, atol=1e-12)
+    assert x.grad[:, VOCAB:].abs().max() == 0  # padded columns get nothing
+    torch.testing.assert_close(divergence, logq.detach() - teacher)
+    # Not the gradient of log q - log p, whose expectation under q is zero: the student would not learn.
+    naive = logits.clone().requires_grad_()
+    (label_logprobs(naive, labels, vocab_size=VOCAB, temperature=temperature) - teacher).sum().backward()
+    assert (naive.grad - x.grad).abs().max() > 1e-3
+    assert torch.autograd.gradcheck(
+        lambda z: label_logprobs(z, labels, vocab_size=VOCAB, temperature=temperature),
+        (logits.clone().requires_grad_(),),
+    )
+
+
+def test_groups_sum_log_q_over_their_tokens():
+    logits, labels, teacher = _inputs(1)
+    offset = torch.tensor([0, -1, -2, 0, 0, -1, 0, -1, -2, -3, 0])  # groups {0,1,2} {3} {4,5} {6..9} {10}
+    assert group_sums(torch.ones(T), offset).tolist() == [3, 3, 3, 1, 2, 2, 4, 4, 4, 4, 1]
+    teacher = teacher[torch.arange(T) + offset]  # a group's log p at each of its tokens
+    x = logits.clone().requires_grad_()
+    logq = label_logprobs(x, labels, vocab_size=VOCAB)
+    surrogate, divergence = sampled_reverse_kl(logq, teacher, offset)
+    surrogate.sum().backward()
+    ref_loss, ref_grad = _reference(logits, labels, teacher, 1.0, offset)
+    assert float(surrogate.sum().detach()) == pytest.approx(ref_loss, rel=1e-12)
+    torch.testing.assert_close(x.grad, ref_grad, rtol=1e-10, atol=1e-12)
+    # The divergence of a group is spread over its tokens: they sum to log q(group) - log p(group).
+    assert float(divergence[:3].sum()) == pytest.approx(float(logq[:3].sum() - teacher[0]), rel=1e-12)
+
+
+def _tp2_body(temperature: float):
+    import torch.distributed as dist
+
+    from megatron_opd.distributed import ParallelConfig, initialize_distributed
+
+    initialize_distributed(ParallelConfig(tensor_model_parallel_size=2))
+    logits, labels, teacher = _inputs()
+    rank, width = dist.get_rank(), V // 2
+    x = logits[:, rank * width : (rank + 1) * width].clone().requires_grad_()
+    surrogate, _ = sampled_reverse_kl(label_logprobs(x, labels, vocab_size=VOCAB, temperature=temperature), teacher)
+    surrogate.sum().backward()
+    return float(surrogate.sum()), x.grad
+
+
+@pytest.mark.parametrize("temperature", [1.0, 1.7])
+def test_tp2_shards_give_the_tp1_value_and_gradient(temperature):
+    (loss0, grad0), (loss1, grad1) = run_distributed(_tp2_body, 2, args=(temperature,))
+    ref_loss, ref_grad = _reference(*_inputs(), temperature)
+    assert loss0 == loss1 == pytest.approx(ref_loss, rel=1e-12)
+    torch.testing.assert_close(torch.cat([grad0, grad1], dim=1), ref_grad, rtol=1e-10, atol=1e-12)
+
+
+class _Switch:
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_trainers_loss_with_tokens_and_with_one_to_one_groups(fused):
+    """``loss.mode=sampled`` through ``make_loss_fn`` (fp32, with and without the fused output layer) against the
+    float64 formula; the cross-tokenizer form with every group 1:1 gives the same loss and gradients (≤ 1e-6)."""
+    g = torch.Generator().manual_seed(5)
+    b, s, h = 2, 6, 8
+    hidden = torch.randn(b, s, h, generator=g, requires_grad=True)
+    weight = torch.randn(V, h, generator=g, requires_grad=True)
+    mask = torch.ones(b, s)
+    mask[1, :2] = 0
+    mb = {"loss_mask": mask, "labels": torch.randint(0, VOCAB, (b, s), generator=g), "seq_weights": torch.ones(b),
+          "teacher_label_logprobs": -torch.rand(b, s, generator=g) * 3}  # fmt: skip
+    common = dict(vocab_size=VOCAB, teacher_temperature=1.0, normalizer=float(mask.sum()), scale=1.0)
+    results = []
+    for cross in ("off", "sampled"):
+        hidden.grad = weight.grad = None
+        cfg = LossConfig(kind="reverse_kl", mode="sampled", cross_tokenizer=cross, chunk_size=4)
+        cols = dict(mb, group_offset=torch.zeros(b, s, dtype=torch.int64)) if cross == "sampled" else mb
+        if fused:
+            loss, stats = make_loss_fn(cfg, output=_Switch(weight), **common)(hidden, cols)
+        else:
+            loss, stats = make_loss_fn(cfg, **common)(hidden @ weight.t(), cols)
+        loss.backward()
+        results.append((float(loss), hidden.grad.clone(), weight.grad.clone(), stats))
+    (loss, gh, gw, stats), (loss_x, gh_x, gw_x, _) = results
+    assert loss_x == pytest.approx(loss, rel=1e-6)
+    torch.testing.assert_close(gh_x, gh, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(gw_x, gw, rtol=1e-6, atol=1e-7)
+    # float64 reference of the token-mean surrogate and its hidden-state gradient
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double()
+    logq = torch.log_softmax((h64 @ w64.t())[..., :VOCAB], -1).gather(-1, mb["labels"][..., None])[..., 0]
+    ref = (((logq - mb["teacher_label_logprobs"].double()).detach() * logq) * mask).sum() / mask.sum()
+    ref.backward()
+    assert loss == pytest.approx(float(ref), rel=1e-5)
+    torch.testing.assert_close(gh.double(), h64.grad, rtol=1e-4, atol=1e-6)
+    divergence = float(((logq - mb["teacher_label_logprobs"].double()) * mask).sum())
+    assert stats.divergence_sum == pytest.approx(divergence, rel=1e-5)  # the estimate, not the surrogate
+
+
+def test_config_refusals():
+    with pytest.raises(ValueError, match="loss.mode=sampled estimates the reverse KL"):
+        LossConfig(kind="forward_kl", mode="sampled")
+    with pytest.raises(ValueError, match="set loss.mode=sampled and loss.kind=reverse_kl"):
+        LossConfig(mode="topk", cross_tokenizer="sampled")
+    with pytest.raises(ValueError, match="loss.fused_output=on cannot be used with loss.cross_tokenizer"):
+        LossConfig(mode="sampled", cross_tokenizer="sampled", fused_output="on")
+    with pytest.raises(ValueError, match="loss.weighting=teacher_confidence averages the teacher's per-token"):
+        LossConfig(mode="sampled", cross_tokenizer="sampled", weighting="teacher_confidence")
+    cfg = LossConfig(mode="sampled")
+    assert (cfg.teacher_mode, cfg.teacher_topk) == ("topk", 1)
