@@ -321,13 +321,6 @@ def write_converted_tokenizer(folder: str | os.PathLike, dest: str | os.PathLike
     return fmt
 
 
-def reference_ids(model_file: str | os.PathLike, text: str, *, bos_id: int | None = None) -> list[int]:
-    """``text``'s ids from sentencepiece / tiktoken themselves (tiktoken with Llama 3's split pattern)."""
-    model_file = Path(model_file)
-    encode = _reference_encoder(model_file, tokenizer_model_format(model_file))
-    return ([bos_id] if bos_id is not None else []) + encode(text)
-
-
 def _reference_encoder(model_file: Path, fmt: TokenizerModelFormat) -> Callable[[str], list[int]]:
     if fmt == "sentencepiece":
         import sentencepiece

@@ -24,14 +24,13 @@ from megatron_opd.config import parse_args, to_dict
 from megatron_opd.data.prompts import PromptEncoder, load_prompts
 from megatron_opd.data.stream import PromptStream
 from megatron_opd.distributed import destroy_distributed, initialize_distributed
+from megatron_opd.faults import fault_point, hold_point
 from megatron_opd.fused_libraries import log_fused_libraries
 from megatron_opd.rollout.fidelity import RolloutMismatchError, check_step, fidelity_metrics, startup_check
 from megatron_opd.trainer.batch import pack_sft
 from megatron_opd.trainer.checkpointing import (
     CheckpointManager,
     PreemptionGuard,
-    fault_point,
-    hold_point,
     reseed_rng,
     set_rng_state,
     sharded_rng_state,

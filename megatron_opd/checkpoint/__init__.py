@@ -1,6 +1,6 @@
 """Checkpoint conversion between Hugging Face safetensors and Megatron-Core ``dist_ckpt``, streamed tensor by tensor."""
 
-from megatron_opd.checkpoint.atomic import OutputExistsError, atomic_output_dir
+from megatron_opd.checkpoint.atomic import OutputExistsError
 from megatron_opd.checkpoint.hf_to_mcore import ConversionResult, convert_hf_to_mcore
 from megatron_opd.checkpoint.layout import CheckpointLayout, checkpoint_layout
 from megatron_opd.checkpoint.mcore_io import load_model_checkpoint
@@ -12,7 +12,6 @@ __all__ = [
     "ConversionResult",
     "LogitsComparison",
     "OutputExistsError",
-    "atomic_output_dir",
     "checkpoint_layout",
     "convert_hf_to_mcore",
     "convert_mcore_to_hf",

@@ -7,12 +7,11 @@ previous checkpoint when ``--force`` was given) and the staging folder is remove
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 
@@ -82,20 +81,3 @@ def commit_staging_dir(staging: Path, out_dir: str | os.PathLike, force: bool) -
 
 def discard_staging_dir(staging: Path) -> None:
     shutil.rmtree(staging, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def atomic_output_dir(out_dir: str | os.PathLike, force: bool = False) -> Iterator[Path]:
-    """Yield a staging folder; on success it becomes ``out_dir``, on any error it is removed."""
-    check_destination(out_dir, force)
-    staging = make_staging_dir(out_dir)
-    try:
-        yield staging
-    except BaseException:
-        discard_staging_dir(staging)
-        raise
-    try:
-        commit_staging_dir(staging, out_dir, force)
-    except BaseException:
-        discard_staging_dir(staging)
-        raise

@@ -3,8 +3,7 @@
 Megatron-Core assumes CUDA in a handful of spots. On a machine without CUDA (tests, the quick start,
 CI) :func:`apply_cpu_patches` redirects them to the CPU; it is a no-op when CUDA is available, and
 nothing else in megatron-opd patches Megatron. Each patch is covered by a test that fails without it
-(``tests/test_cpu_compat.py``). Measured against megatron-core 0.16.1 and 0.19.2; see
-``shared/notes/megatron-cpu.md`` for the survey these come from.
+(``tests/test_cpu_compat.py``). Measured against megatron-core 0.16.1 and 0.19.2.
 
 Patches (all idempotent):
 

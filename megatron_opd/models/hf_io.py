@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -197,10 +196,6 @@ class HFCheckpointWriter:
         self._pending[name] = tensor.detach().contiguous()
         self._pending_bytes += size
         self._total_bytes += size
-
-    def add_many(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
-        for name, tensor in items:
-            self.add(name, tensor)
 
     def _flush(self) -> None:
         if not self._pending:

@@ -112,7 +112,7 @@ class VLLMRollout:
     # ---- engine life cycle (the engine lives on rank 0; every rank builds its side of the transfer) -------------
     def _start_engine(self) -> None:
         """(Re)start the engine on rank 0 and form the transfer; collective. The new engine holds no version."""
-        from megatron_opd.testing.multiprocess import find_free_port
+        from megatron_opd.distributed.ports import find_free_port
 
         error, port, workers = None, None, 1
         if self.rank == 0:
@@ -181,7 +181,7 @@ class VLLMRollout:
     # ---- weight sync --------------------------------------------------------------------------------------------
     def _send(self, policy_version: int) -> str | None:
         """One sync attempt on every rank; the sender's error text (None on success), known to every rank."""
-        from megatron_opd.trainer.checkpointing import fault_point
+        from megatron_opd.faults import fault_point
 
         error = None
         if self.rank == 0:

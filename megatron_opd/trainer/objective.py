@@ -116,8 +116,8 @@ def teacher_divergence(
     ``loss.support=union`` uses the union support where ``mb`` holds the student's ids; without them (evaluation,
     whose teacher request carries none) the support is the teacher's top-k. ``loss.coverage_weight`` adds TCAD's
     coverage term in either case. No input validation: the in-process teacher's top-k is valid by construction, and
-    a NaN/inf loss is caught once per step by the trainer (which names the step) instead of by a host sync per
-    micro-batch. ``outputs``: receives the loss pass's per-token statistics (``dense_divergence``).
+    a NaN/inf loss shows in the step statistics the loss function reads anyway (``StepStats.nonfinite``), on which
+    the trainer stops the step and names it. ``outputs``: receives the loss pass's per-token statistics (``dense_divergence``).
     ``teacher_weight``: the in-process teacher's output-weight shard, when ``mb`` holds its hidden states
     (``teacher_hidden``) rather than its logits.
     """
