@@ -73,7 +73,7 @@ def _describe(added: tuple[str, bool] | None) -> str:
     return "absent" if added is None else f"{added[0]!r} (special={added[1]})"
 
 
-def _check_rows(tokenizer_size: int, rows: int, role: str, name: str) -> None:
+def check_rows(tokenizer_size: int, rows: int, role: str, name: str) -> None:
     if rows < tokenizer_size:
         raise VocabularyMismatchError(
             f"{role} {name!r} has an embedding of {rows} rows but its tokenizer has {tokenizer_size} tokens, so "
@@ -97,8 +97,8 @@ def check_vocab(
     the student's template and both models score the same ids.
     """
     t_size, s_size = len(teacher_tokenizer), len(student_tokenizer)
-    _check_rows(t_size, teacher_embedding_rows, "teacher", teacher_name)
-    _check_rows(s_size, student_embedding_rows, "student", student_name)
+    check_rows(t_size, teacher_embedding_rows, "teacher", teacher_name)
+    check_rows(s_size, student_embedding_rows, "student", student_name)
     if t_size != s_size:
         raise VocabularyMismatchError(
             f"teacher {teacher_name!r} has {t_size} tokens and student {student_name!r} has {s_size}; {_SAME_FAMILY}"

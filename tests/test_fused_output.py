@@ -180,6 +180,7 @@ def _switch_body(layout: dict, dirs: dict[str, str], packed: bool):
     from megatron.core import parallel_state as ps
 
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
+    from megatron_opd.interfaces import TeacherScores
     from megatron_opd.models.output import HiddenStateOutput
     from megatron_opd.models.pipeline import forward_backward
     from megatron_opd.models.source import build_and_load
@@ -230,8 +231,7 @@ def _switch_body(layout: dict, dirs: dict[str, str], packed: bool):
         logits = chunks[-1](batch.tokens[:2, :8], torch.arange(8)[None].expand(2, 8), None) if one_stage else None
         # Two training steps, fused against today's path.
         losses = {}
-        scores = type("Scores", (), {"topk_ids": columns["teacher_topk_ids"],
-                                     "topk_logprobs": columns["teacher_topk_logprobs"]})()  # fmt: skip
+        scores = TeacherScores(topk_ids=columns["teacher_topk_ids"], topk_logprobs=columns["teacher_topk_logprobs"])
         for fused_output in ("off", "on"):
             cfg_step = LossConfig(kind="jsd", mode="topk", topk=8, beta=0.3, fused_output=fused_output)
             losses[fused_output] = step_losses(hf_dir, parallel, batch, scores, cfg_step, vocab, packed, 2)

@@ -20,6 +20,7 @@ from megatron_opd.interfaces import TeacherBackend, TeacherScores
 from megatron_opd.losses.fused_output import chunk_tokens
 from megatron_opd.losses.shard_ops import logprobs_at
 from megatron_opd.losses.vocab_parallel import make_vocab_shard
+from megatron_opd.teacher.shared import LazyFuture
 
 
 class HiddenStateTeacher:
@@ -75,18 +76,13 @@ class HiddenStateTeacher:
         return torch.cat(parts).view(n, s, -1)
 
 
-class _Resolved(Future):
-    """Resolved on ``result()``: the inner future's result may itself be a collective (``GroupSharedTeacher``),
-    so every rank of the group calls it, in order."""
+class _Resolved(LazyFuture):
+    """The inner future's scores completed on ``result()``: that result may itself be a collective
+    (``GroupSharedTeacher``), and forming the requested log-probabilities is one."""
 
     def __init__(self, teacher: HiddenStateTeacher, inner: Future, request_ids: torch.Tensor | None) -> None:
         super().__init__()
         self._teacher, self._inner, self._request_ids = teacher, inner, request_ids
 
-    def result(self, timeout: float | None = None) -> TeacherScores:
-        if not self.done():
-            try:
-                self.set_result(self._teacher.complete(self._inner.result(timeout), self._request_ids))
-            except BaseException as err:  # noqa: BLE001 - surfaced by super().result()
-                self.set_exception(err)
-        return super().result()
+    def _resolve(self, timeout: float | None) -> TeacherScores:
+        return self._teacher.complete(self._inner.result(timeout), self._request_ids)

@@ -364,8 +364,7 @@ class TeacherServer:
         t0 = time.perf_counter()
         transfer = batch[0].request.transfer
         try:
-            kwargs = {"transfer": transfer} if transfer != "topk" else {}  # scorers without hidden states take none
-            scores = self.scorer.score(tokens, request_ids, k, batch[0].request.temperature, lengths, **kwargs)
+            scores = self.scorer.score(tokens, request_ids, k, batch[0].request.temperature, lengths, transfer)
         except Exception as err:
             for p in batch:
                 self._error(p.identity, p.request_id, wire.ErrorCode.INTERNAL, f"scoring failed: {err}")

@@ -18,22 +18,30 @@ from megatron_opd.interfaces import TeacherBackend, TeacherScores, completed
 from megatron_opd.teacher.transport import TeacherError
 
 
-class _BroadcastFuture(Future):
+class LazyFuture(Future):
+    """A future resolved by its first ``result()`` call (``_resolve``), for results that are collectives: every
+    rank of the group calls ``result()``, in order, and every rank raises the same error."""
+
+    def result(self, timeout: float | None = None) -> TeacherScores:
+        if not self.done():
+            try:
+                self.set_result(self._resolve(timeout))
+            except BaseException as err:  # noqa: BLE001 - surfaced by super().result()
+                self.set_exception(err)
+        return super().result()
+
+    def _resolve(self, timeout: float | None) -> TeacherScores:
+        raise NotImplementedError
+
+
+class _BroadcastFuture(LazyFuture):
     """A future whose ``result()`` broadcasts the source rank's scores: every rank of the group must call it, in order."""
 
     def __init__(self, inner: Future | None, group, src: int, device: torch.device) -> None:
         super().__init__()
         self._inner, self._group, self._src, self._device = inner, group, src, device
 
-    def result(self, timeout: float | None = None) -> TeacherScores:
-        if not self.done():
-            try:
-                self.set_result(self._share(timeout))
-            except BaseException as err:  # noqa: BLE001 - every rank raises the source's error
-                self.set_exception(err)
-        return super().result()
-
-    def _share(self, timeout: float | None) -> TeacherScores:
+    def _resolve(self, timeout: float | None) -> TeacherScores:
         device = self._device
         error, scores, failure = "", None, None
         if self._inner is not None:

@@ -80,10 +80,10 @@ class SlowToyScorer(ToyScorer):
         super().__init__()
         self.delay_s = delay_s
 
-    def score(self, tokens_NS, request_ids_NSR, k: int, temperature: float, lengths=None, **kwargs) -> TeacherScores:
+    def score(self, tokens_NS, request_ids_NSR, k: int, temperature: float, lengths=None, transfer="topk"):
         print("scoring", flush=True)
         time.sleep(self.delay_s)
-        return super().score(tokens_NS, request_ids_NSR, k, temperature, lengths, **kwargs)
+        return super().score(tokens_NS, request_ids_NSR, k, temperature, lengths, transfer)
 
 
 def toy_tokenizer_summary(vocab: int, tag: str = "") -> dict:

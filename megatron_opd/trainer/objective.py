@@ -293,7 +293,7 @@ def teacher_columns(scores, batch=None) -> dict[str, torch.Tensor]:
     sampled``), and ``scores.extras`` (e.g. a cross-tokenizer batch's ``group_offset``) are columns as they are.
     """
     columns: dict[str, torch.Tensor] = {}
-    requested = getattr(scores, "requested_logprobs", None)
+    requested = scores.requested_logprobs
     if scores.topk_ids is not None:
         columns = {"teacher_topk_ids": scores.topk_ids, "teacher_topk_logprobs": scores.topk_logprobs}
         student_ids = None if batch is None else batch.student_topk_ids
@@ -313,7 +313,7 @@ def teacher_columns(scores, batch=None) -> dict[str, torch.Tensor]:
         columns = {"teacher_hidden": scores.dense_hidden}
     if requested is not None:
         columns["teacher_label_logprobs"] = requested[..., 0]
-    columns.update(getattr(scores, "extras", None) or {})
+    columns.update(scores.extras)
     return columns
 
 

@@ -49,7 +49,7 @@ def load_vocabulary(cfg: TrainConfig) -> Vocabulary:
     ``tokenizer.model`` (converted so it tokenizes exactly as sentencepiece / tiktoken do).
     """
     from megatron_opd.tokenizer import load_tokenizer
-    from megatron_opd.vocab import check_vocab, eos_token_ids, tokenizer_dir
+    from megatron_opd.vocab import check_rows, check_vocab, eos_token_ids, tokenizer_dir
 
     student_tok_dir = (
         Path(cfg.student.tokenizer) if cfg.student.tokenizer else tokenizer_dir(cfg.student.path, "student.path")
@@ -75,11 +75,7 @@ def load_vocabulary(cfg: TrainConfig) -> Vocabulary:
     elif cross:  # another tokenizer by design: no id-by-id check, only that its ids have embedding rows
         teacher_own = _teacher_tokenizer(cfg)
         rows = model_architecture(cfg.teacher.path, "teacher.path").vocab_size
-        if len(teacher_own) > rows:
-            raise ValueError(
-                f"the teacher's tokenizer has {len(teacher_own)} tokens but its embedding (teacher.path="
-                f"{cfg.teacher.path}) only {rows} rows; point teacher.tokenizer at the teacher's own tokenizer"
-            )
+        check_rows(len(teacher_own), rows, "teacher", f"teacher.path={cfg.teacher.path}")
     elif cfg.loss.kind != "sft" and cfg.teacher.backend in ("server", "vllm"):
         # A teacher server sends its tokenizer summary at connect; a vLLM server's is read from teacher.tokenizer
         # and confirmed against its /tokenize. The same check runs on it.
