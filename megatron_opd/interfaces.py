@@ -148,12 +148,22 @@ class TeacherScores:
 class RolloutBackend(Protocol):
     """Samples responses from the student's current weights."""
 
+    asynchronous: bool
+    """Whether rollouts run outside the trainer's ranks, so they can overlap the update (the scheduler's
+    one- and two-step-off modes need it)."""
+    policy_version: int
+    """The optimizer steps applied to the weights that sample now."""
+
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams, n: int) -> Future[Rollouts]:
         """Sample ``n`` responses per prompt; the future resolves to ``Rollouts`` (samples of a prompt adjacent)."""
         ...
 
     def sync_weights(self, policy_version: int) -> None:
         """Make the next rollouts use the trainer's weights after optimizer step ``policy_version``."""
+        ...
+
+    def close(self) -> None:
+        """Release what the back end started (an engine process); the trainer calls it once, at the end."""
         ...
 
 

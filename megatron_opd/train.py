@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -154,8 +155,6 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     cfg.validate()
     accel = initialize_distributed(cfg.parallel, None if cfg.device == "auto" else cfg.device, seed=cfg.seed)
     log_fused_libraries(cfg.build.use_transformer_engine, attention=cfg.build.attention)
-    from megatron.core import parallel_state as ps
-
     rank, sft = dist.get_rank(), cfg.loss.kind == "sft"
     ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep_last)
     ckpt.acquire_lock()
@@ -169,24 +168,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     encoder = PromptEncoder(vocab.tokenizer, cfg.data.prompt_key, cfg.data.messages_key, cfg.data.response_key)
     prompt_room = seq_len - 1 if sft else seq_len - cfg.rollout.max_new_tokens
     data = build_data(cfg, encoder, cfg.data.train_files, "data.train_files", prompt_room, cfg.train.prompts_per_step)
-    if not sft:
-        from megatron_opd.scheduler import build_scheduler
-
-        dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        scheduler = build_scheduler(
-            cfg.scheduler.mode,
-            rollout,
-            teacher,
-            sampling=sampling_params(cfg, vocab),
-            n=cfg.rollout.n,
-            data=data,
-            seed_for=lambda b: cfg.seed * 1_000_003 + b * dp_size + dp_rank,  # batch b's sampling seed
-            pad_token_id=vocab.pad_token_id,
-            max_len=seq_len,
-            student_topk=cfg.loss.union_student_topk,  # loss.support=union: the rollout records the student's ids
-            total_steps=cfg.train.steps,
-            retokenizer=build_retokenizer(cfg, vocab),  # a teacher with another tokenizer scores its own tokens
-        )
+    scheduler = None if sft else rollout_scheduler(cfg, vocab, rollout, teacher, data, seq_len)
     evaluator = build_evaluator(cfg, vocab, encoder, student, teacher, rollout, prompt_room, seq_len)
     reward_fn = import_function(cfg.loss.reward_fn, "loss.reward_fn") if cfg.loss.weighting == "reward" else None
 
@@ -196,130 +178,186 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     if not sft and cfg.rollout.backend == "vllm" and cfg.rollout.startup_check:
         diffs = startup_check(rollout, student.chunks, vocab.vocab_size, max_logprob_diff, seq_len)
         logger.info("rollout start-up check passed: %s", ", ".join(f"{k} {v:.2g}" for k, v in diffs.items()))
-    metrics = MetricsLogger(
-        cfg.logging,
-        cfg.output_dir,
-        rank=rank,
-        total_steps=cfg.train.steps,
-        start_step=start_step,
-        run_config=to_dict(cfg),
-    )
+    metrics = MetricsLogger(cfg.logging, cfg.output_dir, rank=rank, total_steps=cfg.train.steps,
+                            start_step=start_step, run_config=to_dict(cfg))  # fmt: skip
     audit = open(Path(cfg.output_dir) / "batches.jsonl", "a") if rank == 0 and not sft else None
     guard = PreemptionGuard()
-    dp_size = ps.get_data_parallel_world_size()
-    last_eval: dict[str, float] = {}
-    if evaluator is not None and start_step == 0:
-        last_eval = evaluator.run()
-        metrics.log(0, last_eval, advance=False)
-        metrics.write("eval before training: " + _fmt(last_eval))
+    last_eval = evaluate(evaluator, metrics, 0) if start_step == 0 else {}
 
     # ---- the loop ----------------------------------------------------------------------------------------------
     step, saved_step = start_step, start_step
-    while step < cfg.train.steps:
-        t_start = time.perf_counter()
-        scores, timings, batch_metrics = None, {}, {}
-        if sft:
-            items = data.next_batch()
-            responses = [encoder.response_ids(it.record, where=f"record {it.index}") for it in items]
-            batch = pack_sft(
-                [it.prompt_ids for it in items], responses, pad_token_id=vocab.pad_token_id, max_len=seq_len
-            )
-            staleness, response_tokens, tool_tokens = 0, sum(len(r) for r in responses), 0
-        else:
-            scored = scheduler.next_batch(step)  # batch `step`: sampled, scored; rollouts ahead per scheduler.mode
-            items, batch, scores, timings = scored.items, scored.batch, scored.scores, dict(scored.timings)
-            batch_metrics = scored.metrics  # the data path's figures (cross_tokenizer/*)
-            staleness, response_tokens = scored.staleness, sum(scored.rollouts.response_lengths)
-            tool_tokens = sum(int((m == 0).sum()) for m in scored.rollouts.response_mask)  # never in the loss
-            batch.seq_weights = sequence_weights(cfg.loss, scored, items, encoder, vocab.tokenizer, reward_fn)
+    try:
+        while step < cfg.train.steps:
+            t_start = time.perf_counter()
+            if sft:
+                work = sft_batch(data, encoder, vocab.pad_token_id, seq_len)
+            else:  # batch `step`: sampled and scored; rollouts run ahead per scheduler.mode
+                work = scored_batch(scheduler.next_batch(step), cfg, encoder, vocab.tokenizer, reward_fn)
+            t_update = time.perf_counter()
+            result = update(student, work, cfg, vocab.vocab_size, max_logprob_diff, step, ckpt)
+            step += 1
+            t_sync = time.perf_counter()
+            work.timings["update"] = t_sync - t_update
+            rollout.sync_weights(step)  # policy version = optimizer steps applied (waits for rollouts in flight)
+            work.timings["weight_sync"] = time.perf_counter() - t_sync
+            metrics.log(step, step_row(result, work, step, time.perf_counter() - t_start))
+            if audit is not None:  # the audit trail of the data order and staleness (rank 0's prompts)
+                audit.write(json.dumps({"step": step, "prompts": [it.index for it in work.items],
+                                        "sampled_by": float(step - 1 - work.staleness)}) + "\n")  # fmt: skip
+                audit.flush()
 
-        t_update = time.perf_counter()
-
-        def fidelity_guard(stats, staleness=staleness) -> None:  # a sampler that is not the model stops the run
-            check_step(fidelity_metrics(stats.as_dict()), max_logprob_diff, staleness)
-
-        try:
-            result = train_step(
-                student,
-                batch,
-                scores,
-                cfg.loss,
-                vocab_size=vocab.vocab_size,
-                teacher_temperature=cfg.teacher.temperature,
-                micro_batch_size=cfg.train.micro_batch_size,
-                guard=fidelity_guard,
-                packing=cfg.train.packing,
-                micro_batch_tokens=cfg.train.micro_batch_tokens,
-            )
-        except NonFiniteLossError as err:
-            raise NonFiniteLossError(
-                f"step {step + 1}: {err}; stopped without applying the update. The last checkpoint "
-                f"({ckpt.latest() or 'none'}) is kept; lower optim.lr or check the data and the teacher"
-            ) from None
-        except RolloutMismatchError as err:
-            raise RolloutMismatchError(
-                f"step {step + 1} (sampled by policy version {step - staleness}): {err}. Stopped without applying "
-                f"the update; the last checkpoint ({ckpt.latest() or 'none'}) is kept"
-            ) from None
-        step += 1
-        t_sync = time.perf_counter()
-        timings["update"] = t_sync - t_update
-        rollout.sync_weights(step)  # policy version = optimizer steps applied (waits for rollouts in flight)
-        timings["weight_sync"] = time.perf_counter() - t_sync
-        elapsed = time.perf_counter() - t_start
-        s = result.stats
-        total_response_tokens = global_count(torch.tensor([float(response_tokens)]), "sum")
-        total_tool_tokens = global_count(torch.tensor([float(tool_tokens)]), "sum")
-        row = {
-            "loss": s.loss,
-            "divergence": s.divergence_sum / max(s.tokens, 1.0),
-            "top1_agreement": s.agree_sum / max(s.tokens, 1.0),
-            "response_length": total_response_tokens / (len(batch.lengths) * dp_size),
-            "tokens_per_s": total_response_tokens / elapsed,
-            "tool_tokens": total_tool_tokens / (len(batch.lengths) * dp_size),  # per sample; never trained
-            "time/step": elapsed,
-            "grad_norm": result.grad_norm,
-            "lr": result.lr,
-            "staleness": float(staleness),
-            "sampled_by": float(step - 1 - staleness),  # policy version of the weights that sampled this batch
-            **fidelity_metrics(s.as_dict()),  # rollout/logprob_diff_* etc.: is the sampler the trained model?
-            **{f"time/{k}": v for k, v in timings.items()},
-            **batch_metrics,
-        }
-        metrics.log(step, row)
-        if rank == 0 and not sft:  # the audit trail of the data order and staleness (rank 0's prompts)
-            audit.write(
-                json.dumps({"step": step, "prompts": [it.index for it in items], "sampled_by": row["sampled_by"]})
-                + "\n"
-            )
-            audit.flush()
-
-        stop = guard.should_stop()
-        if step == cfg.train.steps or stop or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-            data_state = data.state_dict() if sft else scheduler.data_state()  # rollouts in flight are redone
-            ckpt.save(step, training_state(student, data_state, step, cfg, loading=False), {"config": to_dict(cfg)})
-            saved_step = step
-        if evaluator is not None and (step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0)):
-            last_eval = evaluator.run()
-            metrics.log(step, last_eval, advance=False)
-            metrics.write(f"eval after step {step}: " + _fmt(last_eval))
-        fault_point("kill_after_step", step)
-        hold_point(step)
-        if stop:
-            metrics.write(f"SIGTERM: saved step {step}; resume by starting the same command again")
-            break
-
-    metrics.close()
-    if audit is not None:
-        audit.close()
-    if hasattr(rollout, "close"):
+            stop = guard.should_stop()
+            if step == cfg.train.steps or stop or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                data_state = data.state_dict() if sft else scheduler.data_state()  # rollouts in flight are redone
+                state = training_state(student, data_state, step, cfg, loading=False)
+                ckpt.save(step, state, {"config": to_dict(cfg)})
+                saved_step = step
+            if step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0):
+                last_eval = evaluate(evaluator, metrics, step) or last_eval
+            fault_point("kill_after_step", step)
+            hold_point(step)
+            if stop:
+                metrics.write(f"SIGTERM: saved step {step}; resume by starting the same command again")
+                break
+    finally:
+        metrics.close()
+        if audit is not None:
+            audit.close()
         rollout.close()  # the vLLM back end's engine process
-    guard.restore()
+        guard.restore()
     if cfg.export_hf and step == cfg.train.steps and saved_step == step:
         export_student(cfg, ckpt.dir / f"step_{step:08d}")
     ckpt.release_lock()
     destroy_distributed()
     return last_eval
+
+
+def rollout_scheduler(cfg: TrainConfig, vocab, rollout, teacher, data: PromptStream, seq_len: int):
+    """The scheduler that hands the loop its sampled and scored batches (``scheduler.mode``)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_opd.scheduler import build_scheduler
+
+    dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    return build_scheduler(
+        cfg.scheduler.mode,
+        rollout,
+        teacher,
+        sampling=sampling_params(cfg, vocab),
+        n=cfg.rollout.n,
+        data=data,
+        seed_for=lambda b: cfg.seed * 1_000_003 + b * dp_size + dp_rank,  # batch b's sampling seed
+        pad_token_id=vocab.pad_token_id,
+        max_len=seq_len,
+        student_topk=cfg.loss.union_student_topk,  # loss.support=union: the rollout records the student's ids
+        total_steps=cfg.train.steps,
+        retokenizer=build_retokenizer(cfg, vocab),  # a teacher with another tokenizer scores its own tokens
+    )
+
+
+@dataclass
+class StepWork:
+    """What one step trains on: the batch, the teacher's scores (None for SFT) and the figures logged with it."""
+
+    items: list
+    batch: object
+    scores: object | None
+    staleness: int
+    response_tokens: int
+    tool_tokens: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The data path's figures (``cross_tokenizer/*``)."""
+
+
+def sft_batch(data: PromptStream, encoder: PromptEncoder, pad_token_id: int, seq_len: int) -> StepWork:
+    """``loss.kind=sft``: the next records' prompts and responses (no rollout, no teacher)."""
+    items = data.next_batch()
+    responses = [encoder.response_ids(it.record, where=f"record {it.index}") for it in items]
+    batch = pack_sft([it.prompt_ids for it in items], responses, pad_token_id=pad_token_id, max_len=seq_len)
+    return StepWork(items, batch, None, staleness=0, response_tokens=sum(len(r) for r in responses))
+
+
+def scored_batch(scored, cfg: TrainConfig, encoder: PromptEncoder, tokenizer, reward_fn) -> StepWork:
+    """A scheduler's batch with its sequence weights (``loss.weighting``)."""
+    scored.batch.seq_weights = sequence_weights(cfg.loss, scored, scored.items, encoder, tokenizer, reward_fn)
+    return StepWork(
+        scored.items,
+        scored.batch,
+        scored.scores,
+        staleness=scored.staleness,
+        response_tokens=sum(scored.rollouts.response_lengths),
+        tool_tokens=sum(int((m == 0).sum()) for m in scored.rollouts.response_mask),  # never in the loss
+        timings=dict(scored.timings),
+        metrics=scored.metrics,
+    )
+
+
+def update(student: Student, work: StepWork, cfg: TrainConfig, vocab_size: int, max_logprob_diff: float,
+           step: int, ckpt: CheckpointManager):  # fmt: skip
+    """One optimizer step on ``work``; a sampler that is not the model or a non-finite loss stops the run first."""
+
+    def fidelity_guard(stats) -> None:
+        check_step(fidelity_metrics(stats.as_dict()), max_logprob_diff, work.staleness)
+
+    try:
+        return train_step(
+            student,
+            work.batch,
+            work.scores,
+            cfg.loss,
+            vocab_size=vocab_size,
+            teacher_temperature=cfg.teacher.temperature,
+            micro_batch_size=cfg.train.micro_batch_size,
+            guard=fidelity_guard,
+            packing=cfg.train.packing,
+            micro_batch_tokens=cfg.train.micro_batch_tokens,
+        )
+    except NonFiniteLossError as err:
+        raise NonFiniteLossError(
+            f"step {step + 1}: {err}; stopped without applying the update. The last checkpoint "
+            f"({ckpt.latest() or 'none'}) is kept; lower optim.lr or check the data and the teacher"
+        ) from None
+    except RolloutMismatchError as err:
+        raise RolloutMismatchError(
+            f"step {step + 1} (sampled by policy version {step - work.staleness}): {err}. Stopped without applying "
+            f"the update; the last checkpoint ({ckpt.latest() or 'none'}) is kept"
+        ) from None
+
+
+def step_row(result, work: StepWork, step: int, elapsed: float) -> dict[str, float]:
+    """The metrics row of a finished step (global over data-parallel ranks where counted)."""
+    from megatron.core import parallel_state as ps
+
+    samples = len(work.batch.lengths) * ps.get_data_parallel_world_size()
+    s = result.stats
+    response_tokens = global_count(torch.tensor([float(work.response_tokens)]), "sum")
+    return {
+        "loss": s.loss,
+        "divergence": s.divergence_sum / max(s.tokens, 1.0),
+        "top1_agreement": s.agree_sum / max(s.tokens, 1.0),
+        "response_length": response_tokens / samples,
+        "tokens_per_s": response_tokens / elapsed,
+        "tool_tokens": global_count(torch.tensor([float(work.tool_tokens)]), "sum") / samples,  # never trained
+        "time/step": elapsed,
+        "grad_norm": result.grad_norm,
+        "lr": result.lr,
+        "staleness": float(work.staleness),
+        "sampled_by": float(step - 1 - work.staleness),  # policy version of the weights that sampled this batch
+        **fidelity_metrics(s.as_dict()),  # rollout/logprob_diff_* etc.: is the sampler the trained model?
+        **{f"time/{k}": v for k, v in work.timings.items()},
+        **work.metrics,
+    }
+
+
+def evaluate(evaluator, metrics: MetricsLogger, step: int) -> dict[str, float]:
+    """Run the held-out evaluation (if configured) and log it at ``step``; its metrics ({} without one)."""
+    if evaluator is None:
+        return {}
+    out = evaluator.run()
+    metrics.log(step, out, advance=False)
+    metrics.write(("eval before training: " if step == 0 else f"eval after step {step}: ") + _fmt(out))
+    return out
 
 
 def export_student(cfg: TrainConfig, ckpt_dir: Path) -> None:

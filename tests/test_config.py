@@ -89,3 +89,15 @@ def test_choices_spelled_like_yaml_booleans_are_read_as_words(tmp_path):
     assert cfg.loss.fused_output == "on" and cfg.loss.cross_tokenizer == "off"
     cfg = load_config(TrainConfig, str(path), [])
     assert cfg.loss.fused_output == "off"
+
+
+def test_asynchronous_modes_with_the_built_in_sampler_are_refused_before_any_model():
+    """``validate`` runs before the models are built: the paths here do not exist."""
+    from megatron_opd.trainer.config import TrainConfig
+
+    base = ["student.path=s", "teacher.path=t", "data.train_files=x.jsonl"]
+    parse_args(TrainConfig, [*base, "scheduler.mode=one_step_off", "rollout.backend=vllm"]).validate()
+    for mode in ("one_step_off", "two_step_off"):
+        cfg = parse_args(TrainConfig, [*base, f"scheduler.mode={mode}"])
+        with pytest.raises(ValueError, match=f"scheduler.mode={mode} .*set rollout.backend=vllm"):
+            cfg.validate()

@@ -99,12 +99,12 @@ def test_resume_redoes_the_batches_in_flight_and_keeps_the_order(mode):
 
 
 def test_asynchronous_modes_need_a_background_rollout_back_end():
-    class InTrainerSampler:
-        pass
+    class InTrainerSampler(SynchronousRollout):
+        """Samples on the trainer's ranks (``asynchronous = False``), like the built-in sampler."""
 
     for mode in ("one_step_off", "two_step_off"):
         with pytest.raises(ValueError, match=f"scheduler.mode={mode} .*rollout.backend=vllm"):
-            Scheduler(mode, InTrainerSampler(), RecordingTeacher([]), SamplingParams(), 1, data=_stream(),
+            Scheduler(mode, InTrainerSampler([], 0.0), RecordingTeacher([]), SamplingParams(), 1, data=_stream(),
                       seed_for=int, pad_token_id=0, max_len=8)  # fmt: skip
     with pytest.raises(ValueError, match="scheduler.mode must be one of"):
         Scheduler("three_step_off", RecordingRollout([]), RecordingTeacher([]), SamplingParams(), 1, data=_stream(),

@@ -38,8 +38,13 @@ class ScriptedPolicy:
     def __init__(self, tokenizer, turns: list[list[str]]) -> None:
         self.tokenizer, self.turns, self.calls, self.policy_version = tokenizer, turns, [], 5
 
+    asynchronous = False
+
     def sync_weights(self, policy_version: int) -> None:
         self.policy_version = policy_version
+
+    def close(self) -> None:
+        pass
 
     def generate(self, prompts, sampling: SamplingParams, n: int):
         assert n == 1

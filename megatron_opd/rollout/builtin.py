@@ -128,9 +128,15 @@ class BuiltinSampler:
         if self.shard.world_size != tp_size:
             raise ValueError(f"tp_group has {self.shard.world_size} ranks, the model is split over {tp_size}")
 
+    asynchronous = False
+    """It samples on the trainer's ranks, between updates."""
+
     def sync_weights(self, policy_version: int) -> None:
         """The sampler shares the trainer's weights: only the version changes."""
         self.policy_version = policy_version
+
+    def close(self) -> None:
+        """Nothing to release: the sampler is the trainer's own model."""
 
     def _check_inputs(self, prompt_token_ids: list[list[int]], sampling: SamplingParams, n: int) -> None:
         if n < 1:

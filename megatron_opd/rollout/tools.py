@@ -95,7 +95,7 @@ class ToolRollout:
     @property
     def asynchronous(self) -> bool:
         """As the inner back end: the later turns run when the rollout is collected."""
-        return getattr(self.inner, "asynchronous", False)
+        return self.inner.asynchronous
 
     def sync_weights(self, policy_version: int) -> None:
         self.inner.sync_weights(policy_version)
@@ -105,8 +105,7 @@ class ToolRollout:
         return self.inner.score(sequences)
 
     def close(self) -> None:
-        if hasattr(self.inner, "close"):
-            self.inner.close()
+        self.inner.close()
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)

@@ -116,7 +116,7 @@ class Scheduler:
         teacher has another tokenizer and scores its own re-tokenization of each batch."""
         if mode not in DEPTH:
             raise ValueError(f"scheduler.mode must be one of {sorted(DEPTH)}, got {mode!r}")
-        if DEPTH[mode] and not getattr(rollout, "asynchronous", False):
+        if DEPTH[mode] and not rollout.asynchronous:
             raise ValueError(
                 f"scheduler.mode={mode} samples while the trainer trains, which needs rollouts outside the trainer's "
                 f"ranks (rollout.backend=vllm); the {type(rollout).__name__} back end supports "

@@ -25,6 +25,10 @@ class RecordingRollout:
     def __init__(self, log: list) -> None:
         self.version, self.log, self.in_flight = 0, log, []
 
+    @property
+    def policy_version(self) -> int:
+        return self.version
+
     def generate(self, prompt_token_ids, sampling: SamplingParams, n: int) -> DeferredFuture:
         version, seed = self.version, sampling.seed
         self.log.append(("rollout", seed, version))
@@ -44,6 +48,9 @@ class RecordingRollout:
         future = DeferredFuture(sample)
         self.in_flight.append(future)
         return future
+
+    def close(self) -> None:
+        self.log.append(("close",))
 
     def sync_weights(self, policy_version: int) -> None:
         for future in self.in_flight:

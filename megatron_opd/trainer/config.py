@@ -591,6 +591,11 @@ class TrainConfig:
                     f"train.micro_batch_tokens={self.train.micro_batch_tokens} must divide by "
                     f"tensor_model_parallel_size={tp} (sequence parallelism splits it); round it up"
                 )
+        if self.scheduler.mode != "zero_step_off" and self.rollout.backend != "vllm" and self.loss.kind != "sft":
+            raise ValueError(
+                f"scheduler.mode={self.scheduler.mode} samples while the trainer trains, which needs rollouts outside "
+                "the trainer's ranks: set rollout.backend=vllm, or scheduler.mode=zero_step_off with the built-in sampler"
+            )
         if self.rollout.vllm_sleep and self.scheduler.mode != "zero_step_off":
             raise ValueError(
                 f"rollout.vllm_sleep frees the engine's memory while the trainer trains, but scheduler.mode="
