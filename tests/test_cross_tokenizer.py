@@ -24,8 +24,14 @@ from megatron_opd.trainer.batch import pack_rollouts
 def tokenizers(tmp_path_factory):
     root = tmp_path_factory.mktemp("tok")
     one = load_tokenizer(digits.make_tokenizer(root / "digit"))
-    pairs = load_tokenizer(digits.make_tokenizer(root / "pairs", digit_pairs=True))
+    pairs = load_tokenizer(digits.make_tokenizer(root / "pairs", digit_merges="pairs"))
     return one, pairs
+
+
+@pytest.fixture(scope="module")
+def doubles(tmp_path_factory):
+    """A tokenizer with a token for each doubled digit ("33"): the cross-tokenizer quick start's teacher."""
+    return load_tokenizer(digits.make_tokenizer(tmp_path_factory.mktemp("tok") / "doubles", digit_merges="doubles"))
 
 
 def _batch(student, texts: list[str], eos: bool = True, extra: list[list[int]] | None = None):
@@ -142,3 +148,36 @@ def test_a_stray_byte_before_eos_keeps_eos_paired_and_one_vocabulary_is_not_reto
     batch, rollouts, records = _batch(teacher, [], extra=[split])
     request = same.request(batch, rollouts, records)
     assert request.tokens[0, request.teacher_prompt_lengths[0] : request.lengths[0]].tolist() == split
+
+
+def test_a_stop_is_judged_on_eos_not_on_the_last_token_the_teacher_chose_knowing_the_end(tokenizers, doubles):
+    """A student (one token per digit) stops after "213"; the teacher writes "33" as one token, so its lone "3" is a
+    token it writes only last. The last text token is scored as a prefix (log of p("3") + p("33"), both asked for at
+    its position) and EOS takes the rest: the total is the teacher's log p of the text either way. Without
+    the other ids (a vLLM teacher: stop_prefix_ids=1) and for a sample cut by the length limit, nothing moves."""
+    student, teacher = tokenizers[0], doubles
+    three, three_three = teacher.convert_tokens_to_ids("3"), teacher.convert_tokens_to_ids("33")
+    cross = CrossTokenizer(student, teacher, PromptEncoder(teacher), (student.eos_token_id,))
+    batch, rollouts, records = _batch(student, ["213"])
+    cut, cut_rollouts, _ = _batch(student, ["213"], eos=False)
+    request = cross.request(batch, rollouts, records)
+    t_first = request.teacher_prompt_lengths[0] - 1
+    assert request.stop_prefixes == [(2, 2)]
+    assert request.request_ids[0, t_first + 2, :2].tolist() == [three, three_three]
+    lp = -torch.rand(*request.request_ids.shape, generator=torch.Generator().manual_seed(2))
+    got = cross.scores(TeacherScores(requested_logprobs=lp), request, batch).requested_logprobs[0, :, 0].double()
+    lp0 = lp[0, :, 0].double()
+    prefix = float(torch.logsumexp(lp[0, t_first + 2, :2].double(), 0))
+    s_first = batch.prompt_lengths[0] - 1
+    want = [lp0[t_first], lp0[t_first + 1], prefix, lp0[t_first + 3] + lp0[t_first + 2] - prefix]  # 2, 1, 3, EOS
+    assert torch.allclose(got[s_first : s_first + 4], torch.tensor(want, dtype=torch.float64), atol=1e-6)
+    assert float(got[s_first : s_first + 4].sum()) == pytest.approx(float(lp0[t_first : t_first + 4].sum()), abs=1e-5)
+
+    plain = CrossTokenizer(student, teacher, PromptEncoder(teacher), (student.eos_token_id,), stop_prefix_ids=1)
+    batch, rollouts, records = _batch(student, ["213"])
+    request = plain.request(batch, rollouts, records)
+    assert request.stop_prefixes == [None] and request.request_ids.shape[-1] == 1
+    got = plain.scores(TeacherScores(requested_logprobs=lp[..., :1]), request, batch).requested_logprobs[0, :, 0]
+    assert torch.allclose(got[s_first : s_first + 4].double(), lp0[t_first : t_first + 4], atol=1e-6)
+    request = cross.request(cut, cut_rollouts, records)
+    assert request.stop_prefixes == [None]

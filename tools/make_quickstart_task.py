@@ -4,7 +4,8 @@
 
 OUT_DIR/tokenizer, OUT_DIR/teacher-init and OUT_DIR/student-init (Hugging Face folders with the tokenizer
 files), OUT_DIR/train.jsonl and OUT_DIR/eval.jsonl (held out: no digit string in both). The same seed writes
-the same files. The task and model sizes live in ``megatron_opd.tasks.digits``.
+the same files. ``--teacher-digit-merges doubles`` gives the teacher another tokenizer (a token for each doubled
+digit, "00"), for the cross-tokenizer quick start. The task and model sizes live in ``megatron_opd.tasks.digits``.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
             f.write(json.dumps(record) + "\n")
 
 
-def make_quickstart_task(out_dir: Path, n_train: int = 8000, n_eval: int = 256, seed: int = 0) -> None:
+def make_quickstart_task(
+    out_dir: Path, n_train: int = 8000, n_eval: int = 256, seed: int = 0, teacher_digit_merges: str = "none"
+) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     digits.make_tokenizer(out_dir / "tokenizer")
-    digits.make_model(out_dir / "teacher-init", "teacher", seed=seed)
+    digits.make_model(out_dir / "teacher-init", "teacher", seed=seed, digit_merges=teacher_digit_merges)
     digits.make_model(out_dir / "student-init", "student", seed=seed + 1)
     eval_records = digits.make_records(n_eval, seed=seed + 1)
     train_records = digits.make_records(n_train, seed=seed + 2, exclude=[r["prompt"] for r in eval_records])
@@ -42,12 +45,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n-train", type=int, default=8000, help="training records")
     parser.add_argument("--n-eval", type=int, default=256, help="held-out records")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model weights and the data")
+    parser.add_argument(
+        "--teacher-digit-merges", choices=sorted(digits.DIGIT_MERGES), default="none",
+        help="the teacher's tokenizer: the student's (none) or one with digit merges (pairs, doubles)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one line per model saved is enough
-    make_quickstart_task(args.out_dir, n_train=args.n_train, n_eval=args.n_eval, seed=args.seed)
+    make_quickstart_task(args.out_dir, args.n_train, args.n_eval, args.seed, args.teacher_digit_merges)
     logger.info("wrote %s: tokenizer, teacher-init, student-init, train.jsonl, eval.jsonl", args.out_dir)
 
 

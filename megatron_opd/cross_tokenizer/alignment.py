@@ -25,6 +25,7 @@ joins the group around it.
 
 from __future__ import annotations
 
+import bisect
 import codecs
 import json
 import re
@@ -105,6 +106,7 @@ class TokenBytes:
             table[i] = b"" if i in special else piece_bytes(token)
         self._table = table
         self._special = bytes(i in special for i in range(size))
+        self._by_bytes: tuple[list[bytes], list[int]] | None = None
 
     def _read_decoder(self, decoder: dict[str, Any] | None):
         """The tokenizer kind, a token string -> bytes function, and whether the decoder strips a dummy prefix."""
@@ -179,6 +181,21 @@ class TokenBytes:
             bad = ids[pieces.index(None)]
             raise ValueError(f"token id {bad} is not a token of tokenizer {self.name!r} (a gap in its ids)")
         return pieces  # type: ignore[return-value]
+
+    def extensions(self, token_id: int, limit: int) -> list[int]:
+        """``token_id`` first, then up to ``limit - 1`` other tokens whose bytes begin with its bytes (shortest
+        first): what the tokenizer could have written at that place had the text gone on."""
+        if self._by_bytes is None:  # every token sorted by its bytes: a prefix's extensions are one run
+            ordered = sorted((b, i) for i, b in enumerate(self._table) if b)
+            self._by_bytes = ([b for b, _ in ordered], [i for _, i in ordered])
+        keys, ids = self._by_bytes
+        prefix, out = self[token_id], [token_id]
+        k = bisect.bisect_left(keys, prefix) if prefix else len(keys)
+        while k < len(keys) and len(out) < limit and keys[k].startswith(prefix):
+            if ids[k] != token_id:
+                out.append(ids[k])
+            k += 1
+        return out
 
     def special_flags(self, ids: Sequence[int]) -> list[int]:
         """1 for each special token of ``ids``, 0 for the others."""

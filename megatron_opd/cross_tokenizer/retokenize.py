@@ -9,6 +9,12 @@ sums them over each group and puts the group's value at every student position o
 the group's first position (``extras["group_offset"]``), which is what the sampled loss reads
 (:mod:`megatron_opd.losses.sampled`). All of it runs on the host in the data path, off the accelerator.
 
+Where the student stopped, the teacher's last token was chosen knowing that the text ends there: a teacher with a
+token for "33" writes a lone "3" only last, so the cost of stopping one digit early would land on the "3" and none
+on EOS. So the last text token is scored as the prefix it is (the teacher's probability of any of its tokens that
+begin with those bytes, ``TokenBytes.extensions``, asked for at that position) and EOS takes the rest: the
+sequence's total is unchanged, the stop is judged on EOS. A teacher that scores only the next token (vLLM) skips it.
+
 Samples whose texts cannot be aligned (a response cut inside a multi-byte character, a teacher normaliser that
 rewrites text) are not trained on (their loss mask is cleared) and counted in the metrics. Student tokens in a
 group without teacher tokens (a special token only the student has) are not trained on either.
@@ -45,19 +51,32 @@ class TeacherRequest:
     alignments: list[Alignment | None]
     """Per sample; None where the texts could not be aligned."""
     teacher_prompt_lengths: list[int]
+    stop_prefixes: list[tuple[int, int] | None] = field(default_factory=list)
+    """Per sample that stopped: (index in the teacher response of its last text token, how many of
+    ``request_ids[i, position predicting it]`` are that token's extensions); else None."""
     metrics: dict[str, float] = field(default_factory=dict)
 
 
 class CrossTokenizer:
     """Re-tokenizes student samples for a teacher with another tokenizer, and maps its scores back."""
 
-    def __init__(self, student_tokenizer, teacher_tokenizer, teacher_encoder, student_stop_ids: tuple[int, ...]):
+    def __init__(
+        self,
+        student_tokenizer,
+        teacher_tokenizer,
+        teacher_encoder,
+        student_stop_ids: tuple[int, ...],
+        stop_prefix_ids: int = 16,
+    ):
         self.student_bytes = TokenBytes(student_tokenizer, "student tokenizer")
         self.teacher_bytes = TokenBytes(teacher_tokenizer, "teacher tokenizer")
         self.teacher_tokenizer = teacher_tokenizer
         self.teacher_encoder = teacher_encoder
         """A ``PromptEncoder`` with the teacher's tokenizer and the run's ``data.*_key`` fields."""
         self.student_stop_ids = set(student_stop_ids)
+        self.stop_prefix_ids = stop_prefix_ids
+        """How many of the last text token's extensions the teacher is asked for (0: a teacher that can only score
+        the next token; see the module docstring)."""
         self.teacher_eos = teacher_tokenizer.eos_token_id
         self.same_vocabulary = student_tokenizer.get_vocab() == teacher_tokenizer.get_vocab()
         """One vocabulary: the teacher scores the student's own ids (a re-tokenization would score the canonical
@@ -68,18 +87,21 @@ class CrossTokenizer:
         """The teacher's sequences for ``batch`` (``records``: each prompt's record, by ``rollouts.prompt_index``).
 
         Clears ``batch.loss_mask`` where a student token cannot be compared (see the module docstring)."""
-        sequences, alignments, prompt_lengths = [], [], []
+        sequences, alignments, prompt_lengths, stop_prefixes = [], [], [], []
         for i in range(batch.num_samples):
             p, length = batch.prompt_lengths[i], batch.lengths[i]
             student_ids = batch.tokens[i, p:length].tolist()
             record = records[rollouts.prompt_index[i]]
             t_prompt = self.teacher_encoder.prompt_ids(record, where=f"sample {i}'s record (teacher tokenizer)")
+            stop_prefix = None
             if self.same_vocabulary:
                 t_response = list(student_ids)
             else:
                 text = self.student_bytes.text(student_ids)
                 t_response = list(self.teacher_tokenizer(text, add_special_tokens=False)["input_ids"])
                 if student_ids and student_ids[-1] in self.student_stop_ids and self.teacher_eos is not None:
+                    if t_response and self.stop_prefix_ids > 1:
+                        stop_prefix = len(t_response) - 1
                     t_response.append(int(self.teacher_eos))
             try:
                 alignment = (
@@ -90,14 +112,27 @@ class CrossTokenizer:
             except TextMismatchError:
                 alignment = None
             sequences.append(t_prompt + t_response)
+            stop_prefixes.append(stop_prefix if alignment is not None else None)
             alignments.append(alignment)
             prompt_lengths.append(len(t_prompt))
             self._mask_uncompared(batch.loss_mask[i], p, alignment)
-        width = max(len(s) for s in sequences)
-        tokens = torch.full((len(sequences), width), self.teacher_eos or 0, dtype=torch.int64)
+        n, width = len(sequences), max(len(s) for s in sequences)
+        tokens = torch.full((n, width), self.teacher_eos or 0, dtype=torch.int64)
         for i, seq in enumerate(sequences):
             tokens[i, : len(seq)] = torch.tensor(seq, dtype=torch.int64)
         next_ids = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)[..., None]
+        extensions = {}
+        for i, last in enumerate(stop_prefixes):
+            if last is not None:
+                ext = self.teacher_bytes.extensions(sequences[i][prompt_lengths[i] + last], self.stop_prefix_ids)
+                if len(ext) > 1:  # a token no other token extends is already the prefix's probability
+                    extensions[i] = ext
+        width_r = max((len(e) for e in extensions.values()), default=1)
+        next_ids = next_ids.expand(-1, -1, width_r).clone()  # columns past the first repeat it (never read)
+        for i, ext in extensions.items():
+            position = prompt_lengths[i] + stop_prefixes[i] - 1  # the position predicting the last text token
+            next_ids[i, position, : len(ext)] = torch.tensor(ext, dtype=torch.int64)
+        stop_prefixes = [(stop_prefixes[i], len(extensions[i])) if i in extensions else None for i in range(n)]
         aligned = [a for a in alignments if a is not None]
         stats = alignment_stats(aligned) if aligned else None
         metrics = {
@@ -106,7 +141,8 @@ class CrossTokenizer:
             "cross_tokenizer/mean_group_teacher_tokens": stats.mean_teacher_tokens if stats else 0.0,
             "cross_tokenizer/one_to_one_share": stats.one_to_one_share if stats else 0.0,
         }
-        return TeacherRequest(tokens, next_ids, [len(s) for s in sequences], alignments, prompt_lengths, metrics)
+        lengths = [len(s) for s in sequences]
+        return TeacherRequest(tokens, next_ids, lengths, alignments, prompt_lengths, stop_prefixes, metrics)
 
     @staticmethod
     def _mask_uncompared(mask_S: torch.Tensor, prompt_length: int, alignment: Alignment | None) -> None:
@@ -127,13 +163,20 @@ class CrossTokenizer:
         n, s = batch.tokens.shape
         group_logp = torch.zeros(n, s, 1)
         offset = torch.zeros(n, s, dtype=torch.int64)
-        logp_NSt = teacher.requested_logprobs[..., 0].double()
+        logp_NStR = teacher.requested_logprobs.double()
+        logp_NSt = logp_NStR[..., 0].clone()
         log_ratio = []
         for i, alignment in enumerate(request.alignments):
             if alignment is None:
                 continue
             first_s = batch.prompt_lengths[i] - 1
             first_t = request.teacher_prompt_lengths[i] - 1
+            if request.stop_prefixes and request.stop_prefixes[i] is not None:
+                last, count = request.stop_prefixes[i]  # the last text token as a prefix; EOS takes the rest
+                at = first_t + last
+                shift = float(torch.logsumexp(logp_NStR[i, at, :count], 0) - logp_NStR[i, at, 0])
+                logp_NSt[i, at] += shift
+                logp_NSt[i, at + 1] -= shift
             teacher_total = 0.0
             for group in alignment.groups:
                 (s0, s1), (t0, t1) = group.student, group.teacher

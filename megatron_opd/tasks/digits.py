@@ -26,8 +26,15 @@ MIN_DIGITS = 3
 MAX_DIGITS = 6
 VOCAB_SIZE = 272
 """The models' vocabulary: the tokenizer's 264 ids rounded up to a multiple of 16."""
-PAIRS_VOCAB_SIZE = 368
-"""The vocabulary with a token for every pair of digits (``digit_pairs``: another tokenizer for the same texts)."""
+DIGIT_MERGES = {
+    "none": [],
+    "pairs": [f"{a}{b}" for a in range(10) for b in range(10)],
+    "doubles": [f"{a}{a}" for a in range(10)],
+}
+"""Other tokenizers for the same texts (``digit_merges``): a token for every pair of digits ("40"), or only for
+the doubled digits ("00", "11", ...)."""
+MERGES_VOCAB_SIZE = {"none": VOCAB_SIZE, "pairs": 368, "doubles": 288}
+"""The models' vocabulary for each ``digit_merges``."""
 HEAD_DIM = 32
 """vLLM's CPU attention needs a head dim of at least 32."""
 MAX_POSITION_EMBEDDINGS = 64
@@ -87,13 +94,15 @@ def score(prompt: str, response: str, record: dict) -> float:
     return 1.0 if text == str(record["answer"]).strip() else 0.0
 
 
-def make_tokenizer(out_dir: str | os.PathLike, digit_pairs: bool = False) -> Path:
+def make_tokenizer(out_dir: str | os.PathLike, digit_merges: str = "none") -> Path:
     """Save a 264-id byte-level BPE tokenizer (``PreTrainedTokenizerFast``) to ``out_dir``.
 
     Its merges come from the prompt's words only, so every digit stays a token of its own. EOS is
-    ``<|endoftext|>`` (id 0), also the pad token. ``digit_pairs``: also a token for each pair of digits ("40"),
-    so digit strings tokenize about two digits a token (another tokenizer for the same texts).
+    ``<|endoftext|>`` (id 0), also the pad token. ``digit_merges`` (``DIGIT_MERGES``): also a token for each pair of
+    digits ("40"), so digit strings tokenize about two digits a token, or for each doubled digit ("00").
     """
+    if digit_merges not in DIGIT_MERGES:
+        raise ValueError(f"digit_merges must be one of {sorted(DIGIT_MERGES)}, got {digit_merges!r}")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -101,23 +110,22 @@ def make_tokenizer(out_dir: str | os.PathLike, digit_pairs: bool = False) -> Pat
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=PAIRS_VOCAB_SIZE if digit_pairs else VOCAB_SIZE,
+        vocab_size=MERGES_VOCAB_SIZE[digit_merges],
         special_tokens=[EOS_TOKEN],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     words = [PROMPT_TEMPLATE.format(digits="")] * 4
-    pairs = [f"{a}{b}" for a in range(10) for b in range(10)] if digit_pairs else []
-    tokenizer.train_from_iterator(words + pairs, trainer=trainer)
-    assert len(tokenizer.encode("0123456789").ids) == (5 if digit_pairs else 10)
-    assert tokenizer.get_vocab_size() <= (PAIRS_VOCAB_SIZE if digit_pairs else VOCAB_SIZE)
+    tokenizer.train_from_iterator(words + DIGIT_MERGES[digit_merges], trainer=trainer)
+    assert len(tokenizer.encode("0123456789").ids) == (5 if digit_merges == "pairs" else 10)
+    assert tokenizer.get_vocab_size() <= MERGES_VOCAB_SIZE[digit_merges]
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
     out = Path(out_dir)
     fast.save_pretrained(out)
     return out
 
 
-def make_model(out_dir: str | os.PathLike, size: str, seed: int, digit_pairs: bool = False) -> Path:
+def make_model(out_dir: str | os.PathLike, size: str, seed: int, digit_merges: str = "none") -> Path:
     """Save a randomly initialised Qwen3 ``size`` model ("teacher" or "student") and the tokenizer to ``out_dir``.
 
     The folder holds config.json, model.safetensors (fp32), generation_config.json (EOS id) and the tokenizer files.
@@ -128,10 +136,10 @@ def make_model(out_dir: str | os.PathLike, size: str, seed: int, digit_pairs: bo
 
     if size not in MODEL_SIZES:
         raise ValueError(f"size must be one of {sorted(MODEL_SIZES)}, got {size!r}")
-    out = make_tokenizer(out_dir, digit_pairs)
+    out = make_tokenizer(out_dir, digit_merges)
     eos_id = Tokenizer.from_file(str(out / "tokenizer.json")).token_to_id(EOS_TOKEN)
     config = Qwen3Config(
-        vocab_size=PAIRS_VOCAB_SIZE if digit_pairs else VOCAB_SIZE,
+        vocab_size=MERGES_VOCAB_SIZE[digit_merges],
         head_dim=HEAD_DIM,
         max_position_embeddings=MAX_POSITION_EMBEDDINGS,
         rms_norm_eps=1e-6,

@@ -307,7 +307,9 @@ def build_retokenizer(cfg: TrainConfig, vocab: Vocabulary):
 
     d = cfg.data
     encoder = PromptEncoder(vocab.teacher_tokenizer, d.prompt_key, d.messages_key, d.response_key)
-    return CrossTokenizer(vocab.tokenizer, vocab.teacher_tokenizer, encoder, vocab.stop_token_ids)
+    # A vLLM teacher scores the next token only: the stop's prefix correction needs other ids at one position.
+    stop_prefix_ids = 1 if cfg.teacher.backend == "vllm" else 16
+    return CrossTokenizer(vocab.tokenizer, vocab.teacher_tokenizer, encoder, vocab.stop_token_ids, stop_prefix_ids)
 
 
 def max_seq_len(cfg: TrainConfig) -> int:
