@@ -142,6 +142,11 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequenc
     return _build(cls, merged)
 
 
+def comma_list(value: str) -> list[str]:
+    """``"a, b,,c"`` -> ``["a", "b", "c"]``: a config field that lists several values (replicas of an address)."""
+    return [item.strip() for item in value.split(",") if item.strip()]
+
+
 def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in update.items():

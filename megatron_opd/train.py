@@ -75,7 +75,7 @@ def training_state(
         # 0.16 still defaults to fully_sharded_model_space, whose flattened ranges its torch_dist saver refuses).
         optimizer_format = {"distrib_optim_sharding_type": "dp_reshardable"}
         state["optimizer"] = student.optimizer.sharded_state_dict(state, is_loading=loading, metadata=optimizer_format)
-    state["opt_param_scheduler"] = student.scheduler.state_dict()
+    state["opt_param_scheduler"] = student.lr_schedule.state_dict()
     if rng:
         state["rng_state"] = sharded_rng_state()
     layout = current_layout(student).to_dict()
@@ -103,7 +103,7 @@ def resume(ckpt: CheckpointManager, student: Student, data: PromptStream, cfg: T
             chunk.load_state_dict(state["model" if len(student.chunks) == 1 else f"model{i}"])
         if load_optimizer:
             student.load_optimizer_state(state["optimizer"])
-        student.scheduler.load_state_dict(state["opt_param_scheduler"])
+        student.lr_schedule.load_state_dict(state["opt_param_scheduler"])
         data.load_state_dict(state["trainer"]["data"])
     step = int(state["trainer"]["step"])
     if same_ranks:

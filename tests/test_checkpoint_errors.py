@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from megatron_opd.checkpoint import OutputExistsError, convert_hf_to_mcore, convert_mcore_to_hf
-from megatron_opd.checkpoint.safetensors_out import PlannedTensor, plan_shards
+from megatron_opd.checkpoint.safetensors_out import plan_shards
 from megatron_opd.checkpoint.workers import split_contiguous
+from megatron_opd.dtypes import TensorMeta
 from megatron_opd.models import CheckpointError, UnsupportedArchitectureError
 from megatron_opd.models.hf_io import HFCheckpointReader, HFCheckpointWriter
 from megatron_opd.testing.multiprocess import run_distributed
@@ -213,7 +214,7 @@ def test_planned_shards_match_safetensors(tmp_path):
         "c": torch.arange(6, dtype=torch.int64).reshape(2, 3),
         "d": torch.randn(4, 4).half(),
     }
-    plan = plan_shards([PlannedTensor(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], max_shard_bytes=70)
+    plan = plan_shards([TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], max_shard_bytes=70)
     assert len(plan.files) == 3
     plan.create_files(tmp_path)
     for name in ("d", "b", "a", "c"):  # any order: every tensor has its own place

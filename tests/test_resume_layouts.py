@@ -107,7 +107,7 @@ class _Run:
         return {
             "tensors": out if keep else {},
             "adam_steps": steps,
-            "scheduler_steps": self.student.scheduler.num_steps,
+            "scheduler_steps": self.student.lr_schedule.num_steps,
             "consumed": self.data.consumed,
         }
 

@@ -51,6 +51,7 @@ def test_dense_mode_needs_a_colocated_teacher():
 
     class RemoteTeacher:
         supports_dense = False
+        supports_requested_logprobs = True
 
     check_teacher_mode(RemoteTeacher(), "topk")
     with pytest.raises(ValueError, match="loss.mode=dense needs the teacher's logit shards.*use loss.mode=topk"):

@@ -24,11 +24,11 @@ import torch.distributed as dist
 
 from megatron_opd.checkpoint.workers import run_in_fresh_process
 from megatron_opd.distributed.parallel import ParallelConfig
+from megatron_opd.dtypes import parse_dtype
 from megatron_opd.models.architecture import ModelArchitecture, RopeConfig
 from megatron_opd.models.builder import (
     ModelBuildConfig,
     build_chunks,
-    parse_dtype,
     transformer_config,
     use_te_spec,
     validate_layout,

@@ -34,18 +34,17 @@ from megatron_opd.checkpoint.hf_to_mcore import (
 from megatron_opd.checkpoint.layout import TensorChunk, checkpoint_layout
 from megatron_opd.checkpoint.mcore_io import check_dist_checkpoint, load_dist_checkpoint
 from megatron_opd.checkpoint.progress import Progress
-from megatron_opd.checkpoint.safetensors_out import PlannedTensor, ShardPlan, plan_shards
+from megatron_opd.checkpoint.safetensors_out import ShardPlan, plan_shards
 from megatron_opd.checkpoint.workers import conversion_workers, split_contiguous
 from megatron_opd.distributed.parallel import ParallelConfig
+from megatron_opd.dtypes import TensorMeta, dtype_name, parse_dtype
 from megatron_opd.models.architecture import ModelArchitecture, load_architecture
-from megatron_opd.models.builder import parse_dtype
 from megatron_opd.models.hf_io import CheckpointError
 from megatron_opd.models.name_mapping import Split, WeightRule, hf_shapes, megatron_to_hf
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size="5GB"
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 @dataclass(frozen=True)
@@ -146,7 +145,7 @@ def plan_hf_tensors(reads: list[list[WeightRead]], arch: ModelArchitecture, dtyp
     for group in reads:
         for read in group:
             for name, shape in zip(read.rule.hf_names(read.layer), hf_shapes(read.rule, arch)):
-                planned.append(PlannedTensor(name, dtype or read.dtype, tuple(shape)))
+                planned.append(TensorMeta(name, dtype or read.dtype, tuple(shape)))
     return planned
 
 
@@ -179,8 +178,8 @@ def _write_config(cfg_dir: Path, staging: Path, dtype: torch.dtype) -> None:
     """``config.json`` as it was, with ``torch_dtype`` (and ``dtype``) naming the exported dtype."""
     with open(cfg_dir / "config.json") as f:
         config = json.load(f)
-    name = _DTYPE_NAMES.get(dtype)
-    if name is not None:
+    if dtype in (torch.float32, torch.bfloat16, torch.float16):
+        name = dtype_name(dtype)
         for key in ("torch_dtype", "dtype"):
             if key in config and config[key] != name:
                 config[key] = name

@@ -11,39 +11,16 @@ other's shards.
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from megatron_opd.dtypes import TensorMeta, safetensors_code
 from megatron_opd.models.hf_io import INDEX_FILE, SINGLE_FILE
 
-_CODES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
 _WRITE_BLOCK = 1 << 30  # one write(2) moves at most ~2 GiB on Linux
-
-
-@dataclass(frozen=True)
-class PlannedTensor:
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass
@@ -51,7 +28,7 @@ class ShardFile:
     """One safetensors file: its header bytes and where each of its tensors goes."""
 
     name: str
-    tensors: list[PlannedTensor] = field(default_factory=list)
+    tensors: list[TensorMeta] = field(default_factory=list)
     header: bytes = b""
     offsets: dict[str, int] = field(default_factory=dict)
     """Absolute byte offset of each tensor's data in the file."""
@@ -63,7 +40,7 @@ class ShardFile:
         position = 0
         for t in self.tensors:
             entries[t.name] = {
-                "dtype": _CODES[t.dtype],
+                "dtype": safetensors_code(t.dtype),
                 "shape": list(t.shape),
                 "data_offsets": [position, position + t.nbytes],
             }
@@ -84,7 +61,7 @@ class ShardPlan:
 
     files: list[ShardFile]
     file_of: dict[str, ShardFile]
-    planned: dict[str, PlannedTensor]
+    planned: dict[str, TensorMeta]
 
     @property
     def total_bytes(self) -> int:
@@ -124,9 +101,9 @@ class ShardPlan:
             json.dump({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, f, indent=2)
 
 
-def plan_shards(tensors: list[PlannedTensor], max_shard_bytes: int) -> ShardPlan:
+def plan_shards(tensors: list[TensorMeta], max_shard_bytes: int) -> ShardPlan:
     """Fill files in order, starting a new one when the next tensor would pass ``max_shard_bytes``."""
-    groups: list[list[PlannedTensor]] = [[]]
+    groups: list[list[TensorMeta]] = [[]]
     size = 0
     for t in tensors:
         if groups[-1] and size + t.nbytes > max_shard_bytes:

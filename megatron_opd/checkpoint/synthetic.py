@@ -13,9 +13,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_opd.dtypes import dtype_name
 from megatron_opd.models.hf_io import HFCheckpointWriter
-
-_TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 @dataclass(frozen=True)
@@ -38,7 +37,7 @@ class SyntheticLlama:
             "max_position_embeddings": 4096,
             "rms_norm_eps": 1e-5,
             "rope_theta": 10000.0,
-            "torch_dtype": _TORCH_DTYPE_NAMES[dtype],
+            "torch_dtype": dtype_name(dtype),
             **asdict(self),
         }
 

@@ -331,6 +331,25 @@ class _TopkDivergence(torch.autograd.Function):
         return grad_TV, None, None, None, None, None, None, None, None, None, None, None, None, None
 
 
+SIGNED_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8)
+
+
+def check_id_columns(
+    ids_name: str, ids: torch.Tensor, logprobs_name: str, logprobs: torch.Tensor, lead, k: str, signed: bool = False
+) -> None:
+    """Ids and their log-probabilities as the losses take them: both ``[*lead, k]``, integer ids (``signed``: no
+    uint8, the student's ids may be -1), floating-point log-probabilities."""
+    if ids.shape != logprobs.shape or ids.shape[:-1] != lead:
+        raise ValueError(
+            f"{ids_name} {tuple(ids.shape)} and {logprobs_name} {tuple(logprobs.shape)} must both be "
+            f"[*{tuple(lead)}, {k}] to match student_logits"
+        )
+    if ids.dtype not in (SIGNED_INT_DTYPES if signed else (*SIGNED_INT_DTYPES, torch.uint8)):
+        raise ValueError(f"{ids_name} must be a{' signed' if signed else 'n'} integer tensor, got {ids.dtype}")
+    if not torch.is_floating_point(logprobs):
+        raise ValueError(f"{logprobs_name} must be floating point, got {logprobs.dtype}")
+
+
 def topk_divergence(
     student_logits: torch.Tensor,
     teacher_topk_ids: torch.Tensor,
@@ -387,15 +406,7 @@ def topk_divergence(
     if tail not in TAILS:
         raise ValueError(f"tail must be one of {TAILS}, got {tail!r}")
     lead = student_logits.shape[:-1]
-    if teacher_topk_ids.shape != teacher_topk_logprobs.shape or teacher_topk_ids.shape[:-1] != lead:
-        raise ValueError(
-            f"teacher_topk_ids {tuple(teacher_topk_ids.shape)} and teacher_topk_logprobs "
-            f"{tuple(teacher_topk_logprobs.shape)} must both be [*{tuple(lead)}, k] to match student_logits"
-        )
-    if teacher_topk_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
-        raise ValueError(f"teacher_topk_ids must be an integer tensor, got {teacher_topk_ids.dtype}")
-    if not torch.is_floating_point(teacher_topk_logprobs):
-        raise ValueError(f"teacher_topk_logprobs must be floating point, got {teacher_topk_logprobs.dtype}")
+    check_id_columns("teacher_topk_ids", teacher_topk_ids, "teacher_topk_logprobs", teacher_topk_logprobs, lead, "k")
     if teacher_topk_ids.shape[-1] == 0:
         raise ValueError("teacher top-k is empty (k == 0); send at least one id per token")
     if support_mask is not None and (support_mask.shape != teacher_topk_ids.shape or support_mask.dtype != torch.bool):

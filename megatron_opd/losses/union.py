@@ -21,10 +21,8 @@ import torch.distributed as dist
 
 from megatron_opd.losses.dense import as_rows
 from megatron_opd.losses.divergences import DivergenceKind, resolve_kind
-from megatron_opd.losses.topk import TAILS, topk_divergence, validate_topk
+from megatron_opd.losses.topk import TAILS, check_id_columns, topk_divergence, validate_topk
 from megatron_opd.losses.vocab_parallel import make_vocab_shard
-
-_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8)
 
 _COMPARE_ELEMENTS = 1 << 24
 """The ``[rows, R, K]`` comparison that finds repeated ids runs in blocks of rows of about this many elements."""
@@ -90,26 +88,9 @@ def union_divergence(
     if tail not in TAILS:
         raise ValueError(f"tail must be one of {TAILS}, got {tail!r}")
     lead = student_logits.shape[:-1]
-    if student_topk_ids.shape != teacher_logprobs_at_student_ids.shape or student_topk_ids.shape[:-1] != lead:
-        raise ValueError(
-            f"student_topk_ids {tuple(student_topk_ids.shape)} and teacher_logprobs_at_student_ids "
-            f"{tuple(teacher_logprobs_at_student_ids.shape)} must both be [*{tuple(lead)}, R] to match student_logits"
-        )
-    if student_topk_ids.dtype not in _INT_DTYPES:
-        raise ValueError(f"student_topk_ids must be a signed integer tensor, got {student_topk_ids.dtype}")
-    for name, logprobs in (
-        ("teacher_topk_logprobs", teacher_topk_logprobs),
-        ("teacher_logprobs_at_student_ids", teacher_logprobs_at_student_ids),
-    ):
-        if not torch.is_floating_point(logprobs):
-            raise ValueError(f"{name} must be floating point, got {logprobs.dtype}")
-    if teacher_topk_ids.shape != teacher_topk_logprobs.shape or teacher_topk_ids.shape[:-1] != lead:
-        raise ValueError(
-            f"teacher_topk_ids {tuple(teacher_topk_ids.shape)} and teacher_topk_logprobs "
-            f"{tuple(teacher_topk_logprobs.shape)} must both be [*{tuple(lead)}, K] to match student_logits"
-        )
-    if teacher_topk_ids.dtype not in (*_INT_DTYPES, torch.uint8):
-        raise ValueError(f"teacher_topk_ids must be an integer tensor, got {teacher_topk_ids.dtype}")
+    check_id_columns("student_topk_ids", student_topk_ids, "teacher_logprobs_at_student_ids",
+                     teacher_logprobs_at_student_ids, lead, "R", signed=True)  # fmt: skip
+    check_id_columns("teacher_topk_ids", teacher_topk_ids, "teacher_topk_logprobs", teacher_topk_logprobs, lead, "K")
     k, r = teacher_topk_ids.shape[-1], student_topk_ids.shape[-1]
     device = student_logits.device
     ids_TN, present_TN = union_support(

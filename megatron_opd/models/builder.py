@@ -16,27 +16,10 @@ import torch.nn.functional as F
 
 from megatron_opd.distributed.device import has_transformer_engine
 from megatron_opd.distributed.parallel import ParallelConfig
+from megatron_opd.dtypes import parse_dtype
 from megatron_opd.models.architecture import ModelArchitecture
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-}
-
-
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    """``"bf16"``/``"bfloat16"``/``torch.bfloat16`` -> ``torch.bfloat16`` (likewise fp16, fp32)."""
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}")
-    return _DTYPES[name]
 
 
 @dataclass

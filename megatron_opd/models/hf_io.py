@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from megatron_opd.dtypes import SAFETENSORS_DTYPES
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _READ_BLOCK = 1 << 30
@@ -24,23 +26,6 @@ _READ_BLOCK = 1 << 30
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, truncated, corrupted or disagrees with its config."""
-
-
-# safetensors dtype code -> (torch dtype, bytes per element)
-_DTYPES = {
-    "F64": (torch.float64, 8),
-    "F32": (torch.float32, 4),
-    "F16": (torch.float16, 2),
-    "BF16": (torch.bfloat16, 2),
-    "I64": (torch.int64, 8),
-    "I32": (torch.int32, 4),
-    "I16": (torch.int16, 2),
-    "I8": (torch.int8, 1),
-    "U8": (torch.uint8, 1),
-    "BOOL": (torch.bool, 1),
-    "F8_E4M3": (torch.float8_e4m3fn, 1),
-    "F8_E5M2": (torch.float8_e5m2, 1),
-}
 
 
 @dataclass(frozen=True)
@@ -80,15 +65,15 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
             dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
         except (KeyError, TypeError, ValueError) as err:
             raise CheckpointError(f"{path} is corrupted: header entry of tensor {name!r} is malformed ({err})") from err
-        if dtype not in _DTYPES:
+        if dtype not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"tensor {name!r} in {path.name} has unsupported safetensors dtype {dtype}")
         numel = 1
         for d in shape:
             numel *= d
-        if end - begin != numel * _DTYPES[dtype][1] or begin < 0:
+        if end - begin != numel * SAFETENSORS_DTYPES[dtype].itemsize or begin < 0:
             raise CheckpointError(
                 f"{path} is corrupted: tensor {name!r} spans {end - begin} bytes but {dtype}{list(shape)} needs "
-                f"{numel * _DTYPES[dtype][1]}"
+                f"{numel * SAFETENSORS_DTYPES[dtype].itemsize}"
             )
         entries[name] = TensorEntry(dtype, shape, base + begin, base + end)
     last = max((e.end for e in entries.values()), default=base)
@@ -154,7 +139,7 @@ class HFCheckpointReader:
         """Read one tensor; check its shape when ``expected_shape`` is given."""
         entry = self.entry(name, expected_shape)
         path = self.file_of(name)
-        dtype = _DTYPES[entry.dtype][0]
+        dtype = SAFETENSORS_DTYPES[entry.dtype]
         buffer = torch.empty(entry.end - entry.start, dtype=torch.uint8)
         view = memoryview(buffer.numpy())
         read = 0

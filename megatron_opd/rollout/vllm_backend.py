@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_opd.config import comma_list
 from megatron_opd.interfaces import DeferredFuture, Rollouts, SamplingParams
 from megatron_opd.models.architecture import load_architecture
 from megatron_opd.rollout.sleep import SleepCycle
@@ -514,7 +515,7 @@ def build_vllm_rollout(cfg, chunks: list, seq_len: int, vocab_size: int | None =
         weight_sync = "reload"
     arch = model_architecture(cfg.student.path, "student.path")
     model_dir = config_dir(cfg.student.path, "student.path")
-    addresses = [a.strip() for a in r.address.split(",") if a.strip()]
+    addresses = comma_list(r.address)
     padded = vocab_size is not None and vocab_size < arch.vocab_size
     if padded and not addresses:  # our engine runs the unpadded model: exact log-probs, no padded id sampled
         arch = dataclasses.replace(arch, vocab_size=vocab_size)

@@ -122,7 +122,7 @@ class Scheduler:
                 f"ranks (rollout.backend=vllm); the {type(rollout).__name__} back end supports "
                 "scheduler.mode=zero_step_off only"
             )
-        if student_topk and not getattr(teacher, "supports_requested_logprobs", False):
+        if student_topk and not teacher.supports_requested_logprobs:
             raise ValueError(
                 f"loss.support=union needs the teacher's log-probabilities at the student's top-k ids, which the "
                 f"teacher back end {type(teacher).__name__} does not return (no requested_logprobs); use "

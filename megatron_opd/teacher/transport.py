@@ -20,6 +20,8 @@ from typing import Any, Protocol
 
 import torch
 
+from megatron_opd.config import comma_list
+
 WIRE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 """Log-probability dtypes a reply can carry (ids always travel as int32)."""
 
@@ -174,7 +176,7 @@ def parse_address(address: str, field: str = "teacher.address") -> tuple[str, in
 
 def split_addresses(addresses: str, field: str = "teacher.address") -> list[str]:
     """``host:port,host:port`` -> the list of replicas (each checked)."""
-    out = [a.strip() for a in addresses.split(",") if a.strip()]
+    out = comma_list(addresses)
     if not out:
         raise ValueError(f"{field} is empty: give host:port of the teacher server (replicas: host:port,host:port)")
     for address in out:

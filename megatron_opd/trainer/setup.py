@@ -163,6 +163,7 @@ def build_teacher(
 def remote_client(cfg: TrainConfig, teacher_fingerprint: str | None = None):
     """The fault-tolerant client of ``teacher.address``, configured from ``teacher.*``: ZeroMQ to teacher servers,
     HTTP to vLLM servers."""
+    from megatron_opd.config import comma_list
     from megatron_opd.teacher.client import TeacherClient
     from megatron_opd.teacher.serve import read_token
     from megatron_opd.teacher.transport import split_addresses
@@ -181,7 +182,7 @@ def remote_client(cfg: TrainConfig, teacher_fingerprint: str | None = None):
             max_message_bytes=t.max_message_bytes,
             tokenizer_name="teacher.tokenizer" if t.tokenizer else "teacher.path",
         )
-        addresses = [a.strip() for a in t.address.split(",") if a.strip()]
+        addresses = comma_list(t.address)  # URLs: checked by the vLLM transport
     else:
         from megatron_opd.teacher.zmq_transport import ZmqTransportFactory
 
@@ -268,7 +269,7 @@ def output_weight_shard(full_VH: torch.Tensor, padded_vocab: int, vocab_size: in
     from megatron.core import parallel_state as ps
 
     from megatron_opd.distributed.device import collective_device
-    from megatron_opd.models.builder import parse_dtype
+    from megatron_opd.dtypes import parse_dtype
 
     width = padded_vocab // ps.get_tensor_model_parallel_world_size()
     lo = ps.get_tensor_model_parallel_rank() * width
@@ -281,7 +282,7 @@ def output_weight_shard(full_VH: torch.Tensor, padded_vocab: int, vocab_size: in
 def check_output_weight(full_VH: torch.Tensor, info, vocab_size: int, path: str) -> None:
     """Refuse an output layer (from ``teacher.path``) that is not the one the teacher server multiplies by: the
     hidden sizes must agree and so must the sums of squares of the real tokens' rows (in the server's dtype)."""
-    from megatron_opd.models.builder import parse_dtype
+    from megatron_opd.dtypes import parse_dtype
 
     hidden_size, sumsq = info.extra.get("hidden_size"), info.extra.get("output_weight_sumsq")
     if full_VH.shape[1] != hidden_size or full_VH.shape[0] < vocab_size:

@@ -117,7 +117,7 @@ class Student:
         self.optimizer = get_megatron_optimizer(megatron_optimizer_config(optim, plan), self.model)
         decay_end = optim.lr_decay_steps or total_steps
         decay_steps = max(1, decay_end - optim.lr_warmup_steps)
-        self.scheduler = OptimizerParamScheduler(
+        self.lr_schedule = OptimizerParamScheduler(
             self.optimizer,
             init_lr=0.0 if optim.lr_warmup_steps else optim.lr,
             max_lr=optim.lr,
@@ -194,7 +194,7 @@ class Student:
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:  # only a loss-scaled fp16 optimizer skips steps; bf16/fp32 never do
             logger.warning("optimizer skipped the step (gradient overflow)")
-        self.scheduler.step(increment=1)
+        self.lr_schedule.step(increment=1)
         lr = self.optimizer.param_groups[0]["lr"]
         return StepResult(stats=stats, grad_norm=float(grad_norm or 0.0), lr=float(lr))
 

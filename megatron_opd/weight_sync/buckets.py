@@ -8,27 +8,15 @@ own size. Sender and receiver therefore hold one bucket at a time, never the who
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from megatron_opd.dtypes import TensorMeta
+
 ALIGN = 64
 DEFAULT_BUCKET_BYTES = 512 << 20  # verl's and slime's bucket size
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    """Name, wire dtype and full (Hugging Face) shape of one tensor of the stream."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -86,7 +74,3 @@ def metas_from_lists(names: Sequence[str], dtype_names: Sequence[str], shapes: S
             raise ValueError(f"tensor {name!r}: unknown dtype {dtype_name!r}")
         out.append(TensorMeta(name, dtype, tuple(int(s) for s in shape)))
     return out
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

@@ -20,10 +20,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megatron_opd.dtypes import TensorMeta, dtype_name
 from megatron_opd.weight_sync.buckets import (
     DEFAULT_BUCKET_BYTES,
-    TensorMeta,
-    dtype_name,
     metas_from_lists,
     pack,
     plan_buckets,

@@ -131,8 +131,8 @@ def _verify(args: argparse.Namespace, hf_dir: str, ckpt_dir: str, lossless: bool
 
 
 def _source_dtype(config_dir: str) -> str:
+    from megatron_opd.dtypes import parse_dtype
     from megatron_opd.models.architecture import load_architecture
-    from megatron_opd.models.builder import parse_dtype
 
     return str(parse_dtype(load_architecture(config_dir).torch_dtype))
 
@@ -150,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_opd.checkpoint import OutputExistsError, convert_hf_to_mcore, convert_mcore_to_hf
     from megatron_opd.checkpoint.progress import TqdmProgress
     from megatron_opd.distributed.parallel import ParallelConfig
+    from megatron_opd.dtypes import parse_dtype
     from megatron_opd.models import CheckpointError, UnsupportedArchitectureError
-    from megatron_opd.models.builder import parse_dtype
 
     progress = TqdmProgress(args.command, enabled=_rank() == 0 and not args.no_progress)
     try:
