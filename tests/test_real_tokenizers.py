@@ -25,7 +25,7 @@ pytest.importorskip("mistral_common")
 pytest.importorskip("llama_models")
 
 from megatron_opd.data.prompts import PromptEncoder  # noqa: E402
-from megatron_opd.testing.multiprocess import find_free_port, run_process_group  # noqa: E402
+from megatron_opd.testing.multiprocess import run_trainer  # noqa: E402
 from megatron_opd.testing.real_tokenizers import (  # noqa: E402
     LLAMA3_STOP_IDS,
     llama3_tiktoken_model,
@@ -89,15 +89,6 @@ class Pipeline:
         return self.output_dir / "hf"
 
 
-def _run_trainer(overrides: list[str], timeout: float = 400) -> tuple[int, str]:
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={find_free_port()}",
-        "-m", "megatron_opd.train", *overrides,
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return run_process_group(command, env=env, cwd=ROOT, timeout=timeout)
-
-
 def _build_pipeline(root: Path, kind: str) -> Pipeline:
     from megatron_opd.checkpoint import convert_hf_to_mcore
     from megatron_opd.distributed import ParallelConfig
@@ -137,7 +128,7 @@ def _build_pipeline(root: Path, kind: str) -> Pipeline:
         "logging.tensorboard": False,
         "output_dir": output_dir,
     }
-    code, log = _run_trainer([f"{k}={v}" for k, v in overrides.items()])
+    code, log = run_trainer([f"{k}={v}" for k, v in overrides.items()])
     assert code == 0, log[-4000:]
     return Pipeline(student, teacher_ckpt, output_dir, vocab, log)
 

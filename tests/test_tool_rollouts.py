@@ -14,7 +14,8 @@ from megatron_opd.interfaces import Rollouts, SamplingParams, completed
 from megatron_opd.rollout.tools import ToolRollout, cut_at_stop_string
 from megatron_opd.tasks.calculator import calculate
 from megatron_opd.testing.distill_fixture import make_distill_fixture
-from megatron_opd.testing.teacher_jobs import train_cli, train_metrics
+from megatron_opd.testing.multiprocess import run_trainer
+from megatron_opd.testing.teacher_jobs import train_metrics
 from megatron_opd.testing.tiny_models import make_tiny_tokenizer
 
 
@@ -204,7 +205,7 @@ def test_training_run_with_tool_turns(backend, mode, tmp_path):
                              "rollout.max_turns": 3, "rollout.max_new_tokens": 16, "data.eval_files": "",
                              "export_hf": False, "scheduler.mode": mode, "train.steps": 3},
     )  # fmt: skip
-    code, out = train_cli(overrides)
+    code, out = run_trainer(overrides)
     assert code == 0, out[-3000:]
     rows = [r for r in train_metrics(tmp_path / "run") if "loss" in r]
     assert len(rows) == 3 and all(math.isfinite(r["loss"]) for r in rows)

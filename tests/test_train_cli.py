@@ -18,9 +18,8 @@ from pathlib import Path
 import pytest
 
 from megatron_opd.testing.distill_fixture import make_distill_fixture
-from megatron_opd.testing.multiprocess import find_free_port, run_process_group
+from megatron_opd.testing.multiprocess import ROOT, run_trainer, trainer_command, trainer_env
 
-ROOT = Path(__file__).resolve().parents[1]
 TP2 = {"parallel.tensor_model_parallel_size": 2}
 
 
@@ -29,24 +28,8 @@ def pair(tmp_path_factory):
     return make_distill_fixture(tmp_path_factory.mktemp("distill"))
 
 
-def _command(nproc: int, overrides: list[str], extra_torchrun: list[str] = ()) -> list[str]:
-    return [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-        f"--master-port={find_free_port()}", *extra_torchrun, "-m", "megatron_opd.train", *overrides,
-    ]  # fmt: skip
-
-
-def _env(fault: str | None = None) -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    env.pop("MEGATRON_OPD_FAULT", None)
-    if fault:
-        env["MEGATRON_OPD_FAULT"] = fault
-    return env
-
-
 def run(overrides: list[str], *, nproc: int = 2, fault: str | None = None, timeout: float = 300):
-    """Run the trainer in its own process group; whatever it leaves behind is killed with the group."""
-    return run_process_group(_command(nproc, overrides), env=_env(fault), cwd=ROOT, timeout=timeout)
+    return run_trainer(overrides, nproc=nproc, fault=fault, timeout=timeout)
 
 
 def losses(output_dir: Path) -> dict[int, float]:
@@ -88,9 +71,9 @@ def test_sigterm_saves_and_resumes(pair, tmp_path):
     out_dir = tmp_path / "preempted"
     overrides = pair.overrides(out_dir, **TP2, **{"train.steps": 200, "export_hf": False})
     proc = subprocess.Popen(
-        _command(2, overrides),
+        trainer_command(overrides),
         cwd=ROOT,
-        env=_env(),
+        env=trainer_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

