@@ -75,7 +75,7 @@ class CrossTokenizer:
         """A ``PromptEncoder`` with the teacher's tokenizer and the run's ``data.*_key`` fields."""
         self.student_stop_ids = set(student_stop_ids)
         self.stop_prefix_ids = stop_prefix_ids
-        """How many of the last text token's extensions the teacher is asked for (0: a teacher that can only score
+        """How many of the last text token's extensions the teacher is asked for (1: none, for a teacher that scores only
         the next token; see the module docstring)."""
         self.teacher_eos = teacher_tokenizer.eos_token_id
         self.same_vocabulary = student_tokenizer.get_vocab() == teacher_tokenizer.get_vocab()
