@@ -38,7 +38,8 @@ class VocabularyMismatchError(TokenizerError):
 _SAME_FAMILY = (
     "distillation compares the two distributions token by token, so teacher and student need the same "
     "tokenizer: pick models of one family, point teacher.tokenizer / student.tokenizer at the right folders, or "
-    "distil across tokenizers with loss.mode=sampled loss.cross_tokenizer=sampled"
+    "distil across tokenizers with loss.mode=sampled loss.cross_tokenizer=sampled (or loss.mode=topk "
+    "loss.cross_tokenizer=aligned)"
 )
 
 

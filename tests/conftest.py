@@ -43,6 +43,24 @@ TINY_MODELS = {
 
 
 @pytest.fixture(scope="session")
+def tokenizer_kinds(tmp_path_factory) -> dict:
+    """``real_tokenizers.tokenizers_of_every_kind``, written and loaded once (alignment and vocabulary-map tests)."""
+    from megatron_opd.testing.real_tokenizers import tokenizers_of_every_kind
+
+    return tokenizers_of_every_kind(tmp_path_factory.mktemp("tokenizer_kinds"))
+
+
+@pytest.fixture(scope="session")
+def digit_tokenizers(tmp_path_factory) -> dict:
+    """The digit task's tokenizers by ``digit_merges``: one token per digit (``none``), per pair, per doubled digit."""
+    from megatron_opd.tasks import digits
+    from megatron_opd.tokenizer import load_tokenizer
+
+    root = tmp_path_factory.mktemp("digit_tokenizers")
+    return {m: load_tokenizer(digits.make_tokenizer(root / m, digit_merges=m)) for m in digits.DIGIT_MERGES}
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny_models")
     return {
@@ -64,7 +82,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_quickstart(workdir: Path, *args: str, timeout: float = 900) -> tuple[subprocess.CompletedProcess, str]:
     """``examples/quickstart.py --workdir workdir args``; asserts it passed its bar with no library warnings."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # the quick start shares the cores out
     proc = subprocess.run([sys.executable, "examples/quickstart.py", "--workdir", str(workdir), *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=timeout)  # fmt: skip
     out = proc.stdout + proc.stderr

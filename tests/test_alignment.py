@@ -13,8 +13,7 @@ from itertools import accumulate
 import pytest
 
 from megatron_opd.cross_tokenizer import TextMismatchError, TokenBytes, align, align_batch, alignment_stats
-from megatron_opd.testing.tiny_models import make_tiny_tokenizer
-from megatron_opd.tokenizer import load_tokenizer
+from megatron_opd.testing.real_tokenizers import TOKENIZER_KINDS, TOKENIZER_PAIRS
 
 TEXTS = (
     "Hello world",
@@ -27,30 +26,13 @@ TEXTS = (
     "naïve café Ελληνικά русский עברית العربية हिन्दी 1234567",
     "[REFERENCE_DOC_3] is a word here",
 )
-KINDS = ("sentencepiece", "tiktoken", "byte_level")
-PAIRS = (
-    ("sentencepiece", "tiktoken"),
-    ("tiktoken", "sentencepiece"),
-    ("sentencepiece", "byte_level"),
-    ("byte_level", "sentencepiece"),
-    ("tiktoken", "byte_level"),
-    ("byte_level", "tiktoken"),
-)
+KINDS, PAIRS = TOKENIZER_KINDS, TOKENIZER_PAIRS
 
 
 @pytest.fixture(scope="module")
-def tokenizers(tmp_path_factory) -> dict:
-    """Each kind's (transformers tokenizer, TokenBytes); the real ones skip without their packages."""
-    root = tmp_path_factory.mktemp("tokenizers")
-    found = {"byte_level": load_tokenizer(make_tiny_tokenizer(root / "byte_level"))}
-    try:
-        from megatron_opd.testing.real_tokenizers import write_llama3_tokenizer, write_mistral_tokenizer
-
-        found["sentencepiece"] = load_tokenizer(write_mistral_tokenizer(root / "sentencepiece"))
-        found["tiktoken"] = load_tokenizer(write_llama3_tokenizer(root / "tiktoken"))
-    except ImportError:
-        pass
-    return {kind: (tokenizer, TokenBytes(tokenizer, name=kind)) for kind, tokenizer in found.items()}
+def tokenizers(tokenizer_kinds) -> dict:
+    """Each kind's (transformers tokenizer, TokenBytes); the real ones are missing without their packages."""
+    return {kind: (tokenizer, TokenBytes(tokenizer, name=kind)) for kind, (tokenizer, _) in tokenizer_kinds.items()}
 
 
 def tokenizer_of(tokenizers, kind):

@@ -15,23 +15,18 @@ import torch
 from megatron_opd.cross_tokenizer.retokenize import CrossTokenizer
 from megatron_opd.data.prompts import PromptEncoder
 from megatron_opd.interfaces import Rollouts, TeacherScores
-from megatron_opd.tasks import digits
-from megatron_opd.tokenizer import load_tokenizer
 from megatron_opd.trainer.batch import pack_rollouts
 
 
 @pytest.fixture(scope="module")
-def tokenizers(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tok")
-    one = load_tokenizer(digits.make_tokenizer(root / "digit"))
-    pairs = load_tokenizer(digits.make_tokenizer(root / "pairs", digit_merges="pairs"))
-    return one, pairs
+def tokenizers(digit_tokenizers):
+    return digit_tokenizers["none"], digit_tokenizers["pairs"]
 
 
 @pytest.fixture(scope="module")
-def doubles(tmp_path_factory):
+def doubles(digit_tokenizers):
     """A tokenizer with a token for each doubled digit ("33"): the cross-tokenizer quick start's teacher."""
-    return load_tokenizer(digits.make_tokenizer(tmp_path_factory.mktemp("tok") / "doubles", digit_merges="doubles"))
+    return digit_tokenizers["doubles"]
 
 
 def _batch(student, texts: list[str], eos: bool = True, extra: list[list[int]] | None = None):

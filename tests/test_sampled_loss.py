@@ -17,6 +17,7 @@ from megatron_opd.trainer.config import LossConfig
 from megatron_opd.trainer.objective import make_loss_fn
 
 T, V, VOCAB = 11, 24, 21  # V - VOCAB padded columns never enter
+TEMPERATURES = (1.0, 1.7)
 
 
 def _inputs(seed: int = 0):
@@ -40,7 +41,7 @@ def _reference(logits, labels, teacher, temperature, offset=None):
     return float(loss.detach()), grad
 
 
-@pytest.mark.parametrize("temperature", [1.0, 1.7])
+@pytest.mark.parametrize("temperature", TEMPERATURES)
 def test_value_and_gradient_against_float64(temperature):
     logits, labels, teacher = _inputs()
     x = logits.clone().requires_grad_()
@@ -78,7 +79,7 @@ def test_groups_sum_log_q_over_their_tokens():
     assert float(divergence[:3].sum()) == pytest.approx(float(logq.detach()[:3].sum() - teacher[0]), rel=1e-12)
 
 
-def _tp2_body(temperature: float):
+def _tp2_body():
     import torch.distributed as dist
 
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
@@ -86,18 +87,23 @@ def _tp2_body(temperature: float):
     initialize_distributed(ParallelConfig(tensor_model_parallel_size=2))
     logits, labels, teacher = _inputs()
     rank, width = dist.get_rank(), V // 2
-    x = logits[:, rank * width : (rank + 1) * width].clone().requires_grad_()
-    surrogate, _ = sampled_reverse_kl(label_logprobs(x, labels, vocab_size=VOCAB, temperature=temperature), teacher)
-    surrogate.sum().backward()
-    return float(surrogate.sum()), x.grad
+    out = []
+    for temperature in TEMPERATURES:
+        x = logits[:, rank * width : (rank + 1) * width].clone().requires_grad_()
+        logq = label_logprobs(x, labels, vocab_size=VOCAB, temperature=temperature)
+        surrogate, _ = sampled_reverse_kl(logq, teacher)
+        surrogate.sum().backward()
+        out.append((float(surrogate.sum()), x.grad))
+    return out
 
 
-@pytest.mark.parametrize("temperature", [1.0, 1.7])
-def test_tp2_shards_give_the_tp1_value_and_gradient(temperature):
-    (loss0, grad0), (loss1, grad1) = run_distributed(_tp2_body, 2, args=(temperature,))
-    ref_loss, ref_grad = _reference(*_inputs(), temperature)
-    assert loss0 == loss1 == pytest.approx(ref_loss, rel=1e-12)
-    torch.testing.assert_close(torch.cat([grad0, grad1], dim=1), ref_grad, rtol=1e-10, atol=1e-12)
+def test_tp2_shards_give_the_tp1_value_and_gradient():
+    """One spawn, every temperature: each rank's loss and its shard of the gradient against TP=1 float64."""
+    rank0, rank1 = run_distributed(_tp2_body, 2)
+    for temperature, (loss0, grad0), (loss1, grad1) in zip(TEMPERATURES, rank0, rank1):
+        ref_loss, ref_grad = _reference(*_inputs(), temperature)
+        assert loss0 == loss1 == pytest.approx(ref_loss, rel=1e-12), f"temperature {temperature}"
+        torch.testing.assert_close(torch.cat([grad0, grad1], dim=1), ref_grad, rtol=1e-10, atol=1e-12)
 
 
 class _Switch:

@@ -1,4 +1,5 @@
-"""Distillation between a student and a teacher that tokenize differently: token groups aligned by byte offsets."""
+"""Distillation between a student and a teacher that tokenize differently: token groups aligned by byte offsets,
+and a map between the tokens both vocabularies hold."""
 
 from megatron_opd.cross_tokenizer.alignment import (
     Alignment,
@@ -10,6 +11,7 @@ from megatron_opd.cross_tokenizer.alignment import (
     align_batch,
     alignment_stats,
 )
+from megatron_opd.cross_tokenizer.vocabulary_map import VocabularyMap
 
 __all__ = [
     "Alignment",
@@ -17,6 +19,7 @@ __all__ = [
     "Group",
     "TextMismatchError",
     "TokenBytes",
+    "VocabularyMap",
     "align",
     "align_batch",
     "alignment_stats",

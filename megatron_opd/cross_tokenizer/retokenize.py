@@ -7,7 +7,10 @@ aligned into byte groups (:mod:`megatron_opd.cross_tokenizer.alignment`). The te
 sequences (the log-probability of each of its tokens, ``request_ids`` = the next token); :meth:`CrossTokenizer.scores`
 sums them over each group and puts the group's value at every student position of the group, with the offset to
 the group's first position (``extras["group_offset"]``), which is what the sampled loss reads
-(:mod:`megatron_opd.losses.sampled`). All of it runs on the host in the data path, off the accelerator.
+(:mod:`megatron_opd.losses.sampled`). With ``loss.cross_tokenizer=aligned`` the teacher also returns its top-k:
+at groups of one student and one teacher token with the same bytes it is mapped to student ids
+(:class:`~megatron_opd.cross_tokenizer.vocabulary_map.VocabularyMap`) for the top-k loss
+(:mod:`megatron_opd.losses.aligned`). All of it runs on the host in the data path, off the accelerator.
 
 Where the student stopped, the teacher's last token was chosen knowing that the text ends there: a teacher with a
 token for "33" writes a lone "3" only last, so the cost of stopping one digit early would land on the "3" and none
@@ -36,6 +39,7 @@ from megatron_opd.cross_tokenizer.alignment import (
     align,
     alignment_stats,
 )
+from megatron_opd.cross_tokenizer.vocabulary_map import VocabularyMap
 from megatron_opd.interfaces import Rollouts, TeacherScores
 
 
@@ -67,6 +71,7 @@ class CrossTokenizer:
         teacher_encoder,
         student_stop_ids: tuple[int, ...],
         stop_prefix_ids: int = 16,
+        topk: bool = False,
     ):
         self.student_bytes = TokenBytes(student_tokenizer, "student tokenizer")
         self.teacher_bytes = TokenBytes(teacher_tokenizer, "teacher tokenizer")
@@ -82,6 +87,15 @@ class CrossTokenizer:
         """One vocabulary: the teacher scores the student's own ids (a re-tokenization would score the canonical
         segmentation of the text instead of the one sampled) and every token is its own group (byte groups would
         join tokens that split a character)."""
+        self.vocabulary_map = None
+        """``loss.cross_tokenizer=aligned`` (``topk``): teacher ids -> student ids of the same bytes."""
+        if topk and not self.same_vocabulary:  # the teacher's stops map to the student's EOS
+            eos = student_tokenizer.eos_token_id
+            self.vocabulary_map = VocabularyMap(
+                self.student_bytes, self.teacher_bytes, sorted(self.student_stop_ids, key=lambda i: i != eos),
+                [] if self.teacher_eos is None else [int(self.teacher_eos)], student_tokenizer=student_tokenizer,
+            )  # fmt: skip
+        self.topk = topk
 
     def request(self, batch, rollouts: Rollouts, records: list[dict]) -> TeacherRequest:
         """The teacher's sequences for ``batch`` (``records``: each prompt's record, by ``rollouts.prompt_index``).
@@ -191,4 +205,64 @@ class CrossTokenizer:
                 log_ratio.append(teacher_total - float(batch.rollout_logprobs[i][trained].double().sum()))
         request.metrics["cross_tokenizer/sequence_log_ratio"] = sum(log_ratio) / max(len(log_ratio), 1)
         extras = {"group_offset": offset}
-        return TeacherScores(requested_logprobs=group_logp, extras=extras)
+        if not self.topk:
+            return TeacherScores(requested_logprobs=group_logp, extras=extras)
+        ids, logprobs, support, aligned = self._mapped_topk(teacher, request, batch)
+        extras.update(aligned_mask=aligned, teacher_topk_support=support)
+        return TeacherScores(topk_ids=ids, topk_logprobs=logprobs, requested_logprobs=group_logp, extras=extras)
+
+    def _mapped_topk(self, teacher: TeacherScores, request: TeacherRequest, batch):
+        """``loss.cross_tokenizer=aligned``: at each student position predicting a token of a group that is one
+        student and one teacher token with the same bytes, the teacher's top-k there in student ids (``[N, S, K]``
+        ids, log-probabilities, support) and ``[N, S]`` where that holds and at least one id mapped."""
+        if teacher.topk_ids is None:
+            raise ValueError("loss.cross_tokenizer=aligned needs the teacher's top-k; the teacher returned none")
+        n, s = batch.tokens.shape
+        k = teacher.topk_ids.shape[-1]
+        student_at, teacher_at = [], []  # (sample, position) pairs of the aligned groups
+        for i, alignment in enumerate(request.alignments):
+            if alignment is None:
+                continue
+            p, tp = batch.prompt_lengths[i], request.teacher_prompt_lengths[i]
+            for group in alignment.groups:
+                (s0, s1), (t0, t1) = group.student, group.teacher
+                if s1 - s0 == 1 and t1 - t0 == 1 and batch.loss_mask[i, p - 1 + s0] != 0:
+                    sid, tid = int(batch.tokens[i, p + s0]), int(request.tokens[i, tp + t0])
+                    if self._twins(sid, tid):
+                        student_at.append((i, p - 1 + s0))
+                        teacher_at.append((i, tp - 1 + t0))
+        ids = torch.zeros(n, s, k, dtype=torch.int64)
+        logprobs = torch.zeros(n, s, k, dtype=torch.float32)
+        support = torch.zeros(n, s, k, dtype=torch.bool)
+        aligned = torch.zeros(n, s, dtype=torch.bool)
+        if student_at:
+            si, sp = torch.tensor(student_at).unbind(1)
+            ti, tq = torch.tensor(teacher_at).unbind(1)
+            t_ids, t_logprobs = teacher.topk_ids[ti, tq].to(torch.int64), teacher.topk_logprobs[ti, tq].float()
+            if self.vocabulary_map is None:  # one vocabulary: the teacher's ids are the student's
+                m_ids, m_logprobs, m_support = t_ids, t_logprobs, torch.ones_like(t_ids, dtype=torch.bool)
+            else:
+                m_ids, m_logprobs, m_support = self.vocabulary_map.map_topk(t_ids, t_logprobs)
+            ids[si, sp], logprobs[si, sp], support[si, sp] = m_ids, m_logprobs, m_support
+            aligned[si, sp] = m_support.any(dim=-1)
+            mapped_mass = torch.where(m_support, m_logprobs.exp(), 0.0).sum(-1)
+            topk_mass = t_logprobs.exp().sum(-1)
+        trained = int((batch.loss_mask != 0).sum())
+        count = int(aligned.sum())
+        request.metrics.update({
+            "cross_tokenizer/topk_share": count / max(trained, 1),
+            "cross_tokenizer/sampled_share": (trained - count) / max(trained, 1),
+            "cross_tokenizer/mapped_teacher_mass": float(mapped_mass.mean()) if student_at else 0.0,
+            "cross_tokenizer/teacher_topk_mass": float(topk_mass.mean()) if student_at else 0.0,
+        })  # fmt: skip
+        return ids, logprobs, support, aligned
+
+    def _twins(self, student_id: int, teacher_id: int) -> bool:
+        """Whether a 1:1 group's tokens are the same token: the same bytes (not a dummy-prefix space more on one
+        side), or both a stop."""
+        if self.same_vocabulary:
+            return student_id == teacher_id
+        if student_id in self.student_stop_ids:
+            return teacher_id == self.teacher_eos
+        piece = self.student_bytes[student_id]
+        return bool(piece) and piece == self.teacher_bytes[teacher_id] and not self.teacher_bytes.is_special(teacher_id)

@@ -126,3 +126,28 @@ def train_sentencepiece(corpus: list[str], vocab_size: int, **options: object) -
         sentence_iterator=iter(corpus), model_writer=model, vocab_size=vocab_size, **settings
     )
     return model.getvalue()
+
+
+TOKENIZER_KINDS = ("sentencepiece", "tiktoken", "byte_level")
+"""Mistral's SentencePiece, Llama 3's tiktoken, a tiny byte-level BPE (``tiny_models.make_tiny_tokenizer``)."""
+
+TOKENIZER_PAIRS = tuple((a, b) for a in TOKENIZER_KINDS for b in TOKENIZER_KINDS if a != b)
+"""Every ordered (student, teacher) pair of two kinds."""
+
+
+def tokenizers_of_every_kind(root: str | os.PathLike) -> dict[str, tuple[object, tuple[int, ...]]]:
+    """Each kind's loaded tokenizer and stop ids, written under ``root``; the real ones are missing without
+    ``mistral_common`` / ``llama-models`` (and ``sentencepiece``)."""
+    from megatron_opd.testing.tiny_models import make_tiny_tokenizer
+    from megatron_opd.tokenizer import load_tokenizer
+
+    root = Path(root)
+    tiny = load_tokenizer(make_tiny_tokenizer(root / "byte_level"))
+    found = {"byte_level": (tiny, (tiny.eos_token_id,))}
+    try:
+        mistral = load_tokenizer(write_mistral_tokenizer(root / "sentencepiece"))
+        found["sentencepiece"] = (mistral, (mistral.eos_token_id,))
+        found["tiktoken"] = (load_tokenizer(write_llama3_tokenizer(root / "tiktoken")), LLAMA3_STOP_IDS)
+    except ImportError:
+        pass
+    return found

@@ -307,10 +307,13 @@ class LossConfig:
     """The output layer fused into the divergence (``losses.fused_output``): the update's logits are formed a chunk
     of tokens at a time inside the loss and never held whole. ``auto``/``on``: every distillation loss (SFT keeps
     the output layer; ``on`` refuses it); ``off``: the output layer writes the whole logit shard first."""
-    cross_tokenizer: Literal["off", "sampled"] = "off"
+    cross_tokenizer: Literal["off", "sampled", "aligned"] = "off"
     """A teacher with another tokenizer: ``sampled`` re-tokenizes each response for the teacher, aligns the two
     tokenizations by byte offsets and trains on the sampled reverse KL per aligned group (``loss.mode=sampled``;
-    ``megatron_opd.cross_tokenizer``). ``off``: the vocabulary check refuses a teacher with another tokenizer."""
+    ``megatron_opd.cross_tokenizer``). ``aligned`` (``loss.mode=topk``): where a group is one student and one
+    teacher token with the same bytes, the teacher's top-k mapped to student ids by identical token bytes, with
+    the top-k divergence (``loss.kind``, ``loss.tail``; unmapped teacher mass goes to the tail); other groups
+    the sampled one. ``off``: the vocabulary check refuses a teacher with another tokenizer."""
     weighting: Literal["none", "reward", "teacher_confidence"] = "none"
     """Per-sequence weights: none, reward-weighted distillation, or TCAD teacher-confidence weights."""
     reward_fn: str | None = None
@@ -345,22 +348,29 @@ class LossConfig:
                 f"loss.mode=sampled estimates the reverse KL from the student's own samples; loss.kind={self.kind} "
                 "needs the teacher's distribution: set loss.kind=reverse_kl, or loss.mode=topk/dense"
             )
-        if self.cross_tokenizer not in ("off", "sampled"):
-            raise ValueError(f"loss.cross_tokenizer must be off or sampled, got {self.cross_tokenizer!r}")
-        if self.cross_tokenizer == "sampled" and (self.mode != "sampled" or self.kind != "reverse_kl"):
+        cross = self.cross_tokenizer
+        if cross not in ("off", "sampled", "aligned"):
+            raise ValueError(f"loss.cross_tokenizer must be off, sampled or aligned, got {cross!r}")
+        if cross == "sampled" and (self.mode != "sampled" or self.kind != "reverse_kl"):
             raise ValueError(
                 f"loss.cross_tokenizer=sampled compares aligned groups of tokens by their sampled log-probabilities: "
                 f"set loss.mode=sampled and loss.kind=reverse_kl (got loss.mode={self.mode}, loss.kind={self.kind}; "
-                "dense and top-k losses need one vocabulary)"
+                "for a top-k loss on the tokens both vocabularies share, loss.cross_tokenizer=aligned)"
             )
-        if self.cross_tokenizer == "sampled" and self.weighting == "teacher_confidence":
+        if cross == "aligned" and (self.mode != "topk" or self.kind == "sft" or self.support != "teacher_topk"):
+            raise ValueError(
+                f"loss.cross_tokenizer=aligned maps the teacher's top-k to the student's ids: set loss.mode=topk, a "
+                f"divergence loss.kind and loss.support=teacher_topk (got loss.mode={self.mode}, loss.kind={self.kind},"
+                f" loss.support={self.support})"
+            )
+        if cross != "off" and self.weighting == "teacher_confidence":
             raise ValueError(
                 "loss.weighting=teacher_confidence averages the teacher's per-token log-probabilities, which a "
                 "teacher with another tokenizer gives per aligned group: use loss.weighting=none or reward"
             )
-        if self.cross_tokenizer == "sampled" and self.fused_output == "on":
+        if cross != "off" and self.fused_output == "on":
             raise ValueError(
-                "loss.fused_output=on cannot be used with loss.cross_tokenizer=sampled yet (a group's tokens must "
+                f"loss.fused_output=on cannot be used with loss.cross_tokenizer={cross} yet (a group's tokens must "
                 "be in one chunk): set loss.fused_output=auto or off"
             )
         distilling_topk = self.kind != "sft" and self.mode == "topk"
@@ -552,15 +562,16 @@ class TrainConfig:
                 "teacher.transfer=hidden applies to teacher.backend=server (an in-process teacher already hands "
                 "the loss its hidden states); remove teacher.transfer"
             )
-        if self.loss.cross_tokenizer == "sampled":
+        cross = self.loss.cross_tokenizer
+        if cross != "off":
             if self.teacher.backend == "server":
                 raise ValueError(
-                    "loss.cross_tokenizer=sampled works with teacher.backend=inprocess or vllm; the teacher server "
+                    f"loss.cross_tokenizer={cross} works with teacher.backend=inprocess or vllm; the teacher server "
                     "scores one vocabulary for now"
                 )
             if self.rollout.tool_fn:
                 raise ValueError(
-                    "loss.cross_tokenizer=sampled cannot align tool outputs yet: unset rollout.tool_fn or "
+                    f"loss.cross_tokenizer={cross} cannot align tool outputs yet: unset rollout.tool_fn or "
                     "loss.cross_tokenizer"
                 )
         if self.loss.kind != "sft" and self.teacher.backend in ("server", "vllm"):

@@ -27,6 +27,7 @@ from typing import ClassVar
 import torch
 
 from megatron_opd.losses import dense_divergence, reduce_loss, topk_divergence, union_divergence
+from megatron_opd.losses.aligned import aligned_divergence
 from megatron_opd.losses.fused_output import chunk_tokens, fused_output_loss, reduction_coefficients
 from megatron_opd.losses.sampled import label_logprobs, sampled_reverse_kl
 from megatron_opd.losses.shard_ops import chunked_logsumexp, gather_at_ids, global_argmax
@@ -183,6 +184,18 @@ def make_loss_fn(
         if cfg.kind == "sft":
             reads["target_top1"] = cols["labels"]
             per_token = sft_per_token(logits_TV, cols["labels"], vocab_size)
+        elif "aligned_mask" in cols:  # loss.cross_tokenizer=aligned: top-k on shared tokens, sampled elsewhere
+            aligned = cols["aligned_mask"]
+            first = torch.where(cols["teacher_topk_support"][..., 0], cols["teacher_topk_ids"][..., 0], -1)
+            reads["target_top1"] = torch.where(aligned, first, -1)  # the teacher's top-1, where it has a twin
+            per_token, reads["divergence"] = aligned_divergence(
+                logits_TV, cols["labels"], aligned, cols["teacher_topk_ids"], cols["teacher_topk_logprobs"],
+                cols["teacher_topk_support"], cols["teacher_label_logprobs"], cols["group_offset"], cfg.kind,
+                vocab_size=vocab_size, beta=cfg.beta, tail=cfg.tail, coverage_weight=cfg.coverage_weight,
+                student_temperature=cfg.student_temperature, chunk_size=cfg.chunk_size,
+            )  # fmt: skip
+            if monitor:  # the loss overwrites only a copy of the logits: one logsumexp pass
+                lse_t1 = lse_t1 if lse_t1 is not None else chunked_logsumexp(logits_TV.detach(), shard)
         elif cfg.mode == "sampled":
             # The teacher's top-1, where it has one in the student's vocabulary (not across tokenizers).
             top1 = cols.get("teacher_topk_ids")

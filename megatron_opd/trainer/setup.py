@@ -300,7 +300,7 @@ def check_output_weight(full_VH: torch.Tensor, info, vocab_size: int, path: str)
 
 
 def build_retokenizer(cfg: TrainConfig, vocab: Vocabulary):
-    """``loss.cross_tokenizer=sampled``: the teacher's view of each batch (None when the tokenizers are one)."""
+    """``loss.cross_tokenizer``: the teacher's view of each batch (None without one)."""
     if cfg.loss.cross_tokenizer == "off" or cfg.loss.kind == "sft":
         return None
     from megatron_opd.cross_tokenizer.retokenize import CrossTokenizer
@@ -310,7 +310,9 @@ def build_retokenizer(cfg: TrainConfig, vocab: Vocabulary):
     encoder = PromptEncoder(vocab.teacher_tokenizer, d.prompt_key, d.messages_key, d.response_key)
     # A vLLM teacher scores the next token only: the stop's prefix correction needs other ids at one position.
     stop_prefix_ids = 1 if cfg.teacher.backend == "vllm" else 16
-    return CrossTokenizer(vocab.tokenizer, vocab.teacher_tokenizer, encoder, vocab.stop_token_ids, stop_prefix_ids)
+    aligned = cfg.loss.cross_tokenizer == "aligned"
+    return CrossTokenizer(vocab.tokenizer, vocab.teacher_tokenizer, encoder, vocab.stop_token_ids, stop_prefix_ids,
+                          topk=aligned)  # fmt: skip
 
 
 def max_seq_len(cfg: TrainConfig) -> int:

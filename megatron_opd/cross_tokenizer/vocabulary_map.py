@@ -1,0 +1,162 @@
+"""Which teacher token is which student token, for a top-k divergence on the student's vocabulary
+(``loss.cross_tokenizer=aligned``).
+
+Two tokens are the same token when they add the same bytes to the decoded text (:class:`TokenBytes`: "▁" and "Ġ"
+are spaces, ``<0xNN>`` one raw byte). Special tokens add no bytes, so they never match by their text, with one
+exception: each teacher stop id is the student's first stop id (EOS is EOS).
+
+A vocabulary may hold one byte string twice (SentencePiece byte fallback: ``<0x41>`` and ``A``). The student side
+then keeps the id its tokenizer writes for that text; on the teacher side both ids map to it, and
+:meth:`VocabularyMap.map_topk` merges their probabilities into one slot.
+
+Shape legend: ``T`` positions, ``K`` teacher top-k slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from megatron_opd.cross_tokenizer.alignment import TokenBytes
+
+_UNMAPPED = -1
+_EMPTY_SLOT_ID = 0
+"""A valid student id for slots outside the support, so that gathers on them stay in range."""
+
+
+def _ids_by_bytes(token_bytes: TokenBytes) -> dict[bytes, list[int]]:
+    """Every non-special token with bytes, grouped by its bytes (ids ascending)."""
+    special = token_bytes._special
+    groups: dict[bytes, list[int]] = {}
+    for token_id, piece in enumerate(token_bytes._table):
+        if piece and not special[token_id]:
+            groups.setdefault(piece, []).append(token_id)
+    return groups
+
+
+def _canonical_id(piece: bytes, ids: list[int], tokenizer: Any | None) -> int:
+    """Of several ids with the same bytes, the one ``tokenizer`` writes for that text, else the smallest.
+
+    The text is encoded after a special token as well: a SentencePiece tokenizer would otherwise put its dummy-prefix
+    space before it ("A" -> "▁A"), while after a special token it tokenizes the text as it does mid-text.
+    """
+    if tokenizer is None:
+        return ids[0]
+    try:
+        text = piece.decode()
+    except UnicodeDecodeError:
+        return ids[0]
+    anchor = tokenizer.eos_token or tokenizer.bos_token
+    attempts = [([], text)] + ([([tokenizer.convert_tokens_to_ids(anchor)], anchor + text)] if anchor else [])
+    for prefix, string in attempts:
+        encoded = list(tokenizer(string, add_special_tokens=False)["input_ids"])
+        if encoded[: len(prefix)] == prefix and len(encoded) == len(prefix) + 1 and encoded[-1] in ids:
+            return encoded[-1]
+    return ids[0]
+
+
+class VocabularyMap:
+    """Teacher token id -> student token id, for tokens whose bytes are identical (built once per run)."""
+
+    def __init__(
+        self,
+        student: TokenBytes,
+        teacher: TokenBytes,
+        student_stop_ids: Sequence[int],
+        teacher_stop_ids: Sequence[int],
+        student_tokenizer: Any | None = None,
+    ):
+        """``student_tokenizer`` (optional) picks the student id among several with the same bytes (see
+        :func:`_canonical_id`); without it the smallest id is taken, which for byte fallback is the ``<0xNN>`` piece.
+        """
+        for side, stop_ids, token_bytes in (
+            ("student", student_stop_ids, student),
+            ("teacher", teacher_stop_ids, teacher),
+        ):
+            bad = [i for i in stop_ids if not 0 <= i < len(token_bytes)]
+            if bad:
+                raise ValueError(
+                    f"{side} stop id {bad[0]} is outside the vocabulary of tokenizer {token_bytes.name!r} "
+                    f"({len(token_bytes)} ids)"
+                )
+        if teacher_stop_ids and not student_stop_ids:
+            raise ValueError(
+                f"the teacher has stop ids {list(teacher_stop_ids)} but the student none: the teacher's EOS would "
+                "have no student twin"
+            )
+        self.student_vocab_size = len(student)
+        self.teacher_vocab_size = len(teacher)
+
+        student_ids = {
+            piece: ids[0] if len(ids) == 1 else _canonical_id(piece, ids, student_tokenizer)
+            for piece, ids in _ids_by_bytes(student).items()
+        }
+        special = teacher._special
+        table = [
+            student_ids.get(piece, _UNMAPPED) if piece and not special[token_id] else _UNMAPPED
+            for token_id, piece in enumerate(teacher._table)
+        ]
+        for stop_id in teacher_stop_ids:
+            table[int(stop_id)] = int(student_stop_ids[0])
+        self.teacher_to_student = torch.tensor(table, dtype=torch.int64)
+        """``[teacher vocab size]``: the student id of each teacher id, -1 where the teacher token has no student
+        twin."""
+        self._table_on_device = self.teacher_to_student
+
+    def mapped_count(self) -> int:
+        """How many teacher ids have a student twin (stop ids included)."""
+        return int((self.teacher_to_student != _UNMAPPED).sum())
+
+    def map_topk(
+        self, ids_TK: torch.Tensor, logprobs_TK: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Teacher top-k (ids, log-probs) at some positions -> (student ids, log-probs, support bool), same [T, K] shape.
+
+        Teacher ids with the same student twin are merged into the first of their slots (log of the summed
+        probabilities); the other slots, and those of teacher ids without a twin, are empty: student id 0,
+        log-probability ``-inf``, support False. Their mass is left to the loss's tail.
+        """
+        if ids_TK.shape != logprobs_TK.shape or ids_TK.dim() != 2:
+            raise ValueError(
+                f"teacher top-k ids {tuple(ids_TK.shape)} and log-probs {tuple(logprobs_TK.shape)} must both be [T, K]"
+            )
+        out_of_range_TK = (ids_TK < 0) | (ids_TK >= self.teacher_vocab_size)
+        if out_of_range_TK.any():  # a device sync, for an error that would otherwise be a silent wrong gather
+            bad = int(ids_TK[out_of_range_TK][0])
+            raise ValueError(
+                f"teacher token id {bad} is outside the teacher vocabulary of the vocabulary map "
+                f"({self.teacher_vocab_size} ids)"
+            )
+        if self._table_on_device.device != ids_TK.device:
+            self._table_on_device = self.teacher_to_student.to(ids_TK.device)
+        student_TK = self._table_on_device[ids_TK.long()]
+        out_dtype = logprobs_TK.dtype
+
+        # Sort each row by student id (stable: a group's first slot stays first); equal neighbours are one group.
+        student_TK, order_TK = torch.sort(student_TK, dim=1, stable=True)
+        dtype = torch.promote_types(logprobs_TK.dtype, torch.float32)
+        logprobs_TK = logprobs_TK.to(dtype).gather(1, order_TK)
+        starts_TK = torch.ones_like(student_TK, dtype=torch.bool)
+        starts_TK[:, 1:] = student_TK[:, 1:] != student_TK[:, :-1]
+        group_TK = starts_TK.cumsum(dim=1) - 1
+
+        # logsumexp per group, with the group's max taken out (0 where it is -inf, so -inf - -inf gives no NaN).
+        group_max_TK = torch.full_like(logprobs_TK, -torch.inf).scatter_reduce(
+            1, group_TK, logprobs_TK, reduce="amax", include_self=True
+        )
+        shift_TK = torch.where(torch.isfinite(group_max_TK), group_max_TK, 0.0)
+        summed_TK = torch.zeros_like(logprobs_TK).scatter_add(
+            1, group_TK, torch.exp(logprobs_TK - shift_TK.gather(1, group_TK))
+        )
+        merged_TK = (shift_TK + torch.log(summed_TK)).gather(1, group_TK)
+
+        support_TK = starts_TK & (student_TK != _UNMAPPED)
+        sorted_ids_TK = torch.where(support_TK, student_TK, _EMPTY_SLOT_ID)
+        sorted_logprobs_TK = torch.where(support_TK, merged_TK, -torch.inf)
+        # Back to the teacher's slot order.
+        ids_out_TK = torch.empty_like(sorted_ids_TK).scatter_(1, order_TK, sorted_ids_TK)
+        logprobs_out_TK = torch.empty_like(sorted_logprobs_TK).scatter_(1, order_TK, sorted_logprobs_TK)
+        support_out_TK = torch.empty_like(support_TK).scatter_(1, order_TK, support_TK)
+        return ids_out_TK, logprobs_out_TK.to(out_dtype), support_out_TK

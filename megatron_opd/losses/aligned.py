@@ -1,0 +1,70 @@
+"""The cross-tokenizer loss on the tokens both vocabularies share (``loss.cross_tokenizer=aligned``).
+
+Where an aligned group is one student token and one teacher token with the same bytes, the teacher's top-k at that
+position, mapped to student ids (``cross_tokenizer.VocabularyMap``), is a distribution over the student's own
+vocabulary minus the mass of teacher tokens without a twin: the exact top-k divergence (``losses.topk``, any kind
+and tail; the unmapped mass is in the teacher's tail) runs there, vocab-parallel on the student's shard. Every
+other position (a group of several tokens on either side) takes the sampled group surrogate of
+``losses.sampled``. With one tokenizer every position is aligned and the loss is the top-k loss.
+
+The top-k divergence runs on a copy of the aligned rows only, in place; the sampled surrogate reads the label's
+log-probability from the logits as they are (neither overwrites what the other needs). Shape legend: ``T`` tokens
+(any leading shape, flattened), ``V`` this rank's vocabulary columns, ``K`` top-k slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_opd.losses.sampled import label_logprobs, sampled_reverse_kl
+from megatron_opd.losses.topk import topk_divergence
+
+
+def aligned_divergence(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    aligned: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_logprobs: torch.Tensor,
+    support: torch.Tensor,
+    group_logprobs: torch.Tensor,
+    group_offset: torch.Tensor,
+    kind: str,
+    *,
+    vocab_size: int | None,
+    student_temperature: float = 1.0,
+    **topk_options,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token loss and divergence, the logits' leading shape: top-k where ``aligned``, sampled elsewhere.
+
+    ``topk_ids`` / ``topk_logprobs`` / ``support`` ``[..., K]``: the teacher's top-k in student ids at aligned
+    positions (``support`` False: an empty slot). ``group_logprobs`` / ``group_offset``: each position's group
+    log-probability under the teacher and the offset to its group's first position (``losses.sampled``).
+    ``topk_options``: ``topk_divergence``'s ``beta``, ``tail``, ``coverage_weight``, ``chunk_size``.
+    """
+    lead = logits.shape[:-1]
+    logits_TV = logits.reshape(-1, logits.shape[-1])
+    aligned_T = aligned.reshape(-1).to(torch.bool)
+    rows = aligned_T.nonzero()[:, 0].to(logits.device)
+    sampled_rows = int(aligned_T.numel() - rows.numel())
+    if sampled_rows:
+        logq_T = label_logprobs(logits_TV, labels.reshape(-1), vocab_size=vocab_size, temperature=student_temperature)
+        per_token_T, divergence_T = sampled_reverse_kl(
+            logq_T, group_logprobs.reshape(-1).to(logq_T.dtype), group_offset.reshape(-1)
+        )
+    else:  # one tokenizer: the top-k loss alone, nothing sampled to read
+        per_token_T = logits_TV.new_zeros(aligned_T.shape, dtype=torch.float32)
+        divergence_T = per_token_T.detach().clone()
+    if rows.numel():
+
+        def at_rows(t: torch.Tensor) -> torch.Tensor:  # a copy: the logits' one can take the loss's intermediates
+            return t.reshape(-1, *t.shape[len(lead) :]).index_select(0, rows)
+
+        topk_T = topk_divergence(
+            at_rows(logits), at_rows(topk_ids), at_rows(topk_logprobs), kind, support_mask=at_rows(support),
+            student_temperature=student_temperature, vocab_size=vocab_size, validate=False, inplace_backward=True,
+            **topk_options,
+        )  # fmt: skip
+        per_token_T = per_token_T.to(topk_T.dtype).index_put((rows,), topk_T)
+        divergence_T = divergence_T.to(topk_T.dtype).index_put((rows,), topk_T.detach())
+    return per_token_T.view(lead), divergence_T.view(lead)
