@@ -17,13 +17,7 @@ import sys
 import tempfile
 import time
 
-
-def vm_hwm_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
+from _trl_common import cpu_run_args, step_times_callback, vm_hwm_bytes
 
 
 def main(spec_path: str, result_path: str) -> None:
@@ -35,7 +29,7 @@ def main(spec_path: str, result_path: str) -> None:
     import transformers
     import trl
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
     pad_id = int(spec["pad_token_id"])
@@ -57,25 +51,6 @@ def main(spec_path: str, result_path: str) -> None:
                 }
             )
             return ids, attention_mask, labels
-
-    class StepTimes(TrainerCallback):
-        def __init__(self) -> None:
-            self.begin: list[float] = []
-            self.end: list[float] = []
-            self.losses: list[float] = []
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.train_begin = time.perf_counter()
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.begin.append(time.perf_counter())
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.end.append(time.perf_counter())
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                self.losses.append(float(logs["loss"]))
 
     def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
         # Left-padded prompts for generate(); no "labels" key, so the Trainer passes no num_items_in_batch and
@@ -118,18 +93,10 @@ def main(spec_path: str, result_path: str) -> None:
         max_new_tokens=int(spec["max_new_tokens"]),
         max_length=int(spec["max_seq_len"]),
         disable_dropout=True,
-        use_cpu=True,
-        bf16=False,
-        fp16=False,
-        seed=int(spec["seed"]),
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        dataloader_num_workers=0,
-        disable_tqdm=True,
+        **cpu_run_args(int(spec["seed"])),
         remove_unused_columns=False,
     )
-    timer = StepTimes()
+    timer = step_times_callback()
     trainer = TimedGKDTrainer(
         model=student,
         teacher_model=teacher,

@@ -404,17 +404,20 @@ def test_random_bytes_and_bad_requests_leave_the_server_serving(servers):
         return wire.decode(dealer.recv(), 1 << 20)
 
     tokens, request_ids = _batch(0)
-    good = wire.encode_score(1, b"", ScoreRequest(tokens, 8, 1.0, request_ids))
+    ours = server.server.info.vocab_fingerprint
+    good = wire.encode_score(1, b"", ScoreRequest(tokens, 8, 1.0, request_ids, vocabulary=ours))
     bad_version = good[:4] + (9).to_bytes(2, "little") + good[6:]
-    out_of_range = wire.encode_score(3, b"", ScoreRequest(tokens + VOCAB, 8, 1.0, None))
+    out_of_range = wire.encode_score(3, b"", ScoreRequest(tokens + VOCAB, 8, 1.0, None, vocabulary=ours))
+    other_vocabulary = wire.encode_score(7, b"", ScoreRequest(tokens, 8, 1.0, None, vocabulary="0" * 64))
     expectations = [
         (b"random junk that is not a message", wire.ErrorCode.BAD_REQUEST, "malformed request: magic"),
         (good[:-7], wire.ErrorCode.BAD_REQUEST, "malformed request: request_ids"),
         ([good, good], wire.ErrorCode.BAD_REQUEST, "expected one message frame"),
         (bad_version, wire.ErrorCode.VERSION, "protocol version 9"),
         (out_of_range, wire.ErrorCode.BAD_REQUEST, "tokens[0, 0] = "),
-        (wire.encode_score(4, b"", ScoreRequest(tokens, 17, 1.0)), wire.ErrorCode.LIMIT, "k=17 exceeds"),
-        (wire.encode_score(5, b"", ScoreRequest(tokens, 8, 0.0)), wire.ErrorCode.BAD_REQUEST, "temperature"),
+        (wire.encode_score(4, b"", ScoreRequest(tokens, 17, 1.0, vocabulary=ours)), wire.ErrorCode.LIMIT, "k=17 exceeds"),
+        (wire.encode_score(5, b"", ScoreRequest(tokens, 8, 0.0, vocabulary=ours)), wire.ErrorCode.BAD_REQUEST, "temperature"),
+        (other_vocabulary, wire.ErrorCode.BAD_REQUEST, "the request's ids are of vocabulary 000000000000, this teacher's"),
         (wire.encode_scores(6, ScoreReply(tokens[..., None], tokens[..., None].float()), "fp32"),
          wire.ErrorCode.BAD_REQUEST, "a client cannot send Scores"),
     ]  # fmt: skip

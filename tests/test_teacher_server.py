@@ -121,25 +121,35 @@ def test_server_tp2_matches_transformers_and_the_inprocess_teacher(pair, server)
     client.close()
 
 
-@pytest.mark.parametrize("transfer", ["topk", "hidden"])
+@pytest.mark.parametrize("transfer", ["topk", "hidden", "aligned"])
 def test_distillation_through_the_server_matches_the_inprocess_teacher(transfer, pair, server, tmp_path):
     """Student TP=2 in one torchrun job, teacher TP=2 in another: the first step's loss equals the in-process one.
     ``hidden``: the server sends final hidden states (fp32 on the wire) and the trainer forms the teacher's logits
-    with its output layer from ``teacher.path``: dense distillation, equal to the in-process dense loss."""
+    with its output layer from ``teacher.path``: dense distillation, equal to the in-process dense loss.
+    ``aligned``: ``loss.cross_tokenizer=aligned``, the trainer re-tokenizing for the teacher and mapping its reply
+    back (the tokenizers are one here: every position on the top-k loss; another tokenizer's ids and their mapping:
+    tests/test_aligned_loss.py, tests/test_vocabulary_map.py)."""
     common = {"parallel.tensor_model_parallel_size": 2, "train.steps": 1, "loss.mode": "topk", "loss.topk": 8,
               "teacher.temperature": 1.5, "loss.weighting": "teacher_confidence", "rollout.n": 2,
               "export_hf": False}  # fmt: skip
     if transfer == "hidden":
         common.update({"loss.mode": "dense", "loss.kind": "jsd"})
+    if transfer == "aligned":
+        common.update({"loss.cross_tokenizer": "aligned", "loss.weighting": "none"})
+        transfer = "topk"
     code, out = run_trainer(pair.overrides(tmp_path / "inprocess", **common))
     assert code == 0, out[-3000:]
     remote = dict(common, **{"teacher.backend": "server", "teacher.address": server, "teacher.transfer": transfer})
     code, out = run_trainer(pair.overrides(tmp_path / "server", **remote))
     assert code == 0, out[-3000:]
-    assert "eval.teacher_responses needs the teacher's weights in this job" in out
     ref, got = train_metrics(tmp_path / "inprocess"), train_metrics(tmp_path / "server")
     ref_loss, got_loss = [r["loss"] for r in ref if "loss" in r], [r["loss"] for r in got if "loss" in r]
     assert len(ref_loss) == len(got_loss) == 1
+    if "loss.cross_tokenizer" in common:  # its evaluation is accuracy only (the teacher scores its own tokens)
+        assert [r["cross_tokenizer/topk_share"] for r in got if "loss" in r] == [1.0]
+        assert got_loss[0] == pytest.approx(ref_loss[0], rel=1e-5, abs=1e-7)
+        return
+    assert "eval.teacher_responses needs the teacher's weights in this job" in out
     assert got_loss[0] == pytest.approx(ref_loss[0], rel=1e-6 if transfer == "hidden" else 1e-5, abs=1e-7)
     # The evaluation's divergence to the teacher goes through the server too.
     key = "eval/divergence_own_samples"

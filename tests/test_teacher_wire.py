@@ -6,6 +6,7 @@ what a lying header claims, and never reach pickle.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from pathlib import Path
@@ -20,13 +21,15 @@ from megatron_opd.teacher.vocabulary import RemoteTokenizer, fingerprint, tokeni
 from megatron_opd.testing.multiprocess import run_distributed
 
 MAX = 1 << 20
+VOCABULARY = "5e" * 32
+"""A vocabulary fingerprint (64 hex digits) the requests name."""
 
 
 def _request(n=3, s=5, r=2, k=4, dtype="fp32") -> ScoreRequest:
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 1000, (n, s), generator=g)
     ids = torch.randint(0, 1000, (n, s, r), generator=g) if r else None
-    return ScoreRequest(tokens, k, 0.7, ids, dtype)
+    return ScoreRequest(tokens, k, 0.7, ids, dtype, vocabulary=VOCABULARY)
 
 
 def _reply(n=3, s=5, k=4, r=2) -> ScoreReply:
@@ -51,12 +54,15 @@ def test_score_request_round_trip(r):
         assert torch.equal(got.request_ids.long(), request.request_ids)
     else:
         assert got.request_ids is None
+    assert got.vocabulary == VOCABULARY  # the vocabulary the ids are of (version 3)
+    with pytest.raises(wire.WireError, match="vocabulary: must be a 64-hex-digit fingerprint, got ''"):
+        wire.encode_score(78, b"tok", dataclasses.replace(request, vocabulary=""))
 
 
 @pytest.mark.parametrize("dtype, tol", [("fp32", 0.0), ("bf16", 2**-8), ("fp16", 2**-11)])
 def test_hidden_request_and_reply_round_trip(dtype, tol):
     """``transfer=hidden`` (protocol 2): the request's flag bit 1, k may be 0; the reply is a HIDDEN message."""
-    request = ScoreRequest(_request(r=0).tokens, 0, 1.0, None, dtype, "hidden")
+    request = ScoreRequest(_request(r=0).tokens, 0, 1.0, None, dtype, "hidden", VOCABULARY)
     message = wire.decode(wire.encode_score(3, b"", request), MAX)
     assert message.request.transfer == "hidden" and message.request.k == 0 and message.request.request_ids is None
     hidden = torch.randn(3, 5, 7, generator=torch.Generator().manual_seed(2)) * 4
@@ -73,7 +79,9 @@ def test_hidden_request_and_reply_round_trip(dtype, tol):
         check_reply(request, ScoreReply(hidden=hidden.clone().fill_(math.nan)), vocab_size=50, hidden_size=7)
     # Requested ids have no meaning for hidden states: refused on both sides of the wire.
     with pytest.raises(wire.WireError, match="request_ids: a hidden-state request takes no requested ids"):
-        wire.encode_score(5, b"", ScoreRequest(request.tokens, 0, 1.0, _request().request_ids, dtype, "hidden"))
+        wire.encode_score(
+            5, b"", ScoreRequest(request.tokens, 0, 1.0, _request().request_ids, dtype, "hidden", VOCABULARY)
+        )
     flagged = bytearray(wire.encode_score(6, b"", _request(r=2)))
     flagged[7] |= wire.FLAG_HIDDEN
     with pytest.raises(wire.WireError, match="R=2: a hidden-state request takes no requested ids"):

@@ -445,7 +445,8 @@ class TeacherClient:
         for lo, hi in zip(bounds[:-1], bounds[1:]):
             w = s if lengths is None else max(lengths[lo:hi])  # the piece's longest row
             ids = None if request_ids is None else request_ids[lo:hi, :w]
-            request = ScoreRequest(tokens[lo:hi, :w], self.topk, self.temperature, ids, self.wire_dtype, self.transfer)
+            request = ScoreRequest(tokens[lo:hi, :w], self.topk, self.temperature, ids, self.wire_dtype, self.transfer,
+                                   vocabulary=self._fingerprint or "")  # fmt: skip
             pieces.append(_Piece(batch, lo, hi, n, request))
         return pieces
 

@@ -292,6 +292,12 @@ class TeacherServer:
         lim, vocab = self.limits, self.info.vocab_size
         n, s = request.shape
         r = request.num_requested
+        if request.vocabulary != self.info.vocab_fingerprint:
+            return wire.ErrorCode.BAD_REQUEST, (
+                f"the request's ids are of vocabulary {request.vocabulary[:12]}, this teacher's is "
+                f"{self.info.vocab_fingerprint[:12]} ({self.info.model}): tokenize with the teacher's tokenizer "
+                "(teacher.tokenizer; loss.cross_tokenizer for a teacher with another one)"
+            )
         if request.transfer == "hidden":
             h = self.info.extra.get("hidden_size")
             if h is None:

@@ -59,6 +59,9 @@ class ScoreRequest:
     transfer: str = "topk"
     """``topk``: the top-``k`` and requested log-probabilities; ``hidden``: the final hidden states instead (``k``,
     ``temperature`` and ``request_ids`` unused: the trainer forms the logits with the teacher's output layer)."""
+    vocabulary: str = ""
+    """The fingerprint (``vocabulary.fingerprint``, 64 hex digits) of the vocabulary ``tokens`` and ``request_ids``
+    are ids of: a server refuses ids of another. The client fills in the one it checked at connect."""
 
     @property
     def shape(self) -> tuple[int, int]:

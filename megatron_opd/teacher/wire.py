@@ -4,7 +4,7 @@ Every message starts with a 16-byte header (little-endian)::
 
     offset  size  field
     0       4     magic  b"OPDT"
-    4       2     protocol version (1)
+    4       2     protocol version (3)
     6       1     message type (``MessageType``)
     7       1     flags (HELLO: bit 0 = send the tokenizer summary; SCORE: bit 0 = request ids follow,
                   bit 1 = reply with hidden states)
@@ -18,6 +18,11 @@ so the server can address the error reply.
 
 Version 2 added ``transfer=hidden``: a SCORE with flag bit 1 is answered by a HIDDEN message holding the final
 hidden states, from which the trainer forms the teacher's logits itself (exact dense distillation).
+
+Version 3: a SCORE names the vocabulary its ids are in (the 32-byte SHA-256 fingerprint of the teacher's
+tokenizer summary) and the server refuses ids of another vocabulary. Requests are in the teacher's own ids: with a
+teacher of another tokenizer (``loss.cross_tokenizer``) the trainer re-tokenizes for it and maps the reply back,
+and ids built with the wrong tokenizer are refused rather than scored as another text.
 
 Shape legend: ``N`` sequences, ``S`` positions, ``K`` top-k, ``R`` requested ids per position, ``H`` hidden size.
 """
@@ -36,7 +41,7 @@ import torch
 from megatron_opd.teacher.transport import ScoreReply, ScoreRequest
 
 MAGIC = b"OPDT"
-VERSION = 2
+VERSION = 3
 MAX_TOKEN_BYTES = 1024
 """Longest authentication token."""
 
@@ -46,7 +51,7 @@ FLAG_HIDDEN = 2
 
 HEADER = struct.Struct("<4sHBBQ")
 TOKEN_LEN = struct.Struct("<H")
-SCORE_FIELDS = struct.Struct("<BxxxIdIII")  # dtype, k, temperature, N, S, R
+SCORE_FIELDS = struct.Struct("<BxxxIdIII32s")  # dtype, k, temperature, N, S, R, vocabulary fingerprint
 SCORES_FIELDS = struct.Struct("<BxxxIIII")  # dtype, N, S, K, R
 HIDDEN_FIELDS = struct.Struct("<BxxxIII")  # dtype, N, S, H
 ERROR_FIELDS = struct.Struct("<HI")  # code, message length
@@ -223,11 +228,17 @@ def encode_score(request_id: int, token: bytes, request: ScoreRequest) -> bytes:
         raise WireError("transfer", f"must be 'topk' or 'hidden', got {request.transfer!r}")
     if request.transfer == "hidden" and r:
         raise WireError("request_ids", "a hidden-state request takes no requested ids (the trainer forms the logits)")
+    try:
+        vocabulary = bytes.fromhex(request.vocabulary)
+    except ValueError:
+        vocabulary = b""
+    if len(vocabulary) != 32:
+        raise WireError("vocabulary", f"must be a 64-hex-digit fingerprint, got {request.vocabulary!r}")
     flags = (FLAG_HAS_REQUESTED if r else 0) | (FLAG_HIDDEN if request.transfer == "hidden" else 0)
     parts = [
         _header(MessageType.SCORE, flags, request_id),
         _token(token),
-        SCORE_FIELDS.pack(DTYPE_CODES[request.wire_dtype], request.k, float(request.temperature), n, s, r),
+        SCORE_FIELDS.pack(DTYPE_CODES[request.wire_dtype], request.k, float(request.temperature), n, s, r, vocabulary),
         _int32_bytes(request.tokens, "tokens"),
     ]
     if r:
@@ -365,7 +376,7 @@ def decode(data: bytes, max_bytes: int) -> Message:
         return Info(request_id, info)
     if kind == MessageType.SCORE:
         token = reader.token()
-        code, k, temperature, n, s, r = reader.unpack(SCORE_FIELDS, "score fields")
+        code, k, temperature, n, s, r, vocabulary = reader.unpack(SCORE_FIELDS, "score fields")
         dtype = _dtype_name(code, reader)
         transfer = "hidden" if flags & FLAG_HIDDEN else "topk"
         _positive(k, "k", reader, minimum=0 if transfer == "hidden" else 1)
@@ -377,7 +388,8 @@ def decode(data: bytes, max_bytes: int) -> Message:
         tokens = reader.array(n * s, "int32", "tokens").view(n, s)
         request_ids = reader.array(n * s * r, "int32", "request_ids").view(n, s, r) if r else None
         reader.end()
-        return Score(request_id, token, ScoreRequest(tokens, k, temperature, request_ids, dtype, transfer))
+        request = ScoreRequest(tokens, k, temperature, request_ids, dtype, transfer, bytes(vocabulary).hex())
+        return Score(request_id, token, request)
     if kind == MessageType.SCORES:
         code, n, s, k, r = reader.unpack(SCORES_FIELDS, "scores fields")
         dtype = _dtype_name(code, reader)

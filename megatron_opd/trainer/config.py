@@ -564,10 +564,11 @@ class TrainConfig:
             )
         cross = self.loss.cross_tokenizer
         if cross != "off":
-            if self.teacher.backend == "server":
+            if self.teacher.backend == "server" and not (self.teacher.tokenizer or self.teacher.path):
                 raise ValueError(
-                    f"loss.cross_tokenizer={cross} works with teacher.backend=inprocess or vllm; the teacher server "
-                    "scores one vocabulary for now"
+                    f"loss.cross_tokenizer={cross} with teacher.backend=server needs the teacher's tokenizer files "
+                    "(the trainer re-tokenizes for it; the server's summary cannot encode text): set "
+                    "teacher.tokenizer (or teacher.path) to the folder of the model the server runs"
                 )
             if self.rollout.tool_fn:
                 raise ValueError(

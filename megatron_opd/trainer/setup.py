@@ -64,7 +64,9 @@ def load_vocabulary(cfg: TrainConfig) -> Vocabulary:
         )
     teacher_fingerprint, teacher_own = None, None
     cross = cfg.loss.cross_tokenizer != "off"
-    if cross and cfg.teacher.backend == "vllm":  # the server confirms the tokenizer files against its /tokenize
+    if cross and cfg.teacher.backend in ("vllm", "server"):
+        # The trainer tokenizes for the teacher with its files: they must be the tokenizer the server runs (vLLM's
+        # transport confirms them against its /tokenize; a teacher server's summary must have their fingerprint).
         client = remote_client(cfg)
         try:
             _, info = client.vocabulary()
@@ -72,6 +74,15 @@ def load_vocabulary(cfg: TrainConfig) -> Vocabulary:
             client.close()
         teacher_fingerprint = info.vocab_fingerprint
         teacher_own = _teacher_tokenizer(cfg)
+        from megatron_opd.teacher.vocabulary import fingerprint, tokenizer_summary
+
+        if cfg.teacher.backend == "server" and fingerprint(tokenizer_summary(teacher_own)) != teacher_fingerprint:
+            t = cfg.teacher
+            where = f"teacher.tokenizer={t.tokenizer}" if t.tokenizer else f"teacher.path={t.path}"
+            raise ValueError(
+                f"the tokenizer of {where} is not the one teacher server {cfg.teacher.address} serves (vocabulary "
+                f"fingerprints differ): point it at the folder of the model the server runs"
+            )
     elif cross:  # another tokenizer by design: no id-by-id check, only that its ids have embedding rows
         teacher_own = _teacher_tokenizer(cfg)
         rows = model_architecture(cfg.teacher.path, "teacher.path").vocab_size

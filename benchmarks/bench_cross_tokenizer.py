@@ -1,0 +1,377 @@
+"""Cross-tokenizer on-policy distillation: ours (``loss.cross_tokenizer=sampled`` and ``aligned``) against TRL's GOLD.
+
+    python benchmarks/bench_cross_tokenizer.py                           # every row, 500 steps each (see below)
+    python benchmarks/bench_cross_tokenizer.py --steps 100 --json out.json
+    python benchmarks/bench_cross_tokenizer.py --rows gold,gold-hybrid --workdir runs/bench_ct --keep
+    python benchmarks/bench_cross_tokenizer.py --topk 16 --seed 1         # top-k of the aligned row, another seed
+
+Issue #22. The task of ``examples/quickstart.py --cross-tokenizer`` (``tools/make_quickstart_task.py
+--teacher-digit-merges doubles``): digit reversal, a student tokenizer with one token per digit and a teacher
+tokenizer with a token for each doubled digit ("33"), both byte-level BPE (``megatron_opd.tasks.digits``), which is
+what GOLD's cross-tokenizer ULD accepts (checked here; TRL 1.16 raises NotImplementedError otherwise). As in the
+quick start, our trainer first fine-tunes the teacher (SFT, 200 steps) and, beside it, warms the student up (125 SFT
+steps); every row then starts from that teacher and that student (``WORKDIR/teacher/hf``, ``WORKDIR/student-warmup/
+hf``), one run each, one after the other, ``--threads`` torch threads each. The same for every row: prompts
+(``train.jsonl``), ``--steps`` steps, and from ``examples/quickstart/distil_cross.yaml`` the prompts per step (one
+sample each), the response limit, the sampling temperature, the learning rate and its schedule (linear warm-up,
+cosine to ``min_lr``), Adam(W) without weight decay, gradient clipping 1.0, fp32.
+
+Rows:
+- ``ours-sampled``: ``distil_cross.yaml`` (sampled reverse KL per aligned byte group).
+- ``ours-aligned``: the same with ``loss.mode=topk loss.kind=forward_kl loss.topk=--topk loss.cross_tokenizer=aligned``.
+- ``gold``, ``gold-hybrid``: ``benchmarks/_trl_gold_worker.py`` in TRL's venv (``--trl-venv``, installed when
+  missing): ``GOLDTrainer`` with ``use_uld_loss=True``, ``lmbda=1`` (fully on-policy), GOLD's defaults for the rest of
+  the loss, with and without ``uld_use_hybrid_loss`` (its docstring says what else it sets and why).
+
+Figures:
+- s/step: the median over the steps after ``--warmup`` of each step's wall time (ours: ``time/step`` of
+  ``metrics.jsonl``, rollout + teacher + update + weight sync, evaluation and checkpoints not included; GOLD:
+  ``on_step_begin`` to ``on_step_end`` of a ``TrainerCallback``: generation, teacher, loss, backward, optimizer);
+  "vs ours" = that / ``ours-sampled``'s. Response tokens per sample (training samples, the stop token included)
+  beside it: a student that stops late costs more per step.
+- held-out accuracy before -> after: greedy answers to the 256 ``eval.jsonl`` prompts scored like
+  ``megatron_opd.tasks.digits.score`` (ours: the trainer's own ``eval/accuracy``; GOLD: the worker's); the worker's
+  figure for every row too (its evaluation of our exported student, ``--eval-only``), a cross-check.
+- held-out sequence log-ratio before -> after: the worker's, on every row's final student: one sample per eval
+  prompt, the mean of ``log p_teacher(text) - log q_student(sample)`` (0 when the student samples as the teacher
+  would; the worker's docstring says exactly how). Ours also logs it on its training samples each step
+  (``cross_tokenizer/sequence_log_ratio``): the mean of the last 10 steps is shown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from bench_train import DEFAULT_TRL_VENV, ensure_trl_venv
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "benchmarks" / "_trl_gold_worker.py"
+QUICKSTART = REPO / "examples" / "quickstart"
+ROWS = ("ours-sampled", "ours-aligned", "gold", "gold-hybrid")
+TEACHER_SFT = ["train.steps=200", "optim.lr_warmup_steps=20"]
+"""The cross-tokenizer quick start's teacher: 200 SFT steps (examples/quickstart.py)."""
+
+
+@dataclass
+class Row:
+    """One run: per-step wall times, held-out figures before and after, and where it went wrong."""
+
+    name: str
+    step_s: list[float] = field(default_factory=list)
+    accuracy_before: float | None = None
+    accuracy_after: float | None = None
+    heldout_before: dict | None = None
+    """The worker's evaluation of the starting student (accuracy, sequence_log_ratio, ...)."""
+    heldout_after: dict | None = None
+    train_log_ratio_last10: float | None = None
+    response_tokens: float | None = None
+    """Mean sampled response tokens per sample during training (the stop token included): step times scale with it."""
+    wall_s: float = 0.0
+    error: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def step_median(self, warmup: int) -> float:
+        steps = self.step_s[warmup:] or self.step_s
+        return statistics.median(steps) if steps else float("nan")
+
+
+# ---- the task and the two starting models -------------------------------------------------------------------------
+
+
+def distil_settings() -> dict:
+    """Batch, sampling and learning-rate schedule of the quick start's distillation, shared by every row."""
+    import yaml
+
+    cfg = yaml.safe_load((QUICKSTART / "distil_cross.yaml").read_text())
+    return {
+        "prompts_per_step": int(cfg["train"]["prompts_per_step"]),
+        "max_new_tokens": int(cfg["rollout"]["max_new_tokens"]),
+        "temperature": float(cfg["rollout"]["temperature"]),
+        "lr": float(cfg["optim"]["lr"]),
+        "min_lr": float(cfg["optim"]["min_lr"]),
+        "lr_warmup_steps": int(cfg["optim"]["lr_warmup_steps"]),
+        "eval_max_prompts": int(cfg["eval"]["max_prompts"]),
+    }
+
+
+def check_byte_level(folder: Path) -> None:
+    """Refuse a tokenizer GOLD's cross-tokenizer ULD cannot take (its test: ByteLevel in the pre-tokenizer or
+    decoder, ``trl.experimental.utils.is_byte_level_tokenizer``)."""
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    if "ByteLevel" not in json.dumps(spec.get("pre_tokenizer")) + json.dumps(spec.get("decoder")):
+        raise SystemExit(f"{folder}: not a byte-level BPE tokenizer; GOLD's ULD would raise NotImplementedError")
+
+
+def trainer_command(config: Path, overrides: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+            "-m", "megatron_opd.train", "--config", str(config), *overrides]  # fmt: skip
+
+
+def start(cmd: list[str], log: Path, threads: int, extra_env: dict | None = None) -> subprocess.Popen:
+    """Start ``cmd`` with ``threads`` OpenMP threads, its output to ``log``."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), **(extra_env or {})}
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def tail(log: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return ""
+
+
+def metric_rows(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def prepare(work: Path, args) -> tuple[Path, Path, Path]:
+    """The task, the SFT teacher and the warmed-up student (our trainer, side by side); kept in ``work`` and reused
+    by a later run with the same ``--workdir``. Returns the task folder and the two Hugging Face folders."""
+    task, teacher, student = work / "task", work / "teacher", work / "student-warmup"
+    done = work / "prepared.json"
+    if done.exists():
+        print(f"reusing the task, teacher and student of {done}", file=sys.stderr)
+        return task, teacher / "hf", student / "hf"
+    shutil.rmtree(task, ignore_errors=True)
+    subprocess.run([sys.executable, str(REPO / "tools" / "make_quickstart_task.py"), str(task),
+                    "--teacher-digit-merges", "doubles"], cwd=REPO, check=True)  # fmt: skip
+    for folder in (task / "teacher-init", task / "student-init"):
+        check_byte_level(folder)
+    data = [f"data.train_files={task / 'train.jsonl'}", f"data.eval_files={task / 'eval.jsonl'}",
+            "parallel.tensor_model_parallel_size=1", "logging.tensorboard=false"]  # fmt: skip
+    jobs = {
+        teacher: trainer_command(QUICKSTART / "teacher_sft.yaml",
+                                 [f"student.path={task / 'teacher-init'}", *data, f"output_dir={teacher}",
+                                  *TEACHER_SFT]),
+        student: trainer_command(QUICKSTART / "student_warmup.yaml",
+                                 [f"student.path={task / 'student-init'}", *data, f"output_dir={student}"]),
+    }  # fmt: skip
+    print("preparing: teacher SFT and student warm-up (our trainer), side by side", file=sys.stderr)
+    procs = {out: start(cmd, work / f"{out.name}.log", args.threads) for out, cmd in jobs.items()}
+    for out, proc in procs.items():
+        if proc.wait() != 0:
+            raise SystemExit(f"{tail(work / f'{out.name}.log')}\npreparation failed: {' '.join(jobs[out])}")
+    accuracy = {out.name: [r for r in metric_rows(out) if "eval/accuracy" in r][-1]["eval/accuracy"] for out in jobs}
+    done.write_text(json.dumps({"held_out_accuracy": accuracy}))
+    return task, teacher / "hf", student / "hf"
+
+
+# ---- rows -------------------------------------------------------------------------------------------------------
+
+
+def run_ours(name: str, loss: list[str], paths: tuple[Path, Path, Path], settings: dict, args, work: Path) -> Row:
+    """One of our runs from the warmed-up student, then the worker's held-out evaluation of what it exported."""
+    task, teacher, student = paths
+    row, out = Row(name), work / name
+    shutil.rmtree(out, ignore_errors=True)
+    overrides = [f"student.path={student}", f"teacher.path={teacher}", f"data.train_files={task / 'train.jsonl'}",
+                 f"data.eval_files={task / 'eval.jsonl'}", f"output_dir={out}", f"train.steps={args.steps}",
+                 f"seed={args.seed}", "parallel.tensor_model_parallel_size=1", "logging.tensorboard=false", *loss]  # fmt: skip
+    cmd = trainer_command(QUICKSTART / "distil_cross.yaml", overrides)
+    row.extra["command"] = f"OMP_NUM_THREADS={args.threads} python " + " ".join(cmd[1:])
+    print(f"running: {name}", file=sys.stderr)
+    t0 = time.perf_counter()
+    code = start(cmd, work / f"{name}.log", args.threads).wait()
+    row.wall_s = time.perf_counter() - t0
+    if code != 0:
+        row.error = f"exit code {code}; log tail:\n{tail(work / f'{name}.log')}"
+        return row
+    metrics = metric_rows(out)
+    steps = [r for r in metrics if "time/step" in r]
+    evals = [r for r in metrics if "eval/accuracy" in r]
+    row.step_s = [r["time/step"] for r in steps]
+    row.accuracy_before, row.accuracy_after = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
+    ratios = [r["cross_tokenizer/sequence_log_ratio"] for r in steps if "cross_tokenizer/sequence_log_ratio" in r]
+    row.train_log_ratio_last10 = statistics.fmean(ratios[-10:]) if ratios else None
+    row.response_tokens = statistics.fmean(r["response_length"] for r in steps)
+    row.extra.update(
+        train_log_ratio_first10=statistics.fmean(ratios[:10]) if ratios else None,
+        loss=[r.get("loss") for r in steps],
+        rollout_s=[r.get("time/rollout") for r in steps],
+        teacher_s=[r.get("time/teacher") for r in steps],
+        update_s=[r.get("time/update") for r in steps],
+    )
+    held_out = worker_eval(out / "hf", teacher, task, settings, args, work / f"{name}-eval")
+    row.heldout_after = held_out.get("eval")
+    if "error" in held_out:
+        row.error = held_out["error"]
+    return row
+
+
+def run_worker(spec: dict, args, work: Path, eval_only: bool) -> dict:
+    """The GOLD worker in TRL's venv: its RESULT, or ``{"error": ...}``."""
+    py, info = ensure_trl_venv(Path(args.trl_venv), _transformers_version())
+    if py is None:
+        return {"error": f"skipped: {info}"}
+    work.mkdir(parents=True, exist_ok=True)
+    spec_path, result_path, log = work / "spec.json", work / "result.json", work / "worker.log"
+    spec_path.write_text(json.dumps(spec, indent=1))
+    result_path.unlink(missing_ok=True)
+    cmd = [str(py), str(WORKER), *(["--eval-only"] if eval_only else []), str(spec_path), str(result_path)]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(OMP_NUM_THREADS=str(args.threads), TRL_EXPERIMENTAL_SILENCE="1", TOKENIZERS_PARALLELISM="false")
+    code = subprocess.run(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT).returncode
+    if code != 0 or not result_path.exists():
+        return {"error": f"worker exit code {code}; log tail:\n{tail(log)}"}
+    return json.loads(result_path.read_text())
+
+
+def worker_spec(student: Path, teacher: Path, task: Path, settings: dict, args) -> dict:
+    return {"student": str(student), "teacher": str(teacher), "train_file": str(task / "train.jsonl"),
+            "eval_file": str(task / "eval.jsonl"), "steps": args.steps, "seed": args.seed, "threads": args.threads,
+            "top_p": 1.0, **settings}  # fmt: skip
+
+
+def worker_eval(student: Path, teacher: Path, task: Path, settings: dict, args, work: Path) -> dict:
+    """The worker's held-out evaluation of ``student`` (``{"eval": {...}}``)."""
+    return run_worker(worker_spec(student, teacher, task, settings, args), args, work, eval_only=True)
+
+
+def run_gold(name: str, hybrid: bool, paths: tuple[Path, Path, Path], settings: dict, args, work: Path) -> Row:
+    task, teacher, student = paths
+    row, out = Row(name), work / name
+    shutil.rmtree(out, ignore_errors=True)
+    spec = {**worker_spec(student, teacher, task, settings, args), "hybrid": hybrid, "save_dir": str(out / "hf")}
+    print(f"running: {name}", file=sys.stderr)
+    t0 = time.perf_counter()
+    res = run_worker(spec, args, out, eval_only=False)
+    row.wall_s = time.perf_counter() - t0
+    row.extra["command"] = f"OMP_NUM_THREADS={args.threads} {args.trl_venv}/bin/python {WORKER.relative_to(REPO)} "
+    row.extra["command"] += f"{out / 'spec.json'} {out / 'result.json'}"
+    if "error" in res:
+        row.error = res["error"]
+        return row
+    row.step_s = res["step_seconds_inner"]
+    row.heldout_before, row.heldout_after = res["eval_before"], res["eval_after"]
+    row.accuracy_before, row.accuracy_after = res["eval_before"]["accuracy"], res["eval_after"]["accuracy"]
+    row.response_tokens = statistics.fmean(res["response_tokens"]) / settings["prompts_per_step"]
+    row.extra.update({k: res[k] for k in ("versions", "gold_settings", "loss", "lr", "generation_seconds",
+                                          "response_tokens", "step_seconds", "peak_rss_bytes")})  # fmt: skip
+    return row
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+# ---- report -------------------------------------------------------------------------------------------------------
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(rows: list[Row], before: dict | None, warmup: int) -> str:
+    """The markdown table: step time, its ratio to ours-sampled, held-out accuracy and sequence log-ratio."""
+    base = next((r for r in rows if r.name == "ours-sampled" and r.error is None), None)
+    lines = [
+        "| row | s/step (median) | vs ours-sampled | response tokens / sample | held-out accuracy before → after "
+        "| same, worker's eval | held-out sequence log-ratio before → after | training log-ratio, last 10 steps "
+        "| wall (s) |",
+        "|---|---:|---:|---:|---|---|---|---:|---:|",
+    ]
+    b = before or {}
+    for r in rows:
+        if r.error is not None and not r.step_s:
+            lines.append(f"| {r.name} | {r.error.splitlines()[0]} |" + " |" * 7)
+            continue
+        s = r.step_median(warmup)
+        ratio = f"{s / base.step_median(warmup):.2f}x" if base is not None else "-"
+        after = r.heldout_after or {}
+        lines.append(
+            f"| {r.name} | {s:.3f} | {ratio} | {_fmt(r.response_tokens, '.2f')} | {_fmt(r.accuracy_before, '.1%')} → {_fmt(r.accuracy_after, '.1%')} "
+            f"| {_fmt(b.get('accuracy'), '.1%')} → {_fmt(after.get('accuracy'), '.1%')} "
+            f"| {_fmt(b.get('sequence_log_ratio'), '.2f')} → {_fmt(after.get('sequence_log_ratio'), '.2f')} "
+            f"| {_fmt(r.train_log_ratio_last10, '.2f')} | {r.wall_s:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=500, help="distillation steps of every row (the quick start's)")
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
+    parser.add_argument("--topk", type=int, default=64, help="loss.topk of ours-aligned (the trainer's default)")
+    parser.add_argument("--warmup", type=int, default=5, help="first steps left out of the s/step medians")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of every run")
+    parser.add_argument("--seed", type=int, default=1234, help="seed of every row's run and of the evaluation")
+    parser.add_argument("--trl-venv", default=str(DEFAULT_TRL_VENV), help="TRL's own venv (created when missing)")
+    parser.add_argument("--json", metavar="OUT", help="also write every figure and per-step value here")
+    parser.add_argument("--workdir", help="where to write (default: a temporary folder); its task, teacher and "
+                        "warmed-up student are reused by a later run")  # fmt: skip
+    parser.add_argument("--keep", action="store_true", help="keep the work folder")
+    args = parser.parse_args()
+    rows = [r for r in args.rows.split(",") if r]
+    unknown = sorted(set(rows) - set(ROWS))
+    if unknown:
+        parser.error(f"unknown rows {unknown}; choose from {', '.join(ROWS)}")
+    if args.warmup >= args.steps:
+        parser.error("--warmup must be below --steps")
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_cross_tokenizer_")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    load_before = os.getloadavg()
+    try:
+        settings = distil_settings()
+        paths = prepare(work, args)
+        task, teacher, student = paths
+        before = worker_eval(student, teacher, task, settings, args, work / "warmup-eval")
+        aligned = ["loss.mode=topk", "loss.kind=forward_kl", f"loss.topk={args.topk}", "loss.cross_tokenizer=aligned"]
+        runners = {
+            "ours-sampled": lambda: run_ours("ours-sampled", [], paths, settings, args, work),
+            "ours-aligned": lambda: run_ours("ours-aligned", aligned, paths, settings, args, work),
+            "gold": lambda: run_gold("gold", False, paths, settings, args, work),
+            "gold-hybrid": lambda: run_gold("gold-hybrid", True, paths, settings, args, work),
+        }
+        results = [runners[name]() for name in rows]
+        elapsed = time.perf_counter() - started
+        load_after = os.getloadavg()
+        machine = (f"{platform.machine()}, {os.cpu_count()} CPUs, {args.threads} thread(s) per run; load average "
+                   f"{load_before[0]:.1f} before, {load_after[0]:.1f} after")  # fmt: skip
+        print(
+            f"\nDigit reversal, student one token per digit, teacher a token per doubled digit (both byte-level BPE); "
+            f"teacher SFT 200 steps, student warm-up 125 steps (our trainer); then {args.steps} steps of "
+            f"{settings['prompts_per_step']} prompts, <= {settings['max_new_tokens']} new tokens, temperature "
+            f"{settings['temperature']}, lr {settings['lr']:g} cosine to {settings['min_lr']:g} after "
+            f"{settings['lr_warmup_steps']} warm-up steps; medians after step {args.warmup}. {machine}. "
+            f"Whole benchmark {elapsed:.0f} s.\n"
+        )
+        print(table(results, before.get("eval"), args.warmup))
+        for r in results:
+            if r.error is not None:
+                print(f"\n{r.name}: {r.error}")
+        if "error" in before:
+            print(f"\nheld-out evaluation of the warmed-up student: {before['error']}")
+        if args.json:
+            report = {
+                "config": vars(args),
+                "settings": settings,
+                "machine": machine,
+                "benchmark_s": elapsed,
+                "heldout_before": before.get("eval"),
+                "rows": [{**asdict(r), "step_s_median": r.step_median(args.warmup)} for r in results],
+            }
+            Path(args.json).write_text(json.dumps(report, indent=1))
+    finally:
+        if args.keep or args.workdir:
+            print(f"kept {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
