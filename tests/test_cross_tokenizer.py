@@ -115,7 +115,7 @@ def test_invalid_utf8_aligns_as_the_replacement_character_and_a_mismatch_is_not_
     assert request.metrics["cross_tokenizer/unaligned_samples"] == 0
     assert batch.loss_mask[1].sum() == 2  # both student tokens are trained
 
-    cross.teacher_tokenizer = lambda text, **kw: teacher(text.replace("9", "8"), **kw)  # rewrites the text
+    cross.teacher_tokenizer = lambda texts, **kw: teacher([t.replace("9", "8") for t in texts], **kw)  # rewrites
     batch, rollouts, records = _batch(student, ["21904", "7"])
     request = cross.request(batch, rollouts, records)
     assert request.alignments[0] is None and request.metrics["cross_tokenizer/unaligned_samples"] == 1.0

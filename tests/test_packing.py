@@ -3,8 +3,9 @@
 per-sequence reduction over segment ids, and in spawned jobs at TP=1, TP=2 with sequence parallelism and TP=2 x
 PP=2, for samples of very different lengths: the same per-token losses and gradients (<= 1e-6 relative, fp32), and
 three training steps from the same rollouts (a teacher's divergence, ``sequence_mean``, per-sequence weights) with
-the same losses (<= 1e-5 relative); the in-process teacher's packed scoring (dense shards, top-k, requested ids)
-equals its padded scoring at every real position."""
+the same losses (<= 1e-5 relative; also the cross-tokenizer sampled and aligned losses, equal across layouts); the
+in-process teacher's packed scoring (dense shards, top-k, requested ids) equals its padded scoring at every real
+position."""
 
 from __future__ import annotations
 
@@ -159,6 +160,11 @@ def _packed_vs_padded_body(layout: dict, dirs: dict[str, str]):
     groups = _groups_of_two(batch)
     for packing in (False, True):
         losses["sampled", packing] = step_losses(dirs["student"], parallel, batch, groups, cfg, 1000, packing, 3)
+    # The aligned loss: the mapped top-k where a group is one token on both sides, the sampled loss elsewhere.
+    cfg = LossConfig(kind="jsd", mode="topk", topk=8, cross_tokenizer="aligned")
+    aligned = _aligned_scores(batch, groups)
+    for packing in (False, True):
+        losses["aligned", packing] = step_losses(dirs["student"], parallel, batch, aligned, cfg, 1000, packing, 3)
     return grads, tokens, losses, scored
 
 
@@ -174,6 +180,23 @@ def _groups_of_two(batch):
             offset[i, j] = -1
             logp[i, j] = logp[i, j - 1]
     return TeacherScores(requested_logprobs=logp[..., None], extras={"group_offset": offset})
+
+
+def _aligned_scores(batch, groups):
+    """``loss.cross_tokenizer=aligned`` scores on ``groups``: single-token groups take a mapped top-k of 8 (some
+    slots empty: teacher ids without a student twin), the pairs keep their sampled group values."""
+    from megatron_opd.interfaces import TeacherScores
+
+    g = torch.Generator().manual_seed(4)
+    n, s = batch.tokens.shape
+    offset = groups.extras["group_offset"]
+    single = (batch.loss_mask != 0) & (offset == 0) & (torch.cat([offset[:, 1:], offset[:, :1]], dim=1) == 0)
+    logprobs, ids = torch.log_softmax(torch.randn(n, s, 1000, generator=g) * 3, dim=-1).topk(8, dim=-1)
+    support = torch.rand(n, s, 8, generator=g) > 0.25
+    support[..., 0] = True
+    extras = dict(groups.extras, aligned_mask=single, teacher_topk_support=support)
+    return TeacherScores(topk_ids=ids, topk_logprobs=logprobs, requested_logprobs=groups.requested_logprobs,
+                         extras=extras)  # fmt: skip
 
 
 def step_losses(hf_dir: str, parallel, batch, scores, cfg, vocab: int, packing: bool, steps: int) -> list[float]:
@@ -229,8 +252,8 @@ def _assert_scores_equal_at_real_positions(scored: dict, layout: str) -> None:
         assert torch.isfinite(scores.requested_logprobs).all()  # padding positions hold valid values too
 
 
-_SAMPLED_LOSSES: dict[str, list[float]] = {}
-"""The cross-tokenizer sampled losses per layout: every layout's must equal TP=1's (run first)."""
+_CROSS_LOSSES: dict[tuple[str, str], list[float]] = {}
+"""The cross-tokenizer losses (sampled, aligned) per layout: every layout's must equal TP=1's (run first)."""
 LAYOUTS = {
     "tp1": (1, dict()),
     "tp2_sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
@@ -259,11 +282,13 @@ def test_packed_equals_padded(layout, tmp_path):
         if scored["topk", False].topk_ids is not None:  # the last pipeline stage
             _assert_scores_equal_at_real_positions(scored, layout)
         assert losses[True] == pytest.approx(losses[False], rel=1e-5), f"{layout}: {losses}"
-        sampled = losses["sampled", True]
-        assert sampled == pytest.approx(losses["sampled", False], rel=1e-5), f"{layout}: {losses}"
-        _SAMPLED_LOSSES.setdefault(layout, sampled)
-        if "tp1" in _SAMPLED_LOSSES:  # the layouts agree (tp1 runs first)
-            assert sampled == pytest.approx(_SAMPLED_LOSSES["tp1"], rel=1e-5), f"{layout}: {_SAMPLED_LOSSES}"
+        assert losses["aligned", False][0] != pytest.approx(losses["sampled", False][0]), "no top-k position taken"
+        for cross in ("sampled", "aligned"):
+            steps = losses[cross, True]
+            assert steps == pytest.approx(losses[cross, False], rel=1e-5), f"{layout} {cross}: {losses}"
+            _CROSS_LOSSES.setdefault((cross, layout), steps)
+            if (cross, "tp1") in _CROSS_LOSSES:  # the layouts agree (tp1 runs first)
+                assert steps == pytest.approx(_CROSS_LOSSES[cross, "tp1"], rel=1e-5), f"{layout}: {_CROSS_LOSSES}"
         assert losses[False][2] < losses[False][0], "the steps did not train"
     assert set(grads["packed"]) == set(grads["padded"])
     for name, ref in grads["padded"].items():

@@ -102,17 +102,21 @@ class CrossTokenizer:
 
         Clears ``batch.loss_mask`` where a student token cannot be compared (see the module docstring)."""
         sequences, alignments, prompt_lengths, stop_prefixes = [], [], [], []
-        for i in range(batch.num_samples):
-            p, length = batch.prompt_lengths[i], batch.lengths[i]
-            student_ids = batch.tokens[i, p:length].tolist()
+        responses = [
+            batch.tokens[i, batch.prompt_lengths[i] : batch.lengths[i]].tolist() for i in range(len(batch.lengths))
+        ]
+        if self.same_vocabulary:
+            retokenized = responses
+        else:  # one call for the batch: the tokenizer's Rust side encodes them in one go
+            texts = [self.student_bytes.text(ids) for ids in responses]
+            retokenized = self.teacher_tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        for i, student_ids in enumerate(responses):
+            p = batch.prompt_lengths[i]
             record = records[rollouts.prompt_index[i]]
             t_prompt = self.teacher_encoder.prompt_ids(record, where=f"sample {i}'s record (teacher tokenizer)")
             stop_prefix = None
-            if self.same_vocabulary:
-                t_response = list(student_ids)
-            else:
-                text = self.student_bytes.text(student_ids)
-                t_response = list(self.teacher_tokenizer(text, add_special_tokens=False)["input_ids"])
+            t_response = list(retokenized[i])
+            if not self.same_vocabulary:
                 if student_ids and student_ids[-1] in self.student_stop_ids and self.teacher_eos is not None:
                     if t_response and self.stop_prefix_ids > 1:
                         stop_prefix = len(t_response) - 1
@@ -191,17 +195,20 @@ class CrossTokenizer:
                 shift = float(torch.logsumexp(logp_NStR[i, at, :count], 0) - logp_NStR[i, at, 0])
                 logp_NSt[i, at] += shift
                 logp_NSt[i, at + 1] -= shift
-            teacher_total = 0.0
-            for group in alignment.groups:
-                (s0, s1), (t0, t1) = group.student, group.teacher
-                if s1 == s0 or t1 == t0:
-                    continue
-                value = float(logp_NSt[i, first_t + t0 : first_t + t1].sum())
-                group_logp[i, first_s + s0 : first_s + s1, 0] = value
-                offset[i, first_s + s0 : first_s + s1] = -torch.arange(s1 - s0)
-                teacher_total += value
+            # Per group: the sum of its teacher tokens' log-probabilities, put at each of its student tokens.
+            student_G, teacher_G = alignment.student_group_index(), alignment.teacher_group_index()
+            two_sided_G = torch.tensor([not g.one_sided for g in alignment.groups])
+            start_G = torch.tensor([g.student[0] for g in alignment.groups])
+            sums_G = torch.zeros(len(alignment), dtype=torch.float64).index_add_(
+                0, teacher_G, logp_NSt[i, first_t : first_t + teacher_G.numel()]
+            )
+            kept = two_sided_G[student_G]
+            span = slice(first_s, first_s + student_G.numel())
+            group_logp[i, span, 0] = torch.where(kept, sums_G[student_G], 0.0).float()
+            offset[i, span] = torch.where(kept, start_G[student_G] - torch.arange(student_G.numel()), 0)
             if batch.rollout_logprobs is not None:
                 trained = batch.loss_mask[i] != 0
+                teacher_total = float(sums_G[two_sided_G].sum())
                 log_ratio.append(teacher_total - float(batch.rollout_logprobs[i][trained].double().sum()))
         request.metrics["cross_tokenizer/sequence_log_ratio"] = sum(log_ratio) / max(len(log_ratio), 1)
         extras = {"group_offset": offset}
@@ -212,32 +219,40 @@ class CrossTokenizer:
         return TeacherScores(topk_ids=ids, topk_logprobs=logprobs, requested_logprobs=group_logp, extras=extras)
 
     def _mapped_topk(self, teacher: TeacherScores, request: TeacherRequest, batch):
-        """``loss.cross_tokenizer=aligned``: at each student position predicting a token of a group that is one
-        student and one teacher token with the same bytes, the teacher's top-k there in student ids (``[N, S, K]``
-        ids, log-probabilities, support) and ``[N, S]`` where that holds and at least one id mapped."""
+        """``loss.cross_tokenizer=aligned``: at each trained student position predicting the token of a group that
+        is one student and one teacher token and the same token (``_twins``), the teacher's top-k there in student
+        ids (``[N, S, K]`` ids, log-probabilities, support) and ``[N, S]`` where that holds and at least one id
+        mapped."""
         if teacher.topk_ids is None:
             raise ValueError("loss.cross_tokenizer=aligned needs the teacher's top-k; the teacher returned none")
         n, s = batch.tokens.shape
         k = teacher.topk_ids.shape[-1]
-        student_at, teacher_at = [], []  # (sample, position) pairs of the aligned groups
+        student_at, teacher_at = [], []  # per sample: (row, position) of each aligned student and teacher position
         for i, alignment in enumerate(request.alignments):
             if alignment is None:
                 continue
+            single = [
+                g for g in alignment.groups if g.student[1] - g.student[0] == 1 and g.teacher[1] - g.teacher[0] == 1
+            ]
+            if not single:
+                continue
             p, tp = batch.prompt_lengths[i], request.teacher_prompt_lengths[i]
-            for group in alignment.groups:
-                (s0, s1), (t0, t1) = group.student, group.teacher
-                if s1 - s0 == 1 and t1 - t0 == 1 and batch.loss_mask[i, p - 1 + s0] != 0:
-                    sid, tid = int(batch.tokens[i, p + s0]), int(request.tokens[i, tp + t0])
-                    if self._twins(sid, tid):
-                        student_at.append((i, p - 1 + s0))
-                        teacher_at.append((i, tp - 1 + t0))
+            s0 = torch.tensor([g.student[0] for g in single])
+            t0 = torch.tensor([g.teacher[0] for g in single])
+            twins = self._twins(batch.tokens[i, p + s0], request.tokens[i, tp + t0]) & (
+                batch.loss_mask[i, p - 1 + s0] != 0
+            )
+            rows = torch.full((int(twins.sum()),), i)
+            student_at.append(torch.stack([rows, p - 1 + s0[twins]], 1))
+            teacher_at.append(torch.stack([rows, tp - 1 + t0[twins]], 1))
         ids = torch.zeros(n, s, k, dtype=torch.int64)
         logprobs = torch.zeros(n, s, k, dtype=torch.float32)
         support = torch.zeros(n, s, k, dtype=torch.bool)
         aligned = torch.zeros(n, s, dtype=torch.bool)
-        if student_at:
-            si, sp = torch.tensor(student_at).unbind(1)
-            ti, tq = torch.tensor(teacher_at).unbind(1)
+        mapped_mass = topk_mass = torch.zeros(0)
+        if student_at and sum(len(a) for a in student_at):
+            si, sp = torch.cat(student_at).unbind(1)
+            ti, tq = torch.cat(teacher_at).unbind(1)
             t_ids, t_logprobs = teacher.topk_ids[ti, tq].to(torch.int64), teacher.topk_logprobs[ti, tq].float()
             if self.vocabulary_map is None:  # one vocabulary: the teacher's ids are the student's
                 m_ids, m_logprobs, m_support = t_ids, t_logprobs, torch.ones_like(t_ids, dtype=torch.bool)
@@ -252,17 +267,14 @@ class CrossTokenizer:
         request.metrics.update({
             "cross_tokenizer/topk_share": count / max(trained, 1),
             "cross_tokenizer/sampled_share": (trained - count) / max(trained, 1),
-            "cross_tokenizer/mapped_teacher_mass": float(mapped_mass.mean()) if student_at else 0.0,
-            "cross_tokenizer/teacher_topk_mass": float(topk_mass.mean()) if student_at else 0.0,
+            "cross_tokenizer/mapped_teacher_mass": float(mapped_mass.mean()) if mapped_mass.numel() else 0.0,
+            "cross_tokenizer/teacher_topk_mass": float(topk_mass.mean()) if topk_mass.numel() else 0.0,
         })  # fmt: skip
         return ids, logprobs, support, aligned
 
-    def _twins(self, student_id: int, teacher_id: int) -> bool:
-        """Whether a 1:1 group's tokens are the same token: the same bytes (not a dummy-prefix space more on one
-        side), or both a stop."""
-        if self.same_vocabulary:
-            return student_id == teacher_id
-        if student_id in self.student_stop_ids:
-            return teacher_id == self.teacher_eos
-        piece = self.student_bytes[student_id]
-        return bool(piece) and piece == self.teacher_bytes[teacher_id] and not self.teacher_bytes.is_special(teacher_id)
+    def _twins(self, student_ids: torch.Tensor, teacher_ids: torch.Tensor) -> torch.Tensor:
+        """Which of the 1:1 groups' token pairs are one token: the same id (one vocabulary), or the student id the
+        vocabulary map gives the teacher's (the same bytes, not a dummy-prefix space more on one side; EOS->EOS)."""
+        if self.vocabulary_map is None:
+            return student_ids == teacher_ids
+        return self.vocabulary_map.teacher_to_student[teacher_ids] == student_ids
