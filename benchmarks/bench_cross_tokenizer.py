@@ -19,6 +19,7 @@ cosine to ``min_lr``), Adam(W) without weight decay, gradient clipping 1.0, fp32
 Rows:
 - ``ours-sampled``: ``distil_cross.yaml`` (sampled reverse KL per aligned byte group).
 - ``ours-aligned``: the same with ``loss.mode=topk loss.kind=forward_kl loss.topk=--topk loss.cross_tokenizer=aligned``.
+- Ours at TP=1 with padded micro-batches (``train.packing=false``, as GOLD's; ``--packing``: packed).
 - ``gold``, ``gold-hybrid``: ``benchmarks/_trl_gold_worker.py`` in TRL's venv (``--trl-venv``, installed when
   missing): ``GOLDTrainer`` with ``use_uld_loss=True``, ``lmbda=1`` (fully on-policy), GOLD's defaults for the rest of
   the loss, with and without ``uld_use_hybrid_loss`` (its docstring says what else it sets and why).
@@ -177,7 +178,8 @@ def run_ours(name: str, loss: list[str], paths: tuple[Path, Path, Path], setting
     shutil.rmtree(out, ignore_errors=True)
     overrides = [f"student.path={student}", f"teacher.path={teacher}", f"data.train_files={task / 'train.jsonl'}",
                  f"data.eval_files={task / 'eval.jsonl'}", f"output_dir={out}", f"train.steps={args.steps}",
-                 f"seed={args.seed}", "parallel.tensor_model_parallel_size=1", "logging.tensorboard=false", *loss]  # fmt: skip
+                 f"seed={args.seed}", "parallel.tensor_model_parallel_size=1", "logging.tensorboard=false",
+                 f"train.packing={str(args.packing).lower()}", *loss]  # fmt: skip
     cmd = trainer_command(QUICKSTART / "distil_cross.yaml", overrides)
     row.extra["command"] = f"OMP_NUM_THREADS={args.threads} python " + " ".join(cmd[1:])
     print(f"running: {name}", file=sys.stderr)
@@ -304,7 +306,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=500, help="distillation steps of every row (the quick start's)")
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
-    parser.add_argument("--topk", type=int, default=64, help="loss.topk of ours-aligned (the trainer's default)")
+    parser.add_argument("--topk", type=int, default=16, help="loss.topk of ours-aligned")
+    parser.add_argument(
+        "--packing", action="store_true",
+        help="ours with packed micro-batches (the trainer's default); without: padded, as GOLD's (on CPU the packed "
+        "attention runs one call per sequence, which costs more than the padding at this size)",
+    )  # fmt: skip
     parser.add_argument("--warmup", type=int, default=5, help="first steps left out of the s/step medians")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every run")
     parser.add_argument("--seed", type=int, default=1234, help="seed of every row's run and of the evaluation")
