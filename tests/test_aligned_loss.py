@@ -3,7 +3,8 @@ loss elsewhere (``losses.aligned``, ``CrossTokenizer`` with ``topk``).
 
 With one tokenizer it is today's top-k loss (value and gradient, every kind and tail, ≤ 1e-6 fp32), also through
 the trainer's loss function and the re-tokenizer; a mix of aligned and sampled positions against a float64
-reference written from the definitions; vocab-parallel at TP=2 equal to TP=1; and which positions of the
+reference written from the definitions; vocab-parallel at TP=2 equal to TP=1 (in the same spawn: the sampled
+reverse KL at TP=2 against tests/test_sampled_loss.py's float64 reference); and which positions of the
 cross-tokenizer quick start's tokenizers (one token per digit vs a token per doubled digit) take the top-k loss,
 with the teacher's ids mapped.
 """
@@ -19,11 +20,17 @@ from megatron_opd.cross_tokenizer.retokenize import CrossTokenizer
 from megatron_opd.data.prompts import PromptEncoder
 from megatron_opd.interfaces import TeacherScores
 from megatron_opd.losses.aligned import aligned_divergence
+from megatron_opd.losses.sampled import label_logprobs, sampled_reverse_kl
 from megatron_opd.losses.topk import TAILS, topk_divergence
 from megatron_opd.testing.multiprocess import run_distributed
 from megatron_opd.trainer.config import LossConfig
 from megatron_opd.trainer.objective import make_loss_fn, teacher_columns
 from tests.test_cross_tokenizer import _batch
+from tests.test_sampled_loss import TEMPERATURES
+from tests.test_sampled_loss import VOCAB as SAMPLED_VOCAB
+from tests.test_sampled_loss import V as SAMPLED_V
+from tests.test_sampled_loss import _inputs as sampled_inputs
+from tests.test_sampled_loss import _reference as sampled_reference
 
 T, V, VOCAB, K = 12, 26, 23, 5  # V - VOCAB padded columns never enter
 KINDS = ("forward_kl", "reverse_kl", "jsd")
@@ -111,6 +118,8 @@ def test_aligned_and_sampled_positions_against_float64(kind):
 
 
 def _tp2_body():
+    """At TP=2, each rank's loss and its shard of the gradient: the aligned loss, and the sampled reverse KL
+    (``losses.sampled``, every temperature of tests/test_sampled_loss.py; one spawn for both)."""
     import torch.distributed as dist
 
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
@@ -123,11 +132,20 @@ def _tp2_body():
     loss, _ = aligned_divergence(x, labels, aligned, ids, logprobs, support, group_logp, offset, "jsd",
                                  vocab_size=VOCAB, beta=0.3)  # fmt: skip
     loss.sum().backward()
-    return loss.detach(), x.grad
+    sampled = []
+    s_logits, s_labels, s_teacher = sampled_inputs()
+    for temperature in TEMPERATURES:
+        z = s_logits[:, rank * (SAMPLED_V // 2) : (rank + 1) * (SAMPLED_V // 2)].clone().requires_grad_()
+        logq = label_logprobs(z, s_labels, vocab_size=SAMPLED_VOCAB, temperature=temperature)
+        surrogate, _ = sampled_reverse_kl(logq, s_teacher)
+        surrogate.sum().backward()
+        sampled.append((float(surrogate.sum()), z.grad))
+    return (loss.detach(), x.grad), sampled
 
 
 def test_tp2_shards_give_the_tp1_loss_and_gradient():
-    (loss0, grad0), (loss1, grad1) = run_distributed(_tp2_body, 2)
+    """The aligned loss at TP=2 equals TP=1's; the sampled reverse KL at TP=2 equals its float64 reference."""
+    ((loss0, grad0), sampled0), ((loss1, grad1), sampled1) = run_distributed(_tp2_body, 2)
     logits, labels, ids, logprobs, group_logp = _inputs(2)
     aligned, support, offset = _mixed()
     x = logits.clone().requires_grad_()
@@ -137,6 +155,10 @@ def test_tp2_shards_give_the_tp1_loss_and_gradient():
     torch.testing.assert_close(loss0, want.detach(), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(loss1, loss0, rtol=0, atol=0)
     torch.testing.assert_close(torch.cat([grad0, grad1], dim=1), x.grad, rtol=1e-6, atol=1e-7)
+    for temperature, (s0, g0), (s1, g1) in zip(TEMPERATURES, sampled0, sampled1):
+        ref_loss, ref_grad = sampled_reference(*sampled_inputs(), temperature)
+        assert s0 == s1 == pytest.approx(ref_loss, rel=1e-12), f"temperature {temperature}"
+        torch.testing.assert_close(torch.cat([g0, g1], dim=1), ref_grad, rtol=1e-10, atol=1e-12)
 
 
 @pytest.fixture(scope="module")

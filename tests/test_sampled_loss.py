@@ -1,9 +1,9 @@
 """The sampled reverse KL (``loss.mode=sampled``) and its per-group form across tokenizers, against float64.
 
 The surrogate ``sg(log q - log p) * log q`` per token (or per aligned group): its value, its gradient (which must be
-``(log q - log p) grad log q``, not the zero-mean gradient of ``log q - log p``), vocab-parallel at TP=2, through the
-trainer's loss function with and without the fused output layer, and the group form with 1:1 groups equal to the
-per-token one.
+``(log q - log p) grad log q``, not the zero-mean gradient of ``log q - log p``), vocab-parallel at TP=2 (in
+tests/test_aligned_loss.py's spawn, one for both losses), through the trainer's loss function with and without the
+fused output layer, and the group form with 1:1 groups equal to the per-token one.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from megatron_opd.losses.sampled import group_sums, label_logprobs, sampled_reverse_kl
-from megatron_opd.testing.multiprocess import run_distributed
 from megatron_opd.trainer.config import LossConfig
 from megatron_opd.trainer.objective import make_loss_fn
 
@@ -77,33 +76,6 @@ def test_groups_sum_log_q_over_their_tokens():
     torch.testing.assert_close(x.grad, ref_grad, rtol=1e-10, atol=1e-12)
     # The divergence of a group is spread over its tokens: they sum to log q(group) - log p(group).
     assert float(divergence[:3].sum()) == pytest.approx(float(logq.detach()[:3].sum() - teacher[0]), rel=1e-12)
-
-
-def _tp2_body():
-    import torch.distributed as dist
-
-    from megatron_opd.distributed import ParallelConfig, initialize_distributed
-
-    initialize_distributed(ParallelConfig(tensor_model_parallel_size=2))
-    logits, labels, teacher = _inputs()
-    rank, width = dist.get_rank(), V // 2
-    out = []
-    for temperature in TEMPERATURES:
-        x = logits[:, rank * width : (rank + 1) * width].clone().requires_grad_()
-        logq = label_logprobs(x, labels, vocab_size=VOCAB, temperature=temperature)
-        surrogate, _ = sampled_reverse_kl(logq, teacher)
-        surrogate.sum().backward()
-        out.append((float(surrogate.sum()), x.grad))
-    return out
-
-
-def test_tp2_shards_give_the_tp1_value_and_gradient():
-    """One spawn, every temperature: each rank's loss and its shard of the gradient against TP=1 float64."""
-    rank0, rank1 = run_distributed(_tp2_body, 2)
-    for temperature, (loss0, grad0), (loss1, grad1) in zip(TEMPERATURES, rank0, rank1):
-        ref_loss, ref_grad = _reference(*_inputs(), temperature)
-        assert loss0 == loss1 == pytest.approx(ref_loss, rel=1e-12), f"temperature {temperature}"
-        torch.testing.assert_close(torch.cat([grad0, grad1], dim=1), ref_grad, rtol=1e-10, atol=1e-12)
 
 
 class _Switch:
