@@ -115,8 +115,10 @@ def check_byte_level(folder: Path) -> None:
 
 
 def trainer_command(config: Path, overrides: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-            "-m", "megatron_opd.train", "--config", str(config), *overrides]  # fmt: skip
+    """One trainer process under torchrun (``testing.multiprocess.trainer_command``) on ``config``."""
+    from megatron_opd.testing.multiprocess import trainer_command as torchrun_trainer
+
+    return torchrun_trainer(["--config", str(config), *overrides], nproc=1)
 
 
 def start(cmd: list[str], log: Path, threads: int, extra_env: dict | None = None) -> subprocess.Popen:
