@@ -40,9 +40,19 @@ setup(
         "npu": ["torch_npu", "mindspeed"],
         "triton": ["triton"],
         "wandb": ["wandb"],
+        # pytest-xdist runs the suite on two workers (README); coverage measures it across processes (pyproject.toml).
         # triton is in dev so the fused kernels are tested on CPU too (TRITON_INTERPRET=1). mistral_common and
         # llama-models are there for the real tokenizer files they ship (SentencePiece; Llama 3's tiktoken model).
-        "dev": ["pytest>=8", "pytest-timeout", "ruff>=0.6", "triton", "mistral_common", "llama-models"],
+        "dev": [
+            "pytest>=8",
+            "pytest-timeout",
+            "pytest-xdist",
+            "coverage>=7.10",
+            "ruff>=0.6",
+            "triton",
+            "mistral_common",
+            "llama-models",
+        ],
     },
     entry_points={
         "console_scripts": [],

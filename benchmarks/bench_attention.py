@@ -44,7 +44,7 @@ def _worker(model_dir: str, attention: str, job: str, lengths: list[int], repeat
 
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
     from megatron_opd.models.builder import ModelBuildConfig
-    from megatron_opd.models.pipeline import forward_backward
+    from megatron_opd.models.forward_backward import forward_backward
     from megatron_opd.models.source import build_and_load
     from megatron_opd.trainer.batch import pack
 

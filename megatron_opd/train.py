@@ -41,17 +41,17 @@ from megatron_opd.trainer.evaluation import build_evaluator
 from megatron_opd.trainer.metrics import MetricsLogger
 from megatron_opd.trainer.objective import global_count, train_step
 from megatron_opd.trainer.resharding import check_optimizer_state, current_layout, saved_layout
+from megatron_opd.trainer.sequence_weights import import_function, sequence_weights
 from megatron_opd.trainer.setup import (
     build_retokenizer,
     build_rollout,
     build_student,
     build_teacher,
-    load_vocabulary,
+    check_inputs,
     max_seq_len,
     sampling_params,
 )
 from megatron_opd.trainer.student import NonFiniteLossError, Student
-from megatron_opd.trainer.weights import import_function, sequence_weights
 
 logger = logging.getLogger("megatron_opd.train")
 
@@ -153,14 +153,14 @@ def build_data(cfg: TrainConfig, encoder: PromptEncoder, files: list[str], key: 
 def train(cfg: TrainConfig) -> dict[str, float]:
     """Run ``cfg`` to ``train.steps`` (resuming from ``checkpoint.dir``); returns the last eval metrics."""
     cfg.validate()
+    vocab = check_inputs(cfg)  # before any process group or model
     accel = initialize_distributed(cfg.parallel, None if cfg.device == "auto" else cfg.device, seed=cfg.seed)
     log_fused_libraries(cfg.build.use_transformer_engine, attention=cfg.build.attention)
     rank, sft = dist.get_rank(), cfg.loss.kind == "sft"
     ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep_last)
     ckpt.acquire_lock()
 
-    # ---- the pieces: vocabulary, models, back ends, data -------------------------------------------------------
-    vocab = load_vocabulary(cfg)
+    # ---- the pieces: models, back ends, data -------------------------------------------------------------------
     student = build_student(cfg, accel)
     teacher = build_teacher(cfg, accel, vocab.teacher_vocab_size, student, vocab.teacher_fingerprint)
     rollout = build_rollout(cfg, student, vocab)
@@ -403,4 +403,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    from megatron_opd.process_exit import exit_now
+
     main()
+    exit_now(0)

@@ -129,7 +129,7 @@ def _recompute_body(model_dir: str):
 
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
     from megatron_opd.models.builder import ModelBuildConfig
-    from megatron_opd.models.pipeline import forward_backward
+    from megatron_opd.models.forward_backward import forward_backward
     from megatron_opd.models.source import build_and_load
 
     initialize_distributed(ParallelConfig())

@@ -43,7 +43,7 @@ def _logits_body(layout: dict, models: dict[str, tuple[str, torch.Tensor]]):
 
     from megatron_opd.distributed import initialize_distributed
     from megatron_opd.distributed.gather import gather_vocab_shards
-    from megatron_opd.models.pipeline import forward_backward
+    from megatron_opd.models.forward_backward import forward_backward
 
     parallel = ParallelConfig(**layout)
     initialize_distributed(parallel)
@@ -96,7 +96,7 @@ def _grads_body(model_dir: str, tokens: torch.Tensor):
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     from megatron_opd.distributed import initialize_distributed, initialize_model_parallel
-    from megatron_opd.models.pipeline import forward_backward
+    from megatron_opd.models.forward_backward import forward_backward
     from megatron_opd.models.reference import full_tensors
 
     def ce(logits, batch):

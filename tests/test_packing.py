@@ -85,7 +85,7 @@ def _packed_vs_padded_body(layout: dict, dirs: dict[str, str]):
 
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
     from megatron_opd.models import load_architecture
-    from megatron_opd.models.pipeline import forward_backward
+    from megatron_opd.models.forward_backward import forward_backward
     from megatron_opd.models.reference import full_tensors
     from megatron_opd.models.source import build_and_load
     from megatron_opd.teacher.inprocess import InProcessTeacher

@@ -115,23 +115,11 @@ def test_export_and_lock_and_padded_vocab(pair, tmp_path):
     assert model.config.vocab_size == 1000
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        "missing_latest",
-        "corrupt_checkpoint",
-        "nan_teacher",
-        "layout",
-        "pipeline_sampler",
-        "vocab_mismatch",
-        "missing_data",
-        "unknown_key",
-    ],
-)
+@pytest.mark.parametrize("case", ["missing_latest", "corrupt_checkpoint", "nan_teacher"])
 def test_bad_input_is_refused_clearly(case, pair, tmp_path):
+    """Refusals that need a checkpoint or a training step, through torchrun: a non-zero exit and the message."""
     import shutil
 
-    import torch
     from safetensors.torch import load_file, save_file
 
     out_dir = tmp_path / case
@@ -150,15 +138,27 @@ def test_bad_input_is_refused_clearly(case, pair, tmp_path):
         code, out = run(pair.overrides(out_dir, **TP2, **{"train.steps": 3, "export_hf": False}))
         assert code != 0 and expected in out, out[-3000:]
         return
-    if case == "nan_teacher":
-        bad = tmp_path / "nan_teacher"
-        shutil.copytree(pair.teacher, bad)
-        weights = load_file(bad / "model.safetensors")
-        weights["model.norm.weight"][:] = float("nan")
-        save_file(weights, bad / "model.safetensors", metadata={"format": "pt"})
-        overrides.append(f"teacher.path={bad}")
-        expected = "step 1: loss is nan"
-    elif case == "layout":
+    bad = tmp_path / "nan_teacher"
+    shutil.copytree(pair.teacher, bad)
+    weights = load_file(bad / "model.safetensors")
+    weights["model.norm.weight"][:] = float("nan")
+    save_file(weights, bad / "model.safetensors", metadata={"format": "pt"})
+    code, out = run([*overrides, f"teacher.path={bad}"])
+    assert code != 0 and "step 1: loss is nan" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("case", ["layout", "pipeline_sampler", "vocab_mismatch", "missing_data", "unknown_key"])
+def test_bad_input_is_refused_before_any_model(case, pair, tmp_path):
+    """The refusals that need no model, in process through the trainer's own first steps (``parse_args``,
+    ``validate``, ``check_inputs``: what ``train()`` runs before any process group or model exists)."""
+    import shutil
+
+    from megatron_opd.config import parse_args
+    from megatron_opd.trainer.config import TrainConfig
+    from megatron_opd.trainer.setup import check_inputs
+
+    overrides = pair.overrides(tmp_path / case, **TP2, **{"train.steps": 2, "export_hf": False})
+    if case == "layout":
         student = tmp_path / "one_kv_head"
         shutil.copytree(pair.student, student)
         config = json.loads((student / "config.json").read_text())
@@ -167,9 +167,8 @@ def test_bad_input_is_refused_clearly(case, pair, tmp_path):
         overrides.append(f"student.path={student}")
         expected = "tensor_model_parallel_size=2 does not divide num_key_value_heads=1"
     elif case == "pipeline_sampler":
-        overrides.append("parallel.tensor_model_parallel_size=1")
-        overrides.append("parallel.pipeline_model_parallel_size=2")
-        expected = "pipeline_model_parallel_size=1"  # the built-in sampler points to rollout.backend=vllm
+        overrides += ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=2"]
+        expected = "pipeline_model_parallel_size=1 (got 2); use rollout.backend=vllm"
     elif case == "vocab_mismatch":
         from megatron_opd.testing.tiny_models import make_tiny_tokenizer
 
@@ -179,16 +178,18 @@ def test_bad_input_is_refused_clearly(case, pair, tmp_path):
             f.unlink()
         make_tiny_tokenizer(other, vocab_size=300)
         overrides.append(f"teacher.path={other}")
-        expected = "teacher.path="
+        expected = f"teacher.path={other}"
     elif case == "missing_data":
         overrides.append(f"data.train_files={tmp_path / 'nope.jsonl'}")
-        expected = "nope.jsonl"
+        expected = "nope.jsonl' does not exist; fix the path in data.train_files"
     else:
         overrides.append("optim.learning_rate=3")
         expected = "unknown config key(s) ['optim.learning_rate']"
-    code, out = run(overrides)
-    assert code != 0 and expected in out, out[-3000:]
-    assert torch is not None
+    with pytest.raises(ValueError) as refused:
+        cfg = parse_args(TrainConfig, overrides)
+        cfg.validate()
+        check_inputs(cfg)
+    assert expected in str(refused.value)
 
 
 def test_help_lists_every_key():

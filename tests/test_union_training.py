@@ -29,7 +29,7 @@ def _full_logits(chunks, tokens_NS: torch.Tensor) -> torch.Tensor:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_opd.models.pipeline import forward_backward
+    from megatron_opd.models.forward_backward import forward_backward
 
     def collect(logits_BSV: torch.Tensor, mb: dict):
         return logits_BSV.new_zeros(()), logits_BSV.detach().clone()

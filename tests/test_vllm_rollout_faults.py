@@ -191,8 +191,9 @@ def _padded_body(student_dir: str, vocab: int, out_dir: str) -> dict:
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
     from megatron_opd.models.source import build_and_load
     from megatron_opd.rollout.fidelity import sequence_logprobs as trainer_logprobs
-    from megatron_opd.rollout.vllm_backend import VLLMRollout, engine_model_dir
+    from megatron_opd.rollout.vllm_backend import VLLMRollout
     from megatron_opd.rollout.vllm_engine import EngineOptions
+    from megatron_opd.rollout.vllm_setup import engine_model_dir
     from megatron_opd.weight_sync.source import megatron_weight_source
 
     initialize_distributed(ParallelConfig())

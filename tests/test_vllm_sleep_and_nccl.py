@@ -44,7 +44,7 @@ def test_sleep_cycle_wakes_weights_before_a_sync_and_the_kv_cache_only_before_a_
 
 @needs_vllm
 def test_transfer_back_end_choice_and_refusals():
-    from megatron_opd.rollout.vllm_backend import resolve_transfer_backend
+    from megatron_opd.rollout.vllm_setup import resolve_transfer_backend
     from megatron_opd.weight_sync.gloo_engine import BACKEND
 
     assert resolve_transfer_backend(RolloutConfig(), on_cuda=True) == "nccl"

@@ -43,7 +43,7 @@ def megatron_logits(chunks: list, tokens: torch.Tensor, vocab_size: int) -> torc
     from megatron.core import parallel_state
 
     from megatron_opd.distributed.gather import gather_vocab_shards
-    from megatron_opd.models.pipeline import forward_backward
+    from megatron_opd.models.forward_backward import forward_backward
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
 

@@ -129,6 +129,9 @@ def _child_main(conn, fn: Callable[..., Any], args: tuple) -> None:
         conn.send((False, traceback.format_exc()))
     finally:
         conn.close()
+    from megatron_opd.process_exit import exit_now
+
+    exit_now(0)  # the parent has the result (or the traceback); it joins this process next
 
 
 def run_in_fresh_process(fn: Callable[..., T], *args: Any) -> T:

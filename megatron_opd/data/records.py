@@ -70,19 +70,25 @@ def _read_parquet(path: Path) -> list[dict[str, Any]]:
         raise DataError(f"{path}: not a readable Parquet file ({err})") from err
 
 
+def _as_list(paths: list[str] | str) -> list[str]:
+    return [str(paths)] if isinstance(paths, (str, os.PathLike)) else list(paths)
+
+
+def check_paths(paths: list[str] | str, key: str = "data.train_files") -> list[Path]:
+    """``paths`` as files that exist with a known extension; a DataError naming ``key`` otherwise (nothing read)."""
+    if not _as_list(paths):
+        raise DataError(f"{key} is empty: give at least one .jsonl or .parquet file")
+    return [_check_path(path, key) for path in _as_list(paths)]
+
+
 def read_record_files(paths: list[str] | str, key: str = "data.train_files") -> list[tuple[str, list[dict[str, Any]]]]:
     """Each file's records, in file order, so callers can say which file a bad record came from.
 
     ``key`` is the config key that listed ``paths`` (``data.train_files`` / ``data.eval_files``); it appears in
     every error so the user knows what to edit.
     """
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [str(paths)]
-    if not paths:
-        raise DataError(f"{key} is empty: give at least one .jsonl or .parquet file")
     out = []
-    for path in paths:
-        p = _check_path(path, key)
+    for path, p in zip(_as_list(paths), check_paths(paths, key)):
         records = _read_parquet(p) if p.suffix.lower() in PARQUET_SUFFIXES else _read_json_lines(p)
         if not records:
             raise DataError(f"{key}: {str(path)!r} holds no records; remove it from {key} or fill it")

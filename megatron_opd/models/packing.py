@@ -1,7 +1,7 @@
 """Packed micro-batches: sequences end to end in one row with no padding between them (Megatron's THD layout).
 
 A packed micro-batch is ``[1, T]``: its sequences concatenated, then, when a fixed length is asked for, one padding
-segment. ``cu_seqlens`` marks where each segment starts (:func:`megatron_opd.models.pipeline.packed_seq_params`
+segment. ``cu_seqlens`` marks where each segment starts (:func:`megatron_opd.models.forward_backward.packed_seq_params`
 hands it to attention, which stays within a segment), ``position_ids`` restart at 0 per segment (RoPE), and
 ``segment_ids`` say which sequence each token belongs to (the padding segment is numbered after the last one).
 Every per-position column ``[N, S, ...]`` is concatenated the same way, so a consumer reads the same value at the

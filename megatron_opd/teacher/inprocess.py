@@ -29,8 +29,8 @@ from megatron_opd.losses.fused_output import chunk_tokens
 from megatron_opd.losses.shard_ops import global_topk_logprobs, logprobs_at
 from megatron_opd.losses.vocab_parallel import make_vocab_shard
 from megatron_opd.models import packing
+from megatron_opd.models.forward_backward import forward_backward
 from megatron_opd.models.output import HiddenStateOutput
-from megatron_opd.models.pipeline import forward_backward
 
 
 class InProcessTeacher:

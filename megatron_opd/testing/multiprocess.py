@@ -157,6 +157,11 @@ def _rank_main(
                 dist.destroy_process_group()
         except Exception:  # noqa: BLE001
             pass
+    results.close()
+    results.join_thread()  # this rank's result is in the pipe
+    from megatron_opd.process_exit import exit_now
+
+    exit_now(0)  # a failure went to the parent as a traceback
 
 
 class DistributedTestError(RuntimeError):

@@ -608,6 +608,12 @@ class TrainConfig:
                 f"scheduler.mode={self.scheduler.mode} samples while the trainer trains, which needs rollouts outside "
                 "the trainer's ranks: set rollout.backend=vllm, or scheduler.mode=zero_step_off with the built-in sampler"
             )
+        pp = self.parallel.pipeline_model_parallel_size
+        if self.rollout.backend == "builtin" and self.loss.kind != "sft" and pp > 1:
+            raise ValueError(
+                f"the built-in sampler (rollout.backend=builtin) needs pipeline_model_parallel_size=1 (got {pp}); "
+                "use rollout.backend=vllm to sample from a pipeline-parallel student"
+            )
         if self.rollout.vllm_sleep and self.scheduler.mode != "zero_step_off":
             raise ValueError(
                 f"rollout.vllm_sleep frees the engine's memory while the trainer trains, but scheduler.mode="

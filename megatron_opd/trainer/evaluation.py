@@ -22,7 +22,7 @@ from megatron_opd.data.stream import PromptItem
 from megatron_opd.distributed.device import collective_device
 from megatron_opd.interfaces import RolloutBackend, SamplingParams
 from megatron_opd.losses.sampled import label_logprobs
-from megatron_opd.models.pipeline import forward_backward
+from megatron_opd.models.forward_backward import forward_backward
 from megatron_opd.trainer.batch import TrainBatch, pack_rollouts
 from megatron_opd.trainer.config import TrainConfig
 from megatron_opd.trainer.objective import teacher_columns, teacher_divergence
@@ -173,7 +173,7 @@ def build_evaluator(cfg: TrainConfig, vocab, encoder, student, teacher, rollout,
 
     from megatron_opd.data.prompts import load_prompts
     from megatron_opd.rollout.builtin import BuiltinSampler
-    from megatron_opd.trainer.weights import import_function
+    from megatron_opd.trainer.sequence_weights import import_function
 
     if not cfg.data.eval_files:
         return None

@@ -42,6 +42,22 @@ class Vocabulary:
         return self.vocab_size if self.teacher_tokenizer is None else len(self.teacher_tokenizer)
 
 
+def check_inputs(cfg: TrainConfig) -> Vocabulary:
+    """The refusals that read files but need no model, run on every rank before any process group or model: the
+    layout splits the student (and the in-process teacher, built at the same layout), the data files are there,
+    and the vocabulary check (its result is returned)."""
+    from megatron_opd.data.records import check_paths
+    from megatron_opd.models.builder import validate_layout
+
+    validate_layout(model_architecture(cfg.student.path, "student.path"), cfg.parallel)
+    if cfg.loss.kind != "sft" and cfg.teacher.backend == "inprocess":
+        validate_layout(model_architecture(cfg.teacher.path, "teacher.path"), cfg.parallel)
+    check_paths(cfg.data.train_files, "data.train_files")
+    if cfg.data.eval_files:
+        check_paths(cfg.data.eval_files, "data.eval_files")
+    return load_vocabulary(cfg)
+
+
 def load_vocabulary(cfg: TrainConfig) -> Vocabulary:
     """Load the student's (and teacher's) tokenizer and run the one vocabulary check.
 
@@ -339,7 +355,7 @@ def max_seq_len(cfg: TrainConfig) -> int:
 def build_rollout(cfg: TrainConfig, student: Student, vocab: Vocabulary):
     """The rollout back end of ``rollout.backend`` (with tool turns when ``rollout.tool_fn`` is set)."""
     if cfg.rollout.backend == "vllm":
-        from megatron_opd.rollout.vllm_backend import build_vllm_rollout
+        from megatron_opd.rollout.vllm_setup import build_vllm_rollout
 
         rollout = build_vllm_rollout(cfg, student.chunks, max_seq_len(cfg), vocab.vocab_size)
     else:
@@ -350,7 +366,7 @@ def build_rollout(cfg: TrainConfig, student: Student, vocab: Vocabulary):
         )
     if cfg.rollout.tool_fn:
         from megatron_opd.rollout.tools import ToolRollout
-        from megatron_opd.trainer.weights import import_function
+        from megatron_opd.trainer.sequence_weights import import_function
 
         tool = import_function(cfg.rollout.tool_fn, "rollout.tool_fn")
         rollout = ToolRollout(

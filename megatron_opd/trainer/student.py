@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_opd.distributed.device import Accelerator, collective_device
-from megatron_opd.models.pipeline import forward_backward
+from megatron_opd.models.forward_backward import forward_backward
 from megatron_opd.trainer.config import OptimConfig
 from megatron_opd.trainer.objective import StepStats
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_opd.trainer.config import LossConfig
-from megatron_opd.trainer.weights import import_function, reward_weights, teacher_confidence_weights
+from megatron_opd.trainer.sequence_weights import import_function, reward_weights, teacher_confidence_weights
 
 
 def test_reward_transforms():
