@@ -33,11 +33,9 @@ _WRAPPER = """
 import runpy, sys
 sys.argv = sys.argv[1:]
 try:
-    runpy.run_path(sys.argv[0], run_name="__main__")
+    code = runpy.run_path(sys.argv[0])["main"]()
 except SystemExit as exit_:
     code = exit_.code or 0
-else:
-    code = 0
 hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")][0].split()[1]
 print(f"VMHWM_KIB={hwm}")
 sys.exit(code)
