@@ -5,7 +5,7 @@
     python benchmarks/bench_learning.py --runs vllm:one_step_off --sync-skip model.embed_tokens.weight  # a broken sync
     python benchmarks/bench_learning.py --code /tmp/prefix --runs vllm:zero_step_off   # another checkout's trainer
 
-The settings of ``tests/test_async_training.py``: the quick start's task and config (``examples/quickstart/``: a
+The settings of ``tests/test_quickstart.py``: the quick start's task and config (``examples/quickstart/``: a
 digit-reversal task, a 6.6x smaller student with tied embeddings, TP=2, 64 prompts per step) for ``--steps`` of its
 300 steps on its learning-rate schedule (``optim.lr_decay_steps``). The teacher is a quick start's (``--teacher-run``,
 else one quick start runs first). Each run is ``python -m megatron_opd.train`` under torchrun; the measures are the

@@ -23,45 +23,41 @@ MCORE_SMOKE = (
 )
 
 
-# The README's command runs the suite on two pytest-xdist workers (``-n 2 --dist loadgroup``). Each file is one
-# group, so its module-scoped fixtures are built once; the tests that share the quick start's run
-# (``quickstart_run``) are one group. Groups start longest first, the rest in file order, so that no long group is
-# left for the end (the seconds each took on 2 cores: benchmarks/RESULTS.md, "The test suite's time").
+# The README's command runs the suite on two pytest-xdist workers (``-n 2 --dist loadfile``): a file's tests run on
+# one worker, so its module-scoped fixtures (a shared run, a server, a model pair) are built once; tests sharing a run
+# live in one file (tests/test_quickstart.py). Files start longest first, the rest in file order, so that no long
+# file is left for the end (the seconds each took on 2 cores: benchmarks/RESULTS.md, "The test suite's time").
 LONGEST_FIRST = (
-    "quickstart_run",
+    "test_quickstart.py",
+    "test_quickstart_cross_tokenizer.py",
     "test_vllm_server.py",
     "test_weight_sync_vllm.py",
     "test_scheduler_faults.py",
     "test_vllm_rollout_faults.py",
     "test_train_cli.py",
-    "test_quickstart.py",
+    "test_teacher_server.py",
     "test_teacher_vllm.py",
     "test_real_tokenizers.py",
-    "test_teacher_server.py",
-    "test_tool_rollouts.py",
-    "test_resume_layouts.py",
     "test_checkpoint_vllm.py",
     "test_checkpoint_memory.py",
+    "test_resume_layouts.py",
+    "test_checkpoint.py",
+    "test_fused_output.py",
+    "test_tool_rollouts.py",
 )
 
 
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "mcore_smoke: the smoke set for the newest Megatron-Core (see conftest.py)")
-    config.option.loadscopereorder = False  # xdist would order groups by test count; LONGEST_FIRST orders them
+    config.option.loadscopereorder = False  # xdist would order files by test count; LONGEST_FIRST orders them
 
 
-def _xdist_group(item) -> str:
-    return "quickstart_run" if "quickstart_run" in getattr(item, "fixturenames", ()) else item.path.name
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if item.nodeid.startswith(MCORE_SMOKE):
             item.add_marker(pytest.mark.mcore_smoke)
-        item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
-    rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(_xdist_group(item), len(rank)))  # stable: file order otherwise
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order otherwise
 
 
 # family -> overrides. Together they cover llama3 RoPE scaling, QKV bias, QK-norm, tied embeddings,
@@ -123,13 +119,3 @@ def run_quickstart(workdir: Path, *args: str, timeout: float = 900) -> tuple[sub
     noise = [line for line in out.splitlines() if "Warning" in line or "warnings.warn" in line]
     assert not noise, "unfiltered library warnings:\n" + "\n".join(noise[:20])
     return proc, out
-
-
-@pytest.fixture(scope="session")
-def quickstart_run(tmp_path_factory) -> Path:
-    """The README's first command (built-in rollouts), run once: its task, its teacher and its student run (the
-    reference the vLLM and asynchronous runs are held to) serve tests/test_quickstart.py and
-    tests/test_async_training.py."""
-    workdir = tmp_path_factory.mktemp("quickstart") / "qs"
-    run_quickstart(workdir)
-    return workdir

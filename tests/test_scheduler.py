@@ -1,7 +1,7 @@
 """The scheduler's order of phases in every mode, against an independent reference: the prompt stream's own batch
 order. Back ends are stand-ins that record what was asked of them (a rollout back end that samples in the
 background and whose sync waits for rollouts in flight, like the vLLM one); the real vLLM path runs in
-``tests/test_async_training.py``."""
+``tests/test_quickstart.py``."""
 
 from __future__ import annotations
 

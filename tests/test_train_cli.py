@@ -37,12 +37,22 @@ def losses(output_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def test_resume_after_kill_is_bitwise(pair, tmp_path):
-    common = dict(TP2, **{"train.steps": 4, "checkpoint.every": 1, "export_hf": False})
-    code, out = run(pair.overrides(tmp_path / "straight", **common))
+# The reference run: 4 steps at TP=2 with a checkpoint after each, run once for the resume, refusal and dist_ckpt
+# tests below (each that damages it works on a copy).
+REFERENCE = dict(TP2, **{"train.steps": 4, "checkpoint.every": 1, "export_hf": False})
+
+
+@pytest.fixture(scope="module")
+def reference_run(pair, tmp_path_factory) -> Path:
+    out_dir = tmp_path_factory.mktemp("reference") / "straight"
+    code, out = run(pair.overrides(out_dir, **REFERENCE))
     assert code == 0, out[-3000:]
-    straight = losses(tmp_path / "straight")
-    assert sorted(straight) == [1, 2, 3, 4]
+    assert sorted(losses(out_dir)) == [1, 2, 3, 4]
+    return out_dir
+
+
+def test_resume_after_kill_is_bitwise(pair, reference_run, tmp_path):
+    common, straight = REFERENCE, losses(reference_run)
 
     # Killed right after step 2 (its checkpoint written), then started again with the same command.
     killed = tmp_path / "killed"
@@ -116,7 +126,7 @@ def test_export_and_lock_and_padded_vocab(pair, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["missing_latest", "corrupt_checkpoint", "nan_teacher"])
-def test_bad_input_is_refused_clearly(case, pair, tmp_path):
+def test_bad_input_is_refused_clearly(case, pair, reference_run, tmp_path):
     """Refusals that need a checkpoint or a training step, through torchrun: a non-zero exit and the message."""
     import shutil
 
@@ -124,18 +134,17 @@ def test_bad_input_is_refused_clearly(case, pair, tmp_path):
 
     out_dir = tmp_path / case
     overrides = pair.overrides(out_dir, **TP2, **{"train.steps": 2, "checkpoint.every": 1, "export_hf": False})
-    if case in ("missing_latest", "corrupt_checkpoint"):
-        code, out = run(overrides)
-        assert code == 0, out[-3000:]
-        ckpt = out_dir / "checkpoints" / "step_00000002"
+    if case in ("missing_latest", "corrupt_checkpoint"):  # on a copy of the reference run's checkpoints
+        shutil.copytree(reference_run, out_dir)
+        ckpt = out_dir / "checkpoints" / "step_00000004"
         if case == "missing_latest":
             shutil.rmtree(ckpt)
-            expected = "step_00000002 is missing or incomplete"
+            expected = "step_00000004 is missing or incomplete"
         else:
             victim = max(ckpt.glob("*.distcp"), key=lambda p: p.stat().st_size)
             victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
             expected = "incomplete or damaged"
-        code, out = run(pair.overrides(out_dir, **TP2, **{"train.steps": 3, "export_hf": False}))
+        code, out = run(pair.overrides(out_dir, **dict(REFERENCE, **{"train.steps": 5})))
         assert code != 0 and expected in out, out[-3000:]
         return
     bad = tmp_path / "nan_teacher"
@@ -231,7 +240,7 @@ def test_help_lists_every_key():
         assert f"  {key} = " in proc.stdout, f"--help does not list {key}"
 
 
-def test_dist_ckpt_models_match_hugging_face_folders(pair, tmp_path):
+def test_dist_ckpt_models_match_hugging_face_folders(pair, reference_run, tmp_path):
     """student.path / teacher.path accept a dist_ckpt from tools/checkpoint (another layout): same losses."""
     from megatron_opd.checkpoint import convert_hf_to_mcore
     from megatron_opd.checkpoint.workers import run_in_fresh_process
@@ -241,14 +250,10 @@ def test_dist_ckpt_models_match_hugging_face_folders(pair, tmp_path):
     run_in_fresh_process(convert_hf_to_mcore, pair.teacher, str(teacher_ckpt), ParallelConfig())
     run_in_fresh_process(convert_hf_to_mcore, pair.student, str(student_ckpt),
                          ParallelConfig(pipeline_model_parallel_size=2))  # fmt: skip
-    common = dict(TP2, **{"train.steps": 2, "export_hf": False, "data.eval_files": "[]"})
-    code, out = run(pair.overrides(tmp_path / "hf", **common))
+    mcore = {"teacher.path": teacher_ckpt, "student.path": student_ckpt, "checkpoint.every": 0}
+    code, out = run(pair.overrides(tmp_path / "mcore", **dict(REFERENCE, **mcore)))
     assert code == 0, out[-3000:]
-    code, out = run(
-        pair.overrides(tmp_path / "mcore", **common, **{"teacher.path": teacher_ckpt, "student.path": student_ckpt})
-    )
-    assert code == 0, out[-3000:]
-    assert losses(tmp_path / "mcore") == losses(tmp_path / "hf")
+    assert losses(tmp_path / "mcore") == losses(reference_run)
 
 
 def test_sft_skips_records_longer_than_the_context(pair, tmp_path):

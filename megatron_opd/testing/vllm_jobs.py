@@ -39,7 +39,7 @@ def start_vllm_server(
             pass
         if proc.poll() is not None:
             raise RuntimeError(f"the vLLM server exited ({proc.returncode}); see {log}")
-        time.sleep(2)
+        time.sleep(0.5)
     stop_vllm_server(proc)
     raise TimeoutError(f"the vLLM server did not start within {timeout_s:.0f} s; see {log}")
 
