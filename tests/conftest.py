@@ -9,7 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from megatron_opd.testing.tiny_models import make_tiny_hf_model
+# One thread per process, in the test workers and in everything they start (which inherits the variable): the
+# suite runs on three workers sharing the cores, and a process with more OpenMP threads than its share spins
+# them against the other workers (the cross-tokenizer quick start, TP=1 with two threads: 67 s alone, 428 s beside
+# one busy core; one thread: 81 s; benchmarks/RESULTS.md, "The test suite's time").
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+from megatron_opd.testing.tiny_models import make_tiny_hf_model  # noqa: E402
 
 # The smoke set run against the newest Megatron-Core release (``pytest -m mcore_smoke``; .ci/run): a distillation
 # step at TP=2 equal to TP=1, the converter's round trip, a resume at other layouts, and the CPU patches. Node ids
@@ -23,27 +33,31 @@ MCORE_SMOKE = (
 )
 
 
-# The README's command runs the suite on two pytest-xdist workers (``-n 2 --dist loadfile``): a file's tests run on
+# The README's command runs the suite on three pytest-xdist workers (``-n 3 --dist loadfile``): a file's tests run on
 # one worker, so its module-scoped fixtures (a shared run, a server, a model pair) are built once; tests sharing a run
 # live in one file (tests/test_quickstart.py). Files start longest first, the rest in file order, so that no long
 # file is left for the end (the seconds each took on 2 cores: benchmarks/RESULTS.md, "The test suite's time").
 LONGEST_FIRST = (
     "test_quickstart.py",
-    "test_quickstart_cross_tokenizer.py",
-    "test_vllm_server.py",
-    "test_weight_sync_vllm.py",
-    "test_scheduler_faults.py",
-    "test_vllm_rollout_faults.py",
     "test_train_cli.py",
     "test_teacher_server.py",
+    "test_vllm_server.py",
+    "test_weight_sync_vllm.py",
+    "test_vllm_rollout_faults.py",
     "test_teacher_vllm.py",
+    "test_scheduler_faults.py",
+    "test_quickstart_cross_tokenizer.py",
     "test_real_tokenizers.py",
-    "test_checkpoint_vllm.py",
-    "test_checkpoint_memory.py",
-    "test_resume_layouts.py",
     "test_checkpoint.py",
+    "test_models.py",
+    "test_sampler.py",
+    "test_checkpoint_memory.py",
     "test_fused_output.py",
+    "test_checkpoint_vllm.py",
     "test_tool_rollouts.py",
+    "test_packing.py",
+    "test_train_step.py",
+    "test_resume_layouts.py",
 )
 
 
@@ -109,9 +123,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_quickstart(workdir: Path, *args: str, timeout: float = 900) -> tuple[subprocess.CompletedProcess, str]:
     """``examples/quickstart.py --workdir workdir args``; asserts it passed its bar with no library warnings."""
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # the quick start shares the cores out
+    # OMP_NUM_THREADS=1 (above): the quick start's own share of the cores assumes the machine is its alone.
     proc = subprocess.run([sys.executable, "examples/quickstart.py", "--workdir", str(workdir), *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=timeout)  # fmt: skip
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "PASS: divergence at least halved, accuracy up 10+ points" in proc.stdout

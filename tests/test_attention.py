@@ -78,11 +78,23 @@ def test_decode_steps_equal_prefill():
     torch.testing.assert_close(chunk.double(), _reference(q[6:], k, v, offset=6), rtol=1e-5, atol=1e-6)
 
 
-def test_packed_sequences_equal_each_sequence_alone():
+@pytest.mark.parametrize("route", ["padded", "per_sequence"])
+def test_packed_sequences_equal_each_sequence_alone(route, monkeypatch):
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    from megatron_opd.models import attention
+
+    # The lengths below cost 5 x 12^2 / 203 = 3.5x padded: bound 4 takes the padded batch, 0 one call per sequence.
+    monkeypatch.setattr(attention, "PADDED_COST_BOUND", 4 if route == "padded" else 0)
+    called, original = [], getattr(SDPAttention, f"_{route}")
+
+    def spy(self, *args):
+        called.append(route)
+        return original(self, *args)
+
+    monkeypatch.setattr(SDPAttention, f"_{route}", spy)
     attn = _attention()
-    lengths = [7, 1, 12, 3]
+    lengths = [7, 1, 12, 0, 3]
     seqs = [_qkv(n, b=1, seed=i) for i, n in enumerate(lengths)]
     q, k, v = (torch.cat([s[j][:, 0] for s in seqs]) for j in range(3))  # [t, heads, d]
     q = torch.cat([q, torch.zeros(2, *q.shape[1:])])  # two padding tokens after the last sequence
@@ -92,8 +104,27 @@ def test_packed_sequences_equal_each_sequence_alone():
     out = attn(q, k, v, None, packed_seq_params=params)
     assert out.shape == (sum(lengths) + 2, 4 * 8)
     for (lo, hi), (sq, sk, sv) in zip(zip(cu[:-1].tolist(), cu[1:].tolist()), seqs):
+        if hi == lo:
+            continue
         torch.testing.assert_close(out[lo:hi], attn(sq, sk, sv, None)[:, 0], rtol=1e-6, atol=1e-6)
     assert out[-2:].abs().max() == 0
+    assert called, f"the {route} route was not taken"
+
+
+@pytest.mark.parametrize("bound", [4, 0])
+def test_packed_gradients_gradcheck(bound, monkeypatch):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_opd.models import attention
+
+    monkeypatch.setattr(attention, "PADDED_COST_BOUND", bound)
+    attn = _attention(dtype=torch.float64, heads=4, groups=2, head_dim=4)
+    cu = torch.tensor([0, 3, 3, 4, 7], dtype=torch.int32)  # an empty sequence, a one-token one, one padding token
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=3, max_seqlen_kv=3)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(8, 4, 4, dtype=torch.float64, generator=g).requires_grad_()
+    k, v = (torch.randn(8, 2, 4, dtype=torch.float64, generator=g).requires_grad_() for _ in range(2))
+    assert torch.autograd.gradcheck(lambda q, k, v: attn(q, k, v, None, packed_seq_params=params), (q, k, v))
 
 
 def test_gradients_gradcheck():

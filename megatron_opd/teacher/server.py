@@ -388,8 +388,8 @@ class TeacherServer:
             n, s = p.request.shape
             if transfer == "hidden":
                 reply = ScoreReply(hidden=scores.dense_hidden[lo : lo + n, :s])  # type: ignore[index]
+                self.answered += 1  # before the reply: a client that has its answer sees it counted
                 self._reply(p.identity, wire.encode_hidden(p.request_id, reply, p.request.wire_dtype))
-                self.answered += 1
                 lo += n
                 continue
             pr = p.request.num_requested
@@ -401,6 +401,6 @@ class TeacherServer:
                 scores.topk_logprobs[lo : lo + n, :s, : p.request.k],  # type: ignore[index]
                 requested,
             )
-            self._reply(p.identity, wire.encode_scores(p.request_id, reply, p.request.wire_dtype))
             self.answered += 1
+            self._reply(p.identity, wire.encode_scores(p.request_id, reply, p.request.wire_dtype))
             lo += n
