@@ -162,11 +162,11 @@ from megatron_opd.rollout import vllm_engine
 
 def child():
     global lock
-    lock = mp.get_context("spawn").Lock()  # a named semaphore, registered with the parent's resource tracker
+    lock = mp.get_context("forkserver").Lock()  # a named semaphore, registered with the parent's resource tracker
     vllm_engine._exit_process()
 
 if __name__ == "__main__":
-    p = mp.get_context("spawn").Process(target=child)
+    p = mp.get_context("forkserver").Process(target=child)  # as the engine is started
     p.start()
     p.join()
     print("exit code", p.exitcode)

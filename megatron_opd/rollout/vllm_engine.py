@@ -1,7 +1,7 @@
 """The trainer's own vLLM engine, in a worker process started by rank 0 (never inside a torchrun rank's process,
 where vLLM would pick up the trainer's process group: the pattern that deadlocked DeepSpeed's OPSD).
 
-:class:`EngineProcess` spawns :func:`engine_main` and talks to it over a local pipe (our own two processes, so
+:class:`EngineProcess` starts :func:`engine_main` and talks to it over a local pipe (our own two processes, so
 pickled messages are fine; nothing from the network is unpickled). The process builds ``vllm.LLM`` from the
 student's ``config.json`` with dummy weights (the first sync brings the real ones), and serves: generation from
 token ids, prompt log-probabilities (tests, benchmarks), and the weight-sync control plane of vLLM's
@@ -215,11 +215,8 @@ def engine_main(conn, options: dict, env: dict[str, str]) -> None:
         log = os.open(options["log_file"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)
-    for key, value in env.items():  # an empty value removes the variable
-        if value:
-            os.environ[key] = value
-        else:
-            os.environ.pop(key, None)
+    os.environ.clear()  # the fork server's environment is the one its first engine started with
+    os.environ.update({key: value for key, value in env.items() if value})  # an empty value removes the variable
     import torch
 
     torch.set_num_threads(int(options.get("threads", 1)))
@@ -269,21 +266,30 @@ def engine_env(options: EngineOptions) -> dict[str, str]:
     return env
 
 
+# Engine processes fork from a server process that has imported vLLM once (multiprocessing's "forkserver"), so an
+# engine restarted after a crash or a partial sync skips the import (~6 s of CPU on the test machines). The server
+# only imports and waits (no CUDA context, thread or process group is forked); each engine gets the environment of
+# the trainer at its own start (``engine_main``). vLLM's import-time settings (its logging) are the first engine's.
+_PRELOAD = ["megatron_opd.rollout.vllm_engine", "vllm.entrypoints.llm"]
+
+
 class EngineProcess:
     """Client of the engine process; also the ``VLLMWeightSyncClient`` of its weight-transfer control plane."""
 
     def __init__(self, options: EngineOptions, start_timeout_s: float = 600.0) -> None:
         self.options = options
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
         self._conn, child = ctx.Pipe()
         env = engine_env(options)
         saved = {k: os.environ.get(k) for k in env}
-        # The child inherits the parent's environment at spawn: clear torchrun's variables around the start.
+        # The fork server starts with the trainer's environment: clear torchrun's variables around the start.
         os.environ.update({k: v for k, v in env.items() if v})
         for key in [k for k, v in env.items() if not v]:
             os.environ.pop(key, None)
         try:
-            self.process = ctx.Process(target=engine_main, args=(child, asdict(options), env), daemon=True)
+            child_env = {**os.environ, **env}
+            self.process = ctx.Process(target=engine_main, args=(child, asdict(options), child_env), daemon=True)
             self.process.start()
         finally:
             for key, value in saved.items():
