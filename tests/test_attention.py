@@ -125,6 +125,11 @@ def test_packed_gradients_gradcheck(bound, monkeypatch):
     q = torch.randn(8, 4, 4, dtype=torch.float64, generator=g).requires_grad_()
     k, v = (torch.randn(8, 2, 4, dtype=torch.float64, generator=g).requires_grad_() for _ in range(2))
     assert torch.autograd.gradcheck(lambda q, k, v: attn(q, k, v, None, packed_seq_params=params), (q, k, v))
+    # Nothing but padding: zeros.
+    empty = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu[:1], cu_seqlens_kv=cu[:1], max_seqlen_q=0, max_seqlen_kv=0
+    )
+    assert attn(q, k, v, None, packed_seq_params=empty).abs().max() == 0
 
 
 def test_gradients_gradcheck():
