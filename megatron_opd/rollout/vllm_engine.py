@@ -216,7 +216,7 @@ def engine_main(conn, options: dict, env: dict[str, str]) -> None:
         os.dup2(log, 1)
         os.dup2(log, 2)
     os.environ.clear()  # the fork server's environment is the one its first engine started with
-    os.environ.update({key: value for key, value in env.items() if value})  # an empty value removes the variable
+    os.environ.update(env)
     import torch
 
     torch.set_num_threads(int(options.get("threads", 1)))
@@ -270,6 +270,8 @@ def engine_env(options: EngineOptions) -> dict[str, str]:
 # engine restarted after a crash or a partial sync skips the import (~6 s of CPU on the test machines). The server
 # only imports and waits (no CUDA context, thread or process group is forked); each engine gets the environment of
 # the trainer at its own start (``engine_main``). vLLM's import-time settings (its logging) are the first engine's.
+# A process has one fork server: where another caller started it first (with its own preload), engines fork from
+# that one and import vLLM themselves.
 _PRELOAD = ["megatron_opd.rollout.vllm_engine", "vllm.entrypoints.llm"]
 
 
@@ -283,13 +285,14 @@ class EngineProcess:
         self._conn, child = ctx.Pipe()
         env = engine_env(options)
         saved = {k: os.environ.get(k) for k in env}
-        # The fork server starts with the trainer's environment: clear torchrun's variables around the start.
+        # The engine's environment (torchrun's variables cleared) is set around the start: the fork server, started
+        # by the first engine, inherits it, and each engine is handed a copy.
         os.environ.update({k: v for k, v in env.items() if v})
         for key in [k for k, v in env.items() if not v]:
             os.environ.pop(key, None)
         try:
-            child_env = {**os.environ, **env}
-            self.process = ctx.Process(target=engine_main, args=(child, asdict(options), child_env), daemon=True)
+            args = (child, asdict(options), dict(os.environ))
+            self.process = ctx.Process(target=engine_main, args=args, daemon=True)
             self.process.start()
         finally:
             for key, value in saved.items():
