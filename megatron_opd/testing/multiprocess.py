@@ -160,6 +160,10 @@ def _rank_main(
             import torch.distributed as dist
 
             if dist.is_initialized():
+                # A rank that finishes first must not close its connections while another is still making the
+                # group's (gloo's connectFullMesh fails with "Connection closed by peer"). A rank left here by a
+                # failed peer is killed by the parent once it has the failure.
+                dist.barrier()
                 dist.destroy_process_group()
         except Exception:  # noqa: BLE001
             pass

@@ -256,7 +256,10 @@ class FakeVLLMServer:
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                self.wfile.write(data)
+                try:
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client hung up first (it refuses an oversized reply unread): not the server's error
 
             def do_GET(self) -> None:
                 self._reply(200, {"data": [{"id": "toy", "max_model_len": 64}]})
