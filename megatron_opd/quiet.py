@@ -51,12 +51,17 @@ _NOISY_LOGGERS = (
 )
 
 
+def silence_harmless_warnings() -> None:
+    """Ignore the library warnings listed above (and only those) in this process."""
+    for category, message in _HARMLESS_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+
+
 def install(rank: int | None = None, level: int = logging.INFO) -> None:
     """Set up logging for this process: our INFO on rank 0, warnings elsewhere, known-harmless noise filtered."""
     if rank is None:
         rank = int(os.environ.get("RANK", "0"))
-    for category, message in _HARMLESS_WARNINGS:
-        warnings.filterwarnings("ignore", message=message, category=category)
+    silence_harmless_warnings()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(

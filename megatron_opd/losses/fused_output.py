@@ -33,9 +33,12 @@ TokenPass = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``token_pass(logits_CV, index_C)``: the per-token losses ``[C]`` of the trained tokens at flat positions
 ``index_C`` (differentiable in ``logits_CV``, which it may overwrite: in-place backward)."""
 
-MIN_CHUNK_TOKENS = 64
-"""Automatic chunks hold at least this many tokens: each chunk reads the whole weight shard, so chunks too small
-waste time re-reading it. ``[64, V/TP]`` is 19 MB at Qwen's vocabulary over TP=2 in fp32."""
+MIN_CHUNK_TOKENS = 256
+"""Automatic chunks hold at least this many tokens. Each chunk streams the whole weight shard through three matmuls
+(logits, hidden-state gradient, weight gradient), and on a CPU core those run at their full rate only from about 256
+tokens: at Qwen's vocabulary over TP=2 the output layer + loss took 1.6-1.8x today's time in 64-token chunks and
+0.95-1.06x in 256-token ones (``benchmarks/RESULTS.md``). ``[256, V/TP]`` is 74 MiB there in fp32; a smaller
+``loss.chunk_size`` trades time for memory."""
 
 MAX_CHUNK_ELEMENTS = 1 << 28
 """Automatic chunks hold at most this many logits (1 GiB in fp32; about 3,500 tokens at Qwen's vocabulary over
@@ -72,6 +75,20 @@ def reduction_coefficients(
     return torch.zeros_like(x_BS) if coefficients is None else coefficients.detach()
 
 
+class _AsModelOutput(torch.autograd.Function):
+    """The chunk's logits as a model output would be: a non-leaf sharing the block's storage, so the divergence may
+    overwrite them with their gradient (``inplace_backward``). Its backward never runs: only the gradient *with
+    respect to* these logits is asked for."""
+
+    @staticmethod
+    def forward(ctx, logits_CV: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        return logits_CV.detach()
+
+    @staticmethod
+    def backward(ctx, grad_CV: torch.Tensor):
+        raise RuntimeError("the fused output loss's logits are not differentiated through")
+
+
 class _FusedOutputLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_TH, weight_VH, coeff_T, index_N, token_pass, rows, grad_into, grad_hint):
@@ -83,19 +100,26 @@ class _FusedOutputLoss(torch.autograd.Function):
         else:  # straight into the weight's gradient buffer, scaled now by the gradient backward will bring
             grad_w_VH, alpha = grad_into, grad_hint
         per_token_N = torch.zeros(index_N.numel(), dtype=torch.float32, device=hidden_TH.device)
-        weight_leaf = weight_VH.detach().requires_grad_()
+        weight_VH = weight_VH.detach()
+        # One logit block and one hidden-gradient block, refilled by every chunk: a fresh [C, V] block per chunk
+        # cost a page fault per 4 KiB on CPU (~10% of a chunk's time at 256 tokens) and allocator churn on a GPU.
+        logits_buf_CV = weight_VH.new_empty(min(rows, index_N.numel()), weight_VH.shape[0])
+        grad_h_buf_CH = weight_VH.new_empty(logits_buf_CV.shape[0], weight_VH.shape[1])
+        anchor = torch.zeros((), dtype=weight_VH.dtype, device=weight_VH.device, requires_grad=True)
         for lo in range(0, index_N.numel(), rows):
             index_C = index_N[lo : lo + rows]
             h_CH = hidden_TH.index_select(0, index_C)
+            n = index_C.numel()
+            torch.mm(h_CH, weight_VH.t(), out=logits_buf_CV[:n])
             with torch.enable_grad():
-                # Non-leaf logits (the divergence may turn them into their own gradient); the matmul's backward
-                # is never run: the two gradients below are written by hand.
-                logits_CV = h_CH.requires_grad_() @ weight_leaf.t()
+                # Non-leaf logits (the divergence may turn them into their own gradient); the two gradients below
+                # are written by hand.
+                logits_CV = _AsModelOutput.apply(logits_buf_CV[:n], anchor)
                 loss_C = token_pass(logits_CV, index_C)
                 coeff_C = coeff_T.index_select(0, index_C).to(loss_C.dtype)
                 (grad_CV,) = torch.autograd.grad(loss_C, logits_CV, grad_outputs=coeff_C)
             grad_CV = grad_CV.to(weight_VH.dtype)
-            grad_h_TH.index_copy_(0, index_C, grad_CV @ weight_VH.detach())
+            grad_h_TH.index_copy_(0, index_C, torch.mm(grad_CV, weight_VH, out=grad_h_buf_CH[:n]))
             if grad_w_VH.dtype == weight_VH.dtype:
                 grad_w_VH.addmm_(grad_CV.t(), h_CH.detach(), alpha=alpha)
             else:  # low precision: the chunks' products accumulate in fp32

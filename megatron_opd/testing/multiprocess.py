@@ -28,8 +28,17 @@ from typing import Any
 
 from megatron_opd.distributed.ports import find_free_port  # noqa: F401 - the tests' import of it
 
-# What the rank server imports before it forks ranks ("__main__": a script's own bodies, as spawn would import it).
-_PRELOAD = ["__main__", "torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt", __name__]
+# What the rank server imports before it forks ranks: first the filters for known-harmless library warnings, then
+# "__main__" (a script's own bodies, as spawn would import it) and the heavy imports.
+_PRELOAD = [
+    "megatron_opd.testing.quiet_ranks",
+    "__main__",
+    "torch",
+    "torch.distributed",
+    "megatron.core",
+    "megatron.core.models.gpt",
+    __name__,
+]
 
 # After the first rank fails, the others get this long to finish or fail before they are killed
 # (they are usually blocked in a collective that will never complete).
