@@ -302,7 +302,8 @@ class LossConfig:
     student_temperature: float = 1.0
     """The student's logits are divided by this inside the loss."""
     chunk_size: int | None = None
-    """Tokens per loss chunk (memory bound); None: automatic."""
+    """Tokens per loss chunk (memory bound; with the fused output layer also its logit block, where smaller costs
+    time); None: automatic."""
     fused_output: Literal["auto", "on", "off"] = "auto"
     """The output layer fused into the divergence (``losses.fused_output``): the update's logits are formed a chunk
     of tokens at a time inside the loss and never held whole. ``auto``/``on``: every distillation loss (SFT keeps
