@@ -77,9 +77,8 @@ def _assert_matches(scores, scorer: ToyScorer, tokens, request_ids, k: int, temp
 
 def test_concurrent_clients_are_batched_and_answered_exactly(servers):
     """4 clients at once, different shapes, k, temperatures and wire dtypes: each gets its own slice back."""
-    limits = ServerLimits(
-        max_topk=16, max_seq_len=64, max_batch_tokens=400, batch_wait_s=0.5
-    )  # 4 threads on a loaded machine
+    # The batch window lets 4 threads on a loaded machine arrive together.
+    limits = ServerLimits(max_topk=16, max_seq_len=64, max_batch_tokens=400, batch_wait_s=0.5)
     server = ThreadServer(limits=limits)
     servers.append(server)
     cases = [(4, 10, 8, 1.0, "fp32"), (3, 17, 16, 1.0, "fp32"), (5, 6, 3, 1.0, "bf16"), (2, 12, 5, 2.0, "fp16")]

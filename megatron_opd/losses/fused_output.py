@@ -121,9 +121,9 @@ class _FusedOutputLoss(torch.autograd.Function):
             grad_CV = grad_CV.to(weight_VH.dtype)
             grad_h_TH.index_copy_(0, index_C, torch.mm(grad_CV, weight_VH, out=grad_h_buf_CH[:n]))
             if grad_w_VH.dtype == weight_VH.dtype:
-                grad_w_VH.addmm_(grad_CV.t(), h_CH.detach(), alpha=alpha)
+                grad_w_VH.addmm_(grad_CV.t(), h_CH, alpha=alpha)
             else:  # low precision: the chunks' products accumulate in fp32
-                grad_w_VH.add_(grad_CV.t() @ h_CH.detach(), alpha=alpha)
+                grad_w_VH.add_(grad_CV.t() @ h_CH, alpha=alpha)
             per_token_N[lo : lo + rows] = loss_C.detach().float()
             del logits_CV, grad_CV, loss_C
         coeff_N = coeff_T.index_select(0, index_N)
