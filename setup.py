@@ -9,7 +9,10 @@ setup(
     long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["megatron_opd", "megatron_opd.*", "kernels", "kernels.*"]),
+    # The repository's kernels/ folder installs as megatron_opd.kernels: a top-level `kernels` would collide with
+    # Hugging Face's package of that import name (transformers loads hub kernels through it).
+    packages=find_packages(include=["megatron_opd", "megatron_opd.*"]) + ["megatron_opd.kernels"],
+    package_dir={"megatron_opd.kernels": "kernels"},
     install_requires=[
         # torch is deliberately unpinned here: install the build for your accelerator first
         # (CPU machines: `pip install torch==2.13.0`), so pip never swaps it for another build.

@@ -67,7 +67,7 @@ def _row(norm, x, w, dy) -> tuple[float, float, str]:
 
 
 def main() -> None:
-    from kernels import rmsnorm_triton
+    from megatron_opd.kernels import rmsnorm_triton
 
     if not torch.cuda.is_available() or rmsnorm_triton.triton is None:
         sys.exit("bench_rmsnorm_gpu.py needs a CUDA GPU and triton; none here, nothing timed")

@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover
     triton = None
     tl = None
 
-from kernels.divergence_torch import KIND_CODES, TorchLocalOps
+from .divergence_torch import KIND_CODES, TorchLocalOps
 
 _BLOCK = 4096
 _NUM_WARPS = 8

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.divergence_triton import tl, triton, triton_usable_on  # one import guard for the package
+from .divergence_triton import tl, triton, triton_usable_on  # one import guard for the package
 
 MAX_N = 8192  # a row is one block in registers; wider rows stay on torch
 # Tile sizes picked on an H100 (bf16; N = 128, 2048, 5120, 8192): 4096 elements per program tile

@@ -22,8 +22,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import rmsnorm_triton
-from kernels.divergence_triton import triton_available
+from megatron_opd.kernels import rmsnorm_triton
+from megatron_opd.kernels.divergence_triton import triton_available
 from megatron_opd.models.norms import RMSNorm, TritonRMSNorm
 
 if torch.cuda.is_available() and triton_available():

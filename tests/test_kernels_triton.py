@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from kernels import divergence_triton
+from megatron_opd.kernels import divergence_triton
 from megatron_opd.losses import dense_divergence, topk_divergence, union_divergence
 
 if torch.cuda.is_available() and divergence_triton.triton_available():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.divergence_torch import LocalOps, TorchLocalOps, compute_dtype
+from megatron_opd.kernels.divergence_torch import LocalOps, TorchLocalOps, compute_dtype
 
 __all__ = ["LocalOps", "TorchLocalOps", "compute_dtype", "select_local_ops"]
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kernels.divergence_torch import finite_or_zero
+from megatron_opd.kernels.divergence_torch import finite_or_zero
 
 __all__ = [
     "VocabShard",

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kernels import rmsnorm_triton
+from megatron_opd.kernels import rmsnorm_triton
 
 
 class RMSNorm(torch.nn.RMSNorm):
