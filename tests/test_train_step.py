@@ -5,6 +5,10 @@ the in-process teacher's top-k equals torch.topk over transformers' log-softmax.
 
 from __future__ import annotations
 
+import contextlib
+import traceback
+from unittest import mock
+
 import pytest
 import torch
 
@@ -27,6 +31,46 @@ def _fixed_batch():
     masks[3][2:4] = 0  # tool tokens: never trained
     logprobs = [-3 - torch.rand(r.numel(), generator=gen) for r in responses]  # "the sampler's" values
     return pack(prompts, responses, masks, pad_token_id=0, seq_len=S, logprobs=logprobs)
+
+
+# Every way Python code reads a tensor's values to the host (on a GPU, a device-to-host sync).
+_HOST_READS = ("item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__")
+
+
+@contextlib.contextmanager
+def count_host_reads(reads: list[str]):
+    """Appends to ``reads`` the caller's file:line of every host read of a tensor's values while active: the fake
+    wraps ``torch.Tensor``'s readers, so tensors still compute as usual."""
+    originals = {name: getattr(torch.Tensor, name) for name in _HOST_READS}
+
+    def counting(name):
+        def read(self, *args, **kwargs):
+            caller = traceback.extract_stack(limit=2)[0]
+            reads.append(f"{name} at {caller.filename}:{caller.lineno}")
+            return originals[name](self, *args, **kwargs)
+
+        return read
+
+    try:
+        for name in _HOST_READS:
+            setattr(torch.Tensor, name, counting(name))
+        yield reads
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+def _counting_forward_backward(reads: list[str]):
+    """``Student.step``'s micro-batch loop (Megatron's schedule over every micro-batch), counting host reads."""
+    from megatron_opd.trainer import student
+
+    real = student.forward_backward
+
+    def forward_backward(*args, **kwargs):
+        with count_host_reads(reads):
+            return real(*args, **kwargs)
+
+    return forward_backward
 
 
 def _step_body(layout: dict, dirs: dict[str, str]):
@@ -73,19 +117,22 @@ def _step_body(layout: dict, dirs: dict[str, str]):
         batch.seq_weights = torch.tensor([1.0, 0.5, 2.0, 1.5])[dp_rank * per_rank : (dp_rank + 1) * per_rank]
         scores = teacher.score(batch.tokens).result()
         loss_cfg = LossConfig(kind=kind, mode=mode, topk=16, beta=0.3, student_temperature=t_student)
-        result = train_step(
-            student,
-            batch,
-            scores,
-            loss_cfg,
-            vocab_size=1000,
-            teacher_temperature=1.0,
-            micro_batch_size=min(2, per_rank),
-        )
+        reads: list[str] = []
+        with mock.patch("megatron_opd.trainer.student.forward_backward", _counting_forward_backward(reads)):
+            result = train_step(
+                student,
+                batch,
+                scores,
+                loss_cfg,
+                vocab_size=1000,
+                teacher_temperature=1.0,
+                micro_batch_size=min(2, per_rank),
+            )
         params = full_tensors(student.chunks, load_architecture(dirs["student"]), ps.get_tensor_model_parallel_group())
         params = params if tp[1] == 0 and dp_rank == 0 else {}
         results[mode] = (result.stats.loss, result.grad_norm, params)
         results[f"{mode}_stats"] = result.stats.as_dict()
+        results[f"{mode}_host_reads"] = reads
     return results
 
 
@@ -211,3 +258,15 @@ def test_teacher_topk_matches_transformers(temperature, tiny_model_dirs):
     assert gap.numel() == 0 or gap.max() < 1e-5, f"top-k ids differ beyond ties: {gap.max():.2e}"
     ref_requested = ref.gather(-1, torch.roll(tokens, -1, dims=1).unsqueeze(-1))
     torch.testing.assert_close(requested.double(), ref_requested, atol=2e-5, rtol=0)
+
+
+def test_no_host_read_in_micro_batch_loop(tp1_reference):
+    """The loss function keeps a micro-batch's statistics on the device: Megatron's schedule over the step's
+    micro-batches reads no tensor to the host (on a GPU each read is a sync, which also stalls pipeline schedules);
+    the step's totals are read once after the last micro-batch (``sum_stats``)."""
+    reads: list[str] = []
+    with count_host_reads(reads):  # the fake sees a read
+        float(torch.ones(()))
+    assert len(reads) == 1 and reads[0].startswith("__float__ at ")
+    for mode in ("dense", "topk"):
+        assert tp1_reference[f"{mode}_host_reads"] == [], mode

@@ -21,7 +21,6 @@ Shape legend: ``T`` tokens, ``H`` hidden size, ``V`` this rank's vocabulary colu
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -138,14 +137,23 @@ class _FusedOutputLoss(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_per_token):
         grad_h_TH, grad_w_VH = ctx.grads
         del ctx.grads
-        if ctx.grad_hint is not None and not math.isclose(float(grad_loss), ctx.grad_hint, rel_tol=1e-6):
-            raise RuntimeError(
-                f"the fused output loss wrote its weight gradient for an incoming gradient of {ctx.grad_hint:g} but "
-                f"got {float(grad_loss):g} (has the pipeline schedule's loss scaling changed?); set "
-                "loss.fused_output=off and report this"
-            )
+        if ctx.grad_hint is not None:
+            _check_grad_hint(grad_loss, ctx.grad_hint)
         grad_w = None if grad_w_VH is None else grad_w_VH.mul_(grad_loss)
         return grad_h_TH.mul_(grad_loss), grad_w, None, None, None, None, None, None
+
+
+def _check_grad_hint(grad_loss: torch.Tensor, grad_hint: float) -> None:
+    """Refuse an incoming gradient other than the one the weight gradient was written for. Checked on the device
+    (no host read per micro-batch): on CPU it raises here, on a GPU it is a device-side assertion (fatal)."""
+    message = (
+        f"the fused output loss wrote its weight gradient for an incoming gradient of {grad_hint:g} but got "
+        "{got} (has the pipeline schedule's loss scaling changed?); set loss.fused_output=off and report this"
+    )
+    try:
+        torch._assert_async((grad_loss - grad_hint).abs() <= 1e-6 * abs(grad_hint), message.format(got="another"))
+    except RuntimeError:  # raised at once where the tensor is on the host: the value costs no sync there
+        raise RuntimeError(message.format(got=f"{float(grad_loss):g}")) from None
 
 
 def fused_output_loss(

@@ -58,19 +58,28 @@ FIDELITY_SUMS = (  # the summed entries; logprob_diff_max is a maximum
 
 def fidelity_sums(trainer_lp_BS: torch.Tensor, sampler_lp_BS: torch.Tensor, mask_BS: torch.Tensor) -> dict[str, float]:
     """Sums (and the maximum) over the trained tokens of ``mask_BS`` that ``fidelity_metrics`` turns into metrics."""
+    return {name: float(value) for name, value in fidelity_sum_tensors(trainer_lp_BS, sampler_lp_BS, mask_BS).items()}
+
+
+def fidelity_sum_tensors(
+    trainer_lp_BS: torch.Tensor, sampler_lp_BS: torch.Tensor, mask_BS: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """``fidelity_sums`` as float64 scalars on the inputs' device: masked, not selected, so that the loss pass reads
+    nothing to the host (a boolean selection waits for the device to count it)."""
     valid_BS = mask_BS != 0
-    d = (trainer_lp_BS.double() - sampler_lp_BS.double())[valid_BS]
-    if d.numel() == 0:
-        return dict.fromkeys(FIDELITY_SUMS, 0.0) | {"logprob_diff_max": 0.0}
-    ratio = torch.exp(d)
+    if valid_BS.numel() == 0:
+        zero = torch.zeros((), dtype=torch.float64, device=mask_BS.device)
+        return dict.fromkeys((*FIDELITY_SUMS, "logprob_diff_max"), zero)
+    d = torch.where(valid_BS, trainer_lp_BS.double() - sampler_lp_BS.double(), 0.0)
+    ratio = torch.where(valid_BS, torch.exp(d), 0.0)
     return {
-        "fidelity_tokens": float(d.numel()),
-        "logprob_diff_abs_sum": float(d.abs().sum()),
-        "logprob_diff_sq_sum": float((d * d).sum()),
-        "logprob_diff_sum": float(d.sum()),
-        "prob_ratio_sum": float(ratio.sum()),
-        "kl_k3_sum": float((ratio - 1.0 - d).sum()),
-        "logprob_diff_max": float(d.abs().max()),
+        "fidelity_tokens": valid_BS.sum().double(),
+        "logprob_diff_abs_sum": d.abs().sum(),
+        "logprob_diff_sq_sum": (d * d).sum(),
+        "logprob_diff_sum": d.sum(),
+        "prob_ratio_sum": ratio.sum(),
+        "kl_k3_sum": torch.where(valid_BS, ratio - 1.0 - d, 0.0).sum(),
+        "logprob_diff_max": d.abs().max(),  # 0 where nothing is trained
     }
 
 

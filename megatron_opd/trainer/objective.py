@@ -34,7 +34,7 @@ from megatron_opd.losses.shard_ops import chunked_logsumexp, gather_at_ids, glob
 from megatron_opd.losses.vocab_parallel import make_vocab_shard
 from megatron_opd.models.output import HiddenStateOutput
 from megatron_opd.models.packing import pipeline_token_budget
-from megatron_opd.rollout.fidelity import fidelity_sums
+from megatron_opd.rollout.fidelity import fidelity_sum_tensors
 from megatron_opd.trainer.config import LossConfig
 
 
@@ -87,6 +87,35 @@ class StepStats:
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
+
+
+class MicroBatchStats:
+    """One micro-batch's ``StepStats`` as a float64 vector on the loss's device, so that the loss function reads
+    nothing to the host (a device sync per micro-batch, which also stalls pipeline schedules): ``sum_stats`` adds
+    the micro-batches' vectors and reads the step's totals once. Reading a field (tests) converts on demand."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self.values = values
+
+    @classmethod
+    def of(cls, values: dict[str, torch.Tensor], device: torch.device) -> MicroBatchStats:
+        """From scalar tensors named as ``StepStats``' fields (missing ones are 0)."""
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        return cls(torch.stack([values.get(f.name, zero).double() for f in fields(StepStats)]))
+
+    def as_tensor(self) -> torch.Tensor:
+        return self.values
+
+    def read(self) -> StepStats:
+        return StepStats.from_tensor(self.values.cpu())
+
+    def as_dict(self) -> dict[str, float]:
+        return self.read().as_dict()
+
+    def __getattr__(self, name: str) -> float:
+        return getattr(self.read(), name)
 
 
 def sft_per_token(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -155,7 +184,7 @@ def make_loss_fn(
     output: HiddenStateOutput | None = None,
     grad_hint: float | None = None,
     teacher_weight: torch.Tensor | None = None,
-) -> Callable[[torch.Tensor, dict], tuple[torch.Tensor, StepStats]]:
+) -> Callable[[torch.Tensor, dict], tuple[torch.Tensor, MicroBatchStats]]:
     """The loss function Megatron's schedule calls with (logits, micro-batch) on the last pipeline stage.
 
     ``normalizer``: the global denominator of ``cfg.reduction`` (trained tokens or sequences over the global
@@ -249,19 +278,18 @@ def make_loss_fn(
             loss = reduce_loss(weighted_BS, mask_BS, cfg.reduction, **kwargs)
         else:
             loss, per_token_BS, reads = _fused_pass(output_tensor, output.weight, mb, weights_BS, kwargs)
-        with torch.no_grad():
+        with torch.no_grad():  # on the device: one host read per step, after the last micro-batch (sum_stats)
             valid_BS = mask_BS != 0
-            fidelity = {}
+            values = {
+                "loss": loss.detach().double(),
+                "divergence_sum": torch.where(valid_BS, reads.get("divergence", per_token_BS).detach(), 0.0).sum(),
+                "agree_sum": ((reads["student_top1"] == reads["target_top1"]) & valid_BS).sum(),
+                "tokens": valid_BS.sum(),
+                "nonfinite": ~torch.isfinite(loss.detach()),
+            }
             if "rollout_logprobs" in mb:
-                fidelity = fidelity_sums(reads["label_lp"], mb["rollout_logprobs"], mask_BS)
-            stats = StepStats(
-                loss=float(loss),
-                divergence_sum=float(torch.where(valid_BS, reads.get("divergence", per_token_BS).detach(), 0.0).sum()),
-                agree_sum=float(((reads["student_top1"] == reads["target_top1"]) & valid_BS).sum()),
-                tokens=float(valid_BS.sum()),
-                nonfinite=float(not torch.isfinite(loss)),
-                **fidelity,
-            )
+                values.update(fidelity_sum_tensors(reads["label_lp"], mb["rollout_logprobs"], mask_BS))
+            stats = MicroBatchStats.of(values, loss.device)
         return loss * scale, stats
 
     def _fused_pass(hidden_BSH: torch.Tensor, weight_VH: torch.Tensor, mb: dict, weights_BS, kwargs: dict):

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megatron_opd.distributed.device import Accelerator, collective_device
 from megatron_opd.models.forward_backward import forward_backward
 from megatron_opd.trainer.config import OptimConfig
-from megatron_opd.trainer.objective import StepStats
+from megatron_opd.trainer.objective import MicroBatchStats, StepStats
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ class Student:
     def step(
         self,
         micro_batches: list[dict],
-        loss_fn: Callable[[torch.Tensor, dict], tuple[torch.Tensor, StepStats]],
+        loss_fn: Callable[[torch.Tensor, dict], tuple[torch.Tensor, MicroBatchStats]],
         guard: Callable[[StepStats], None] | None = None,
     ) -> StepResult:
         """Forward and backward every micro-batch, check the loss (and ``guard``, which raises to refuse the step:
@@ -199,7 +199,7 @@ class Student:
         return StepResult(stats=stats, grad_norm=float(grad_norm or 0.0), lr=float(lr))
 
 
-def sum_stats(outputs: list[StepStats]) -> StepStats:
+def sum_stats(outputs: list[StepStats] | list[MicroBatchStats]) -> StepStats:
     """Add the micro-batch stats of the last pipeline stage and share the totals with every rank (a collective).
 
     Data-parallel ranks' sums add up; pipeline stages without a loss contribute zeros; tensor-parallel ranks
@@ -210,6 +210,9 @@ def sum_stats(outputs: list[StepStats]) -> StepStats:
 
     is_max = StepStats.max_mask()
     total = torch.zeros(len(is_max), dtype=torch.float64)
+    if outputs:  # added where the loss put them (MicroBatchStats: on its device); read to the host once, below
+        is_max = is_max.to(outputs[0].as_tensor().device)
+        total = total.to(is_max.device)
     for stats in outputs:
         values = stats.as_tensor().to(torch.float64)
         total = torch.where(is_max, torch.maximum(total, values), total + values)
@@ -219,5 +222,5 @@ def sum_stats(outputs: list[StepStats]) -> StepStats:
         dist.all_reduce(sums)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
         sums /= ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size()
-        total = torch.where(is_max, maxima.cpu(), sums.cpu())
+        total = torch.where(is_max.cpu(), maxima.cpu(), sums.cpu())
     return StepStats.from_tensor(total.cpu())
