@@ -23,7 +23,7 @@ def _map_source_kernels() -> None:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    setattr(sys.modules[__name__], "kernels", module)  # what the import system does for a found submodule
+    sys.modules[__name__].kernels = module  # what the import system does for a found submodule
 
 
 _map_source_kernels()

@@ -56,3 +56,35 @@ def test_dense_mode_needs_a_colocated_teacher():
     check_teacher_mode(RemoteTeacher(), "topk")
     with pytest.raises(ValueError, match="loss.mode=dense needs the teacher's logit shards.*use loss.mode=topk"):
         check_teacher_mode(RemoteTeacher(), "dense")
+
+
+def test_build_dtype_is_the_student_and_teacher_dtype():
+    """``build.dtype`` is honoured (``build_student`` used to overwrite it with the plan's): ``auto`` follows the
+    precision plan, a set value decides ``optim.bf16`` when unset; the resolved value is what the in-process
+    teacher is built at; contradictions and fp16 are refused by ``validate`` before any model is built."""
+    from megatron_opd.config import parse_args
+    from megatron_opd.trainer.config import TrainConfig
+    from megatron_opd.trainer.setup import resolve_precision
+
+    base = ["student.path=s", "teacher.path=t", "data.train_files=x.jsonl"]
+
+    def resolved(accel, *overrides):
+        cfg = parse_args(TrainConfig, [*base, *overrides])
+        cfg.validate()
+        plan = resolve_precision(cfg, accel)
+        return cfg.build.dtype, plan.params_dtype, plan.bf16, plan.use_distributed_optimizer
+
+    assert parse_args(TrainConfig, base).build.dtype == "auto"
+    assert resolved(GPU) == ("bf16", "bf16", True, True)
+    assert resolved(CPU) == ("fp32", "fp32", False, False)
+    assert resolved(GPU, "build.dtype=fp32") == ("fp32", "fp32", False, False)
+    assert resolved(CPU, "build.dtype=fp32") == ("fp32", "fp32", False, False)
+    assert resolved(NPU, "build.dtype=bf16", "optim.bf16=true") == ("bf16", "bf16", True, True)
+    assert resolved(GPU, "optim.bf16=false") == ("fp32", "fp32", False, False)
+    for overrides, message in [
+        (["build.dtype=fp32", "optim.bf16=true"], "build.dtype=fp32 contradicts optim.bf16=true"),
+        (["build.dtype=bf16", "optim.bf16=false"], "build.dtype=bf16 contradicts optim.bf16=false"),
+        (["build.dtype=fp16"], "build.dtype=fp16: the trainer builds the student"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            parse_args(TrainConfig, [*base, *overrides]).validate()

@@ -27,7 +27,9 @@ class ModelBuildConfig:
     """Knobs of the model builder that are not part of the checkpoint's architecture."""
 
     dtype: str = "fp32"
-    """Parameter dtype: fp32, bf16 or fp16."""
+    """Parameter dtype: fp32, bf16 or fp16. The trainer builds the student and the in-process teacher at it; there
+    it defaults to ``auto``, the precision plan's (bf16 where ``optim.bf16`` resolves true: on a GPU/NPU by default;
+    fp32 on CPU), and a set value decides ``optim.bf16``'s default (bf16 trains in bf16, fp32 in fp32)."""
     make_vocab_size_divisible_by: int = 128
     """Vocabulary padding multiple per tensor-parallel rank (Megatron's ``make_vocab_size_divisible_by``)."""
     use_transformer_engine: bool | None = None

@@ -491,8 +491,8 @@ class TrainConfig:
     """Metrics output."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Layout of the student (and of the in-process teacher)."""
-    build: ModelBuildConfig = field(default_factory=ModelBuildConfig)
-    """Model builder options."""
+    build: ModelBuildConfig = field(default_factory=lambda: ModelBuildConfig(dtype="auto"))
+    """Model builder options (of the student and the in-process teacher)."""
     output_dir: str = "runs/opd"
     """Metrics, checkpoints (by default) and the final Hugging Face export (``output_dir/hf``)."""
     seed: int = 1234
@@ -580,6 +580,17 @@ class TrainConfig:
             self._validate_remote_teacher()
         elif self.loss.kind != "sft" and not self.teacher.path:
             raise ValueError("teacher.path is required for distillation (loss.kind != sft)")
+        dtype = self.build.dtype
+        if dtype not in ("auto", "fp32", "bf16"):
+            raise ValueError(
+                f"build.dtype={dtype}: the trainer builds the student (and the in-process teacher) in fp32 or bf16 "
+                "(auto: bf16 where optim.bf16 resolves true); set build.dtype to auto, fp32 or bf16"
+            )
+        if dtype != "auto" and self.optim.bf16 is not None and self.optim.bf16 != (dtype == "bf16"):
+            raise ValueError(
+                f"build.dtype={dtype} contradicts optim.bf16={str(self.optim.bf16).lower()}: the student's parameters "
+                "are the optimizer's; set one of them (or build.dtype=auto to follow optim.bf16)"
+            )
         if not self.data.train_files:
             raise ValueError("data.train_files is required: one path or a list of JSONL/Parquet files")
         if self.optim.lr_warmup_steps >= self.train.steps:

@@ -6,7 +6,7 @@ Each builder reads its section of the config and returns one object; ``train.py`
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -15,7 +15,7 @@ from megatron_opd.distributed.device import Accelerator
 from megatron_opd.interfaces import SamplingParams
 from megatron_opd.models.source import build_and_load, config_dir, load_output_weight, model_architecture
 from megatron_opd.trainer.config import TrainConfig
-from megatron_opd.trainer.student import Student, precision_plan
+from megatron_opd.trainer.student import PrecisionPlan, Student, precision_plan
 
 logger = logging.getLogger(__name__)
 
@@ -148,10 +148,26 @@ def load_vocabulary(cfg: TrainConfig) -> Vocabulary:
 
 def build_student(cfg: TrainConfig, accel: Accelerator) -> Student:
     """The student's chunks under ``cfg.parallel``, loaded from ``student.path``, with optimizer and schedule."""
-    plan = precision_plan(cfg.optim, accel)
-    cfg.build.dtype = plan.params_dtype
+    plan = resolve_precision(cfg, accel)
     _, chunks = build_and_load(cfg.student.path, cfg.parallel, cfg.build, trainable=True, field="student.path")
     return Student(chunks, cfg.optim, plan, cfg.train.steps)
+
+
+def resolve_precision(cfg: TrainConfig, accel: Accelerator) -> PrecisionPlan:
+    """The precision plan, and the one rule for parameter dtypes: the student and the in-process teacher are built
+    at ``build.dtype``. ``auto`` becomes the plan's dtype (``optim.bf16``, by default on for a GPU/NPU); a set
+    ``build.dtype`` decides ``optim.bf16`` when that is unset (``validate`` refuses a contradiction)."""
+    optim = cfg.optim
+    if cfg.build.dtype != "auto" and optim.bf16 is None:
+        optim = replace(optim, bf16=cfg.build.dtype == "bf16")
+    plan = precision_plan(optim, accel)
+    if cfg.build.dtype not in ("auto", plan.params_dtype):
+        raise ValueError(
+            f"build.dtype={cfg.build.dtype} contradicts optim.bf16={str(optim.bf16).lower()}: the student's parameters "
+            "are the optimizer's; set one of them (or build.dtype=auto to follow optim.bf16)"
+        )
+    cfg.build.dtype = plan.params_dtype  # resolved: the teacher, and its output weight's shard, read it too
+    return plan
 
 
 def build_teacher(
