@@ -1,0 +1,245 @@
+"""Every GPU row of the open issues in one device call, as a markdown table for ``benchmarks/RESULTS.md``.
+
+Prepare here, once (``.whl`` stays out of git; the device image has Python 3.12, torch, transformers, no network,
+and no Megatron-Core or pyzmq):
+
+    echo /.whl/ >> .git/info/exclude
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \\
+        -d .whl "megatron-core==0.19.*" pyzmq
+
+Then one device call (``carry: [".whl"]``, ``timeout_s: 600``); every row runs in its own process under its own
+time limit, and the whole script stops itself before ``--budget`` seconds:
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
+    PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 python3 benchmarks/gpu/check.py --budget 540 --out $OUT/gpu.md
+
+Without a GPU, ``--cpu-smoke`` runs the same rows at tiny shapes on CPU in fp32 (random tiny models, a few
+hundred tokens; about a minute): it checks the script, not the figures.
+
+Rows (``ROWS``): #35 a Qwen3-30B-A3B-shaped MoE teacher scoring and #36 a DeepSeek-V3-shaped teacher scoring (both
+skipped, with a note, while their model families do not build); #39 the Qwen3-1.7B update at CP=1 at 32k and 64k
+tokens with full recompute; #40 the Qwen3-1.7B update at 4,096 tokens (bf16, no TransformerEngine; MFU against
+989 TFLOP/s dense bf16, 6N FLOPs per token, attention not counted) and one end-to-end trainer run on the GPU
+defaults (bf16 parameters, Megatron's distributed optimizer; the tiny distillation fixture, three steps). Update
+and scoring rows are ``benchmarks/bench_phases_gpu.py``'s measurements (random weights in the recipes' shapes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
+
+PEAK_FLOPS = 989e12  # dense bf16, H100 and H200
+
+
+@dataclass(frozen=True)
+class Row:
+    issue: str
+    what: str
+    kind: str  # "update" | "score" | "train"
+    model: str = ""  # a launch.memory.KNOWN_CONFIGS name, or a transformers config class for families to come
+    tokens: int = 0
+    recompute: str | None = None
+    limit_s: int = 240
+    smoke_tokens: int = 0
+
+
+ROWS = (
+    Row("#35", "Qwen3-30B-A3B-shaped MoE teacher, scoring", "score", "Qwen3MoeConfig", 4096, smoke_tokens=64),
+    Row("#36", "DeepSeek-V3-shaped teacher (4 layers), scoring", "score", "DeepseekV3Config", 4096, smoke_tokens=64),
+    Row("#39", "Qwen3-1.7B update, CP=1, full recompute", "update", "Qwen3-1.7B", 32768, "full", smoke_tokens=256),
+    Row("#39", "Qwen3-1.7B update, CP=1, full recompute", "update", "Qwen3-1.7B", 65536, "full", smoke_tokens=512),
+    Row("#40", "Qwen3-1.7B update, bf16, no TE", "update", "Qwen3-1.7B", 4096, smoke_tokens=128),
+    Row("#40", "trainer run on the GPU defaults (3 steps, tiny fixture)", "train", limit_s=180),
+)
+
+
+def architecture(row: Row, smoke: bool):
+    """The row's architecture; raises ``UnsupportedArchitectureError`` while its family does not build."""
+    import transformers
+
+    from megatron_opd.launch.memory import hf_config
+    from megatron_opd.models.architecture import architecture_from_hf_config
+    from megatron_opd.testing.tiny_models import tiny_hf_config
+
+    if row.model.endswith("Config"):  # a family to come: transformers' defaults are the model's published shape
+        small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=1000)
+        layers = {"num_hidden_layers": 4} if "Deepseek" in row.model else {}  # 671B would not fit one GPU
+        config = getattr(transformers, row.model)(**(small if smoke else layers))
+        return architecture_from_hf_config(config.to_dict(), row.model)
+    if smoke:
+        return architecture_from_hf_config(tiny_hf_config("qwen3").to_dict(), "tiny qwen3")
+    return architecture_from_hf_config(hf_config(row.model).to_dict(), row.model)
+
+
+def measure(row: Row, smoke: bool, reps: int) -> dict:
+    """One update or scoring row in this process: seconds per repetition after a warm-up, MFU, peak memory."""
+    import torch
+    from bench_phases_gpu import _score_step, _update_step
+
+    from megatron_opd.distributed import ParallelConfig, initialize_distributed
+    from megatron_opd.models.builder import ModelBuildConfig, build_model
+
+    device = "cpu" if smoke else "cuda"
+    arch = architecture(row, smoke)
+    initialize_distributed(ParallelConfig(), device, seed=0)
+    build = ModelBuildConfig(dtype="fp32" if smoke else "bf16", attention="sdpa", recompute_granularity=row.recompute)
+    (model,) = build_model(arch, ParallelConfig(), build, trainable=row.kind == "update")
+    n = sum(p.numel() for p in model.parameters())
+    s = row.smoke_tokens if smoke else row.tokens
+    tokens = torch.randint(0, min(arch.vocab_size, 1000), (1, s), device=device)
+    positions = torch.arange(s, device=device).unsqueeze(0)
+    make = _update_step if row.kind == "update" else _score_step
+    once = make(model, "fused" if row.kind == "update" else "teacher", tokens, positions, arch.vocab_size)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    once()  # warm-up (and the gradient buffers, which a trainer keeps too)
+    sync()
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(reps):
+        once()
+    sync()
+    seconds = (time.perf_counter() - start) / reps
+    flops = (6 if row.kind == "update" else 2) * n * s / seconds
+    return {
+        "tokens": s,
+        "ms": seconds * 1e3,
+        "tokens_per_s": s / seconds,
+        "mfu": None if smoke else flops / PEAK_FLOPS,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+    }
+
+
+def train(row: Row, smoke: bool, limit_s: float) -> dict:
+    """Three steps of ``megatron_opd.train`` on the tiny fixture (device=auto: on a GPU bf16 and the distributed
+    optimizer), through torchrun as a user runs it; the last step's time and loss from ``metrics.jsonl``."""
+    from megatron_opd.testing.distill_fixture import make_distill_fixture
+
+    work = Path(tempfile.mkdtemp(prefix="gpu_check_train_"))
+    fixture = make_distill_fixture(work / "fixture")
+    overrides = fixture.overrides(
+        work / "run",
+        **{"train.steps": 3, "data.eval_files": "[]", "export_hf": False, "logging.tensorboard": False},
+        **({"device": "cpu"} if smoke else {}),
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+    cmd += ["-m", "megatron_opd.train", *overrides]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit_s)
+    if out.returncode != 0:
+        raise RuntimeError(f"exit {out.returncode}: {(out.stdout + out.stderr)[-1500:]}")
+    steps = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [s for s in steps if "tokens_per_s" in s]
+    last = steps[-1]
+    precision = "fp32, plain optimizer" if smoke else "bf16, distributed optimizer (defaults)"
+    return {
+        "steps": len(steps),
+        "ms": last["response_length"] * 4 / last["tokens_per_s"] * 1e3,  # the fixture's 4 prompts per step
+        "loss": last["loss"],
+        "precision": precision,
+    }
+
+
+def run_row(index: int, smoke: bool, reps: int, limit_s: float) -> dict:
+    """The row's result (in this process); ``skipped`` where its model family does not build yet."""
+    from megatron_opd.models.architecture import UnsupportedArchitectureError
+
+    row = ROWS[index]
+    if row.kind == "train":
+        return train(row, smoke, limit_s)
+    try:
+        architecture(row, smoke)
+    except UnsupportedArchitectureError as err:
+        model_type = str(err).split("model_type=")[-1].split()[0] if "model_type=" in str(err) else row.model
+        return {"skipped": f"skipped: model_type {model_type} does not build yet (its family is issue {row.issue})"}
+    return measure(row, smoke, reps)
+
+
+def table(results: list[tuple[Row, dict]], smoke: bool) -> str:
+    lines = [
+        "| issue | row | tokens | ms | tokens/s | MFU | peak GiB | note |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for row, r in results:
+        note = r.get("skipped") or r.get("error") or ""
+        if row.kind == "train" and "ms" in r:
+            note = f"{r['precision']}; {r['steps']} steps, last loss {r['loss']:.4f}"
+        tokens = r.get("tokens", row.smoke_tokens if smoke else row.tokens) or "-"
+        cells = [
+            row.issue,
+            row.what + (f" ({row.recompute} recompute)" if row.recompute and "recompute" not in row.what else ""),
+            f"{tokens:,}" if isinstance(tokens, int) else tokens,
+            f"{r['ms']:.1f}" if "ms" in r else "-",
+            f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else "-",
+            f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-",
+            f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "-",
+            note.replace("|", "/").replace("\n", " "),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cpu-smoke", action="store_true", help="the same rows at tiny shapes on CPU (fp32)")
+    parser.add_argument("--budget", type=float, default=540, help="seconds for all rows (the device call's limit)")
+    parser.add_argument("--reps", type=int, default=3, help="timed repetitions per row after one warm-up")
+    parser.add_argument("--out", help="also write the markdown table here")
+    parser.add_argument("--row", type=int, help=argparse.SUPPRESS)  # internal: run one row, print its result
+    args = parser.parse_args()
+    if args.row is not None:
+        print("RESULT " + json.dumps(run_row(args.row, args.cpu_smoke, args.reps, ROWS[args.row].limit_s)))
+        return
+    import torch
+
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        raise SystemExit("benchmarks/gpu/check.py needs a CUDA GPU (or --cpu-smoke)")
+    deadline = time.monotonic() + args.budget
+    results = []
+    for i, row in enumerate(ROWS):
+        left = deadline - time.monotonic()
+        cmd = [sys.executable, __file__, "--row", str(i), "--reps", str(args.reps)] + ["--cpu-smoke"] * args.cpu_smoke
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        if args.cpu_smoke:
+            env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
+        if left < 20:
+            results.append((row, {"error": "not run: the budget was spent"}))
+            continue
+        started = time.monotonic()
+        try:
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=min(row.limit_s + 60, left))
+            lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+            if out.returncode != 0 or not lines:
+                tail = (out.stdout + out.stderr).strip().splitlines()[-3:]
+                oom = "out of memory" if "OutOfMemoryError" in out.stderr else ""
+                result = {"error": oom or f"exit {out.returncode}: {' / '.join(tail)[-300:]}"}
+            else:
+                result = json.loads(lines[-1].removeprefix("RESULT "))
+        except subprocess.TimeoutExpired:
+            result = {"error": f"stopped after {time.monotonic() - started:.0f} s"}
+        print(f"{row.issue} {row.what}: {result} ({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
+        results.append((row, result))
+    device = next((r["device"] for _, r in results if "device" in r), "cpu" if args.cpu_smoke else "GPU")
+    text = f"GPU check ({'CPU smoke, tiny shapes' if args.cpu_smoke else device}; torch {torch.__version__})\n\n"
+    text += table(results, args.cpu_smoke) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+        Path(args.out).with_suffix(".json").write_text(json.dumps([(asdict(r), res) for r, res in results], indent=1))
+
+
+if __name__ == "__main__":
+    main()
