@@ -5,6 +5,7 @@
     python benchmarks/bench_train.py --threads 1 --tp 1       # one thread per run (no TP=2 row)
     python benchmarks/bench_train.py --steps 20 --rounds 1 --max-new-tokens 64 --json out.json
     python benchmarks/bench_train.py --no-trl                 # our rows only
+    python benchmarks/bench_train.py --shape small            # issue #40's shape (below), one thread each
 
 One run, same work on both sides: the tiny qwen3 teacher (4 layers) and student (2 layers) of
 ``megatron_opd.testing.distill_fixture``, the same prompt token ids (encoded once by our ``PromptEncoder``),
@@ -26,6 +27,9 @@ token included) / its wall time. Peak RSS = the kernel's ``VmHWM`` of each proce
 every 50 ms and frozen when the last training step is logged (ours then saves a final checkpoint; TRL saves
 none); "total" adds the launcher's and the training processes' peaks (an upper bound of their simultaneous
 peak), the round with the highest total.
+
+``--shape small`` is the shape of issue #40's report: 2-layer 128-wide teacher and student, 32 prompts of ~10
+tokens per step, 16 new tokens, dense JSD, one thread per run, TP=1 (it sets those defaults; flags still override).
 
 On a machine whose cores other jobs also use, OpenMP's default spin-waiting makes multi-threaded runs of tiny
 models erratic (single steps 10-100x slower); ``OMP_WAIT_POLICY=PASSIVE`` (inherited by every run) or
@@ -52,6 +56,21 @@ WORKER = REPO / "benchmarks" / "_trl_gkd_worker.py"
 DEFAULT_TRL_VENV = REPO / "build" / "venv-trl"  # build/ is git-ignored
 TRL_VERSION = "1.16.0"
 TORCH_VERSION = "2.13.0"  # the CPU wheel on this machine's registry; never a CUDA build
+
+
+# --shape: the fixture's models and the defaults of the flags that size a step.
+SHAPES = {
+    "fixture": {
+        "models": {},
+        "defaults": {},
+        "title": "Tiny qwen3 teacher (4 layers) -> student (2 layers), hidden 64",
+    },
+    "small": {
+        "models": {"teacher_layers": 2, "hidden_size": 128, "intermediate_size": 256},
+        "defaults": {"prompts_per_step": 32, "max_new_tokens": 16, "threads": 1, "tp": "1"},
+        "title": "Issue #40's shape: qwen3 teacher (2 layers) -> student (2 layers), hidden 128",
+    },
+}
 
 
 @dataclass
@@ -418,6 +437,9 @@ def main() -> None:
     parser.add_argument("--json", metavar="OUT", help="also write every figure and per-step value here")
     parser.add_argument("--workdir", help="where to write (default: a temporary folder)")
     parser.add_argument("--keep", action="store_true", help="keep the fixture, logs and run folders")
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="fixture", help="models and work per step")
+    shape = parser.parse_known_args()[0].shape
+    parser.set_defaults(**SHAPES[shape]["defaults"])
     args = parser.parse_args()
     tps = [int(x) for x in args.tp.split(",") if x]
     for tp in tps:
@@ -439,7 +461,7 @@ def main() -> None:
     load_before = os.getloadavg()
     started = time.perf_counter()
     try:
-        fixture = make_distill_fixture(work / "fixture")
+        fixture = make_distill_fixture(work / "fixture", **SHAPES[shape]["models"])
         tokenizer = AutoTokenizer.from_pretrained(fixture.student)
         _, prompt_ids = load_prompts([fixture.train_file], PromptEncoder(tokenizer), "data.train_files")
         stop_ids = eos_token_ids(fixture.student, tokenizer)
@@ -467,7 +489,7 @@ def main() -> None:
             f"{load_before[0]:.1f} before, {load_after[0]:.1f} after"
         )
         print(
-            f"\nTiny qwen3 teacher (4 layers) -> student (2 layers), hidden 64, vocab 1000 rows "
+            f"\n{SHAPES[shape]['title']}, vocab 1000 rows "
             f"({len(tokenizer)} tokens), fp32; {args.prompts_per_step} prompts/step, <= {args.max_new_tokens} new "
             f"tokens, temperature {args.temperature}, JSD beta {args.beta}, {args.rounds} rounds x {args.steps} steps "
             f"(medians over the last {args.steps - args.warmup} of each round), {args.threads} threads per run. "

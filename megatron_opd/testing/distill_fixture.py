@@ -40,7 +40,13 @@ class DistillFixture:
 
 
 def make_distill_fixture(
-    root: str | os.PathLike, *, num_prompts: int = 32, padded_embeddings: bool = True, tied_student: bool = True
+    root: str | os.PathLike,
+    *,
+    num_prompts: int = 32,
+    padded_embeddings: bool = True,
+    tied_student: bool = True,
+    teacher_layers: int = 4,
+    **model_overrides: object,
 ) -> DistillFixture:
     """Write ``root/teacher`` (4 layers), ``root/student`` (2 layers), tokenizer files in both, and prompts.
 
@@ -58,7 +64,8 @@ def make_distill_fixture(
         rows = len(AutoTokenizer.from_pretrained(make_tiny_tokenizer(root / "tokenizer", vocab_size=1000)))
     dirs = {}
     student = {"num_hidden_layers": 2, "tie_word_embeddings": tied_student}
-    for name, seed, overrides in (("teacher", 0, {}), ("student", 1, student)):
+    for name, seed, overrides in (("teacher", 0, {"num_hidden_layers": teacher_layers}), ("student", 1, student)):
+        overrides = {**model_overrides, **overrides}
         dirs[name] = make_tiny_hf_model("qwen3", root / name, seed=seed, vocab_size=rows, **overrides)
         make_tiny_tokenizer(dirs[name], vocab_size=1000)
     words = ("tensor", "pipeline", "teacher", "student", "vocabulary", "divergence", "sample", "token")
