@@ -33,20 +33,21 @@ def _fixed_batch():
     return pack(prompts, responses, masks, pad_token_id=0, seq_len=S, logprobs=logprobs)
 
 
-# Every way Python code reads a tensor's values to the host (on a GPU, a device-to-host sync).
-_HOST_READS = ("item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__")
+# Every way Python code reads a tensor's values to the host (on a GPU, a device-to-host sync), and nonzero, whose
+# output size the host must wait for.
+_HOST_READS = ("item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__", "nonzero")
 
 
 @contextlib.contextmanager
 def count_host_reads(reads: list[str]):
-    """Appends to ``reads`` the caller's file:line of every host read of a tensor's values while active: the fake
-    wraps ``torch.Tensor``'s readers, so tensors still compute as usual."""
+    """Appends to ``reads`` the caller's file, line and function of every host read of a tensor's values while
+    active: the fake wraps ``torch.Tensor``'s readers, so tensors still compute as usual."""
     originals = {name: getattr(torch.Tensor, name) for name in _HOST_READS}
 
     def counting(name):
         def read(self, *args, **kwargs):
             caller = traceback.extract_stack(limit=2)[0]
-            reads.append(f"{name} at {caller.filename}:{caller.lineno}")
+            reads.append(f"{name} at {caller.filename}:{caller.lineno} in {caller.name}")
             return originals[name](self, *args, **kwargs)
 
         return read
@@ -269,4 +270,6 @@ def test_no_host_read_in_micro_batch_loop(tp1_reference):
         float(torch.ones(()))
     assert len(reads) == 1 and reads[0].startswith("__float__ at ")
     for mode in ("dense", "topk"):
-        assert tp1_reference[f"{mode}_host_reads"] == [], mode
+        # Left: the torch back end's top-k gather, the CPU path (CUDA tensors run the Triton kernels, no nonzero).
+        reads = [r for r in tp1_reference[f"{mode}_host_reads"] if not r.endswith(" in _local_positions")]
+        assert reads == [], mode

@@ -165,6 +165,7 @@ def fused_output_loss(
     *,
     rows: int,
     grad_hint: float | None = None,
+    index_N: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss, per_token_N, index_N)``: ``sum_t coeff_t * l_t`` over the tokens where ``trained_T`` (the same on
     every TP rank), differentiable in ``hidden_TH`` and ``weight_VH``; the per-token losses at flat positions
@@ -173,8 +174,12 @@ def fused_output_loss(
     ``grad_hint``: the gradient backward will bring to the loss, when the caller knows it (Megatron's schedule:
     the loss function's scale x CP size / micro-batches). The weight's gradient then goes straight into its
     gradient buffer (``main_grad`` under Megatron's DDP, else ``.grad``, created if missing) during the forward,
-    with no ``[V/TP, H]`` accumulator; backward checks the hint and refuses a different gradient."""
-    index_N = trained_T.reshape(-1).nonzero().reshape(-1)
+    with no ``[V/TP, H]`` accumulator; backward checks the hint and refuses a different gradient.
+
+    ``index_N``: the flat positions where ``trained_T`` is true, when the caller has them without a device sync (the
+    trainer: computed on the host before the schedule); else found here (``nonzero``: on a GPU, a sync)."""
+    if index_N is None:
+        index_N = trained_T.reshape(-1).nonzero().reshape(-1)
     hidden_TH = hidden_TH.to(weight_VH.dtype)  # Megatron's Float16Module hands the last stage's output over in fp32
     grad_into = None
     if grad_hint is not None:

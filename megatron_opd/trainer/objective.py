@@ -115,6 +115,8 @@ class MicroBatchStats:
         return self.read().as_dict()
 
     def __getattr__(self, name: str) -> float:
+        if name not in StepStats.__dataclass_fields__:  # not a field (nor ``values`` before it is set: copy, pickle)
+            raise AttributeError(name)
         return getattr(self.read(), name)
 
 
@@ -315,6 +317,7 @@ def make_loss_fn(
             token_pass,
             rows=rows,
             grad_hint=None if grad_hint is None else grad_hint * scale,
+            index_N=mb.get("trained_index"),
         )
         per_token_BS = per_token_N.new_zeros(n).index_copy(0, index_N, per_token_N).view(b, s)
         needed = ("student_top1", "target_top1") + (("label_lp",) if "rollout_logprobs" in mb else ())
@@ -409,6 +412,9 @@ def train_step(
             pad_multiple=8 * tp,  # sequence parallelism splits S over TP
         )
     output = HiddenStateOutput(student.model) if fused_output_applies(cfg) else None
+    if output is not None:  # the fused loss chunks the trained tokens: found here, not by a device sync in the loop
+        for mb in micro_batches:
+            mb["trained_index"] = (mb["loss_mask"] != 0).reshape(-1).nonzero().reshape(-1)
     # What the schedule does to the loss: x CP size / micro-batches, and fp16's dynamic loss scale (not known here).
     fp16 = any(getattr(getattr(chunk, "config", None), "fp16", False) for chunk in student.model)
     grad_hint = None if fp16 else ps.get_context_parallel_world_size() / len(micro_batches)
