@@ -37,13 +37,14 @@ def test_accelerators_default_to_bf16_with_distributed_optimizer(accel):
     assert ddp.use_distributed_optimizer and ddp.grad_reduce_in_fp32 and not ddp.overlap_grad_reduce
 
 
-def test_overrides_and_cpu_refusal():
+def test_overrides_and_cpu_defaults():
     plan = precision_plan(OptimConfig(bf16=False, use_distributed_optimizer=True), GPU)
     assert (plan.params_dtype, plan.use_distributed_optimizer) == ("fp32", True)
     assert not precision_plan(OptimConfig(use_distributed_optimizer=False), GPU).use_distributed_optimizer
-    for bad in (OptimConfig(bf16=True), OptimConfig(use_distributed_optimizer=True)):
-        with pytest.raises(ValueError, match="need a GPU or NPU"):
-            precision_plan(bad, CPU)
+    default = precision_plan(OptimConfig(), CPU)
+    assert (default.params_dtype, default.use_distributed_optimizer) == ("fp32", False)
+    plan = precision_plan(OptimConfig(bf16=True, use_distributed_optimizer=True), CPU)  # the GPU defaults, asked for
+    assert (plan.params_dtype, plan.use_distributed_optimizer) == ("bf16", True)
 
 
 def test_dense_mode_needs_a_colocated_teacher():

@@ -2,13 +2,14 @@
 
 Precision (``precision_plan``): on GPU/NPU the default is bf16 parameters with fp32 main parameters and
 gradients reduced in fp32, with the distributed optimizer (optimizer state sharded over data-parallel ranks).
-On CPU Megatron's distributed optimizer and its fp16/bf16 wrappers cannot run (they require CUDA tensor types),
-so the plain fp32 optimizer is used. Micro-batches go through ``get_forward_backward_func`` (any TP/PP/VP);
+On CPU the default is fp32 with the plain optimizer (bf16 arithmetic is slow there); both GPU settings can be
+switched on (``distributed/cpu_compat.py`` lets Megatron build them), which is how CI tests the GPU defaults. Micro-batches go through ``get_forward_backward_func`` (any TP/PP/VP);
 ``finalize_model_grads`` reduces gradients over data-parallel ranks and ties embeddings across stages.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,15 +40,11 @@ class PrecisionPlan:
 
 
 def precision_plan(optim: OptimConfig, accel: Accelerator) -> PrecisionPlan:
-    """Resolve ``optim.bf16`` / ``optim.use_distributed_optimizer`` for this accelerator (None = its default)."""
+    """Resolve ``optim.bf16`` / ``optim.use_distributed_optimizer`` for this accelerator (None = its default:
+    bf16 and the distributed optimizer on a GPU/NPU, fp32 and the plain optimizer on CPU)."""
     on_cpu = accel.type == "cpu"
     bf16 = (not on_cpu) if optim.bf16 is None else optim.bf16
     distributed = (bf16 and not on_cpu) if optim.use_distributed_optimizer is None else optim.use_distributed_optimizer
-    if on_cpu and (bf16 or distributed):
-        raise ValueError(
-            "optim.bf16 and optim.use_distributed_optimizer need a GPU or NPU: Megatron-Core's mixed-precision and "
-            "distributed optimizers require CUDA tensors. On CPU leave them unset (fp32, plain optimizer)"
-        )
     return PrecisionPlan(
         params_dtype="bf16" if bf16 else "fp32",
         bf16=bf16,
@@ -158,8 +155,12 @@ class Student:
         step's, or one tensor shared by every parameter, which torch's Adam would then advance once per parameter).
         Each parameter gets its own count from its group, as the uninterrupted run has it.
         """
-        self.optimizer.load_state_dict(state_dict)
-        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+        optimizers = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        with contextlib.ExitStack() as stack:
+            for optimizer in optimizers:
+                stack.enter_context(_keeping_unsaved_states(optimizer))
+            self.optimizer.load_state_dict(state_dict)
+        for optimizer in optimizers:
             inner = optimizer.optimizer
             for group in inner.param_groups:
                 if group.get("step") is None:  # only the distributed optimizer's groups carry it
@@ -197,6 +198,32 @@ class Student:
         self.lr_schedule.step(increment=1)
         lr = self.optimizer.param_groups[0]["lr"]
         return StepResult(stats=stats, grad_norm=float(grad_norm or 0.0), lr=float(lr))
+
+
+@contextlib.contextmanager
+def _keeping_unsaved_states(optimizer):
+    """While a distributed optimizer loads a ``fully_reshardable`` state, the state it holds but the checkpoint
+    does not (torch Adam's per-parameter ``step``: Megatron saves it in the parameter groups) stays as it is.
+
+    Megatron's loader copies every state tensor the optimizer holds from the checkpoint's and raises
+    ``KeyError: 'step'`` (0.16.1 and 0.19.2, torch's Adam without apex/TransformerEngine); the counts are then set
+    from the groups by :meth:`Student.load_optimizer_state`. Under ``no_grad``: fp32 main parameters are views of
+    the model's leaf parameters.
+    """
+    original = getattr(optimizer, "_set_main_param_and_optimizer_states", None)
+    if original is None:  # the plain optimizer
+        yield
+        return
+
+    def set_states(model_param, tensors: dict) -> None:
+        with torch.no_grad():
+            original(model_param, {**optimizer._get_main_param_and_optimizer_states(model_param), **tensors})
+
+    optimizer._set_main_param_and_optimizer_states = set_states
+    try:
+        yield
+    finally:
+        del optimizer._set_main_param_and_optimizer_states
 
 
 def sum_stats(outputs: list[StepStats]) -> StepStats:
