@@ -71,6 +71,8 @@ def training_state(
     position before the first batch not yet trained). ``rng`` / ``optimizer``: include those (a resume leaves out
     what the layout or ``checkpoint.load_optimizer`` cannot take; ``optimizer_format``: the distributed optimizer's
     format in the checkpoint being loaded); the layout is saved for the next resume."""
+    if not loading:
+        student.finish_param_sync()  # the checkpoint (and the export read from it) holds the updated weights
     state = chunks_sharded_state_dict(student.chunks)
     layout = current_layout(student)
     if optimizer:
@@ -175,6 +177,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     reward_fn = import_function(cfg.loss.reward_fn, "loss.reward_fn") if cfg.loss.weighting == "reward" else None
 
     start_step = resume(ckpt, student, data, cfg)
+    student.finish_param_sync()  # before any reader of the weights (a no-op unless a step left a gather pending)
     rollout.sync_weights(start_step)
     max_logprob_diff = max_logprob_diff_for(cfg, student)
     if not sft and cfg.rollout.backend == "vllm" and cfg.rollout.startup_check:
@@ -200,6 +203,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             step += 1
             t_sync = time.perf_counter()
             work.timings["update"] = t_sync - t_update
+            student.finish_param_sync()  # optim.overlap_param_gather: the weights the sync and the sampler read
             rollout.sync_weights(step)  # policy version = optimizer steps applied (waits for rollouts in flight)
             work.timings["weight_sync"] = time.perf_counter() - t_sync
             metrics.log(step, step_row(result, work, step, time.perf_counter() - t_start))
@@ -215,6 +219,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
                 ckpt.save(step, state, {"config": to_dict(cfg)})
                 saved_step = step
             if step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0):
+                student.finish_param_sync()
                 last_eval = evaluate(evaluator, metrics, step) or last_eval
             fault_point("kill_after_step", step)
             hold_point(step)

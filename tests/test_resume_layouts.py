@@ -187,6 +187,23 @@ def _save_then_step(run: _Run) -> dict:
     return {"saved": saved, "rng": rng, "next": run.step()}
 
 
+def _stale_and_fresh(run: _Run) -> dict:
+    """The full parameters as read right after a step (stale where ``overlap_param_gather`` left the other ranks'
+    slices to the next forward pass), then after ``Student.finish_param_sync`` (data-parallel rank 0's)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_opd.models import load_architecture
+    from megatron_opd.models.reference import full_tensors
+
+    arch, group = load_architecture(run.cfg.student.path), ps.get_tensor_model_parallel_group()
+    stale = {k: v.clone() for k, v in full_tensors(run.student.chunks, arch, group).items()}
+    pending = [g.param_gather_dispatched for m in run.student.model for g in m.bucket_groups]
+    run.student.finish_param_sync()
+    fresh = full_tensors(run.student.chunks, arch, group)
+    keep = run.dp_rank == 0
+    return {"stale": stale if keep else {}, "fresh": fresh if keep else {}, "dispatched_before": pending}
+
+
 def _launch_world2(dirs: dict) -> dict:
     """DP2: step 1, save; TP2 resumes it (TP1 -> TP2, DP2 -> DP1), steps 2, saves; TP2 again resumes that exactly."""
     from megatron_opd.trainer.checkpointing import CheckpointManager
@@ -216,12 +233,17 @@ def _distributed_optimizer_runs(dirs: dict) -> dict:
     out = {}
     for name, precision in DISTRIBUTED.items():
         run = _Run({}, dirs["student"], dirs[name], **precision)
-        run.step()
+        first = run.step()
         if name == "do_dp2":
             run.ckpt, resharding.SAVED_OPTIMIZER_FORMAT = CheckpointManager(dirs["legacy_dp2"]), "dp_reshardable"
             run.save()
             run.ckpt, resharding.SAVED_OPTIMIZER_FORMAT = CheckpointManager(dirs[name]), "fully_reshardable"
         out[name] = _save_then_step(run)
+        if name == "do_dp2":  # overlapped (the default), against the same steps without overlap
+            out["overlapped"] = {"losses": [first["loss"], out[name]["next"]["loss"]], **_stale_and_fresh(run)}
+            serial = _Run({}, dirs["student"], dirs["serial"], **precision, overlap_grad_reduce=False)
+            out["not_overlapped"] = {"losses": [serial.step()["loss"], serial.step()["loss"]],
+                                     "fresh": _stale_and_fresh(serial)["stale"]}  # fmt: skip
         out[f"{name}_to_tp2"] = _resume_and_continue(_Run({"tensor_model_parallel_size": 2}, dirs["student"],
                                                           dirs[name], **precision))  # fmt: skip
     refused = _Run({"tensor_model_parallel_size": 2}, dirs["student"], dirs["legacy_dp2"], **DISTRIBUTED["do_dp2"])
@@ -239,6 +261,9 @@ def _launch_world4(dirs: dict) -> dict:
     out = {"tp2_to_tp2pp2": _resume_and_continue(run)}
     vp = {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}
     out["tp2_to_pp2vp2"] = _resume_and_continue(_Run(vp, dirs["student"], dirs["tp2"]))
+    # the distributed optimizer's state resharded to an interleaved pipeline, whose schedule starts each chunk's
+    # overlapped gradient reduction and parameter all-gather (grad_sync_func / param_sync_func)
+    out["do_dp2_to_pp2vp2"] = _resume_and_continue(_Run(vp, dirs["student"], dirs["do_dp2"], **DISTRIBUTED["do_dp2"]))
     return out
 
 
@@ -296,7 +321,7 @@ def launches(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("resume_layouts")
     dirs = {"student": str(make_tiny_hf_model("qwen3", root / "student", seed=1, num_hidden_layers=4))}
-    dirs.update({name: str(root / name) for name in ("dp2", "tp2", "legacy_dp2", *DISTRIBUTED)})
+    dirs.update({name: str(root / name) for name in ("dp2", "tp2", "legacy_dp2", "serial", *DISTRIBUTED)})
     world2 = run_distributed(_launch_world2, 2, args=(dirs,), timeout=300)
     world4 = run_distributed(_launch_world4, 4, args=(dirs,), timeout=300)
     world1 = run_distributed(_launch_world1, 1, args=(dirs,), timeout=300)
@@ -310,6 +335,7 @@ CASES = {  # resumed case -> (its launch, the saving layout's entry in the world
     "dp2_to_dp1": ("world1", "dp2"),
     "do_dp2_to_tp2": ("world2", "do_dp2"),
     "do_dp2_to_dp1": ("world1", "do_dp2"),
+    "do_dp2_to_pp2vp2": ("world4", "do_dp2"),
     "bf16_dp2_to_tp2": ("world2", "bf16_dp2"),
     "bf16_dp2_to_dp1": ("world1", "bf16_dp2"),
     "legacy_dp2_to_dp1": ("world1", "do_dp2"),  # saved at the same step as do_dp2
@@ -358,6 +384,20 @@ def test_distributed_optimizer_and_bf16_train_as_the_plain_fp32_optimizer(launch
     for kind in ("param", "exp_avg", "exp_avg_sq"):  # after step 1 (moments from the gradients reduced over DP2)
         for key, ref in plain[0][kind].items():
             torch.testing.assert_close(ours[kind][key], ref, rtol=1e-5, atol=1e-9, msg=f"{kind} of {key}")
+
+
+def test_overlapped_steps_equal_serial_ones_and_readers_finish_the_gather(launches):
+    """DP2, distributed optimizer: two steps with overlapped gradient reduction and parameter gathering (the
+    defaults) equal them without overlap bitwise; right after the step the parameters read stale (the other rank's
+    slices wait for the next forward pass) until ``Student.finish_param_sync``."""
+    rank0 = launches["world2"][0]
+    overlapped, serial = rank0["overlapped"], rank0["not_overlapped"]
+    assert overlapped["losses"] == serial["losses"], (overlapped["losses"], serial["losses"])
+    assert not any(overlapped["dispatched_before"]), "the step already gathered the parameters: nothing overlapped"
+    stale = [k for k, v in overlapped["stale"].items() if not torch.equal(v, serial["fresh"][k])]
+    assert stale, "no parameter read stale after an overlapped step: the test cannot see a missing finish"
+    for name, ref in serial["fresh"].items():
+        assert torch.equal(overlapped["fresh"][name], ref), f"{name} differs from the step without overlap"
 
 
 def test_dp_reshardable_checkpoints_load_at_their_own_model_parallel_layout_only(launches):
