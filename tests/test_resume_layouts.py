@@ -224,20 +224,31 @@ def _launch_world2(dirs: dict) -> dict:
     return out
 
 
+def _save_as_before(run: _Run, ckpt_dir: str) -> None:
+    """Save ``run`` into ``ckpt_dir`` as megatron-opd did before fully_reshardable: the distributed optimizer's
+    state dp_reshardable, no ``optimizer_format`` in the saved layout."""
+    from megatron_opd.trainer import resharding
+    from megatron_opd.trainer.checkpointing import CheckpointManager
+
+    ckpt, to_dict, saved_format = run.ckpt, resharding.Layout.to_dict, resharding.SAVED_OPTIMIZER_FORMAT
+    run.ckpt, resharding.SAVED_OPTIMIZER_FORMAT = CheckpointManager(ckpt_dir), "dp_reshardable"
+    resharding.Layout.to_dict = lambda layout: {k: v for k, v in to_dict(layout).items() if k != "optimizer_format"}
+    try:
+        run.save()
+    finally:
+        run.ckpt, resharding.Layout.to_dict, resharding.SAVED_OPTIMIZER_FORMAT = ckpt, to_dict, saved_format
+
+
 def _distributed_optimizer_runs(dirs: dict) -> dict:
     """The distributed optimizer at DP2, fp32 and bf16: step 1, save, step 2; TP2 resumes each. The fp32 run also
     saves step 1 as older megatron-opd did (``dp_reshardable``), which TP2 must refuse."""
-    from megatron_opd.trainer import resharding
-    from megatron_opd.trainer.checkpointing import CheckpointManager
 
     out = {}
     for name, precision in DISTRIBUTED.items():
         run = _Run({}, dirs["student"], dirs[name], **precision)
         first = run.step()
         if name == "do_dp2":
-            run.ckpt, resharding.SAVED_OPTIMIZER_FORMAT = CheckpointManager(dirs["legacy_dp2"]), "dp_reshardable"
-            run.save()
-            run.ckpt, resharding.SAVED_OPTIMIZER_FORMAT = CheckpointManager(dirs[name]), "fully_reshardable"
+            _save_as_before(run, dirs["legacy_dp2"])
         out[name] = _save_then_step(run)
         if name == "do_dp2":  # overlapped (the default), against the same steps without overlap
             out["overlapped"] = {"losses": [first["loss"], out[name]["next"]["loss"]], **_stale_and_fresh(run)}
