@@ -1,13 +1,15 @@
 """A training checkpoint resumes at another layout (issue 23): TP1 -> TP2 (from DP2), TP2 -> TP2xPP2,
 TP2 -> PP2xVP2 (DP2), DP2 -> DP1; with Megatron's distributed optimizer (issue 40: its ``fully_reshardable``
-state), fp32 and the GPU defaults (bf16 + distributed optimizer), DP2 -> TP2 and DP2 -> DP1; an old
-``dp_reshardable`` checkpoint at its own TP/PP (DP2 -> DP1), refused at TP2.
+state), fp32 and the GPU defaults (bf16 + distributed optimizer), DP2 -> TP2 and DP2 -> DP1 (fp32 also
+DP2 -> PP2xVP2); an old ``dp_reshardable`` checkpoint at its own TP/PP (DP2 -> DP1), refused at TP2. The
+distributed-optimizer runs also check overlapped communication (issue 40): overlapped steps equal serial ones, and
+the parameters read stale after a step until ``Student.finish_param_sync``.
 
-Each resume goes through ``train.resume``: the resumed parameters and Adam moments equal the saved ones bitwise
-(gathered to full tensors), the step, LR schedule and data position carry over, the next step's loss equals the
-saving layout's next step (bf16: within 1e-3), and the RNG is re-seeded with one warning (restored exactly at an unchanged layout). A
-refused resume leaves the run folder's lock as it was. Three launches (world 2, 4, 1), grouped so each layout's
-checks share one.
+Each resume goes through ``train.resume``: the resumed parameters, fp32 main parameters and Adam moments equal the
+saved ones bitwise (gathered to full tensors), the step, LR schedule and data position carry over, the next step's
+loss equals the saving layout's next step (bf16: within 1e-3), and the RNG is re-seeded with one warning (restored
+exactly at an unchanged layout). A refused resume leaves the run folder's lock as it was. Three launches (world 2,
+4, 1), grouped so each layout's checks share one.
 """
 
 from __future__ import annotations

@@ -3,8 +3,10 @@
 Precision (``precision_plan``): on GPU/NPU the default is bf16 parameters with fp32 main parameters and
 gradients reduced in fp32, with the distributed optimizer (optimizer state sharded over data-parallel ranks).
 On CPU the default is fp32 with the plain optimizer (bf16 arithmetic is slow there); both GPU settings can be
-switched on (``distributed/cpu_compat.py`` lets Megatron build them), which is how CI tests the GPU defaults. Micro-batches go through ``get_forward_backward_func`` (any TP/PP/VP);
-``finalize_model_grads`` reduces gradients over data-parallel ranks and ties embeddings across stages.
+switched on (``distributed/cpu_compat.py`` lets Megatron build them), which is how CI tests the GPU defaults.
+Micro-batches go through ``get_forward_backward_func`` (any TP/PP/VP); ``finalize_model_grads`` reduces gradients
+over data-parallel ranks and ties embeddings across stages. Gradient reduction and (distributed optimizer) the
+parameter all-gather overlap computation by default (``optim.overlap_*``).
 """
 
 from __future__ import annotations
