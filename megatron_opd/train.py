@@ -65,21 +65,26 @@ def training_state(
     *,
     rng: bool = True,
     optimizer: bool = True,
+    optimizer_format: str = "",
 ) -> dict:
     """Everything a resume needs, as one dist_checkpointing state dict (``data_state``: the prompt stream's
     position before the first batch not yet trained). ``rng`` / ``optimizer``: include those (a resume leaves out
-    what the layout or ``checkpoint.load_optimizer`` cannot take); the layout is saved for the next resume."""
+    what the layout or ``checkpoint.load_optimizer`` cannot take; ``optimizer_format``: the distributed optimizer's
+    format in the checkpoint being loaded); the layout is saved for the next resume."""
+    if not loading:
+        student.finish_param_sync()  # the checkpoint (and the export read from it) holds the updated weights
     state = chunks_sharded_state_dict(student.chunks)
+    layout = current_layout(student)
     if optimizer:
-        # dp_reshardable: each rank saves its own distributed-optimizer shard in parallel (Megatron's default format,
-        # 0.16 still defaults to fully_sharded_model_space, whose flattened ranges its torch_dist saver refuses).
-        optimizer_format = {"distrib_optim_sharding_type": "dp_reshardable"}
-        state["optimizer"] = student.optimizer.sharded_state_dict(state, is_loading=loading, metadata=optimizer_format)
+        # fully_reshardable: the distributed optimizer's shards are gathered into one tensor per parameter, which
+        # loads at any layout (0.16 defaults to fully_sharded_model_space, whose flattened ranges its torch_dist
+        # saver refuses). A resume reads the format the checkpoint was written in (``optimizer_format``).
+        metadata = {"distrib_optim_sharding_type": optimizer_format or layout.optimizer_format}
+        state["optimizer"] = student.optimizer.sharded_state_dict(state, is_loading=loading, metadata=metadata)
     state["opt_param_scheduler"] = student.lr_schedule.state_dict()
     if rng:
         state["rng_state"] = sharded_rng_state()
-    layout = current_layout(student).to_dict()
-    state["trainer"] = {"step": step, "data": data_state, "config": to_dict(cfg), "layout": layout}
+    state["trainer"] = {"step": step, "data": data_state, "config": to_dict(cfg), "layout": layout.to_dict()}
     return state
 
 
@@ -95,9 +100,8 @@ def resume(ckpt: CheckpointManager, student: Student, data: PromptStream, cfg: T
         if load_optimizer:
             check_optimizer_state(saved, current, path)
             student.prepare_optimizer_for_loading()
-        wanted = training_state(
-            student, data.state_dict(), 0, cfg, loading=True, rng=same_ranks, optimizer=load_optimizer
-        )
+        wanted = training_state(student, data.state_dict(), 0, cfg, loading=True, rng=same_ranks,
+                                optimizer=load_optimizer, optimizer_format=saved.optimizer_format)  # fmt: skip
         state = ckpt.load(path, wanted)
         for i, chunk in enumerate(student.chunks):
             chunk.load_state_dict(state["model" if len(student.chunks) == 1 else f"model{i}"])
@@ -173,6 +177,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     reward_fn = import_function(cfg.loss.reward_fn, "loss.reward_fn") if cfg.loss.weighting == "reward" else None
 
     start_step = resume(ckpt, student, data, cfg)
+    student.finish_param_sync()  # before any reader of the weights (a no-op unless a step left a gather pending)
     rollout.sync_weights(start_step)
     max_logprob_diff = max_logprob_diff_for(cfg, student)
     if not sft and cfg.rollout.backend == "vllm" and cfg.rollout.startup_check:
@@ -198,6 +203,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             step += 1
             t_sync = time.perf_counter()
             work.timings["update"] = t_sync - t_update
+            student.finish_param_sync()  # optim.overlap_param_gather: the weights the sync and the sampler read
             rollout.sync_weights(step)  # policy version = optimizer steps applied (waits for rollouts in flight)
             work.timings["weight_sync"] = time.perf_counter() - t_sync
             metrics.log(step, step_row(result, work, step, time.perf_counter() - t_start))
@@ -213,6 +219,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
                 ckpt.save(step, state, {"config": to_dict(cfg)})
                 saved_step = step
             if step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0):
+                student.finish_param_sync()
                 last_eval = evaluate(evaluator, metrics, step) or last_eval
             fault_point("kill_after_step", step)
             hold_point(step)

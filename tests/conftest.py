@@ -30,6 +30,7 @@ MCORE_SMOKE = (
     "tests/test_resume_layouts.py::",
     "tests/test_cpu_compat.py::test_every_patch_is_needed_and_works",
     "tests/test_cpu_compat.py::test_grad_sync_stream_patch_is_needed_and_works",
+    "tests/test_cpu_compat.py::test_optimizer_type_patch_is_needed_works_and_is_scoped",
 )
 
 

@@ -115,6 +115,64 @@ def test_grad_sync_stream_patch_is_needed_and_works():
     assert outcomes["with"] == "ok", outcomes
 
 
+def _optimizer_outcomes():
+    """bf16 with the plain and with the distributed optimizer, built with every CPU patch, first without the
+    ``Tensor.type()`` one (patch 9: the constructors unwrapped), then with it; and ``Tensor.type()`` afterwards."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+    from megatron.core.transformer import MegatronModule, TransformerConfig
+
+    from megatron_opd.distributed import cpu_compat
+
+    parallel_state.initialize_model_parallel()
+    cpu_compat.apply_cpu_patches()
+    patched = {cls: cls.__init__ for cls in (Float16OptimizerWithFloat16Params, DistributedOptimizer)}
+    outcomes = {}
+    for name in ("without", "with"):
+        for cls, init in patched.items():
+            cls.__init__ = init if name == "with" else init.__wrapped__
+        for distributed in (False, True):
+            config = TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=1, bf16=True,
+                                       params_dtype=torch.bfloat16)  # fmt: skip
+            module = MegatronModule(config)
+            module.weight = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+            ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed)
+            ddp = DistributedDataParallel(config, ddp_config, module)
+            key = f"{name} patch, {'distributed' if distributed else 'plain'} optimizer"
+            try:
+                optimizer = get_megatron_optimizer(
+                    OptimizerConfig(
+                        lr=0.5,
+                        weight_decay=0.0,
+                        bf16=True,
+                        params_dtype=torch.bfloat16,
+                        use_distributed_optimizer=distributed,
+                    ),
+                    [ddp],
+                )
+                ddp.zero_grad_buffer()
+                module.weight.main_grad.fill_(1.0)
+                optimizer.step()  # Adam's first step moves every weight by lr
+                ok = torch.equal(module.weight.detach(), torch.full((4,), 0.5, dtype=torch.bfloat16))
+                outcomes[key] = "ok" if ok else f"wrong step: {module.weight}"
+            except Exception as err:  # noqa: BLE001
+                outcomes[key] = f"{type(err).__name__}: {err}"
+    outcomes["type() afterwards"] = torch.ones(1).type()
+    return outcomes
+
+
+def test_optimizer_type_patch_is_needed_works_and_is_scoped():
+    outcomes = run_distributed(_optimizer_outcomes, 1)[0]
+    for kind in ("plain", "distributed"):
+        without, with_ = outcomes[f"without patch, {kind} optimizer"], outcomes[f"with patch, {kind} optimizer"]
+        assert "Wrapped parameters must be one of" in without, f"{kind}: builds without the patch: {without}"
+        assert with_ == "ok", f"{kind}: {with_}"
+    assert outcomes["type() afterwards"] == "torch.FloatTensor", "Tensor.type() answers CUDA names outside"
+
+
 def _hang(rank_to_fail: int):
     import torch.distributed as dist
 

@@ -34,16 +34,34 @@ def test_accelerators_default_to_bf16_with_distributed_optimizer(accel):
     assert opt.bf16 and opt.params_dtype == torch.bfloat16 and opt.use_distributed_optimizer
     assert opt.main_params_dtype == torch.float32  # fp32 main parameters
     ddp = ddp_config(plan)
-    assert ddp.use_distributed_optimizer and ddp.grad_reduce_in_fp32 and not ddp.overlap_grad_reduce
+    assert ddp.use_distributed_optimizer and ddp.grad_reduce_in_fp32
+    assert ddp.overlap_grad_reduce and ddp.overlap_param_gather and opt.overlap_param_gather  # overlapped
+    assert not ddp.align_param_gather and ddp_config(plan, interleaved=True).align_param_gather  # as Megatron-LM
 
 
-def test_overrides_and_cpu_refusal():
+def test_overlap_defaults_and_refusals():
+    cpu = precision_plan(OptimConfig(), CPU)
+    assert cpu.overlap_grad_reduce and not cpu.overlap_param_gather  # the plain optimizer has nothing to gather
+    assert not precision_plan(OptimConfig(overlap_grad_reduce=False), GPU).overlap_param_gather
+    off = precision_plan(OptimConfig(overlap_grad_reduce=False, overlap_param_gather=False), GPU)
+    ddp = ddp_config(off)
+    assert not (ddp.overlap_grad_reduce or ddp.overlap_param_gather)
+    with pytest.raises(ValueError, match="optim.overlap_param_gather=true needs optim.overlap_grad_reduce=true"):
+        OptimConfig(overlap_grad_reduce=False, overlap_param_gather=True)
+    with pytest.raises(ValueError, match="needs the distributed optimizer.*optim.use_distributed_optimizer=true"):
+        OptimConfig(use_distributed_optimizer=False, overlap_param_gather=True)
+    with pytest.raises(ValueError, match="needs the distributed optimizer, which is off here"):
+        precision_plan(OptimConfig(overlap_param_gather=True), CPU)
+
+
+def test_overrides_and_cpu_defaults():
     plan = precision_plan(OptimConfig(bf16=False, use_distributed_optimizer=True), GPU)
     assert (plan.params_dtype, plan.use_distributed_optimizer) == ("fp32", True)
     assert not precision_plan(OptimConfig(use_distributed_optimizer=False), GPU).use_distributed_optimizer
-    for bad in (OptimConfig(bf16=True), OptimConfig(use_distributed_optimizer=True)):
-        with pytest.raises(ValueError, match="need a GPU or NPU"):
-            precision_plan(bad, CPU)
+    default = precision_plan(OptimConfig(), CPU)
+    assert (default.params_dtype, default.use_distributed_optimizer) == ("fp32", False)
+    plan = precision_plan(OptimConfig(bf16=True, use_distributed_optimizer=True), CPU)  # the GPU defaults, asked for
+    assert (plan.params_dtype, plan.use_distributed_optimizer) == ("bf16", True)
 
 
 def test_dense_mode_needs_a_colocated_teacher():

@@ -25,6 +25,10 @@ Patches (all idempotent):
    ``wait_event`` / ``wait_stream`` are no-ops). Applied only when the installed release makes that call.
 8. Activation recomputation (``build.recompute_granularity``): Megatron's ``CheckpointFunction`` saves and restores
    the CUDA generator state around the recomputed forward; it gets the CPU generator's.
+9. Mixed precision and the distributed optimizer: the constructors of ``Float16OptimizerWithFloat16Params`` (bf16)
+   and ``DistributedOptimizer`` sort parameters by ``Tensor.type()`` strings and refuse anything but
+   ``torch.cuda.{Float,Half,BFloat16}Tensor``. While (and only while) one of them is being built, ``Tensor.type()``
+   of a CPU tensor answers the CUDA name of its dtype; the arithmetic afterwards is the GPU's.
 """
 
 from __future__ import annotations
@@ -187,6 +191,45 @@ def clip_grad_by_total_norm_cpu(
             grad.mul_(clip_coeff)
 
 
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+}
+
+
+@contextlib.contextmanager
+def cuda_tensor_type_names():
+    """``Tensor.type()`` (no argument) of a CPU float tensor answers its CUDA type name, inside this block only."""
+    original = torch.Tensor.type
+
+    def type_(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not args and not kwargs and self.device.type == "cpu" and self.dtype in _CUDA_TYPE_NAMES:
+            return _CUDA_TYPE_NAMES[self.dtype]
+        return original(self, *args, **kwargs)
+
+    torch.Tensor.type = type_  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original  # type: ignore[method-assign]
+
+
+def _built_with_cuda_type_names(cls: type) -> None:
+    """Wrap ``cls.__init__`` in :func:`cuda_tensor_type_names` (patch 9)."""
+    init = cls.__init__
+    if getattr(init, "_cpu_compat", False):
+        return
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        with cuda_tensor_type_names():
+            init(self, *args, **kwargs)
+
+    __init__._cpu_compat = True  # type: ignore[attr-defined]
+    cls.__init__ = __init__  # type: ignore[method-assign]
+
+
 def grad_sync_uses_cuda_stream() -> bool:
     """Whether this Megatron-Core's gradient sync calls ``torch.cuda.current_stream()`` (0.19.2 does, 0.16.1 not)."""
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
@@ -218,6 +261,10 @@ def apply_cpu_patches() -> None:
 
     mcore_clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_cpu  # type: ignore[assignment]
     mcore_optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_cpu  # type: ignore[assignment]
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    _built_with_cuda_type_names(mcore_optimizer.Float16OptimizerWithFloat16Params)
+    _built_with_cuda_type_names(DistributedOptimizer)
 
     cpu_torch = _CpuTorch()
     for module_name in _MODULES_WITH_CUDA_LITERALS:

@@ -91,6 +91,7 @@ class _AsModelOutput(torch.autograd.Function):
 class _FusedOutputLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_TH, weight_VH, coeff_T, index_N, token_pass, rows, grad_into, grad_hint):
+        weight = weight_VH
         grad_h_TH = torch.zeros_like(hidden_TH)
         if grad_into is None:  # an accumulator of our own, scaled in backward
             grad_w_VH = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device)
@@ -130,6 +131,7 @@ class _FusedOutputLoss(torch.autograd.Function):
         # Not saved tensors: backward scales them in place, with no second copy while autograd accumulates them.
         ctx.grads = (grad_h_TH, None if grad_into is not None else grad_w_VH.to(weight_VH.dtype))
         ctx.grad_hint = grad_hint if grad_into is not None else None
+        ctx.weight = weight if grad_into is not None and grad_into is not weight.grad else None  # main_grad written
         ctx.mark_non_differentiable(per_token_N)
         return loss, per_token_N
 
@@ -140,6 +142,14 @@ class _FusedOutputLoss(torch.autograd.Function):
         if ctx.grad_hint is not None:
             _check_grad_hint(grad_loss, ctx.grad_hint)
         grad_w = None if grad_w_VH is None else grad_w_VH.mul_(grad_loss)
+        weight, ctx.weight = ctx.weight, None
+        if weight is not None and not getattr(weight, "zero_out_wgrad", False):
+            # The gradient is in Megatron's main_grad already; DDP's hook (run once the weight's gradient is
+            # complete) asserts a .grad under optim.overlap_grad_reduce. Megatron's fused-accumulation protocol: a
+            # placeholder (here without storage) that the hook skips (grad_added_to_main_grad). A weight tied to the
+            # embedding on this stage (zero_out_wgrad) needs none: the embedding's gradient arrives through autograd.
+            weight.grad = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+            weight.grad_added_to_main_grad = True
         return grad_h_TH.mul_(grad_loss), grad_w, None, None, None, None, None, None
 
 

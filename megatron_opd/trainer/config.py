@@ -247,6 +247,15 @@ class OptimConfig:
     """bf16 parameters with fp32 main parameters; None: on when the accelerator is a GPU/NPU, off on CPU."""
     use_distributed_optimizer: bool | None = None
     """Shard optimizer state over data-parallel ranks; None: on with bf16 on GPU/NPU, off on CPU."""
+    overlap_grad_reduce: bool = True
+    """Reduce gradients over data-parallel ranks bucket by bucket while the backward pass runs (Megatron's
+    ``overlap_grad_reduce``; with pipeline parallelism each model chunk's reduction starts when its last
+    micro-batch's backward is done). False: one reduction after the backward pass."""
+    overlap_param_gather: bool | None = None
+    """Distributed optimizer: all-gather the updated parameters bucket by bucket during the next forward pass
+    (Megatron's ``overlap_param_gather``) instead of right after the step; every reader of the weights (weight
+    sync, sampler, evaluation, checkpoint) finishes the gather first. None: on with the distributed optimizer and
+    ``overlap_grad_reduce``."""
 
     def __post_init__(self) -> None:
         # Checked here so a bad value names its key (torch's own errors do not) before anything is built.
@@ -272,6 +281,17 @@ class OptimConfig:
             raise ValueError(f"optim.weight_decay must be a finite number >= 0 (0: off), got {self.weight_decay}")
         if not 0 <= self.clip_grad < math.inf:
             raise ValueError(f"optim.clip_grad must be a finite number >= 0 (0: no clipping), got {self.clip_grad}")
+        if self.overlap_param_gather and not self.overlap_grad_reduce:
+            raise ValueError(
+                "optim.overlap_param_gather=true needs optim.overlap_grad_reduce=true (Megatron gathers parameters in "
+                "the gradient buckets); set optim.overlap_grad_reduce=true or optim.overlap_param_gather=false"
+            )
+        if self.overlap_param_gather and self.use_distributed_optimizer is False:
+            raise ValueError(
+                "optim.overlap_param_gather=true needs the distributed optimizer (the plain one updates whole "
+                "parameters on every rank: nothing to gather); set optim.use_distributed_optimizer=true or unset "
+                "optim.overlap_param_gather"
+            )
 
 
 @dataclass

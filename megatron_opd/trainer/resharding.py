@@ -6,8 +6,11 @@ Two things are per rank and do not reshard:
 
 * RNG states (one per pipeline x tensor x data-parallel rank): restored when the layout is unchanged, otherwise
   every stream is re-seeded from ``seed`` and the step (as Megatron-LM's ``--no-load-rng``).
-* The distributed optimizer's ``dp_reshardable`` state: flat buckets of one model-parallel rank, which Megatron
-  reshards over data-parallel ranks only; a resume at another TP/PP/VP/CP is refused before anything is loaded.
+
+The distributed optimizer's state is saved in Megatron's ``fully_reshardable`` format: gathered over data-parallel
+ranks into one tensor per model parameter (as the plain optimizer's), so it reshards like the model. Checkpoints
+written before in ``dp_reshardable`` format (flat buckets of one model-parallel rank, which Megatron reshards over
+data-parallel ranks only) load at their own TP/PP/VP/CP; elsewhere the resume is refused before anything is loaded.
 
 The layout is saved in the checkpoint's trainer state; checkpoints written before that are read from their
 metadata (the shape of the ``rng_state`` objects, the config's ``parallel`` section).
@@ -34,7 +37,10 @@ class Layout:
     context_parallel_size: int
     data_parallel_size: int
     distributed_optimizer: bool
-    """Optimizer state saved by Megatron's distributed optimizer (``dp_reshardable`` buckets)."""
+    """Optimizer state saved by Megatron's distributed optimizer."""
+    optimizer_format: str = ""
+    """The distributed optimizer's ``distrib_optim_sharding_type`` (``fully_reshardable``, or ``dp_reshardable``
+    in older checkpoints); empty for the plain optimizer."""
 
     def ranks(self) -> tuple[int, ...]:
         """The sizes that decide which rank holds which per-rank state."""
@@ -59,17 +65,25 @@ class Layout:
         return asdict(self)
 
 
+SAVED_OPTIMIZER_FORMAT = "fully_reshardable"
+"""How this trainer saves the distributed optimizer's state (Megatron's ``distrib_optim_sharding_type``)."""
+LEGACY_OPTIMIZER_FORMAT = "dp_reshardable"
+"""How it saved it before: distributed-optimizer checkpoints without ``optimizer_format`` hold this."""
+
+
 def current_layout(student) -> Layout:
     """This run's layout (Megatron's parallel state and the student's optimizer)."""
     from megatron.core import parallel_state as ps
 
+    distributed = bool(student.model[0].ddp_config.use_distributed_optimizer)
     return Layout(
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
         virtual_pipeline_model_parallel_size=len(student.chunks),
         context_parallel_size=ps.get_context_parallel_world_size(),
         data_parallel_size=ps.get_data_parallel_world_size(),
-        distributed_optimizer=bool(student.model[0].ddp_config.use_distributed_optimizer),
+        distributed_optimizer=distributed,
+        optimizer_format=SAVED_OPTIMIZER_FORMAT if distributed else "",
     )
 
 
@@ -83,7 +97,9 @@ def saved_layout(path: str | Path) -> Layout:
     common = dist_checkpointing.load_common_state_dict(str(path))
     trainer = common.get("trainer", {})
     if "layout" in trainer:
-        return Layout(**trainer["layout"])
+        layout = trainer["layout"]
+        legacy = LEGACY_OPTIMIZER_FORMAT if layout["distributed_optimizer"] else ""
+        return Layout(**{"optimizer_format": legacy, **layout})
     return layout_from_metadata(Path(path), trainer.get("config", {}).get("parallel", {}), common)
 
 
@@ -96,13 +112,15 @@ def layout_from_metadata(path: Path, parallel: dict, common: dict) -> Layout:
     if len(shapes) != 1:
         raise CheckpointError(f"{path} holds no readable rng_state objects, so its parallel layout is unknown")
     pp, tp, dp = shapes.pop()
+    distributed = "param_state_sharding_type" in repr(common.get("optimizer", {}))
     return Layout(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=parallel.get("virtual_pipeline_model_parallel_size") or 1,
         context_parallel_size=parallel.get("context_parallel_size", 1),
         data_parallel_size=dp,
-        distributed_optimizer="param_state_sharding_type" in repr(common.get("optimizer", {})),
+        distributed_optimizer=distributed,
+        optimizer_format=LEGACY_OPTIMIZER_FORMAT if distributed else "",
     )
 
 
@@ -116,9 +134,11 @@ def check_optimizer_state(saved: Layout, current: Layout, path: str | Path) -> N
             f"{str(saved.distributed_optimizer).lower()} to resume it, or checkpoint.load_optimizer=false to load "
             "the model, LR schedule and data position and start Adam's moments afresh"
         )
-    if saved.distributed_optimizer and saved.model_parallel() != current.model_parallel():
+    movable = saved.optimizer_format != LEGACY_OPTIMIZER_FORMAT
+    if saved.distributed_optimizer and not movable and saved.model_parallel() != current.model_parallel():
         raise ValueError(
-            f"{path} holds the distributed optimizer's state in Megatron's dp_reshardable format, saved at "
+            f"{path} holds the distributed optimizer's state in Megatron's dp_reshardable format (written by an "
+            f"older megatron-opd; checkpoints written now are fully_reshardable), saved at "
             f"{saved.describe()}; it loads at that TP/PP/VP/CP with any number of data-parallel ranks, not at "
             f"{current.describe()}. Resume at the saved parallel.* sizes, or set checkpoint.load_optimizer=false to "
             "reshard the model, keep the LR schedule and data position, and start Adam's moments afresh"

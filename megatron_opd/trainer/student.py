@@ -2,13 +2,16 @@
 
 Precision (``precision_plan``): on GPU/NPU the default is bf16 parameters with fp32 main parameters and
 gradients reduced in fp32, with the distributed optimizer (optimizer state sharded over data-parallel ranks).
-On CPU Megatron's distributed optimizer and its fp16/bf16 wrappers cannot run (they require CUDA tensor types),
-so the plain fp32 optimizer is used. Micro-batches go through ``get_forward_backward_func`` (any TP/PP/VP);
-``finalize_model_grads`` reduces gradients over data-parallel ranks and ties embeddings across stages.
+On CPU the default is fp32 with the plain optimizer (bf16 arithmetic is slow there); both GPU settings can be
+switched on (``distributed/cpu_compat.py`` lets Megatron build them), which is how CI tests the GPU defaults.
+Micro-batches go through ``get_forward_backward_func`` (any TP/PP/VP); ``finalize_model_grads`` reduces gradients
+over data-parallel ranks and ties embeddings across stages. Gradient reduction and (distributed optimizer) the
+parameter all-gather overlap computation by default (``optim.overlap_*``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,23 +39,35 @@ class PrecisionPlan:
     """Optimizer state and main parameters sharded over data-parallel ranks."""
     grad_reduce_in_fp32: bool
     """Gradients are accumulated and all-reduced in fp32."""
+    overlap_grad_reduce: bool = False
+    """Gradient reduction overlapped with the backward pass (``optim.overlap_grad_reduce``)."""
+    overlap_param_gather: bool = False
+    """The distributed optimizer's parameter all-gather overlapped with the next forward pass."""
 
 
 def precision_plan(optim: OptimConfig, accel: Accelerator) -> PrecisionPlan:
-    """Resolve ``optim.bf16`` / ``optim.use_distributed_optimizer`` for this accelerator (None = its default)."""
+    """Resolve ``optim.bf16`` / ``optim.use_distributed_optimizer`` for this accelerator (None = its default:
+    bf16 and the distributed optimizer on a GPU/NPU, fp32 and the plain optimizer on CPU)."""
     on_cpu = accel.type == "cpu"
     bf16 = (not on_cpu) if optim.bf16 is None else optim.bf16
     distributed = (bf16 and not on_cpu) if optim.use_distributed_optimizer is None else optim.use_distributed_optimizer
-    if on_cpu and (bf16 or distributed):
+    gather = (
+        (distributed and optim.overlap_grad_reduce)
+        if optim.overlap_param_gather is None
+        else optim.overlap_param_gather
+    )
+    if gather and not distributed:
         raise ValueError(
-            "optim.bf16 and optim.use_distributed_optimizer need a GPU or NPU: Megatron-Core's mixed-precision and "
-            "distributed optimizers require CUDA tensors. On CPU leave them unset (fp32, plain optimizer)"
+            "optim.overlap_param_gather=true needs the distributed optimizer, which is off here (the default on "
+            f"{accel.type}); set optim.use_distributed_optimizer=true or unset optim.overlap_param_gather"
         )
     return PrecisionPlan(
         params_dtype="bf16" if bf16 else "fp32",
         bf16=bf16,
         use_distributed_optimizer=distributed,
         grad_reduce_in_fp32=True,
+        overlap_grad_reduce=optim.overlap_grad_reduce,
+        overlap_param_gather=gather,
     )
 
 
@@ -72,16 +87,21 @@ def megatron_optimizer_config(optim: OptimConfig, plan: PrecisionPlan):
         bf16=plan.bf16,
         params_dtype=torch.bfloat16 if plan.bf16 else torch.float32,
         use_distributed_optimizer=plan.use_distributed_optimizer,
+        overlap_param_gather=plan.overlap_param_gather,
     )
 
 
-def ddp_config(plan: PrecisionPlan):
-    """Megatron-Core ``DistributedDataParallelConfig`` for ``plan``."""
+def ddp_config(plan: PrecisionPlan, interleaved: bool = False):
+    """Megatron-Core ``DistributedDataParallelConfig`` for ``plan``. ``interleaved``: several model chunks per
+    pipeline rank, whose parameter all-gathers the pipeline schedule starts (``align_param_gather``, as Megatron-LM
+    sets it for the interleaved schedule only)."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=plan.grad_reduce_in_fp32,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=plan.overlap_grad_reduce,
+        overlap_param_gather=plan.overlap_param_gather,
+        align_param_gather=plan.overlap_param_gather and interleaved,
         use_distributed_optimizer=plan.use_distributed_optimizer,
     )
 
@@ -110,7 +130,10 @@ class Student:
         self.chunks = chunks
         self.model = [
             DistributedDataParallel(
-                config=chunk.config, ddp_config=ddp_config(plan), module=chunk, disable_bucketing=i > 0
+                config=chunk.config,
+                ddp_config=ddp_config(plan, interleaved=len(chunks) > 1),
+                module=chunk,
+                disable_bucketing=i > 0,
             )
             for i, chunk in enumerate(chunks)
         ]
@@ -133,10 +156,26 @@ class Student:
         config = self.model[0].config
         config.grad_scale_func = self.optimizer.scale_loss
         config.finalize_model_grads_func = finalize_model_grads
-        if len(self.model) > 1:
-            config.no_sync_func = [m.no_sync for m in self.model]
-        else:
-            config.no_sync_func = self.model[0].no_sync
+        config.no_sync_func = _per_chunk([m.no_sync for m in self.model])
+        # As Megatron-LM's training.py: with overlapped reduction the pipeline schedule starts each chunk's gradient
+        # reduction after its last backward (align_grad_reduce), and with the interleaved schedule each chunk's
+        # parameter all-gather (align_param_gather); otherwise the DDP hooks do it.
+        if plan.overlap_grad_reduce:
+            config.grad_sync_func = _per_chunk([m.start_grad_sync for m in self.model])
+        if plan.overlap_param_gather and len(self.model) > 1:
+            config.param_sync_func = _per_chunk([m.start_param_sync for m in self.model])
+
+    def finish_param_sync(self) -> None:
+        """Make every parameter current: with ``overlap_param_gather`` the distributed optimizer's step leaves the
+        other data-parallel ranks' slices of the updated parameters to be all-gathered in the next forward pass.
+        Every reader of the weights outside the training step (weight sync, sampler, evaluation, checkpoint) calls
+        this first; a no-op when nothing is pending (a collective over data-parallel ranks otherwise)."""
+        for chunk in self.model:
+            if not chunk.ddp_config.overlap_param_gather:
+                continue
+            groups = chunk.bucket_groups + getattr(chunk, "expert_parallel_bucket_groups", [])
+            if any(not g.param_gather_dispatched or g.param_gather_handle is not None for g in groups):
+                chunk.start_param_sync(force_sync=True)
 
     def prepare_optimizer_for_loading(self) -> None:
         """Give a fresh distributed optimizer its state before a checkpoint is loaded into it.
@@ -158,8 +197,12 @@ class Student:
         step's, or one tensor shared by every parameter, which torch's Adam would then advance once per parameter).
         Each parameter gets its own count from its group, as the uninterrupted run has it.
         """
-        self.optimizer.load_state_dict(state_dict)
-        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+        optimizers = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        with contextlib.ExitStack() as stack:
+            for optimizer in optimizers:
+                stack.enter_context(_keeping_unsaved_states(optimizer))
+            self.optimizer.load_state_dict(state_dict)
+        for optimizer in optimizers:
             inner = optimizer.optimizer
             for group in inner.param_groups:
                 if group.get("step") is None:  # only the distributed optimizer's groups carry it
@@ -197,6 +240,37 @@ class Student:
         self.lr_schedule.step(increment=1)
         lr = self.optimizer.param_groups[0]["lr"]
         return StepResult(stats=stats, grad_norm=float(grad_norm or 0.0), lr=float(lr))
+
+
+def _per_chunk(funcs: list) -> Callable | list[Callable]:
+    """Megatron's config takes one function for one model chunk, a list for several."""
+    return funcs[0] if len(funcs) == 1 else funcs
+
+
+@contextlib.contextmanager
+def _keeping_unsaved_states(optimizer):
+    """While a distributed optimizer loads a ``fully_reshardable`` state, the state it holds but the checkpoint
+    does not (torch Adam's per-parameter ``step``: Megatron saves it in the parameter groups) stays as it is.
+
+    Megatron's loader copies every state tensor the optimizer holds from the checkpoint's and raises
+    ``KeyError: 'step'`` (0.16.1 and 0.19.2, torch's Adam without apex/TransformerEngine); the counts are then set
+    from the groups by :meth:`Student.load_optimizer_state`. Under ``no_grad``: fp32 main parameters are views of
+    the model's leaf parameters.
+    """
+    original = getattr(optimizer, "_set_main_param_and_optimizer_states", None)
+    if original is None:  # the plain optimizer
+        yield
+        return
+
+    def set_states(model_param, tensors: dict) -> None:
+        with torch.no_grad():
+            original(model_param, {**optimizer._get_main_param_and_optimizer_states(model_param), **tensors})
+
+    optimizer._set_main_param_and_optimizer_states = set_states
+    try:
+        yield
+    finally:
+        del optimizer._set_main_param_and_optimizer_states
 
 
 def sum_stats(outputs: list[StepStats] | list[MicroBatchStats]) -> StepStats:
