@@ -13,16 +13,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_opd.model_files import ConfigFileError, UnsupportedArchitectureError
+
 # model_type -> family. Families differ only in the flags below (QKV bias, QK-norm).
 SUPPORTED_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-
-
-class UnsupportedArchitectureError(ValueError):
-    """The config names a model family megatron-opd cannot build."""
-
-
-class ConfigFileError(ValueError):
-    """``config.json`` is not valid JSON, or lacks or mistypes a field every supported model sets."""
 
 
 def check_vocab_padding(tensor_parallel_size: int, make_vocab_size_divisible_by: int) -> None:
