@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_opd.model_files import ConfigFileError, UnsupportedArchitectureError
-from megatron_opd.models.families import BY_MODEL_TYPE, ModelFamily, family_named
+from megatron_opd.models.families import BY_MODEL_TYPE, FAMILIES, ModelFamily, family_named
 
 SUPPORTED_MODEL_TYPES = {model_type: family.name for model_type, family in BY_MODEL_TYPE.items()}
 """model_type -> family name, from the registry in :mod:`megatron_opd.models.families`."""
@@ -51,7 +51,7 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class ModelArchitecture:
-    """A decoder-only transformer of the Llama / Qwen2 / Qwen3 families."""
+    """A decoder-only transformer of a registered model family (``megatron_opd.models.families``)."""
 
     family: str
     """The family's name (a key of ``megatron_opd.models.families.FAMILIES``)."""
@@ -134,7 +134,7 @@ def _positive_int(cfg: dict[str, Any], name: str, source: str, default: int | No
         value = default
     if value is None:
         raise ConfigFileError(
-            f"{source} has no {name!r}, which every llama/qwen2/qwen3 config sets; point at the model's own "
+            f"{source} has no {name!r}, which every {'/'.join(FAMILIES)} config sets; point at the model's own "
             "config.json (not a generation or adapter config) or add the field"
         )
     number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
