@@ -93,7 +93,6 @@ def test_loader_fills_a_buffer_a_rule_names(monkeypatch, tmp_path):
     from megatron_opd.models.architecture import architecture_from_hf_config
     from megatron_opd.models.families.base import ModelFamily
     from megatron_opd.models.name_mapping import Split, WeightRule
-    from megatron_opd.testing.tiny_models import tiny_hf_config
 
     class WithBuffer(ModelFamily):
         def weight_rules(self, arch):
@@ -105,7 +104,8 @@ def test_loader_fills_a_buffer_a_rule_names(monkeypatch, tmp_path):
     base = next(iter(FAMILIES.values()))
     monkeypatch.setitem(families.FAMILIES, "with_buffer", WithBuffer("with_buffer", ("with_buffer",), base.read_config))
     monkeypatch.setattr(loading, "chunk_layer_range", lambda chunk: range(0))
-    arch = architecture_from_hf_config(tiny_hf_config(base.name, hidden_size=64).to_dict())
+    sizes = dict(hidden_size=64, num_attention_heads=2, num_hidden_layers=1, intermediate_size=128, vocab_size=1000)
+    arch = architecture_from_hf_config({"model_type": base.model_types[0], **sizes})
     arch = dataclasses.replace(arch, family="with_buffer")
     chunk = torch.nn.ModuleDict({"norm": torch.nn.Module()})
     chunk.norm.weight = torch.nn.Parameter(torch.zeros(64))
