@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_opd.models.families import BY_MODEL_TYPE, FAMILIES
+from megatron_opd.models.families import BY_MODEL_TYPE, FAMILIES, ModelFamily
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILY_DIR = ROOT / "megatron_opd" / "models" / "families"
@@ -116,3 +116,42 @@ def test_loader_fills_a_buffer_a_rule_names(monkeypatch, tmp_path):
     loading.load_hf_weights([chunk], arch, tmp_path, tp_rank=0, tp_size=1, te=False)
     assert torch.equal(chunk.norm.weight.detach(), want["model.norm.weight"])
     assert torch.equal(chunk.expert_bias, want["model.expert_bias"])
+
+
+class _LocalFirstLayer(ModelFamily):
+    """The dense decoder with Megatron's own core attention in layer 0 only: a spec per layer, as MoE needs."""
+
+    def layer_specs(self, arch, layers, options):
+        import dataclasses
+
+        specs = super().layer_specs(arch, layers, dataclasses.replace(options, attention="sdpa"))
+        local = super().layer_specs(arch, layers, dataclasses.replace(options, attention="local"))
+        return [local[i] if layer == 0 else specs[i] for i, layer in enumerate(layers)]
+
+
+def _per_layer_body(layout: dict):
+    import dataclasses
+
+    from megatron_opd.distributed import ParallelConfig, initialize_distributed
+    from megatron_opd.models import families
+    from megatron_opd.models.architecture import architecture_from_hf_config
+    from megatron_opd.models.builder import build_model
+
+    base = next(iter(FAMILIES.values()))
+    families.FAMILIES["local_first"] = _LocalFirstLayer("local_first", ("local_first",), base.read_config)
+    parallel = ParallelConfig(**layout)
+    initialize_distributed(parallel)
+    sizes = dict(hidden_size=64, num_attention_heads=2, num_hidden_layers=4, intermediate_size=128, vocab_size=100)
+    arch = dataclasses.replace(
+        architecture_from_hf_config({"model_type": base.model_types[0], **sizes}), family="local_first"
+    )
+    chunks = build_model(arch, parallel, trainable=False)
+    return [[type(layer.self_attention.core_attention).__name__ for layer in c.decoder.layers] for c in chunks]
+
+
+def test_builder_takes_a_spec_per_layer():
+    """Layer specs go by global layer index: only layer 0 (on the first of two pipeline stages) differs."""
+    from megatron_opd.testing.multiprocess import run_distributed
+
+    ranks = run_distributed(_per_layer_body, 2, args=(dict(pipeline_model_parallel_size=2),))
+    assert ranks == [[["DotProductAttention", "SDPAttention"]], [["SDPAttention", "SDPAttention"]]], ranks
