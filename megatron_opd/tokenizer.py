@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from megatron_opd.vocab import TokenizerError
+from megatron_opd.model_files import TokenizerError
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from megatron_opd.models.source import HF_CONFIG_DIR
+from megatron_opd.model_files import HF_CONFIG_DIR, TokenizerError
 
 logger = logging.getLogger(__name__)
 
@@ -25,10 +25,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 """Any one of these marks a folder as holding a Hugging Face tokenizer."""
 
 _SPECIAL_ATTRS = ("bos_token", "eos_token", "pad_token", "unk_token")
-
-
-class TokenizerError(ValueError):
-    """A tokenizer cannot be found or does not fit its model."""
 
 
 class VocabularyMismatchError(TokenizerError):

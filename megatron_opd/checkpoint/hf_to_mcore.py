@@ -36,11 +36,11 @@ from megatron_opd.checkpoint.progress import Progress
 from megatron_opd.checkpoint.workers import Workers, conversion_workers, split_contiguous
 from megatron_opd.distributed.parallel import ParallelConfig
 from megatron_opd.dtypes import parse_dtype
+from megatron_opd.model_files import HF_CONFIG_DIR, CheckpointError
 from megatron_opd.models.architecture import ModelArchitecture, check_vocab_padding, load_architecture
 from megatron_opd.models.builder import ModelBuildConfig
-from megatron_opd.models.hf_io import CheckpointError, HFCheckpointReader
+from megatron_opd.models.hf_io import HFCheckpointReader
 from megatron_opd.models.name_mapping import Split, expand_rules, hf_shapes, hf_to_megatron
-from megatron_opd.models.source import HF_CONFIG_DIR
 from megatron_opd.tokenizer import TOKENIZER_JSON, needs_conversion, write_converted_tokenizer
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,6 @@ import torch
 
 from megatron_opd.checkpoint.atomic import check_destination, fsync_paths, make_staging_dir
 from megatron_opd.checkpoint.hf_to_mcore import (
-    HF_CONFIG_DIR,
     ConversionResult,
     check_tokenizer_files,
     copy_hf_side_files,
@@ -38,8 +37,8 @@ from megatron_opd.checkpoint.safetensors_out import ShardPlan, plan_shards
 from megatron_opd.checkpoint.workers import conversion_workers, split_contiguous
 from megatron_opd.distributed.parallel import ParallelConfig
 from megatron_opd.dtypes import TensorMeta, dtype_name, parse_dtype
+from megatron_opd.model_files import HF_CONFIG_DIR, CheckpointError
 from megatron_opd.models.architecture import ModelArchitecture, load_architecture
-from megatron_opd.models.hf_io import CheckpointError
 from megatron_opd.models.name_mapping import Split, WeightRule, hf_shapes, megatron_to_hf
 
 logger = logging.getLogger(__name__)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from megatron_opd.dtypes import dtype_name
+from megatron_opd.models.families import llama
 from megatron_opd.models.hf_io import HFCheckpointWriter
 
 
@@ -32,7 +33,7 @@ class SyntheticLlama:
     def config(self, dtype: torch.dtype) -> dict:
         return {
             "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "model_type": llama.FAMILY.model_types[0],
             "hidden_act": "silu",
             "max_position_embeddings": 4096,
             "rms_norm_eps": 1e-5,

@@ -42,32 +42,18 @@ import torch
 from megatron_opd.launch.layout import Recipe
 from megatron_opd.models.architecture import ModelArchitecture, architecture_from_hf_config
 from megatron_opd.models.builder import ModelBuildConfig
+from megatron_opd.models.families import FAMILIES
 from megatron_opd.models.name_mapping import Split, WeightRule, expand_rules
 
 GIB = 1 << 30
 VLLM_OVERHEAD_BYTES = 3 * GIB
 """vLLM's non-KV working memory assumed by the estimate (CUDA graphs, sampler, activations)."""
 
-_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192, "rope_theta": 500000.0}  # fmt: skip
 KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
-    "Qwen3-32B": dict(model_type="qwen3", hidden_size=5120, num_hidden_layers=64, num_attention_heads=64,
-                      num_key_value_heads=8, head_dim=128, intermediate_size=25600, vocab_size=151936,
-                      max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=False),
-    "Qwen3-1.7B": dict(model_type="qwen3", hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, intermediate_size=6144, vocab_size=151936,
-                       max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=True),
-    "Llama-3.1-70B-Instruct": dict(model_type="llama", hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
-                                   num_key_value_heads=8, intermediate_size=28672, vocab_size=128256,
-                                   max_position_embeddings=131072, rms_norm_eps=1e-5, rope_scaling=_LLAMA3_ROPE,
-                                   tie_word_embeddings=False),
-    "Llama-3.1-8B-Instruct": dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                                  num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
-                                  max_position_embeddings=131072, rms_norm_eps=1e-5, rope_scaling=_LLAMA3_ROPE,
-                                  tie_word_embeddings=False),
-}  # fmt: skip
+    name: dict(fields) for family in FAMILIES.values() for name, fields in family.memory_configs.items()
+}
 """``config.json`` sizes of the recipes' models, used when a model folder is not on this machine (keyed by the
-folder's name): the estimate then runs anywhere."""
+folder's name): the estimate then runs anywhere. Each family declares its own (``ModelFamily.memory_configs``)."""
 
 
 def hf_config(path: str):

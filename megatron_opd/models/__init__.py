@@ -1,4 +1,4 @@
-"""Megatron-Core GPT models built from Hugging Face Llama / Qwen2 / Qwen3 configs and weights."""
+"""Megatron-Core GPT models built from Hugging Face configs and weights of the families in ``models/families/``."""
 
 from megatron_opd.models.architecture import (
     ModelArchitecture,

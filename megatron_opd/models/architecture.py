@@ -13,16 +13,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-# model_type -> family. Families differ only in the flags below (QKV bias, QK-norm).
-SUPPORTED_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+from megatron_opd.model_files import ConfigFileError, UnsupportedArchitectureError
+from megatron_opd.models.families import BY_MODEL_TYPE, FAMILIES, ModelFamily, family_named
 
-
-class UnsupportedArchitectureError(ValueError):
-    """The config names a model family megatron-opd cannot build."""
-
-
-class ConfigFileError(ValueError):
-    """``config.json`` is not valid JSON, or lacks or mistypes a field every supported model sets."""
+SUPPORTED_MODEL_TYPES = {model_type: family.name for model_type, family in BY_MODEL_TYPE.items()}
+"""model_type -> family name, from the registry in :mod:`megatron_opd.models.families`."""
 
 
 def check_vocab_padding(tensor_parallel_size: int, make_vocab_size_divisible_by: int) -> None:
@@ -56,10 +51,10 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class ModelArchitecture:
-    """A decoder-only transformer of the Llama / Qwen2 / Qwen3 families."""
+    """A decoder-only transformer of a registered model family (``megatron_opd.models.families``)."""
 
     family: str
-    """``llama``, ``qwen2`` or ``qwen3``."""
+    """The family's name (a key of ``megatron_opd.models.families.FAMILIES``)."""
     vocab_size: int
     """True (unpadded) vocabulary size."""
     hidden_size: int
@@ -102,6 +97,11 @@ class ModelArchitecture:
                     f"choose a TP size that divides {value}"
                 )
 
+    @property
+    def model_family(self) -> ModelFamily:
+        """The family's declarations: config fields, layer specs, weight rules."""
+        return family_named(self.family)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -134,7 +134,7 @@ def _positive_int(cfg: dict[str, Any], name: str, source: str, default: int | No
         value = default
     if value is None:
         raise ConfigFileError(
-            f"{source} has no {name!r}, which every llama/qwen2/qwen3 config sets; point at the model's own "
+            f"{source} has no {name!r}, which every {'/'.join(FAMILIES)} config sets; point at the model's own "
             "config.json (not a generation or adapter config) or add the field"
         )
     number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
@@ -155,15 +155,8 @@ def architecture_from_hf_config(cfg: dict[str, Any], source: str = "config.json"
             f"{source} model_type={model_type!r} (architectures={archs}) is not supported; "
             f"supported model types: {sorted(SUPPORTED_MODEL_TYPES)}"
         )
-    family = SUPPORTED_MODEL_TYPES[model_type]
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise UnsupportedArchitectureError(
-            f"config.json hidden_act={cfg['hidden_act']!r}: only silu (SwiGLU) is supported"
-        )
-    if cfg.get("mlp_bias"):
-        raise UnsupportedArchitectureError("config.json mlp_bias=true is not supported")
-    if cfg.get("use_sliding_window"):
-        raise UnsupportedArchitectureError("config.json use_sliding_window=true is not supported")
+    family = BY_MODEL_TYPE[model_type]
+    family.check_config(cfg)
     heads = _positive_int(cfg, "num_attention_heads", source)
     hidden = _positive_int(cfg, "hidden_size", source)
     head_dim = _positive_int(cfg, "head_dim", source, default=hidden // heads or None)
@@ -173,15 +166,9 @@ def architecture_from_hf_config(cfg: dict[str, Any], source: str = "config.json"
         raise ConfigFileError(
             f"{source} field 'rms_norm_eps' must be a number, got {cfg['rms_norm_eps']!r}; fix the file"
         ) from None
-    if family == "qwen2":
-        qkv_bias = cfg.get("attention_bias", True) is not False
-    else:
-        qkv_bias = bool(cfg.get("attention_bias", False))
-    if family != "qwen2" and cfg.get("attention_bias"):
-        # Llama/Qwen3 attention_bias also puts a bias on o_proj, which Megatron's GPTModel cannot hold alone.
-        raise UnsupportedArchitectureError(f"config.json attention_bias=true is not supported for {family} models")
+    own_fields = family.read_config(cfg, source)
     return ModelArchitecture(
-        family=family,
+        family=family.name,
         vocab_size=_positive_int(cfg, "vocab_size", source),
         hidden_size=hidden,
         num_layers=_positive_int(cfg, "num_hidden_layers", source),
@@ -192,8 +179,7 @@ def architecture_from_hf_config(cfg: dict[str, Any], source: str = "config.json"
         max_position_embeddings=_positive_int(cfg, "max_position_embeddings", source, default=4096),
         rms_norm_eps=rms_norm_eps,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=qkv_bias,
-        qk_norm=family == "qwen3",
+        **own_fields,
         rope=_rope_from_hf(cfg),
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
     )

@@ -1,8 +1,9 @@
-"""Build Megatron-Core ``GPTModel`` chunks for a Llama / Qwen2 / Qwen3 architecture.
+"""Build Megatron-Core ``GPTModel`` chunks for any registered model family (``models/families/``).
 
 The same builder makes the student (trainable) and the teacher (frozen, forward-only). Logits stay
 vocab-sharded (``parallel_output=True``): the losses work on each rank's ``[tokens, V/TP]`` slice.
-With virtual pipeline parallelism a rank holds several chunks, so every builder returns a list.
+With virtual pipeline parallelism a rank holds several chunks, so every builder returns a list. What differs
+per family (config fields, layer specs, the chunk itself) comes from the family's declarations.
 """
 
 from __future__ import annotations
@@ -12,12 +13,24 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
 from megatron_opd.distributed.device import has_transformer_engine
 from megatron_opd.distributed.parallel import ParallelConfig
 from megatron_opd.dtypes import parse_dtype
 from megatron_opd.models.architecture import ModelArchitecture
+from megatron_opd.models.families.base import SpecOptions, llama3_inv_freq
+
+__all__ = [
+    "ModelBuildConfig",
+    "build_chunks",
+    "build_model",
+    "build_model_chunk",
+    "layer_spec",
+    "llama3_inv_freq",
+    "transformer_config",
+    "use_te_spec",
+    "validate_layout",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -90,25 +103,12 @@ def validate_layout(arch: ModelArchitecture, parallel: ParallelConfig) -> None:
 
 def transformer_config(arch: ModelArchitecture, parallel: ParallelConfig, build: ModelBuildConfig):
     """The Megatron-Core ``TransformerConfig`` equivalent to ``arch`` under ``parallel``."""
-    from megatron.core.transformer import TransformerConfig
-
     validate_layout(arch, parallel)
+    family = arch.model_family
     dtype = parse_dtype(build.dtype)
     vp = parallel.virtual_pipeline_model_parallel_size
     kwargs = dict(
-        num_layers=arch.num_layers,
-        hidden_size=arch.hidden_size,
-        num_attention_heads=arch.num_attention_heads,
-        num_query_groups=arch.num_key_value_heads,
-        kv_channels=arch.head_dim,
-        ffn_hidden_size=arch.ffn_hidden_size,
-        normalization="RMSNorm",
-        layernorm_epsilon=arch.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=arch.qkv_bias,
-        qk_layernorm=arch.qk_norm,
+        **family.transformer_config_fields(arch),
         hidden_dropout=build.hidden_dropout,
         attention_dropout=build.attention_dropout,
         attention_softmax_in_fp32=True,
@@ -140,7 +140,7 @@ def transformer_config(arch: ModelArchitecture, parallel: ParallelConfig, build:
         )
     elif build.recompute == "selective":
         kwargs.update(recompute_granularity="selective", recompute_modules=["core_attn"])
-    return TransformerConfig(**kwargs)
+    return family.transformer_config_class()(**kwargs)
 
 
 def use_te_spec(build: ModelBuildConfig) -> bool:
@@ -155,50 +155,19 @@ def use_te_spec(build: ModelBuildConfig) -> bool:
 def layer_spec(
     arch: ModelArchitecture, te: bool, config, vp_stage: int | None, attention: str = "sdpa", norm: str = "torch"
 ):
-    """Megatron-Core spec of one chunk's decoder: TransformerEngine layers when available, local otherwise.
-
-    The local spec gets megatron-opd's :class:`RMSNorm` (layer, QK and final norms), which supports
-    sequence parallelism where Megatron's torch fallback norm does not, and with ``attention="sdpa"`` its
-    :class:`~megatron_opd.models.attention.SDPAttention` as core attention.
-    """
-    from megatron.core.models.gpt import gpt_layer_specs
-
-    if te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+    """Megatron-Core spec of one chunk's decoder: the family's spec for each of the chunk's layers (Megatron
+    numbers a chunk's layers from its offset) and its final norm."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    from megatron_opd.models.norms import RMSNorm, TritonRMSNorm
-
-    if norm == "triton":
-        RMSNorm = TritonRMSNorm  # noqa: N806 - the spec's norm class
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
-    spec.submodules.input_layernorm = RMSNorm
-    spec.submodules.pre_mlp_layernorm = RMSNorm
-    if arch.qk_norm:
-        spec.submodules.self_attention.submodules.q_layernorm = RMSNorm
-        spec.submodules.self_attention.submodules.k_layernorm = RMSNorm
-    if attention == "sdpa":
-        from megatron_opd.models.attention import SDPAttention
-
-        spec.submodules.self_attention.submodules.core_attention = SDPAttention
-    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=RMSNorm)
-
-
-def llama3_inv_freq(arch: ModelArchitecture) -> torch.Tensor:
-    """Inverse RoPE frequencies with Llama 3.1's piecewise scaling, for any factor/low/high/original length."""
-    rope = arch.rope
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, arch.head_dim, 2, dtype=torch.int64).float() / arch.head_dim))
-    low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
-    high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
-    wavelen = 2 * torch.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
-    smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
-        rope.high_freq_factor - rope.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(medium, smoothed, scaled)
+    family = arch.model_family
+    options = SpecOptions(te=te, attention=attention, norm=norm)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    layers = range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage))
+    specs = family.layer_specs(arch, layers, options)
+    if len(specs) != len(layers):
+        raise ValueError(f"family {family.name} gave {len(specs)} layer specs for the {len(layers)} layers {layers}")
+    return TransformerBlockSubmodules(layer_specs=list(specs), layer_norm=family.final_norm(options))
 
 
 def build_model_chunk(
@@ -213,28 +182,16 @@ def build_model_chunk(
     attention: str = "sdpa",
     norm: str = "torch",
 ):
-    """One ``GPTModel`` chunk: the layers of one (virtual) pipeline stage."""
-    from megatron.core.models.gpt import GPTModel
-
-    rope = arch.rope
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec(arch, te, config, vp_stage, attention, norm),
+    """One ``GPTModel`` chunk: the layers of one (virtual) pipeline stage, built by the family's hook."""
+    return arch.model_family.build_chunk(
+        arch,
+        config,
+        layer_spec(arch, te, config, vp_stage, attention, norm),
         vocab_size=padded_vocab_size,
-        max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
-        parallel_output=True,
-        share_embeddings_and_output_weights=arch.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_base=int(rope.theta) if float(rope.theta).is_integer() else rope.theta,
-        seq_len_interpolation_factor=rope.factor if rope.type == "linear" else None,
         vp_stage=vp_stage,
     )
-    if rope.type == "llama3":
-        rotary = model.rotary_pos_emb
-        rotary.inv_freq = llama3_inv_freq(arch).to(rotary.inv_freq.device)
-    return model
 
 
 def build_model(

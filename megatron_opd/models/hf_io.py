@@ -18,14 +18,11 @@ import torch
 from safetensors.torch import save_file
 
 from megatron_opd.dtypes import SAFETENSORS_DTYPES
+from megatron_opd.model_files import CheckpointError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _READ_BLOCK = 1 << 30
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, truncated, corrupted or disagrees with its config."""
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,14 @@ import torch
 
 from megatron_opd.models.architecture import ModelArchitecture
 from megatron_opd.models.hf_io import CheckpointError, HFCheckpointReader
-from megatron_opd.models.name_mapping import expand_rules, hf_shapes, hf_to_megatron, local_layer_name, shard
+from megatron_opd.models.name_mapping import (
+    expand_rules,
+    hf_shapes,
+    hf_to_megatron,
+    local_layer_name,
+    named_tensors,
+    shard,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,17 +54,18 @@ def load_hf_weights(
     for chunk in chunks:
         layers = chunk_layer_range(chunk)
         params = dict(chunk.named_parameters())
+        targets = named_tensors(chunk)  # buffers too: a rule may name one
         if te is None:
             te = any(name.endswith("layer_norm_weight") for name in params)
         padded_vocab = chunk.vocab_size
         loaded: set[str] = set()
         for rule, layer in expand_rules(arch, layers):
             name = local_layer_name(rule.megatron_name(layer, te=te), layers.start)
-            target = params.get(name)
+            target = targets.get(name)
             hf_names = rule.hf_names(layer)
             if target is None and name == "embedding.word_embeddings.weight" and arch.tie_word_embeddings:
                 # Tied embeddings on a last stage without the embedding: the output layer holds the copy.
-                target = params.get("output_layer.weight")
+                target = targets.get("output_layer.weight")
                 name = "output_layer.weight"
             if target is None:
                 continue  # held by another pipeline stage

@@ -17,10 +17,12 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_opd.models.architecture import ModelArchitecture
+if TYPE_CHECKING:  # architecture imports the families, which import this module
+    from megatron_opd.models.architecture import ModelArchitecture
 
 
 class Split(str, Enum):
@@ -34,6 +36,13 @@ class Split(str, Enum):
     GATE_UP = "gate_up"  # gate and up each split on dim 0, then stacked per rank
 
 
+class ExpertSplit(str, Enum):
+    """How a Mixture-of-Experts tensor is split across expert-parallel ranks (declared for MoE families)."""
+
+    NONE = "none"  # not an expert tensor: every expert-parallel rank holds it (dense layers, router, norms)
+    PER_EXPERT = "per_expert"  # one tensor per expert ({expert} in the names); each EP rank holds E/EP experts
+
+
 @dataclass(frozen=True)
 class WeightRule:
     """One Megatron parameter and the Hugging Face tensors it is built from."""
@@ -45,6 +54,11 @@ class WeightRule:
     split: Split
     te_megatron: str | None = None
     """Name under the TransformerEngine spec, where it differs (norms fused into linears)."""
+    experts: ExpertSplit = ExpertSplit.NONE
+    """The split across expert-parallel ranks, on top of ``split`` (tensor parallelism within an expert)."""
+    buffer: bool = False
+    """The Megatron tensor is a registered buffer, not a parameter (e.g. DeepSeek-V3's expert bias): it is
+    loaded, converted and synced like a parameter but never trained."""
 
     def megatron_name(self, layer: int | None = None, te: bool = False) -> str:
         name = self.te_megatron if (te and self.te_megatron) else self.megatron
@@ -59,52 +73,17 @@ class WeightRule:
 
 
 def weight_rules(arch: ModelArchitecture) -> list[WeightRule]:
-    """All rules for ``arch``: embedding, per-layer rules (with ``{layer}``), final norm, output layer."""
-    attn = "model.layers.{layer}.self_attn"
-    mlp = "model.layers.{layer}.mlp"
-    ml = "decoder.layers.{layer}"
-    rules = [
-        WeightRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), Split.VOCAB),
-        WeightRule(
-            f"{ml}.input_layernorm.weight",
-            ("model.layers.{layer}.input_layernorm.weight",),
-            Split.REPLICATED,
-            te_megatron=f"{ml}.self_attention.linear_qkv.layer_norm_weight",
-        ),
-        WeightRule(
-            f"{ml}.self_attention.linear_qkv.weight",
-            (f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight"),
-            Split.QKV,
-        ),
-    ]
-    if arch.qkv_bias:
-        rules.append(
-            WeightRule(
-                f"{ml}.self_attention.linear_qkv.bias",
-                (f"{attn}.q_proj.bias", f"{attn}.k_proj.bias", f"{attn}.v_proj.bias"),
-                Split.QKV,
-            )
-        )
-    if arch.qk_norm:
-        rules += [
-            WeightRule(f"{ml}.self_attention.q_layernorm.weight", (f"{attn}.q_norm.weight",), Split.REPLICATED),
-            WeightRule(f"{ml}.self_attention.k_layernorm.weight", (f"{attn}.k_norm.weight",), Split.REPLICATED),
-        ]
-    rules += [
-        WeightRule(f"{ml}.self_attention.linear_proj.weight", (f"{attn}.o_proj.weight",), Split.ROW),
-        WeightRule(
-            f"{ml}.pre_mlp_layernorm.weight",
-            ("model.layers.{layer}.post_attention_layernorm.weight",),
-            Split.REPLICATED,
-            te_megatron=f"{ml}.mlp.linear_fc1.layer_norm_weight",
-        ),
-        WeightRule(f"{ml}.mlp.linear_fc1.weight", (f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"), Split.GATE_UP),
-        WeightRule(f"{ml}.mlp.linear_fc2.weight", (f"{mlp}.down_proj.weight",), Split.ROW),
-        WeightRule("decoder.final_layernorm.weight", ("model.norm.weight",), Split.REPLICATED),
-    ]
-    if not arch.tie_word_embeddings:
-        rules.append(WeightRule("output_layer.weight", ("lm_head.weight",), Split.VOCAB))
-    return rules
+    """All rules for ``arch``, as its family declares them: embedding, per-layer rules (with ``{layer}``),
+    final norm, output layer."""
+    return arch.model_family.weight_rules(arch)
+
+
+def named_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s parameters, then its buffers, by name: the tensors a weight rule may name."""
+    tensors: dict[str, torch.Tensor] = dict(module.named_parameters())
+    for name, buffer in module.named_buffers():
+        tensors.setdefault(name, buffer)
+    return tensors
 
 
 def expand_rules(

@@ -14,11 +14,8 @@ from typing import Literal
 
 import torch
 
+from megatron_opd.model_files import HF_CONFIG_DIR, CheckpointError
 from megatron_opd.models.architecture import ModelArchitecture, load_architecture
-from megatron_opd.models.hf_io import CheckpointError
-
-HF_CONFIG_DIR = "hf_config"
-"""Subfolder of a dist_ckpt holding the Hugging Face ``config.json`` and tokenizer files (tools/checkpoint writes it)."""
 
 
 def model_format(path: str | os.PathLike, field: str = "path") -> Literal["hf", "dist_ckpt"]:

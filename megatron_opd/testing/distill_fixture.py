@@ -56,6 +56,7 @@ def make_distill_fixture(
     """
     from transformers import AutoTokenizer
 
+    from megatron_opd.models.families import qwen3
     from megatron_opd.testing.tiny_models import make_tiny_hf_model, make_tiny_tokenizer
 
     root = Path(root)
@@ -66,7 +67,7 @@ def make_distill_fixture(
     student = {"num_hidden_layers": 2, "tie_word_embeddings": tied_student}
     for name, seed, overrides in (("teacher", 0, {"num_hidden_layers": teacher_layers}), ("student", 1, student)):
         overrides = {**model_overrides, **overrides}
-        dirs[name] = make_tiny_hf_model("qwen3", root / name, seed=seed, vocab_size=rows, **overrides)
+        dirs[name] = make_tiny_hf_model(qwen3.FAMILY.name, root / name, seed=seed, vocab_size=rows, **overrides)
         make_tiny_tokenizer(dirs[name], vocab_size=1000)
     words = ("tensor", "pipeline", "teacher", "student", "vocabulary", "divergence", "sample", "token")
     for split, n, offset in (("train", num_prompts, 0), ("eval", 8, 1000)):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_opd.models.families import FAMILIES
 from megatron_opd.testing.tiny_models import make_tiny_hf_model
 
 
@@ -22,7 +23,7 @@ from megatron_opd.testing.tiny_models import make_tiny_hf_model
 class Shape:
     """One tiny Hugging Face model shape; ``properties`` are the labels the covering conditions count."""
 
-    family: str  # llama / qwen2 (QKV bias) / qwen3 (QK-norm)
+    family: str  # a registered family's name (each family declares its shapes: ModelFamily.test_shapes)
     tied: bool  # tie_word_embeddings
     kv_heads: int  # of 4 query heads: 4 = MHA, 2 = GQA, 1 = a single KV head (TP=1 only)
     vocab_size: int
@@ -54,10 +55,7 @@ class Shape:
 
 
 SHAPES: dict[str, Shape] = {
-    "llama_tied": Shape("llama", tied=True, kv_heads=2, vocab_size=1001, rope="llama3"),
-    "qwen2_mha_v97": Shape("qwen2", tied=False, kv_heads=4, vocab_size=97, rope="linear"),
-    "qwen3_tied": Shape("qwen3", tied=True, kv_heads=2, vocab_size=1001, rope="none"),
-    "qwen3_one_kv": Shape("qwen3", tied=False, kv_heads=1, vocab_size=1001, rope="linear"),
+    name: Shape(family.name, **fields) for family in FAMILIES.values() for name, fields in family.test_shapes.items()
 }
 """Four shapes: at TP=1 ``llama_tied``, ``qwen2_mha_v97`` and ``qwen3_one_kv`` hold every property; at TP=2 and
 TP=2xPP=2 the first three hold every property but the single KV head (which TP=2 cannot split)."""

@@ -1,4 +1,4 @@
-"""Tiny random Llama / Qwen2 / Qwen3 checkpoints made with transformers' own classes.
+"""Tiny random checkpoints of every registered model family, made with transformers' own classes.
 
 No model can be downloaded in tests or the quick start, so these build real Hugging Face
 checkpoints (``save_pretrained``: config.json + safetensors) from transformers' config classes.
@@ -13,13 +13,19 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+from megatron_opd.models.families import FAMILIES as _REGISTRY
+from megatron_opd.models.families import family_named
+
+FAMILIES = tuple(_REGISTRY)
+"""Every registered family's name: each has a tiny test model."""
 
 
 def tiny_hf_config(family: str, **overrides: Any):
-    """A transformers config of ``family`` small enough to run in a test (~0.3M parameters)."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    """A transformers config of ``family`` small enough to run in a test (~0.3M parameters): the common sizes
+    below, then the family's ``tiny_config``, then ``overrides``."""
+    from transformers import AutoConfig
 
+    declared = family_named(family)
     common: dict[str, Any] = dict(
         vocab_size=1000,  # not a multiple of 128*TP: exercises vocabulary padding
         hidden_size=64,
@@ -32,27 +38,9 @@ def tiny_hf_config(family: str, **overrides: Any):
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
     )
-    if family == "llama":
-        common["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        }
-        common["rope_theta"] = 500000.0
-        cls = LlamaConfig
-    elif family == "qwen2":
-        common["rope_theta"] = 1000000.0
-        # Qwen2 derives head_dim from hidden_size / heads in vLLM: keep the two consistent (and >= 32).
-        common["hidden_size"] = 128
-        cls = Qwen2Config
-    elif family == "qwen3":
-        cls = Qwen3Config
-    else:
-        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    common.update(declared.tiny_config)
     common.update(overrides)
-    return cls(**common)
+    return AutoConfig.for_model(declared.model_types[0], **common)
 
 
 def make_tiny_hf_model(family: str, out_dir: str | os.PathLike, seed: int = 0, **overrides: Any) -> Path:

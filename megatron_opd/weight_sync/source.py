@@ -34,6 +34,7 @@ from megatron_opd.models.name_mapping import (
     global_layer_name,
     hf_shapes,
     megatron_to_hf,
+    named_tensors,
     unshard,
 )
 
@@ -104,13 +105,12 @@ class MegatronWeightSource(WeightSource):  # noqa: B024 - abstract only in the f
         self.tp_rank, self.tp_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
         self.pp_rank = dist.get_rank(pp_group)
         self.active = dp_rank == 0
-        params: dict[str, torch.nn.Parameter] = {}
+        params: dict[str, torch.Tensor] = {}
         for chunk in chunks:
             offset = chunk_layer_range(chunk).start
-            for local, param in chunk.named_parameters():
+            for local, param in named_tensors(chunk).items():  # buffers too: a rule may name one
                 params[global_layer_name(local, offset)] = param
-        first = next(iter(params.values()))
-        self.dtype = dtype or first.dtype
+        self.dtype = dtype or next(chunks[0].parameters()).dtype
         self.te = any(name.endswith("layer_norm_weight") for name in params)
         self.rules = list(expand_rules(arch))
         self.params = {}

@@ -1,0 +1,29 @@
+"""The model families megatron-opd builds, one module each, and the registry by Hugging Face ``model_type``.
+
+Adding a family: write ``families/<name>.py`` with a ``FAMILY = ModelFamily(...)`` and list it in ``_MODULES``
+below (``docs/models.md``, "Adding a model family").
+"""
+
+from __future__ import annotations
+
+from megatron_opd.models.families import llama, qwen2, qwen3
+from megatron_opd.models.families.base import ModelFamily, SpecOptions
+
+_MODULES = (llama, qwen2, qwen3)
+
+FAMILIES: dict[str, ModelFamily] = {module.FAMILY.name: module.FAMILY for module in _MODULES}
+"""Family name -> its declarations, in registry order (shape and memory tables follow it)."""
+
+BY_MODEL_TYPE: dict[str, ModelFamily] = {t: f for f in FAMILIES.values() for t in f.model_types}
+"""Hugging Face ``model_type`` -> the family that reads it."""
+
+
+def family_named(name: str) -> ModelFamily:
+    """The family called ``name`` (``ModelArchitecture.family``); a ValueError lists the known ones."""
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise ValueError(f"family must be one of {tuple(FAMILIES)}, got {name!r}") from None
+
+
+__all__ = ["BY_MODEL_TYPE", "FAMILIES", "ModelFamily", "SpecOptions", "family_named"]

@@ -1,0 +1,227 @@
+"""What a model family declares, and the dense decoder every family today shares.
+
+A :class:`ModelFamily` is the one place that knows a family: the Hugging Face ``model_type`` names it reads, its
+own ``config.json`` fields (with a clear error for a field it cannot honour), the Megatron-Core config class and
+fields, a layer spec per layer, the hook that builds a model chunk, the weight rules between Hugging Face and
+Megatron names, and the tiny test shapes and memory-model inputs. The loader, converter, weight sync, sampler,
+teacher, memory estimate and test fixtures read these declarations and never branch on a family's name
+(``tests/test_families.py`` checks that). The default methods build the dense Llama-style decoder (RMSNorm,
+SwiGLU MLP, rotary attention with grouped queries); a family whose layers differ (Mixture-of-Experts, MLA)
+overrides them. ``docs/models.md`` has the guide to adding a family.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from megatron_opd.model_files import UnsupportedArchitectureError
+from megatron_opd.models.name_mapping import Split, WeightRule
+
+if TYPE_CHECKING:
+    from megatron_opd.models.architecture import ModelArchitecture
+
+
+@dataclass(frozen=True)
+class SpecOptions:
+    """Builder choices that pick layer implementations but are not part of the checkpoint."""
+
+    te: bool
+    """TransformerEngine layers (fused norms, TE linears) instead of the local spec."""
+    attention: str = "sdpa"
+    """Core attention of the local spec: ``sdpa`` or ``local`` (``ModelBuildConfig.attention``)."""
+    norm: str = "torch"
+    """RMSNorm of the local spec: ``torch`` or ``triton`` (``ModelBuildConfig.norm``)."""
+
+
+def llama3_inv_freq(arch: ModelArchitecture) -> torch.Tensor:
+    """Inverse RoPE frequencies with Llama 3.1's piecewise scaling, for any factor/low/high/original length."""
+    rope = arch.rope
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, arch.head_dim, 2, dtype=torch.int64).float() / arch.head_dim))
+    low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
+    high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
+    wavelen = 2 * torch.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def check_dense_mlp(cfg: dict[str, Any]) -> None:
+    """Refuse ``config.json`` fields the dense SwiGLU decoder cannot honour (every family today)."""
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedArchitectureError(
+            f"config.json hidden_act={cfg['hidden_act']!r}: only silu (SwiGLU) is supported"
+        )
+    if cfg.get("mlp_bias"):
+        raise UnsupportedArchitectureError("config.json mlp_bias=true is not supported")
+    if cfg.get("use_sliding_window"):
+        raise UnsupportedArchitectureError("config.json use_sliding_window=true is not supported")
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One model family's declarations (an instance per family module, registered in ``families/__init__.py``)."""
+
+    name: str
+    """The family's name (``ModelArchitecture.family``, shape labels, docs)."""
+    model_types: tuple[str, ...]
+    """Hugging Face ``config.json`` ``model_type`` values this family reads; the first is the one it writes."""
+    read_config: Callable[[dict[str, Any], str], dict[str, Any]]
+    """``(config.json dict, source) -> `` this family's own ``ModelArchitecture`` fields (``qkv_bias``,
+    ``qk_norm``); raises ``UnsupportedArchitectureError`` naming a field the family cannot honour."""
+    check_config: Callable[[dict[str, Any]], None] = check_dense_mlp
+    """Refuses ``config.json`` fields the family's layers cannot honour, before any field is parsed."""
+    tiny_config: Mapping[str, Any] = field(default_factory=dict)
+    """transformers config fields of the tiny test model over ``testing.tiny_models``' common ones."""
+    test_shapes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Shape name -> ``testing.shapes.Shape`` fields (``tied``, ``kv_heads``, ``vocab_size``, ``rope``): this
+    family's cells of the shape matrix."""
+    memory_configs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Model folder name -> ``config.json`` fields (``model_type`` included) for the memory estimate of a model
+    that is not on this machine (``launch.memory.KNOWN_CONFIGS``)."""
+
+    # --- Megatron-Core config -------------------------------------------------------------------------------
+    def transformer_config_class(self):
+        """The Megatron-Core config class (MLA families need ``MLATransformerConfig``)."""
+        from megatron.core.transformer import TransformerConfig
+
+        return TransformerConfig
+
+    def transformer_config_fields(self, arch: ModelArchitecture) -> dict[str, Any]:
+        """The config fields that describe the architecture (parallel layout and precision are the builder's)."""
+        return dict(
+            num_layers=arch.num_layers,
+            hidden_size=arch.hidden_size,
+            num_attention_heads=arch.num_attention_heads,
+            num_query_groups=arch.num_key_value_heads,
+            kv_channels=arch.head_dim,
+            ffn_hidden_size=arch.ffn_hidden_size,
+            normalization="RMSNorm",
+            layernorm_epsilon=arch.rms_norm_eps,
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            add_qkv_bias=arch.qkv_bias,
+            qk_layernorm=arch.qk_norm,
+        )
+
+    # --- layer specs and chunks -------------------------------------------------------------------------------
+    def layer_specs(self, arch: ModelArchitecture, layers: Sequence[int], options: SpecOptions) -> list:
+        """One Megatron-Core ``ModuleSpec`` per layer in ``layers`` (global indices of one chunk): TransformerEngine
+        layers with ``options.te``, else the local spec with megatron-opd's :class:`RMSNorm` (it supports
+        sequence parallelism where Megatron's torch fallback does not) and, with ``attention="sdpa"``,
+        :class:`~megatron_opd.models.attention.SDPAttention` as core attention. Dense and MoE layers may mix."""
+        from megatron.core.models.gpt import gpt_layer_specs
+
+        if options.te:
+            spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+            return [spec] * len(layers)
+        norm = self.local_norm(options)
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+        spec.submodules.input_layernorm = norm
+        spec.submodules.pre_mlp_layernorm = norm
+        if arch.qk_norm:
+            spec.submodules.self_attention.submodules.q_layernorm = norm
+            spec.submodules.self_attention.submodules.k_layernorm = norm
+        if options.attention == "sdpa":
+            from megatron_opd.models.attention import SDPAttention
+
+            spec.submodules.self_attention.submodules.core_attention = SDPAttention
+        return [spec] * len(layers)
+
+    def local_norm(self, options: SpecOptions):
+        """The norm class of the local spec (layer, QK and final norms)."""
+        from megatron_opd.models.norms import RMSNorm, TritonRMSNorm
+
+        return TritonRMSNorm if options.norm == "triton" else RMSNorm
+
+    def final_norm(self, options: SpecOptions):
+        """The decoder's final norm: Megatron's own choice under TransformerEngine, else :meth:`local_norm`."""
+        if options.te:
+            from megatron.core.transformer.transformer_block import LayerNormImpl
+
+            return LayerNormImpl
+        return self.local_norm(options)
+
+    def build_chunk(self, arch: ModelArchitecture, config, block_spec, **gpt_kwargs):
+        """One model chunk from its decoder ``block_spec``; ``gpt_kwargs`` are the builder's ``GPTModel`` arguments
+        (``vp_stage``, ``pre_process``, ``post_process``, ``vocab_size``). The hook for what differs per family
+        around the decoder: rotary embeddings (Llama 3's scaled frequencies), MTP or MLA models."""
+        from megatron.core.models.gpt import GPTModel
+
+        rope = arch.rope
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=block_spec,
+            max_sequence_length=arch.max_position_embeddings,
+            parallel_output=True,
+            share_embeddings_and_output_weights=arch.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(rope.theta) if float(rope.theta).is_integer() else rope.theta,
+            seq_len_interpolation_factor=rope.factor if rope.type == "linear" else None,
+            **gpt_kwargs,
+        )
+        if rope.type == "llama3":
+            rotary = model.rotary_pos_emb
+            rotary.inv_freq = llama3_inv_freq(arch).to(rotary.inv_freq.device)
+        return model
+
+    # --- weights ----------------------------------------------------------------------------------------------
+    def weight_rules(self, arch: ModelArchitecture) -> list[WeightRule]:
+        """Every weight of ``arch``: embedding, per-layer rules (``{layer}`` for the global layer index), final
+        norm, output layer; see :mod:`megatron_opd.models.name_mapping`."""
+        attn = "model.layers.{layer}.self_attn"
+        mlp = "model.layers.{layer}.mlp"
+        ml = "decoder.layers.{layer}"
+        rules = [
+            WeightRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), Split.VOCAB),
+            WeightRule(
+                f"{ml}.input_layernorm.weight",
+                ("model.layers.{layer}.input_layernorm.weight",),
+                Split.REPLICATED,
+                te_megatron=f"{ml}.self_attention.linear_qkv.layer_norm_weight",
+            ),
+            WeightRule(
+                f"{ml}.self_attention.linear_qkv.weight",
+                (f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight"),
+                Split.QKV,
+            ),
+        ]
+        if arch.qkv_bias:
+            rules.append(
+                WeightRule(
+                    f"{ml}.self_attention.linear_qkv.bias",
+                    (f"{attn}.q_proj.bias", f"{attn}.k_proj.bias", f"{attn}.v_proj.bias"),
+                    Split.QKV,
+                )
+            )
+        if arch.qk_norm:
+            rules += [
+                WeightRule(f"{ml}.self_attention.q_layernorm.weight", (f"{attn}.q_norm.weight",), Split.REPLICATED),
+                WeightRule(f"{ml}.self_attention.k_layernorm.weight", (f"{attn}.k_norm.weight",), Split.REPLICATED),
+            ]
+        rules += [
+            WeightRule(f"{ml}.self_attention.linear_proj.weight", (f"{attn}.o_proj.weight",), Split.ROW),
+            WeightRule(
+                f"{ml}.pre_mlp_layernorm.weight",
+                ("model.layers.{layer}.post_attention_layernorm.weight",),
+                Split.REPLICATED,
+                te_megatron=f"{ml}.mlp.linear_fc1.layer_norm_weight",
+            ),
+            WeightRule(
+                f"{ml}.mlp.linear_fc1.weight", (f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"), Split.GATE_UP
+            ),
+            WeightRule(f"{ml}.mlp.linear_fc2.weight", (f"{mlp}.down_proj.weight",), Split.ROW),
+            WeightRule("decoder.final_layernorm.weight", ("model.norm.weight",), Split.REPLICATED),
+        ]
+        if not arch.tie_word_embeddings:
+            rules.append(WeightRule("output_layer.weight", ("lm_head.weight",), Split.VOCAB))
+        return rules

@@ -1,0 +1,157 @@
+"""The model-family API: shared machinery never branches on a family's name, and the import circles stay broken."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from megatron_opd.models.families import BY_MODEL_TYPE, FAMILIES, ModelFamily
+
+ROOT = Path(__file__).resolve().parents[1]
+FAMILY_DIR = ROOT / "megatron_opd" / "models" / "families"
+NAMES = frozenset(FAMILIES) | frozenset(BY_MODEL_TYPE)
+
+
+def family_branches(source: str) -> list[str]:
+    """Family names and model types written as string literals, and comparisons against ``model_type``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Constant) and node.value in NAMES:
+            found.append(f"line {node.lineno}: literal {node.value!r}")
+        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq)) for op in node.ops):
+            # model_type == x picks a family by name (the registry lookup `in BY_MODEL_TYPE` is how to ask);
+            # SentencePiece's numeric model_type (tokenizer.py) is not a Hugging Face model type.
+            operands = [node.left, *node.comparators]
+            names = {n.attr if isinstance(n, ast.Attribute) else getattr(n, "id", None) for n in operands}
+            numeric = any(isinstance(n, ast.Constant) and isinstance(n.value, int) for n in operands)
+            if "model_type" in names and not numeric:
+                found.append(f"line {node.lineno}: model_type comparison")
+    return found
+
+
+def shared_modules() -> list[Path]:
+    files = sorted((ROOT / "megatron_opd").rglob("*.py")) + sorted((ROOT / "tools").rglob("*.py"))
+    return [f for f in files if FAMILY_DIR not in f.parents]
+
+
+def test_scanner_finds_a_family_branch():
+    assert family_branches('if arch.family == "qwen3":\n    pass') == ["line 1: literal 'qwen3'"]
+    assert family_branches("ok = cfg.model_type != kind") == ["line 1: model_type comparison"]
+    assert family_branches('"""Llama / Qwen2 / Qwen3 docs."""\nx = "llama3"') == []
+
+
+def test_shared_machinery_never_names_a_family():
+    offenders = {}
+    for path in shared_modules():
+        hits = family_branches(path.read_text(encoding="utf-8"))
+        if hits:
+            offenders[str(path.relative_to(ROOT))] = hits
+    assert not offenders, f"declare these in megatron_opd/models/families/ instead: {offenders}"
+
+
+def test_every_family_declares_its_model_types_and_shapes():
+    for name, family in FAMILIES.items():
+        assert family.name == name and family.model_types, name
+        assert family.test_shapes, f"family {name} declares no test shape (ModelFamily.test_shapes)"
+    assert len(BY_MODEL_TYPE) == sum(len(f.model_types) for f in FAMILIES.values()), "a model_type in two families"
+
+
+def _imports(path: Path) -> set[str]:
+    modules = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            modules.add(node.module)
+        elif isinstance(node, ast.Import):
+            modules.update(alias.name for alias in node.names)
+    return modules
+
+
+@pytest.mark.parametrize(
+    "module, must_not_import",
+    [
+        ("model_files.py", "megatron_opd"),  # the leaf: imports nothing from the package
+        ("vocab.py", "megatron_opd.models"),
+        ("tokenizer.py", "megatron_opd.models"),
+        ("checkpoint/hf_to_mcore.py", "megatron_opd.models.source"),
+    ],
+)
+def test_import_circles_stay_broken(module, must_not_import):
+    imported = _imports(ROOT / "megatron_opd" / module)
+    assert not [m for m in imported if m == must_not_import or m.startswith(must_not_import + ".")], imported
+
+
+def test_loader_fills_a_buffer_a_rule_names(monkeypatch, tmp_path):
+    """A weight rule with ``buffer=True`` (DeepSeek-V3's expert bias) is loaded like a parameter."""
+    import dataclasses
+
+    import torch
+    from safetensors.torch import save_file
+
+    from megatron_opd.models import families, loading
+    from megatron_opd.models.architecture import architecture_from_hf_config
+    from megatron_opd.models.families.base import ModelFamily
+    from megatron_opd.models.name_mapping import Split, WeightRule
+
+    class WithBuffer(ModelFamily):
+        def weight_rules(self, arch):
+            return [
+                WeightRule("norm.weight", ("model.norm.weight",), Split.REPLICATED),
+                WeightRule("expert_bias", ("model.expert_bias",), Split.REPLICATED, buffer=True),
+            ]
+
+    base = next(iter(FAMILIES.values()))
+    monkeypatch.setitem(families.FAMILIES, "with_buffer", WithBuffer("with_buffer", ("with_buffer",), base.read_config))
+    monkeypatch.setattr(loading, "chunk_layer_range", lambda chunk: range(0))
+    sizes = dict(hidden_size=64, num_attention_heads=2, num_hidden_layers=1, intermediate_size=128, vocab_size=1000)
+    arch = architecture_from_hf_config({"model_type": base.model_types[0], **sizes})
+    arch = dataclasses.replace(arch, family="with_buffer")
+    chunk = torch.nn.ModuleDict({"norm": torch.nn.Module()})
+    chunk.norm.weight = torch.nn.Parameter(torch.zeros(64))
+    chunk.register_buffer("expert_bias", torch.zeros(64))
+    chunk.vocab_size = 1024
+    want = {"model.norm.weight": torch.randn(64), "model.expert_bias": torch.randn(64)}
+    save_file(want, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    loading.load_hf_weights([chunk], arch, tmp_path, tp_rank=0, tp_size=1, te=False)
+    assert torch.equal(chunk.norm.weight.detach(), want["model.norm.weight"])
+    assert torch.equal(chunk.expert_bias, want["model.expert_bias"])
+
+
+class _LocalFirstLayer(ModelFamily):
+    """The dense decoder with Megatron's own core attention in layer 0 only: a spec per layer, as MoE needs."""
+
+    def layer_specs(self, arch, layers, options):
+        import dataclasses
+
+        specs = super().layer_specs(arch, layers, dataclasses.replace(options, attention="sdpa"))
+        local = super().layer_specs(arch, layers, dataclasses.replace(options, attention="local"))
+        return [local[i] if layer == 0 else specs[i] for i, layer in enumerate(layers)]
+
+
+def _per_layer_body(layout: dict):
+    import dataclasses
+
+    from megatron_opd.distributed import ParallelConfig, initialize_distributed
+    from megatron_opd.models import families
+    from megatron_opd.models.architecture import architecture_from_hf_config
+    from megatron_opd.models.builder import build_model
+
+    base = next(iter(FAMILIES.values()))
+    families.FAMILIES["local_first"] = _LocalFirstLayer("local_first", ("local_first",), base.read_config)
+    parallel = ParallelConfig(**layout)
+    initialize_distributed(parallel)
+    sizes = dict(hidden_size=64, num_attention_heads=2, num_hidden_layers=4, intermediate_size=128, vocab_size=100)
+    arch = dataclasses.replace(
+        architecture_from_hf_config({"model_type": base.model_types[0], **sizes}), family="local_first"
+    )
+    chunks = build_model(arch, parallel, trainable=False)
+    return [[type(layer.self_attention.core_attention).__name__ for layer in c.decoder.layers] for c in chunks]
+
+
+def test_builder_takes_a_spec_per_layer():
+    """Layer specs go by global layer index: only layer 0 (on the first of two pipeline stages) differs."""
+    from megatron_opd.testing.multiprocess import run_distributed
+
+    ranks = run_distributed(_per_layer_body, 2, args=(dict(pipeline_model_parallel_size=2),))
+    assert ranks == [[["DotProductAttention", "SDPAttention"]], [["SDPAttention", "SDPAttention"]]], ranks
