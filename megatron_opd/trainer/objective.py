@@ -253,6 +253,8 @@ def make_loss_fn(
             per_token_BS, reads = per_token_pass(output_tensor, mb)
             staleness = staleness_weights(reads, mb)
             if cfg.staleness_correction == "prefix":  # the stale prefix's importance weight (fused output is off)
+                if staleness is None:
+                    raise ValueError("loss.staleness_correction=prefix: the batch has no rollout log-probabilities")
                 weights_BS = weights_BS * staleness[0]
             weighted_BS = per_token_BS * weights_BS.to(per_token_BS.dtype)
             loss = reduce_loss(weighted_BS, mask_BS, cfg.reduction, **kwargs)
