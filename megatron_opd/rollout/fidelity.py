@@ -166,8 +166,8 @@ def policy_lag_warning(metrics: dict[str, float], staleness: int, threshold: flo
     return (
         f"a batch sampled {staleness} step(s) before the weights it trains lags them by {lag:.3g} nats per token"
         f"{share} (above scheduler.warn_policy_lag={threshold:g}): stale samples teach less per step "
-        "(benchmarks/RESULTS.md, scheduler quality). Consider loss.staleness_correction=prefix, a lower optim.lr, "
-        "or a scheduler.mode with less staleness"
+        "(benchmarks/RESULTS.md, scheduler quality). Consider a lower optim.lr, a scheduler.mode with less staleness "
+        "or, at staleness 2, loss.staleness_correction=prefix"
     )
 
 
