@@ -14,9 +14,18 @@
    (measured in zero_step_off, where they do not overlap): their sum for zero_step_off, the longest phase
    otherwise, plus the weight sync. On 2 cores the three processes compete for the same cores, so the ratio shows what
    is left of the overlap here, not on a cluster.
-3. ``--quality [--quality-steps N]``: the quick start's task (``examples/quickstart.py --rollout-backend vllm``)
-   distilled in each mode from one SFT teacher for N steps (default 300), zero_step_off with three sampling seeds:
-   the final held-out divergence and accuracy of each run beside zero_step_off's (N=600: ~35 minutes on 2 cores).
+3. ``--quality``: learning per step in each mode on a fast-moving task (issue 42's setting): the quick start's digit
+   task and SFT teacher, a student warmed up by 125 SFT steps (~10% held-out exact match), distilled for
+   ``--quality-steps`` (100) with 32 prompts per step, 16 new tokens, JSD beta=0.5 on the whole vocabulary and a
+   constant ``--quality-lr`` after 10 warm-up steps. Every run of ``--quality-runs`` (the built-in sampler
+   synchronously and with ``scheduler.sync_delay`` 1 and 2: staleness without the asynchronous machinery; the vLLM
+   engine in each mode; ``+prefix``: with ``loss.staleness_correction=prefix``) once per shared seed: held-out exact
+   match and divergence on the teacher's answers every ``--quality-every`` steps (mean +- sd over seeds), issue
+   42's done criterion (mean >= the synchronous run's mean - 2 sd, same back end) and the steps and training seconds
+   to ``--quality-target``. 18 runs: ~20 minutes on 2 idle cores.
+4. ``--quality-quickstart N``: the quick start's task (``examples/quickstart.py --rollout-backend vllm``) distilled in
+   each mode from one SFT teacher for N steps, zero_step_off with three sampling seeds: the final held-out divergence
+   and accuracy of each run beside zero_step_off's (N=600: ~35 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -92,7 +101,131 @@ def pipeline(steps: int, workdir: Path) -> list[dict]:
     return rows
 
 
-def quality(workdir: Path, steps: int) -> list[dict]:
+FAST = {
+    "loss.kind": "jsd", "loss.beta": 0.5, "loss.mode": "dense", "rollout.n": 1, "rollout.max_new_tokens": 16,
+    "train.prompts_per_step": 32, "train.micro_batch_size": 32, "optim.lr_warmup_steps": 10,
+    "optim.lr_decay_style": "constant", "eval.scorer": "megatron_opd.tasks.digits:score", "eval.max_prompts": 256,
+    "parallel.tensor_model_parallel_size": 1, "logging.progress_bar": False, "logging.log_every": 50,
+    "export_hf": False, "rollout.vllm_threads": 1,
+}  # fmt: skip
+"""The fast-moving task's settings (the issue's): 32 prompts per step, 16 new tokens, JSD beta=0.5 on the whole
+vocabulary (the in-process teacher's dense scores = a full top-k), a constant LR after 10 warm-up steps."""
+
+RUNS = {
+    "builtin": ("builtin", "zero_step_off", 0),
+    "builtin+delay1": ("builtin", "zero_step_off", 1),
+    "builtin+delay2": ("builtin", "zero_step_off", 2),
+    "vllm:zero_step_off": ("vllm", "zero_step_off", 0),
+    "vllm:one_step_off": ("vllm", "one_step_off", 0),
+    "vllm:two_step_off": ("vllm", "two_step_off", 0),
+}
+"""Each run: rollout back end, scheduler.mode, scheduler.sync_delay (a zero_step_off run sampled by the weights of
+that many steps ago: staleness without the asynchronous machinery). A run named with ``+prefix`` appended runs with
+``loss.staleness_correction=prefix``."""
+
+
+def fast_task(workdir: Path) -> dict[str, Path]:
+    """The quick start's digit task and SFT teacher, and a student warmed up by 125 SFT steps (about 10% held-out
+    exact match), each trained once (TP=1)."""
+    import subprocess
+
+    sys.path.insert(0, str(REPO / "examples"))
+    from quickstart import HERE, finish, torchrun
+
+    task = workdir / "task"
+    subprocess.run([sys.executable, str(REPO / "tools" / "make_quickstart_task.py"), str(task)], cwd=REPO,
+                   check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+    data = [f"data.train_files={task / 'train.jsonl'}", f"data.eval_files={task / 'eval.jsonl'}",
+            "parallel.tensor_model_parallel_size=1", "logging.progress_bar=false"]  # fmt: skip
+    for name, config, init in (("teacher", "teacher_sft.yaml", "teacher-init"),
+                               ("student", "student_warmup.yaml", "student-init")):  # fmt: skip
+        log = workdir / f"{name}.log"
+        finish(torchrun(1, HERE / "quickstart" / config, [f"student.path={task / init}", *data,
+                                                           f"output_dir={workdir / name}"], log=log), log)  # fmt: skip
+    return {"task": task, "teacher": workdir / "teacher" / "hf", "student": workdir / "student" / "hf"}
+
+
+def fast_run(paths: dict[str, Path], out: Path, run: str, seed: int, steps: int, lr: float, every: int,
+             extra: dict) -> dict:  # fmt: skip
+    """One distillation run of the fast-moving task: its evaluations by step and its step times."""
+    sys.path.insert(0, str(REPO / "examples"))
+    from quickstart import finish, metric_rows, torchrun
+
+    backend, mode, delay = RUNS[run.removesuffix("+prefix")]
+    if run.endswith("+prefix"):  # the same run with the staleness correction
+        extra = {**extra, "loss.staleness_correction": "prefix"}
+    overrides = {**FAST, "student.path": paths["student"], "teacher.path": paths["teacher"],
+                 "data.train_files": paths["task"] / "train.jsonl", "data.eval_files": paths["task"] / "eval.jsonl",
+                 "output_dir": out, "rollout.backend": backend, "scheduler.mode": mode, "scheduler.sync_delay": delay,
+                 "train.steps": steps, "eval.every": every, "seed": seed, "optim.lr": lr, "optim.min_lr": lr,
+                 **extra}  # fmt: skip
+    log = out.with_suffix(".log")
+    finish(torchrun(1, REPO / "examples" / "quickstart" / "distil.yaml", [f"{k}={v}" for k, v in overrides.items()],
+                    log=log), log)  # fmt: skip
+    rows = metric_rows(out)
+    evals = {r["step"]: r for r in rows if "eval/accuracy" in r}
+    step_s = {r["step"]: r["time/step"] for r in rows if "time/step" in r}
+    return {"run": run, "seed": seed, "lr": lr, "extra": extra,
+            "accuracy": {s: r["eval/accuracy"] for s, r in evals.items()},
+            "divergence": {s: r["eval/divergence_teacher_samples"] for s, r in evals.items()},
+            "step_s": step_s}  # fmt: skip
+
+
+def quality(workdir: Path, steps: int, seeds: list[int], runs: list[str], lr: float, every: int,
+            extra: dict | None = None, results: list | None = None) -> list[dict]:  # fmt: skip
+    """Every run of ``runs`` once per seed on the fast-moving task (one teacher, one warmed-up student for all)."""
+    paths = fast_task(workdir)
+    results = [] if results is None else results
+    for seed in seeds:
+        for run in runs:
+            name = f"{run.replace(':', '-').replace('+', '-')}-{seed}"
+            results.append(fast_run(paths, workdir / name, run, seed, steps, lr, every, extra or {}))
+            print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def quality_tables(results: list[dict], target: float) -> str:
+    """Per-step held-out exact match and divergence (mean +- sd over seeds) of each run, the done-criterion against
+    the synchronous run of the same back end, and the wall-clock time (sum of step times) to ``target`` exact match."""
+    runs = list(dict.fromkeys(r["run"] for r in results))
+    steps = sorted(results[0]["accuracy"])
+    lines = ["held-out exact match, mean ± sd over seeds (n), by step:", "",
+             "| run | n | " + " | ".join(str(s) for s in steps) + " |", "|---|---:|" + "---:|" * len(steps)]  # fmt: skip
+
+    def stats(run: str, key: str, step: int) -> tuple[float, float, int]:
+        values = [r[key][step] for r in results if r["run"] == run]
+        return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0, len(values)
+
+    for key, label in (("accuracy", "exact match"), ("divergence", "divergence on the teacher's answers")):
+        if key == "divergence":
+            lines += ["", f"held-out {label}, mean ± sd, by step:", "",
+                      "| run | n | " + " | ".join(str(s) for s in steps) + " |", "|---|---:|" + "---:|" * len(steps)]  # fmt: skip
+        for run in runs:
+            cells = [stats(run, key, s) for s in steps]
+            lines.append(f"| {run} | {cells[0][2]} | " + " | ".join(f"{m:.3f} ± {sd:.3f}" for m, sd, _ in cells) + " |")
+    last = steps[-1]
+    lines += ["", f"done criterion at step {last}: mean >= the synchronous run's mean - 2 sd (its seeds' sd):", ""]
+    for run in runs:
+        base = "builtin" if run.startswith("builtin") else "vllm:zero_step_off"  # the same back end, synchronous
+        if run == base or base not in runs:
+            continue
+        (m, _, _), (b, sd, _) = stats(run, "accuracy", last), stats(base, "accuracy", last)
+        lines.append(f"- {run}: {m:.3f} vs {base} {b:.3f} - 2 x {sd:.3f} = {b - 2 * sd:.3f}: "
+                     f"{'pass' if m >= b - 2 * sd else 'FAIL'}")  # fmt: skip
+    lines += ["", f"steps and seconds of training (sum of time/step) to {target:.0%} held-out exact match, per seed:",
+              "", "| run | steps | seconds |", "|---|---|---|"]  # fmt: skip
+    for run in runs:
+        hits = []
+        for r in (r for r in results if r["run"] == run):
+            step = next((s for s in steps if r["accuracy"][s] >= target), None)
+            seconds = None if step is None else sum(t for s, t in r["step_s"].items() if int(s) <= step)
+            hits.append((step, seconds))
+        lines.append(f"| {run} | " + ", ".join("-" if s is None else str(s) for s, _ in hits) + " | "
+                     + ", ".join("-" if t is None else f"{t:.0f}" for _, t in hits) + " |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def quickstart_quality(workdir: Path, steps: int) -> list[dict]:
     """Final held-out divergence per mode on the quick start's task, one teacher for all (the quick start trains
     it once). Every mode then distils the same student for ``steps`` steps; zero_step_off runs twice more with other
     sampling seeds, so the spread between runs of one mode stands beside the gaps between modes."""
@@ -129,8 +262,22 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=8, help="training steps per mode (the first 1 + depth are warm-up)")
     p.add_argument("--skip-pipeline", action="store_true", help="only the controlled-phase stand-ins")
-    p.add_argument("--quality", action="store_true", help="also distil the quick start's task in each mode")
-    p.add_argument("--quality-steps", type=int, default=300, help="distillation steps per mode with --quality")
+    p.add_argument("--quality", action="store_true", help="also distil the fast-moving digit task in each mode")
+    p.add_argument("--quality-steps", type=int, default=100, help="distillation steps per run with --quality")
+    p.add_argument("--quality-seeds", default="1,2,3", help="seeds shared by every run")
+    p.add_argument("--quality-runs", default=",".join(RUNS), help=f"of {', '.join(RUNS)}")
+    p.add_argument("--quality-lr", type=float, default=1e-3, help="constant after 10 warm-up steps")
+    p.add_argument("--quality-every", type=int, default=10, help="held-out evaluation every this many steps")
+    p.add_argument("--quality-target", type=float, default=0.5, help="held-out exact match for time-to-target")
+    p.add_argument("--quality-set", action="append", default=[], help="KEY=VALUE for every quality run")
+    p.add_argument(
+        "--quality-quickstart",
+        type=int,
+        metavar="STEPS",
+        help="also the quick start's task in each mode "
+        "for STEPS steps (from scratch, lr 3e-3 cosine, TP=2; 600 steps: ~35 minutes on 2 cores)",
+    )
+    p.add_argument("--quality-workdir", type=Path, help="keep the runs here (default: a temporary folder)")
     p.add_argument("--json", help="also write the figures here")
     args = p.parse_args()
 
@@ -152,11 +299,25 @@ def main() -> None:
                   f"{r['rollout_s']:>9.3f}{r['teacher_s']:>9.3f}{r['update_s']:>9.3f}{r['weight_sync_s']:>8.3f}"
                   f"{r['ideal']:>8.3f}{r['ratio']:>7.2f}x")  # fmt: skip
     if args.quality:
+        extra = dict(kv.split("=", 1) for kv in args.quality_set)
+        seeds, runs = [int(x) for x in args.quality_seeds.split(",")], args.quality_runs.split(",")
+        results["quality"] = []
         with tempfile.TemporaryDirectory() as tmp:
-            results["quality"] = quality(Path(tmp) / "qs", args.quality_steps)
+            workdir = args.quality_workdir or Path(tmp)
+            try:
+                quality(workdir.resolve(), args.quality_steps, seeds, runs, args.quality_lr, args.quality_every,
+                        extra, results["quality"])  # fmt: skip
+            finally:
+                if args.json:
+                    Path(args.json).write_text(json.dumps(results, indent=2))
+        print(f"\nfast-moving digit task, lr {args.quality_lr:g}, {args.quality_steps} steps, seeds {seeds}")
+        print(quality_tables(results["quality"], args.quality_target))
+    if args.quality_quickstart:
+        with tempfile.TemporaryDirectory() as tmp:
+            results["quickstart"] = quickstart_quality(Path(tmp) / "qs", args.quality_quickstart)
         print("\nquick start's task, held-out divergence on the student's own samples (one teacher for all)")
         print(f"{'mode':<15}{'seed':>6}{'before':>9}{'after':>9}{'vs zero':>9}{'accuracy':>10}")
-        for r in results["quality"]:
+        for r in results["quickstart"]:
             print(f"{r['mode']:<15}{r['seed']:>6}{r['divergence_before']:>9.4f}{r['divergence_after']:>9.4f}"
                   f"{r['vs_zero_step_off']:>8.2f}x{r['accuracy_after']:>10.1%}")  # fmt: skip
     if args.json:

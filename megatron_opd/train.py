@@ -27,7 +27,13 @@ from megatron_opd.data.stream import PromptStream
 from megatron_opd.distributed import destroy_distributed, initialize_distributed
 from megatron_opd.faults import fault_point, hold_point
 from megatron_opd.fused_libraries import log_fused_libraries
-from megatron_opd.rollout.fidelity import RolloutMismatchError, check_step, fidelity_metrics, startup_check
+from megatron_opd.rollout.fidelity import (
+    RolloutMismatchError,
+    check_step,
+    fidelity_metrics,
+    policy_lag_warning,
+    startup_check,
+)
 from megatron_opd.trainer.batch import pack_sft
 from megatron_opd.trainer.checkpointing import (
     CheckpointManager,
@@ -168,6 +174,11 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     student = build_student(cfg, accel)
     teacher = build_teacher(cfg, accel, vocab.teacher_vocab_size, student, vocab.teacher_fingerprint)
     rollout = build_rollout(cfg, student, vocab)
+    if cfg.scheduler.sync_delay:  # debug: sample with the weights of sync_delay steps ago
+        from megatron_opd.scheduler import DelayedSync
+
+        params = [p for chunk in student.chunks for p in chunk.parameters()]
+        rollout = DelayedSync(rollout, params, cfg.scheduler.sync_delay)
     seq_len = max_seq_len(cfg)
     encoder = PromptEncoder(vocab.tokenizer, cfg.data.prompt_key, cfg.data.messages_key, cfg.data.response_key)
     prompt_room = seq_len - 1 if sft else seq_len - cfg.rollout.max_new_tokens
@@ -190,7 +201,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     last_eval = evaluate(evaluator, metrics, 0) if start_step == 0 else {}
 
     # ---- the loop ----------------------------------------------------------------------------------------------
-    step, saved_step = start_step, start_step
+    step, saved_step, warned_at = start_step, start_step, -cfg.logging.log_every
     try:
         while step < cfg.train.steps:
             t_start = time.perf_counter()
@@ -206,7 +217,12 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             student.finish_param_sync()  # optim.overlap_param_gather: the weights the sync and the sampler read
             rollout.sync_weights(step)  # policy version = optimizer steps applied (waits for rollouts in flight)
             work.timings["weight_sync"] = time.perf_counter() - t_sync
-            metrics.log(step, step_row(result, work, step, time.perf_counter() - t_start))
+            row = step_row(result, work, step, time.perf_counter() - t_start, cfg)
+            metrics.log(step, row)
+            lag_warning = policy_lag_warning(row, work.staleness, cfg.scheduler.warn_policy_lag)
+            if lag_warning and step - warned_at >= cfg.logging.log_every:  # at most once per log_every steps
+                metrics.write(f"WARNING step {step}: {lag_warning}")
+                warned_at = step
             if audit is not None:  # the audit trail of the data order and staleness (rank 0's prompts)
                 audit.write(json.dumps({"step": step, "prompts": [it.index for it in work.items],
                                         "sampled_by": float(step - 1 - work.staleness)}) + "\n")  # fmt: skip
@@ -332,13 +348,19 @@ def update(student: Student, work: StepWork, cfg: TrainConfig, vocab_size: int, 
         ) from None
 
 
-def step_row(result, work: StepWork, step: int, elapsed: float) -> dict[str, float]:
+def step_row(result, work: StepWork, step: int, elapsed: float, cfg: TrainConfig) -> dict[str, float]:
     """The metrics row of a finished step (global over data-parallel ranks where counted)."""
     from megatron.core import parallel_state as ps
 
     samples = len(work.batch.lengths) * ps.get_data_parallel_world_size()
     s = result.stats
     response_tokens = global_count(torch.tensor([float(work.response_tokens)]), "sum")
+    fidelity = fidelity_metrics(s.as_dict())  # rollout/logprob_diff_* etc.: is the sampler the trained model?
+    if work.staleness or cfg.loss.staleness_correction != "off":  # the stale batch's lag and its weights
+        if "rollout/logprob_diff_mean" in fidelity:
+            fidelity["staleness/policy_lag"] = fidelity["rollout/logprob_diff_mean"]
+    else:
+        fidelity = {k: v for k, v in fidelity.items() if not k.startswith("staleness/")}
     return {
         "loss": s.loss,
         "divergence": s.divergence_sum / max(s.tokens, 1.0),
@@ -351,7 +373,7 @@ def step_row(result, work: StepWork, step: int, elapsed: float) -> dict[str, flo
         "lr": result.lr,
         "staleness": float(work.staleness),
         "sampled_by": float(step - 1 - work.staleness),  # policy version of the weights that sampled this batch
-        **fidelity_metrics(s.as_dict()),  # rollout/logprob_diff_* etc.: is the sampler the trained model?
+        **fidelity,
         **{f"time/{k}": v for k, v in work.timings.items()},
         **work.metrics,
     }

@@ -16,6 +16,9 @@ from megatron_opd.rollout.fidelity import (
     default_max_logprob_diff,
     fidelity_metrics,
     fidelity_sums,
+    importance_weights,
+    policy_lag_warning,
+    prefix_log_ratios,
 )
 from megatron_opd.trainer.batch import pack
 from megatron_opd.trainer.config import LossConfig, RolloutConfig
@@ -134,3 +137,97 @@ def test_defaults_and_config():
     assert RolloutConfig(max_logprob_diff=float("inf")).max_logprob_diff == float("inf")
     with pytest.raises(ValueError, match="rollout.max_logprob_diff must be > 0"):
         RolloutConfig(max_logprob_diff=0.0)
+
+
+# ---- stale batches: the prefix importance weights and the correction ---------------------------------------------
+def _loop_prefix(d, mask, inclusive):
+    """Per sample, the sum of ``d`` over the trained positions before ``s`` (through ``s`` if ``inclusive``)."""
+    out = torch.zeros_like(d, dtype=torch.float64)
+    for b in range(d.shape[0]):
+        total = 0.0
+        for s in range(d.shape[1]):
+            here = float(d[b, s]) if mask[b, s] else 0.0
+            out[b, s] = total + here if inclusive else total
+            total += here
+    return out
+
+
+@pytest.mark.parametrize("inclusive", [False, True], ids=["prefix", "through"])
+def test_prefix_log_ratios_padded_and_packed_against_a_loop(inclusive):
+    gen = torch.Generator().manual_seed(3)
+    trainer = -torch.rand(3, 7, generator=gen, dtype=torch.float64) * 3
+    sampler = trainer + torch.randn(3, 7, generator=gen, dtype=torch.float64) * 0.3
+    mask = torch.ones(3, 7)
+    mask[0, :2], mask[1, 4], mask[2, 5:] = 0, 0, 0  # prompt positions, a tool token, padding
+    expected = _loop_prefix(trainer - sampler, mask, inclusive)
+    got = prefix_log_ratios(trainer, sampler, mask, inclusive=inclusive)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    # The same samples packed into one row (THD): each segment starts from 0.
+    lengths = [7, 5, 4]
+    row = lambda x: torch.cat([x[i, :n] for i, n in enumerate(lengths)])[None]  # noqa: E731
+    segments = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+    packed = prefix_log_ratios(row(trainer), row(sampler), row(mask), segments, inclusive=inclusive)
+    torch.testing.assert_close(packed, row(expected), rtol=0, atol=1e-12)
+    weights, truncated = importance_weights(got, clip=1.5)
+    torch.testing.assert_close(weights.double(), expected.exp().clamp(max=1.5), rtol=1e-6, atol=0)
+    assert torch.equal(truncated, expected.exp() > 1.5) and truncated.any() and not truncated.all()
+
+
+def _forward_kl_reference(logits, teacher, mask):
+    log_p = torch.log_softmax(teacher[..., :V].double(), -1)
+    log_q = torch.log_softmax(logits[..., :V].double(), -1)
+    return ((log_p.exp() * (log_p - log_q)).sum(-1)) * mask
+
+
+@pytest.mark.parametrize("correction", ["off", "prefix"])
+def test_staleness_correction_weights_each_token_by_its_prefix(correction):
+    """The loss with ``loss.staleness_correction=prefix`` is the float64 per-token divergence times the clipped
+    prefix weight from the trainer's own label log-probabilities; off, the loss is unweighted. The weights'
+    statistics are logged either way."""
+    gen = torch.Generator().manual_seed(5)
+    B, S = 3, 6
+    logits = torch.randn(B, S, V + 4, generator=gen) * 2
+    teacher = torch.randn(B, S, V + 4, generator=gen) * 2
+    labels = torch.randint(0, V, (B, S), generator=gen)
+    mask = torch.ones(B, S)
+    mask[1, :2] = 0
+    trainer_lp = _reference_label_logprobs(logits, labels)
+    sampler = (trainer_lp + torch.randn(B, S, generator=gen, dtype=torch.float64) * 0.4).float()
+    mb = {"loss_mask": mask, "labels": labels, "seq_weights": torch.ones(B), "rollout_logprobs": sampler,
+          "teacher_logits": teacher}  # fmt: skip
+    cfg = LossConfig(kind="forward_kl", mode="dense", staleness_correction=correction, staleness_clip=1.3)
+    loss_fn = make_loss_fn(cfg, vocab_size=V, teacher_temperature=1.0, normalizer=float(mask.sum()), scale=1.0)
+    loss, stats = loss_fn(logits.clone(), mb)
+    weights = _loop_prefix(trainer_lp - sampler.double(), mask, inclusive=False).exp().clamp(max=1.3)
+    per_token = _forward_kl_reference(logits, teacher, mask)
+    expected = (per_token * (weights if correction == "prefix" else 1.0)).sum() / mask.sum()
+    assert float(loss) == pytest.approx(float(expected), rel=1e-5)
+    assert stats.is_weight_sum == pytest.approx(float(weights[mask != 0].sum()), rel=1e-5)
+    assert stats.is_truncated_sum == float((weights[mask != 0] >= 1.3).sum()) > 0
+    metrics = fidelity_metrics(stats.as_dict())
+    assert metrics["staleness/is_weight_mean"] == pytest.approx(float(weights[mask != 0].mean()), rel=1e-5)
+    assert metrics["staleness/is_weight_std"] == pytest.approx(float(weights[mask != 0].std(unbiased=False)), rel=1e-4)
+
+
+def test_policy_lag_warning_and_the_correction_config():
+    from megatron_opd.config import parse_args
+    from megatron_opd.trainer.config import TrainConfig
+
+    row = {"staleness/policy_lag": 0.12, "staleness/is_truncated": 0.05}
+    assert "lags them by 0.12 nats per token, 5.0% of" in policy_lag_warning(row, staleness=2, threshold=0.1)
+    assert policy_lag_warning(row, staleness=2, threshold=0.2) is None
+    assert policy_lag_warning(row, staleness=0, threshold=0.1) is None  # fresh batches: no lag to speak of
+    assert policy_lag_warning(row, staleness=2, threshold=0.0) is None  # off
+    base = ["student.path=s", "teacher.path=t", "data.train_files=x.jsonl", "loss.staleness_correction=prefix"]
+    parse_args(TrainConfig, base).validate()
+    for bad, match in (("rollout.temperature=0.7", "only at rollout.temperature=1"),
+                       ("rollout.top_k=5", "only at rollout.temperature=1"),
+                       ("loss.fused_output=on", "loss.fused_output != on"),
+                       ("loss.staleness_clip=0.5", "must be >= 1")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            parse_args(TrainConfig, [*base, bad]).validate()
+    delayed = ["student.path=s", "teacher.path=t", "data.train_files=x.jsonl", "scheduler.sync_delay=2"]
+    parse_args(TrainConfig, delayed).validate()
+    for bad in ("rollout.backend=vllm", "scheduler.sync_delay=-1"):
+        with pytest.raises(ValueError, match="scheduler.sync_delay=.* applies to distillation"):
+            parse_args(TrainConfig, [*delayed, bad]).validate()

@@ -6,16 +6,22 @@ background and whose sync waits for rollouts in flight, like the vLLM one); the 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megatron_opd.data.stream import PromptStream
 from megatron_opd.interfaces import SamplingParams
-from megatron_opd.scheduler import DEPTH, Scheduler
+from megatron_opd.scheduler import DEPTH, DelayedSync, Scheduler
 from megatron_opd.testing.scheduler_fakes import (
     PHASES,
+    PolicyRollout,
     RecordingRollout,
     RecordingTeacher,
     SynchronousRollout,
     SynchronousTeacher,
+    TokenTeacher,
+    policy_logprob,
+    policy_response,
+    teacher_logprobs,
     timed_steps,
 )
 
@@ -134,3 +140,98 @@ def test_synchronous_back_ends_time_is_counted():
     timings = scheduler.next_batch(0).timings
     assert timings["rollout"] >= 0.2 and timings["wait_rollout"] >= 0.2, timings
     assert timings["teacher"] >= 0.1 and timings["wait_teacher"] >= 0.1, timings
+
+
+# ---- alignment: each batch's rollouts, teacher scores, rollout log-probs and policy version belong together ------
+def _aligned_run(mode: str, rollout, teacher, steps: int = STEPS, n: int = 2) -> list[tuple[int, object]]:
+    """The training loop's shape with ``sync_weights(0)`` first (as ``train.py``); every step's scored batch."""
+    rollout.sync_weights(0)
+    scheduler = Scheduler(mode, rollout, teacher, SamplingParams(max_new_tokens=3), n, data=_stream(),
+                          seed_for=lambda b: 100 + b, pad_token_id=0, max_len=16)  # fmt: skip
+    out = []
+    for step in range(steps):
+        out.append((step, scheduler.next_batch(step)))
+        rollout.sync_weights(step + 1)
+    return out
+
+
+def _misalignments(step: int, scored, version: int, n: int = 2) -> list[str]:
+    """What of batch ``step`` differs from the reference: the prompt stream's batch ``step``, sampled with its seed
+    by policy ``version``, scored by the fake teacher's function of those tokens."""
+    prompts = [_stream_batches()[step][i // n] for i in range(len(scored.items) * n)]
+    errors = []
+    if scored.rollouts.policy_version != version or scored.staleness != step - version:
+        errors.append(f"policy version {scored.rollouts.policy_version}, expected {version}")
+    for i, prompt in enumerate(prompts):
+        response = policy_response(prompt, 100 + step + i % n, version)
+        if scored.batch.tokens[i, :6].tolist() != prompt + response:
+            errors.append(f"sample {i}: tokens {scored.batch.tokens[i].tolist()}, expected {prompt + response}")
+        expected = torch.tensor([policy_logprob(t, j, version) for j, t in enumerate(response)])
+        if not torch.equal(scored.batch.rollout_logprobs[i, 2:5], expected.float()):
+            errors.append(f"sample {i}: rollout log-probs of another policy")
+    if not torch.equal(scored.scores.topk_logprobs, teacher_logprobs(scored.batch.tokens)):
+        errors.append("teacher scores of other tokens")
+    return errors
+
+
+def _stream_batches(steps: int = STEPS) -> list[list[list[int]]]:
+    reference = _stream()
+    return [[it.prompt_ids for it in reference.next_batch()] for _ in range(steps)]
+
+
+@pytest.mark.parametrize("mode", sorted(DEPTH))
+def test_each_batch_is_scored_and_logged_with_its_own_rollouts_and_policy_version(mode):
+    """Against the reference, every batch in every mode: the same checks hold in two_step_off (the teacher asked a
+    batch ahead, two requests in flight on a pool that answers out of order) as in zero_step_off."""
+    log = []
+    for step, scored in _aligned_run(mode, PolicyRollout(log), TokenTeacher(log)):
+        assert _misalignments(step, scored, version=max(step - DEPTH[mode], 0)) == [], f"{mode} batch {step}"
+
+
+@pytest.mark.parametrize("fault", ["teacher_shifted", "logprobs_of_another_version", "trained_as_sampled"])
+def test_the_alignment_check_fails_on_a_shifted_batch(fault):
+    """The check above can fail: a teacher whose answers are paired one request late, a back end that records the
+    log-probabilities of the policy before the sampling one, and a batch said to be sampled by the weights it trains."""
+    log, mode = [], "two_step_off"
+    rollout = PolicyRollout(log, lag_versions=1 if fault == "logprobs_of_another_version" else 0)
+    teacher = TokenTeacher(log, shift=1 if fault == "teacher_shifted" else 0)
+    run = _aligned_run(mode, rollout, teacher, steps=4)
+    version = (lambda s: s) if fault == "trained_as_sampled" else (lambda s: max(s - 2, 0))
+    failed = [step for step, scored in run if _misalignments(step, scored, version(step))]
+    # Batch 0 has no request before it to be paired with; every batch's log-probs are of version - 1.
+    assert failed == ([0, 1, 2, 3] if fault == "logprobs_of_another_version" else [1, 2, 3]), fault
+
+
+@pytest.mark.parametrize("delay", [1, 2])
+def test_a_delayed_weight_sync_gives_zero_step_off_the_staleness_of_k_step_off(delay):
+    """``scheduler.sync_delay=k``: zero_step_off samples batch b with the weights of version b - k (not before the
+    first), aligned like the asynchronous mode of depth k, and its bound admits that staleness."""
+
+    class InTrainerPolicy(PolicyRollout):
+        asynchronous = False  # samples on the trainer's ranks, like the built-in sampler
+
+    log = []
+    rollout = DelayedSync(InTrainerPolicy(log), [], delay)
+    for step, scored in _aligned_run("zero_step_off", rollout, TokenTeacher(log)):
+        assert _misalignments(step, scored, version=max(step - delay, 0)) == [], f"delay {delay} batch {step}"
+
+
+def test_a_delayed_weight_sync_samples_with_the_old_weights_and_restores_the_new():
+    """The wrapped sampler reads the parameters as they were ``k`` syncs ago; the trainer's are back afterwards."""
+    weight = torch.zeros(3)
+    seen = []
+
+    class ReadsWeights(SynchronousRollout):
+        def generate(self, prompt_token_ids, sampling, n):
+            seen.append(float(weight[0]))
+            return super().generate(prompt_token_ids, sampling, n)
+
+    rollout = DelayedSync(ReadsWeights([], 0.0), [weight], delay=2)
+    for version in range(5):
+        weight.fill_(version)  # the optimizer step that made this version
+        rollout.sync_weights(version)
+        assert rollout.generate([[1, 2, 3]], SamplingParams(), 1).result().policy_version == max(version - 2, 0)
+        assert torch.equal(weight, torch.full((3,), float(version)))
+    assert seen == [0.0, 0.0, 0.0, 1.0, 2.0]
+    with pytest.raises(ValueError, match="sync_delay needs a rollout back end that samples from the trainer"):
+        DelayedSync(RecordingRollout([]), [weight], 1)

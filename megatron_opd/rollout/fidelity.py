@@ -12,6 +12,13 @@ log-probability of a token with the trainer's at temperature 1, which is what vL
   tokens and never negative per token;
 - ``rollout/ppl_ratio``: the trainer's perplexity of the responses over the sampler's, ``exp(-mean d)``.
 
+A stale batch (sampled by weights ``staleness`` steps older than the trained ones) was drawn from another policy
+``mu``; its effect on the objective shows in the importance weights over each response's prefix,
+``w_t = exp(sum_{s<t} d_s)`` (``s <= t`` for ``loss.mode=sampled``, whose estimator also samples the token at
+``t``), clipped at ``loss.staleness_clip`` (``prefix_log_ratios``, ``importance_weights``). They are logged every
+step (``staleness/is_weight_mean``, ``_std``, ``staleness/is_truncated``: the share of tokens clipped) and applied to
+the loss with ``loss.staleness_correction=prefix`` (``docs/training.md``).
+
 The trainer's value is read in the loss pass (``trainer.objective``), no extra forward. A batch whose
 ``logprob_diff_mean`` exceeds ``rollout.max_logprob_diff`` stops the run before ``optimizer.step()``
 (:class:`RolloutMismatchError`): in ``zero_step_off`` every batch, in the asynchronous modes only batches sampled by
@@ -53,26 +60,69 @@ FIDELITY_SUMS = (  # the summed entries; logprob_diff_max is a maximum
     "logprob_diff_sum",
     "prob_ratio_sum",
     "kl_k3_sum",
+    "is_weight_sum",
+    "is_weight_sq_sum",
+    "is_truncated_sum",
 )
 
 
-def fidelity_sums(trainer_lp_BS: torch.Tensor, sampler_lp_BS: torch.Tensor, mask_BS: torch.Tensor) -> dict[str, float]:
-    """Sums (and the maximum) over the trained tokens of ``mask_BS`` that ``fidelity_metrics`` turns into metrics."""
-    return {name: float(value) for name, value in fidelity_sum_tensors(trainer_lp_BS, sampler_lp_BS, mask_BS).items()}
+def prefix_log_ratios(
+    trainer_lp_BS: torch.Tensor,
+    sampler_lp_BS: torch.Tensor,
+    mask_BS: torch.Tensor,
+    segment_ids_BS: torch.Tensor | None = None,
+    *,
+    inclusive: bool = False,
+) -> torch.Tensor:
+    """``[B, S]`` float64: the sum of ``d = log p_trainer - log p_sampler`` over the trained tokens of a sample
+    predicted before position ``s`` (and at ``s`` too when ``inclusive``), i.e. the log-ratio of the probabilities
+    of the sampled prefix. Each row is one sample, or with ``segment_ids_BS`` (packed rows) each segment."""
+    d_BS = torch.where(mask_BS != 0, trainer_lp_BS.double() - sampler_lp_BS.double(), 0.0)
+    through_BS = d_BS.cumsum(dim=-1)
+    before_BS = through_BS - d_BS
+    if segment_ids_BS is not None:  # subtract what the row's earlier segments summed to
+        starts_BS = torch.ones_like(segment_ids_BS, dtype=torch.bool)
+        starts_BS[..., 1:] = segment_ids_BS[..., 1:] != segment_ids_BS[..., :-1]
+        positions_BS = torch.arange(d_BS.shape[-1], device=d_BS.device).expand_as(d_BS)
+        first_BS = torch.where(starts_BS, positions_BS, 0).cummax(dim=-1).values
+        offset_BS = before_BS.gather(-1, first_BS)
+        through_BS, before_BS = through_BS - offset_BS, before_BS - offset_BS
+    return through_BS if inclusive else before_BS
+
+
+def importance_weights(log_ratio_BS: torch.Tensor, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated importance weights ``min(exp(log_ratio), clip)`` (float32) and where the clip applied."""
+    truncated_BS = log_ratio_BS > math.log(clip)
+    return torch.exp(log_ratio_BS.clamp(max=math.log(clip))).float(), truncated_BS
+
+
+def fidelity_sums(
+    trainer_lp_BS: torch.Tensor,
+    sampler_lp_BS: torch.Tensor,
+    mask_BS: torch.Tensor,
+    weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> dict[str, float]:
+    """Sums (and the maximum) over the trained tokens of ``mask_BS`` that ``fidelity_metrics`` turns into metrics;
+    ``weights``: ``importance_weights`` of the batch's prefixes."""
+    sums = fidelity_sum_tensors(trainer_lp_BS, sampler_lp_BS, mask_BS, weights)
+    return {name: float(value) for name, value in sums.items()}
 
 
 def fidelity_sum_tensors(
-    trainer_lp_BS: torch.Tensor, sampler_lp_BS: torch.Tensor, mask_BS: torch.Tensor
+    trainer_lp_BS: torch.Tensor,
+    sampler_lp_BS: torch.Tensor,
+    mask_BS: torch.Tensor,
+    weights: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """``fidelity_sums`` as float64 scalars on the inputs' device: masked, not selected, so that the loss pass reads
     nothing to the host (a boolean selection waits for the device to count it)."""
     valid_BS = mask_BS != 0
+    zero = torch.zeros((), dtype=torch.float64, device=mask_BS.device)
     if valid_BS.numel() == 0:
-        zero = torch.zeros((), dtype=torch.float64, device=mask_BS.device)
         return dict.fromkeys((*FIDELITY_SUMS, "logprob_diff_max"), zero)
     d = torch.where(valid_BS, trainer_lp_BS.double() - sampler_lp_BS.double(), 0.0)
     ratio = torch.where(valid_BS, torch.exp(d), 0.0)
-    return {
+    sums = {
         "fidelity_tokens": valid_BS.sum().double(),
         "logprob_diff_abs_sum": d.abs().sum(),
         "logprob_diff_sq_sum": (d * d).sum(),
@@ -81,6 +131,11 @@ def fidelity_sum_tensors(
         "kl_k3_sum": torch.where(valid_BS, ratio - 1.0 - d, 0.0).sum(),
         "logprob_diff_max": d.abs().max(),  # 0 where nothing is trained
     }
+    if weights is not None:
+        w = torch.where(valid_BS, weights[0].double(), 0.0)
+        sums |= {"is_weight_sum": w.sum(), "is_weight_sq_sum": (w * w).sum(),
+                 "is_truncated_sum": (weights[1] & valid_BS).sum().double()}  # fmt: skip
+    return sums
 
 
 def fidelity_metrics(sums: dict[str, float]) -> dict[str, float]:
@@ -96,7 +151,37 @@ def fidelity_metrics(sums: dict[str, float]) -> dict[str, float]:
         "rollout/prob_ratio_mean": sums["prob_ratio_sum"] / n,
         "rollout/kl_k3": sums["kl_k3_sum"] / n,
         "rollout/ppl_ratio": math.exp(-sums["logprob_diff_sum"] / n),
+    } | staleness_metrics(sums)
+
+
+def staleness_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """``staleness/*``: the prefix importance weights' mean, standard deviation and share truncated (empty when the
+    step computed none)."""
+    n = sums["fidelity_tokens"]
+    if n <= 0 or not sums.get("is_weight_sum"):
+        return {}
+    mean = sums["is_weight_sum"] / n
+    return {
+        "staleness/is_weight_mean": mean,
+        "staleness/is_weight_std": math.sqrt(max(sums["is_weight_sq_sum"] / n - mean * mean, 0.0)),
+        "staleness/is_truncated": sums["is_truncated_sum"] / n,
     }
+
+
+def policy_lag_warning(metrics: dict[str, float], staleness: int, threshold: float) -> str | None:
+    """The warning for a stale batch whose policy lag (``staleness/policy_lag``: mean |d| per token, the trainer's
+    drift from the weights that sampled it) exceeds ``threshold`` (0: never); None otherwise."""
+    lag = metrics.get("staleness/policy_lag")
+    if not threshold or staleness == 0 or lag is None or lag <= threshold:
+        return None
+    truncated = metrics.get("staleness/is_truncated")
+    share = f", {truncated:.1%} of its tokens' prefix weights clipped" if truncated is not None else ""
+    return (
+        f"a batch sampled {staleness} step(s) before the weights it trains lags them by {lag:.3g} nats per token"
+        f"{share} (above scheduler.warn_policy_lag={threshold:g}): stale samples teach less per step "
+        "(benchmarks/RESULTS.md, scheduler quality). Consider a lower optim.lr, a scheduler.mode with less staleness "
+        "or, at staleness 2, loss.staleness_correction=prefix"
+    )
 
 
 LIKELY_CAUSES = (

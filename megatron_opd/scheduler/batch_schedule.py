@@ -129,6 +129,8 @@ class Scheduler:
                 "teacher.backend=inprocess or server, or loss.support=teacher_topk"
             )
         self.mode, self.depth = mode, DEPTH[mode]
+        self.bound = self.depth + getattr(rollout, "sync_delay", 0)
+        """The staleness bound: the mode's depth, plus the debug weight-sync delay (``scheduler.sync_delay``)."""
         self.teacher_depth = 1 if mode == "two_step_off" else 0
         """Batches scored by the teacher ahead of the update (two_step_off scores batch i+1 while i trains)."""
         self.rollout, self.teacher, self.data, self.seed_for = rollout, teacher, data, seed_for
@@ -163,10 +165,10 @@ class Scheduler:
         flight.timings["wait_teacher"] += time.perf_counter() - t0
         self._next_trained = step + 1
         scored = ScoredBatch(flight.rollouts, flight.batch, scores, step, flight.timings, flight.items, metrics)
-        if not 0 <= scored.staleness <= self.depth:
+        if not 0 <= scored.staleness <= self.bound:
             raise RuntimeError(
                 f"batch {step} was sampled by policy version {scored.rollouts.policy_version} and trains version "
-                f"{step}: staleness {scored.staleness} is outside scheduler.mode={self.mode}'s bound of {self.depth}"
+                f"{step}: staleness {scored.staleness} is outside scheduler.mode={self.mode}'s bound of {self.bound}"
             )
         return scored
 

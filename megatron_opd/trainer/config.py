@@ -335,6 +335,14 @@ class LossConfig:
     teacher token with the same bytes, the teacher's top-k mapped to student ids by identical token bytes, with
     the top-k divergence (``loss.kind``, ``loss.tail``; unmapped teacher mass goes to the tail); other groups
     the sampled one. ``off``: the vocabulary check refuses a teacher with another tokenizer."""
+    staleness_correction: Literal["off", "prefix"] = "off"
+    """``prefix``: weight each token's loss by the truncated importance weight of the sampled prefix before it,
+    ``min(prod_{s<t} p_trainer(y_s) / p_sampler(y_s), loss.staleness_clip)`` (``s <= t`` for ``loss.mode=sampled``),
+    correcting the state distribution of batches sampled by older weights (``scheduler.mode`` one/two_step_off);
+    1 for fresh batches. Needs rollout.temperature=1 without top_k/top_p (the recorded log-probabilities are then the
+    sampling policy's) and no fused output layer. See docs/training.md."""
+    staleness_clip: float = 2.0
+    """Upper clip of the prefix importance weights (logged as ``staleness/*`` either way)."""
     weighting: Literal["none", "reward", "teacher_confidence"] = "none"
     """Per-sequence weights: none, reward-weighted distillation, or TCAD teacher-confidence weights."""
     reward_fn: str | None = None
@@ -432,6 +440,14 @@ class SchedulerConfig:
     sampled (by the weights one update older) while batch i is scored and trained; ``two_step_off``: sampling,
     scoring and training of three consecutive batches overlap. Staleness is at most 0, 1 or 2 optimizer steps;
     the asynchronous modes need ``rollout.backend=vllm``."""
+    sync_delay: int = 0
+    """Debug and benchmarks: with ``zero_step_off`` and the built-in sampler, sample each batch with the weights of
+    this many optimizer steps before the ones it trains (a copy of the student kept per step), so staleness 1 or 2
+    is measured without the asynchronous machinery (``scheduler/delayed_sync.py``). 0: off."""
+    warn_policy_lag: float = 0.1
+    """Warn when a stale batch's policy lag (``staleness/policy_lag``: mean |log p_trainer - log p_sampler| per
+    sampled token, the trainer's drift from the weights that sampled it) exceeds this many nats; at most once per
+    ``logging.log_every`` steps. 0: never."""
 
 
 @dataclass
@@ -572,6 +588,26 @@ class TrainConfig:
                 "no vocabulary): set teacher.tokenizer (or teacher.path) to the folder of the model the server runs"
             )
 
+    def _validate_staleness_correction(self) -> None:
+        loss, rollout = self.loss, self.rollout
+        if not loss.staleness_clip >= 1.0:
+            raise ValueError(f"loss.staleness_clip={loss.staleness_clip} must be >= 1 (fresh batches have weight 1)")
+        if loss.staleness_correction == "off":
+            return
+        if loss.kind == "sft" or loss.cross_tokenizer != "off" or loss.fused_output == "on":
+            raise ValueError(
+                "loss.staleness_correction=prefix weights the distillation loss by the student's own token ratios: it "
+                "needs loss.kind != sft, loss.cross_tokenizer=off and loss.fused_output != on; set "
+                "loss.staleness_correction=off or change those"
+            )
+        if rollout.temperature != 1.0 or rollout.top_k or rollout.top_p != 1.0:
+            raise ValueError(
+                f"loss.staleness_correction=prefix needs the sampling policy's log-probabilities, which the rollouts "
+                f"record only at rollout.temperature=1 without rollout.top_k / top_p (got temperature "
+                f"{rollout.temperature}, top_k {rollout.top_k}, top_p {rollout.top_p}); sample at those settings or "
+                "set loss.staleness_correction=off"
+            )
+
     def validate(self) -> None:
         """Checks that need the whole config (run by the entry point, after overrides); fills derived defaults."""
         if self.checkpoint.dir is None:
@@ -639,6 +675,16 @@ class TrainConfig:
             raise ValueError(
                 f"scheduler.mode={self.scheduler.mode} samples while the trainer trains, which needs rollouts outside "
                 "the trainer's ranks: set rollout.backend=vllm, or scheduler.mode=zero_step_off with the built-in sampler"
+            )
+        self._validate_staleness_correction()
+        if self.scheduler.sync_delay < 0 or (
+            self.scheduler.sync_delay
+            and (self.scheduler.mode != "zero_step_off" or self.rollout.backend != "builtin" or self.loss.kind == "sft")
+        ):
+            raise ValueError(
+                f"scheduler.sync_delay={self.scheduler.sync_delay} (a debug delay of the weight sync) applies to "
+                "distillation with scheduler.mode=zero_step_off and rollout.backend=builtin, as a number >= 0; set "
+                "scheduler.sync_delay=0 or use those settings"
             )
         pp = self.parallel.pipeline_model_parallel_size
         if self.rollout.backend == "builtin" and self.loss.kind != "sft" and pp > 1:

@@ -23,6 +23,8 @@ _CONSOLE = (
     ("time/teacher", "teacher", "{:.2f}s"),
     ("time/update", "update", "{:.2f}s"),
     ("lr", "lr", "{:.2e}"),
+    ("staleness/policy_lag", "lag", "{:.3f}"),  # stale batches only
+    ("staleness/is_weight_std", "IS sd", "{:.2f}"),
 )
 
 

@@ -34,7 +34,7 @@ from megatron_opd.losses.shard_ops import chunked_logsumexp, gather_at_ids, glob
 from megatron_opd.losses.vocab_parallel import make_vocab_shard
 from megatron_opd.models.output import HiddenStateOutput
 from megatron_opd.models.packing import pipeline_token_budget
-from megatron_opd.rollout.fidelity import fidelity_sum_tensors
+from megatron_opd.rollout.fidelity import fidelity_sum_tensors, importance_weights, prefix_log_ratios
 from megatron_opd.trainer.config import LossConfig
 
 
@@ -70,6 +70,12 @@ class StepStats:
     """Sum of p_trainer / p_sampler."""
     kl_k3_sum: float = 0.0
     """Sum of the k3 terms exp(d) - 1 - d of KL(sampler || trainer)."""
+    is_weight_sum: float = 0.0
+    """Sum of the prefix importance weights (``rollout.fidelity.importance_weights``)."""
+    is_weight_sq_sum: float = 0.0
+    """Sum of their squares."""
+    is_truncated_sum: float = 0.0
+    """Tokens whose weight was clipped at ``loss.staleness_clip``."""
     logprob_diff_max: float = 0.0
     """Largest |log p_trainer - log p_sampler| (a maximum, not a sum)."""
 
@@ -276,10 +282,16 @@ def make_loss_fn(
         kwargs = {} if cfg.reduction == "sum" else {"normalizer": normalizer, "segment_ids": mb.get("segment_ids")}
         if output is None:
             per_token_BS, reads = per_token_pass(output_tensor, mb)
+            staleness = staleness_weights(reads, mb)
+            if cfg.staleness_correction == "prefix":  # the stale prefix's importance weight (fused output is off)
+                if staleness is None:
+                    raise ValueError("loss.staleness_correction=prefix: the batch has no rollout log-probabilities")
+                weights_BS = weights_BS * staleness[0]
             weighted_BS = per_token_BS * weights_BS.to(per_token_BS.dtype)
             loss = reduce_loss(weighted_BS, mask_BS, cfg.reduction, **kwargs)
         else:
             loss, per_token_BS, reads = _fused_pass(output_tensor, output.weight, mb, weights_BS, kwargs)
+            staleness = staleness_weights(reads, mb)
         with torch.no_grad():  # on the device: one host read per step, after the last micro-batch (sum_stats)
             valid_BS = mask_BS != 0
             values = {
@@ -290,9 +302,19 @@ def make_loss_fn(
                 "nonfinite": ~torch.isfinite(loss.detach()),
             }
             if "rollout_logprobs" in mb:
-                values.update(fidelity_sum_tensors(reads["label_lp"], mb["rollout_logprobs"], mask_BS))
+                values.update(fidelity_sum_tensors(reads["label_lp"], mb["rollout_logprobs"], mask_BS, staleness))
             stats = MicroBatchStats.of(values, loss.device)
         return loss * scale, stats
+
+    def staleness_weights(reads: dict, mb: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The prefix importance weights of the micro-batch's sampled tokens and where they were clipped (None
+        without the sampler's log-probabilities)."""
+        if "rollout_logprobs" not in mb:
+            return None
+        with torch.no_grad():
+            log_ratio_BS = prefix_log_ratios(reads["label_lp"], mb["rollout_logprobs"], mb["loss_mask"],
+                                             mb.get("segment_ids"), inclusive=cfg.mode == "sampled")  # fmt: skip
+            return importance_weights(log_ratio_BS, cfg.staleness_clip)
 
     def _fused_pass(hidden_BSH: torch.Tensor, weight_VH: torch.Tensor, mb: dict, weights_BS, kwargs: dict):
         """``per_token_pass`` a chunk of trained tokens at a time on logits formed from the hidden states."""
@@ -434,5 +456,10 @@ def train_step(
 
 def fused_output_applies(cfg: LossConfig) -> bool:
     """Whether the update forms its logits inside the loss (``loss.fused_output``; SFT keeps the output layer, and
-    so does a cross-tokenizer loss, whose groups must not be split over chunks)."""
-    return cfg.kind != "sft" and cfg.fused_output != "off" and cfg.cross_tokenizer == "off"
+    so does a cross-tokenizer loss, whose groups must not be split over chunks, and the staleness correction)."""
+    return (
+        cfg.kind != "sft"
+        and cfg.fused_output != "off"
+        and cfg.cross_tokenizer == "off"
+        and cfg.staleness_correction == "off"  # its weights need the pass's log-probabilities before the reduction
+    )
