@@ -65,8 +65,8 @@ TEACHER_SFT = ["train.steps=200", "optim.lr_warmup_steps=20"]
 PAIRS = ("doubles", "cross_space")
 PAIR_SFT = {
     "doubles": ([], []),
-    "cross_space": (["train.steps=400", "rollout.max_new_tokens=10"],
-                    ["train.steps=300", "rollout.max_new_tokens=10"]),
+    "cross_space": (["train.steps=700", "rollout.max_new_tokens=10"],
+                    ["train.steps=400", "rollout.max_new_tokens=10"]),
 }  # fmt: skip
 """Extra overrides of the teacher's SFT and the student's warm-up per ``--pair``."""
 SPACED_DISTIL = {"prompts_per_step": 32, "max_new_tokens": 10, "lr": 2e-4, "min_lr": 2e-4}
