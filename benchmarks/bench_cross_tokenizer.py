@@ -66,7 +66,7 @@ PAIRS = ("doubles", "cross_space")
 PAIR_SFT = {
     "doubles": ([], []),
     "cross_space": (["train.steps=700", "rollout.max_new_tokens=10"],
-                    ["train.steps=400", "rollout.max_new_tokens=10"]),
+                    ["train.steps=350", "rollout.max_new_tokens=10"]),
 }  # fmt: skip
 """Extra overrides of the teacher's SFT and the student's warm-up per ``--pair``."""
 SPACED_DISTIL = {"prompts_per_step": 32, "max_new_tokens": 10, "lr": 2e-4, "min_lr": 2e-4}

@@ -30,7 +30,7 @@ class CollapseWatch:
     def __init__(
         self,
         action: str = "stop",
-        length_ratio: float = 0.5,
+        length_ratio: float = 0.7,
         min_improvement: float = 0.1,
         window: int = 10,
         patience: int = 20,

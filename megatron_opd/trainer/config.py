@@ -212,7 +212,7 @@ class TrainLoopConfig:
     collapse_check: Literal["stop", "warn", "off"] = "stop"
     """Watch for responses that collapse while the per-token divergence does not improve
     (``megatron_opd.trainer.collapse``): stop the run with an error naming the likely cause, only warn, or off."""
-    collapse_length_ratio: float = 0.5
+    collapse_length_ratio: float = 0.7
     """Responses count as collapsed when their mean length over the last ``collapse_window`` steps is below this share
     of the first window's (and the divergence has not improved: ``collapse_min_improvement``)."""
     collapse_min_improvement: float = 0.1
