@@ -4,6 +4,7 @@
     python benchmarks/bench_cross_tokenizer.py --steps 100 --json out.json
     python benchmarks/bench_cross_tokenizer.py --rows gold,gold-hybrid --workdir runs/bench_ct --keep
     python benchmarks/bench_cross_tokenizer.py --topk 16 --seed 1         # top-k of the aligned row, another seed
+    python benchmarks/bench_cross_tokenizer.py --pair cross_space --seeds 1,2,3 --lr-warmups 0,10   # issue #41's pair
 
 Issue #22. The task of ``examples/quickstart.py --cross-tokenizer`` (``tools/make_quickstart_task.py
 --teacher-digit-merges doubles``): digit reversal, a student tokenizer with one token per digit and a teacher
@@ -16,9 +17,18 @@ hf``), one run each, one after the other, ``--threads`` torch threads each. The 
 sample each), the response limit, the sampling temperature, the learning rate and its schedule (linear warm-up,
 cosine to ``min_lr``), Adam(W) without weight decay, gradient clipping 1.0, fp32.
 
+``--pair cross_space`` (issue #41): the same task with spaced digits ("reverse 4 0 9 1 2 =" -> "2 1 9 0 4"), a
+student tokenizer split into words (one token per digit and its space, 274 ids) and a teacher whose byte-level BPE
+merges 40 digit pairs across the space ("5 1", 354 ids; ``testing.real_tokenizers`` ``word`` and ``cross_space``):
+76% of the teacher's tokens on spaced answers have a student twin. Teacher SFT 700 steps, student warm-up 350, then
+issue #41's run: 100 steps of 32 prompts, lr 2e-4 held after ``--lr-warmups`` warm-up steps. With ``--seeds`` and
+``--lr-warmups`` every row runs once per combination and a summary gives the mean held-out accuracy before and after
+and the response length at the end over the start.
+
 Rows:
 - ``ours-sampled``: ``distil_cross.yaml`` (sampled reverse KL per aligned byte group).
-- ``ours-aligned``: the same with ``loss.mode=topk loss.kind=forward_kl loss.topk=--topk loss.cross_tokenizer=aligned``.
+- ``ours-aligned``: the same with ``loss.mode=topk loss.kind=forward_kl loss.topk=--topk loss.cross_tokenizer=aligned``;
+  ``ours-aligned-rkl`` with ``loss.kind=reverse_kl``.
 - Ours at TP=1 with padded micro-batches (``train.packing=false``, as GOLD's; ``--packing``: packed).
 - ``gold``, ``gold-hybrid``: ``benchmarks/_trl_gold_worker.py`` in TRL's venv (``--trl-venv``, installed when
   missing): ``GOLDTrainer`` with ``use_uld_loss=True``, ``lmbda=1`` (fully on-policy), GOLD's defaults for the rest of
