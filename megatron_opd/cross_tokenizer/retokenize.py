@@ -31,6 +31,7 @@ Shape legend: ``N`` samples, ``S`` student positions, ``St`` teacher positions.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +46,8 @@ from megatron_opd.cross_tokenizer.alignment import (
 )
 from megatron_opd.cross_tokenizer.vocabulary_map import VocabularyMap
 from megatron_opd.interfaces import Rollouts, TeacherScores
+
+logger = logging.getLogger(__name__)
 
 MIN_MAPPED_SHARE = 0.5
 """``aligned``: a group's first position takes the top-k loss when at least this share of the teacher's top-k mass
@@ -104,6 +107,13 @@ class CrossTokenizer:
                 self.student_bytes, self.teacher_bytes, sorted(self.student_stop_ids, key=lambda i: i != eos),
                 [] if self.teacher_eos is None else [int(self.teacher_eos)], student_tokenizer=student_tokenizer,
             )  # fmt: skip
+            shares = self.vocabulary_map.coverage([])
+            logger.info(
+                "vocabulary map: %.1f%% of the teacher's ids have a student twin, %.1f%% a student token they begin "
+                "with (loss.cross_tokenizer=aligned uses the latter)",
+                100 * shares["twin_ids"],
+                100 * shares["first_ids"],
+            )
         self.topk = topk
 
     def request(self, batch, rollouts: Rollouts, records: list[dict]) -> TeacherRequest:
