@@ -11,7 +11,8 @@ the group's first position (``extras["group_offset"]``), which is what the sampl
 at the first position of each group (a byte offset where both tokenizations have a boundary) each teacher token is
 mapped to the student token its bytes begin with
 (:attr:`~megatron_opd.cross_tokenizer.vocabulary_map.VocabularyMap.teacher_to_first`) for the top-k loss
-(:mod:`megatron_opd.losses.aligned`); the group's other positions keep the sampled loss. All of it runs on the host in the data path, off the accelerator.
+(:mod:`megatron_opd.losses.aligned`); the group's other positions keep the sampled loss. All of it runs on the
+host in the data path, off the accelerator.
 
 Where the student stopped, the teacher's last token was chosen knowing that the text ends there: a teacher with a
 token for "33" writes a lone "3" only last, so the cost of stopping one digit early would land on the "3" and none

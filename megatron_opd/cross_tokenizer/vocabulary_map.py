@@ -152,8 +152,8 @@ class VocabularyMap:
         """Teacher top-k (ids, log-probs) at some positions -> (student ids, log-probs, support bool), same [T, K] shape.
 
         ``prefixes``: map by :attr:`teacher_to_first` (the student token each teacher token begins with) instead of
-        by identical bytes. Teacher ids with the same student id are merged into the first of their slots (log of the summed
-        probabilities); the other slots, and those of teacher ids without a twin, are empty: student id 0,
+        by identical bytes. Teacher ids with the same student id are merged into the first of their slots (log of the
+        summed probabilities); the other slots, and those of teacher ids without a twin, are empty: student id 0,
         log-probability ``-inf``, support False. Their mass is left to the loss's tail.
         """
         if ids_TK.shape != logprobs_TK.shape or ids_TK.dim() != 2:
