@@ -4,6 +4,7 @@
     python benchmarks/bench_cross_tokenizer.py --steps 100 --json out.json
     python benchmarks/bench_cross_tokenizer.py --rows gold,gold-hybrid --workdir runs/bench_ct --keep
     python benchmarks/bench_cross_tokenizer.py --topk 16 --seed 1         # top-k of the aligned row, another seed
+    python benchmarks/bench_cross_tokenizer.py --pair cross_space --seeds 1,2,3 --lr-warmups 0,10   # issue #41's pair
 
 Issue #22. The task of ``examples/quickstart.py --cross-tokenizer`` (``tools/make_quickstart_task.py
 --teacher-digit-merges doubles``): digit reversal, a student tokenizer with one token per digit and a teacher
@@ -16,9 +17,18 @@ hf``), one run each, one after the other, ``--threads`` torch threads each. The 
 sample each), the response limit, the sampling temperature, the learning rate and its schedule (linear warm-up,
 cosine to ``min_lr``), Adam(W) without weight decay, gradient clipping 1.0, fp32.
 
+``--pair cross_space`` (issue #41): the same task with spaced digits ("reverse 4 0 9 1 2 =" -> "2 1 9 0 4"), a
+student tokenizer split into words (one token per digit and its space, 274 ids) and a teacher whose byte-level BPE
+merges 40 digit pairs across the space ("5 1", 354 ids; ``testing.real_tokenizers`` ``word`` and ``cross_space``):
+76% of the teacher's tokens on spaced answers have a student twin. Teacher SFT 700 steps, student warm-up 350, then
+issue #41's run: 100 steps of 32 prompts, lr 2e-4 held after ``--lr-warmups`` warm-up steps. With ``--seeds`` and
+``--lr-warmups`` every row runs once per combination and a summary gives the mean held-out accuracy before and after
+and the response length at the end over the start.
+
 Rows:
 - ``ours-sampled``: ``distil_cross.yaml`` (sampled reverse KL per aligned byte group).
-- ``ours-aligned``: the same with ``loss.mode=topk loss.kind=forward_kl loss.topk=--topk loss.cross_tokenizer=aligned``.
+- ``ours-aligned``: the same with ``loss.mode=topk loss.kind=forward_kl loss.topk=--topk loss.cross_tokenizer=aligned``;
+  ``ours-aligned-rkl`` with ``loss.kind=reverse_kl``.
 - Ours at TP=1 with padded micro-batches (``train.packing=false``, as GOLD's; ``--packing``: packed).
 - ``gold``, ``gold-hybrid``: ``benchmarks/_trl_gold_worker.py`` in TRL's venv (``--trl-venv``, installed when
   missing): ``GOLDTrainer`` with ``use_uld_loss=True``, ``lmbda=1`` (fully on-policy), GOLD's defaults for the rest of
@@ -59,9 +69,53 @@ from bench_train import DEFAULT_TRL_VENV, ensure_trl_venv
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "benchmarks" / "_trl_gold_worker.py"
 QUICKSTART = REPO / "examples" / "quickstart"
-ROWS = ("ours-sampled", "ours-aligned", "gold", "gold-hybrid")
+ROWS = ("ours-sampled", "ours-aligned", "ours-aligned-rkl", "gold", "gold-hybrid")
 TEACHER_SFT = ["train.steps=200", "optim.lr_warmup_steps=20"]
 """The cross-tokenizer quick start's teacher: 200 SFT steps (examples/quickstart.py)."""
+PAIRS = ("doubles", "cross_space")
+PAIR_SFT = {
+    "doubles": ([], []),
+    "cross_space": (["train.steps=700", "rollout.max_new_tokens=10"],
+                    ["train.steps=350", "rollout.max_new_tokens=10"]),
+}  # fmt: skip
+"""Extra overrides of the teacher's SFT and the student's warm-up per ``--pair``."""
+SPACED_DISTIL = {"prompts_per_step": 32, "max_new_tokens": 10, "lr": 2e-4, "min_lr": 2e-4}
+"""``--pair cross_space``: issue #41's run (32 prompts per step, lr 2e-4 held, answers up to 6 digits + EOS)."""
+
+
+def make_spaced_task(out: Path, n_train: int = 8000, n_eval: int = 256, seed: int = 0) -> None:
+    """Issue #41's pair on the digit task with spaced digits ("reverse 4 0 9 1 2 =" -> "2 1 9 0 4"): a student
+    tokenizer split into words (one token per digit with its space) and a teacher whose byte-level BPE merges cross
+    spaces (``testing.real_tokenizers``: ``word`` and ``cross_space``), the models of ``tasks.digits``."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
+
+    from megatron_opd.tasks import digits
+    from megatron_opd.testing.real_tokenizers import synthetic_tokenizer, write_synthetic_tokenizer
+
+    for name, size, kind, s in (("teacher-init", "teacher", "cross_space", seed), ("student-init", "student", "word",
+                                                                                   seed + 1)):  # fmt: skip
+        folder = write_synthetic_tokenizer(out / name, kind)
+        vocab = (len(synthetic_tokenizer(kind)) + 15) // 16 * 16
+        config = Qwen3Config(vocab_size=vocab, head_dim=digits.HEAD_DIM, max_position_embeddings=64,
+                             rms_norm_eps=1e-6, tie_word_embeddings=size == "student", bos_token_id=0,
+                             eos_token_id=0, pad_token_id=0, **digits.MODEL_SIZES[size])  # fmt: skip
+        torch.manual_seed(s)
+        model = AutoModelForCausalLM.from_config(config).float()
+        model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        model.save_pretrained(folder, safe_serialization=True)
+
+    def spaced(records: list[dict]) -> list[dict]:
+        out = []
+        for r in records:
+            answer = " ".join(r["answer"])
+            out.append({"prompt": f"reverse {' '.join(r['answer'][::-1])} =", "answer": answer, "response": answer})
+        return out
+
+    eval_records = digits.make_records(n_eval, seed=seed + 1)
+    train_records = digits.make_records(n_train, seed=seed + 2, exclude=[r["prompt"] for r in eval_records])
+    for name, records in (("train.jsonl", train_records), ("eval.jsonl", eval_records)):
+        (out / name).write_text("".join(json.dumps(r) + "\n" for r in spaced(records)))
 
 
 @dataclass
@@ -106,6 +160,14 @@ def distil_settings() -> dict:
     }
 
 
+def schedule_overrides(settings: dict) -> list[str]:
+    """The trainer overrides for ``settings`` (``distil_settings``), so that every row runs what the table says."""
+    return [f"train.prompts_per_step={settings['prompts_per_step']}",
+            f"train.micro_batch_size={settings['prompts_per_step']}",
+            f"rollout.max_new_tokens={settings['max_new_tokens']}", f"optim.lr={settings['lr']}",
+            f"optim.min_lr={settings['min_lr']}", f"optim.lr_warmup_steps={settings['lr_warmup_steps']}"]  # fmt: skip
+
+
 def check_byte_level(folder: Path) -> None:
     """Refuse a tokenizer GOLD's cross-tokenizer ULD cannot take (its test: ByteLevel in the pre-tokenizer or
     decoder, ``trl.experimental.utils.is_byte_level_tokenizer``)."""
@@ -147,8 +209,11 @@ def prepare(work: Path, args) -> tuple[Path, Path, Path]:
         print(f"reusing the task, teacher and student of {done}", file=sys.stderr)
         return task, teacher / "hf", student / "hf"
     shutil.rmtree(task, ignore_errors=True)
-    subprocess.run([sys.executable, str(REPO / "tools" / "make_quickstart_task.py"), str(task),
-                    "--teacher-digit-merges", "doubles"], cwd=REPO, check=True)  # fmt: skip
+    if args.pair == "cross_space":
+        make_spaced_task(task)
+    else:
+        subprocess.run([sys.executable, str(REPO / "tools" / "make_quickstart_task.py"), str(task),
+                        "--teacher-digit-merges", "doubles"], cwd=REPO, check=True)  # fmt: skip
     for folder in (task / "teacher-init", task / "student-init"):
         check_byte_level(folder)
     data = [f"data.train_files={task / 'train.jsonl'}", f"data.eval_files={task / 'eval.jsonl'}",
@@ -156,9 +221,10 @@ def prepare(work: Path, args) -> tuple[Path, Path, Path]:
     jobs = {
         teacher: trainer_command(QUICKSTART / "teacher_sft.yaml",
                                  [f"student.path={task / 'teacher-init'}", *data, f"output_dir={teacher}",
-                                  *TEACHER_SFT]),
+                                  *TEACHER_SFT, *PAIR_SFT[args.pair][0]]),
         student: trainer_command(QUICKSTART / "student_warmup.yaml",
-                                 [f"student.path={task / 'student-init'}", *data, f"output_dir={student}"]),
+                                 [f"student.path={task / 'student-init'}", *data, f"output_dir={student}",
+                                  *PAIR_SFT[args.pair][1]]),
     }  # fmt: skip
     print("preparing: teacher SFT and student warm-up (our trainer), side by side", file=sys.stderr)
     procs = {out: start(cmd, work / f"{out.name}.log", args.threads) for out, cmd in jobs.items()}
@@ -181,7 +247,7 @@ def run_ours(name: str, loss: list[str], paths: tuple[Path, Path, Path], setting
     overrides = [f"student.path={student}", f"teacher.path={teacher}", f"data.train_files={task / 'train.jsonl'}",
                  f"data.eval_files={task / 'eval.jsonl'}", f"output_dir={out}", f"train.steps={args.steps}",
                  f"seed={args.seed}", "parallel.tensor_model_parallel_size=1", "logging.tensorboard=false",
-                 f"train.packing={str(args.packing).lower()}", *loss]  # fmt: skip
+                 f"train.packing={str(args.packing).lower()}", *schedule_overrides(settings), *loss]  # fmt: skip
     cmd = trainer_command(QUICKSTART / "distil_cross.yaml", overrides)
     row.extra["command"] = f"OMP_NUM_THREADS={args.threads} python " + " ".join(cmd[1:])
     print(f"running: {name}", file=sys.stderr)
@@ -199,7 +265,10 @@ def run_ours(name: str, loss: list[str], paths: tuple[Path, Path, Path], setting
     ratios = [r["cross_tokenizer/sequence_log_ratio"] for r in steps if "cross_tokenizer/sequence_log_ratio" in r]
     row.train_log_ratio_last10 = statistics.fmean(ratios[-10:]) if ratios else None
     row.response_tokens = statistics.fmean(r["response_length"] for r in steps)
+    lengths = [r["response_length"] for r in steps]
     row.extra.update(
+        response_length_first=lengths[0],
+        response_length_last10=statistics.fmean(lengths[-10:]),
         train_log_ratio_first10=statistics.fmean(ratios[:10]) if ratios else None,
         loss=[r.get("loss") for r in steps],
         rollout_s=[r.get("time/rollout") for r in steps],
@@ -304,9 +373,47 @@ def table(rows: list[Row], before: dict | None, warmup: int) -> str:
     return "\n".join(lines)
 
 
+def run_row(row: str, name: str, paths, settings: dict, aligned: list[str], args, work: Path) -> Row:
+    """One run of ``row`` (``ROWS``) under ``name``."""
+    if row.startswith("gold"):
+        return run_gold(name, row == "gold-hybrid", paths, settings, args, work)
+    loss = {"ours-sampled": [], "ours-aligned": [*aligned, "loss.kind=forward_kl"],
+            "ours-aligned-rkl": [*aligned, "loss.kind=reverse_kl"]}[row]  # fmt: skip
+    return run_ours(name, loss, paths, settings, args, work)
+
+
+def summary(results: list[Row]) -> str:
+    """Per row over its seeds and warm-ups: mean held-out accuracy before -> after, the mean change, how many runs
+    improved, and the response length at the end over the start (``--seeds`` / ``--lr-warmups``)."""
+    groups: dict[str, list[Row]] = {}
+    for r in results:
+        groups.setdefault(r.name.rsplit("-seed", 1)[0], []).append(r)
+    lines = ["| row | runs | held-out accuracy before → after (mean) | change (mean, min, max) | improved "
+             "| response length, last 10 steps / first step (mean, min) |", "|---|---:|---|---|---:|---|"]  # fmt: skip
+    for name, rs in groups.items():
+        ok = [r for r in rs if r.accuracy_after is not None]
+        if not ok:
+            lines.append(f"| {name} | 0 | failed | | | |")
+            continue
+        change = [r.accuracy_after - r.accuracy_before for r in ok]
+        ratio = [r.extra["response_length_last10"] / r.extra["response_length_first"] for r in ok
+                 if r.extra.get("response_length_first")] or [float("nan")]  # fmt: skip
+        lines.append(
+            f"| {name} | {len(ok)} | {statistics.fmean(r.accuracy_before for r in ok):.1%} → "
+            f"{statistics.fmean(r.accuracy_after for r in ok):.1%} | {statistics.fmean(change):+.1%} "
+            f"({min(change):+.1%}, {max(change):+.1%}) | {sum(c > 0 for c in change)}/{len(ok)} "
+            f"| {statistics.fmean(ratio):.2f} ({min(ratio):.2f}) |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=500, help="distillation steps of every row (the quick start's)")
+    parser.add_argument("--pair", choices=PAIRS, default="doubles",
+                        help="doubles: the quick start's pair; cross_space: issue #41's (teacher merges across spaces, "
+                        "about a quarter of its tokens without a student twin)")  # fmt: skip
+    parser.add_argument("--steps", type=int, default=None, help="distillation steps of every row (default: 500, the "
+                        "quick start's; 100 with --pair cross_space)")  # fmt: skip
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
     parser.add_argument("--topk", type=int, default=16, help="loss.topk of ours-aligned")
     parser.add_argument(
@@ -317,12 +424,18 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="first steps left out of the s/step medians")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every run")
     parser.add_argument("--seed", type=int, default=1234, help="seed of every row's run and of the evaluation")
+    parser.add_argument("--seeds", help="comma-separated seeds: every row once per seed (and per --lr-warmups), "
+                        "with a summary over them")  # fmt: skip
+    parser.add_argument("--lr", type=float, help="optim.lr (and min_lr) of every row instead of the pair's")
+    parser.add_argument("--lr-warmups", help="comma-separated optim.lr_warmup_steps: every row once per value")
     parser.add_argument("--trl-venv", default=str(DEFAULT_TRL_VENV), help="TRL's own venv (created when missing)")
     parser.add_argument("--json", metavar="OUT", help="also write every figure and per-step value here")
     parser.add_argument("--workdir", help="where to write (default: a temporary folder); its task, teacher and "
                         "warmed-up student are reused by a later run")  # fmt: skip
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
     args = parser.parse_args()
+    if args.steps is None:
+        args.steps = 100 if args.pair == "cross_space" else 500
     rows = [r for r in args.rows.split(",") if r]
     unknown = sorted(set(rows) - set(ROWS))
     if unknown:
@@ -335,31 +448,42 @@ def main() -> None:
     started = time.perf_counter()
     load_before = os.getloadavg()
     try:
-        settings = distil_settings()
+        base = {**distil_settings(), **(SPACED_DISTIL if args.pair == "cross_space" else {})}
+        if args.lr is not None:
+            base.update(lr=args.lr, min_lr=args.lr)
         paths = prepare(work, args)
         task, teacher, student = paths
-        before = worker_eval(student, teacher, task, settings, args, work / "warmup-eval")
-        aligned = ["loss.mode=topk", "loss.kind=forward_kl", f"loss.topk={args.topk}", "loss.cross_tokenizer=aligned"]
-        runners = {
-            "ours-sampled": lambda: run_ours("ours-sampled", [], paths, settings, args, work),
-            "ours-aligned": lambda: run_ours("ours-aligned", aligned, paths, settings, args, work),
-            "gold": lambda: run_gold("gold", False, paths, settings, args, work),
-            "gold-hybrid": lambda: run_gold("gold-hybrid", True, paths, settings, args, work),
-        }
-        results = [runners[name]() for name in rows]
+        before = worker_eval(student, teacher, task, base, args, work / "warmup-eval")
+        aligned = [f"loss.topk={args.topk}", "loss.mode=topk", "loss.cross_tokenizer=aligned"]
+        seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
+        warmups = [int(x) for x in args.lr_warmups.split(",")] if args.lr_warmups else [base["lr_warmup_steps"]]
+        many = len(seeds) * len(warmups) > 1
+        results = []
+        for warm in warmups:
+            for seed in seeds:
+                args.seed, settings = seed, {**base, "lr_warmup_steps": warm}
+                tag = f"-warmup{warm}-seed{seed}" if many else ""
+                for name in rows:
+                    results.append(run_row(name, name + tag, paths, settings, aligned, args, work))
+                    if args.json:  # what has finished, in case the rest does not
+                        Path(args.json).write_text(json.dumps({"rows": [asdict(r) for r in results]}, indent=1))
         elapsed = time.perf_counter() - started
         load_after = os.getloadavg()
         machine = (f"{platform.machine()}, {os.cpu_count()} CPUs, {args.threads} thread(s) per run; load average "
                    f"{load_before[0]:.1f} before, {load_after[0]:.1f} after")  # fmt: skip
+        pair = ("student one token per digit, teacher a token per doubled digit" if args.pair == "doubles" else
+                "spaced digits, student one token per digit and its space, teacher merges across spaces "
+                "(testing.real_tokenizers word <- cross_space)")  # fmt: skip
         print(
-            f"\nDigit reversal, student one token per digit, teacher a token per doubled digit (both byte-level BPE); "
-            f"teacher SFT 200 steps, student warm-up 125 steps (our trainer); then {args.steps} steps of "
-            f"{settings['prompts_per_step']} prompts, <= {settings['max_new_tokens']} new tokens, temperature "
-            f"{settings['temperature']}, lr {settings['lr']:g} cosine to {settings['min_lr']:g} after "
-            f"{settings['lr_warmup_steps']} warm-up steps; medians after step {args.warmup}. {machine}. "
-            f"Whole benchmark {elapsed:.0f} s.\n"
+            f"\nDigit reversal, {pair} (both byte-level BPE); teacher SFT, student warm-up (our trainer); then "
+            f"{args.steps} steps of {base['prompts_per_step']} prompts, <= {base['max_new_tokens']} new tokens, "
+            f"temperature {base['temperature']}, lr {base['lr']:g} cosine to {base['min_lr']:g} after "
+            f"{', '.join(map(str, warmups))} warm-up steps; seeds {', '.join(map(str, seeds))}; medians after step "
+            f"{args.warmup}. {machine}. Whole benchmark {elapsed:.0f} s.\n"
         )
         print(table(results, before.get("eval"), args.warmup))
+        if many:
+            print("\n" + summary(results))
         for r in results:
             if r.error is not None:
                 print(f"\n{r.name}: {r.error}")
@@ -368,7 +492,7 @@ def main() -> None:
         if args.json:
             report = {
                 "config": vars(args),
-                "settings": settings,
+                "settings": base,
                 "machine": machine,
                 "benchmark_s": elapsed,
                 "heldout_before": before.get("eval"),

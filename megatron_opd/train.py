@@ -42,6 +42,7 @@ from megatron_opd.trainer.checkpointing import (
     set_rng_state,
     sharded_rng_state,
 )
+from megatron_opd.trainer.collapse import CollapseWatch, likely_cause
 from megatron_opd.trainer.config import TrainConfig
 from megatron_opd.trainer.evaluation import build_evaluator
 from megatron_opd.trainer.metrics import MetricsLogger
@@ -198,6 +199,9 @@ def train(cfg: TrainConfig) -> dict[str, float]:
                             start_step=start_step, run_config=to_dict(cfg))  # fmt: skip
     audit = open(Path(cfg.output_dir) / "batches.jsonl", "a") if rank == 0 and not sft else None
     guard = PreemptionGuard()
+    t = cfg.train
+    collapse = CollapseWatch(t.collapse_check, t.collapse_length_ratio, t.collapse_min_improvement,
+                             t.collapse_window, t.collapse_patience, likely_cause(cfg.loss))  # fmt: skip
     last_eval = evaluate(evaluator, metrics, 0) if start_step == 0 else {}
 
     # ---- the loop ----------------------------------------------------------------------------------------------
@@ -223,6 +227,8 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             if lag_warning and step - warned_at >= cfg.logging.log_every:  # at most once per log_every steps
                 metrics.write(f"WARNING step {step}: {lag_warning}")
                 warned_at = step
+            if not sft and (warning := collapse.update(step, row)):  # raises once the collapse has held long enough
+                metrics.write(warning)
             if audit is not None:  # the audit trail of the data order and staleness (rank 0's prompts)
                 audit.write(json.dumps({"step": step, "prompts": [it.index for it in work.items],
                                         "sampled_by": float(step - 1 - work.staleness)}) + "\n")  # fmt: skip

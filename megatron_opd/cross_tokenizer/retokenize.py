@@ -8,15 +8,20 @@ sequences (the log-probability of each of its tokens, ``request_ids`` = the next
 sums them over each group and puts the group's value at every student position of the group, with the offset to
 the group's first position (``extras["group_offset"]``), which is what the sampled loss reads
 (:mod:`megatron_opd.losses.sampled`). With ``loss.cross_tokenizer=aligned`` the teacher also returns its top-k:
-at groups of one student and one teacher token with the same bytes it is mapped to student ids
-(:class:`~megatron_opd.cross_tokenizer.vocabulary_map.VocabularyMap`) for the top-k loss
-(:mod:`megatron_opd.losses.aligned`). All of it runs on the host in the data path, off the accelerator.
+at the first position of each group (a byte offset where both tokenizations have a boundary) each teacher token is
+mapped to the student token its bytes begin with
+(:attr:`~megatron_opd.cross_tokenizer.vocabulary_map.VocabularyMap.teacher_to_first`) for the top-k loss
+(:mod:`megatron_opd.losses.aligned`); the group's other positions keep the sampled loss. All of it runs on the
+host in the data path, off the accelerator.
 
 Where the student stopped, the teacher's last token was chosen knowing that the text ends there: a teacher with a
 token for "33" writes a lone "3" only last, so the cost of stopping one digit early would land on the "3" and none
 on EOS. So the last text token is scored as the prefix it is (the teacher's probability of any of its tokens that
 begin with those bytes, ``TokenBytes.extensions``, asked for at that position) and EOS takes the rest: the
 sequence's total is unchanged, the stop is judged on EOS. A teacher that scores only the next token (vLLM) skips it.
+``aligned`` does the same on its rows: the row predicting the last text token credits every teacher token that
+begins with its bytes (the map does), and the EOS row's EOS slot loses the same shift (the rest is left to the
+loss's tail: what would have followed is not known there).
 
 Samples whose texts cannot be aligned (a response cut inside a multi-byte character, a teacher normaliser that
 rewrites text) are not trained on (their loss mask is cleared) and counted in the metrics. Student tokens in a
@@ -27,6 +32,7 @@ Shape legend: ``N`` samples, ``S`` student positions, ``St`` teacher positions.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +47,13 @@ from megatron_opd.cross_tokenizer.alignment import (
 )
 from megatron_opd.cross_tokenizer.vocabulary_map import VocabularyMap
 from megatron_opd.interfaces import Rollouts, TeacherScores
+
+logger = logging.getLogger(__name__)
+
+MIN_MAPPED_SHARE = 0.5
+"""``aligned``: a group's first position takes the top-k loss when at least this share of the teacher's top-k mass
+there maps to student tokens; below it the mapped distribution says too little and the sampled loss is kept (so the
+loss falls back to ``sampled`` as a pair's mapped mass falls)."""
 
 
 @dataclass
@@ -95,6 +108,13 @@ class CrossTokenizer:
                 self.student_bytes, self.teacher_bytes, sorted(self.student_stop_ids, key=lambda i: i != eos),
                 [] if self.teacher_eos is None else [int(self.teacher_eos)], student_tokenizer=student_tokenizer,
             )  # fmt: skip
+            shares = self.vocabulary_map.coverage([])
+            logger.info(
+                "vocabulary map: %.1f%% of the teacher's ids have a student twin, %.1f%% a student token they begin "
+                "with (loss.cross_tokenizer=aligned uses the latter)",
+                100 * shares["twin_ids"],
+                100 * shares["first_ids"],
+            )
         self.topk = topk
 
     def request(self, batch, rollouts: Rollouts, records: list[dict]) -> TeacherRequest:
@@ -183,7 +203,7 @@ class CrossTokenizer:
         offset = torch.zeros(n, s, dtype=torch.int64)
         logp_NStR = teacher.requested_logprobs.double()
         logp_NSt = logp_NStR[..., 0].clone()
-        log_ratio = []
+        log_ratio, stop_shifts = [], {}
         for i, alignment in enumerate(request.alignments):
             if alignment is None:
                 continue
@@ -195,6 +215,7 @@ class CrossTokenizer:
                 shift = float(torch.logsumexp(logp_NStR[i, at, :count], 0) - logp_NStR[i, at, 0])
                 logp_NSt[i, at] += shift
                 logp_NSt[i, at + 1] -= shift
+                stop_shifts[i] = shift
             # Per group: the sum of its teacher tokens' log-probabilities, put at each of its student tokens.
             student_G, teacher_G = alignment.student_group_index(), alignment.teacher_group_index()
             two_sided_G = torch.tensor([not g.one_sided for g in alignment.groups])
@@ -214,37 +235,47 @@ class CrossTokenizer:
         extras = {"group_offset": offset}
         if not self.topk:
             return TeacherScores(requested_logprobs=group_logp, extras=extras)
-        ids, logprobs, support, aligned = self._mapped_topk(teacher, request, batch)
+        ids, logprobs, support, aligned = self._mapped_topk(teacher, request, batch, stop_shifts)
         extras.update(aligned_mask=aligned, teacher_topk_support=support)
         return TeacherScores(topk_ids=ids, topk_logprobs=logprobs, requested_logprobs=group_logp, extras=extras)
 
-    def _mapped_topk(self, teacher: TeacherScores, request: TeacherRequest, batch):
-        """``loss.cross_tokenizer=aligned``: at each trained student position predicting the token of a group that
-        is one student and one teacher token and the same token (``_twins``), the teacher's top-k there in student
-        ids (``[N, S, K]`` ids, log-probabilities, support) and ``[N, S]`` where that holds and at least one id
-        mapped."""
+    def _mapped_topk(self, teacher: TeacherScores, request: TeacherRequest, batch, stop_shifts: dict[int, float]):
+        """``loss.cross_tokenizer=aligned``: at each trained student position predicting the first token of a
+        two-sided group (a byte offset where both tokenizations have a boundary), the teacher's top-k there mapped
+        to the student token each teacher token begins with (``VocabularyMap.teacher_to_first``): ``[N, S, K]`` ids,
+        log-probabilities, support, and ``[N, S]`` where at least :data:`MIN_MAPPED_SHARE` of the teacher's top-k
+        mass mapped (elsewhere the sampled loss). ``stop_shifts``: per sample that stopped, the stop correction
+        taken off the EOS slot of its EOS row (see the module docstring)."""
         if teacher.topk_ids is None:
             raise ValueError("loss.cross_tokenizer=aligned needs the teacher's top-k; the teacher returned none")
         n, s = batch.tokens.shape
         k = teacher.topk_ids.shape[-1]
-        student_at, teacher_at = [], []  # per sample: (row, position) of each aligned student and teacher position
+        student_at, teacher_at, shift_at = [], [], []  # per sample: (row, position) of each row, its EOS shift
+        skip_first = self.vocabulary_map is not None and (
+            self.student_bytes.dummy_prefix != self.teacher_bytes.dummy_prefix
+        )  # one side's first group may hold a space the other's first token lacks: its first tokens differ
         for i, alignment in enumerate(request.alignments):
             if alignment is None:
                 continue
-            single = [
-                g for g in alignment.groups if g.student[1] - g.student[0] == 1 and g.teacher[1] - g.teacher[0] == 1
-            ]
-            if not single:
+            starts = [g for g in alignment.groups if not g.one_sided and not (skip_first and g.student[0] == 0)]
+            if self.vocabulary_map is None:  # one vocabulary: every group is one token
+                starts = [g for g in starts if g.student[1] - g.student[0] == 1 == g.teacher[1] - g.teacher[0]]
+            if not starts:
                 continue
             p, tp = batch.prompt_lengths[i], request.teacher_prompt_lengths[i]
-            s0 = torch.tensor([g.student[0] for g in single])
-            t0 = torch.tensor([g.teacher[0] for g in single])
-            twins = self._twins(batch.tokens[i, p + s0], request.tokens[i, tp + t0]) & (
-                batch.loss_mask[i, p - 1 + s0] != 0
-            )
-            rows = torch.full((int(twins.sum()),), i)
-            student_at.append(torch.stack([rows, p - 1 + s0[twins]], 1))
-            teacher_at.append(torch.stack([rows, tp - 1 + t0[twins]], 1))
+            s0 = torch.tensor([g.student[0] for g in starts])
+            t0 = torch.tensor([g.teacher[0] for g in starts])
+            trained = batch.loss_mask[i, p - 1 + s0] != 0
+            if self.vocabulary_map is None:
+                trained &= batch.tokens[i, p + s0] == request.tokens[i, tp + t0]
+            rows = torch.full((int(trained.sum()),), i)
+            student_at.append(torch.stack([rows, p - 1 + s0[trained]], 1))
+            teacher_at.append(torch.stack([rows, tp - 1 + t0[trained]], 1))
+            shift = torch.zeros(len(starts), dtype=torch.float64)
+            if i in stop_shifts:  # the EOS group: the teacher's EOS right after its last text token
+                last = request.stop_prefixes[i][0]
+                shift[t0 == last + 1] = stop_shifts[i]
+            shift_at.append(shift[trained])
         ids = torch.zeros(n, s, k, dtype=torch.int64)
         logprobs = torch.zeros(n, s, k, dtype=torch.float32)
         support = torch.zeros(n, s, k, dtype=torch.bool)
@@ -257,11 +288,15 @@ class CrossTokenizer:
             if self.vocabulary_map is None:  # one vocabulary: the teacher's ids are the student's
                 m_ids, m_logprobs, m_support = t_ids, t_logprobs, torch.ones_like(t_ids, dtype=torch.bool)
             else:
-                m_ids, m_logprobs, m_support = self.vocabulary_map.map_topk(t_ids, t_logprobs)
-            ids[si, sp], logprobs[si, sp], support[si, sp] = m_ids, m_logprobs, m_support
-            aligned[si, sp] = m_support.any(dim=-1)
+                m_ids, m_logprobs, m_support = self.vocabulary_map.map_topk(t_ids, t_logprobs, prefixes=True)
+                eos = self.vocabulary_map.student_eos_id
+                shift_R = torch.cat(shift_at).float()
+                m_logprobs = m_logprobs - torch.where(m_support & (m_ids == eos), shift_R[:, None], 0.0)
             mapped_mass = torch.where(m_support, m_logprobs.exp(), 0.0).sum(-1)
             topk_mass = t_logprobs.exp().sum(-1)
+            kept = m_support.any(dim=-1) & (mapped_mass >= MIN_MAPPED_SHARE * topk_mass)
+            ids[si, sp], logprobs[si, sp], support[si, sp] = m_ids, m_logprobs, m_support
+            aligned[si, sp] = kept
         trained = int((batch.loss_mask != 0).sum())
         count = int(aligned.sum())
         request.metrics.update({
@@ -271,10 +306,3 @@ class CrossTokenizer:
             "cross_tokenizer/teacher_topk_mass": float(topk_mass.mean()) if topk_mass.numel() else 0.0,
         })  # fmt: skip
         return ids, logprobs, support, aligned
-
-    def _twins(self, student_ids: torch.Tensor, teacher_ids: torch.Tensor) -> torch.Tensor:
-        """Which of the 1:1 groups' token pairs are one token: the same id (one vocabulary), or the student id the
-        vocabulary map gives the teacher's (the same bytes, not a dummy-prefix space more on one side; EOS->EOS)."""
-        if self.vocabulary_map is None:
-            return student_ids == teacher_ids
-        return self.vocabulary_map.teacher_to_student[teacher_ids] == student_ids

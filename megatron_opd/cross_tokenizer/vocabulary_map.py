@@ -5,6 +5,13 @@ Two tokens are the same token when they add the same bytes to the decoded text (
 are spaces, ``<0xNN>`` one raw byte). Special tokens add no bytes, so they never match by their text, with one
 exception: each teacher stop id is the student's first stop id (EOS is EOS).
 
+For the aligned loss a teacher token is also credited to the student token its bytes begin with
+(:attr:`VocabularyMap.teacher_to_first`): at a byte offset where both tokenizations have a boundary, the teacher's
+probability of "5 1" (one teacher token across a space) is probability the student writes "5" next, which a map of
+identical bytes alone would leave unmapped while the teacher's EOS maps whole (continuing under-credited, stopping
+not). A teacher token whose bytes a longer student token extends (" " when the student has " 5") stays unmapped in
+that table: which student token it stands for depends on what the teacher writes after it.
+
 A vocabulary may hold one byte string twice (SentencePiece byte fallback: ``<0x41>`` and ``A``). The student side
 then keeps the id its tokenizer writes for that text; on the teacher side both ids map to it, and
 :meth:`VocabularyMap.map_topk` merges their probabilities into one slot.
@@ -14,6 +21,7 @@ Shape legend: ``T`` positions, ``K`` teacher top-k slots.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,6 +65,19 @@ def _canonical_id(piece: bytes, ids: list[int], tokenizer: Any | None) -> int:
     return ids[0]
 
 
+def _first_student_id(piece: bytes, student_ids: dict[bytes, int], ordered: list[bytes]) -> int:
+    """The student id of the longest student token ``piece`` begins with; -1 when a longer student token begins with
+    ``piece`` (``ordered``: the student's byte strings sorted) or none is a prefix of it."""
+    k = bisect.bisect_right(ordered, piece)
+    if k < len(ordered) and ordered[k].startswith(piece):
+        return _UNMAPPED
+    for end in range(len(piece), 0, -1):
+        found = student_ids.get(piece[:end])
+        if found is not None:
+            return found
+    return _UNMAPPED
+
+
 class VocabularyMap:
     """Teacher token id -> student token id, for tokens whose bytes are identical (built once per run)."""
 
@@ -87,6 +108,8 @@ class VocabularyMap:
                 "have no student twin"
             )
         self.student_vocab_size = len(student)
+        self.student_eos_id = int(student_stop_ids[0]) if student_stop_ids else -1
+        """The student id the teacher's stops map to (-1: none)."""
         self.teacher_vocab_size = len(teacher)
 
         student_ids = {
@@ -98,24 +121,39 @@ class VocabularyMap:
             student_ids.get(piece, _UNMAPPED) if piece and not special[token_id] else _UNMAPPED
             for token_id, piece in enumerate(teacher._table)
         ]
+        ordered = sorted(student_ids)
+        first = [
+            _first_student_id(piece, student_ids, ordered) if piece and not special[token_id] else _UNMAPPED
+            for token_id, piece in enumerate(teacher._table)
+        ]
         for stop_id in teacher_stop_ids:
-            table[int(stop_id)] = int(student_stop_ids[0])
+            table[int(stop_id)] = first[int(stop_id)] = int(student_stop_ids[0])
         self.teacher_to_student = torch.tensor(table, dtype=torch.int64)
         """``[teacher vocab size]``: the student id of each teacher id, -1 where the teacher token has no student
         twin."""
-        self._table_on_device = self.teacher_to_student
+        self.teacher_to_first = torch.tensor(first, dtype=torch.int64)
+        """``[teacher vocab size]``: the student token a teacher token's bytes begin with (the longest student token
+        that is a prefix of them; the twin where there is one), -1 where a longer student token extends the teacher
+        token's bytes or none begins them (see the module docstring)."""
+        self._tables_on_device: dict[bool, torch.Tensor] = {}
+        self._has_bytes = torch.tensor([bool(piece) and not special[i] for i, piece in enumerate(teacher._table)])
 
-    def mapped_count(self) -> int:
-        """How many teacher ids have a student twin (stop ids included)."""
-        return int((self.teacher_to_student != _UNMAPPED).sum())
+    def mapped_count(self, prefixes: bool = False) -> int:
+        """How many teacher ids have a student twin (stop ids included); ``prefixes``: a student token in
+        :attr:`teacher_to_first`."""
+        return int((self._table(prefixes) != _UNMAPPED).sum())
+
+    def _table(self, prefixes: bool) -> torch.Tensor:
+        return self.teacher_to_first if prefixes else self.teacher_to_student
 
     def map_topk(
-        self, ids_TK: torch.Tensor, logprobs_TK: torch.Tensor
+        self, ids_TK: torch.Tensor, logprobs_TK: torch.Tensor, *, prefixes: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Teacher top-k (ids, log-probs) at some positions -> (student ids, log-probs, support bool), same [T, K] shape.
 
-        Teacher ids with the same student twin are merged into the first of their slots (log of the summed
-        probabilities); the other slots, and those of teacher ids without a twin, are empty: student id 0,
+        ``prefixes``: map by :attr:`teacher_to_first` (the student token each teacher token begins with) instead of
+        by identical bytes. Teacher ids with the same student id are merged into the first of their slots (log of the
+        summed probabilities); the other slots, and those of teacher ids without a twin, are empty: student id 0,
         log-probability ``-inf``, support False. Their mass is left to the loss's tail.
         """
         if ids_TK.shape != logprobs_TK.shape or ids_TK.dim() != 2:
@@ -129,9 +167,10 @@ class VocabularyMap:
                 f"teacher token id {bad} is outside the teacher vocabulary of the vocabulary map "
                 f"({self.teacher_vocab_size} ids)"
             )
-        if self._table_on_device.device != ids_TK.device:
-            self._table_on_device = self.teacher_to_student.to(ids_TK.device)
-        student_TK = self._table_on_device[ids_TK.long()]
+        table = self._tables_on_device.get(prefixes)
+        if table is None or table.device != ids_TK.device:
+            table = self._tables_on_device[prefixes] = self._table(prefixes).to(ids_TK.device)
+        student_TK = table[ids_TK.long()]
         out_dtype = logprobs_TK.dtype
 
         # Sort each row by student id (stable: a group's first slot stays first); equal neighbours are one group.
@@ -160,3 +199,16 @@ class VocabularyMap:
         logprobs_out_TK = torch.empty_like(sorted_logprobs_TK).scatter_(1, order_TK, sorted_logprobs_TK)
         support_out_TK = torch.empty_like(support_TK).scatter_(1, order_TK, support_TK)
         return ids_out_TK, logprobs_out_TK.to(out_dtype), support_out_TK
+
+    def coverage(self, teacher_ids: Sequence[int]) -> dict[str, float]:
+        """How much of the teacher maps: the share of its ids (special ones left out, stops included) with a twin
+        (``twin_ids``) or a first student token (``first_ids``), and the same shares of ``teacher_ids`` (a text's
+        tokens, each counted as often as it occurs: ``twin_tokens``, ``first_tokens``)."""
+        ids = torch.as_tensor(list(teacher_ids), dtype=torch.int64)
+        countable = (self.teacher_to_student != _UNMAPPED) | (self.teacher_to_first != _UNMAPPED) | self._has_bytes
+        out = {}
+        for name, table in (("twin", self.teacher_to_student), ("first", self.teacher_to_first)):
+            mapped = table != _UNMAPPED
+            out[f"{name}_ids"] = float(mapped[countable].float().mean())
+            out[f"{name}_tokens"] = float(mapped[ids].float().mean()) if ids.numel() else 0.0
+        return out

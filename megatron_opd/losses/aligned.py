@@ -1,11 +1,12 @@
-"""The cross-tokenizer loss on the tokens both vocabularies share (``loss.cross_tokenizer=aligned``).
+"""The cross-tokenizer loss on the teacher's top-k mapped to the student's vocabulary (``cross_tokenizer=aligned``).
 
-Where an aligned group is one student token and one teacher token with the same bytes, the teacher's top-k at that
-position, mapped to student ids (``cross_tokenizer.VocabularyMap``), is a distribution over the student's own
-vocabulary minus the mass of teacher tokens without a twin: the exact top-k divergence (``losses.topk``, any kind
-and tail; the unmapped mass is in the teacher's tail) runs there, vocab-parallel on the student's shard. Every
-other position (a group of several tokens on either side) takes the sampled group surrogate of
-``losses.sampled``. With one tokenizer every position is aligned and the loss is the top-k loss.
+At the first position of an aligned group (a byte offset where both tokenizations have a boundary) the teacher's
+top-k there, each teacher token mapped to the student token its bytes begin with (``cross_tokenizer.VocabularyMap``,
+``teacher_to_first``), is a distribution over what the student writes next, minus the mass of teacher tokens that
+map to none: the exact top-k divergence (``losses.topk``, any kind and tail; the unmapped mass is in the teacher's
+tail) runs there, vocab-parallel on the student's shard (``aligned`` marks those positions; the data path leaves out
+those where too little mapped). Every other position takes the sampled group surrogate of ``losses.sampled``. With
+one tokenizer every position is aligned and the loss is the top-k loss.
 
 The top-k divergence runs on a copy of the aligned rows only, in place; the sampled surrogate reads the label's
 log-probability from the logits as they are (neither overwrites what the other needs). Shape legend: ``T`` tokens

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import random
 import shutil
 from pathlib import Path
 
@@ -151,3 +152,100 @@ def tokenizers_of_every_kind(root: str | os.PathLike) -> dict[str, tuple[object,
     except ImportError:
         pass
     return found
+
+
+# ---- synthetic pairs that stress alignment (issue #41) ------------------------------------------------------------
+
+SYNTHETIC_EOS = "<|endoftext|>"
+"""Every synthetic tokenizer's EOS and pad token (id 0)."""
+
+SPACED_PAIRS = tuple(sorted(random.Random(41).sample([(a, b) for a in range(10) for b in range(10)], 40)))
+"""The 40 ordered digit pairs ``a b`` the ``cross_space`` teacher writes as one token (a seeded draw): about a
+quarter of its tokens on spaced digit answers have no student twin."""
+
+SYNTHETIC_KINDS = ("word", "char", "cross_space", "cross_digit", "byte_fallback")
+"""Synthetic tokenizers, each built locally in a second:
+
+- ``word``: byte-level BPE split into words first (GPT-2's pre-tokenizer): one token per digit with its space (" 5"),
+  "reverse", " =" (274 ids).
+- ``char``: byte-level with no merges at all, one token per byte (257 ids): a character-level tokenizer.
+- ``cross_space``: byte-level BPE over the whole text (no word split), so merges cross spaces: ``word``'s tokens plus
+  one token for each pair of :data:`SPACED_PAIRS` ("5 1", " 5 1": 354 ids).
+- ``cross_digit``: ``word``'s tokens plus one for each of the same pairs written without a space ("51", " 51").
+- ``byte_fallback``: a SentencePiece BPE (``sentencepiece`` itself, byte fallback, a dummy prefix) trained on digit
+  texts.
+"""
+
+SYNTHETIC_PAIRS = (
+    ("word", "cross_space"),
+    ("char", "cross_space"),
+    ("word", "cross_digit"),
+    ("byte_fallback", "cross_space"),
+    ("word", "char"),
+)
+"""(student, teacher) pairs of the matrix: merges across spaces (the pair of issue #41), a character-level student,
+merges across digits, a SentencePiece student with byte fallback, a character-level teacher (every teacher token a
+prefix of a student token)."""
+
+_RNG = random.Random(7)
+MATRIX_TEXT = "\n".join(" ".join(_RNG.choices("0123456789", k=_RNG.randint(3, 6))) for _ in range(200)) + (
+    "\nreverse 409 12 = 21 904\nthe sum 51 + 15 = 66\n"
+)
+"""The fixed text the map statistics are weighted on: 200 spaced digit answers of 3-6 digits (the spaced task's
+responses), a few unspaced digits and words."""
+
+
+def _byte_level_tokenizer(merges: list[tuple[str, str]], split_words: bool):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` from explicit merges (strings in the byte-level alphabet)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from megatron_opd.tokenizer import bytes_to_unicode
+
+    vocab = {SYNTHETIC_EOS: 0}
+    for char in bytes_to_unicode().values():
+        vocab[char] = len(vocab)
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split_words)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([SYNTHETIC_EOS])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=SYNTHETIC_EOS, pad_token=SYNTHETIC_EOS)
+
+
+def _word_merges() -> list[tuple[str, str]]:
+    """ "reverse", " =" and " 0" ... " 9" (Ġ is the byte-level space)."""
+    reverse = [("r", "e"), ("re", "v"), ("rev", "e"), ("reve", "r"), ("rever", "s"), ("revers", "e")]
+    return reverse + [("Ġ", "=")] + [("Ġ", str(d)) for d in range(10)]
+
+
+def synthetic_tokenizer(kind: str):
+    """The synthetic tokenizer ``kind`` (:data:`SYNTHETIC_KINDS`), loaded (not saved)."""
+    if kind == "word":
+        return _byte_level_tokenizer(_word_merges(), split_words=True)
+    if kind == "char":
+        return _byte_level_tokenizer([], split_words=True)
+    if kind == "cross_space":
+        pairs = [(f"Ġ{a}", f"Ġ{b}") for a, b in SPACED_PAIRS] + [(f"{a}", f"Ġ{b}") for a, b in SPACED_PAIRS]
+        return _byte_level_tokenizer(_word_merges() + pairs, split_words=False)
+    if kind == "cross_digit":
+        pairs = [(f"{a}", f"{b}") for a, b in SPACED_PAIRS] + [(f"Ġ{a}", f"{b}") for a, b in SPACED_PAIRS]
+        return _byte_level_tokenizer(_word_merges() + pairs, split_words=True)
+    if kind == "byte_fallback":
+        import tempfile
+
+        from megatron_opd.tokenizer import load_tokenizer
+
+        corpus = [MATRIX_TEXT] + [" ".join(str((7 * i + j) % 10) for j in range(i % 7 + 2)) for i in range(200)]
+        model = train_sentencepiece(corpus, vocab_size=300)
+        with tempfile.TemporaryDirectory() as tmp:
+            return load_tokenizer(write_sentencepiece_tokenizer(tmp, model))
+    raise ValueError(f"synthetic tokenizer kind must be one of {SYNTHETIC_KINDS}, got {kind!r}")
+
+
+def write_synthetic_tokenizer(out_dir: str | os.PathLike, kind: str) -> Path:
+    """:func:`synthetic_tokenizer` saved as a Hugging Face folder (``tokenizer.json`` and its config)."""
+    out = Path(out_dir)
+    synthetic_tokenizer(kind).save_pretrained(out)
+    return out

@@ -209,11 +209,33 @@ class TrainLoopConfig:
     micro_batch_tokens: int | None = None
     """With packing and pipeline parallelism: tokens per packed micro-batch (each filled with whole sequences, then
     padded to it: stages exchange one shape); None: micro_batch_size x the step's longest sequence."""
+    collapse_check: Literal["stop", "warn", "off"] = "stop"
+    """Watch for responses that collapse while the per-token divergence does not improve
+    (``megatron_opd.trainer.collapse``): stop the run with an error naming the likely cause, only warn, or off."""
+    collapse_length_ratio: float = 0.7
+    """Responses count as collapsed when their mean length over the last ``collapse_window`` steps is below this share
+    of the first window's (and the divergence has not improved: ``collapse_min_improvement``)."""
+    collapse_min_improvement: float = 0.1
+    """The per-token divergence counts as improved once it has fallen by this share of its first window's value; a
+    collapse of the response length without that improvement is flagged."""
+    collapse_window: int = 10
+    """Steps averaged for each side of the comparison (the first window is the reference)."""
+    collapse_patience: int = 20
+    """Steps in a row the collapse must hold before the run stops (it warns at the first)."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "prompts_per_step", "micro_batch_size"):
+        for name in ("steps", "prompts_per_step", "micro_batch_size", "collapse_window", "collapse_patience"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.collapse_check not in ("stop", "warn", "off"):
+            raise ValueError(f"train.collapse_check must be stop, warn or off, got {self.collapse_check!r}")
+        if not 0.0 < self.collapse_length_ratio < 1.0:
+            raise ValueError(
+                f"train.collapse_length_ratio must be in (0, 1), got {self.collapse_length_ratio}: it is the share of "
+                "the starting response length below which responses count as collapsed"
+            )
+        if not 0.0 <= self.collapse_min_improvement < 1.0:
+            raise ValueError(f"train.collapse_min_improvement must be in [0, 1), got {self.collapse_min_improvement}")
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
             raise ValueError(f"train.micro_batch_tokens must be >= 1 (or null), got {self.micro_batch_tokens}")
 
@@ -331,10 +353,10 @@ class LossConfig:
     cross_tokenizer: Literal["off", "sampled", "aligned"] = "off"
     """A teacher with another tokenizer: ``sampled`` re-tokenizes each response for the teacher, aligns the two
     tokenizations by byte offsets and trains on the sampled reverse KL per aligned group (``loss.mode=sampled``;
-    ``megatron_opd.cross_tokenizer``). ``aligned`` (``loss.mode=topk``): where a group is one student and one
-    teacher token with the same bytes, the teacher's top-k mapped to student ids by identical token bytes, with
-    the top-k divergence (``loss.kind``, ``loss.tail``; unmapped teacher mass goes to the tail); other groups
-    the sampled one. ``off``: the vocabulary check refuses a teacher with another tokenizer."""
+    ``megatron_opd.cross_tokenizer``). ``aligned`` (``loss.mode=topk``): at each group's first position, the
+    teacher's top-k mapped to the student token each teacher token begins with, with the top-k divergence
+    (``loss.kind``, ``loss.tail``; unmapped teacher mass goes to the tail); other positions, and those where under
+    half the top-k mass mapped, the sampled one. ``off``: the vocabulary check refuses a teacher with another tokenizer."""
     staleness_correction: Literal["off", "prefix"] = "off"
     """``prefix``: weight each token's loss by the truncated importance weight of the sampled prefix before it,
     ``min(prod_{s<t} p_trainer(y_s) / p_sampler(y_s), loss.staleness_clip)`` (``s <= t`` for ``loss.mode=sampled``),
