@@ -181,7 +181,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
         params = [p for chunk in student.chunks for p in chunk.parameters()]
         rollout = DelayedSync(rollout, params, cfg.scheduler.sync_delay)
     seq_len = max_seq_len(cfg)
-    encoder = PromptEncoder(vocab.tokenizer, cfg.data.prompt_key, cfg.data.messages_key, cfg.data.response_key)
+    encoder = PromptEncoder.for_data(vocab.tokenizer, cfg.data)
     prompt_room = seq_len - 1 if sft else seq_len - cfg.rollout.max_new_tokens
     data = build_data(cfg, encoder, cfg.data.train_files, "data.train_files", prompt_room, cfg.train.prompts_per_step)
     scheduler = None if sft else rollout_scheduler(cfg, vocab, rollout, teacher, data, seq_len)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
 from megatron_opd.config import ConfigError, load_config, parse_args
 from megatron_opd.distributed import ParallelConfig
 from megatron_opd.models import ModelBuildConfig
+from megatron_opd.trainer.config import TrainConfig
 
 
 @dataclass
@@ -101,3 +103,37 @@ def test_asynchronous_modes_with_the_built_in_sampler_are_refused_before_any_mod
         cfg = parse_args(TrainConfig, [*base, f"scheduler.mode={mode}"])
         with pytest.raises(ValueError, match=f"scheduler.mode={mode} .*set rollout.backend=vllm"):
             cfg.validate()
+
+
+EXAMPLES = sorted(
+    p for p in (Path(__file__).resolve().parents[1] / "examples").rglob("*.yaml") if not p.name.endswith(".launch.yaml")
+)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_example_config_parses(path):
+    """Every trainer config under examples/ loads with the trainer's loader (which refuses an unknown key)."""
+    load_config(TrainConfig, path)
+
+
+def test_thinking_example_leaves_room_for_the_trace():
+    cfg = load_config(TrainConfig, Path(__file__).resolve().parents[1] / "examples/thinking/qwen3_thinking.yaml")
+    cfg.validate()
+    assert cfg.data.chat_template_kwargs == {"enable_thinking": True}
+    assert cfg.rollout.max_new_tokens >= 4096 and cfg.train.max_seq_len >= cfg.rollout.max_new_tokens
+    assert cfg.build.recompute == "full"
+
+
+def test_chat_template_kwargs_from_yaml_and_the_command_line(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  chat_template_kwargs:\n    enable_thinking: true\n    level: 2\n")
+    # A dotted override sets one variable and keeps the file's others; a YAML mapping replaces them all.
+    dotted = load_config(TrainConfig, path, ["data.chat_template_kwargs.enable_thinking=false"])
+    assert dotted.data.chat_template_kwargs == {"enable_thinking": False, "level": 2}
+    whole = load_config(TrainConfig, None, ["data.chat_template_kwargs={enable_thinking: false}"])
+    assert whole.data.chat_template_kwargs == {"enable_thinking": False}
+    assert load_config(TrainConfig).data.chat_template_kwargs == {}
+    with pytest.raises(ConfigError, match=r"data.chat_template_kwargs.*\['add_generation_prompt'\]"):
+        load_config(TrainConfig, None, ["data.chat_template_kwargs.add_generation_prompt=false"])
+    with pytest.raises(ConfigError, match="data.chat_template_kwargs: expected a mapping"):
+        load_config(TrainConfig, None, ["data.chat_template_kwargs=true"])

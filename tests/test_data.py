@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -137,6 +138,48 @@ def test_chat_prompt_without_bos_in_template(tokenizer_dirs):
     tok = _tokenizer(tokenizer_dirs, kind="plain", chat_template=template)
     ids = PromptEncoder(tok).prompt_ids({"messages": [{"role": "user", "content": "hi"}]}, where="x")
     assert ids == tok("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False).input_ids
+
+
+QWEN3_STYLE_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+"""Qwen3's branch on ``enable_thinking``: thinking unless told not to, when an empty think block closes it."""
+
+
+def test_chat_template_kwargs_reach_rollout_eval_and_teacher_prompts(tmp_path, tokenizer_dirs):
+    from types import SimpleNamespace
+
+    from megatron_opd.config import load_config
+    from megatron_opd.tokenizer import load_tokenizer
+    from megatron_opd.trainer.config import TrainConfig
+    from megatron_opd.trainer.setup import build_retokenizer
+
+    folder = tmp_path / "qwen3_style"
+    folder.mkdir()
+    for f in Path(tokenizer_dirs["plain"]).iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": QWEN3_STYLE_TEMPLATE}))
+    tok = load_tokenizer(folder)
+    record = {"messages": [{"role": "user", "content": "What is KL?"}]}
+    head = "<|im_start|>user\nWhat is KL?<|im_end|>\n<|im_start|>assistant\n"
+
+    def encoders(*overrides):
+        cfg = load_config(TrainConfig, None, ["loss.cross_tokenizer=sampled", *overrides])
+        vocab = SimpleNamespace(tokenizer=tok, teacher_tokenizer=tok, stop_token_ids=(tok.eos_token_id,))
+        # The trainer's own: the student's (rollout and evaluation prompts) and the teacher's re-tokenization.
+        return PromptEncoder.for_data(tok, cfg.data), build_retokenizer(cfg, vocab).teacher_encoder
+
+    for overrides, text in [
+        ((), head),
+        (("data.chat_template_kwargs.enable_thinking=true",), head),
+        (("data.chat_template_kwargs.enable_thinking=false",), head + "<think>\n\n</think>\n\n"),
+    ]:
+        for encoder in encoders(*overrides):
+            assert encoder.prompt_text(record) == text
+            assert encoder.prompt_ids(record, "x") == tok(text, add_special_tokens=False).input_ids
 
 
 class _ListTemplateTokenizer:

@@ -2,7 +2,8 @@
 
 The student samples from exactly these ids, and the teacher scores them, so they must match what the
 model saw in training: text prompts get the tokenizer's usual special tokens (BOS), chats are rendered by
-the tokenizer's own chat template, and a BOS is never doubled.
+the tokenizer's own chat template (with ``data.chat_template_kwargs``, e.g. Qwen3's ``enable_thinking``), and a BOS
+is never doubled. Rollout, evaluation and the teacher's re-tokenization all render through :func:`render_chat`.
 """
 
 from __future__ import annotations
@@ -29,10 +30,20 @@ def _input_ids(encoded: Any) -> list[int]:
     return [int(i) for i in encoded]
 
 
+def render_chat(
+    tokenizer: Any, messages: list[dict[str, Any]], template_kwargs: Mapping[str, Any], tokenize: bool
+) -> Any:
+    """The chat template applied with the generation prompt and the run's template variables (the one call site)."""
+    return tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=tokenize, **dict(template_kwargs)
+    )
+
+
 class PromptEncoder:
     """Encodes records with one tokenizer; field names come from ``data.*_key``.
 
-    A record with both a prompt text and messages uses the text.
+    A record with both a prompt text and messages uses the text. ``chat_template_kwargs``: extra variables of the
+    chat template (``data.chat_template_kwargs``).
     """
 
     def __init__(
@@ -41,12 +52,20 @@ class PromptEncoder:
         prompt_key: str = "prompt",
         messages_key: str = "messages",
         response_key: str = "response",
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.prompt_key = prompt_key
         self.messages_key = messages_key
         self.response_key = response_key
         self._bos_id: int | None = getattr(tokenizer, "bos_token_id", None)
+
+    @classmethod
+    def for_data(cls, tokenizer: Any, data: Any) -> PromptEncoder:
+        """The encoder a run uses with ``tokenizer`` (student's or teacher's): field names and template variables
+        from its ``data`` config, so every tokenizer renders a chat alike."""
+        return cls(tokenizer, data.prompt_key, data.messages_key, data.response_key, data.chat_template_kwargs)
 
     def _dedupe_bos(self, ids: list[int]) -> list[int]:
         # A template (or pre-rendered text) that writes the BOS itself, plus the tokenizer adding one.
@@ -90,7 +109,7 @@ class PromptEncoder:
         else:
             messages = self._messages(record, where)
             # The template writes every special token itself (transformers tokenizes it without adding any).
-            rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            rendered = render_chat(self.tokenizer, messages, self.chat_template_kwargs, tokenize=True)
             ids = _input_ids(rendered)
         return self._dedupe_bos(ids)
 
@@ -100,7 +119,7 @@ class PromptEncoder:
         if text is not None:
             return text
         messages = self._messages(record, where)
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return render_chat(self.tokenizer, messages, self.chat_template_kwargs, tokenize=False)
 
     def response_ids(self, record: Mapping[str, Any], where: str) -> list[int]:
         """The SFT target: ``response`` tokenized without special tokens, then EOS so the model learns to stop."""

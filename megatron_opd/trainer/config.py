@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from megatron_opd.distributed.parallel import ParallelConfig
 from megatron_opd.models.builder import ModelBuildConfig
@@ -83,6 +83,14 @@ class TeacherConfig:
             )
 
 
+_CHAT_TEMPLATE_ARGUMENTS = frozenset(
+    ("conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+     "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "tokenizer_kwargs",
+     "return_assistant_tokens_mask")
+)  # fmt: skip
+"""Arguments of ``apply_chat_template`` itself, which ``data.chat_template_kwargs`` may not name."""
+
+
 @dataclass
 class DataConfig:
     """Prompts: JSONL or Parquet records with ``prompt`` (text) or ``messages`` (chat)."""
@@ -101,8 +109,17 @@ class DataConfig:
     """Record field with the target response (``loss.kind=sft``)."""
     shuffle: bool = True
     """Shuffle the prompts every epoch (deterministically from ``seed`` and the epoch)."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra variables of the chat template, the same for rollout, evaluation and the teacher's re-tokenization,
+    e.g. ``{enable_thinking: false}`` for Qwen3 (CLI: ``data.chat_template_kwargs.enable_thinking=false``)."""
 
     def __post_init__(self) -> None:
+        reserved = sorted(set(map(str, self.chat_template_kwargs)) & _CHAT_TEMPLATE_ARGUMENTS)
+        if reserved or not all(isinstance(k, str) for k in self.chat_template_kwargs):
+            raise ValueError(
+                f"data.chat_template_kwargs must map template variable names to values; {reserved or 'non-string keys'}"
+                " are set by the trainer itself (it renders each prompt with add_generation_prompt=true)"
+            )
         if isinstance(self.train_files, str):
             self.train_files = [self.train_files] if self.train_files else []
         if isinstance(self.eval_files, str):

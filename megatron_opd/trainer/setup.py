@@ -349,8 +349,7 @@ def build_retokenizer(cfg: TrainConfig, vocab: Vocabulary):
     from megatron_opd.cross_tokenizer.retokenize import CrossTokenizer
     from megatron_opd.data.prompts import PromptEncoder
 
-    d = cfg.data
-    encoder = PromptEncoder(vocab.teacher_tokenizer, d.prompt_key, d.messages_key, d.response_key)
+    encoder = PromptEncoder.for_data(vocab.teacher_tokenizer, cfg.data)
     # A vLLM teacher scores the next token only: the stop's prefix correction needs other ids at one position.
     stop_prefix_ids = 1 if cfg.teacher.backend == "vllm" else 16
     aligned = cfg.loss.cross_tokenizer == "aligned"
