@@ -167,7 +167,7 @@ def test_chat_template_kwargs_reach_rollout_eval_and_teacher_prompts(tmp_path, t
     head = "<|im_start|>user\nWhat is KL?<|im_end|>\n<|im_start|>assistant\n"
 
     def encoders(*overrides):
-        cfg = load_config(TrainConfig, None, ["loss.cross_tokenizer=sampled", *overrides])
+        cfg = load_config(TrainConfig, None, ["loss.cross_tokenizer=sampled", "loss.mode=sampled", *overrides])
         vocab = SimpleNamespace(tokenizer=tok, teacher_tokenizer=tok, stop_token_ids=(tok.eos_token_id,))
         # The trainer's own: the student's (rollout and evaluation prompts) and the teacher's re-tokenization.
         return PromptEncoder.for_data(tok, cfg.data), build_retokenizer(cfg, vocab).teacher_encoder
