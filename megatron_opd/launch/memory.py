@@ -10,7 +10,8 @@ Bytes per parameter on a device:
 
 - teacher server (forward only): 2 (bf16 weights);
 - student: 2 (bf16 weights) + 4 (fp32 gradient buffer) + 12 / DP (fp32 master copy and Adam's two moments,
-  sharded over the data-parallel ranks by the distributed optimizer);
+  sharded over the data-parallel ranks by the distributed optimizer); in fp32 (CPU) 4 + 4 + 8 (no master copy);
+- in-process teacher (the trainer's start-up check): 2 or 4 (its weights, at the student's dtype and layout);
 - vLLM server: 2 (bf16 weights); what ``gpu_memory_utilization`` leaves is KV cache.
 
 Activations, rough (bf16, flash attention, no dropout). Per token and layer, the tensors a layer keeps for its
@@ -21,7 +22,9 @@ parallelism, else 1 (with full recomputation a layer keeps only its input, 2h/s,
 recomputes).
 
 - student: A × layers of the stage × tokens of a micro-batch × micro-batches in flight (PP − stage under 1F1B),
-  plus on the last stage the logits, tokens × Vp/t × 8 bytes (bf16 logits, their bf16 gradient, an fp32 copy);
+  plus on the last stage the logits, tokens × Vp/t × 8 bytes (bf16 logits, their bf16 gradient, an fp32 copy), where
+  tokens are one loss chunk's with the fused output layer (``loss.fused_output``), else the micro-batch's; in fp32
+  every activation term doubles;
 - teacher: one layer's A for one micro-batch (forward only: freed layer by layer) plus on the last stage
   tokens × Vp/t × 6 bytes (bf16 logits and the fp32 log-softmax its top-k is taken from);
 - vLLM: KV cache of 2·L·(Nkv/t)·D·2 bytes per token; capacity = utilization × memory − weights − 3 GiB (CUDA
@@ -40,6 +43,7 @@ from typing import Any
 import torch
 
 from megatron_opd.launch.layout import Recipe
+from megatron_opd.model_files import HF_CONFIG_DIR
 from megatron_opd.models.architecture import ModelArchitecture, architecture_from_hf_config
 from megatron_opd.models.builder import ModelBuildConfig
 from megatron_opd.models.families import FAMILIES
@@ -57,11 +61,13 @@ folder's name): the estimate then runs anywhere. Each family declares its own (`
 
 
 def hf_config(path: str):
-    """The ``transformers`` config of the model at ``path``: its ``config.json``, else ``KNOWN_CONFIGS`` by name."""
+    """The ``transformers`` config of the model at ``path`` (a Hugging Face folder or a dist_ckpt's ``hf_config/``),
+    else ``KNOWN_CONFIGS`` by the folder's name."""
     from transformers import AutoConfig
 
-    if (Path(path) / "config.json").is_file():
-        return AutoConfig.from_pretrained(path)
+    for folder in (Path(path), Path(path) / HF_CONFIG_DIR):
+        if (folder / "config.json").is_file():
+            return AutoConfig.from_pretrained(folder)
     fields = dict(KNOWN_CONFIGS.get(Path(path).name) or {})
     if not fields:
         raise ValueError(f"{path} has no config.json here and is not one of {sorted(KNOWN_CONFIGS)}")
@@ -169,38 +175,88 @@ def _model(path: str, tp: int, pp: int, vocab_multiple: int | None) -> tuple[Mod
     return architecture_from_hf_config(model.config.to_dict()), shard_parameters(model, tp, pp, vocab_multiple)
 
 
-def student_memory(recipe: Recipe) -> list[DeviceMemory]:
-    """One row per pipeline stage of the trainer."""
-    cfg, launch = recipe.train, recipe.launch
+def micro_batch_tokens(cfg, seq: int) -> int:
+    """Tokens of one micro-batch: ``train.micro_batch_tokens`` when packed to it, else sequences x ``seq``."""
+    if cfg.train.packing and cfg.train.micro_batch_tokens:
+        return cfg.train.micro_batch_tokens
+    return cfg.train.micro_batch_size * seq
+
+
+def _logit_tokens(cfg, tokens: int, vocab: int) -> int:
+    """Tokens whose logits the update holds at once: a loss chunk with the fused output layer, else all."""
+    from megatron_opd.losses.fused_output import MAX_CHUNK_ELEMENTS
+    from megatron_opd.trainer.objective import fused_output_applies
+
+    if not fused_output_applies(cfg.loss):
+        return tokens
+    return min(tokens, cfg.loss.chunk_size or max(MAX_CHUNK_ELEMENTS // vocab, 1))
+
+
+def student_rows(cfg, dp: int, bf16: bool, distributed: bool) -> list[DeviceMemory]:
+    """One row per pipeline stage of the trainer's student under ``cfg`` at ``dp`` data-parallel replicas.
+
+    Bytes per parameter: the weights (2 in bf16, 4 in fp32), the fp32 gradient buffer (4), and Adam's two fp32
+    moments plus, in bf16, the fp32 master copy (8 or 12), divided by DP under the distributed optimizer."""
     tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
-    dp = len(launch.trainer.nodes) * launch.gpus_per_node // cfg.parallel.model_parallel_size
     multiple = cfg.build.make_vocab_size_divisible_by
     arch, shards = _model(cfg.student.path, tp, pp, multiple)
     seq = cfg.train.max_seq_len or arch.max_position_embeddings
-    tokens = cfg.train.micro_batch_size * seq
+    tokens = micro_batch_tokens(cfg, seq)
+    shape = f"{cfg.train.micro_batch_size} x {seq}" if tokens == cfg.train.micro_batch_size * seq else str(tokens)
     micro_batches = cfg.train.prompts_per_step * cfg.rollout.n // (dp * cfg.train.micro_batch_size)
-    per_layer = layer_activation_bytes(arch, tp, cfg.parallel.sequence_parallel)
-    if cfg.build.recompute == "full":
-        per_layer = 2 * arch.hidden_size / (tp if cfg.parallel.sequence_parallel else 1)
+    width = 2 if bf16 else 4
+    scale = width / 2  # the activation formulas count bf16
+    full = cfg.build.recompute == "full"
+    sp = tp if cfg.parallel.sequence_parallel else 1
+    per_layer = 2 * arch.hidden_size / sp if full else layer_activation_bytes(arch, tp, cfg.parallel.sequence_parallel)
     vocab = arch.padded_vocab_size(tp, multiple) // tp
-    distributed = cfg.optim.use_distributed_optimizer is not False
     rows = []
     for stage, params in enumerate(stage_params(shards, pp)):
         in_flight = min(pp - stage, max(micro_batches, 1))
         activations = per_layer * arch.num_layers / pp * tokens * in_flight
-        if cfg.build.recompute == "full":
+        if full:
             activations += layer_activation_bytes(arch, tp, cfg.parallel.sequence_parallel) * tokens
-        activations += tokens * vocab * 8 if stage == pp - 1 else 0
+        activations += _logit_tokens(cfg, tokens, vocab) * vocab * 8 if stage == pp - 1 else 0
         rows.append(
             DeviceMemory(
                 "student (trainer)",
                 f"TP={tp} PP={pp} DP={dp}, stage {stage}",
                 params,
-                weights=2 * params,
+                weights=width * params,
                 grads=4 * params,
-                optimizer=12 * params / (dp if distributed else 1),
+                optimizer=(12 if bf16 else 8) * params / (dp if distributed else 1),
+                activations=activations * scale,
+                note=f"{in_flight} micro-batch(es) of {shape} tokens in flight",
+            )
+        )
+    return rows
+
+
+def student_memory(recipe: Recipe) -> list[DeviceMemory]:
+    """One row per pipeline stage of the trainer (bf16; the distributed optimizer unless switched off)."""
+    cfg, launch = recipe.train, recipe.launch
+    dp = len(launch.trainer.nodes) * launch.gpus_per_node // cfg.parallel.model_parallel_size
+    return student_rows(cfg, dp, bf16=True, distributed=cfg.optim.use_distributed_optimizer is not False)
+
+
+def _forward_rows(
+    job: str, layout: str, path: str, tp: int, pp: int, multiple: int, tokens: int, width: int
+) -> list[DeviceMemory]:
+    """A forward-only model (a teacher): its weights, one layer's activations and the last stage's logits."""
+    arch, shards = _model(path, tp, pp, multiple)
+    vocab = arch.padded_vocab_size(tp, multiple) // tp
+    rows = []
+    for stage, params in enumerate(stage_params(shards, pp)):
+        activations = layer_activation_bytes(arch, tp, False) * tokens * width / 2
+        activations += tokens * vocab * 6 if stage == pp - 1 else 0
+        rows.append(
+            DeviceMemory(
+                job,
+                f"{layout}, stage {stage}",
+                params,
+                weights=width * params,
                 activations=activations,
-                note=f"{in_flight} micro-batch(es) of {cfg.train.micro_batch_size} x {seq} tokens in flight",
+                note=f"micro-batch of {tokens} tokens",
             )
         )
     return rows
@@ -210,26 +266,14 @@ def teacher_memory(recipe: Recipe) -> list[DeviceMemory]:
     """One row per pipeline stage of a teacher replica."""
     cfg, layout = recipe.train, recipe.launch.teacher
     multiple = ModelBuildConfig().make_vocab_size_divisible_by  # the server builds with the default
-    arch, shards = _model(cfg.teacher.path, layout.tp, layout.pp, multiple)
-    seq = cfg.train.max_seq_len or arch.max_position_embeddings
+    seq = (
+        cfg.train.max_seq_len
+        or architecture_from_hf_config(hf_config(cfg.teacher.path).to_dict()).max_position_embeddings
+    )
     tokens = min(layout.micro_batch_size * seq, layout.max_batch_tokens)
-    vocab = arch.padded_vocab_size(layout.tp, multiple) // layout.tp
     replicas = len(layout.nodes) * recipe.launch.gpus_per_node // (layout.tp * layout.pp)
-    rows = []
-    for stage, params in enumerate(stage_params(shards, layout.pp)):
-        activations = layer_activation_bytes(arch, layout.tp, False) * tokens
-        activations += tokens * vocab * 6 if stage == layout.pp - 1 else 0
-        rows.append(
-            DeviceMemory(
-                "teacher server",
-                f"TP={layout.tp} PP={layout.pp} x{replicas}, stage {stage}",
-                params,
-                weights=2 * params,
-                activations=activations,
-                note=f"micro-batch of {tokens} tokens",
-            )
-        )
-    return rows
+    layout_name = f"TP={layout.tp} PP={layout.pp} x{replicas}"
+    return _forward_rows("teacher server", layout_name, cfg.teacher.path, layout.tp, layout.pp, multiple, tokens, 2)
 
 
 def vllm_memory(recipe: Recipe) -> DeviceMemory:
@@ -258,14 +302,117 @@ def recipe_memory(recipe: Recipe) -> list[DeviceMemory]:
     return [*teacher_memory(recipe), *student_memory(recipe), vllm_memory(recipe)]
 
 
-def format_table(rows: list[DeviceMemory], gpu_memory_gib: float) -> str:
-    """A Markdown table in GiB (what ``--memory`` prints), then each row's note."""
+def format_table(rows: list[DeviceMemory], gpu_memory_gib: float | None) -> str:
+    """A Markdown table in GiB (what ``--memory`` prints), then each row's note; no shares without a device size."""
     head = "| job | layout | params/GPU | weights | grads | optimizer | activations / KV | total | of GPU |"
     lines = [head, "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         gib = [f"{x / GIB:.1f}" if x else "-" for x in (r.weights, r.grads, r.optimizer, r.activations, r.total)]
-        share = f"{r.total / (gpu_memory_gib * GIB):.0%}"
+        share = f"{r.total / (gpu_memory_gib * GIB):.0%}" if gpu_memory_gib else "-"
         lines.append(f"| {r.job} | {r.layout} | {r.params / 1e9:.2f}B | {' | '.join(gib)} | {share} |")
-    lines += ["", f"GiB per device of {gpu_memory_gib:g} GiB."]
+    lines += ["", f"GiB per device of {gpu_memory_gib:g} GiB." if gpu_memory_gib else "GiB per device."]
     lines += [f"- {r.job}, {r.layout}: {r.note}" for r in rows if r.note]
     return "\n".join(lines)
+
+
+# ---- the trainer's start-up check --------------------------------------------------------------------------------
+class MemoryCheckError(ValueError):
+    """The run's estimated peak does not fit the device's memory."""
+
+
+@dataclass(frozen=True)
+class GpuPeak:
+    """The estimated peak of one device of a training job: the stage with the largest sum of its rows."""
+
+    total: float
+    rows: list[DeviceMemory]
+    """The rows that add up to it (student stage, in-process teacher stage, colocated vLLM)."""
+
+
+def trainer_memory(cfg, world_size: int, accel_type: str, device_bytes: float | None) -> list[list[DeviceMemory]]:
+    """Per pipeline stage, the rows on one device of the trainer's job: the student, the in-process teacher (built
+    at the student's layout and dtype) and a vLLM engine sharing the GPU (``rollout.backend=vllm`` without
+    ``rollout.address``), sized by the resolved precision plan."""
+    from dataclasses import replace
+
+    from megatron_opd.distributed.device import Accelerator
+    from megatron_opd.trainer.student import precision_plan
+
+    optim = cfg.optim
+    if cfg.build.dtype not in ("auto", None) and optim.bf16 is None:
+        optim = replace(optim, bf16=cfg.build.dtype == "bf16")
+    plan = precision_plan(optim, Accelerator(accel_type, ""))  # type: ignore[arg-type]
+    dp = max(world_size // cfg.parallel.model_parallel_size, 1)
+    tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
+    stages = [[row] for row in student_rows(cfg, dp, plan.bf16, plan.use_distributed_optimizer)]
+    if cfg.loss.kind != "sft" and cfg.teacher.backend == "inprocess":
+        arch = architecture_from_hf_config(hf_config(cfg.student.path).to_dict())
+        tokens = micro_batch_tokens(cfg, cfg.train.max_seq_len or arch.max_position_embeddings)
+        width = 2 if plan.bf16 else 4
+        multiple = cfg.build.make_vocab_size_divisible_by
+        teacher = _forward_rows("teacher (in-process)", f"TP={tp} PP={pp}", cfg.teacher.path, tp, pp, multiple,
+                                tokens, width)  # fmt: skip
+        for rows, row in zip(stages, teacher):
+            if cfg.teacher.offload:  # its weights leave while the student trains: count the larger phase
+                student = rows[0]
+                row = replace(row, weights=max(row.total - (student.activations), 0.0), activations=0.0,
+                              note="teacher.offload: its weights leave the device while the student trains")  # fmt: skip
+            rows.append(row)
+    if cfg.rollout.backend == "vllm" and not cfg.rollout.address and accel_type != "cpu" and cfg.loss.kind != "sft":
+        arch, shards = _model(cfg.student.path, 1, 1, None)
+        (params,) = stage_params(shards, 1)
+        budget = cfg.rollout.vllm_gpu_memory_utilization * device_bytes if device_bytes else 2 * params
+        if cfg.rollout.vllm_sleep:
+            row = DeviceMemory("vllm (colocated)", "asleep", params, weights=0.0,
+                               note="rollout.vllm_sleep: weights and KV cache freed while the trainer trains")  # fmt: skip
+        else:
+            row = DeviceMemory("vllm (colocated)", f"{cfg.rollout.vllm_gpu_memory_utilization:.0%} of the GPU", params,
+                               weights=2 * params, activations=max(budget - 2 * params, 0.0),
+                               note="rollout.vllm_gpu_memory_utilization reserves this share for the engine")  # fmt: skip
+        for rows in stages:
+            rows.append(row)
+    return stages
+
+
+def _advice(cfg, peak: GpuPeak) -> list[str]:
+    """What to change so the run fits, largest lever first."""
+    jobs = {row.job: row for row in peak.rows}
+    advice = []
+    if "teacher (in-process)" in jobs:
+        advice.append(
+            f"run the teacher as a server in its own job and layout (teacher.backend=server; "
+            f"{jobs['teacher (in-process)'].total / GIB:.1f} GiB here)"
+        )
+    advice.append(
+        "a larger parallel.tensor_model_parallel_size or parallel.pipeline_model_parallel_size (each device holds "
+        "a share of the weights, gradients and optimizer)"
+    )
+    if cfg.build.recompute != "full":
+        advice.append("build.recompute_granularity=full (each layer keeps only its input for the backward)")
+    from megatron_opd.trainer.objective import fused_output_applies
+
+    if not fused_output_applies(cfg.loss) and cfg.loss.kind != "sft":
+        advice.append("loss.fused_output=auto (logits formed a chunk of tokens at a time, never held whole)")
+    advice.append("a smaller train.micro_batch_size or train.max_seq_len")
+    if "vllm (colocated)" in jobs and not cfg.rollout.vllm_sleep:
+        advice.append("rollout.vllm_sleep=true or a smaller rollout.vllm_gpu_memory_utilization")
+    return advice
+
+
+def check_trainer_memory(cfg, world_size: int, accel_type: str, device_gib: float | None) -> tuple[GpuPeak, str]:
+    """The estimated peak of the fullest device and its table; raises :class:`MemoryCheckError` naming what to
+    change when it exceeds ``device_gib`` (None: nothing to compare with, only the estimate)."""
+    device_bytes = device_gib * GIB if device_gib else None
+    stages = trainer_memory(cfg, world_size, accel_type, device_bytes)
+    peak = max((GpuPeak(sum(r.total for r in rows), rows) for rows in stages), key=lambda p: p.total)
+    table = format_table([row for rows in stages for row in rows], device_gib)
+    if device_bytes is not None and peak.total > device_bytes:
+        parts = ", ".join(f"{r.job} {r.total / GIB:.1f}" for r in peak.rows)
+        raise MemoryCheckError(
+            f"the run needs an estimated {peak.total / GIB:.1f} GiB on one device ({parts} GiB) but it has "
+            f"{device_gib:g} GiB (train.device_memory_gib, else the device's own figure). To fit: "
+            + "; or ".join(_advice(cfg, peak))
+            + ". Or set train.skip_memory_check=true to start anyway (the estimate is rough for activations).\n"
+            + table
+        )
+    return peak, table

@@ -239,6 +239,12 @@ class TrainLoopConfig:
     """Steps averaged for each side of the comparison (the first window is the reference)."""
     collapse_patience: int = 20
     """Steps in a row the collapse must hold before the run stops (it warns at the first)."""
+    device_memory_gib: float | None = None
+    """Memory of one device for the start-up memory check (GiB); None: ask the device (on CPU: none, the check only
+    logs its estimate). Set it to check a layout for another GPU from a dry run."""
+    skip_memory_check: bool = False
+    """Start even when the estimated peak of a device (student, in-process teacher, colocated vLLM;
+    ``launch/memory.py``) exceeds its memory; the estimate is still logged."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "micro_batch_size", "collapse_window", "collapse_patience"):
@@ -253,6 +259,10 @@ class TrainLoopConfig:
             )
         if not 0.0 <= self.collapse_min_improvement < 1.0:
             raise ValueError(f"train.collapse_min_improvement must be in [0, 1), got {self.collapse_min_improvement}")
+        if self.device_memory_gib is not None and not self.device_memory_gib > 0:
+            raise ValueError(
+                f"train.device_memory_gib must be > 0 (or null: ask the device), got {self.device_memory_gib}"
+            )
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
             raise ValueError(f"train.micro_batch_tokens must be >= 1 (or null), got {self.micro_batch_tokens}")
 

@@ -6,6 +6,7 @@ Each builder reads its section of the config and returns one object; ``train.py`
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -55,7 +56,42 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
     check_paths(cfg.data.train_files, "data.train_files")
     if cfg.data.eval_files:
         check_paths(cfg.data.eval_files, "data.eval_files")
+    check_memory(cfg)
     return load_vocabulary(cfg)
+
+
+def device_memory_gib(accel_type: str) -> float | None:
+    """This process's accelerator memory in GiB (None on CPU)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if accel_type == "cuda":
+        return torch.cuda.get_device_properties(local_rank).total_memory / (1 << 30)
+    if accel_type == "npu":
+        return torch.npu.get_device_properties(local_rank).total_memory / (1 << 30)  # type: ignore[attr-defined]
+    return None
+
+
+def check_memory(cfg: TrainConfig) -> None:
+    """The start-up memory check (``launch/memory.py``) before any weight is loaded: log each device's estimated
+    peak, and refuse a run whose fullest device exceeds its memory unless ``train.skip_memory_check``."""
+    from megatron_opd.distributed.device import detect_accelerator
+    from megatron_opd.launch.memory import MemoryCheckError, check_trainer_memory
+
+    accel_type = detect_accelerator(None if cfg.device == "auto" else cfg.device).type
+    device_gib = cfg.train.device_memory_gib or device_memory_gib(accel_type)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    try:
+        peak, table = check_trainer_memory(cfg, world_size, accel_type, device_gib)
+    except MemoryCheckError:
+        if not cfg.train.skip_memory_check:
+            raise
+        logger.warning("train.skip_memory_check=true: starting although the estimate exceeds the device", exc_info=True)
+        return
+    except Exception as err:  # noqa: BLE001 - a model the estimate cannot place: say so, never block the run on it
+        logger.warning("memory check skipped, the estimate failed: %r", err)
+        return
+    if int(os.environ.get("RANK", 0)) == 0:
+        logger.info("estimated peak per device %.2f GiB%s\n%s", peak.total / (1 << 30),
+                    f" of {device_gib:g}" if device_gib else "", table)  # fmt: skip
 
 
 def load_vocabulary(cfg: TrainConfig) -> Vocabulary:

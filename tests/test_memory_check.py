@@ -1,0 +1,85 @@
+"""The trainer's start-up memory check (``launch/memory.py``, wired in ``trainer/setup.py:check_inputs``): it refuses
+a layout that cannot fit before any weight is loaded, and its parameter, gradient and optimizer bytes are those
+Megatron allocates (a CPU student, counted tensor by tensor)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_opd.config import load_config
+from megatron_opd.launch.memory import GIB, MemoryCheckError, check_trainer_memory
+from megatron_opd.testing.multiprocess import run_distributed
+from megatron_opd.trainer.config import TrainConfig
+
+QWEN_32B_TO_1_7B = [
+    "student.path=/models/Qwen3-1.7B",  # no folder here: the sizes come from KNOWN_CONFIGS
+    "teacher.path=/models/Qwen3-32B",
+    "train.max_seq_len=4096",
+    "train.micro_batch_size=2",
+    "train.prompts_per_step=64",
+    "train.device_memory_gib=80",
+]
+
+
+def test_a_32b_in_process_teacher_is_refused_and_fits_as_a_server():
+    from megatron_opd.trainer.setup import check_memory
+
+    cfg = load_config(TrainConfig, None, QWEN_32B_TO_1_7B)
+    # Eight H100s at TP=1: bf16 and the distributed optimizer, as the trainer resolves them on a GPU.
+    with pytest.raises(MemoryCheckError) as refused:
+        check_trainer_memory(cfg, 8, "cuda", cfg.train.device_memory_gib)
+    message = str(refused.value)
+    assert "has 80 GiB" in message and "teacher (in-process)" in message
+    for advice in ("teacher.backend=server", "parallel.tensor_model_parallel_size", "train.skip_memory_check=true"):
+        assert advice in message
+    # The trainer's own call (this CPU: fp32) refuses it as well, and starts with the check skipped.
+    with pytest.raises(MemoryCheckError):
+        check_memory(cfg)
+    check_memory(load_config(TrainConfig, None, [*QWEN_32B_TO_1_7B, "train.skip_memory_check=true"]))
+
+    server = load_config(TrainConfig, None, [*QWEN_32B_TO_1_7B, "teacher.backend=server", "teacher.address=h:1"])
+    peak, table = check_trainer_memory(server, 8, "cuda", 80)
+    assert [row.job for row in peak.rows] == ["student (trainer)"]
+    assert 10 * GIB < peak.total < 80 * GIB and "student (trainer) | TP=1 PP=1 DP=8" in table
+    # A colocated vLLM engine reserves its share of the same GPU.
+    vllm = load_config(TrainConfig, None, [*QWEN_32B_TO_1_7B, "teacher.backend=server", "teacher.address=h:1",
+                                           "rollout.backend=vllm", "rollout.vllm_gpu_memory_utilization=0.3"])  # fmt: skip
+    colocated, _ = check_trainer_memory(vllm, 8, "cuda", 80)
+    assert colocated.total == pytest.approx(peak.total + 0.3 * 80 * GIB)
+
+
+def _allocated_bytes(student_dir: str) -> dict[str, int]:
+    """A CPU student as the trainer builds it, after one optimizer step: bytes of its parameters, of its DDP
+    gradient buffers and of Adam's moments."""
+    from megatron_opd.distributed import ParallelConfig, initialize_distributed
+    from megatron_opd.distributed.device import detect_accelerator
+    from megatron_opd.models.source import build_and_load
+    from megatron_opd.trainer.config import OptimConfig
+    from megatron_opd.trainer.student import Student, precision_plan
+
+    initialize_distributed(ParallelConfig())
+    optim = OptimConfig()
+    chunks = build_and_load(student_dir, ParallelConfig(), trainable=True)[1]
+    student = Student(chunks, optim, precision_plan(optim, detect_accelerator("cpu")), 10)
+    for chunk in student.model:
+        chunk.zero_grad_buffer()
+    student.optimizer.step()  # Adam allocates its moments at the first step
+    params = {id(p): p for chunk in student.model for p in chunk.parameters()}
+    optimizers = getattr(student.optimizer, "chained_optimizers", [student.optimizer])
+    moments = [
+        state[key] for opt in optimizers for state in opt.optimizer.state.values() for key in ("exp_avg", "exp_avg_sq")
+    ]
+    return {
+        "weights": sum(p.numel() * p.element_size() for p in params.values()),
+        "grads": sum(b.grad_data.numel() * b.grad_data.element_size() for c in student.model for b in c.buffers),
+        "optimizer": sum(m.numel() * m.element_size() for m in moments),
+    }
+
+
+def test_parameter_gradient_and_optimizer_bytes_are_the_allocated_ones(tiny_model_dirs):
+    student_dir = tiny_model_dirs["qwen3"]  # a 1,001-token vocabulary: Megatron pads it to 1,024 rows
+    allocated = run_distributed(_allocated_bytes, 1, args=(student_dir,), timeout=240)[0]
+    cfg = load_config(TrainConfig, None, [f"student.path={student_dir}", "loss.kind=sft", "train.max_seq_len=64"])
+    peak, _ = check_trainer_memory(cfg, 1, "cpu", None)
+    (row,) = peak.rows
+    assert {"weights": row.weights, "grads": row.grads, "optimizer": row.optimizer} == allocated
