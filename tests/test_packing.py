@@ -147,7 +147,7 @@ def _packed_vs_padded_body(layout: dict, dirs: dict[str, str]):
         from megatron_opd.trainer.objective import teacher_logits_of
 
         dense = scored["dense", False]
-        formed = teacher_logits_of({"teacher_hidden": dense.dense_hidden}, dense.output_weight)
+        formed = teacher_logits_of(dense.dense_hidden, dense.output_weight)
         torch.testing.assert_close(formed, logits[0], rtol=1e-5, atol=1e-5)
 
     # Three steps from the same rollouts, packed and padded (each with its own teacher scoring).

@@ -25,6 +25,7 @@ from megatron_opd.losses.sampled import label_logprobs
 from megatron_opd.models.forward_backward import forward_backward
 from megatron_opd.trainer.batch import TrainBatch, pack_rollouts
 from megatron_opd.trainer.config import TrainConfig
+from megatron_opd.trainer.loss_batch import LossBatch
 from megatron_opd.trainer.objective import teacher_columns, teacher_divergence
 
 logger = logging.getLogger(__name__)
@@ -115,7 +116,7 @@ class Evaluator:
                 return logits_BSV.new_zeros(()), (float(torch.where(mask, d, 0.0).sum()), float(mask.sum()))
             d = teacher_divergence(
                 logits_BSV,
-                mb,
+                LossBatch.of(mb),
                 self.cfg.loss,
                 self.kind,
                 vocab_size=self.vocab_size,

@@ -9,9 +9,12 @@ The logits are the output layer's and are not needed after the loss (the agreeme
 first), so the divergences run in place (``inplace_backward``): the fast path, which keeps the student's
 exponentials in the logits' storage for backward and writes the gradient there, with no ``[tokens, V/TP]`` buffer.
 
-With ``loss.support=union`` the top-k loss runs over the teacher's top-k plus the student's own top-k ids
-(``losses.union_divergence``); the micro-batch then also holds the student's ids (recorded by the rollout) and the
-teacher's log-probabilities at them (from the teacher request), see ``teacher_columns``.
+The loss function turns the schedule's micro-batch dict into a typed ``LossBatch`` (``trainer.loss_batch``) and
+hands it to one ``Objective`` per kind of teacher signal, chosen once from the config (``objective_for``): SFT,
+dense (logits, or the in-process teacher's hidden states and output weight), top-k (with ``loss.support=union``
+also the student's own top-k ids and the teacher's log-probabilities at them, see ``teacher_columns``), sampled,
+and the aligned cross-tokenizer loss. Whether the output layer is fused into the loss is decided by
+``make_loss_fn``, around whichever objective runs.
 
 Shape legend: ``B`` samples in the micro-batch, ``S`` positions, ``V`` vocab shard, ``K`` teacher top-k, ``R`` the
 student's top-k.
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import ClassVar
 
 import torch
@@ -36,6 +39,7 @@ from megatron_opd.models.output import HiddenStateOutput
 from megatron_opd.models.packing import pipeline_token_budget
 from megatron_opd.rollout.fidelity import fidelity_sum_tensors, importance_weights, prefix_log_ratios
 from megatron_opd.trainer.config import LossConfig
+from megatron_opd.trainer.loss_batch import LossBatch
 
 
 @dataclass
@@ -139,7 +143,7 @@ def sft_per_token(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, vocab_size:
 
 def teacher_divergence(
     logits_BSV: torch.Tensor,
-    mb: dict,
+    batch: LossBatch,
     cfg: LossConfig,
     kind: str,
     *,
@@ -149,37 +153,232 @@ def teacher_divergence(
     outputs: dict | None = None,
     teacher_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-token divergence ``[B, S]`` of the student's shard to the teacher's scores in ``mb`` (top-k or dense).
+    """Per-token divergence ``[B, S]`` of the student's shard to the teacher's scores in ``batch``: top-k for
+    ``loss.mode=topk``, else dense (the teacher computes ``cfg.teacher_mode``).
 
-    ``loss.support=union`` uses the union support where ``mb`` holds the student's ids; without them (evaluation,
+    ``loss.support=union`` uses the union support where ``batch`` holds the student's ids; without them (evaluation,
     whose teacher request carries none) the support is the teacher's top-k. ``loss.coverage_weight`` adds TCAD's
     coverage term in either case. No input validation: the in-process teacher's top-k is valid by construction, and
     a NaN/inf loss shows in the step statistics the loss function reads anyway (``StepStats.nonfinite``), on which
     the trainer stops the step and names it. ``outputs``: receives the loss pass's per-token statistics (``dense_divergence``).
-    ``teacher_weight``: the in-process teacher's output-weight shard, when ``mb`` holds its hidden states
+    ``teacher_weight``: the in-process teacher's output-weight shard, when ``batch`` holds its hidden states
     (``teacher_hidden``) rather than its logits.
     """
     common = dict(beta=cfg.beta, student_temperature=cfg.student_temperature, chunk_size=cfg.chunk_size,
                   vocab_size=vocab_size, validate=False, inplace_backward=inplace_backward,
                   outputs=outputs)  # fmt: skip
-    if "teacher_topk_ids" in mb:
-        teacher = (mb["teacher_topk_ids"], mb["teacher_topk_logprobs"])
-        if cfg.support == "union" and "student_topk_ids" in mb:
-            student = (mb["student_topk_ids"], mb["teacher_logprobs_at_student_ids"])
+    if cfg.mode == "topk":
+        teacher = (batch.teacher_topk_ids, batch.teacher_topk_logprobs)
+        if cfg.support == "union" and batch.student_topk_ids is not None:
+            student = (batch.student_topk_ids, batch.teacher_logprobs_at_student_ids)
             return union_divergence(
                 logits_BSV, *teacher, *student, kind, tail=cfg.tail, coverage_weight=cfg.coverage_weight, **common
             )
         return topk_divergence(logits_BSV, *teacher, kind, tail=cfg.tail, coverage_weight=cfg.coverage_weight, **common)
-    teacher_logits = mb["teacher_logits"] if "teacher_logits" in mb else teacher_logits_of(mb, teacher_weight)
+    teacher_logits = dense_teacher_logits(batch, teacher_weight)
     return dense_divergence(logits_BSV, teacher_logits, kind, teacher_temperature=teacher_temperature, **common)
 
 
-def teacher_logits_of(cols: dict, teacher_weight: torch.Tensor | None) -> torch.Tensor:
-    """The teacher's logit shard at the rows of ``cols["teacher_hidden"]``: ``h @ W^T`` (a chunk's worth in the
-    fused loss, so the teacher's logits never exist whole either)."""
+NO_DENSE_SCORES = "loss.mode=dense: the micro-batch holds neither the teacher's logits nor its hidden states"
+
+
+def dense_teacher_logits(batch: LossBatch, teacher_weight: torch.Tensor | None) -> torch.Tensor:
+    """The dense teacher's logit shard at ``batch``'s rows: as given, or formed from its hidden states."""
+    if batch.teacher_logits is not None:
+        return batch.teacher_logits
+    if batch.teacher_hidden is None:
+        raise ValueError(NO_DENSE_SCORES)
+    return teacher_logits_of(batch.teacher_hidden, teacher_weight)
+
+
+def teacher_logits_of(hidden: torch.Tensor, teacher_weight: torch.Tensor | None) -> torch.Tensor:
+    """The teacher's logit shard at the rows of its hidden states: ``h @ W^T`` (a chunk's worth in the fused loss,
+    so the teacher's logits never exist whole either)."""
     if teacher_weight is None:
         raise ValueError("the teacher's scores are hidden states, but no teacher output weight was given")
-    return cols["teacher_hidden"].to(teacher_weight.dtype) @ teacher_weight.t()
+    return hidden.to(teacher_weight.dtype) @ teacher_weight.t()
+
+
+class Objective:
+    """The per-token loss for one kind of teacher signal (``objective_for`` picks it once from the config).
+
+    ``per_token_pass`` takes logits of any leading shape (a micro-batch ``[B, S, V]`` or a chunk of the fused output
+    layer ``[C, V]``; they may be overwritten: in-place backward) and the matching ``LossBatch``, and returns the
+    per-token loss and the statistics read from the logits, computed first: the student's and the target's top-1
+    and, for the rollout-fidelity monitor, the label's log-probability at temperature 1. Subclasses fill
+    ``divergence``; fused vs unfused output layer is the caller's (``make_loss_fn``) concern.
+    """
+
+    requires: ClassVar[tuple[str, ...]] = ()
+    """``LossBatch`` fields this signal needs."""
+    reports_divergence: ClassVar[bool] = False
+    """Whether the divergence statistic differs from the per-token loss (a surrogate: reads["divergence"])."""
+    keeps_logits: ClassVar[bool] = False
+    """Whether the loss leaves the logits intact (the monitor may then take its logsumexp after it)."""
+
+    def __init__(
+        self, cfg: LossConfig, *, vocab_size: int, teacher_temperature: float, teacher_weight: torch.Tensor | None
+    ) -> None:
+        self.cfg, self.vocab_size = cfg, vocab_size
+        self.teacher_temperature, self.teacher_weight = teacher_temperature, teacher_weight
+
+    def check(self, batch: LossBatch) -> None:
+        """Refuse a micro-batch without the fields this signal needs (a wiring error, named)."""
+        missing = [name for name in self.requires if getattr(batch, name) is None]
+        if missing:
+            raise ValueError(
+                f"{type(self).__name__} (loss.kind={self.cfg.kind}, loss.mode={self.cfg.mode}, loss.cross_tokenizer="
+                f"{self.cfg.cross_tokenizer}): the micro-batch has no {', '.join(missing)}"
+            )
+
+    def divergence(
+        self, logits_TV: torch.Tensor, batch: LossBatch, shard, reads: dict, outputs: dict, label_logit
+    ) -> torch.Tensor:
+        """The per-token loss; sets ``reads["target_top1"]`` (and ``reads["divergence"]`` where it differs)."""
+        raise NotImplementedError
+
+    def per_token_pass(self, logits_TV: torch.Tensor, batch: LossBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        cfg = self.cfg
+        shard = make_vocab_shard(logits_TV.shape[-1], None, self.vocab_size)
+        monitor = batch.rollout_logprobs is not None
+        outputs: dict = {}
+        reads = {}
+        label_logit = lse_t1 = None
+        with torch.no_grad():
+            reads["student_top1"] = global_argmax(logits_TV.detach(), shard)
+            if monitor:  # read before the in-place loss overwrites the logits: a gather, no vocabulary pass
+                label_logit = gather_at_ids(logits_TV.detach(), batch.labels[..., None], shard)[..., 0]
+                # The loss pass normalises at loss.student_temperature: at another one, one logsumexp pass at 1.
+                lse_t1 = None if cfg.student_temperature == 1.0 else chunked_logsumexp(logits_TV.detach(), shard)
+        per_token = self.divergence(logits_TV, batch, shard, reads, outputs, label_logit)
+        if monitor:
+            with torch.no_grad():
+                if cfg.kind == "sft":  # cross-entropy is minus the label's log-probability (temperature 1)
+                    reads["label_lp"] = -per_token.detach()
+                else:
+                    if lse_t1 is None and self.keeps_logits:  # the loss overwrote only a copy: one logsumexp pass
+                        lse_t1 = chunked_logsumexp(logits_TV.detach(), shard)
+                    reads["label_lp"] = label_logit - (lse_t1 if lse_t1 is not None else outputs["student_lse"])
+        return per_token, reads
+
+
+class SftObjective(Objective):
+    """Cross-entropy of the sampled (target) token; no teacher."""
+
+    def divergence(self, logits_TV, batch, shard, reads, outputs, label_logit):
+        reads["target_top1"] = batch.labels
+        return sft_per_token(logits_TV, batch.labels, self.vocab_size)
+
+
+class DistributionObjective(Objective):
+    """A divergence between the student's and the teacher's distributions (dense or top-k), in place: the output
+    layer's logits are not needed after the loss."""
+
+    def _teacher_divergence(self, logits_TV, batch, outputs):
+        return teacher_divergence(
+            logits_TV,
+            batch,
+            self.cfg,
+            self.cfg.kind,
+            vocab_size=self.vocab_size,
+            teacher_temperature=self.teacher_temperature,
+            inplace_backward=True,
+            outputs=outputs,
+            teacher_weight=self.teacher_weight,
+        )
+
+
+class DenseObjective(DistributionObjective):
+    """The divergence over the full vocabulary to a dense teacher: its logits, or the in-process teacher's hidden
+    states and output weight (formed here, for this chunk's or micro-batch's rows only)."""
+
+    def check(self, batch: LossBatch) -> None:
+        if batch.teacher_logits is None and batch.teacher_hidden is None:
+            raise ValueError(NO_DENSE_SCORES)
+
+    def divergence(self, logits_TV, batch, shard, reads, outputs, label_logit):
+        with torch.no_grad():
+            if batch.teacher_logits is None:
+                batch = replace(batch, teacher_logits=dense_teacher_logits(batch, self.teacher_weight))
+            reads["target_top1"] = global_argmax(batch.teacher_logits, shard)
+        return self._teacher_divergence(logits_TV, batch, outputs)
+
+
+class TopkObjective(DistributionObjective):
+    """The divergence over the teacher's top-k (``loss.support=union``: plus the student's own top-k) and a tail."""
+
+    requires = ("teacher_topk_ids", "teacher_topk_logprobs")
+
+    def check(self, batch: LossBatch) -> None:
+        super().check(batch)
+        if self.cfg.support == "union" and batch.student_topk_ids is None:
+            raise ValueError(
+                "loss.support=union: the micro-batch has no student top-k ids; pass the batch to teacher_columns "
+                "and score it with TrainBatch.teacher_request_ids()"
+            )
+
+    def divergence(self, logits_TV, batch, shard, reads, outputs, label_logit):
+        reads["target_top1"] = batch.teacher_topk_ids[..., 0]
+        return self._teacher_divergence(logits_TV, batch, outputs)
+
+
+class SampledObjective(Objective):
+    """The sampled reverse KL at the student's own tokens (``loss.mode=sampled``; across tokenizers per aligned
+    group with ``loss.cross_tokenizer=sampled``)."""
+
+    requires = ("teacher_label_logprobs",)
+    reports_divergence = True
+
+    def divergence(self, logits_TV, batch, shard, reads, outputs, label_logit):
+        cfg = self.cfg
+        # The teacher's top-1, where it has one in the student's vocabulary (not across tokenizers).
+        top1 = batch.teacher_topk_ids
+        reads["target_top1"] = top1[..., 0] if top1 is not None else torch.full_like(batch.labels, -1)
+        logq = label_logprobs(logits_TV, batch.labels, vocab_size=self.vocab_size, temperature=cfg.student_temperature)
+        per_token, reads["divergence"] = sampled_reverse_kl(logq, batch.teacher_label_logprobs, batch.group_offset)
+        if label_logit is not None and cfg.student_temperature == 1.0:
+            outputs["student_lse"] = label_logit - logq.detach()
+        return per_token
+
+
+class AlignedObjective(Objective):
+    """``loss.cross_tokenizer=aligned``: the top-k divergence on the tokens both vocabularies share, the sampled
+    reverse KL elsewhere (``losses.aligned``)."""
+
+    requires = ("aligned_mask", "teacher_topk_ids", "teacher_topk_logprobs", "teacher_topk_support",
+                "teacher_label_logprobs", "group_offset")  # fmt: skip
+    reports_divergence = True
+    keeps_logits = True
+
+    def divergence(self, logits_TV, batch, shard, reads, outputs, label_logit):
+        cfg, aligned = self.cfg, batch.aligned_mask
+        first = torch.where(batch.teacher_topk_support[..., 0], batch.teacher_topk_ids[..., 0], -1)
+        reads["target_top1"] = torch.where(aligned, first, -1)  # the teacher's top-1, where it has a twin
+        per_token, reads["divergence"] = aligned_divergence(
+            logits_TV, batch.labels, aligned, batch.teacher_topk_ids, batch.teacher_topk_logprobs,
+            batch.teacher_topk_support, batch.teacher_label_logprobs, batch.group_offset, cfg.kind,
+            vocab_size=self.vocab_size, beta=cfg.beta, tail=cfg.tail, coverage_weight=cfg.coverage_weight,
+            student_temperature=cfg.student_temperature, chunk_size=cfg.chunk_size,
+        )  # fmt: skip
+        return per_token
+
+
+def objective_for(
+    cfg: LossConfig, *, vocab_size: int, teacher_temperature: float, teacher_weight: torch.Tensor | None = None
+) -> Objective:
+    """The objective of the teacher signal ``cfg`` asks for (the config's validation keeps the combinations
+    consistent: ``cross_tokenizer=aligned`` is a top-k loss, ``cross_tokenizer=sampled`` a sampled one)."""
+    if cfg.kind == "sft":
+        cls = SftObjective
+    elif cfg.cross_tokenizer == "aligned":
+        cls = AlignedObjective
+    elif cfg.mode == "sampled":
+        cls = SampledObjective
+    elif cfg.mode == "topk":
+        cls = TopkObjective
+    else:
+        cls = DenseObjective
+    return cls(cfg, vocab_size=vocab_size, teacher_temperature=teacher_temperature, teacher_weight=teacher_weight)
 
 
 def make_loss_fn(
@@ -203,86 +402,18 @@ def make_loss_fn(
     weight gradient then goes straight into its buffer); None when unknown. ``teacher_weight``: the in-process
     teacher's output-weight shard when its scores are hidden states (``TeacherScores.output_weight``).
     """
+    objective = objective_for(
+        cfg, vocab_size=vocab_size, teacher_temperature=teacher_temperature, teacher_weight=teacher_weight
+    )
 
-    def per_token_pass(logits_TV: torch.Tensor, cols: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The per-token loss of ``logits_TV`` (any leading shape; it may be overwritten: in-place backward) and,
-        computed first, the statistics read from the logits: the student's and the target's top-1 and, for the
-        rollout-fidelity monitor, the label's log-probability at temperature 1."""
-        shard = make_vocab_shard(logits_TV.shape[-1], None, vocab_size)
-        monitor = "rollout_logprobs" in cols
-        outputs: dict = {}
-        reads = {}
-        with torch.no_grad():
-            reads["student_top1"] = global_argmax(logits_TV.detach(), shard)
-            if monitor:  # read before the in-place loss overwrites the logits: a gather, no vocabulary pass
-                label_logit = gather_at_ids(logits_TV.detach(), cols["labels"][..., None], shard)[..., 0]
-                # The loss pass normalises at loss.student_temperature: at another one, one logsumexp pass at 1.
-                lse_t1 = None if cfg.student_temperature == 1.0 else chunked_logsumexp(logits_TV.detach(), shard)
-        if cfg.kind == "sft":
-            reads["target_top1"] = cols["labels"]
-            per_token = sft_per_token(logits_TV, cols["labels"], vocab_size)
-        elif "aligned_mask" in cols:  # loss.cross_tokenizer=aligned: top-k on shared tokens, sampled elsewhere
-            aligned = cols["aligned_mask"]
-            first = torch.where(cols["teacher_topk_support"][..., 0], cols["teacher_topk_ids"][..., 0], -1)
-            reads["target_top1"] = torch.where(aligned, first, -1)  # the teacher's top-1, where it has a twin
-            per_token, reads["divergence"] = aligned_divergence(
-                logits_TV, cols["labels"], aligned, cols["teacher_topk_ids"], cols["teacher_topk_logprobs"],
-                cols["teacher_topk_support"], cols["teacher_label_logprobs"], cols["group_offset"], cfg.kind,
-                vocab_size=vocab_size, beta=cfg.beta, tail=cfg.tail, coverage_weight=cfg.coverage_weight,
-                student_temperature=cfg.student_temperature, chunk_size=cfg.chunk_size,
-            )  # fmt: skip
-            if monitor:  # the loss overwrites only a copy of the logits: one logsumexp pass
-                lse_t1 = lse_t1 if lse_t1 is not None else chunked_logsumexp(logits_TV.detach(), shard)
-        elif cfg.mode == "sampled":
-            # The teacher's top-1, where it has one in the student's vocabulary (not across tokenizers).
-            top1 = cols.get("teacher_topk_ids")
-            reads["target_top1"] = top1[..., 0] if top1 is not None else torch.full_like(cols["labels"], -1)
-            logq = label_logprobs(logits_TV, cols["labels"], vocab_size=vocab_size, temperature=cfg.student_temperature)
-            per_token, reads["divergence"] = sampled_reverse_kl(
-                logq, cols["teacher_label_logprobs"], cols.get("group_offset")
-            )
-            if monitor and cfg.student_temperature == 1.0:
-                outputs["student_lse"] = label_logit - logq.detach()
-        else:
-            if cfg.support == "union" and "student_topk_ids" not in cols:
-                raise ValueError(
-                    "loss.support=union: the micro-batch has no student top-k ids; pass the batch to teacher_columns "
-                    "and score it with TrainBatch.teacher_request_ids()"
-                )
-            with torch.no_grad():
-                if "teacher_topk_ids" in cols:
-                    reads["target_top1"] = cols["teacher_topk_ids"][..., 0]
-                else:
-                    if "teacher_hidden" in cols:  # formed here, for this chunk's (or micro-batch's) rows only
-                        cols = {**cols, "teacher_logits": teacher_logits_of(cols, teacher_weight)}
-                    reads["target_top1"] = global_argmax(cols["teacher_logits"], shard)
-            # In place: the output layer's logits are not needed after the loss.
-            per_token = teacher_divergence(
-                logits_TV,
-                cols,
-                cfg,
-                cfg.kind,
-                vocab_size=vocab_size,
-                teacher_temperature=teacher_temperature,
-                inplace_backward=True,
-                outputs=outputs,
-            )
-        if monitor:
-            with torch.no_grad():
-                if cfg.kind == "sft":  # cross-entropy is minus the label's log-probability (temperature 1)
-                    reads["label_lp"] = -per_token.detach()
-                else:
-                    reads["label_lp"] = label_logit - (lse_t1 if lse_t1 is not None else outputs["student_lse"])
-        return per_token, reads
-
-    def loss_fn(output_tensor: torch.Tensor, mb: dict) -> tuple[torch.Tensor, StepStats]:
-        mask_BS = mb["loss_mask"]
-        # Packed micro-batches (THD, one row) carry each sample's weight and index per token.
-        weights_BS = mb["token_weights"] if "token_weights" in mb else mb["seq_weights"][:, None].expand_as(mask_BS)
-        kwargs = {} if cfg.reduction == "sum" else {"normalizer": normalizer, "segment_ids": mb.get("segment_ids")}
+    def loss_fn(output_tensor: torch.Tensor, mb: dict) -> tuple[torch.Tensor, MicroBatchStats]:
+        batch = LossBatch.of(mb)
+        objective.check(batch)
+        mask_BS, weights_BS = batch.loss_mask, batch.weights
+        kwargs = {} if cfg.reduction == "sum" else {"normalizer": normalizer, "segment_ids": batch.segment_ids}
         if output is None:
-            per_token_BS, reads = per_token_pass(output_tensor, mb)
-            staleness = staleness_weights(reads, mb)
+            per_token_BS, reads = objective.per_token_pass(output_tensor, batch)
+            staleness = staleness_weights(reads, batch)
             if cfg.staleness_correction == "prefix":  # the stale prefix's importance weight (fused output is off)
                 if staleness is None:
                     raise ValueError("loss.staleness_correction=prefix: the batch has no rollout log-probabilities")
@@ -290,8 +421,8 @@ def make_loss_fn(
             weighted_BS = per_token_BS * weights_BS.to(per_token_BS.dtype)
             loss = reduce_loss(weighted_BS, mask_BS, cfg.reduction, **kwargs)
         else:
-            loss, per_token_BS, reads = _fused_pass(output_tensor, output.weight, mb, weights_BS, kwargs)
-            staleness = staleness_weights(reads, mb)
+            loss, per_token_BS, reads = _fused_pass(output_tensor, output.weight, batch, kwargs)
+            staleness = staleness_weights(reads, batch)
         with torch.no_grad():  # on the device: one host read per step, after the last micro-batch (sum_stats)
             valid_BS = mask_BS != 0
             values = {
@@ -301,35 +432,36 @@ def make_loss_fn(
                 "tokens": valid_BS.sum(),
                 "nonfinite": ~torch.isfinite(loss.detach()),
             }
-            if "rollout_logprobs" in mb:
-                values.update(fidelity_sum_tensors(reads["label_lp"], mb["rollout_logprobs"], mask_BS, staleness))
+            if batch.rollout_logprobs is not None:
+                values.update(fidelity_sum_tensors(reads["label_lp"], batch.rollout_logprobs, mask_BS, staleness))
             stats = MicroBatchStats.of(values, loss.device)
         return loss * scale, stats
 
-    def staleness_weights(reads: dict, mb: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def staleness_weights(reads: dict, batch: LossBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The prefix importance weights of the micro-batch's sampled tokens and where they were clipped (None
         without the sampler's log-probabilities)."""
-        if "rollout_logprobs" not in mb:
+        if batch.rollout_logprobs is None:
             return None
         with torch.no_grad():
-            log_ratio_BS = prefix_log_ratios(reads["label_lp"], mb["rollout_logprobs"], mb["loss_mask"],
-                                             mb.get("segment_ids"), inclusive=cfg.mode == "sampled")  # fmt: skip
+            log_ratio_BS = prefix_log_ratios(reads["label_lp"], batch.rollout_logprobs, batch.loss_mask,
+                                             batch.segment_ids, inclusive=cfg.mode == "sampled")  # fmt: skip
             return importance_weights(log_ratio_BS, cfg.staleness_clip)
 
-    def _fused_pass(hidden_BSH: torch.Tensor, weight_VH: torch.Tensor, mb: dict, weights_BS, kwargs: dict):
-        """``per_token_pass`` a chunk of trained tokens at a time on logits formed from the hidden states."""
-        mask_BS = mb["loss_mask"]
+    def _fused_pass(hidden_BSH: torch.Tensor, weight_VH: torch.Tensor, batch: LossBatch, kwargs: dict):
+        """The objective's ``per_token_pass`` a chunk of trained tokens at a time on logits formed from the hidden
+        states."""
+        mask_BS = batch.loss_mask
         (b, s), n = mask_BS.shape, mask_BS.numel()
-        cols = {k: v.reshape(n, *v.shape[2:]) for k, v in mb.items() if v.dim() >= 2 and tuple(v.shape[:2]) == (b, s)}
+        flat = batch.flatten()
         reads_T: dict[str, torch.Tensor] = {}
 
         def token_pass(logits_CV: torch.Tensor, index_C: torch.Tensor) -> torch.Tensor:
-            per_token_C, reads = per_token_pass(logits_CV, {k: v.index_select(0, index_C) for k, v in cols.items()})
+            per_token_C, reads = objective.per_token_pass(logits_CV, flat.select(index_C))
             for name, value in reads.items():
                 reads_T.setdefault(name, value.new_zeros(n)).index_copy_(0, index_C, value)
             return per_token_C
 
-        coeff = reduction_coefficients(mask_BS, weights_BS, cfg.reduction, **kwargs)
+        coeff = reduction_coefficients(mask_BS, batch.weights, cfg.reduction, **kwargs)
         rows = chunk_tokens(cfg.chunk_size, weight_VH.shape[0], hidden_BSH.device)
         loss, per_token_N, index_N = fused_output_loss(
             hidden_BSH.reshape(n, -1),
@@ -339,11 +471,11 @@ def make_loss_fn(
             token_pass,
             rows=rows,
             grad_hint=None if grad_hint is None else grad_hint * scale,
-            index_N=mb.get("trained_index"),
+            index_N=batch.trained_index,
         )
         per_token_BS = per_token_N.new_zeros(n).index_copy(0, index_N, per_token_N).view(b, s)
-        needed = ("student_top1", "target_top1") + (("label_lp",) if "rollout_logprobs" in mb else ())
-        needed += ("divergence",) if cfg.mode == "sampled" else ()
+        needed = ("student_top1", "target_top1") + (("label_lp",) if batch.rollout_logprobs is not None else ())
+        needed += ("divergence",) if objective.reports_divergence else ()
         reads = {name: reads_T.get(name, mask_BS.new_zeros(n)).view(b, s) for name in needed}  # none: nothing trained
         return loss, per_token_BS, reads
 
