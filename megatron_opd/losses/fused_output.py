@@ -91,7 +91,7 @@ class _AsModelOutput(torch.autograd.Function):
 class _FusedOutputLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_TH, weight_VH, coeff_T, index_N, token_pass, rows, grad_into, grad_hint):
-        weight = weight_VH
+        weight = weight_VH  # the parameter itself (weight_VH is detached below): backward may set its .grad
         grad_h_TH = torch.zeros_like(hidden_TH)
         if grad_into is None:  # an accumulator of our own, scaled in backward
             grad_w_VH = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device)
