@@ -40,7 +40,28 @@ def _megatron_calls():
         tensor_parallel.checkpoint(lambda t: (t * t).sum(), False, x).backward()
         assert torch.equal(x.grad, torch.full((3,), 2.0)), x.grad
 
+    def write_results_queue():
+        """The queue a checkpoint save's writer reports through: its Manager forked, not spawned (a fresh interpreter
+        importing the trainer; refused here before it starts)."""
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        getter = getattr(filesystem_async, "get_write_results_queue", None) or filesystem_async._get_write_results_queue
+        real = filesystem_async.mp.get_context
+
+        def fork_only(method=None):
+            assert method == "fork", f"the writer's Manager would start by {method!r}"
+            return real(method)
+
+        filesystem_async.mp.get_context, filesystem_async._results_queue = fork_only, None
+        try:
+            queue = getter()
+        finally:
+            filesystem_async.mp.get_context = real
+        queue.put("written")
+        assert queue.get(timeout=30) == "written"
+
     return {
+        "write_results_queue": write_results_queue,
         "rng_tracker": rng_tracker,
         "recompute": recompute,
         "clip_grads": clip_grads,
