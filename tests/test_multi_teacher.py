@@ -148,6 +148,7 @@ def test_each_sample_is_scored_by_its_own_teacher_and_a_restarted_one_delays_onl
                                                atol=1e-6, rtol=1e-6)  # fmt: skip
             if step == 0:  # the outage: "math"'s part came back while "code" was down
                 assert scored.metrics["teacher/math/latency"] < 0.5 <= scored.metrics["teacher/code/latency"]
+                assert scored.metrics["teacher/code/retries"] >= 1 and scored.metrics["teacher/math/retries"] == 0
             rollout.sync_weights(step + 1)
     finally:
         thread.join(30)

@@ -290,8 +290,21 @@ class Scheduler:
             parts.append(TeacherPart(req.name, req.rows, scores))
             metrics[f"teacher/{req.name}/samples"] = float(len(req.rows))
             metrics[f"teacher/{req.name}/latency"] = (req.done or time.perf_counter()) - req.asked
+            retries = _client_retries(self.teachers[req.name].backend)
+            if retries is not None:  # the rank that asks (the first TP rank of the last stage)
+                metrics[f"teacher/{req.name}/retries"] = float(retries)
         flight.timings["teacher"] = max((metrics[f"teacher/{r.name}/latency"] for r in flight.requests), default=0.0)
         return RoutedScores(parts), metrics
+
+
+def _client_retries(backend) -> int | None:
+    """Requests a remote teacher's client has retried so far (its failures), through the wrappers around it."""
+    for _ in range(4):
+        stats = getattr(backend, "stats", None)
+        if isinstance(stats, dict) and "retries" in stats:
+            return int(stats["retries"])
+        backend = getattr(backend, "backend", None)
+    return None
 
 
 def build_scheduler(mode: str, rollout: RolloutBackend, teacher: TeacherBackend, **kwargs) -> Scheduler:
