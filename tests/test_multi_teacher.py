@@ -159,6 +159,60 @@ def test_each_sample_is_scored_by_its_own_teacher_and_a_restarted_one_delays_onl
     assert restarted and clients["code"].stats["retries"] >= 1 and clients["math"].stats["retries"] == 0
 
 
+def test_a_cross_tokenizer_teacher_scores_its_part_of_a_routed_batch_as_it_scores_alone(digit_tokenizers):
+    """The re-tokenizer runs on the cross-tokenizer teacher's part only: its scores, groups and the tokens it cannot
+    compare (cleared from the loss mask of the whole batch) equal the one-teacher scheduler's for those samples."""
+    from megatron_opd.cross_tokenizer.retokenize import CrossTokenizer
+    from megatron_opd.data.prompts import PromptEncoder
+    from megatron_opd.data.stream import PromptStream
+    from megatron_opd.interfaces import SamplingParams
+    from megatron_opd.scheduler.batch_schedule import RoutedTeacher, Scheduler
+    from megatron_opd.testing.scheduler_fakes import PolicyRollout, TokenTeacher
+    from megatron_opd.trainer.batch import pack_rollouts
+
+    student, teacher = digit_tokenizers["none"], digit_tokenizers["pairs"]
+    records = [{"prompt": f"reverse {40912 + 7 * i} =", **({"teacher": "cross"} if i % 2 else {})} for i in range(8)]
+    prompts = [PromptEncoder(student).prompt_ids(r, "test") for r in records]
+
+    def run(**kwargs) -> list:
+        rollout, batches = PolicyRollout([]), []
+        data = PromptStream(prompts, records, seed=0, shuffle=True, global_batch=4)
+        scheduler = Scheduler("zero_step_off", rollout, kwargs.pop("teacher", None), SamplingParams(max_new_tokens=4),
+                              2, data=data, seed_for=lambda b: b, pad_token_id=0, max_len=64, **kwargs)  # fmt: skip
+        for step in range(2):
+            batches.append(scheduler.next_batch(step))
+            rollout.sync_weights(step + 1)
+        return batches
+
+    def cross() -> CrossTokenizer:
+        """A teacher that rewrites capitals (as a teacher that normalises text): such samples cannot be compared."""
+        retokenizer = CrossTokenizer(student, teacher, PromptEncoder(teacher), (student.eos_token_id,))
+        retokenizer.teacher_tokenizer = lambda texts, **kw: teacher([t.lower() for t in texts], **kw)
+        return retokenizer
+
+    routed = run(teachers={"same": RoutedTeacher(TokenTeacher([])), "cross": RoutedTeacher(TokenTeacher([]), cross())},
+                 route=TeacherRouter(["same", "cross"], default="same"))  # fmt: skip
+    alone = run(teacher=TokenTeacher([]), retokenizer=cross())
+    cleared = 0
+    for got, ref in zip(routed, alone):
+        part = {p.name: p for p in got.scores.parts}["cross"]
+        rows = torch.tensor(part.rows)
+        assert all(got.items[got.rollouts.prompt_index[r]].record.get("teacher") == "cross" for r in part.rows)
+        assert torch.equal(got.batch.loss_mask[rows], ref.batch.loss_mask[rows])
+        trained = ref.batch.loss_mask[rows] != 0
+        assert torch.equal(
+            part.scores.requested_logprobs[..., 0][trained], ref.scores.requested_logprobs[rows, :, 0][trained]
+        )
+        assert torch.equal(
+            part.scores.extras["group_offset"][trained], ref.scores.extras["group_offset"][rows][trained]
+        )
+        packed = pack_rollouts(got.rollouts, pad_token_id=0, max_len=64).loss_mask
+        cleared += int((packed[rows] != got.batch.loss_mask[rows]).sum())
+        others = torch.tensor([r for r in range(len(got.rollouts)) if r not in part.rows])
+        assert torch.equal(got.batch.loss_mask[others], packed[others])  # the same-tokenizer part: untouched
+    assert cleared > 0  # some sampled bytes did not align: those tokens are not trained, in the whole batch
+
+
 # ---- the routed training step ---------------------------------------------------------------------------------------
 def _fixed_batch():
     from megatron_opd.trainer.batch import pack
@@ -224,14 +278,64 @@ def _routed_body(dirs: dict[str, str]):
     out["alone_a"] = step(routed.parts[0].scores, topk, batch=full.select(a), micro_batch_size=3)
     out["alone_b"] = step(routed.parts[1].scores, sampled, batch=full.select(b), micro_batch_size=3)
     out["tokens"] = {"a": float(full.select(a).loss_mask.sum()), "b": float(full.select(b).loss_mask.sum())}
+    out.update(_mixed_tokenizers(dirs, teacher, step))
     return out
 
 
+def _mixed_tokenizers(dirs: dict[str, str], teacher, step) -> dict:
+    """A same-tokenizer top-k teacher (the in-process one) and a cross-tokenizer sampled teacher (digit pairs against
+    the student's one token per digit; its scripted log-probabilities go through the real re-tokenizer) in one batch,
+    the routed step on the unfused path (a cross-tokenizer loss keeps the output layer), and each part alone."""
+    from megatron_opd.cross_tokenizer.retokenize import CrossTokenizer
+    from megatron_opd.data.prompts import PromptEncoder
+    from megatron_opd.interfaces import Rollouts, RoutedScores, TeacherPart, TeacherScores
+    from megatron_opd.tokenizer import load_tokenizer
+    from megatron_opd.trainer.batch import pack_rollouts
+    from megatron_opd.trainer.config import LossConfig
+    from megatron_opd.trainer.objective import TeacherObjective
+
+    student_tok, teacher_tok = load_tokenizer(dirs["none"]), load_tokenizer(dirs["pairs"])
+    eos = student_tok.eos_token_id
+    record = {"prompt": "reverse 40912 =", "answer": "21904"}
+    prompt = PromptEncoder(student_tok).prompt_ids(record, "test")
+    texts = ["21904", "7", "2190", "40912", "9", "123"]
+    responses = [student_tok(t, add_special_tokens=False)["input_ids"] + [eos] for t in texts]
+    rollouts = Rollouts(
+        prompt_ids=[torch.tensor(prompt)] * 6, response_ids=[torch.tensor(r) for r in responses],
+        response_mask=[torch.ones(len(r)) for r in responses], logprobs=[-torch.full((len(r),), 0.5) for r in responses],
+        finish_reasons=["stop"] * 6, prompt_index=[0] * 6,
+    )  # fmt: skip
+    batch = pack_rollouts(rollouts, pad_token_id=eos)
+    same, cross = [0, 2, 4], [1, 3, 5]
+    a = batch.select(same)
+    same_scores = teacher.score(a.tokens, a.teacher_request_ids()).result()
+    retokenizer = CrossTokenizer(student_tok, teacher_tok, PromptEncoder(teacher_tok), (eos,))
+    b = batch.select(cross)
+    request = retokenizer.request(b, rollouts.select(cross), [record])
+    lp = -torch.rand(*request.tokens.shape, 1, generator=torch.Generator().manual_seed(3)) * 2
+    cross_scores = retokenizer.scores(TeacherScores(requested_logprobs=lp), request, b)
+    batch.loss_mask[torch.tensor(cross)] = b.loss_mask
+    topk = LossConfig(kind="reverse_kl", mode="topk", topk=16, fused_output="off")
+    sampled = LossConfig(kind="reverse_kl", mode="sampled", cross_tokenizer="sampled")
+    routed = RoutedScores([TeacherPart("same", same, same_scores), TeacherPart("cross", cross, cross_scores)])
+    teachers = {"same": TeacherObjective(topk, 0.1), "cross": TeacherObjective(sampled)}
+    return {
+        "x_mixed": step(routed, topk, batch=batch, teachers=teachers),
+        "x_same": step(same_scores, topk, batch=a, micro_batch_size=3),
+        "x_cross": step(cross_scores, sampled, batch=b, micro_batch_size=3),
+        "x_tokens": {"same": float(a.loss_mask.sum()), "cross": float(b.loss_mask.sum())},
+        "x_groups": int((cross_scores.extras["group_offset"] != 0).sum()),
+    }
+
+
 @pytest.fixture(scope="module")
-def routed_steps(tiny_model_dirs):
+def routed_steps(tiny_model_dirs, tmp_path_factory):
+    from megatron_opd.tasks import digits
     from megatron_opd.testing.multiprocess import run_distributed
 
-    dirs = {"student": tiny_model_dirs["llama"], "teacher": tiny_model_dirs["qwen2"]}
+    root = tmp_path_factory.mktemp("digit_tokenizers")
+    dirs = {"student": tiny_model_dirs["llama"], "teacher": tiny_model_dirs["qwen2"],
+            **{m: str(digits.make_tokenizer(root / m, digit_merges=m)) for m in ("none", "pairs")}}  # fmt: skip
     return run_distributed(_routed_body, 1, args=(dirs,), timeout=300)[0]
 
 
@@ -264,3 +368,17 @@ def test_per_teacher_balance_averages_the_teachers_means(routed_steps):
     assert stats.loss == pytest.approx(sum(means) / 2, rel=1e-6)
     tokens = routed_steps["tokens"]
     assert tokens["a"] != tokens["b"]  # otherwise balancing would change nothing
+
+
+def test_a_same_tokenizer_topk_and_a_cross_tokenizer_teacher_in_one_batch_equal_each_part_alone(routed_steps):
+    """Each part against its one-teacher path (whose float64 references: tests/test_losses.py, test_sampled_loss.py)."""
+    (mixed, g_mixed), (same, g_same), (cross, g_cross) = (routed_steps[k] for k in ("x_mixed", "x_same", "x_cross"))
+    n_same, n_cross = routed_steps["x_tokens"]["same"], routed_steps["x_tokens"]["cross"]
+    assert routed_steps["x_groups"] > 0  # the cross teacher's groups span several student tokens
+    assert mixed.teachers["same"].tokens == n_same and mixed.teachers["cross"].tokens == n_cross > 0
+    assert mixed.loss == pytest.approx((same.loss * n_same + cross.loss * n_cross) / (n_same + n_cross), rel=1e-6)
+    torch.testing.assert_close(
+        g_mixed, (g_same * n_same + g_cross * n_cross) / (n_same + n_cross), atol=1e-6, rtol=1e-5
+    )
+    assert mixed.teachers["cross"].divergence_sum == pytest.approx(cross.divergence_sum, rel=1e-6)
+    assert g_cross.abs().sum() > 0 and g_same.abs().sum() > 0

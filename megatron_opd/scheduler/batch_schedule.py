@@ -30,6 +30,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
+
 from megatron_opd.interfaces import (
     RolloutBackend,
     Rollouts,
@@ -95,6 +97,8 @@ class _Request:
     rows: list[int]
     future: Future
     asked: float
+    part: TrainBatch
+    """Its samples of the batch (a copy: the re-tokenizer's changes to the loss mask are written back)."""
     request: object | None = None
     """With another tokenizer: its view of the part (``cross_tokenizer.TeacherRequest``)."""
     done: float | None = None
@@ -271,11 +275,13 @@ class Scheduler:
             teacher, part = self.teachers[name], flight.batch.select(rows)
             if teacher.retokenizer is not None:
                 request = teacher.retokenizer.request(part, flight.rollouts.select(rows), records)
+                # Tokens it cannot compare are not trained on: its mask of them, in the whole batch too.
+                flight.batch.loss_mask[torch.tensor(rows)] = part.loss_mask
                 future = teacher.backend.score(request.tokens, request.request_ids, request.lengths)
             else:
                 request = None
                 future = teacher.backend.score(part.tokens, part.teacher_request_ids(), part.lengths)
-            req = _Request(name, rows, future, asked, request)
+            req = _Request(name, rows, future, asked, part, request)
             future.add_done_callback(lambda _, req=req: setattr(req, "done", time.perf_counter()))
             flight.requests.append(req)
 
@@ -285,7 +291,7 @@ class Scheduler:
         for req in flight.requests:
             scores = req.future.result()
             if req.request is not None:
-                scores = self.teachers[req.name].retokenizer.scores(scores, req.request, flight.batch.select(req.rows))
+                scores = self.teachers[req.name].retokenizer.scores(scores, req.request, req.part)
                 metrics.update({f"teacher/{req.name}/{k}": v for k, v in req.request.metrics.items()})
             parts.append(TeacherPart(req.name, req.rows, scores))
             metrics[f"teacher/{req.name}/samples"] = float(len(req.rows))
