@@ -163,12 +163,15 @@ def test_an_inprocess_and_a_server_teacher_in_one_run(pair, server, tmp_path):
     the server teacher, the rest go to the in-process one (``data.default_teacher``); each teacher's metrics are logged
     with exact token counts that add up to the step's. (Equal losses and gradients to one teacher:
     tests/test_multi_teacher.py.)"""
-    records = [json.loads(line) for line in Path(pair.train_file).read_text().splitlines()]
-    mixed = tmp_path / "mixed.jsonl"
-    mixed.write_text("".join(json.dumps({**r, **({"teacher": "remote"} if i % 2 else {})}) + "\n"
-                             for i, r in enumerate(records)))  # fmt: skip
+    mixed = {}
+    for name, path in (("train", pair.train_file), ("eval", pair.eval_file)):
+        records = [json.loads(line) for line in Path(path).read_text().splitlines()]
+        mixed[name] = tmp_path / f"{name}.jsonl"
+        mixed[name].write_text("".join(json.dumps({**r, **({"teacher": "remote"} if i % 2 else {})}) + "\n"
+                                       for i, r in enumerate(records)))  # fmt: skip
     common = {"train.steps": 1, "loss.mode": "topk", "loss.topk": 8, "rollout.n": 2, "export_hf": False,
-              "data.eval_files": "[]", "data.train_files": mixed, "loss.teacher_balance": "per_teacher"}  # fmt: skip
+              "data.train_files": mixed["train"], "data.eval_files": mixed["eval"], "data.shuffle": False,
+              "eval.scorer": "megatron_opd.tasks.digits:score", "loss.teacher_balance": "per_teacher"}  # fmt: skip
     routed = [o for o in pair.overrides(tmp_path / "two", **common) if not o.startswith("teacher.path=")]
     routed += [f"teachers.local.path={pair.teacher}", "teachers.remote.backend=server",
                f"teachers.remote.address={server}", "data.default_teacher=local"]  # fmt: skip
@@ -182,6 +185,11 @@ def test_an_inprocess_and_a_server_teacher_in_one_run(pair, server, tmp_path):
     means = [got[f"teacher/{name}/divergence"] for name in ("local", "remote")]
     assert got["loss"] == pytest.approx(sum(means) / 2, rel=1e-5)
     assert "records per teacher: {'local': 16, 'remote': 16}" in out and "local div" in out and "remote div" in out
+    # Evaluation per teacher: the eval records carry the same field (2 of the 4 evaluated prompts each).
+    evals = [r for r in train_metrics(tmp_path / "two") if "eval/accuracy" in r]
+    assert len(evals) == 2
+    for r in evals:
+        assert r["eval/accuracy"] == pytest.approx((r["eval/local/accuracy"] + r["eval/remote/accuracy"]) / 2)
 
 
 def test_killed_pipeline_parallel_server_restarts_and_every_batch_is_answered_once(pair, tmp_path):

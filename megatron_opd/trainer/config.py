@@ -659,24 +659,13 @@ class TrainConfig:
                     "teacher.transfer=hidden needs teacher.path: the trainer loads the teacher's output layer from it "
                     "(the Hugging Face or dist_ckpt folder of the model the server runs)"
                 )
-        elif self.loss.mode == "dense":
-            raise ValueError(
-                f"teacher.backend={backend} sends the teacher's top-k, not its logits: set loss.mode=topk, or "
-                "teacher.transfer=hidden with a teacher server (exact dense distillation from its hidden states)"
-            )
+        from megatron_opd.teacher.capabilities import refusal
+
+        why = refusal(backend, t.transfer, mode=self.loss.mode, support=self.loss.support, temperature=t.temperature)
+        if why is not None:  # from the back end's declared capabilities (teacher/capabilities.py)
+            raise ValueError(why)
         if backend != "vllm":
             return
-        if t.temperature != 1.0:
-            raise ValueError(
-                f"teacher.temperature={t.temperature} cannot be applied by teacher.backend=vllm: vLLM applies no "
-                "temperature to prompt log-probabilities and a top-k cannot be re-tempered exactly; use "
-                "teacher.backend=server or inprocess, or teacher.temperature=1"
-            )
-        if self.loss.support == "union":
-            raise ValueError(
-                "loss.support=union needs the teacher's log-probabilities at the student's top-k ids, which vLLM's "
-                "prompt_logprobs cannot give: use teacher.backend=server or inprocess, or loss.support=teacher_topk"
-            )
         if not (t.tokenizer or t.path):
             raise ValueError(
                 "teacher.backend=vllm needs the teacher's tokenizer files for the vocabulary check (vLLM publishes "

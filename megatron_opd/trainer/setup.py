@@ -330,6 +330,7 @@ def build_remote_teacher(cfg: TrainConfig, teacher_fingerprint: str | None, stud
     scores (with ``teacher.transfer=hidden``, each rank also holds its shard of the teacher's output layer)."""
     from megatron.core import parallel_state as ps
 
+    from megatron_opd.teacher.capabilities import declared
     from megatron_opd.teacher.shared import GroupSharedTeacher
 
     last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
@@ -348,7 +349,7 @@ def build_remote_teacher(cfg: TrainConfig, teacher_fingerprint: str | None, stud
         group=ps.get_tensor_model_parallel_group(),
         src=ps.get_tensor_model_parallel_src_rank(),
         active=last_stage,
-        supports_requested_logprobs=cfg.teacher.backend != "vllm",
+        supports_requested_logprobs=declared(cfg.teacher.backend, cfg.teacher.transfer).requested_logprobs,
     )
     if full_VH is not None:
         from megatron_opd.teacher.hidden import HiddenStateTeacher
