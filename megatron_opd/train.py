@@ -461,7 +461,7 @@ def max_logprob_diff_for(cfg: TrainConfig, student: Student) -> float:
 
 
 def _fmt(metrics: dict[str, float]) -> str:
-    return ", ".join(f"{k.split('/')[-1]} {v:.4f}" for k, v in metrics.items())
+    return ", ".join(f"{k.split('/', 1)[-1]} {v:.4f}" for k, v in metrics.items())  # eval/NAME/accuracy: NAME/accuracy
 
 
 def main(argv: list[str] | None = None) -> None:

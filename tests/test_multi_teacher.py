@@ -382,3 +382,17 @@ def test_a_same_tokenizer_topk_and_a_cross_tokenizer_teacher_in_one_batch_equal_
     )
     assert mixed.teachers["cross"].divergence_sum == pytest.approx(cross.divergence_sum, rel=1e-6)
     assert g_cross.abs().sum() > 0 and g_same.abs().sum() > 0
+
+
+def test_the_digit_sorting_task_of_the_multi_teacher_quick_start():
+    from megatron_opd.tasks import digits
+
+    held_out = digits.make_records(50, seed=1, task="sort")
+    train = digits.make_records(200, seed=2, task="sort", exclude=[r["prompt"] for r in held_out])
+    for r in held_out + train:
+        word, number, equals = r["prompt"].split()
+        assert (word, equals) == ("sort", "=") and r["answer"] == r["response"] == "".join(sorted(number))
+    assert not {r["prompt"] for r in held_out} & {r["prompt"] for r in train}
+    assert digits.make_records(3, seed=2)[0]["prompt"].startswith("reverse ")  # the default task is unchanged
+    with pytest.raises(ValueError, match="task must be one of"):
+        digits.make_records(1, seed=0, task="shuffle")
