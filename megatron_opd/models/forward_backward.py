@@ -50,7 +50,10 @@ def forward_backward(
 
     def forward_step(data_iterator, model):
         device = next(model.parameters()).device
-        batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
+        # Tensors go to the device; plain values (the index of the teacher whose objective applies) stay as they are.
+        batch = {
+            k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in next(data_iterator).items()
+        }
         tokens = batch["tokens"]
         position_ids = batch.get("position_ids")
         if position_ids is None:

@@ -31,13 +31,14 @@ from megatron_opd.losses.vocab_parallel import make_vocab_shard
 from megatron_opd.models import packing
 from megatron_opd.models.forward_backward import forward_backward
 from megatron_opd.models.output import HiddenStateOutput
+from megatron_opd.teacher.capabilities import INPROCESS
 
 
 class InProcessTeacher:
     """A frozen Megatron teacher colocated with the student (same TP/PP layout, same job)."""
 
-    supports_dense = True
-    supports_requested_logprobs = True
+    supports_dense = INPROCESS.dense
+    supports_requested_logprobs = INPROCESS.requested_logprobs
 
     def __init__(
         self,
