@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -40,8 +42,19 @@ def _megatron_calls():
         tensor_parallel.checkpoint(lambda t: (t * t).sum(), False, x).backward()
         assert torch.equal(x.grad, torch.full((3,), 2.0)), x.grad
 
+    def cp_pos_emb():
+        from megatron.core.models.common.embeddings import rotary_pos_embedding
+        from megatron.core.utils import get_batch_on_this_cp_rank
+
+        group = types.SimpleNamespace(size=lambda: 2, rank=lambda: 1)  # the second of two CP ranks
+        emb = torch.arange(8.0).view(8, 1, 1, 1)  # RoPE's [S, 1, 1, d]
+        got = rotary_pos_embedding.get_pos_emb_on_this_cp_rank(emb, 0, group).reshape(-1)
+        expected = get_batch_on_this_cp_rank({"x": torch.arange(8.0)[None]}, cp_group=group)["x"][0]
+        assert torch.equal(got, expected), (got, expected)
+
     return {
         "rng_tracker": rng_tracker,
+        "cp_pos_emb": cp_pos_emb,
         "recompute": recompute,
         "clip_grads": clip_grads,
         "current_device": lambda: torch.empty(2, device=torch.cuda.current_device()),

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from megatron_opd.models.context_parallel import SPLIT_MARKER
+
 MicroBatch = dict[str, torch.Tensor]
 # loss_fn(logits_BSV, micro_batch) -> (scalar loss, data to collect)
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, Any]]
@@ -48,9 +50,16 @@ def forward_backward(
                 f"micro_batches[{i}]['tokens'] has shape {tuple(mb['tokens'].shape)}, expected {(batch_size, seq_len)}"
             )
 
+    split_context = parallel_state.get_context_parallel_world_size() > 1
+
     def forward_step(data_iterator, model):
         device = next(model.parameters()).device
         batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
+        if split_context and SPLIT_MARKER not in batch:
+            raise ValueError(
+                "context parallelism: the micro-batch is not split over context-parallel ranks "
+                "(trainer.loss_batch.split_for_context_parallel); each rank would attend with the whole sequence"
+            )
         tokens = batch["tokens"]
         position_ids = batch.get("position_ids")
         if position_ids is None:
