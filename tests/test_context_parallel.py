@@ -8,6 +8,8 @@ layout. The batch split itself is checked against Megatron's ``get_batch_on_this
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -95,7 +97,7 @@ def _per_token(student, batch, scores, cfg, split) -> tuple[torch.Tensor, torch.
     return full, filled
 
 
-def _cp_job(dirs: dict[str, str]) -> dict:
+def _cp_job(dirs: dict[str, str], tp: int = 1) -> dict:
     from megatron.core import parallel_state as ps
 
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
@@ -113,7 +115,7 @@ def _cp_job(dirs: dict[str, str]) -> dict:
     arch = load_architecture(dirs["student"])
     results: dict = {}
     for layout, cp in (("cp1", 1), ("cp2", 2)):
-        parallel = ParallelConfig(context_parallel_size=cp)
+        parallel = ParallelConfig(tensor_model_parallel_size=tp, context_parallel_size=cp)
         initialize_distributed(parallel)
         split = ContextParallelSplit.current()
         dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -137,9 +139,9 @@ def _cp_job(dirs: dict[str, str]) -> dict:
         topk.extras = _cross_tokenizer_extras(16)
         results[f"{layout}/teacher"] = {"topk_ids": topk.topk_ids, "topk_logprobs": topk.topk_logprobs,
                                         "requested": topk.requested_logprobs, "hidden": dense.dense_hidden}  # fmt: skip
-        # The students of both layouts learn from the same scores (CP=1's), so that the comparison below is the
-        # student's own; the teacher's scores at each layout are compared by test_inprocess_teacher_at_cp2_equals_cp1 (its float32 noise, amplified by
-        # its temperature of 0.1, would otherwise be most of the difference).
+        # The students of both layouts learn from the same scores (CP=1's), so that the comparison is the student's
+        # own; test_inprocess_teacher_at_cp2_equals_cp1 compares the teacher's (its float32 noise, amplified by its
+        # temperature of 0.1, would otherwise be most of the difference).
         dense, topk = results.setdefault("scores", (dense, topk))
         batch = _fixed_batch()
         batch.tokens, batch.loss_mask = batch.tokens[lo:hi], batch.loss_mask[lo:hi]
@@ -173,7 +175,9 @@ def _cp_job(dirs: dict[str, str]) -> dict:
                 for _ in range(3)
             ]  # fmt: skip
             params = full_tensors(chunks, arch, ps.get_tensor_model_parallel_group())
-            results[f"{layout}/{name}"] = dict(per_token=(lo, per_token, filled), grads=grads, stats=stats,
+            first_tp = ps.get_tensor_model_parallel_rank() == 0  # tensor-parallel ranks hold the same losses
+            results[f"{layout}/{name}"] = dict(per_token=(lo, per_token, filled) if first_tp else None, grads=grads,
+                                               stats=stats,
                                                params=params)  # fmt: skip
     del results["scores"]
     return results
@@ -181,20 +185,24 @@ def _cp_job(dirs: dict[str, str]) -> dict:
 
 @pytest.fixture(scope="module")
 def cp_runs(tmp_path_factory):
+    return run_distributed(_cp_job, 2, args=(_model_dirs(tmp_path_factory.mktemp("cp")),), timeout=600)
+
+
+def _model_dirs(root) -> dict[str, str]:
     from megatron_opd.testing.tiny_models import make_tiny_hf_model
 
-    root = tmp_path_factory.mktemp("cp")
-    dirs = {
+    return {
         "teacher": str(make_tiny_hf_model("qwen3", root / "teacher", seed=0)),
         "student": str(make_tiny_hf_model("qwen3", root / "student", seed=1, num_hidden_layers=2)),
     }
-    return run_distributed(_cp_job, 2, args=(dirs,), timeout=600)
 
 
 def _whole(ranks: list[dict], key: str) -> torch.Tensor:
     """The per-token losses of every sample and position, from the ranks that computed them."""
     out, seen = torch.zeros(N, S), torch.zeros(N, S, dtype=torch.bool)
     for r in ranks:
+        if r[key]["per_token"] is None:
+            continue
         lo, values, filled = r[key]["per_token"]
         rows = slice(lo, lo + values.shape[0])
         assert not (seen[rows] & filled).any(), f"{key}: two ranks computed the same position"
@@ -220,6 +228,20 @@ def test_inprocess_teacher_at_cp2_equals_cp1(cp_runs):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_cp2_equals_cp1(case, cp_runs):
+    _check_case(case, cp_runs)
+
+
+@pytest.mark.skipif(not os.environ.get("MEGATRON_OPD_TP2_CP2"), reason="4 processes: run once outside CI")
+def test_tp2_cp2_equals_tp2(tmp_path):
+    """``MEGATRON_OPD_TP2_CP2=1 pytest tests/test_context_parallel.py -k tp2_cp2`` (benchmarks/RESULTS.md)."""
+    runs = run_distributed(_cp_job, 4, args=(_model_dirs(tmp_path), 2), timeout=1200)
+    test_cp2_refuses_an_unsplit_batch(runs)
+    test_inprocess_teacher_at_cp2_equals_cp1(runs)
+    for case in CASES:
+        _check_case(case, runs)
+
+
+def _check_case(case: str, cp_runs: list[dict]) -> None:
     ref, got = _whole(cp_runs, f"cp1/{case}"), _whole(cp_runs, f"cp2/{case}")
     assert (ref != 0).any(), f"{case}: the per-token losses are all zero"
     # Relative to the batch's largest per-token loss where it exceeds 1 (the sampled surrogate is a product of two
@@ -342,3 +364,39 @@ def test_config_refuses_what_cp_cannot_run():
     with pytest.raises(ValueError, match="needs build.attention=sdpa"):
         check_context_parallel(ModelBuildConfig(attention="local"), 2)
     check_context_parallel(ModelBuildConfig(use_transformer_engine=True, attention="local"), 1)
+
+    from megatron_opd.config import parse_args
+    from megatron_opd.trainer.config import TrainConfig
+
+    base = ["student.path=s", "teacher.path=t", "data.train_files=x.jsonl", "parallel.context_parallel_size=2",
+            "train.packing=false"]  # fmt: skip
+    parse_args(TrainConfig, [*base, "rollout.backend=vllm"]).validate()
+    for overrides, message in [
+        (["rollout.backend=vllm", "train.packing=true"], "packed sequences are not split .* set train.packing=false"),
+        ([], "built-in sampler's decode steps cannot split the sequence; set rollout.backend=vllm"),
+        (["rollout.backend=vllm", "build.use_transformer_engine=true"], "TransformerEngine's context-parallel"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            parse_args(TrainConfig, [*base, *overrides]).validate()
+
+
+def test_cp_attention_refuses_packed_and_non_causal():
+    from types import SimpleNamespace
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_opd.models.attention import SDPAttention
+
+    config = SimpleNamespace(num_attention_heads=4, num_query_groups=2, kv_channels=8, attention_dropout=0.0,
+                             context_parallel_size=2, window_size=None, softmax_type="vanilla",
+                             sequence_parallel=False)  # fmt: skip
+    attention = SDPAttention(config, 1, AttnMaskType.causal, "self", pg_collection=SimpleNamespace(
+        tp=_Group(1, 0), cp=_Group(2, 0)))  # fmt: skip
+    q, kv = torch.randn(8, 1, 4, 8), torch.randn(8, 1, 2, 8)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5, max_seqlen_kv=5)
+    with pytest.raises(ValueError, match="packed sequences with context parallelism"):
+        attention(q[:, 0], kv[:, 0], kv[:, 0], None, packed_seq_params=packed)
+    with pytest.raises(ValueError, match="causal self-attention over the whole sequence only"):
+        attention(q, kv, kv, None, attn_mask_type=AttnMaskType.no_mask)
