@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from megatron_opd.testing.context_parallel import StandInGroup, megatron_cp_split
 from megatron_opd.testing.multiprocess import run_distributed
 
 N, S, VOCAB = 4, 16, 1000
@@ -272,19 +273,6 @@ def _check_case(case: str, cp_runs: list[dict]) -> None:
             assert rel <= 1e-5, f"{case}: {name} after three steps differs by {rel:.2e}"
 
 
-class _Group:
-    """A stand-in process group: Megatron's split reads only its size and rank."""
-
-    def __init__(self, size: int, rank: int) -> None:
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
-
-
 def _micro_batch(s: int) -> dict[str, torch.Tensor]:
     """A micro-batch with every column a training step can hold (union support, cross-tokenizer groups)."""
     gen = torch.Generator().manual_seed(1)
@@ -311,23 +299,18 @@ def _micro_batch(s: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-def test_split_is_megatrons_layout(cp, monkeypatch):
-    from megatron.core import utils
-    from megatron.core.utils import get_batch_on_this_cp_rank
+def test_split_is_megatrons_layout(cp):
 
     from megatron_opd.models.context_parallel import SPLIT_MARKER, ContextParallelSplit
     from megatron_opd.trainer.loss_batch import LossBatch, split_for_context_parallel
 
-    # Without a process group Megatron reads every group as size 1: it reads the stand-in's size and rank instead.
-    monkeypatch.setattr(utils, "get_pg_size", lambda group=None: group.size())
-    monkeypatch.setattr(utils, "get_pg_rank", lambda group=None: group.rank())
     mb = _micro_batch(16)
     per_token = {name for name, v in mb.items() if v.dim() >= 2}
     for rank in range(cp):
-        group = _Group(cp, rank)
+        group = StandInGroup(cp, rank)
         out = split_for_context_parallel(mb, ContextParallelSplit(group, cp, rank), pad_multiple=2 * cp)
         full = {name: mb[name] for name in per_token} | {"position_ids": torch.arange(16).expand(2, 16)}
-        expected = get_batch_on_this_cp_rank(dict(full), cp_group=group)
+        expected = megatron_cp_split(full, group)
         for name in full:
             assert torch.equal(out[name], expected[name]), name
         assert torch.equal(out["sequence_tokens"], mb["loss_mask"].sum(-1))  # counted before the split
@@ -341,7 +324,7 @@ def test_split_pads_to_a_multiple_and_refuses_unknown_columns():
     from megatron_opd.trainer.loss_batch import split_for_context_parallel
 
     mb = _micro_batch(13)
-    splits = [ContextParallelSplit(_Group(2, r), 2, r) for r in range(2)]
+    splits = [ContextParallelSplit(StandInGroup(2, r), 2, r) for r in range(2)]
     outs = [split_for_context_parallel(mb, split, pad_multiple=8) for split in splits]  # 2 * CP * TP (SP, TP=2)
     positions = torch.cat([o["position_ids"] for o in outs], dim=1).sort(dim=1).values
     assert torch.equal(positions, torch.arange(16).expand(2, 16))
@@ -392,7 +375,7 @@ def test_cp_attention_refuses_packed_and_non_causal():
                              context_parallel_size=2, window_size=None, softmax_type="vanilla",
                              sequence_parallel=False)  # fmt: skip
     attention = SDPAttention(config, 1, AttnMaskType.causal, "self", pg_collection=SimpleNamespace(
-        tp=_Group(1, 0), cp=_Group(2, 0)))  # fmt: skip
+        tp=StandInGroup(1, 0), cp=StandInGroup(2, 0)))  # fmt: skip
     q, kv = torch.randn(8, 1, 4, 8), torch.randn(8, 1, 2, 8)
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5, max_seqlen_kv=5)

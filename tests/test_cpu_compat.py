@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
@@ -44,12 +42,13 @@ def _megatron_calls():
 
     def cp_pos_emb():
         from megatron.core.models.common.embeddings import rotary_pos_embedding
-        from megatron.core.utils import get_batch_on_this_cp_rank
 
-        group = types.SimpleNamespace(size=lambda: 2, rank=lambda: 1)  # the second of two CP ranks
+        from megatron_opd.testing.context_parallel import StandInGroup, megatron_cp_split
+
+        group = StandInGroup(2, 1)  # the second of two CP ranks
         emb = torch.arange(8.0).view(8, 1, 1, 1)  # RoPE's [S, 1, 1, d]
         got = rotary_pos_embedding.get_pos_emb_on_this_cp_rank(emb, 0, group).reshape(-1)
-        expected = get_batch_on_this_cp_rank({"x": torch.arange(8.0)[None]}, cp_group=group)["x"][0]
+        expected = megatron_cp_split({"x": torch.arange(8.0)[None]}, group)["x"][0]
         assert torch.equal(got, expected), (got, expected)
 
     return {
