@@ -146,6 +146,9 @@ def _cp_job(dirs: dict[str, str], tp: int = 1) -> dict:
         dense, topk = results.setdefault("scores", (dense, topk))
         batch = _fixed_batch()
         batch.tokens, batch.loss_mask = batch.tokens[lo:hi], batch.loss_mask[lo:hi]
+        results[f"{layout}/eval"] = _evaluation_sums(dirs, parallel, teacher("topk", 1.0), batch)
+        batch = _fixed_batch()
+        batch.tokens, batch.loss_mask = batch.tokens[lo:hi], batch.loss_mask[lo:hi]
         batch.rollout_logprobs, batch.seq_weights = batch.rollout_logprobs[lo:hi], batch.seq_weights[lo:hi]
         batch.lengths = batch.lengths[lo:hi]
         for name, case in CASES.items():
@@ -184,6 +187,21 @@ def _cp_job(dirs: dict[str, str], tp: int = 1) -> dict:
     return results
 
 
+def _evaluation_sums(dirs, parallel, teacher, batch) -> tuple[float, float] | None:
+    """The evaluation's divergence sums over ``batch`` (on its reporting rank; None elsewhere)."""
+    from megatron_opd.config import parse_args
+    from megatron_opd.models.source import build_and_load
+    from megatron_opd.trainer import evaluation
+    from megatron_opd.trainer.config import TrainConfig
+
+    evaluator = evaluation.Evaluator.__new__(evaluation.Evaluator)  # the divergence alone: no rollouts
+    evaluator.cfg = parse_args(TrainConfig, ["loss.mode=topk", "loss.topk=16", "loss.kind=forward_kl"])
+    evaluator.teacher, evaluator.kind, evaluator.vocab_size = teacher, "forward_kl", VOCAB
+    evaluator.student_chunks = build_and_load(dirs["student"], parallel, trainable=False)[1]
+    sums = evaluator._divergence_sums(batch)
+    return sums if evaluation._reporting_rank() else None
+
+
 @pytest.fixture(scope="module")
 def cp_runs(tmp_path_factory):
     return run_distributed(_cp_job, 2, args=(_model_dirs(tmp_path_factory.mktemp("cp")),), timeout=600)
@@ -217,6 +235,14 @@ def test_cp2_refuses_an_unsplit_batch(cp_runs):
     assert all("not split over context-parallel ranks" in r["unsplit"] for r in cp_runs), cp_runs[0]["unsplit"]
 
 
+def test_evaluation_at_cp2_equals_cp1(cp_runs):
+    """The evaluation's divergence sums add up over context-parallel ranks and are reported once."""
+    ref = [r["cp1/eval"] for r in cp_runs if r["cp1/eval"] is not None]
+    (got,) = [r["cp2/eval"] for r in cp_runs if r["cp2/eval"] is not None]
+    assert got[1] == sum(n for _, n in ref) == float((_fixed_batch().loss_mask != 0).sum())
+    assert got[0] == pytest.approx(sum(d for d, _ in ref), rel=1e-5, abs=1e-5)  # a sum of signed terms
+
+
 def test_inprocess_teacher_at_cp2_equals_cp1(cp_runs):
     for r in cp_runs:
         ref, got = r["cp1/teacher"], r["cp2/teacher"]
@@ -238,6 +264,7 @@ def test_tp2_cp2_equals_tp2(tmp_path):
     runs = run_distributed(_cp_job, 4, args=(_model_dirs(tmp_path), 2), timeout=1200)
     test_cp2_refuses_an_unsplit_batch(runs)
     test_inprocess_teacher_at_cp2_equals_cp1(runs)
+    test_evaluation_at_cp2_equals_cp1(runs)
     for case in CASES:
         _check_case(case, runs)
 
@@ -383,3 +410,11 @@ def test_cp_attention_refuses_packed_and_non_causal():
         attention(q[:, 0], kv[:, 0], kv[:, 0], None, packed_seq_params=packed)
     with pytest.raises(ValueError, match="causal self-attention over the whole sequence only"):
         attention(q, kv, kv, None, attn_mask_type=AttnMaskType.no_mask)
+
+
+def test_teacher_server_takes_cp():
+    from megatron_opd.teacher.serve import parse_args
+
+    assert parse_args(["--model", "m"]).packing  # packed by default
+    args = parse_args(["--model", "m", "--cp", "2"])
+    assert args.cp == 2 and not args.packing  # packed rows are not split over CP ranks

@@ -156,7 +156,7 @@ class SDPAttention(torch.nn.Module):
         from megatron_opd.models import context_parallel
 
         return context_parallel.attend(
-            q, k, v, self.context_parallel, lambda q, k, v, mask, causal: self._sdpa(q, k, v, mask, causal, dropout_p)
+            q, k, v, self.context_parallel, lambda q, k, v, causal: self._sdpa(q, k, v, None, causal, dropout_p)
         )
 
     def _sdpa(self, q, k, v, mask, causal: bool, dropout_p: float) -> torch.Tensor:

@@ -157,18 +157,21 @@ def _rank_major(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 def attend(q, k, v, split: ContextParallelSplit, sdpa) -> torch.Tensor:
     """Causal attention of this rank's queries ``[b, h, s, d]`` over the whole sequence; ``k``/``v``
-    ``[b, g, s, d]`` are this rank's and are all-gathered. ``sdpa(q, k, v, mask, causal)`` is the module's SDPA
-    call (scale, GQA, dropout). Returns ``[b, h, s, d]`` in the local layout."""
+    ``[b, g, s, d]`` are this rank's and are all-gathered. ``sdpa(q, k, v, causal)`` is the module's SDPA call
+    (scale, GQA, dropout). Returns ``[b, h, s, d]`` in the local layout.
+
+    Query chunk ``c`` attends to keys ``0 .. (c + 1) n``, bottom-right aligned. SDPA's ``is_causal`` is top-left
+    aligned when the lengths differ and an explicit mask costs ``n x (c + 1) n`` (kept for backward; on CPU larger
+    than CP saves at 8k tokens), so the chunk's queries go last in a square causal call whose first ``c n`` query
+    rows are zeros and are dropped: exact, no mask, memory linear in the sequence, at up to twice the attention
+    compute of the chunk (``benchmarks/RESULTS.md``)."""
     k_all, v_all = (_GatherSequence.apply(x, 2, split) for x in (k, v))  # [b, g, S, d] in natural order
     n = q.shape[2] // 2
     outs = []
     for i, c in enumerate((split.rank, 2 * split.size - 1 - split.rank)):
         q_c = q[:, :, i * n : (i + 1) * n]
         keys = (c + 1) * n
-        k_c, v_c = k_all[:, :, :keys], v_all[:, :, :keys]
-        if c == 0:
-            outs.append(sdpa(q_c, k_c, v_c, None, n > 1))
-        else:  # bottom-right aligned: query j sits at key position c * n + j
-            mask = torch.ones(n, keys, dtype=torch.bool, device=q.device).tril(diagonal=keys - n)
-            outs.append(sdpa(q_c, k_c, v_c, mask, False))
+        if c > 0:
+            q_c = torch.cat([q_c.new_zeros(*q_c.shape[:2], c * n, q_c.shape[3]), q_c], dim=2)
+        outs.append(sdpa(q_c, k_all[:, :, :keys], v_all[:, :, :keys], n > 1)[:, :, c * n :])
     return torch.cat(outs, dim=2)

@@ -43,7 +43,11 @@ class EvalSet:
 def _reporting_rank() -> bool:
     from megatron.core import parallel_state as ps
 
-    return ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_last_stage(ignore_virtual=True)
+    return (
+        ps.get_tensor_model_parallel_rank() == 0
+        and ps.get_context_parallel_rank() == 0  # its sums are already the CP group's (``_divergence_sums``)
+        and ps.is_pipeline_last_stage(ignore_virtual=True)
+    )
 
 
 def _all_reduce(values: list[float]) -> list[float]:
