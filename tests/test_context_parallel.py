@@ -82,7 +82,9 @@ def _per_token(student, batch, scores, cfg, split) -> tuple[torch.Tensor, torch.
     objective = objective_for(cfg, vocab_size=VOCAB, teacher_temperature=1.0, teacher_weight=scores.output_weight)
     micro_batches = batch.micro_batches(2, teacher_columns(scores, batch))
     if split is not None:
-        micro_batches = [split_for_context_parallel(mb, split, pad_multiple=2 * split.size) for mb in micro_batches]
+        config = student.model[0].config
+        multiple = 2 * split.size * (config.tensor_model_parallel_size if config.sequence_parallel else 1)
+        micro_batches = [split_for_context_parallel(mb, split, pad_multiple=multiple) for mb in micro_batches]
 
     def per_token(logits, mb):
         loss_batch = LossBatch.of(mb, split)
@@ -98,7 +100,7 @@ def _per_token(student, batch, scores, cfg, split) -> tuple[torch.Tensor, torch.
     return full, filled
 
 
-def _cp_job(dirs: dict[str, str], tp: int = 1) -> dict:
+def _cp_job(dirs: dict[str, str], tp: int = 1, sequence_parallel: bool = False) -> dict:
     from megatron.core import parallel_state as ps
 
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
@@ -116,7 +118,9 @@ def _cp_job(dirs: dict[str, str], tp: int = 1) -> dict:
     arch = load_architecture(dirs["student"])
     results: dict = {}
     for layout, cp in (("cp1", 1), ("cp2", 2)):
-        parallel = ParallelConfig(tensor_model_parallel_size=tp, context_parallel_size=cp)
+        parallel = ParallelConfig(
+            tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=sequence_parallel
+        )
         initialize_distributed(parallel)
         split = ContextParallelSplit.current()
         dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -259,9 +263,10 @@ def test_cp2_equals_cp1(case, cp_runs):
 
 
 @pytest.mark.skipif(not os.environ.get("MEGATRON_OPD_TP2_CP2"), reason="4 processes: run once outside CI")
-def test_tp2_cp2_equals_tp2(tmp_path):
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sp"])
+def test_tp2_cp2_equals_tp2(sequence_parallel, tmp_path):
     """``MEGATRON_OPD_TP2_CP2=1 pytest tests/test_context_parallel.py -k tp2_cp2`` (benchmarks/RESULTS.md)."""
-    runs = run_distributed(_cp_job, 4, args=(_model_dirs(tmp_path), 2), timeout=1200)
+    runs = run_distributed(_cp_job, 4, args=(_model_dirs(tmp_path), 2, sequence_parallel), timeout=1200)
     test_cp2_refuses_an_unsplit_batch(runs)
     test_inprocess_teacher_at_cp2_equals_cp1(runs)
     test_evaluation_at_cp2_equals_cp1(runs)
