@@ -93,6 +93,8 @@ def _per_token(student, batch, scores, cfg, split) -> tuple[torch.Tensor, torch.
         return logits.new_zeros(()), (values.detach(), positions)
 
     outputs = forward_backward(student.model, micro_batches, per_token, forward_only=True)
+    if not outputs:  # not the last pipeline stage
+        return None, None
     values = torch.cat([v for v, _ in outputs])
     positions = torch.cat([p for _, p in outputs])
     full = torch.zeros(values.shape[0], S).scatter(1, positions, values)
@@ -100,7 +102,7 @@ def _per_token(student, batch, scores, cfg, split) -> tuple[torch.Tensor, torch.
     return full, filled
 
 
-def _cp_job(dirs: dict[str, str], tp: int = 1, sequence_parallel: bool = False) -> dict:
+def _cp_job(dirs: dict[str, str], tp: int = 1, sequence_parallel: bool = False, pp: int = 1) -> dict:
     from megatron.core import parallel_state as ps
 
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
@@ -119,7 +121,10 @@ def _cp_job(dirs: dict[str, str], tp: int = 1, sequence_parallel: bool = False) 
     results: dict = {}
     for layout, cp in (("cp1", 1), ("cp2", 2)):
         parallel = ParallelConfig(
-            tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=sequence_parallel
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            context_parallel_size=cp,
+            sequence_parallel=sequence_parallel,
         )
         initialize_distributed(parallel)
         split = ContextParallelSplit.current()
@@ -183,7 +188,8 @@ def _cp_job(dirs: dict[str, str], tp: int = 1, sequence_parallel: bool = False) 
                 for _ in range(3)
             ]  # fmt: skip
             params = full_tensors(chunks, arch, ps.get_tensor_model_parallel_group())
-            first_tp = ps.get_tensor_model_parallel_rank() == 0  # tensor-parallel ranks hold the same losses
+            # Tensor-parallel ranks hold the same losses; only the last pipeline stage has them.
+            first_tp = ps.get_tensor_model_parallel_rank() == 0 and per_token is not None
             results[f"{layout}/{name}"] = dict(per_token=(lo, per_token, filled) if first_tp else None, grads=grads,
                                                stats=stats,
                                                params=params)  # fmt: skip
@@ -250,6 +256,8 @@ def test_evaluation_at_cp2_equals_cp1(cp_runs):
 def test_inprocess_teacher_at_cp2_equals_cp1(cp_runs):
     for r in cp_runs:
         ref, got = r["cp1/teacher"], r["cp2/teacher"]
+        if ref["topk_logprobs"] is None:  # not the last pipeline stage
+            continue
         for name in ("topk_logprobs", "requested", "hidden"):
             torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=0, msg=name)
         tied = (ref["topk_logprobs"][..., 1:] - ref["topk_logprobs"][..., :-1]).abs() < 1e-5
@@ -263,10 +271,11 @@ def test_cp2_equals_cp1(case, cp_runs):
 
 
 @pytest.mark.skipif(not os.environ.get("MEGATRON_OPD_TP2_CP2"), reason="4 processes: run once outside CI")
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sp"])
-def test_tp2_cp2_equals_tp2(sequence_parallel, tmp_path):
-    """``MEGATRON_OPD_TP2_CP2=1 pytest tests/test_context_parallel.py -k tp2_cp2`` (benchmarks/RESULTS.md)."""
-    runs = run_distributed(_cp_job, 4, args=(_model_dirs(tmp_path), 2, sequence_parallel), timeout=1200)
+@pytest.mark.parametrize("layout", [(2, False, 1), (2, True, 1), (1, False, 2)], ids=["tp2", "tp2_sp", "pp2"])
+def test_tp2_cp2_equals_tp2(layout, tmp_path):
+    """``MEGATRON_OPD_TP2_CP2=1 pytest tests/test_context_parallel.py -k tp2_cp2`` (benchmarks/RESULTS.md): CP2
+    against CP1 at TP2, TP2 with sequence parallelism and PP2 (4 processes each)."""
+    runs = run_distributed(_cp_job, 4, args=(_model_dirs(tmp_path), *layout), timeout=1200)
     test_cp2_refuses_an_unsplit_batch(runs)
     test_inprocess_teacher_at_cp2_equals_cp1(runs)
     test_evaluation_at_cp2_equals_cp1(runs)
@@ -423,3 +432,33 @@ def test_teacher_server_takes_cp():
     assert parse_args(["--model", "m"]).packing  # packed by default
     args = parse_args(["--model", "m", "--cp", "2"])
     assert args.cp == 2 and not args.packing  # packed rows are not split over CP ranks
+
+
+@pytest.mark.skipif(not os.environ.get("MEGATRON_OPD_TP2_CP2"), reason="a torchrun server job: run once outside CI")
+@pytest.mark.parametrize("pp", [1, 2], ids=["cp2", "pp2_cp2"])
+def test_teacher_server_at_cp2_matches_transformers(pp, tmp_path):
+    """``--cp 2`` (and ``--pp 2 --cp 2``: only the first CP rank's last stage sends) scores as transformers does."""
+    from megatron_opd.models.reference import hf_logits
+    from megatron_opd.teacher.client import TeacherClient
+    from megatron_opd.teacher.zmq_transport import ZmqTransportFactory
+    from megatron_opd.testing.distill_fixture import make_distill_fixture
+    from megatron_opd.testing.multiprocess import find_free_port
+    from megatron_opd.testing.teacher_jobs import start_teacher_server, stop, wait_ready
+
+    pair = make_distill_fixture(tmp_path / "pair")
+    log = str(tmp_path / "server.log")
+    proc = start_teacher_server(pair.teacher, pp=pp, cp=2, port=find_free_port(), ready_file=tmp_path / "ready",
+                                log_file=log)  # fmt: skip
+    try:
+        address = wait_ready(proc, tmp_path / "ready", log)
+        client = TeacherClient([address], ZmqTransportFactory(), topk=8, timeout_s=120.0, connect_timeout_s=120.0)
+        vocab = len(client.vocabulary()[0])
+        tokens = torch.randint(0, vocab, (3, 13), generator=torch.Generator().manual_seed(3))  # 13: padded to 16
+        scores = client.score(tokens, torch.roll(tokens, -1, dims=1)[..., None]).result(timeout=300)
+        client.close()
+    finally:
+        stop(proc)
+    ref = torch.log_softmax(hf_logits(pair.teacher, tokens)[..., :vocab].double(), dim=-1)
+    torch.testing.assert_close(scores.topk_logprobs.double(), ref.topk(8, dim=-1).values, atol=2e-5, rtol=0)
+    requested = ref.gather(-1, torch.roll(tokens, -1, dims=1)[..., None])
+    torch.testing.assert_close(scores.requested_logprobs.double(), requested, atol=2e-5, rtol=0)
