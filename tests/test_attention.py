@@ -150,7 +150,6 @@ def test_dropout_only_in_training_and_under_megatron_rng():
 @pytest.mark.parametrize(
     "extra, message",
     [
-        ({"context_parallel_size": 2}, "context parallelism needs TransformerEngine"),
         ({"window_size": (8, 0)}, "sliding-window attention is not supported"),
         ({"softmax_type": "learnable"}, "softmax_type='learnable' is not supported"),
     ],

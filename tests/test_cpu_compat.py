@@ -60,9 +60,21 @@ def _megatron_calls():
         queue.put("written")
         assert queue.get(timeout=30) == "written"
 
+    def cp_pos_emb():
+        from megatron.core.models.common.embeddings import rotary_pos_embedding
+
+        from megatron_opd.testing.context_parallel import StandInGroup, megatron_cp_split
+
+        group = StandInGroup(2, 1)  # the second of two CP ranks
+        emb = torch.arange(8.0).view(8, 1, 1, 1)  # RoPE's [S, 1, 1, d]
+        got = rotary_pos_embedding.get_pos_emb_on_this_cp_rank(emb, 0, group).reshape(-1)
+        expected = megatron_cp_split({"x": torch.arange(8.0)[None]}, group)["x"][0]
+        assert torch.equal(got, expected), (got, expected)
+
     return {
         "write_results_queue": write_results_queue,
         "rng_tracker": rng_tracker,
+        "cp_pos_emb": cp_pos_emb,
         "recompute": recompute,
         "clip_grads": clip_grads,
         "current_device": lambda: torch.empty(2, device=torch.cuda.current_device()),

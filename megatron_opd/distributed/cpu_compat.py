@@ -33,6 +33,9 @@ Patches (all idempotent):
    ``multiprocessing`` Manager that its first save starts in a *spawned* process, a fresh interpreter importing the
    trainer's main module (2 s of CPU; the first save of a run took 3-7 s instead of 0.3 s). The Manager is forked
    instead, as Megatron's own trainer creates it (``get_write_results_queue(mp_mode="fork")``, 0.19).
+11. Context parallelism: ``rope_utils.get_pos_emb_on_this_cp_rank`` (RoPE's slice for this CP rank) builds its
+   index in pinned memory, which needs CUDA; the same slice (``ContextParallelSplit.split``) replaces it in
+   ``rope_utils`` and in the modules that import it by name.
 """
 
 from __future__ import annotations
@@ -250,6 +253,22 @@ def forked_write_results_queue(*args: Any, **kwargs: Any) -> Any:  # noqa: ARG00
     if filesystem_async._results_queue is None:
         filesystem_async._results_queue = filesystem_async.mp.get_context("fork").Manager().Queue()
     return filesystem_async._results_queue
+# Modules that import get_pos_emb_on_this_cp_rank by name (patch 11).
+_MODULES_WITH_CP_POS_EMB = (
+    "megatron.core.models.common.embeddings.rope_utils",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
+)
+
+
+def pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    """Megatron's ``get_pos_emb_on_this_cp_rank`` without pinned memory: this CP rank's two chunks along
+    ``seq_dim``."""
+    from megatron_opd.models.context_parallel import ContextParallelSplit
+
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    return ContextParallelSplit(cp_group, cp_group.size(), cp_group.rank()).split(pos_emb, seq_dim)
 
 
 def apply_cpu_patches() -> None:
@@ -285,6 +304,13 @@ def apply_cpu_patches() -> None:
     for getter in ("get_write_results_queue", "_get_write_results_queue"):  # 0.19, 0.16
         if hasattr(filesystem_async, getter):
             setattr(filesystem_async, getter, forked_write_results_queue)
+    for module_name in _MODULES_WITH_CP_POS_EMB:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        if hasattr(module, "get_pos_emb_on_this_cp_rank"):
+            module.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
 
     cpu_torch = _CpuTorch()
     for module_name in _MODULES_WITH_CUDA_LITERALS:

@@ -692,6 +692,29 @@ class TrainConfig:
                 "set loss.staleness_correction=off"
             )
 
+    def _validate_context_parallel(self) -> None:
+        """What context parallelism (the sequence split over CP ranks, ``models.context_parallel``) cannot run."""
+        from megatron_opd.models.builder import check_context_parallel
+
+        cp = self.parallel.context_parallel_size
+        check_context_parallel(self.build, cp)
+        if self.train.packing:
+            raise ValueError(
+                f"train.packing=true with parallel.context_parallel_size={cp}: packed sequences are not split over "
+                "context-parallel ranks (no per-sequence split of cu_seqlens yet); set train.packing=false"
+            )
+        if self.rollout.backend == "builtin":
+            raise ValueError(
+                f"rollout.backend=builtin with parallel.context_parallel_size={cp}: the built-in sampler's decode "
+                "steps cannot split the sequence; set rollout.backend=vllm"
+            )
+        if self.teachers:
+            raise ValueError(
+                f"teachers.* with parallel.context_parallel_size={cp}: a step routed over several teachers does not "
+                "split its micro-batches over context-parallel ranks yet; use one teacher.* or "
+                "parallel.context_parallel_size=1"
+            )
+
     def _validate_teacher(self) -> None:
         """The checks of ``teacher.*`` against ``loss.*`` (run for each teacher's view with ``teachers.*``)."""
         if self.teacher.transfer == "hidden" and self.teacher.backend == "inprocess":
@@ -806,11 +829,8 @@ class TrainConfig:
                 "train.packing=true needs build.attention=sdpa (Megatron's local attention cannot separate packed "
                 "sequences) or TransformerEngine; set train.packing=false to keep build.attention=local"
             )
-        if self.train.packing and self.parallel.context_parallel_size > 1:
-            raise ValueError(
-                "train.packing=true with parallel.context_parallel_size > 1 is not supported (context parallelism is "
-                "out of scope for packed sequences); set train.packing=false or context_parallel_size=1"
-            )
+        if self.parallel.context_parallel_size > 1:
+            self._validate_context_parallel()
         if self.train.micro_batch_tokens is not None:
             tp = self.parallel.tensor_model_parallel_size
             if self.train.micro_batch_tokens % tp:

@@ -22,10 +22,11 @@ from megatron_opd.data.stream import PromptItem
 from megatron_opd.distributed.device import collective_device
 from megatron_opd.interfaces import RolloutBackend, SamplingParams
 from megatron_opd.losses.sampled import label_logprobs
+from megatron_opd.models.context_parallel import ContextParallelSplit
 from megatron_opd.models.forward_backward import forward_backward
 from megatron_opd.trainer.batch import TrainBatch, pack_rollouts
 from megatron_opd.trainer.config import TrainConfig
-from megatron_opd.trainer.loss_batch import LossBatch
+from megatron_opd.trainer.loss_batch import LossBatch, split_for_context_parallel
 from megatron_opd.trainer.objective import teacher_columns, teacher_divergence
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,11 @@ class EvalSet:
 def _reporting_rank() -> bool:
     from megatron.core import parallel_state as ps
 
-    return ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_last_stage(ignore_virtual=True)
+    return (
+        ps.get_tensor_model_parallel_rank() == 0
+        and ps.get_context_parallel_rank() == 0  # its sums are already the CP group's (``_divergence_sums``)
+        and ps.is_pipeline_last_stage(ignore_virtual=True)
+    )
 
 
 def _all_reduce(values: list[float]) -> list[float]:
@@ -110,6 +115,7 @@ class Evaluator:
         scores = self.teacher.score(batch.tokens, request_ids, lengths=batch.lengths).result()
         mbs = batch.num_samples
         extra = teacher_columns(scores)
+        split = ContextParallelSplit.current()
 
         def measure(logits_BSV: torch.Tensor, mb: dict):
             if sampled:
@@ -119,7 +125,7 @@ class Evaluator:
                 return logits_BSV.new_zeros(()), (float(torch.where(mask, d, 0.0).sum()), float(mask.sum()))
             d = teacher_divergence(
                 logits_BSV,
-                LossBatch.of(mb),
+                LossBatch.of(mb, split),
                 self.cfg.loss,
                 self.kind,
                 vocab_size=self.vocab_size,
@@ -130,8 +136,18 @@ class Evaluator:
             mask = mb["loss_mask"] != 0
             return logits_BSV.new_zeros(()), (float(torch.where(mask, d, 0.0).sum()), float(mask.sum()))
 
-        outputs = forward_backward(self.student_chunks, batch.micro_batches(mbs, extra), measure, forward_only=True)
-        return (sum(o[0] for o in outputs), sum(o[1] for o in outputs)) if outputs else (0.0, 0.0)
+        micro_batches = batch.micro_batches(mbs, extra)
+        if split is not None:  # each CP rank measures its share of every sequence; the sums add up over them
+            sp = self.student_chunks[0].config.sequence_parallel
+            multiple = 2 * split.size * (self.student_chunks[0].config.tensor_model_parallel_size if sp else 1)
+            micro_batches = [split_for_context_parallel(mb, split, pad_multiple=multiple) for mb in micro_batches]
+        outputs = forward_backward(self.student_chunks, micro_batches, measure, forward_only=True)
+        sums = (sum(o[0] for o in outputs), sum(o[1] for o in outputs)) if outputs else (0.0, 0.0)
+        if split is not None and outputs:
+            total = torch.tensor(sums, dtype=torch.float64, device=collective_device())
+            torch.distributed.all_reduce(total, group=split.group)
+            sums = (float(total[0]), float(total[1]))
+        return sums
 
     def run(self) -> dict[str, float]:
         """Evaluate now; returns the metrics on every rank."""

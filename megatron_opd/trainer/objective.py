@@ -35,11 +35,12 @@ from megatron_opd.losses.fused_output import chunk_tokens, fused_output_loss, re
 from megatron_opd.losses.sampled import label_logprobs, sampled_reverse_kl
 from megatron_opd.losses.shard_ops import chunked_logsumexp, gather_at_ids, global_argmax
 from megatron_opd.losses.vocab_parallel import make_vocab_shard
+from megatron_opd.models.context_parallel import ContextParallelSplit
 from megatron_opd.models.output import HiddenStateOutput
 from megatron_opd.models.packing import pipeline_token_budget
 from megatron_opd.rollout.fidelity import fidelity_sum_tensors, importance_weights, prefix_log_ratios
 from megatron_opd.trainer.config import LossConfig
-from megatron_opd.trainer.loss_batch import LossBatch
+from megatron_opd.trainer.loss_batch import LossBatch, split_for_context_parallel
 
 
 @dataclass
@@ -374,7 +375,9 @@ class SampledObjective(Objective):
         top1 = batch.teacher_topk_ids
         reads["target_top1"] = top1[..., 0] if top1 is not None else torch.full_like(batch.labels, -1)
         logq = label_logprobs(logits_TV, batch.labels, vocab_size=self.vocab_size, temperature=cfg.student_temperature)
-        per_token, reads["divergence"] = sampled_reverse_kl(logq, batch.teacher_label_logprobs, batch.group_offset)
+        per_token, reads["divergence"] = sampled_reverse_kl(
+            logq, batch.teacher_label_logprobs, batch.group_offset, batch.context_parallel
+        )
         if label_logit is not None and cfg.student_temperature == 1.0:
             outputs["student_lse"] = label_logit - logq.detach()
         return per_token
@@ -398,6 +401,7 @@ class AlignedObjective(Objective):
             batch.teacher_topk_support, batch.teacher_label_logprobs, batch.group_offset, cfg.kind,
             vocab_size=self.vocab_size, beta=cfg.beta, tail=cfg.tail, coverage_weight=cfg.coverage_weight,
             student_temperature=cfg.student_temperature, chunk_size=cfg.chunk_size,
+            context_parallel=batch.context_parallel,
         )  # fmt: skip
         return per_token
 
@@ -430,6 +434,7 @@ def make_loss_fn(
     output: HiddenStateOutput | None = None,
     grad_hint: float | None = None,
     teacher_weight: torch.Tensor | None = None,
+    context_parallel: ContextParallelSplit | None = None,
 ) -> Callable[[torch.Tensor, dict], tuple[torch.Tensor, MicroBatchStats]]:
     """The loss function Megatron's schedule calls with (logits, micro-batch) on the last pipeline stage.
 
@@ -440,16 +445,18 @@ def make_loss_fn(
     ``grad_hint``: the gradient Megatron's schedule will bring to the returned loss (``fused_output_loss``: the
     weight gradient then goes straight into its buffer); None when unknown. ``teacher_weight``: the in-process
     teacher's output-weight shard when its scores are hidden states (``TeacherScores.output_weight``).
+    ``context_parallel``: the micro-batches are split over context-parallel ranks (``split_for_context_parallel``).
     """
     objective = objective_for(
         cfg, vocab_size=vocab_size, teacher_temperature=teacher_temperature, teacher_weight=teacher_weight
     )
 
     def loss_fn(output_tensor: torch.Tensor, mb: dict) -> tuple[torch.Tensor, MicroBatchStats]:
-        batch = LossBatch.of(mb)
+        batch = LossBatch.of(mb, context_parallel)
         objective.check(batch)
         mask_BS, weights_BS = batch.loss_mask, batch.weights
-        kwargs = {} if cfg.reduction == "sum" else {"normalizer": normalizer, "segment_ids": batch.segment_ids}
+        kwargs = {} if cfg.reduction == "sum" else {"normalizer": normalizer, "segment_ids": batch.segment_ids,
+                                                   "sequence_weights": batch.sequence_tokens}  # fmt: skip
         if output is None:
             per_token_BS, reads = objective.per_token_pass(output_tensor, batch)
             staleness = staleness_weights(reads, batch)
@@ -482,8 +489,13 @@ def make_loss_fn(
         if batch.rollout_logprobs is None:
             return None
         with torch.no_grad():
-            log_ratio_BS = prefix_log_ratios(reads["label_lp"], batch.rollout_logprobs, batch.loss_mask,
-                                             batch.segment_ids, inclusive=cfg.mode == "sampled")  # fmt: skip
+            columns = (reads["label_lp"], batch.rollout_logprobs, batch.loss_mask)
+            cp = batch.context_parallel
+            if cp is not None:  # a prefix spans the ranks' chunks: read along the gathered sequences
+                columns = tuple(cp.gather(c) for c in columns)
+            log_ratio_BS = prefix_log_ratios(*columns, batch.segment_ids, inclusive=cfg.mode == "sampled")
+            if cp is not None:
+                log_ratio_BS = cp.split(log_ratio_BS, 1)
             return importance_weights(log_ratio_BS, cfg.staleness_clip)
 
     def _fused_pass(hidden_BSH: torch.Tensor, weight_VH: torch.Tensor, batch: LossBatch, kwargs: dict):
@@ -577,7 +589,7 @@ def _data_parallel_sum(local: torch.Tensor) -> torch.Tensor:
 def global_count(mask: torch.Tensor, reduction: str) -> float:
     """The reduction's denominator over the global batch: trained tokens (``token_mean``), sequences with a
     trained token (``sequence_mean``) or the plain sum of ``mask`` (``sum``); a collective over data-parallel
-    ranks."""
+    ranks. ``mask`` holds whole sequences (counted before any context-parallel split: CP ranks hold the same)."""
     return float(_data_parallel_sum(_local_count(mask, reduction)).item())
 
 
@@ -629,6 +641,11 @@ def train_step(
         return _routed_step(student, batch, scores, cfg, teachers, vocab_size=vocab_size, guard=guard, **layout)
     columns = teacher_columns(scores, batch) if scores is not None else {}
     micro_batches = _micro_batches(batch, columns, **layout)
+    split = ContextParallelSplit.current()
+    if split is not None:  # Megatron's CP layout; sequence parallelism then splits each rank's share over TP
+        tp = ps.get_tensor_model_parallel_world_size()
+        multiple = 2 * split.size * (tp if student.model[0].config.sequence_parallel else 1)
+        micro_batches = [split_for_context_parallel(mb, split, pad_multiple=multiple) for mb in micro_batches]
     output = HiddenStateOutput(student.model) if fused_output_applies(cfg) else None
     if output is not None:  # the fused loss chunks the trained tokens: found here, not by a device sync in the loop
         for mb in micro_batches:
@@ -642,6 +659,7 @@ def train_step(
         output=output,
         grad_hint=_grad_hint(student, len(micro_batches)),
         teacher_weight=getattr(scores, "output_weight", None),
+        context_parallel=split,
     )
     with output.active() if output is not None else contextlib.nullcontext():
         return student.step(micro_batches, loss_fn, guard)

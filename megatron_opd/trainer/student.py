@@ -278,8 +278,9 @@ def _keeping_unsaved_states(optimizer):
 def sum_stats(outputs: list[StepStats] | list[MicroBatchStats], teachers: tuple[str, ...] = ()) -> StepStats:
     """Add the micro-batch stats of the last pipeline stage and share the totals with every rank (a collective).
 
-    Data-parallel ranks' sums add up; pipeline stages without a loss contribute zeros; tensor-parallel ranks
-    hold identical values, so the total is divided by the tensor-parallel size. ``StepStats.MAX_FIELDS`` (never
+    Data-parallel ranks' sums add up, and so do context-parallel ranks' (each holds its share of every sequence);
+    pipeline stages without a loss contribute zeros; tensor-parallel ranks hold identical values, so the total is
+    divided by the tensor-parallel size. ``StepStats.MAX_FIELDS`` (never
     negative) take the maximum instead, over micro-batches and ranks (a second all-reduce).
     """
     from megatron.core import parallel_state as ps
@@ -297,6 +298,6 @@ def sum_stats(outputs: list[StepStats] | list[MicroBatchStats], teachers: tuple[
         maxima = torch.where(is_max, total, 0.0).to(collective_device())
         dist.all_reduce(sums)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
-        sums /= ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size()
+        sums /= ps.get_tensor_model_parallel_world_size()
         total = torch.where(is_max.cpu(), maxima.cpu(), sums.cpu())
     return StepStats.from_tensor(total.cpu(), teachers)
