@@ -253,6 +253,8 @@ def forked_write_results_queue(*args: Any, **kwargs: Any) -> Any:  # noqa: ARG00
     if filesystem_async._results_queue is None:
         filesystem_async._results_queue = filesystem_async.mp.get_context("fork").Manager().Queue()
     return filesystem_async._results_queue
+
+
 # Modules that import get_pos_emb_on_this_cp_rank by name (patch 11).
 _MODULES_WITH_CP_POS_EMB = (
     "megatron.core.models.common.embeddings.rope_utils",
