@@ -237,9 +237,21 @@ def grad_sync_uses_cuda_stream() -> bool:
     return "current_stream" in _ParamAndGradBucketGroup.start_grad_sync.__code__.co_names
 
 
+def bind_te_general_gemm() -> None:
+    """Megatron-Core 0.16's ``moe_utils`` imports ``te_general_gemm`` from TransformerEngine and leaves the name
+    unbound when TE is missing, so the fp32 router fails with a NameError (0.19 binds it to None); bind it to
+    None, which selects the router's torch matmul. Needed without TE on a GPU too."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def apply_cpu_patches() -> None:
-    """Make Megatron-Core usable on a CPU-only process. No-op when CUDA is available."""
+    """Make Megatron-Core usable on a CPU-only process. No-op when CUDA is available (but for the patches any
+    machine without TransformerEngine needs)."""
     global _APPLIED
+    bind_te_general_gemm()
     if _APPLIED or torch.cuda.is_available():
         return
 
