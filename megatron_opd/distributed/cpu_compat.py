@@ -247,6 +247,28 @@ def bind_te_general_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
+def _cpu_dtoh_and_synchronize(self: Any, point: str, tokens_per_expert: torch.Tensor | None = None) -> Any:
+    """CPU stand-in for ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize``: on a GPU it copies the token
+    counts to the host on a side CUDA stream and waits for an event; on CPU there is nothing to copy or wait for,
+    but Megatron's copy also turns the split sizes into the host arrays ``all_to_all_single`` needs (it leaves CPU
+    tensors as tensors, which gloo's all-to-all refuses), so do that."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, name, None)
+            if torch.is_tensor(value):
+                setattr(self, name, value.numpy())
+    return tokens_per_expert
+
+
+def patch_alltoall_dispatcher() -> None:
+    """The alltoall token dispatcher on CPU: no ``torch.cuda.Stream`` (its constructor makes one) and host split
+    sizes (:func:`_cpu_dtoh_and_synchronize`)."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "cpu: no side stream"  # set, so __init__ makes no CUDA stream
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _cpu_dtoh_and_synchronize  # type: ignore[method-assign]
+
+
 def apply_cpu_patches() -> None:
     """Make Megatron-Core usable on a CPU-only process. No-op when CUDA is available (but for the patches any
     machine without TransformerEngine needs)."""
@@ -277,6 +299,8 @@ def apply_cpu_patches() -> None:
 
     _built_with_cuda_type_names(mcore_optimizer.Float16OptimizerWithFloat16Params)
     _built_with_cuda_type_names(DistributedOptimizer)
+
+    patch_alltoall_dispatcher()
 
     cpu_torch = _CpuTorch()
     for module_name in _MODULES_WITH_CUDA_LITERALS:

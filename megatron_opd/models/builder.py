@@ -106,11 +106,42 @@ class ModelBuildConfig:
 def validate_layout(arch: ModelArchitecture, parallel: ParallelConfig) -> None:
     """Raise a ValueError naming the field when ``parallel`` cannot split ``arch``."""
     arch.validate_tensor_parallel(parallel.tensor_model_parallel_size)
+    if arch.moe is not None:
+        validate_expert_layout(arch, parallel)
     stages = parallel.pipeline_model_parallel_size * parallel.vp_size
     if arch.num_layers % stages:
         raise ValueError(
             f"num_hidden_layers={arch.num_layers} is not divisible by pipeline_model_parallel_size * "
             f"virtual_pipeline_model_parallel_size = {stages}; choose sizes whose product divides the layer count"
+        )
+
+
+def validate_expert_layout(arch: ModelArchitecture, parallel: ParallelConfig) -> None:
+    """Raise a ValueError naming the field when ``parallel`` cannot split ``arch``'s experts (MoE models)."""
+    moe, ep, etp = arch.moe, parallel.expert_model_parallel_size, parallel.etp_size
+    if moe.num_experts % ep:
+        raise ValueError(
+            f"parallel.expert_model_parallel_size={ep} does not divide the {moe.num_experts} experts of this "
+            f"{arch.family} model; choose an expert-parallel size that divides {moe.num_experts}"
+        )
+    for name, width in (("moe_intermediate_size", moe.expert_ffn_hidden_size),):
+        if width % etp:
+            raise ValueError(
+                f"expert tensor-parallel size {etp} (parallel.expert_tensor_parallel_size, else the TP size) does not "
+                f"divide {name}={width} of this {arch.family} model; set parallel.expert_tensor_parallel_size to a "
+                f"divisor of {width}"
+            )
+    shared = moe.shared_expert_ffn_hidden_size
+    if shared and shared % parallel.tensor_model_parallel_size:
+        raise ValueError(
+            f"tensor_model_parallel_size={parallel.tensor_model_parallel_size} does not divide "
+            f"shared_expert_intermediate_size={shared} of this {arch.family} model; choose a TP size that divides it"
+        )
+    if parallel.tensor_model_parallel_size > 1 and not parallel.sequence_parallel:
+        raise ValueError(
+            f"this {arch.family} model has Mixture-of-Experts layers, which Megatron-Core runs with tensor "
+            f"parallelism (tensor_model_parallel_size={parallel.tensor_model_parallel_size}) only under sequence "
+            "parallelism: set parallel.sequence_parallel=true"
         )
 
 
@@ -136,6 +167,8 @@ def transformer_config(arch: ModelArchitecture, parallel: ParallelConfig, build:
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=vp if vp and vp > 1 else None,
         context_parallel_size=parallel.context_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -281,6 +314,15 @@ def build_chunks(arch: ModelArchitecture, parallel: ParallelConfig, build: Model
     grouped = arch.moe is not None and build.moe_grouped_gemm
     if grouped and (reason := grouped_gemm_unavailable(te)):
         raise RuntimeError(f"build.moe_grouped_gemm=true cannot run here: {reason}; set it false (sequential experts)")
+    if arch.moe is not None:
+        logger.info(
+            "MoE layers %s: %d experts, top-%d, experts run %s, %s token dispatcher",
+            list(arch.moe.layers),
+            arch.moe.num_experts,
+            arch.moe.top_k,
+            "as one grouped GEMM" if grouped else "one after another (sequential)",
+            build.moe_token_dispatcher,
+        )
     padded_vocab = arch.padded_vocab_size(parallel.tensor_model_parallel_size, build.make_vocab_size_divisible_by)
     vp_size = parallel.vp_size
     chunks = []

@@ -126,17 +126,19 @@ def per_expert_rules(rule: WeightRule, arch: ModelArchitecture) -> list[WeightRu
 
 def global_expert_names(module: torch.nn.Module) -> dict[str, str]:
     """Local name -> global-expert name of every tensor of ``module`` inside a Megatron expert group
-    (``...experts.local_experts.{i}.`` becomes ``...experts.local_experts.{global index}.``), from each experts
-    module's own ``local_expert_indices``: at expert parallelism a rank holds experts ``r*E/EP ...``, numbered
-    from 0. Names outside experts map to themselves."""
+    (``...mlp.experts.local_experts.{i}.`` becomes ``...mlp.experts.local_experts.{global index}.``), from each MoE
+    layer's own ``local_expert_indices``: at expert parallelism a rank holds experts ``r*E/EP ...``, numbered from
+    0. Names outside experts are not in the map."""
     out = {}
     for prefix, sub in module.named_modules():
         indices = getattr(sub, "local_expert_indices", None)
-        if indices is None or not hasattr(sub, "local_experts"):
+        local_experts = getattr(getattr(sub, "experts", None), "local_experts", None)
+        if indices is None or local_experts is None:
             continue
         for local, global_index in enumerate(indices):
-            old, new = f"{prefix}.local_experts.{local}.", f"{prefix}.local_experts.{global_index}."
-            for name in named_tensors(sub.local_experts[local]):
+            old = f"{prefix}.experts.local_experts.{local}."
+            new = f"{prefix}.experts.local_experts.{global_index}."
+            for name in named_tensors(local_experts[local]):
                 out[old + name] = new + name
     return out
 

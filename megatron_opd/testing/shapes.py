@@ -11,6 +11,7 @@ once, without the full product. ``MATRIX`` is the single source: the tests read 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,12 +73,17 @@ TP1_ONLY = frozenset({"attention:one-kv-head"})
 MOE_ONLY = ALL_PROPERTIES - frozenset().union(*(s.properties for n, s in SHAPES.items() if n not in MOE))
 """Properties only the MoE shapes have: the covering conditions ask for them in the paths and at the layouts
 that run MoE shapes so far (issue #35 brings MoE to every path)."""
+EXPERT_LAYOUTS = frozenset({"ep2"})
+"""Layouts that split only the experts (dense layers run as at TP=1): the covering conditions there ask for the
+MoE-only properties alone."""
 
 # path -> layout -> (shape names, the test that runs the cell)
 MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
     "Megatron model vs transformers logits": {
         "tp1": (LOCAL + MOE, "test_models.py::test_logits_match_transformers"),
         "tp2": (SPLIT, "test_models.py::test_logits_match_transformers"),
+        "tp2_sp": (SPLIT + MOE, "test_models.py::test_logits_match_transformers"),
+        "ep2": (MOE, "test_models.py::test_logits_match_transformers"),
         "pp2_vp2": (LOCAL, "test_models.py::test_logits_match_transformers"),
         "tp2_pp2": (SPLIT, "test_models.py::test_logits_match_transformers"),
     },
@@ -133,9 +139,29 @@ def make_shapes(root: str | os.PathLike, names: tuple[str, ...] | None = None) -
     return {name: str(make_shape(name, Path(root) / name, seed=i)) for i, name in enumerate(names)}
 
 
+class ShapeDirs(Mapping[str, str]):
+    """Every shape's folder under ``root``, each made on first use (a file's tests need only some shapes)."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+        self._made: dict[str, str] = {}
+
+    def __getitem__(self, name: str) -> str:
+        if name not in self._made:
+            seed = list(SHAPES).index(name)  # KeyError for an unknown shape; the seed make_shapes gives it
+            self._made[name] = str(make_shape(name, self.root / name, seed=seed))
+        return self._made[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(SHAPES)
+
+    def __len__(self) -> int:
+        return len(SHAPES)
+
+
 def markdown_table() -> str:
     """The matrix as the markdown table in ``docs/models.md``: a row per path, a column per layout."""
-    layouts = ["tp1", "tp2", "tp2_pp2", "pp2_vp2"]
+    layouts = ["tp1", "tp2", "tp2_sp", "ep2", "tp2_pp2", "pp2_vp2"]
     header = "| path | " + " | ".join(layouts) + " | test |"
     lines = [header, "|" + "---|" * (len(layouts) + 2)]
     for path, cells in MATRIX.items():
