@@ -73,9 +73,9 @@ TP1_ONLY = frozenset({"attention:one-kv-head"})
 MOE_ONLY = ALL_PROPERTIES - frozenset().union(*(s.properties for n, s in SHAPES.items() if n not in MOE))
 """Properties only the MoE shapes have: the covering conditions ask for them in the paths and at the layouts
 that run MoE shapes so far (issue #35 brings MoE to every path)."""
-EXPERT_LAYOUTS = frozenset({"ep2"})
-"""Layouts that split only the experts (dense layers run as at TP=1): the covering conditions there ask for the
-MoE-only properties alone."""
+EXPERT_LAYOUTS = frozenset({"ep2", "tp2_ep2"})
+"""Layouts with expert parallelism, run by the MoE shapes alone (the dense ones run their TP/PP parts elsewhere):
+the covering conditions there ask for the MoE-only properties."""
 
 # path -> layout -> (shape names, the test that runs the cell)
 MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
@@ -102,6 +102,7 @@ MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
     "tools/checkpoint round trip (bitwise)": {
         "tp2_pp2": (SPLIT, "test_checkpoint.py::test_round_trip_is_bitwise"),
         "pp2_vp2": (LOCAL, "test_checkpoint.py::test_round_trip_is_bitwise"),
+        "tp2_ep2": (MOE, "test_checkpoint.py::test_round_trip_is_bitwise"),
     },
     "trainer HF export (bitwise)": {
         "tp1": (LOCAL, "test_checkpoint.py::test_trainer_export_is_bitwise"),
@@ -161,7 +162,7 @@ class ShapeDirs(Mapping[str, str]):
 
 def markdown_table() -> str:
     """The matrix as the markdown table in ``docs/models.md``: a row per path, a column per layout."""
-    layouts = ["tp1", "tp2", "tp2_sp", "ep2", "tp2_pp2", "pp2_vp2"]
+    layouts = ["tp1", "tp2", "tp2_sp", "ep2", "tp2_ep2", "tp2_pp2", "pp2_vp2"]
     header = "| path | " + " | ".join(layouts) + " | test |"
     lines = [header, "|" + "---|" * (len(layouts) + 2)]
     for path, cells in MATRIX.items():
