@@ -118,3 +118,15 @@ def test_memory_estimate_counts_experts_per_expert_parallel_rank():
     (ep1,) = stage_params(shard_parameters(model, 1, 1, None), 1)
     (ep8,) = stage_params(shard_parameters(model, 1, 1, None, ep=8), 1)
     assert ep1 == total and ep8 == total - experts + experts // 8
+
+
+def test_the_trainer_refuses_expert_parallelism_before_any_model():
+    """Its loops do not keep expert-parallel ranks in lockstep yet (a run hung): refused by ``validate``."""
+    from megatron_opd.config import parse_args
+    from megatron_opd.trainer.config import TrainConfig
+
+    base = ["student.path=s", "teacher.path=t", "data.train_files=x.jsonl"]
+    parse_args(TrainConfig, base).validate()
+    cfg = parse_args(TrainConfig, [*base, "parallel.expert_model_parallel_size=2"])
+    with pytest.raises(ValueError, match="parallel.expert_model_parallel_size=2: the trainer does not run expert"):
+        cfg.validate()

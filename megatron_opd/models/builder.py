@@ -167,8 +167,6 @@ def transformer_config(arch: ModelArchitecture, parallel: ParallelConfig, build:
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=vp if vp and vp > 1 else None,
         context_parallel_size=parallel.context_parallel_size,
-        expert_model_parallel_size=parallel.expert_model_parallel_size,
-        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -176,8 +174,13 @@ def transformer_config(arch: ModelArchitecture, parallel: ParallelConfig, build:
         fp16=dtype == torch.float16,
         use_cpu_initialization=not torch.cuda.is_available(),
     )
-    if arch.moe is not None:
-        kwargs.update(moe_token_dispatcher_type=build.moe_token_dispatcher, moe_grouped_gemm=build.moe_grouped_gemm)
+    if arch.moe is not None:  # a dense model (an MoE student's teacher) ignores the expert sizes; Megatron refuses them
+        kwargs.update(
+            expert_model_parallel_size=parallel.expert_model_parallel_size,
+            expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
+            moe_token_dispatcher_type=build.moe_token_dispatcher,
+            moe_grouped_gemm=build.moe_grouped_gemm,
+        )
     if parallel.pipeline_model_parallel_size == 2 and vp and vp > 1:
         # Upstream bug: with two pipeline ranks the previous and next stage are the same peer and the
         # batched p2p exchange silently mixes up tensors in the interleaved schedule (Megatron-LM #1450).

@@ -708,6 +708,13 @@ class TrainConfig:
                 "train.packing=true needs build.attention=sdpa (Megatron's local attention cannot separate packed "
                 "sequences) or TransformerEngine; set train.packing=false to keep build.attention=local"
             )
+        if self.parallel.expert_model_parallel_size > 1:
+            raise ValueError(
+                f"parallel.expert_model_parallel_size={self.parallel.expert_model_parallel_size}: the trainer does not "
+                "run expert parallelism yet (its sampling and scoring loops do not keep the expert-parallel ranks in "
+                "lockstep, which every MoE layer's token exchange needs); set it to 1. The model builder, loader and "
+                "tools/checkpoint/convert.py --ep support it"
+            )
         if self.train.packing and self.parallel.context_parallel_size > 1:
             raise ValueError(
                 "train.packing=true with parallel.context_parallel_size > 1 is not supported (context parallelism is "
