@@ -17,8 +17,10 @@ time limit, and the whole script stops itself before ``--budget`` seconds:
 Without a GPU, ``--cpu-smoke`` runs the same rows at tiny shapes on CPU in fp32 (random tiny models, a few
 hundred tokens; about a minute): it checks the script, not the figures.
 
-Rows (``ROWS``): #35 a Qwen3-30B-A3B-shaped MoE teacher scoring and #36 a DeepSeek-V3-shaped teacher scoring (both
-skipped, with a note, while their model families do not build); #39 the Qwen3-1.7B update at CP=1 at 32k and 64k
+Rows (``ROWS``): #35 a Qwen3-30B-A3B-shaped MoE teacher scoring (bf16, 30.5B parameters, 3.3B active: MFU
+counts active parameters), with sequential experts and with Megatron's grouped expert GEMM (skipped with the reason
+where it cannot run: it needs TransformerEngine, or Megatron-Core < 0.19 with the ``grouped_gemm`` package); #36 a
+DeepSeek-V3-shaped teacher scoring (skipped, with a note, while its model family does not build); #39 the Qwen3-1.7B update at CP=1 at 32k and 64k
 tokens with full recompute; #40 the Qwen3-1.7B update at 4,096 tokens (bf16, no TransformerEngine; MFU against
 989 TFLOP/s dense bf16, 6N FLOPs per token, attention not counted) and one end-to-end trainer run on the GPU
 defaults (bf16 parameters, Megatron's distributed optimizer; the tiny distillation fixture, three steps). Update
@@ -53,10 +55,27 @@ class Row:
     recompute: str | None = None
     limit_s: int = 240
     smoke_tokens: int = 0
+    grouped_gemm: bool = False  # MoE rows: Megatron's grouped expert GEMM instead of sequential experts
 
 
 ROWS = (
-    Row("#35", "Qwen3-30B-A3B-shaped MoE teacher, scoring", "score", "Qwen3MoeConfig", 4096, smoke_tokens=64),
+    Row(
+        "#35",
+        "Qwen3-30B-A3B-shaped MoE teacher, scoring, sequential experts",
+        "score",
+        "Qwen3MoeConfig",
+        4096,
+        smoke_tokens=64,
+    ),
+    Row(
+        "#35",
+        "Qwen3-30B-A3B-shaped MoE teacher, scoring, grouped GEMM",
+        "score",
+        "Qwen3MoeConfig",
+        4096,
+        smoke_tokens=64,
+        grouped_gemm=True,
+    ),
     Row("#36", "DeepSeek-V3-shaped teacher (4 layers), scoring", "score", "DeepseekV3Config", 4096, smoke_tokens=64),
     Row("#39", "Qwen3-1.7B update, CP=1, full recompute", "update", "Qwen3-1.7B", 32768, "full", smoke_tokens=256),
     Row("#39", "Qwen3-1.7B update, CP=1, full recompute", "update", "Qwen3-1.7B", 65536, "full", smoke_tokens=512),
@@ -75,6 +94,8 @@ def architecture(row: Row, smoke: bool):
 
     if row.model.endswith("Config"):  # a family to come: transformers' defaults are the model's published shape
         small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=1000)
+        if "Moe" in row.model:
+            small.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
         layers = {"num_hidden_layers": 4} if "Deepseek" in row.model else {}  # 671B would not fit one GPU
         config = getattr(transformers, row.model)(**(small if smoke else layers))
         return architecture_from_hf_config(config.to_dict(), row.model)
@@ -83,8 +104,19 @@ def architecture(row: Row, smoke: bool):
     return architecture_from_hf_config(hf_config(row.model).to_dict(), row.model)
 
 
+def active_parameters(model, arch) -> int:
+    """Parameters a token runs through: a Mixture-of-Experts layer's routed experts count top-k / experts each
+    (shared experts, router and the rest in full); every parameter of a dense model."""
+    total = 0
+    for name, param in model.named_parameters():
+        routed = arch.moe is not None and ".experts." in name
+        total += param.numel() * arch.moe.top_k / arch.moe.num_experts if routed else param.numel()
+    return int(total)
+
+
 def measure(row: Row, smoke: bool, reps: int) -> dict:
-    """One update or scoring row in this process: seconds per repetition after a warm-up, MFU, peak memory."""
+    """One update or scoring row in this process: seconds per repetition after a warm-up, MFU (against active
+    parameters), peak memory."""
     import torch
     from bench_phases_gpu import _score_step, _update_step
 
@@ -94,9 +126,12 @@ def measure(row: Row, smoke: bool, reps: int) -> dict:
     device = "cpu" if smoke else "cuda"
     arch = architecture(row, smoke)
     initialize_distributed(ParallelConfig(), device, seed=0)
-    build = ModelBuildConfig(dtype="fp32" if smoke else "bf16", attention="sdpa", recompute_granularity=row.recompute)
+    build = ModelBuildConfig(
+        dtype="fp32" if smoke else "bf16", attention="sdpa", recompute_granularity=row.recompute,
+        moe_grouped_gemm=row.grouped_gemm,
+    )  # fmt: skip
     (model,) = build_model(arch, ParallelConfig(), build, trainable=row.kind == "update")
-    n = sum(p.numel() for p in model.parameters())
+    n = active_parameters(model, arch)
     s = row.smoke_tokens if smoke else row.tokens
     tokens = torch.randint(0, min(arch.vocab_size, 1000), (1, s), device=device)
     positions = torch.arange(s, device=device).unsqueeze(0)
@@ -120,6 +155,7 @@ def measure(row: Row, smoke: bool, reps: int) -> dict:
         "mfu": None if smoke else flops / PEAK_FLOPS,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "active_params": n,
     }
 
 
@@ -165,6 +201,13 @@ def run_row(index: int, smoke: bool, reps: int, limit_s: float) -> dict:
     except UnsupportedArchitectureError as err:
         model_type = str(err).split("model_type=")[-1].split()[0] if "model_type=" in str(err) else row.model
         return {"skipped": f"skipped: model_type {model_type} does not build yet (its family is issue {row.issue})"}
+    if row.grouped_gemm:
+        from megatron_opd.distributed.device import has_transformer_engine
+        from megatron_opd.models.builder import grouped_gemm_unavailable
+
+        reason = grouped_gemm_unavailable(has_transformer_engine() and not smoke)
+        if reason:
+            return {"skipped": f"skipped: grouped GEMM unavailable: {reason}"}
     return measure(row, smoke, reps)
 
 

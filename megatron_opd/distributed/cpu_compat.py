@@ -36,6 +36,11 @@ Patches (all idempotent):
 11. Context parallelism: ``rope_utils.get_pos_emb_on_this_cp_rank`` (RoPE's slice for this CP rank) builds its
    index in pinned memory, which needs CUDA; the same slice (``ContextParallelSplit.split``) replaces it in
    ``rope_utils`` and in the modules that import it by name.
+12. Mixture-of-Experts router without TransformerEngine (any device): Megatron-Core 0.16's ``moe_utils`` leaves
+   ``te_general_gemm`` unbound when TE is missing (NameError in the fp32 router); it is bound to None, which selects
+   the router's torch matmul (:func:`bind_te_general_gemm`, applied on GPUs too).
+13. The alltoall token dispatcher: its constructor makes a ``torch.cuda.Stream`` and its split sizes stay tensors,
+   which gloo's ``all_to_all_single`` refuses; no side stream, and the split sizes become host arrays.
 """
 
 from __future__ import annotations
@@ -273,9 +278,43 @@ def pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> to
     return ContextParallelSplit(cp_group, cp_group.size(), cp_group.rank()).split(pos_emb, seq_dim)
 
 
+def bind_te_general_gemm() -> None:
+    """Megatron-Core 0.16's ``moe_utils`` imports ``te_general_gemm`` from TransformerEngine and leaves the name
+    unbound when TE is missing, so the fp32 router fails with a NameError (0.19 binds it to None); bind it to
+    None, which selects the router's torch matmul. Needed without TE on a GPU too."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _cpu_dtoh_and_synchronize(self: Any, point: str, tokens_per_expert: torch.Tensor | None = None) -> Any:
+    """CPU stand-in for ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize``: on a GPU it copies the token
+    counts to the host on a side CUDA stream and waits for an event; on CPU there is nothing to copy or wait for,
+    but Megatron's copy also turns the split sizes into the host arrays ``all_to_all_single`` needs (it leaves CPU
+    tensors as tensors, which gloo's all-to-all refuses), so do that."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, name, None)
+            if torch.is_tensor(value):
+                setattr(self, name, value.numpy())
+    return tokens_per_expert
+
+
+def patch_alltoall_dispatcher() -> None:
+    """The alltoall token dispatcher on CPU: no ``torch.cuda.Stream`` (its constructor makes one) and host split
+    sizes (:func:`_cpu_dtoh_and_synchronize`)."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "cpu: no side stream"  # set, so __init__ makes no CUDA stream
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _cpu_dtoh_and_synchronize  # type: ignore[method-assign]
+
+
 def apply_cpu_patches() -> None:
-    """Make Megatron-Core usable on a CPU-only process. No-op when CUDA is available."""
+    """Make Megatron-Core usable on a CPU-only process. No-op when CUDA is available (but for the patches any
+    machine without TransformerEngine needs)."""
     global _APPLIED
+    bind_te_general_gemm()
     if _APPLIED or torch.cuda.is_available():
         return
 
@@ -313,6 +352,7 @@ def apply_cpu_patches() -> None:
             continue
         if hasattr(module, "get_pos_emb_on_this_cp_rank"):
             module.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
+    patch_alltoall_dispatcher()
 
     cpu_torch = _CpuTorch()
     for module_name in _MODULES_WITH_CUDA_LITERALS:

@@ -36,6 +36,7 @@ t / PP / DP tensor / pipeline / data-parallel sizes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,7 @@ from megatron_opd.model_files import HF_CONFIG_DIR
 from megatron_opd.models.architecture import ModelArchitecture, architecture_from_hf_config
 from megatron_opd.models.builder import ModelBuildConfig
 from megatron_opd.models.families import FAMILIES
-from megatron_opd.models.name_mapping import Split, WeightRule, expand_rules
+from megatron_opd.models.name_mapping import ExpertSplit, Split, WeightRule, expand_rules, hf_shapes
 
 GIB = 1 << 30
 VLLM_OVERHEAD_BYTES = 3 * GIB
@@ -107,32 +108,51 @@ def _per_rank(rule: WeightRule, name: str, numel: int, arch: ModelArchitecture, 
     return numel // tp
 
 
-def shard_parameters(model: torch.nn.Module, tp: int, pp: int, vocab_multiple: int | None = 128) -> list[ParamShard]:
-    """Every parameter of ``model`` placed under TP=``tp``, PP=``pp`` by the name mapping's rules, the vocabulary
-    padded to a multiple of ``vocab_multiple x tp`` rows (None: unpadded, as in vLLM); raises when a parameter has
-    no rule (the mapping would not load this model)."""
+def shard_parameters(
+    model: torch.nn.Module,
+    tp: int,
+    pp: int,
+    vocab_multiple: int | None = 128,
+    ep: int = 1,
+    etp: int | None = None,
+) -> list[ParamShard]:
+    """Every parameter of ``model`` placed under TP=``tp``, PP=``pp`` (and for Mixture-of-Experts models EP=``ep``
+    ranks each holding experts / EP of the experts, each expert split over ``etp`` ranks, default ``tp``) by the
+    name mapping's rules, the vocabulary padded to a multiple of ``vocab_multiple x tp`` rows (None: unpadded, as
+    in vLLM); raises when the rules do not account for every parameter (the mapping would not load this model).
+    Sizes come from the rules' checkpoint shapes: transformers' modules may fuse tensors the checkpoint keeps
+    apart (transformers 5 holds a layer's experts as one tensor)."""
     arch = architecture_from_hf_config(model.config.to_dict())
     arch.validate_tensor_parallel(tp)
     if arch.num_layers % pp:
         raise ValueError(f"pipeline_model_parallel_size={pp} does not divide the {arch.num_layers} layers")
+    etp = etp or tp
     layers_per_stage = arch.num_layers // pp
-    params = dict(model.named_parameters())
     shards = []
     for rule, layer in expand_rules(arch):
         if layer is not None:
             stage = layer // layers_per_stage
         else:
             stage = 0 if rule.megatron.startswith("embedding") else pp - 1
-        for name in rule.hf_names(layer):
-            numel = params[name].numel()
+        for name, shape in zip(rule.hf_names(layer), hf_shapes(rule, arch)):
+            numel = math.prod(shape)
             split = rule.split is not Split.REPLICATED
-            shards.append(ParamShard(name, stage, numel, split, _per_rank(rule, name, numel, arch, tp, vocab_multiple)))
+            if rule.experts is ExpertSplit.PER_EXPERT:  # one expert of E on E/EP ranks' worth: numel / EP a rank
+                per_rank = _per_rank(rule, name, numel, arch, etp, vocab_multiple) // ep
+            else:
+                per_rank = _per_rank(rule, name, numel, arch, tp, vocab_multiple)
+            shards.append(ParamShard(name, stage, numel, split, per_rank))
+    total = sum(p.numel() for p in model.parameters())
+    placed = sum(s.numel for s in shards)
+    if placed != total:
+        unplaced = sorted(set(dict(model.named_parameters())) - {s.name for s in shards})
+        raise ValueError(
+            f"no name-mapping rule places {unplaced[:5]} ({len(unplaced)} tensors): the rules place {placed:,} of "
+            f"the model's {total:,} parameters"
+        )
     if arch.tie_word_embeddings and pp > 1:
         embedding = shards[0]
         shards.append(ParamShard(embedding.name, pp - 1, embedding.numel, True, embedding.per_rank))
-    unplaced = sorted(set(params) - {s.name for s in shards})
-    if unplaced:
-        raise ValueError(f"no name-mapping rule places {unplaced[:5]} ({len(unplaced)} tensors)")
     return shards
 
 
@@ -170,9 +190,12 @@ class DeviceMemory:
         return self.weights + self.grads + self.optimizer + self.activations
 
 
-def _model(path: str, tp: int, pp: int, vocab_multiple: int | None) -> tuple[ModelArchitecture, list[ParamShard]]:
+def _model(
+    path: str, tp: int, pp: int, vocab_multiple: int | None, ep: int = 1, etp: int | None = None
+) -> tuple[ModelArchitecture, list[ParamShard]]:
     model = meta_model(hf_config(path))
-    return architecture_from_hf_config(model.config.to_dict()), shard_parameters(model, tp, pp, vocab_multiple)
+    shards = shard_parameters(model, tp, pp, vocab_multiple, ep, etp)
+    return architecture_from_hf_config(model.config.to_dict()), shards
 
 
 def micro_batch_tokens(cfg, seq: int) -> int:
@@ -198,8 +221,9 @@ def student_rows(cfg, dp: int, bf16: bool, distributed: bool) -> list[DeviceMemo
     Bytes per parameter: the weights (2 in bf16, 4 in fp32), the fp32 gradient buffer (4), and Adam's two fp32
     moments plus, in bf16, the fp32 master copy (8 or 12), divided by DP under the distributed optimizer."""
     tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
+    ep, etp = cfg.parallel.expert_model_parallel_size, cfg.parallel.etp_size
     multiple = cfg.build.make_vocab_size_divisible_by
-    arch, shards = _model(cfg.student.path, tp, pp, multiple)
+    arch, shards = _model(cfg.student.path, tp, pp, multiple, ep, etp)
     seq = cfg.train.max_seq_len or arch.max_position_embeddings
     tokens = micro_batch_tokens(cfg, seq)
     shape = f"{cfg.train.micro_batch_size} x {seq}" if tokens == cfg.train.micro_batch_size * seq else str(tokens)
@@ -220,7 +244,7 @@ def student_rows(cfg, dp: int, bf16: bool, distributed: bool) -> list[DeviceMemo
         rows.append(
             DeviceMemory(
                 "student (trainer)",
-                f"TP={tp} PP={pp} DP={dp}, stage {stage}",
+                f"TP={tp} PP={pp} DP={dp}{f' EP={ep}' if ep > 1 else ''}, stage {stage}",
                 params,
                 weights=width * params,
                 grads=4 * params,
@@ -240,10 +264,19 @@ def student_memory(recipe: Recipe) -> list[DeviceMemory]:
 
 
 def _forward_rows(
-    job: str, layout: str, path: str, tp: int, pp: int, multiple: int, tokens: int, width: int
+    job: str,
+    layout: str,
+    path: str,
+    tp: int,
+    pp: int,
+    multiple: int,
+    tokens: int,
+    width: int,
+    ep: int = 1,
+    etp: int | None = None,
 ) -> list[DeviceMemory]:
     """A forward-only model (a teacher): its weights, one layer's activations and the last stage's logits."""
-    arch, shards = _model(path, tp, pp, multiple)
+    arch, shards = _model(path, tp, pp, multiple, ep, etp)
     vocab = arch.padded_vocab_size(tp, multiple) // tp
     rows = []
     for stage, params in enumerate(stage_params(shards, pp)):
@@ -350,8 +383,9 @@ def trainer_memory(cfg, world_size: int, accel_type: str, device_bytes: float | 
         tokens = micro_batch_tokens(cfg, cfg.train.max_seq_len or arch.max_position_embeddings)
         width = 2 if plan.bf16 else 4
         multiple = cfg.build.make_vocab_size_divisible_by
+        ep, etp = cfg.parallel.expert_model_parallel_size, cfg.parallel.etp_size
         teacher = _forward_rows("teacher (in-process)", f"TP={tp} PP={pp}", cfg.teacher.path, tp, pp, multiple,
-                                tokens, width)  # fmt: skip
+                                tokens, width, ep, etp)  # fmt: skip
         for rows, row in zip(stages, teacher):
             if cfg.teacher.offload:  # its weights leave while the student trains: count the larger phase
                 student = rows[0]

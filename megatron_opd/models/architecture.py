@@ -50,6 +50,27 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoEArchitecture:
+    """The Mixture-of-Experts part of an architecture (``ModelArchitecture.moe``; None for a dense model)."""
+
+    num_experts: int
+    """Routed experts per MoE layer (HF ``num_experts`` / ``num_local_experts``)."""
+    top_k: int
+    """Experts each token is routed to (HF ``num_experts_per_tok``)."""
+    expert_ffn_hidden_size: int
+    """Width of each routed expert's SwiGLU gate and up projections (HF ``moe_intermediate_size``)."""
+    norm_topk_prob: bool
+    """The top-k routing probabilities are renormalised to sum to 1 (softmax over the top-k logits); else they are
+    the softmax over all experts' logits, taken at the top k."""
+    layers: tuple[int, ...]
+    """Global indices of the layers whose MLP is an MoE layer (the others are dense, ``ffn_hidden_size`` wide)."""
+    shared_expert_ffn_hidden_size: int = 0
+    """Width of the shared expert every token goes through (Qwen2-MoE); 0: none."""
+    shared_expert_gate: bool = False
+    """The shared expert's output is scaled by ``sigmoid(x @ gate)`` (Qwen2-MoE's ``shared_expert_gate``)."""
+
+
+@dataclass(frozen=True)
 class ModelArchitecture:
     """A decoder-only transformer of a registered model family (``megatron_opd.models.families``)."""
 
@@ -73,6 +94,8 @@ class ModelArchitecture:
     qk_norm: bool
     """RMSNorm on each head's queries and keys (Qwen3)."""
     rope: RopeConfig = field(default_factory=RopeConfig)
+    moe: MoEArchitecture | None = None
+    """Mixture-of-Experts layers (Qwen3-MoE, Qwen2-MoE, Mixtral); None for a dense model."""
     torch_dtype: str = "float32"
     """dtype the checkpoint was saved in (``config.json`` ``torch_dtype``/``dtype``)."""
 

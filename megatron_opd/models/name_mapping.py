@@ -15,7 +15,7 @@ V vocabulary, Vp padded vocabulary.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -41,6 +41,8 @@ class ExpertSplit(str, Enum):
 
     NONE = "none"  # not an expert tensor: every expert-parallel rank holds it (dense layers, router, norms)
     PER_EXPERT = "per_expert"  # one tensor per expert ({expert} in the names); each EP rank holds E/EP experts
+    # expand_rules() yields one rule per expert with {expert} filled by the GLOBAL expert index (as {layer} is the
+    # global layer); Megatron numbers a rank's experts locally (local_experts.0..E/EP-1): see global_expert_names().
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,8 @@ class WeightRule:
     """Name under the TransformerEngine spec, where it differs (norms fused into linears)."""
     experts: ExpertSplit = ExpertSplit.NONE
     """The split across expert-parallel ranks, on top of ``split`` (tensor parallelism within an expert)."""
+    layers: tuple[int, ...] | None = None
+    """The global layers that hold this per-layer tensor (None: every layer); MoE and dense layers differ."""
     buffer: bool = False
     """The Megatron tensor is a registered buffer, not a parameter (e.g. DeepSeek-V3's expert bias): it is
     loaded, converted and synced like a parameter but never trained."""
@@ -97,11 +101,46 @@ def expand_rules(
             yield rule, None
     for layer in layer_ids:
         for rule in rules:
-            if rule.per_layer:
-                yield rule, layer
+            if rule.per_layer and (rule.layers is None or layer in rule.layers):
+                for one in per_expert_rules(rule, arch):
+                    yield one, layer
     for rule in rules:
         if not rule.per_layer and not rule.megatron.startswith("embedding"):
             yield rule, None
+
+
+def per_expert_rules(rule: WeightRule, arch: ModelArchitecture) -> list[WeightRule]:
+    """``rule`` itself, or for a per-expert rule one copy per expert with ``{expert}`` filled (global index)."""
+    if rule.experts is ExpertSplit.NONE:
+        return [rule]
+
+    def fill(name: str | None, expert: int) -> str | None:
+        return name.replace("{expert}", str(expert)) if name else name
+
+    return [
+        replace(rule, megatron=fill(rule.megatron, e), hf=tuple(fill(n, e) for n in rule.hf),
+                te_megatron=fill(rule.te_megatron, e))
+        for e in range(arch.moe.num_experts)
+    ]  # fmt: skip
+
+
+def global_expert_names(module: torch.nn.Module) -> dict[str, str]:
+    """Local name -> global-expert name of every tensor of ``module`` inside a Megatron expert group
+    (``...mlp.experts.local_experts.{i}.`` becomes ``...mlp.experts.local_experts.{global index}.``), from each MoE
+    layer's own ``local_expert_indices``: at expert parallelism a rank holds experts ``r*E/EP ...``, numbered from
+    0. Names outside experts are not in the map."""
+    out = {}
+    for prefix, sub in module.named_modules():
+        indices = getattr(sub, "local_expert_indices", None)
+        local_experts = getattr(getattr(sub, "experts", None), "local_experts", None)
+        if indices is None or local_experts is None:
+            continue
+        for local, global_index in enumerate(indices):
+            old = f"{prefix}.experts.local_experts.{local}."
+            new = f"{prefix}.experts.local_experts.{global_index}."
+            for name in named_tensors(local_experts[local]):
+                out[old + name] = new + name
+    return out
 
 
 def hf_shapes(rule: WeightRule, arch: ModelArchitecture) -> tuple[tuple[int, ...], ...]:
@@ -115,6 +154,15 @@ def hf_shapes(rule: WeightRule, arch: ModelArchitecture) -> tuple[tuple[int, ...
         arch.vocab_size,
     )
     name = rule.megatron
+    if arch.moe is not None and ".mlp." in name:  # the MoE layers' widths
+        if name.endswith("router.weight"):
+            return ((arch.moe.num_experts, h),)
+        if name.endswith("gate_weight"):
+            return ((1, h),)
+        if ".shared_experts." in name:
+            f = arch.moe.shared_expert_ffn_hidden_size
+        elif ".experts." in name:
+            f = arch.moe.expert_ffn_hidden_size
     if rule.split is Split.VOCAB:
         return ((v, h),)
     if rule.split is Split.QKV:

@@ -11,6 +11,7 @@ once, without the full product. ``MATRIX`` is the single source: the tests read 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ class Shape:
     kv_heads: int  # of 4 query heads: 4 = MHA, 2 = GQA, 1 = a single KV head (TP=1 only)
     vocab_size: int
     rope: str  # "llama3", "linear" or "none" (no scaling)
+    mlp: str = "dense"  # "dense", or Mixture-of-Experts: "moe", "moe+dense-layer", "moe+shared-expert"
 
     @property
     def properties(self) -> frozenset[str]:
@@ -39,6 +41,8 @@ class Shape:
             labels.add("vocab:odd")  # neither TP=2 nor 128 divides it: padded rows at every layout
         if self.rope != "none":
             labels.add(f"rope:{self.rope}")
+        if self.mlp != "dense":
+            labels.update(f"mlp:{part}" for part in self.mlp.split("+"))
         return frozenset(labels)
 
     def hf_overrides(self) -> dict[str, Any]:
@@ -62,15 +66,24 @@ TP=2xPP=2 the first three hold every property but the single KV head (which TP=2
 
 LOCAL = ("llama_tied", "qwen2_mha_v97", "qwen3_one_kv")  # TP=1 (and PP/VP without TP)
 SPLIT = ("llama_tied", "qwen2_mha_v97", "qwen3_tied")  # any layout with TP=2
+MOE = ("qwen3_moe_dense0", "qwen2_moe_shared", "mixtral_untied")  # Mixture-of-Experts: every layout MoE runs
 
 ALL_PROPERTIES = frozenset().union(*(s.properties for s in SHAPES.values()))
 TP1_ONLY = frozenset({"attention:one-kv-head"})
+MOE_ONLY = ALL_PROPERTIES - frozenset().union(*(s.properties for n, s in SHAPES.items() if n not in MOE))
+"""Properties only the MoE shapes have: the covering conditions ask for them in the paths and at the layouts
+that run MoE shapes so far (issue #35 brings MoE to every path)."""
+EXPERT_LAYOUTS = frozenset({"ep2", "tp2_ep2"})
+"""Layouts with expert parallelism, run by the MoE shapes alone (the dense ones run their TP/PP parts elsewhere):
+the covering conditions there ask for the MoE-only properties."""
 
 # path -> layout -> (shape names, the test that runs the cell)
 MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
     "Megatron model vs transformers logits": {
-        "tp1": (LOCAL, "test_models.py::test_logits_match_transformers"),
+        "tp1": (LOCAL + MOE, "test_models.py::test_logits_match_transformers"),
         "tp2": (SPLIT, "test_models.py::test_logits_match_transformers"),
+        "tp2_sp": (SPLIT + MOE, "test_models.py::test_logits_match_transformers"),
+        "ep2": (MOE, "test_models.py::test_logits_match_transformers"),
         "pp2_vp2": (LOCAL, "test_models.py::test_logits_match_transformers"),
         "tp2_pp2": (SPLIT, "test_models.py::test_logits_match_transformers"),
     },
@@ -89,6 +102,7 @@ MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
     "tools/checkpoint round trip (bitwise)": {
         "tp2_pp2": (SPLIT, "test_checkpoint.py::test_round_trip_is_bitwise"),
         "pp2_vp2": (LOCAL, "test_checkpoint.py::test_round_trip_is_bitwise"),
+        "tp2_ep2": (MOE, "test_checkpoint.py::test_round_trip_is_bitwise"),
     },
     "trainer HF export (bitwise)": {
         "tp1": (LOCAL, "test_checkpoint.py::test_trainer_export_is_bitwise"),
@@ -126,9 +140,29 @@ def make_shapes(root: str | os.PathLike, names: tuple[str, ...] | None = None) -
     return {name: str(make_shape(name, Path(root) / name, seed=i)) for i, name in enumerate(names)}
 
 
+class ShapeDirs(Mapping[str, str]):
+    """Every shape's folder under ``root``, each made on first use (a file's tests need only some shapes)."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+        self._made: dict[str, str] = {}
+
+    def __getitem__(self, name: str) -> str:
+        if name not in self._made:
+            seed = list(SHAPES).index(name)  # KeyError for an unknown shape; the seed make_shapes gives it
+            self._made[name] = str(make_shape(name, self.root / name, seed=seed))
+        return self._made[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(SHAPES)
+
+    def __len__(self) -> int:
+        return len(SHAPES)
+
+
 def markdown_table() -> str:
     """The matrix as the markdown table in ``docs/models.md``: a row per path, a column per layout."""
-    layouts = ["tp1", "tp2", "tp2_pp2", "pp2_vp2"]
+    layouts = ["tp1", "tp2", "tp2_sp", "ep2", "tp2_ep2", "tp2_pp2", "pp2_vp2"]
     header = "| path | " + " | ".join(layouts) + " | test |"
     lines = [header, "|" + "---|" * (len(layouts) + 2)]
     for path, cells in MATRIX.items():
@@ -136,12 +170,12 @@ def markdown_table() -> str:
         tests = sorted({test for _, test in cells.values()})
         lines.append(f"| {path} | " + " | ".join(row) + " | " + "<br>".join(f"`{t}`" for t in tests) + " |")
     shapes = [
-        "| shape | family | embeddings | attention (4 query heads) | vocabulary | RoPE scaling |",
-        "|---|---|---|---|---|---|",
+        "| shape | family | embeddings | attention (4 query heads) | vocabulary | RoPE scaling | MLP |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, s in SHAPES.items():
         kv = {4: "MHA", 2: "GQA, 2 KV heads", 1: "1 KV head"}[s.kv_heads]
         shapes.append(
-            f"| `{name}` | {s.family} | {'tied' if s.tied else 'untied'} | {kv} | {s.vocab_size} | {s.rope} |"
+            f"| `{name}` | {s.family} | {'tied' if s.tied else 'untied'} | {kv} | {s.vocab_size} | {s.rope} | {s.mlp} |"
         )
     return "\n".join(shapes) + "\n\n" + "\n".join(lines) + "\n"

@@ -831,6 +831,13 @@ class TrainConfig:
             )
         if self.parallel.context_parallel_size > 1:
             self._validate_context_parallel()
+        if self.parallel.expert_model_parallel_size > 1:
+            raise ValueError(
+                f"parallel.expert_model_parallel_size={self.parallel.expert_model_parallel_size}: the trainer does not "
+                "run expert parallelism yet (its sampling and scoring loops do not keep the expert-parallel ranks in "
+                "lockstep, which every MoE layer's token exchange needs); set it to 1. The model builder, loader and "
+                "tools/checkpoint/convert.py --ep support it"
+            )
         if self.train.micro_batch_tokens is not None:
             tp = self.parallel.tensor_model_parallel_size
             if self.train.micro_batch_tokens % tp:

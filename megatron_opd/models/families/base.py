@@ -36,6 +36,8 @@ class SpecOptions:
     """Core attention of the local spec: ``sdpa`` or ``local`` (``ModelBuildConfig.attention``)."""
     norm: str = "torch"
     """RMSNorm of the local spec: ``torch`` or ``triton`` (``ModelBuildConfig.norm``)."""
+    moe_grouped_gemm: bool = False
+    """MoE layers run their experts as one grouped GEMM (``ModelBuildConfig.moe_grouped_gemm``), not one by one."""
 
 
 def llama3_inv_freq(arch: ModelArchitecture) -> torch.Tensor:
@@ -119,13 +121,18 @@ class ModelFamily:
         layers with ``options.te``, else the local spec with megatron-opd's :class:`RMSNorm` (it supports
         sequence parallelism where Megatron's torch fallback does not) and, with ``attention="sdpa"``,
         :class:`~megatron_opd.models.attention.SDPAttention` as core attention. Dense and MoE layers may mix."""
+        return [self.decoder_layer_spec(arch, options)] * len(layers)
+
+    def decoder_layer_spec(self, arch: ModelArchitecture, options: SpecOptions, num_experts: int | None = None):
+        """The spec of one decoder layer: a dense MLP, or with ``num_experts`` Megatron's ``MoELayer`` (router,
+        experts, shared expert) with sequential experts, or grouped ones with ``options.moe_grouped_gemm``."""
         from megatron.core.models.gpt import gpt_layer_specs
 
+        moe = dict(num_experts=num_experts, moe_grouped_gemm=options.moe_grouped_gemm) if num_experts else {}
         if options.te:
-            spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
-            return [spec] * len(layers)
+            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm, **moe)
         norm = self.local_norm(options)
-        spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm", **moe)
         spec.submodules.input_layernorm = norm
         spec.submodules.pre_mlp_layernorm = norm
         if arch.qk_norm:
@@ -135,7 +142,7 @@ class ModelFamily:
             from megatron_opd.models.attention import SDPAttention
 
             spec.submodules.self_attention.submodules.core_attention = SDPAttention
-        return [spec] * len(layers)
+        return spec
 
     def local_norm(self, options: SpecOptions):
         """The norm class of the local spec (layer, QK and final norms)."""
