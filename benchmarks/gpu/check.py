@@ -97,6 +97,9 @@ def architecture(row: Row, smoke: bool):
         if "Moe" in row.model:
             small.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
         layers = {"num_hidden_layers": 4} if "Deepseek" in row.model else {}  # 671B would not fit one GPU
+        if "Qwen3Moe" in row.model:  # Qwen3-30B-A3B's config.json (transformers' defaults are a 24-layer model)
+            layers = dict(num_hidden_layers=48, head_dim=128, intermediate_size=6144, max_position_embeddings=40960)
+            layers.update(norm_topk_prob=True)
         config = getattr(transformers, row.model)(**(small if smoke else layers))
         return architecture_from_hf_config(config.to_dict(), row.model)
     if smoke:
@@ -202,10 +205,14 @@ def run_row(index: int, smoke: bool, reps: int, limit_s: float) -> dict:
         model_type = str(err).split("model_type=")[-1].split()[0] if "model_type=" in str(err) else row.model
         return {"skipped": f"skipped: model_type {model_type} does not build yet (its family is issue {row.issue})"}
     if row.grouped_gemm:
+        import torch
+
         from megatron_opd.distributed.device import has_transformer_engine
         from megatron_opd.models.builder import grouped_gemm_unavailable
 
-        reason = grouped_gemm_unavailable(has_transformer_engine() and not smoke)
+        te = has_transformer_engine() and not smoke
+        dtype = torch.float32 if smoke else torch.bfloat16
+        reason = grouped_gemm_unavailable(te, "cpu" if smoke else "cuda", dtype)
         if reason:
             return {"skipped": f"skipped: grouped GEMM unavailable: {reason}"}
     return measure(row, smoke, reps)

@@ -144,7 +144,9 @@ def transformer_config(arch: ModelArchitecture, parallel: ParallelConfig, build:
         use_cpu_initialization=not torch.cuda.is_available(),
     )
     if arch.moe is not None:
-        kwargs.update(moe_token_dispatcher_type=build.moe_token_dispatcher, moe_grouped_gemm=build.moe_grouped_gemm)
+        # Megatron's flag picks TEGroupedMLP; without TE the local spec carries GroupedExperts (families/base.py).
+        grouped = build.moe_grouped_gemm and use_te_spec(build)
+        kwargs.update(moe_token_dispatcher_type=build.moe_token_dispatcher, moe_grouped_gemm=grouped)
     if parallel.pipeline_model_parallel_size == 2 and vp and vp > 1:
         # Upstream bug: with two pipeline ranks the previous and next stage are the same peer and the
         # batched p2p exchange silently mixes up tensors in the interleaved schedule (Megatron-LM #1450).
@@ -167,26 +169,24 @@ def use_te_spec(build: ModelBuildConfig) -> bool:
     return build.use_transformer_engine
 
 
-def grouped_gemm_unavailable(te: bool) -> str | None:
-    """Why Megatron's grouped expert GEMM cannot run here, or None where it can: with TransformerEngine it is
-    ``TEGroupedMLP``; without, only Megatron-Core < 0.19's legacy ``GroupedMLP`` with the ``grouped_gemm`` package
-    on a GPU (0.19's torch ``grouped_mm`` path is ``InferenceGroupedMLP``, a TransformerEngine subclass)."""
+def grouped_gemm_unavailable(te: bool, device_type: str, dtype: torch.dtype) -> str | None:
+    """Why a grouped expert GEMM cannot run here, or None where it can: with TransformerEngine Megatron's
+    ``TEGroupedMLP``; without, megatron-opd's :class:`~megatron_opd.models.grouped_experts.GroupedExperts`
+    (``torch._grouped_mm``; Megatron-Core's own grouped paths without TransformerEngine are gone in 0.19)."""
     if te:
         return None
-    from megatron.core.transformer.moe import experts
+    from megatron_opd.models.grouped_experts import grouped_mm_unavailable
 
-    if not hasattr(experts, "GroupedMLP"):
-        return (
-            "Megatron-Core without TransformerEngine has no grouped expert GEMM (its only grouped paths, "
-            "TEGroupedMLP and InferenceGroupedMLP, are TransformerEngine modules)"
-        )
-    if not torch.cuda.is_available():
-        return "the legacy GroupedMLP (no TransformerEngine) runs on a CUDA GPU only"
-    try:
-        import grouped_gemm  # noqa: F401
-    except ImportError:
-        return "neither TransformerEngine nor the grouped_gemm package (legacy GroupedMLP) is installed"
-    return None
+    return grouped_mm_unavailable(device_type, dtype)
+
+
+def experts_kernel(arch: ModelArchitecture, build: ModelBuildConfig) -> str | None:
+    """Which expert GEMMs an MoE model runs (the start-up line says it), None for a dense model."""
+    if arch.moe is None:
+        return None
+    if not build.moe_grouped_gemm:
+        return "sequential (one GEMM per expert, Megatron's SequentialMLP)"
+    return "grouped (TransformerEngine's TEGroupedMLP)" if use_te_spec(build) else "grouped (torch._grouped_mm)"
 
 
 def layer_spec(
@@ -279,8 +279,11 @@ def build_chunks(arch: ModelArchitecture, parallel: ParallelConfig, build: Model
 
     te = use_te_spec(build)
     grouped = arch.moe is not None and build.moe_grouped_gemm
-    if grouped and (reason := grouped_gemm_unavailable(te)):
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if grouped and (reason := grouped_gemm_unavailable(te, device_type, parse_dtype(build.dtype))):
         raise RuntimeError(f"build.moe_grouped_gemm=true cannot run here: {reason}; set it false (sequential experts)")
+    if grouped or arch.moe is not None:
+        logger.info("MoE experts: %s", experts_kernel(arch, build))
     padded_vocab = arch.padded_vocab_size(parallel.tensor_model_parallel_size, build.make_vocab_size_divisible_by)
     vp_size = parallel.vp_size
     chunks = []
