@@ -18,9 +18,10 @@ Without a GPU, ``--cpu-smoke`` runs the same rows at tiny shapes on CPU in fp32 
 hundred tokens; about a minute): it checks the script, not the figures.
 
 Rows (``ROWS``): #35 a Qwen3-30B-A3B-shaped MoE teacher scoring (bf16, 30.5B parameters, 3.3B active: MFU
-counts active parameters), with sequential experts and with Megatron's grouped expert GEMM (skipped with the reason
-where it cannot run: it needs TransformerEngine, or Megatron-Core < 0.19 with the ``grouped_gemm`` package); #36 a
-DeepSeek-V3-shaped teacher scoring (skipped, with a note, while its model family does not build); #39 the Qwen3-1.7B update at CP=1 at 32k and 64k
+counts active parameters), with sequential experts and with grouped expert GEMMs (TransformerEngine's, else
+megatron-opd's ``GroupedExperts`` on ``torch._grouped_mm``; skipped with the reason where neither runs); #36 a
+DeepSeek-V3-shaped teacher scoring (skipped, with a note, while its model family does not build); #39 the
+Qwen3-1.7B update at CP=1 at 32k and 64k
 tokens with full recompute; #40 the Qwen3-1.7B update at 4,096 tokens (bf16, no TransformerEngine; MFU against
 989 TFLOP/s dense bf16, 6N FLOPs per token, attention not counted) and one end-to-end trainer run on the GPU
 defaults (bf16 parameters, Megatron's distributed optimizer; the tiny distillation fixture, three steps). Update
@@ -97,6 +98,9 @@ def architecture(row: Row, smoke: bool):
         if "Moe" in row.model:
             small.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
         layers = {"num_hidden_layers": 4} if "Deepseek" in row.model else {}  # 671B would not fit one GPU
+        if "Qwen3Moe" in row.model:  # Qwen3-30B-A3B's config.json (transformers' defaults are a 24-layer model)
+            layers = dict(num_hidden_layers=48, head_dim=128, intermediate_size=6144, max_position_embeddings=40960)
+            layers.update(norm_topk_prob=True)
         config = getattr(transformers, row.model)(**(small if smoke else layers))
         return architecture_from_hf_config(config.to_dict(), row.model)
     if smoke:
@@ -202,10 +206,14 @@ def run_row(index: int, smoke: bool, reps: int, limit_s: float) -> dict:
         model_type = str(err).split("model_type=")[-1].split()[0] if "model_type=" in str(err) else row.model
         return {"skipped": f"skipped: model_type {model_type} does not build yet (its family is issue {row.issue})"}
     if row.grouped_gemm:
+        import torch
+
         from megatron_opd.distributed.device import has_transformer_engine
         from megatron_opd.models.builder import grouped_gemm_unavailable
 
-        reason = grouped_gemm_unavailable(has_transformer_engine() and not smoke)
+        te = has_transformer_engine() and not smoke
+        dtype = torch.float32 if smoke else torch.bfloat16
+        reason = grouped_gemm_unavailable(te, "cpu" if smoke else "cuda", dtype)
         if reason:
             return {"skipped": f"skipped: grouped GEMM unavailable: {reason}"}
     return measure(row, smoke, reps)

@@ -128,11 +128,18 @@ class ModelFamily:
         experts, shared expert) with sequential experts, or grouped ones with ``options.moe_grouped_gemm``."""
         from megatron.core.models.gpt import gpt_layer_specs
 
-        moe = dict(num_experts=num_experts, moe_grouped_gemm=options.moe_grouped_gemm) if num_experts else {}
+        moe = dict(num_experts=num_experts) if num_experts else {}
         if options.te:
-            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm, **moe)
+            grouped = dict(moe_grouped_gemm=options.moe_grouped_gemm) if num_experts else {}
+            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+                qk_layernorm=arch.qk_norm, **moe, **grouped
+            )
         norm = self.local_norm(options)
         spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm", **moe)
+        if num_experts and options.moe_grouped_gemm:
+            from megatron_opd.models.grouped_experts import use_grouped_experts
+
+            use_grouped_experts(spec)
         spec.submodules.input_layernorm = norm
         spec.submodules.pre_mlp_layernorm = norm
         if arch.qk_norm:
