@@ -27,7 +27,7 @@ class Shape:
     tied: bool  # tie_word_embeddings
     kv_heads: int  # of 4 query heads: 4 = MHA, 2 = GQA, 1 = a single KV head (TP=1 only)
     vocab_size: int
-    rope: str  # "llama3", "linear" or "none" (no scaling)
+    rope: str  # "llama3", "linear", "yarn" or "none" (no scaling)
 
     @property
     def properties(self) -> frozenset[str]:
@@ -49,6 +49,8 @@ class Shape:
         )  # fmt: skip
         if self.rope == "linear":
             out["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+        elif self.rope == "yarn":  # the tests' 16 tokens run past the original context of 8
+            out["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
         elif self.rope == "none":
             out["rope_scaling"] = None
         return out  # "llama3" is the llama family's default in tiny_models
