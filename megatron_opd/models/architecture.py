@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_opd.model_files import ConfigFileError, UnsupportedArchitectureError
-from megatron_opd.models.families import BY_MODEL_TYPE, FAMILIES, ModelFamily, family_named
+from megatron_opd.models.families import BY_MODEL_TYPE, DEFERRED, FAMILIES, ModelFamily, family_named
 from megatron_opd.models.rope import ROPE_TYPES
 
 SUPPORTED_MODEL_TYPES = {model_type: family.name for model_type, family in BY_MODEL_TYPE.items()}
@@ -90,6 +90,8 @@ class ModelArchitecture:
     """Bias on the query/key/value projections (Qwen2)."""
     qk_norm: bool
     """RMSNorm on each head's queries and keys (Qwen3)."""
+    sliding_window: int | None = None
+    """Keys each query attends to, itself included (HF ``sliding_window``; Mistral); None: all before it."""
     rope: RopeConfig = field(default_factory=RopeConfig)
     torch_dtype: str = "float32"
     """dtype the checkpoint was saved in (``config.json`` ``torch_dtype``/``dtype``)."""
@@ -190,8 +192,9 @@ def architecture_from_hf_config(cfg: dict[str, Any], source: str = "config.json"
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         archs = cfg.get("architectures")
+        reason = f" ({DEFERRED[model_type]})" if model_type in DEFERRED else ""
         raise UnsupportedArchitectureError(
-            f"{source} model_type={model_type!r} (architectures={archs}) is not supported; "
+            f"{source} model_type={model_type!r} (architectures={archs}) is not supported{reason}; "
             f"supported model types: {sorted(SUPPORTED_MODEL_TYPES)}"
         )
     family = BY_MODEL_TYPE[model_type]

@@ -128,6 +128,8 @@ def hf_shapes(rule: WeightRule, arch: ModelArchitecture) -> tuple[tuple[int, ...
     if name.endswith("linear_fc2.weight"):
         return ((h, f),)
     if "q_layernorm" in name or "k_layernorm" in name:
+        if rule.split is Split.COLUMN:  # one norm over all heads (OLMo-2), split with them
+            return ((nq * d,),) if "q_layernorm" in name else ((nkv * d,),)
         return ((d,),)
     return ((h,),)
 

@@ -138,7 +138,8 @@ def rotary_embedding_class():
                 use_cpu_initialization=use_cpu_initialization,
                 cp_group=cp_group,
             )
-            self.inv_freq = inv_freq(rope, head_dim).to(self.inv_freq.device)
+            with torch.device(self.inv_freq.device):  # Megatron's device, not a surrounding default (meta)
+                self.inv_freq = inv_freq(rope, head_dim)
             self.rope = rope
 
         def forward(self, max_seq_len: int, *args, **kwargs):

@@ -59,11 +59,12 @@ class Shape:
 SHAPES: dict[str, Shape] = {
     name: Shape(family.name, **fields) for family in FAMILIES.values() for name, fields in family.test_shapes.items()
 }
-"""Four shapes: at TP=1 ``llama_tied``, ``qwen2_mha_v97`` and ``qwen3_one_kv`` hold every property; at TP=2 and
-TP=2xPP=2 the first three hold every property but the single KV head (which TP=2 cannot split)."""
+"""Every family's shapes: at TP=1 ``LOCAL`` holds every property; at TP=2 and TP=2xPP=2 ``SPLIT`` holds every
+property but the single KV head (which TP=2 cannot split). One shape per new family keeps the cost linear."""
 
-LOCAL = ("llama_tied", "qwen2_mha_v97", "qwen3_one_kv")  # TP=1 (and PP/VP without TP)
-SPLIT = ("llama_tied", "qwen2_mha_v97", "qwen3_tied")  # any layout with TP=2
+NEW_FAMILIES = ("mistral_window", "olmo2_post_norms")  # one shape per family, at every layout
+LOCAL = ("llama_tied", "qwen2_mha_v97", "qwen3_one_kv", *NEW_FAMILIES)  # TP=1 (and PP/VP without TP)
+SPLIT = ("llama_tied", "qwen2_mha_v97", "qwen3_tied", *NEW_FAMILIES)  # any layout with TP=2
 
 ALL_PROPERTIES = frozenset().union(*(s.properties for s in SHAPES.values()))
 TP1_ONLY = frozenset({"attention:one-kv-head"})

@@ -102,6 +102,8 @@ class ModelFamily:
             add_bias_linear=False,
             add_qkv_bias=arch.qkv_bias,
             qk_layernorm=arch.qk_norm,
+            # Hugging Face's window counts the query itself; Megatron's (left, right) counts the keys around it.
+            window_size=(arch.sliding_window - 1, 0) if arch.sliding_window else None,
         )
 
     # --- layer specs and chunks -------------------------------------------------------------------------------
