@@ -27,7 +27,7 @@ class Shape:
     tied: bool  # tie_word_embeddings
     kv_heads: int  # of 4 query heads: 4 = MHA, 2 = GQA, 1 = a single KV head (TP=1 only)
     vocab_size: int
-    rope: str  # "llama3", "linear", "yarn" or "none" (no scaling)
+    rope: str  # "llama3", "linear", "yarn", "longrope" or "none" (no scaling)
 
     @property
     def properties(self) -> frozenset[str]:
@@ -53,7 +53,7 @@ class Shape:
             out["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
         elif self.rope == "none":
             out["rope_scaling"] = None
-        return out  # "llama3" is the llama family's default in tiny_models
+        return out  # "llama3" and "longrope" are the llama and phi3 families' defaults in tiny_models
 
 
 SHAPES: dict[str, Shape] = {
@@ -62,7 +62,7 @@ SHAPES: dict[str, Shape] = {
 """Every family's shapes: at TP=1 ``LOCAL`` holds every property; at TP=2 and TP=2xPP=2 ``SPLIT`` holds every
 property but the single KV head (which TP=2 cannot split). One shape per new family keeps the cost linear."""
 
-NEW_FAMILIES = ("mistral_window", "olmo2_post_norms")  # one shape per family, at every layout
+NEW_FAMILIES = ("mistral_window", "olmo2_post_norms", "phi3_fused_partial")  # one shape per family, at every layout
 LOCAL = ("llama_tied", "qwen2_mha_v97", "qwen3_one_kv", *NEW_FAMILIES)  # TP=1 (and PP/VP without TP)
 SPLIT = ("llama_tied", "qwen2_mha_v97", "qwen3_tied", *NEW_FAMILIES)  # any layout with TP=2
 

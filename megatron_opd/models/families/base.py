@@ -57,6 +57,16 @@ def check_dense_mlp(cfg: dict[str, Any]) -> None:
         raise UnsupportedArchitectureError("config.json use_sliding_window=true is not supported")
 
 
+def read_sliding_window(cfg: dict[str, Any], source: str) -> int | None:
+    """``config.json`` ``sliding_window`` (keys per query, itself included) or None; honoured, never ignored."""
+    from megatron_opd.model_files import ConfigFileError
+
+    window = cfg.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ConfigFileError(f"{source} field 'sliding_window' must be a positive integer or null, got {window!r}")
+    return window
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     """One model family's declarations (an instance per family module, registered in ``families/__init__.py``)."""

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_opd.model_files import ConfigFileError
-from megatron_opd.models.families.base import ModelFamily
+from megatron_opd.models.families.base import ModelFamily, read_sliding_window
 
 
 def read_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
-    window = cfg.get("sliding_window")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ConfigFileError(f"{source} field 'sliding_window' must be a positive integer or null, got {window!r}")
-    return dict(qkv_bias=False, qk_norm=False, sliding_window=window)
+    return dict(qkv_bias=False, qk_norm=False, sliding_window=read_sliding_window(cfg, source))
 
 
 FAMILY = ModelFamily(
