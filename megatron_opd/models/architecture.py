@@ -92,6 +92,12 @@ class ModelArchitecture:
     """RMSNorm on each head's queries and keys (Qwen3)."""
     sliding_window: int | None = None
     """Keys each query attends to, itself included (HF ``sliding_window``; Mistral); None: all before it."""
+    sliding_layers: tuple[bool, ...] | None = None
+    """Which layers the window applies to (HF ``layer_types``; Gemma 3); None: every layer."""
+    local_rope: RopeConfig | None = None
+    """RoPE of the sliding-window layers where it differs from ``rope`` (Gemma 3's ``rope_local_base_freq``)."""
+    softmax_scale: float | None = None
+    """Attention softmax scale where it is not ``1 / sqrt(head_dim)`` (Gemma 3's ``query_pre_attn_scalar``)."""
     rope: RopeConfig = field(default_factory=RopeConfig)
     torch_dtype: str = "float32"
     """dtype the checkpoint was saved in (``config.json`` ``torch_dtype``/``dtype``)."""
@@ -129,6 +135,8 @@ class ModelArchitecture:
 def rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
     """The rotary embedding of a Hugging Face ``config.json`` dict (``rope_scaling``, 5.x ``rope_parameters``)."""
     params = cfg.get("rope_parameters") or {}
+    if isinstance(params.get("full_attention"), dict):  # 5.x per layer type (Gemma 3): the global layers' RoPE
+        params = params["full_attention"]
     scaling = cfg.get("rope_scaling") or {}
     merged = {**params, **scaling}  # an explicit 4.x rope_scaling wins over 5.x defaults
     theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))

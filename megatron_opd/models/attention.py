@@ -28,6 +28,7 @@ rank, ``d`` head dim, ``t`` packed tokens.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import math
@@ -247,3 +248,23 @@ class SDPAttention(torch.nn.Module):
         from megatron.core import tensor_parallel
 
         return tensor_parallel.get_cuda_rng_tracker().fork()
+
+
+@functools.cache
+def per_layer_rope_attention(attention: type) -> type:
+    """``attention`` (Megatron's ``SelfAttention``) taking its RoPE per layer: given the two embeddings stacked by
+    :class:`~megatron_opd.models.rope` 's per-layer rotary module (``[2, s, 1, 1, d]``: global, local), sliding-window
+    layers take the local one (Gemma 3's ``rope_local_base_freq``) and the others the global one."""
+
+    class PerLayerRope(attention):
+        def __init__(self, config, *args, layer_number: int, **kwargs) -> None:
+            super().__init__(config, *args, layer_number=layer_number, **kwargs)
+            self.rope_index = 0 if layer_window(config, layer_number) is None else 1
+
+        def forward(self, *args, rotary_pos_emb=None, **kwargs):
+            if isinstance(rotary_pos_emb, torch.Tensor) and rotary_pos_emb.dim() == 5:
+                rotary_pos_emb = rotary_pos_emb[self.rope_index]
+            return super().forward(*args, rotary_pos_emb=rotary_pos_emb, **kwargs)
+
+    PerLayerRope.__name__ = PerLayerRope.__qualname__ = f"PerLayerRope{attention.__name__}"
+    return PerLayerRope

@@ -77,8 +77,20 @@ class AllHeadsRMSNorm(torch.nn.Module):
         return make_sharded_tensors_for_checkpoint(state, prefix, {"weight": 0}, sharded_offsets)
 
 
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the checkpoint stores ``w`` and the norm scales by ``1 + w``, in float32."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-6, **kwargs: Any) -> None:
+        super().__init__(config, hidden_size, eps=eps, **kwargs)
+        torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = torch.nn.functional.rms_norm(x.float(), self.normalized_shape, eps=self.eps)
+        return (normed * (1.0 + self.weight.float())).type_as(x)
+
+
 @functools.cache
-def post_normed(linear: type) -> type:
+def post_normed(linear: type, norm: type = RMSNorm) -> type:
     """``linear`` (Megatron's row-parallel output projection of attention or MLP) followed by an RMSNorm of its
     output: the post-sublayer ("sandwich") norm of OLMo-2 and Gemma 3, before the residual add. The norm is
     ``post_norm`` inside the projection (its weight ``linear_proj.post_norm.weight``); with sequence parallelism
@@ -87,7 +99,7 @@ def post_normed(linear: type) -> type:
     class PostNormed(linear):
         def __init__(self, *args: Any, config: Any, **kwargs: Any) -> None:
             super().__init__(*args, config=config, **kwargs)
-            self.post_norm = RMSNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
+            self.post_norm = norm(config, config.hidden_size, eps=config.layernorm_epsilon)
 
         def forward(self, *args: Any, **kwargs: Any):
             out, bias = super().forward(*args, **kwargs)
@@ -95,5 +107,5 @@ def post_normed(linear: type) -> type:
                 out, bias = out + bias, None
             return self.post_norm(out), bias
 
-    PostNormed.__name__ = PostNormed.__qualname__ = f"PostNormed{linear.__name__}"
+    PostNormed.__name__ = PostNormed.__qualname__ = f"{norm.__name__}Normed{linear.__name__}"
     return PostNormed

@@ -146,11 +146,29 @@ def rotary_embedding_class():
             check_sequence_length(self.rope, max_seq_len, "sequence length")
             return super().forward(max_seq_len, *args, **kwargs)
 
+    class PerLayerRotaryEmbedding(HFRotaryEmbedding):
+        """Two RoPEs, global (``rope``) and local (``local``, sliding-window layers), stacked ``[2, s, 1, 1, d]``
+        for :func:`~megatron_opd.models.attention.per_layer_rope_attention` to pick from (Gemma 3)."""
+
+        def __init__(self, rope: RopeConfig, local: RopeConfig, head_dim: int, *args, **kwargs) -> None:
+            super().__init__(rope, head_dim, *args, **kwargs)
+            self.local = HFRotaryEmbedding(local, head_dim, *args, **kwargs)
+
+        def forward(self, max_seq_len: int, *args, **kwargs):
+            return torch.stack(
+                [super().forward(max_seq_len, *args, **kwargs), self.local(max_seq_len, *args, **kwargs)]
+            )
+
+    HFRotaryEmbedding.PerLayer = PerLayerRotaryEmbedding
     return HFRotaryEmbedding
 
 
-def install(model, rope: RopeConfig, head_dim: int) -> None:
-    """Replace a ``GPTModel``'s rotary module by :class:`HFRotaryEmbedding` for ``rope``."""
+def install(model, rope: RopeConfig, head_dim: int, local: RopeConfig | None = None) -> None:
+    """Replace a ``GPTModel``'s rotary module by :class:`HFRotaryEmbedding` for ``rope``; with ``local``, by the
+    per-layer module that also carries the sliding-window layers' RoPE."""
     cpu = model.config.use_cpu_initialization
     cp_group = getattr(model.rotary_pos_emb, "cp_group", None)
-    model.rotary_pos_emb = rotary_embedding_class()(rope, head_dim, cpu, cp_group=cp_group)
+    if local is None:
+        model.rotary_pos_emb = rotary_embedding_class()(rope, head_dim, cpu, cp_group=cp_group)
+    else:
+        model.rotary_pos_emb = rotary_embedding_class().PerLayer(rope, local, head_dim, cpu, cp_group=cp_group)

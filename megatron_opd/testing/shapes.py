@@ -62,7 +62,7 @@ SHAPES: dict[str, Shape] = {
 """Every family's shapes: at TP=1 ``LOCAL`` holds every property; at TP=2 and TP=2xPP=2 ``SPLIT`` holds every
 property but the single KV head (which TP=2 cannot split). One shape per new family keeps the cost linear."""
 
-NEW_FAMILIES = ("mistral_window", "olmo2_post_norms", "phi3_fused_partial")  # one shape per family, at every layout
+NEW_FAMILIES = ("mistral_window", "olmo2_post_norms", "phi3_fused_partial", "gemma3_sandwich")  # one shape per family, at every layout
 LOCAL = ("llama_tied", "qwen2_mha_v97", "qwen3_one_kv", *NEW_FAMILIES)  # TP=1 (and PP/VP without TP)
 SPLIT = ("llama_tied", "qwen2_mha_v97", "qwen3_tied", *NEW_FAMILIES)  # any layout with TP=2
 

@@ -6,10 +6,10 @@ below (``docs/models.md``, "Adding a model family").
 
 from __future__ import annotations
 
-from megatron_opd.models.families import llama, mistral, olmo2, phi3, qwen2, qwen3
+from megatron_opd.models.families import gemma3, llama, mistral, olmo2, phi3, qwen2, qwen3
 from megatron_opd.models.families.base import ModelFamily, SpecOptions
 
-_MODULES = (llama, qwen2, qwen3, mistral, olmo2, phi3)
+_MODULES = (llama, qwen2, qwen3, mistral, olmo2, phi3, gemma3)
 
 FAMILIES: dict[str, ModelFamily] = {module.FAMILY.name: module.FAMILY for module in _MODULES}
 """Family name -> its declarations, in registry order (shape and memory tables follow it)."""

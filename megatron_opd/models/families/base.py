@@ -114,6 +114,8 @@ class ModelFamily:
             qk_layernorm=arch.qk_norm,
             # Hugging Face's window counts the query itself; Megatron's (left, right) counts the keys around it.
             window_size=(arch.sliding_window - 1, 0) if arch.sliding_window else None,
+            window_attn_skip_freq=[int(x) for x in arch.sliding_layers] if arch.sliding_layers else None,
+            softmax_scale=arch.softmax_scale,
         )
 
     # --- layer specs and chunks -------------------------------------------------------------------------------

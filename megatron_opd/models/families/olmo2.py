@@ -23,9 +23,10 @@ def read_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     return dict(qkv_bias=False, qk_norm=True)
 
 
-def sandwich_spec(family: ModelFamily, options: SpecOptions, pre_norms: bool, qk_norm):
-    """A local layer spec with post-norms on both output projections; ``pre_norms`` keeps the input norms (Gemma 3)
-    or drops them (OLMo-2); ``qk_norm``: the QK-norm module spec (or None)."""
+def sandwich_spec(family: ModelFamily, options: SpecOptions, pre_norms: bool, qk_norm, post_norm=None):
+    """A local layer spec with post-norms (``post_norm``, default RMSNorm) on both output projections;
+    ``pre_norms`` keeps the input norms (Gemma 3) or drops them (OLMo-2); ``qk_norm``: the (query, key) norm
+    module specs, or None."""
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.tensor_parallel import RowParallelLinear
     from megatron.core.transformer.identity_op import IdentityOp
@@ -37,8 +38,9 @@ def sandwich_spec(family: ModelFamily, options: SpecOptions, pre_norms: bool, qk
     spec.submodules.input_layernorm = norm if pre_norms else IdentityOp
     spec.submodules.pre_mlp_layernorm = norm if pre_norms else IdentityOp
     attention = spec.submodules.self_attention.submodules
-    attention.linear_proj = post_normed(RowParallelLinear)
-    spec.submodules.mlp.submodules.linear_fc2 = post_normed(RowParallelLinear)
+    post = (post_norm,) if post_norm is not None else ()
+    attention.linear_proj = post_normed(RowParallelLinear, *post)
+    spec.submodules.mlp.submodules.linear_fc2 = post_normed(RowParallelLinear, *post)
     if qk_norm is not None:
         attention.q_layernorm, attention.k_layernorm = qk_norm
     if options.attention == "sdpa":
