@@ -104,3 +104,18 @@ def test_dynamic_rope_is_refused():
     cfg = _hf_config("llama", dict(rope_scaling=dict(rope_type="dynamic", factor=2.0))).to_dict()
     with pytest.raises(UnsupportedArchitectureError, match="'dynamic'.*rescales with the sequence length"):
         architecture_from_hf_config(cfg)
+
+
+def test_trainer_refuses_longrope_past_its_short_factors(shape_dirs):
+    """``train.max_seq_len`` (default: the student's context, 256) past original_max_position_embeddings (64)."""
+    from types import SimpleNamespace
+
+    from megatron_opd.trainer.setup import max_seq_len
+
+    def cfg(length):
+        return SimpleNamespace(student=SimpleNamespace(path=shape_dirs["phi3_fused_partial"]),
+                               train=SimpleNamespace(max_seq_len=length))  # fmt: skip
+
+    with pytest.raises(ValueError, match=r"train.max_seq_len=256 exceeds .*original_max_position_embeddings=64"):
+        max_seq_len(cfg(None))
+    assert max_seq_len(cfg(64)) == 64
