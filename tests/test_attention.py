@@ -178,7 +178,6 @@ def test_dropout_only_in_training_and_under_megatron_rng():
 @pytest.mark.parametrize(
     "extra, message",
     [
-        ({"context_parallel_size": 2}, "context parallelism needs TransformerEngine"),
         ({"softmax_type": "learnable"}, "softmax_type='learnable' is not supported"),
     ],
 )

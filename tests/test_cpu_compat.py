@@ -40,8 +40,41 @@ def _megatron_calls():
         tensor_parallel.checkpoint(lambda t: (t * t).sum(), False, x).backward()
         assert torch.equal(x.grad, torch.full((3,), 2.0)), x.grad
 
+    def write_results_queue():
+        """The queue a checkpoint save's writer reports through: its Manager forked, not spawned (a fresh interpreter
+        importing the trainer; refused here before it starts)."""
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        getter = getattr(filesystem_async, "get_write_results_queue", None) or filesystem_async._get_write_results_queue
+        real = filesystem_async.mp.get_context
+
+        def fork_only(method=None):
+            assert method == "fork", f"the writer's Manager would start by {method!r}"
+            return real(method)
+
+        filesystem_async.mp.get_context, filesystem_async._results_queue = fork_only, None
+        try:
+            queue = getter()
+        finally:
+            filesystem_async.mp.get_context = real
+        queue.put("written")
+        assert queue.get(timeout=30) == "written"
+
+    def cp_pos_emb():
+        from megatron.core.models.common.embeddings import rotary_pos_embedding
+
+        from megatron_opd.testing.context_parallel import StandInGroup, megatron_cp_split
+
+        group = StandInGroup(2, 1)  # the second of two CP ranks
+        emb = torch.arange(8.0).view(8, 1, 1, 1)  # RoPE's [S, 1, 1, d]
+        got = rotary_pos_embedding.get_pos_emb_on_this_cp_rank(emb, 0, group).reshape(-1)
+        expected = megatron_cp_split({"x": torch.arange(8.0)[None]}, group)["x"][0]
+        assert torch.equal(got, expected), (got, expected)
+
     return {
+        "write_results_queue": write_results_queue,
         "rng_tracker": rng_tracker,
+        "cp_pos_emb": cp_pos_emb,
         "recompute": recompute,
         "clip_grads": clip_grads,
         "current_device": lambda: torch.empty(2, device=torch.cuda.current_device()),

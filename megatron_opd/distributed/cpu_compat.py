@@ -29,6 +29,13 @@ Patches (all idempotent):
    and ``DistributedOptimizer`` sort parameters by ``Tensor.type()`` strings and refuse anything but
    ``torch.cuda.{Float,Half,BFloat16}Tensor``. While (and only while) one of them is being built, ``Tensor.type()``
    of a CPU tensor answers the CUDA name of its dtype; the arithmetic afterwards is the GPU's.
+10. Checkpoint saves: the async file writer of ``dist_checkpointing`` collects its results through a queue of a
+   ``multiprocessing`` Manager that its first save starts in a *spawned* process, a fresh interpreter importing the
+   trainer's main module (2 s of CPU; the first save of a run took 3-7 s instead of 0.3 s). The Manager is forked
+   instead, as Megatron's own trainer creates it (``get_write_results_queue(mp_mode="fork")``, 0.19).
+11. Context parallelism: ``rope_utils.get_pos_emb_on_this_cp_rank`` (RoPE's slice for this CP rank) builds its
+   index in pinned memory, which needs CUDA; the same slice (``ContextParallelSplit.split``) replaces it in
+   ``rope_utils`` and in the modules that import it by name.
 """
 
 from __future__ import annotations
@@ -237,6 +244,35 @@ def grad_sync_uses_cuda_stream() -> bool:
     return "current_stream" in _ParamAndGradBucketGroup.start_grad_sync.__code__.co_names
 
 
+_FILESYSTEM_ASYNC = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+
+
+def forked_write_results_queue(*args: Any, **kwargs: Any) -> Any:  # noqa: ARG001 (mp_mode: always fork)
+    """Megatron's ``get_write_results_queue`` (``_get_write_results_queue`` in 0.16) with a forked Manager."""
+    filesystem_async = importlib.import_module(_FILESYSTEM_ASYNC)
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = filesystem_async.mp.get_context("fork").Manager().Queue()
+    return filesystem_async._results_queue
+
+
+# Modules that import get_pos_emb_on_this_cp_rank by name (patch 11).
+_MODULES_WITH_CP_POS_EMB = (
+    "megatron.core.models.common.embeddings.rope_utils",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
+)
+
+
+def pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    """Megatron's ``get_pos_emb_on_this_cp_rank`` without pinned memory: this CP rank's two chunks along
+    ``seq_dim``."""
+    from megatron_opd.models.context_parallel import ContextParallelSplit
+
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    return ContextParallelSplit(cp_group, cp_group.size(), cp_group.rank()).split(pos_emb, seq_dim)
+
+
 def apply_cpu_patches() -> None:
     """Make Megatron-Core usable on a CPU-only process. No-op when CUDA is available."""
     global _APPLIED
@@ -265,6 +301,18 @@ def apply_cpu_patches() -> None:
 
     _built_with_cuda_type_names(mcore_optimizer.Float16OptimizerWithFloat16Params)
     _built_with_cuda_type_names(DistributedOptimizer)
+
+    filesystem_async = importlib.import_module(_FILESYSTEM_ASYNC)
+    for getter in ("get_write_results_queue", "_get_write_results_queue"):  # 0.19, 0.16
+        if hasattr(filesystem_async, getter):
+            setattr(filesystem_async, getter, forked_write_results_queue)
+    for module_name in _MODULES_WITH_CP_POS_EMB:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        if hasattr(module, "get_pos_emb_on_this_cp_rank"):
+            module.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
 
     cpu_torch = _CpuTorch()
     for module_name in _MODULES_WITH_CUDA_LITERALS:

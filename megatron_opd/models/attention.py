@@ -100,9 +100,21 @@ def layer_window(config, layer_number: int) -> int | None:
     return None if left < 0 else int(left)
 
 
+def _context_parallel_split(config, pg_collection):
+    """The CP group's split when the sequence is split over context-parallel ranks, else None."""
+    if config.context_parallel_size == 1:
+        return None
+    from megatron_opd.models.context_parallel import ContextParallelSplit
+
+    group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+    if group is None:
+        return ContextParallelSplit.current()
+    return ContextParallelSplit(group, group.size(), group.rank())
+
+
 class SDPAttention(torch.nn.Module):
     """Megatron-Core ``core_attention`` on SDPA: causal, GQA, TP-sharded heads, dropout, packed sequences, sliding
-    windows."""
+    windows, and the sequence split over context-parallel ranks (``models.context_parallel``)."""
 
     def __init__(
         self,
@@ -117,10 +129,6 @@ class SDPAttention(torch.nn.Module):
         **_,
     ) -> None:
         super().__init__()
-        if config.context_parallel_size != 1:
-            raise ValueError(
-                "context parallelism needs TransformerEngine's attention; set parallel.context_parallel_size=1"
-            )
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by build.attention=sdpa")
         self.config = config
@@ -134,6 +142,12 @@ class SDPAttention(torch.nn.Module):
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.attn_mask_type = attn_mask_type
         self.window = layer_window(config, layer_number)
+        self.context_parallel = _context_parallel_split(config, pg_collection)
+        if self.window is not None and self.context_parallel is not None:
+            raise ValueError(
+                "sliding-window attention with context parallelism is not supported; set "
+                "parallel.context_parallel_size=1"
+            )
 
     def forward(
         self,
@@ -158,6 +172,9 @@ class SDPAttention(torch.nn.Module):
                 return self._packed(query, key, value, packed_seq_params, dropout_p)
             q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, d]
             s, k_len = q.shape[2], k.shape[2]
+            if self.context_parallel is not None:
+                out = self._context_parallel(q, k, v, attention_mask, mask_type, dropout_p)
+                return out.permute(2, 0, 1, 3).reshape(s, out.shape[0], self.heads * self.head_dim)
             mask = None
             if attention_mask is not None:
                 mask = ~attention_mask.bool()  # Megatron: True = masked out; SDPA: True = attends
@@ -185,6 +202,18 @@ class SDPAttention(torch.nn.Module):
             )
         return True
 
+    def _context_parallel(self, q, k, v, attention_mask, mask_type, dropout_p: float) -> torch.Tensor:
+        """The sequence split over context-parallel ranks (``models.context_parallel``): causal self-attention only."""
+        from megatron.core.transformer.enums import AttnMaskType
+
+        if attention_mask is not None or mask_type != AttnMaskType.causal or q.shape[2] != k.shape[2]:
+            raise ValueError("context parallelism supports causal self-attention over the whole sequence only")
+        from megatron_opd.models import context_parallel
+
+        return context_parallel.attend(
+            q, k, v, self.context_parallel, lambda q, k, v, causal: self._sdpa(q, k, v, None, causal, dropout_p)
+        )
+
     def _sdpa(self, q, k, v, mask, causal: bool, dropout_p: float) -> torch.Tensor:
         gqa = self.groups != self.heads
         return F.scaled_dot_product_attention(
@@ -193,6 +222,8 @@ class SDPAttention(torch.nn.Module):
 
     def _packed(self, query, key, value, params, dropout_p: float) -> torch.Tensor:
         """Packed sequences ``[t, heads, d]``: each sequence of ``cu_seqlens`` attends causally to itself only."""
+        if self.context_parallel is not None:
+            raise ValueError("packed sequences with context parallelism are not supported; set train.packing=false")
         if params.qkv_format != "thd":
             raise ValueError(f"packed sequences must use qkv_format='thd', got {params.qkv_format!r}")
         cu_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q

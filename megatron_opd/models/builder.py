@@ -146,13 +146,34 @@ def transformer_config(arch: ModelArchitecture, parallel: ParallelConfig, build:
     return config
 
 
-def use_te_spec(build: ModelBuildConfig) -> bool:
-    """Whether to use TransformerEngine layers (fused norms, TE linear layers)."""
+def use_te_spec(build: ModelBuildConfig, parallel: ParallelConfig | None = None) -> bool:
+    """Whether to use TransformerEngine layers (fused norms, TE linear layers). With context parallelism, never:
+    TE's context-parallel attention is not verified here; megatron-opd's (``models.context_parallel``) runs in the
+    local spec."""
+    cp = 1 if parallel is None else parallel.context_parallel_size
+    check_context_parallel(build, cp)
     if build.use_transformer_engine is None:
-        return has_transformer_engine()
+        return has_transformer_engine() and cp == 1
     if build.use_transformer_engine and not has_transformer_engine():
         raise RuntimeError("use_transformer_engine=True but TransformerEngine is not usable here (needs CUDA + TE)")
     return build.use_transformer_engine
+
+
+def check_context_parallel(build: ModelBuildConfig, context_parallel_size: int) -> None:
+    """Refuse context parallelism with a core attention that cannot split the sequence."""
+    if context_parallel_size == 1:
+        return
+    if build.use_transformer_engine:
+        raise ValueError(
+            "parallel.context_parallel_size > 1 with build.use_transformer_engine=true: TransformerEngine's "
+            "context-parallel attention is not verified with megatron-opd's batch split; unset "
+            "build.use_transformer_engine (context parallelism then runs on build.attention=sdpa)"
+        )
+    if build.attention != "sdpa":
+        raise ValueError(
+            f"parallel.context_parallel_size > 1 needs build.attention=sdpa (got {build.attention!r}: Megatron's "
+            "local attention cannot split the sequence)"
+        )
 
 
 def layer_spec(
@@ -236,7 +257,7 @@ def build_chunks(arch: ModelArchitecture, parallel: ParallelConfig, build: Model
     """
     from megatron.core import parallel_state
 
-    te = use_te_spec(build)
+    te = use_te_spec(build, parallel)
     padded_vocab = arch.padded_vocab_size(parallel.tensor_model_parallel_size, build.make_vocab_size_divisible_by)
     vp_size = parallel.vp_size
     chunks = []

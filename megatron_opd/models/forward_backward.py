@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from megatron_opd.models.context_parallel import SPLIT_MARKER
+
 MicroBatch = dict[str, torch.Tensor]
 # loss_fn(logits_BSV, micro_batch) -> (scalar loss, data to collect)
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, Any]]
@@ -48,9 +50,19 @@ def forward_backward(
                 f"micro_batches[{i}]['tokens'] has shape {tuple(mb['tokens'].shape)}, expected {(batch_size, seq_len)}"
             )
 
+    # Checked on every rank before any communication, so that all of them refuse together.
+    if parallel_state.get_context_parallel_world_size() > 1 and any(SPLIT_MARKER not in mb for mb in micro_batches):
+        raise ValueError(
+            "context parallelism: the micro-batch is not split over context-parallel ranks "
+            "(trainer.loss_batch.split_for_context_parallel); each rank would attend with the whole sequence"
+        )
+
     def forward_step(data_iterator, model):
         device = next(model.parameters()).device
-        batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
+        # Tensors go to the device; plain values (the index of the teacher whose objective applies) stay as they are.
+        batch = {
+            k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in next(data_iterator).items()
+        }
         tokens = batch["tokens"]
         position_ids = batch.get("position_ids")
         if position_ids is None:
@@ -70,7 +82,8 @@ def forward_backward(
         data_iterator=iterators,
         model=chunks if len(chunks) > 1 else chunks[0],
         num_microbatches=len(micro_batches),
-        seq_length=seq_len,
+        # Megatron's schedules take the whole sequence's length and divide it by the CP size themselves.
+        seq_length=seq_len * parallel_state.get_context_parallel_world_size(),
         micro_batch_size=batch_size,
         forward_only=forward_only,
     )

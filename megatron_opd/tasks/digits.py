@@ -22,6 +22,12 @@ from pathlib import Path
 EOS_TOKEN = "<|endoftext|>"
 """End of sequence, also the pad token (id 0)."""
 PROMPT_TEMPLATE = "reverse {digits} ="
+TASKS = {
+    "reverse": ("reverse {digits} =", lambda d: d[::-1]),
+    "sort": ("sort {digits} =", lambda d: "".join(sorted(d))),
+}
+"""Prompt template and answer of each task: digit reversal (the quick start's), and digit sorting (the second task of
+``examples/quickstart.py --multi-teacher``; the tokenizer has no merges for its word, which it spells byte by byte)."""
 MIN_DIGITS = 3
 MAX_DIGITS = 6
 VOCAB_SIZE = 272
@@ -56,11 +62,15 @@ def make_records(
     min_digits: int = MIN_DIGITS,
     max_digits: int = MAX_DIGITS,
     exclude: Iterable[str] = (),
+    task: str = "reverse",
 ) -> list[dict]:
-    """``n`` records with distinct digit strings, none in ``exclude`` (the prompts of another split).
+    """``n`` records with distinct digit strings, none in ``exclude`` (the prompts of another split), of ``task``.
 
     Lengths are uniform over ``[min_digits, max_digits]`` until a length runs out of unused strings.
     """
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {sorted(TASKS)}, got {task!r}")
+    template, answer_of = TASKS[task]
     if not 1 <= min_digits <= max_digits:
         raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
     lengths = range(min_digits, max_digits + 1)
@@ -77,8 +87,8 @@ def make_records(
             continue
         taken.add(digits)
         left[length] -= 1
-        answer = digits[::-1]
-        records.append({"prompt": PROMPT_TEMPLATE.format(digits=digits), "answer": answer, "response": answer})
+        answer = answer_of(digits)
+        records.append({"prompt": template.format(digits=digits), "answer": answer, "response": answer})
     return records
 
 
