@@ -3,6 +3,7 @@
     python examples/quickstart.py [--workdir runs/quickstart] [--nproc 2] [--rollout-backend vllm]
     python examples/quickstart.py --cross-tokenizer     # a teacher with another tokenizer
     python examples/quickstart.py --multi-teacher       # two tasks, a teacher for each, one student
+    python examples/quickstart.py --student-family gemma3   # a Gemma-3-shaped student
 
 1. ``tools/make_quickstart_task.py`` writes a digit-reversal task ("reverse 40912 =" -> "21904"), a tokenizer and
    two randomly initialised Qwen3 models: a teacher and a 6.6x smaller student (tied embeddings).
@@ -108,6 +109,10 @@ def main() -> None:
         "--multi-teacher", action="store_true",
         help="two tasks (digit reversal and sorting), a teacher for each, one student distilled from both",
     )  # fmt: skip
+    parser.add_argument(
+        "--student-family", metavar="FAMILY",
+        help="the student's model family (e.g. gemma3; default: qwen3, like the teacher)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.multi_teacher:
         raise SystemExit(multi_teacher(args))
@@ -119,6 +124,7 @@ def main() -> None:
         shutil.rmtree(work)  # a fresh run every time (the trainer would otherwise resume)
     task = work / "task"
     merges = ["--teacher-digit-merges", "doubles"] if args.cross_tokenizer else []
+    merges += ["--student-family", args.student_family] if args.student_family else []
     subprocess.run([sys.executable, str(ROOT / "tools" / "make_quickstart_task.py"), str(task), *merges], cwd=ROOT,
                    check=True)  # fmt: skip
     data = [f"data.train_files={task / 'train.jsonl'}", f"data.eval_files={task / 'eval.jsonl'}"]

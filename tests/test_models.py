@@ -161,9 +161,12 @@ def test_unsupported_architecture_is_named():
     cfg.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
     with pytest.raises(UnsupportedArchitectureError, match="model_type='gpt2'"):
         architecture_from_hf_config(cfg)
+    cfg.update(model_type="gemma2", architectures=["Gemma2ForCausalLM"])
+    with pytest.raises(UnsupportedArchitectureError, match="model_type='gemma2'.*soft-capping"):
+        architecture_from_hf_config(cfg)
     cfg = tiny_hf_config("qwen2").to_dict()
-    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
-    with pytest.raises(UnsupportedArchitectureError, match="yarn"):
+    cfg["rope_scaling"] = {"rope_type": "dynamic", "factor": 4.0}
+    with pytest.raises(UnsupportedArchitectureError, match="dynamic"):
         architecture_from_hf_config(cfg)
 
 
@@ -208,6 +211,15 @@ def test_architecture_reads_config_json(tiny_model_dirs):
     assert arch.num_key_value_heads == cfg["num_key_value_heads"] == 2
     assert arch.padded_vocab_size(2) == 1024 and arch.padded_vocab_size(4) == 1024 and arch.padded_vocab_size(1) == 1024
     assert load_architecture(tiny_model_dirs["qwen2"]).qkv_bias
+
+
+def test_sliding_window_is_read_never_ignored(shape_dirs):
+    """Mistral's window reaches Megatron's config (its logits, window 5 < 16 tokens, are in the shape matrix)."""
+    from megatron_opd.models import ModelBuildConfig, transformer_config
+
+    arch = load_architecture(shape_dirs["mistral_window"])
+    assert arch.sliding_window == 5
+    assert transformer_config(arch, ParallelConfig(), ModelBuildConfig()).window_size == (4, 0)
 
 
 def test_linear_rope_scaling_matches_transformers(tmp_path):

@@ -18,6 +18,7 @@ import json
 import logging
 from pathlib import Path
 
+from megatron_opd.models.families import FAMILIES
 from megatron_opd.tasks import digits
 
 logger = logging.getLogger("make_quickstart_task")
@@ -35,12 +36,13 @@ def make_quickstart_task(
     n_eval: int = 256,
     seed: int = 0,
     teacher_digit_merges: str = "none",
+    student_family: str | None = None,
     multi_teacher: bool = False,
 ) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     digits.make_tokenizer(out_dir / "tokenizer")
     digits.make_model(out_dir / "teacher-init", "teacher", seed=seed, digit_merges=teacher_digit_merges)
-    digits.make_model(out_dir / "student-init", "student", seed=seed + 1)
+    digits.make_model(out_dir / "student-init", "student", seed=seed + 1, family=student_family)
     eval_records = digits.make_records(n_eval, seed=seed + 1)
     train_records = digits.make_records(n_train, seed=seed + 2, exclude=[r["prompt"] for r in eval_records])
     if not multi_teacher:
@@ -72,6 +74,10 @@ def main(argv: list[str] | None = None) -> None:
         "--teacher-digit-merges", choices=sorted(digits.DIGIT_MERGES), default="none",
         help="the teacher's tokenizer: the student's (none) or one with digit merges (pairs, doubles)",
     )  # fmt: skip
+    parser.add_argument(
+        "--student-family", choices=sorted(FAMILIES),
+        help="the student's model family (default: Qwen3, as the teacher); the task and sizes stay the same",
+    )  # fmt: skip
     parser.add_argument("--multi-teacher", action="store_true", help="also digit sorting, with its own teacher")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -79,7 +85,13 @@ def main(argv: list[str] | None = None) -> None:
 
     hf_logging.disable_progress_bar()  # one line per model saved is enough
     make_quickstart_task(
-        args.out_dir, args.n_train, args.n_eval, args.seed, args.teacher_digit_merges, args.multi_teacher
+        args.out_dir,
+        args.n_train,
+        args.n_eval,
+        args.seed,
+        args.teacher_digit_merges,
+        args.multi_teacher,
+        args.student_family,
     )
     logger.info("wrote %s: tokenizer, teacher-init, student-init, train.jsonl, eval.jsonl", args.out_dir)
 

@@ -17,6 +17,7 @@ import torch
 from megatron_opd.distributed.device import has_transformer_engine
 from megatron_opd.distributed.parallel import ParallelConfig
 from megatron_opd.dtypes import parse_dtype
+from megatron_opd.models import rope
 from megatron_opd.models.architecture import ModelArchitecture
 from megatron_opd.models.families.base import SpecOptions, llama3_inv_freq
 
@@ -193,7 +194,9 @@ def transformer_config(arch: ModelArchitecture, parallel: ParallelConfig, build:
         )
     elif build.recompute == "selective":
         kwargs.update(recompute_granularity="selective", recompute_modules=["core_attn"])
-    return family.transformer_config_class()(**kwargs)
+    config = family.transformer_config_class()(**kwargs)
+    rope.set_attention_factor(config, rope.attention_factor(arch.rope))
+    return config
 
 
 def use_te_spec(build: ModelBuildConfig, parallel: ParallelConfig | None = None) -> bool:

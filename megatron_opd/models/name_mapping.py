@@ -52,7 +52,8 @@ class WeightRule:
     megatron: str
     """Local-spec Megatron name, ``{layer}`` for the global layer index."""
     hf: tuple[str, ...]
-    """Hugging Face names, in fusion order (q, k, v / gate, up)."""
+    """Hugging Face names, in fusion order (q, k, v / gate, up), or one name where the checkpoint fuses them
+    (Phi-3's ``qkv_proj``: all q rows, then k, then v; ``gate_up_proj``: gate, then up)."""
     split: Split
     te_megatron: str | None = None
     """Name under the TransformerEngine spec, where it differs (norms fused into linears)."""
@@ -166,16 +167,17 @@ def hf_shapes(rule: WeightRule, arch: ModelArchitecture) -> tuple[tuple[int, ...
     if rule.split is Split.VOCAB:
         return ((v, h),)
     if rule.split is Split.QKV:
-        if name.endswith("bias"):
-            return ((nq * d,), (nkv * d,), (nkv * d,))
-        return ((nq * d, h), (nkv * d, h), (nkv * d, h))
+        shapes = tuple((rows,) if name.endswith("bias") else (rows, h) for rows in (nq * d, nkv * d, nkv * d))
+        return shapes if len(rule.hf) == 3 else ((sum(s[0] for s in shapes), *shapes[0][1:]),)
     if rule.split is Split.GATE_UP:
-        return ((f, h), (f, h))
+        return ((f, h), (f, h)) if len(rule.hf) == 2 else ((2 * f, h),)
     if name.endswith("linear_proj.weight"):
         return ((h, nq * d),)
     if name.endswith("linear_fc2.weight"):
         return ((h, f),)
     if "q_layernorm" in name or "k_layernorm" in name:
+        if rule.split is Split.COLUMN:  # one norm over all heads (OLMo-2), split with them
+            return ((nq * d,),) if "q_layernorm" in name else ((nkv * d,),)
         return ((d,),)
     return ((h,),)
 
@@ -185,8 +187,11 @@ def hf_to_megatron(
 ) -> torch.Tensor:
     """Fuse the Hugging Face tensors of ``rule`` into the full Megatron tensor."""
     if rule.split is Split.QKV:
-        q, k, v = tensors
         nkv, d = arch.num_key_value_heads, arch.head_dim
+        if len(tensors) == 1:  # one fused Hugging Face tensor (Phi-3's qkv_proj): all q rows, then k, then v
+            q, k, v = torch.split(tensors[0], [arch.num_attention_heads * d, nkv * d, nkv * d], dim=0)
+        else:
+            q, k, v = tensors
         per_group = arch.num_attention_heads // nkv
         tail = q.shape[1:]  # (H,) for weights, () for biases
         q = q.reshape(nkv, per_group * d, *tail)
@@ -210,10 +215,11 @@ def megatron_to_hf(rule: WeightRule, full: torch.Tensor, arch: ModelArchitecture
         tail = full.shape[1:]
         grouped = full.reshape(nkv, (per_group + 2) * d, *tail)
         q, k, v = torch.split(grouped, [per_group * d, d, d], dim=1)
-        return (q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail))
+        q, k, v = (x.reshape(-1, *tail) for x in (q, k, v))
+        return (q, k, v) if len(rule.hf) == 3 else (torch.cat([q, k, v]),)
     if rule.split is Split.GATE_UP:
-        gate, up = torch.chunk(full, 2, dim=0)
-        return (gate, up)
+        # Megatron's fc1 is [gate; up]: a fused Hugging Face gate_up_proj (Phi-3) is the same tensor.
+        return torch.chunk(full, 2, dim=0) if len(rule.hf) == 2 else (full,)
     if rule.split is Split.VOCAB:
         return (full[: arch.vocab_size],)
     return (full,)

@@ -28,7 +28,7 @@ class Shape:
     tied: bool  # tie_word_embeddings
     kv_heads: int  # of 4 query heads: 4 = MHA, 2 = GQA, 1 = a single KV head (TP=1 only)
     vocab_size: int
-    rope: str  # "llama3", "linear" or "none" (no scaling)
+    rope: str  # "llama3", "linear", "yarn", "longrope" or "none" (no scaling)
     mlp: str = "dense"  # "dense", or Mixture-of-Experts: "moe", "moe+dense-layer", "moe+shared-expert"
 
     @property
@@ -53,20 +53,26 @@ class Shape:
         )  # fmt: skip
         if self.rope == "linear":
             out["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+        elif self.rope == "yarn":  # the tests' 16 tokens run past the original context of 8
+            out["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
         elif self.rope == "none":
             out["rope_scaling"] = None
-        return out  # "llama3" is the llama family's default in tiny_models
+        return out  # "llama3" and "longrope" are the llama and phi3 families' defaults in tiny_models
 
 
 SHAPES: dict[str, Shape] = {
     name: Shape(family.name, **fields) for family in FAMILIES.values() for name, fields in family.test_shapes.items()
 }
-"""Four shapes: at TP=1 ``llama_tied``, ``qwen2_mha_v97`` and ``qwen3_one_kv`` hold every property; at TP=2 and
-TP=2xPP=2 the first three hold every property but the single KV head (which TP=2 cannot split)."""
+"""Every family's shapes: at TP=1 ``LOCAL`` holds every property; at TP=2 and TP=2xPP=2 ``SPLIT`` holds every
+property of the first three families but the single KV head (which TP=2 cannot split), and ``SPLIT_ALL`` adds the
+newer families, which run split where their layers differ under TP (logits, the sampler's decode, the converter):
+each property still reaches every path and every layout, at a fraction of the full product's cost."""
 
-LOCAL = ("llama_tied", "qwen2_mha_v97", "qwen3_one_kv")  # TP=1 (and PP/VP without TP)
+NEW_FAMILIES = ("mistral_window", "olmo2_post_norms", "phi3_fused_partial", "gemma3_sandwich")
+LOCAL = ("llama_tied", "qwen2_mha_v97", "qwen3_one_kv", *NEW_FAMILIES)  # TP=1 (and PP/VP without TP)
 SPLIT = ("llama_tied", "qwen2_mha_v97", "qwen3_tied")  # any layout with TP=2
 MOE = ("qwen3_moe_dense0", "qwen2_moe_shared", "mixtral_untied")  # Mixture-of-Experts: every layout MoE runs
+SPLIT_ALL = (*SPLIT, *NEW_FAMILIES)
 
 ALL_PROPERTIES = frozenset().union(*(s.properties for s in SHAPES.values()))
 TP1_ONLY = frozenset({"attention:one-kv-head"})
@@ -81,11 +87,11 @@ the covering conditions there ask for the MoE-only properties."""
 MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
     "Megatron model vs transformers logits": {
         "tp1": (LOCAL + MOE, "test_models.py::test_logits_match_transformers"),
-        "tp2": (SPLIT, "test_models.py::test_logits_match_transformers"),
-        "tp2_sp": (SPLIT + MOE, "test_models.py::test_logits_match_transformers"),
+        "tp2": (SPLIT_ALL, "test_models.py::test_logits_match_transformers"),
+        "tp2_sp": (SPLIT_ALL + MOE, "test_models.py::test_logits_match_transformers"),
         "ep2": (MOE, "test_models.py::test_logits_match_transformers"),
         "pp2_vp2": (LOCAL, "test_models.py::test_logits_match_transformers"),
-        "tp2_pp2": (SPLIT, "test_models.py::test_logits_match_transformers"),
+        "tp2_pp2": (SPLIT_ALL, "test_models.py::test_logits_match_transformers"),
     },
     "vLLM sync, engine process": {
         "tp1": (LOCAL, "test_weight_sync_vllm.py::test_sync_is_exact"),
@@ -97,10 +103,10 @@ MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
     },
     "built-in sampler greedy vs transformers": {
         "tp1": (LOCAL, "test_sampler.py::test_greedy_matches_transformers"),
-        "tp2": (SPLIT, "test_sampler.py::test_greedy_matches_transformers"),
+        "tp2": (SPLIT_ALL, "test_sampler.py::test_greedy_matches_transformers"),
     },
     "tools/checkpoint round trip (bitwise)": {
-        "tp2_pp2": (SPLIT, "test_checkpoint.py::test_round_trip_is_bitwise"),
+        "tp2_pp2": (SPLIT_ALL, "test_checkpoint.py::test_round_trip_is_bitwise"),
         "pp2_vp2": (LOCAL, "test_checkpoint.py::test_round_trip_is_bitwise"),
         "tp2_ep2": (MOE, "test_checkpoint.py::test_round_trip_is_bitwise"),
     },
@@ -113,7 +119,7 @@ MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
         "tp2": (SPLIT, "test_teacher_server.py::test_teacher_topk_per_shape"),
     },
     "teacher server top-k vs transformers": {
-        "tp1": (("qwen3_one_kv",), "test_teacher_server.py::test_teacher_topk_per_shape"),
+        "tp1": (("qwen3_one_kv", *NEW_FAMILIES), "test_teacher_server.py::test_teacher_topk_per_shape"),
         "tp2": (SPLIT, "test_teacher_server.py::test_teacher_topk_per_shape"),
     },
     "vLLM teacher top-k vs transformers": {

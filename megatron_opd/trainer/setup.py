@@ -14,6 +14,7 @@ import torch
 
 from megatron_opd.distributed.device import Accelerator
 from megatron_opd.interfaces import SamplingParams
+from megatron_opd.models import rope
 from megatron_opd.models.source import build_and_load, config_dir, load_output_weight, model_architecture
 from megatron_opd.trainer.config import TrainConfig
 from megatron_opd.trainer.student import PrecisionPlan, Student, precision_plan
@@ -439,12 +440,13 @@ def build_teachers(cfg: TrainConfig, accel: Accelerator, vocab: Vocabulary, stud
 
 def max_seq_len(cfg: TrainConfig) -> int:
     """Longest prompt + response: ``train.max_seq_len`` or the student's context."""
-    context = model_architecture(cfg.student.path, "student.path").max_position_embeddings
-    if cfg.train.max_seq_len is None:
-        return context
-    if cfg.train.max_seq_len > context:
+    arch = model_architecture(cfg.student.path, "student.path")
+    context = arch.max_position_embeddings
+    if cfg.train.max_seq_len is not None and cfg.train.max_seq_len > context:
         raise ValueError(f"train.max_seq_len={cfg.train.max_seq_len} exceeds the student's context of {context}")
-    return cfg.train.max_seq_len
+    length = context if cfg.train.max_seq_len is None else cfg.train.max_seq_len
+    rope.check_sequence_length(arch.rope, length, "train.max_seq_len")  # longrope: its short factors only
+    return length
 
 
 def build_rollout(cfg: TrainConfig, student: Student, vocab: Vocabulary):

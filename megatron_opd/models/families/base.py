@@ -42,18 +42,9 @@ class SpecOptions:
 
 def llama3_inv_freq(arch: ModelArchitecture) -> torch.Tensor:
     """Inverse RoPE frequencies with Llama 3.1's piecewise scaling, for any factor/low/high/original length."""
-    rope = arch.rope
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, arch.head_dim, 2, dtype=torch.int64).float() / arch.head_dim))
-    low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
-    high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
-    wavelen = 2 * torch.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
-    smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
-        rope.high_freq_factor - rope.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(medium, smoothed, scaled)
+    from megatron_opd.models import rope
+
+    return rope.inv_freq(arch.rope, arch.head_dim)
 
 
 def check_dense_mlp(cfg: dict[str, Any]) -> None:
@@ -66,6 +57,16 @@ def check_dense_mlp(cfg: dict[str, Any]) -> None:
         raise UnsupportedArchitectureError("config.json mlp_bias=true is not supported")
     if cfg.get("use_sliding_window"):
         raise UnsupportedArchitectureError("config.json use_sliding_window=true is not supported")
+
+
+def read_sliding_window(cfg: dict[str, Any], source: str) -> int | None:
+    """``config.json`` ``sliding_window`` (keys per query, itself included) or None; honoured, never ignored."""
+    from megatron_opd.model_files import ConfigFileError
+
+    window = cfg.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ConfigFileError(f"{source} field 'sliding_window' must be a positive integer or null, got {window!r}")
+    return window
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,10 @@ class ModelFamily:
             add_bias_linear=False,
             add_qkv_bias=arch.qkv_bias,
             qk_layernorm=arch.qk_norm,
+            # Hugging Face's window counts the query itself; Megatron's (left, right) counts the keys around it.
+            window_size=(arch.sliding_window - 1, 0) if arch.sliding_window else None,
+            window_attn_skip_freq=[int(x) for x in arch.sliding_layers] if arch.sliding_layers else None,
+            softmax_scale=arch.softmax_scale,
         )
 
     # --- layer specs and chunks -------------------------------------------------------------------------------
@@ -171,7 +176,8 @@ class ModelFamily:
         around the decoder: rotary embeddings (Llama 3's scaled frequencies), MTP or MLA models."""
         from megatron.core.models.gpt import GPTModel
 
-        rope = arch.rope
+        from megatron_opd.models import rope
+
         model = GPTModel(
             config=config,
             transformer_layer_spec=block_spec,
@@ -179,13 +185,9 @@ class ModelFamily:
             parallel_output=True,
             share_embeddings_and_output_weights=arch.tie_word_embeddings,
             position_embedding_type="rope",
-            rotary_base=int(rope.theta) if float(rope.theta).is_integer() else rope.theta,
-            seq_len_interpolation_factor=rope.factor if rope.type == "linear" else None,
             **gpt_kwargs,
         )
-        if rope.type == "llama3":
-            rotary = model.rotary_pos_emb
-            rotary.inv_freq = llama3_inv_freq(arch).to(rotary.inv_freq.device)
+        rope.install(model, arch.rope, arch.head_dim)  # transformers' frequencies for every rope_type
         return model
 
     # --- weights ----------------------------------------------------------------------------------------------
