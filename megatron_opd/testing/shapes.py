@@ -27,7 +27,7 @@ class Shape:
     tied: bool  # tie_word_embeddings
     kv_heads: int  # of 4 query heads: 4 = MHA, 2 = GQA, 1 = a single KV head (TP=1 only)
     vocab_size: int
-    rope: str  # "llama3", "linear" or "none" (no scaling)
+    rope: str  # "llama3", "linear", "yarn" (the deepseek_v3 family's default) or "none" (no scaling)
     mlp: str = "dense"  # "dense", or Mixture-of-Experts: "moe", "moe+dense-layer", "moe+shared-expert"
 
     @property
@@ -54,7 +54,7 @@ class Shape:
             out["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
         elif self.rope == "none":
             out["rope_scaling"] = None
-        return out  # "llama3" is the llama family's default in tiny_models
+        return out  # "llama3" ("yarn") is the llama (deepseek_v3) family's default in tiny_models
 
 
 SHAPES: dict[str, Shape] = {
@@ -65,7 +65,7 @@ TP=2xPP=2 the first three hold every property but the single KV head (which TP=2
 
 LOCAL = ("llama_tied", "qwen2_mha_v97", "qwen3_one_kv")  # TP=1 (and PP/VP without TP)
 SPLIT = ("llama_tied", "qwen2_mha_v97", "qwen3_tied")  # any layout with TP=2
-MOE = ("qwen3_moe_dense0", "qwen2_moe_shared", "mixtral_untied")  # Mixture-of-Experts: every layout MoE runs
+MOE = ("qwen3_moe_dense0", "qwen2_moe_shared", "mixtral_untied", "deepseek_v3_mla")  # every layout MoE runs
 
 ALL_PROPERTIES = frozenset().union(*(s.properties for s in SHAPES.values()))
 TP1_ONLY = frozenset({"attention:one-kv-head"})

@@ -6,10 +6,10 @@ below (``docs/models.md``, "Adding a model family").
 
 from __future__ import annotations
 
-from megatron_opd.models.families import llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
+from megatron_opd.models.families import deepseek_v3, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
 from megatron_opd.models.families.base import ModelFamily, SpecOptions
 
-_MODULES = (llama, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral)
+_MODULES = (llama, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral, deepseek_v3)
 
 FAMILIES: dict[str, ModelFamily] = {module.FAMILY.name: module.FAMILY for module in _MODULES}
 """Family name -> its declarations, in registry order (shape and memory tables follow it)."""
