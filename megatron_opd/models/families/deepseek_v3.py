@@ -176,6 +176,17 @@ def read_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     )
 
 
+def _refuse_tensor_parallel_gradient(grad):
+    """Megatron-Core's local multi-latent attention at TP > 1 (0.16.1, 0.19.2) splits the gathered key/value latent's
+    gradient back to the column shards without summing the shared rotary key's part over the other ranks' heads:
+    every gradient below it is wrong (forward and logits are exact; ``tests/test_deepseek_v3.py``)."""
+    raise RuntimeError(
+        "deepseek_v3 models cannot train at tensor_model_parallel_size > 1 yet: Megatron-Core's local multi-latent "
+        "attention leaves the other tensor-parallel ranks' share out of the rotary key's gradient; train the student "
+        "at tensor_model_parallel_size=1 (a teacher at any size scores exactly)"
+    )
+
+
 @dataclass(frozen=True)
 class DeepSeekV3Family(MoEFamily):
     """MoE family with multi-latent attention and DeepSeek's sigmoid, bias-corrected, group-limited router."""
@@ -257,6 +268,14 @@ class DeepSeekV3Family(MoEFamily):
         attention.core_attention = SDPAttention
         return spec
 
+    def build_chunk(self, arch: ModelArchitecture, config, block_spec, **gpt_kwargs):
+        model = super().build_chunk(arch, config, block_spec, **gpt_kwargs)
+        if config.tensor_model_parallel_size > 1:  # a frozen teacher never gets here: its weights need no gradient
+            for name, param in model.named_parameters():
+                if name.endswith("linear_kv_down_proj.weight"):
+                    param.register_hook(_refuse_tensor_parallel_gradient)
+        return model
+
     def weight_rules(self, arch: ModelArchitecture) -> list[WeightRule]:
         mla, moe, h, heads = arch.mla, arch.moe, arch.hidden_size, arch.num_attention_heads
         ml, attn = "decoder.layers.{layer}", "model.layers.{layer}.self_attn"
@@ -306,7 +325,7 @@ class DeepSeekV3Family(MoEFamily):
 TINY_DEEPSEEK = dict(
     num_key_value_heads=4,  # multi-latent attention: one key/value per query head (the common tiny size: 4)
     head_dim=8,  # transformers sizes the rotary embedding by it: qk_rope_head_dim
-    n_routed_experts=8,
+    n_routed_experts=16,
     num_experts_per_tok=4,
     n_group=4,
     topk_group=2,
@@ -325,7 +344,7 @@ TINY_DEEPSEEK = dict(
         mscale_all_dim=0.8,
     ),
 )  # fmt: skip
-"""Tiny test model: 8 experts in 4 groups, top-4 from the best 2 groups, a shared expert, layer 0 dense, q-LoRA,
+"""Tiny test model: 16 experts in 4 groups, top-4 of the 8 in the best 2 groups, a shared expert, layer 0 dense, q-LoRA,
 value heads narrower than query/key heads, YaRN with DeepSeek's two magnitude scales."""
 
 FAMILY = DeepSeekV3Family(
