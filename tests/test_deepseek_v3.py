@@ -39,10 +39,16 @@ def _routing_margin(router, hidden: torch.Tensor) -> float:
 
 
 @pytest.fixture(scope="module")
-def deepseek_dir(tmp_path_factory) -> str:
+def deepseek_dirs(tmp_path_factory) -> dict[str, str]:
+    """The matrix's tiny DeepSeek-V3 (q-LoRA) and the same without a query latent (one ``q_proj``)."""
     from megatron_opd.testing.shapes import make_shape
+    from megatron_opd.testing.tiny_models import make_tiny_hf_model
 
-    return str(make_shape("deepseek_v3_mla", tmp_path_factory.mktemp("deepseek_v3")))
+    root = tmp_path_factory.mktemp("deepseek_v3")
+    return {
+        "q_lora": str(make_shape("deepseek_v3_mla", root / "q_lora")),
+        "no_q_lora": str(make_tiny_hf_model("deepseek_v3", root / "no_q_lora", seed=3, q_lora_rank=None)),
+    }
 
 
 def _reference(hf_dir: str, tokens: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -61,7 +67,7 @@ def _reference(hf_dir: str, tokens: torch.Tensor) -> tuple[torch.Tensor, float]:
     return logits, min(margins)
 
 
-def _body(hf_dir: str, tokens: torch.Tensor):
+def _body(hf_dirs: dict[str, str], tokens: torch.Tensor):
     """In one job of two ranks: logits at TP=1 and TP=2 (sequence-parallel) and cross-entropy gradients at TP=1, then
     the refusal of a TP=2 backward (Megatron's local MLA gets the rotary key's gradient wrong there)."""
     from megatron.core import parallel_state as ps
@@ -73,7 +79,7 @@ def _body(hf_dir: str, tokens: torch.Tensor):
     from megatron_opd.models.reference import full_tensors
     from megatron_opd.models.source import build_and_load
 
-    def run(parallel: ParallelConfig, trainable: bool):
+    def run(hf_dir: str, parallel: ParallelConfig, trainable: bool):
         arch, chunks = build_and_load(hf_dir, parallel, trainable=trainable)
         group = ps.get_tensor_model_parallel_group()
 
@@ -86,12 +92,12 @@ def _body(hf_dir: str, tokens: torch.Tensor):
         return torch.stack(logits), full_tensors(chunks, arch, group, of="grad") if trainable else None
 
     initialize_distributed(ParallelConfig())
-    results = {"tp1": run(ParallelConfig(), trainable=True)}
+    results = {("tp1", name): run(hf_dir, ParallelConfig(), trainable=True) for name, hf_dir in hf_dirs.items()}
     tp2 = ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)  # Megatron's MoE needs SP with TP
     initialize_model_parallel(tp2)
-    results["tp2"] = run(tp2, trainable=False)
+    results.update({("tp2", name): run(hf_dir, tp2, trainable=False) for name, hf_dir in hf_dirs.items()})
     try:
-        run(tp2, trainable=True)
+        run(hf_dirs["q_lora"], tp2, trainable=True)
         results["tp2 backward"] = "ran"
     except RuntimeError as err:
         results["tp2 backward"] = str(err)
@@ -102,14 +108,18 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def test_logits_match_transformers_at_tp1_and_tp2(deepseek_dir):
+def test_logits_match_transformers_at_tp1_and_tp2(deepseek_dirs):
     tokens = _tokens(1000)
-    ref, margin = _reference(deepseek_dir, tokens)
-    assert margin >= MARGIN, f"the test tokens route within {margin:.1e} of a tie; pick other tokens or seed"
-    (results,) = [r for r in run_distributed(_body, 2, args=(deepseek_dir, tokens), timeout=600) if r is not None]
-    (logits1, grads1), (logits2, _) = results["tp1"], results["tp2"]
-    for layout, logits in (("tp1", logits1), ("tp2", logits2)):
-        assert logits.shape == ref.shape, (layout, logits.shape, ref.shape)
-        assert _rel(logits, ref) <= 1e-5, f"{layout}: max relative error {_rel(logits, ref):.2e} vs transformers"
-    assert all(grads1[n].abs().max() > 0 for n in grads1 if "router" in n or "kv_down" in n), "TP=1 trains"
+    refs = {}
+    for name, hf_dir in deepseek_dirs.items():
+        refs[name], margin = _reference(hf_dir, tokens)
+        assert margin >= MARGIN, f"{name}: the test tokens route within {margin:.1e} of a tie; pick other tokens"
+    (results,) = [r for r in run_distributed(_body, 2, args=(deepseek_dirs, tokens), timeout=600) if r is not None]
+    for (layout, name), (logits, grads) in ((k, v) for k, v in results.items() if isinstance(k, tuple)):
+        ref = refs[name]
+        assert logits.shape == ref.shape, (layout, name, logits.shape, ref.shape)
+        rel = _rel(logits, ref)
+        assert rel <= 1e-5, f"{layout}/{name}: max relative error {rel:.2e} vs transformers"
+        if layout == "tp1":  # trains: the router and the key/value latent get gradients
+            assert all(grads[n].abs().max() > 0 for n in grads if "router" in n or "kv_down" in n), name
     assert "cannot train at tensor_model_parallel_size > 1" in results["tp2 backward"], results["tp2 backward"]

@@ -176,6 +176,29 @@ def read_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     )
 
 
+def local_mla_self_attention():
+    """Megatron's ``MLASelfAttention`` for the local spec. Megatron-Core 0.19.2 resolves the query projection of a
+    model without ``q_lora_rank`` (one ``q_proj`` on the hidden states, no norm in front) to a fused norm+linear,
+    which only TransformerEngine has: the local spec cannot build DeepSeek-V2-Lite-style attention. With no query
+    latent this takes the spec's own ``linear_q_proj``; otherwise (and on 0.16, which has no resolver) Megatron's."""
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    class LocalMLASelfAttention(MLASelfAttention):
+        def _resolve_qk_norm_config(self, submodules):
+            if self.config.q_lora_rank is not None:
+                return super()._resolve_qk_norm_config(submodules)
+            return dict(
+                linear_q_proj=submodules.linear_q_proj,
+                linear_q_up_proj=IdentityOp,
+                linear_kv_up_proj=submodules.linear_kv_up_proj,
+                q_layernorm=IdentityOp,
+                kv_layernorm=submodules.kv_layernorm,
+            )
+
+    return LocalMLASelfAttention
+
+
 def _refuse_tensor_parallel_gradient(grad):
     """Megatron-Core's local multi-latent attention at TP > 1 (0.16.1, 0.19.2) splits the gathered key/value latent's
     gradient back to the column shards without summing the shared rotary key's part over the other ranks' heads:
@@ -250,6 +273,7 @@ class DeepSeekV3Family(MoEFamily):
         norm = self.local_norm(options)
         spec.submodules.input_layernorm = norm
         spec.submodules.pre_mlp_layernorm = norm
+        spec.submodules.self_attention.module = local_mla_self_attention()
         attention = spec.submodules.self_attention.submodules
         if arch.mla.q_lora_rank is None:  # no query latent to normalise (Megatron-Core 0.19 refuses a norm there)
             from megatron.core.transformer.identity_op import IdentityOp
