@@ -143,7 +143,8 @@ def architecture(row: Row, smoke: bool):
     from megatron_opd.testing.tiny_models import tiny_hf_config
 
     if row.model == "DeepseekV3Config":
-        config = tiny_hf_config("deepseek_v3") if smoke else transformers.DeepseekV3Config(**DEEPSEEK_V2_LITE_SIZE)
+        full = transformers.DeepseekV3Config(**DEEPSEEK_V2_LITE_SIZE)
+        config = tiny_hf_config("deepseek_v3", q_lora_rank=None) if smoke else full  # V2-Lite has no query latent
         return architecture_from_hf_config(config.to_dict(), row.model)
     if row.model.endswith("Config"):  # a family to come: transformers' defaults are the model's published shape
         small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=1000)
