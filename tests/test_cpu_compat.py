@@ -265,6 +265,50 @@ def test_moe_patches_are_needed_and_work(shape_dirs):
         assert out["alltoall with"] == "ok", f"rank {rank}: {out}"
 
 
+def _mla_outcomes():
+    """A multi-latent attention layer of the local spec, built with every CPU patch, first with Megatron's
+    ``HAVE_TE`` as 0.16 leaves it without TransformerEngine (True), then after :func:`unmark_mla_te`."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import multi_latent_attention as mla
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from megatron_opd.distributed import cpu_compat
+
+    parallel_state.initialize_model_parallel()
+    cpu_compat.apply_cpu_patches()
+    config = MLATransformerConfig(
+        num_layers=1, hidden_size=8, num_attention_heads=2, q_lora_rank=4, kv_lora_rank=4, qk_head_dim=4,
+        qk_pos_emb_head_dim=2, v_head_dim=4, rope_type="rope", qk_layernorm=True, use_cpu_initialization=True,
+    )  # fmt: skip
+    from megatron_opd.models.attention import SDPAttention
+
+    spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = SDPAttention  # Megatron 0.16's has no k_channels
+    outcomes = {}
+    for name in ("without", "with"):
+        mla.HAVE_TE = True
+        if name == "with":
+            cpu_compat.unmark_mla_te()
+        try:
+            build_module(spec.submodules.self_attention, config=config, layer_number=1)
+            outcomes[name] = "ok"
+        except Exception as err:  # noqa: BLE001
+            outcomes[name] = f"{type(err).__name__}: {err}"
+    return outcomes
+
+
+def test_mla_te_flag_patch_is_needed_and_works():
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if isinstance(mla.TELinear, type):
+        pytest.skip("TransformerEngine's TELinear is installed: multi-latent attention's TE check is sound")
+    outcomes = run_distributed(_mla_outcomes, 1)[0]
+    assert "isinstance" in outcomes["without"], f"MLA builds without the patch: {outcomes}"
+    assert outcomes["with"] == "ok", outcomes
+
+
 def _hang(rank_to_fail: int):
     import torch.distributed as dist
 

@@ -20,7 +20,8 @@ hundred tokens; about a minute): it checks the script, not the figures.
 Rows (``ROWS``): #35 a Qwen3-30B-A3B-shaped MoE teacher scoring (bf16, 30.5B parameters, 3.3B active: MFU
 counts active parameters), with sequential experts and with grouped expert GEMMs (TransformerEngine's, else
 megatron-opd's ``GroupedExperts`` on ``torch._grouped_mm``; skipped with the reason where neither runs); #36 a
-DeepSeek-V3-shaped teacher scoring (skipped, with a note, while its model family does not build); #39 the
+DeepSeek-V2-Lite-sized DeepSeek-V3-architecture teacher scoring (multi-latent attention with YaRN, 64 routed experts
+top-6, 2 shared, the first layer dense; MFU against active parameters), sequential and grouped; #39 the
 Qwen3-1.7B update at CP=1 at 32k and 64k
 tokens with full recompute; #40 the Qwen3-1.7B update at 4,096 tokens (bf16, no TransformerEngine; MFU against
 989 TFLOP/s dense bf16, 6N FLOPs per token, attention not counted) and one end-to-end trainer run on the GPU
@@ -77,12 +78,61 @@ ROWS = (
         smoke_tokens=64,
         grouped_gemm=True,
     ),
-    Row("#36", "DeepSeek-V3-shaped teacher (4 layers), scoring", "score", "DeepseekV3Config", 4096, smoke_tokens=64),
+    Row(
+        "#36",
+        "DeepSeek-V2-Lite-sized DeepSeek-V3-architecture teacher, scoring, sequential experts",
+        "score",
+        "DeepseekV3Config",
+        4096,
+        smoke_tokens=64,
+    ),
+    Row(
+        "#36",
+        "DeepSeek-V2-Lite-sized DeepSeek-V3-architecture teacher, scoring, grouped GEMM",
+        "score",
+        "DeepseekV3Config",
+        4096,
+        smoke_tokens=64,
+        grouped_gemm=True,
+    ),
     Row("#39", "Qwen3-1.7B update, CP=1, full recompute", "update", "Qwen3-1.7B", 32768, "full", smoke_tokens=256),
     Row("#39", "Qwen3-1.7B update, CP=1, full recompute", "update", "Qwen3-1.7B", 65536, "full", smoke_tokens=512),
     Row("#40", "Qwen3-1.7B update, bf16, no TE", "update", "Qwen3-1.7B", 4096, smoke_tokens=128),
     Row("#40", "trainer run on the GPU defaults (3 steps, tiny fixture)", "train", limit_s=180),
 )
+
+
+DEEPSEEK_V2_LITE_SIZE = dict(
+    vocab_size=102400,
+    hidden_size=2048,
+    intermediate_size=10944,
+    num_hidden_layers=27,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    q_lora_rank=None,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=64,
+    num_experts_per_tok=6,
+    n_shared_experts=2,
+    moe_intermediate_size=1408,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=1.0,
+    norm_topk_prob=True,
+    max_position_embeddings=163840,
+    rope_theta=10000.0,
+    rope_scaling=dict(
+        type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
+        mscale=0.707, mscale_all_dim=0.707,
+    ),
+    tie_word_embeddings=False,
+)  # fmt: skip
+"""DeepSeek-V2-Lite's published shape (15.7B parameters, 2.4B active) in the DeepSeek-V3 architecture (sigmoid,
+bias-corrected routing; V2-Lite itself routes by softmax): the issue's GPU row."""
 
 
 def architecture(row: Row, smoke: bool):
@@ -93,11 +143,15 @@ def architecture(row: Row, smoke: bool):
     from megatron_opd.models.architecture import architecture_from_hf_config
     from megatron_opd.testing.tiny_models import tiny_hf_config
 
+    if row.model == "DeepseekV3Config":
+        full = transformers.DeepseekV3Config(**DEEPSEEK_V2_LITE_SIZE)
+        config = tiny_hf_config("deepseek_v3", q_lora_rank=None) if smoke else full  # V2-Lite has no query latent
+        return architecture_from_hf_config(config.to_dict(), row.model)
     if row.model.endswith("Config"):  # a family to come: transformers' defaults are the model's published shape
         small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=1000)
         if "Moe" in row.model:
             small.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
-        layers = {"num_hidden_layers": 4} if "Deepseek" in row.model else {}  # 671B would not fit one GPU
+        layers = {}
         if "Qwen3Moe" in row.model:  # Qwen3-30B-A3B's config.json (transformers' defaults are a 24-layer model)
             layers = dict(num_hidden_layers=48, head_dim=128, intermediate_size=6144, max_position_embeddings=40960)
             layers.update(norm_topk_prob=True)

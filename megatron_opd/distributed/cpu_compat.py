@@ -310,11 +310,22 @@ def patch_alltoall_dispatcher() -> None:
     MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _cpu_dtoh_and_synchronize  # type: ignore[method-assign]
 
 
+def unmark_mla_te() -> None:
+    """Megatron-Core 0.16's ``multi_latent_attention`` sets ``HAVE_TE = True`` when TransformerEngine is missing too
+    (its TE stand-ins import), then calls ``isinstance(linear_proj, TELinear)`` with a stand-in that is no type: every
+    multi-latent attention layer fails to build. Set it False where ``TELinear`` is no class (0.19 reads TE's flag)."""
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if getattr(mla, "HAVE_TE", False) and not isinstance(mla.TELinear, type):
+        mla.HAVE_TE = False
+
+
 def apply_cpu_patches() -> None:
     """Make Megatron-Core usable on a CPU-only process. No-op when CUDA is available (but for the patches any
     machine without TransformerEngine needs)."""
     global _APPLIED
     bind_te_general_gemm()
+    unmark_mla_te()
     if _APPLIED or torch.cuda.is_available():
         return
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from megatron_opd.model_files import ConfigFileError, UnsupportedArchitectureError
 from megatron_opd.models.families import BY_MODEL_TYPE, DEFERRED, FAMILIES, ModelFamily, family_named
+from megatron_opd.models.families.deepseek_v3 import DeepSeekRouting, MLAArchitecture
 from megatron_opd.models.rope import ROPE_TYPES
 
 SUPPORTED_MODEL_TYPES = {model_type: family.name for model_type, family in BY_MODEL_TYPE.items()}
@@ -122,6 +123,10 @@ class ModelArchitecture:
     rope: RopeConfig = field(default_factory=RopeConfig)
     moe: MoEArchitecture | None = None
     """Mixture-of-Experts layers (Qwen3-MoE, Qwen2-MoE, Mixtral); None for a dense model."""
+    mla: MLAArchitecture | None = None
+    """Multi-latent attention (DeepSeek-V3) instead of grouped-query attention; None for the latter."""
+    routing: DeepSeekRouting | None = None
+    """DeepSeek's group-limited, scaled router on top of ``moe``; None for the MoE families' softmax router."""
     torch_dtype: str = "float32"
     """dtype the checkpoint was saved in (``config.json`` ``torch_dtype``/``dtype``)."""
 
@@ -240,6 +245,7 @@ def architecture_from_hf_config(cfg: dict[str, Any], source: str = "config.json"
             f"{source} field 'rms_norm_eps' must be a number, got {cfg['rms_norm_eps']!r}; fix the file"
         ) from None
     own_fields = family.read_config(cfg, source)
+    rope = own_fields.pop("rope", None) or rope_from_hf(cfg)  # a family with its own rotary embedding reads it
     return ModelArchitecture(
         family=family.name,
         vocab_size=_positive_int(cfg, "vocab_size", source),
@@ -253,7 +259,7 @@ def architecture_from_hf_config(cfg: dict[str, Any], source: str = "config.json"
         rms_norm_eps=rms_norm_eps,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         **own_fields,
-        rope=rope_from_hf(cfg),
+        rope=rope,
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
     )
 

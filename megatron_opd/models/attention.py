@@ -126,6 +126,8 @@ class SDPAttention(torch.nn.Module):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection=None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
         **_,
     ) -> None:
         super().__init__()
@@ -135,7 +137,9 @@ class SDPAttention(torch.nn.Module):
         tp = _tp_size(pg_collection)
         self.heads = config.num_attention_heads // tp
         self.groups = config.num_query_groups // tp
-        self.head_dim = config.kv_channels
+        # Multi-latent attention passes its query/key and value head sizes (they differ); others use kv_channels.
+        self.head_dim = k_channels or config.kv_channels
+        self.v_head_dim = v_channels or self.head_dim
         # Megatron's apply_query_key_layer_scaling divides the scale by the layer number and multiplies it back in
         # the softmax: the product is this scale.
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
@@ -186,7 +190,7 @@ class SDPAttention(torch.nn.Module):
                 mask = window if mask is None else mask & window
             causal = mask is None and mask_type == AttnMaskType.causal and s > 1
             out = self._sdpa(q, k, v, mask, causal, dropout_p)  # [b, h, s, d]
-        return out.permute(2, 0, 1, 3).reshape(s, out.shape[0], self.heads * self.head_dim)
+        return out.permute(2, 0, 1, 3).reshape(s, out.shape[0], self.heads * self.v_head_dim)
 
     def _window_bites(self, keys: int) -> bool:
         """Whether this layer's window hides any of ``keys`` keys (logs once which kernel then runs on a GPU)."""
@@ -237,19 +241,19 @@ class SDPAttention(torch.nn.Module):
                 query, key, value, cu_q.to(torch.int32), max_len, self.softmax_scale, self.groups != self.heads
             )
             if out is not None:
-                return out.reshape(out.shape[0], self.heads * self.head_dim)
+                return out.reshape(out.shape[0], self.heads * self.v_head_dim)
         lengths = cu_q[1:] - cu_q[:-1]
         end = int(cu_q[-1])
         if end == 0:
-            return torch.zeros_like(query).reshape(query.shape[0], self.heads * self.head_dim)
+            return query.new_zeros(query.shape[0], self.heads * self.v_head_dim)
         longest = int(lengths.max())
         if len(lengths) * longest**2 <= PADDED_COST_BOUND * int((lengths**2).sum()):
             out = self._padded(query, key, value, cu_q[:-1], lengths, longest, dropout_p)
         else:
             out = self._per_sequence(query, key, value, cu_q.tolist(), dropout_p)
         if end < query.shape[0]:  # tokens after the last sequence (padding) attend to nothing useful
-            out = torch.cat([out, torch.zeros_like(query[end:])])
-        return out.reshape(query.shape[0], self.heads * self.head_dim)
+            out = torch.cat([out, out.new_zeros(query.shape[0] - end, *out.shape[1:])])
+        return out.reshape(query.shape[0], self.heads * self.v_head_dim)
 
     def _padded(self, query, key, value, starts, lengths, longest: int, dropout_p: float) -> torch.Tensor:
         """All sequences in one SDPA call, gathered into ``[n, heads, longest, d]`` with the padding at the end of

@@ -64,6 +64,9 @@ class WeightRule:
     buffer: bool = False
     """The Megatron tensor is a registered buffer, not a parameter (e.g. DeepSeek-V3's expert bias): it is
     loaded, converted and synced like a parameter but never trained."""
+    hf_shape: tuple[tuple[int, ...], ...] | None = None
+    """Each Hugging Face tensor's shape, where :func:`hf_shapes` cannot tell it from the name (multi-latent
+    attention's projections)."""
 
     def megatron_name(self, layer: int | None = None, te: bool = False) -> str:
         name = self.te_megatron if (te and self.te_megatron) else self.megatron
@@ -146,6 +149,8 @@ def global_expert_names(module: torch.nn.Module) -> dict[str, str]:
 
 def hf_shapes(rule: WeightRule, arch: ModelArchitecture) -> tuple[tuple[int, ...], ...]:
     """Expected shape of each Hugging Face tensor of ``rule`` (for clear shape errors)."""
+    if rule.hf_shape is not None:
+        return rule.hf_shape
     h, d, nq, nkv, f, v = (
         arch.hidden_size,
         arch.head_dim,

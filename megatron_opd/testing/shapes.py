@@ -28,7 +28,7 @@ class Shape:
     tied: bool  # tie_word_embeddings
     kv_heads: int  # of 4 query heads: 4 = MHA, 2 = GQA, 1 = a single KV head (TP=1 only)
     vocab_size: int
-    rope: str  # "llama3", "linear", "yarn", "longrope" or "none" (no scaling)
+    rope: str  # "llama3", "linear", "yarn" (the deepseek_v3 family's default), "longrope" or "none" (no scaling)
     mlp: str = "dense"  # "dense", or Mixture-of-Experts: "moe", "moe+dense-layer", "moe+shared-expert"
 
     @property
@@ -57,7 +57,7 @@ class Shape:
             out["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
         elif self.rope == "none":
             out["rope_scaling"] = None
-        return out  # "llama3" and "longrope" are the llama and phi3 families' defaults in tiny_models
+        return out  # "llama3", "longrope" and "yarn" are the llama, phi3 and deepseek_v3 families' defaults
 
 
 SHAPES: dict[str, Shape] = {
@@ -71,7 +71,7 @@ each property still reaches every path and every layout, at a fraction of the fu
 NEW_FAMILIES = ("mistral_window", "olmo2_post_norms", "phi3_fused_partial", "gemma3_sandwich")
 LOCAL = ("llama_tied", "qwen2_mha_v97", "qwen3_one_kv", *NEW_FAMILIES)  # TP=1 (and PP/VP without TP)
 SPLIT = ("llama_tied", "qwen2_mha_v97", "qwen3_tied")  # any layout with TP=2
-MOE = ("qwen3_moe_dense0", "qwen2_moe_shared", "mixtral_untied")  # Mixture-of-Experts: every layout MoE runs
+MOE = ("qwen3_moe_dense0", "qwen2_moe_shared", "mixtral_untied", "deepseek_v3_mla")  # every layout MoE runs
 SPLIT_ALL = (*SPLIT, *NEW_FAMILIES)
 
 ALL_PROPERTIES = frozenset().union(*(s.properties for s in SHAPES.values()))

@@ -50,9 +50,10 @@ def make_tiny_hf_model(family: str, out_dir: str | os.PathLike, seed: int = 0, *
     config = tiny_hf_config(family, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).float()
-    # Random init leaves norms at 1 and biases at 0; perturb them so a mapping mistake cannot hide.
+    # Random init leaves norms at 1 and biases at 0 (DeepSeek's expert bias buffer too); perturb them so a mapping
+    # mistake cannot hide.
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in [*model.named_parameters(), *model.named_buffers()]:
             if "norm" in name or name.endswith("bias"):
                 param.add_(torch.randn_like(param) * 0.1)
     out = Path(out_dir)
