@@ -187,7 +187,8 @@ class ModelFamily:
             position_embedding_type="rope",
             **gpt_kwargs,
         )
-        rope.install(model, arch.rope, arch.head_dim)  # transformers' frequencies for every rope_type
+        if not getattr(config, "multi_latent_attention", False):  # MLA rotates inside its attention (its own YaRN)
+            rope.install(model, arch.rope, arch.head_dim)  # transformers' frequencies for every rope_type
         return model
 
     # --- weights ----------------------------------------------------------------------------------------------
