@@ -32,10 +32,10 @@ and log-sum-exp, nothing ``s x s``; Megatron's unfused ``DotProductAttention`` i
 (tokens below are its own) and attention saves more (``models.context_parallel``): K and V gathered over the
 whole sequence (``2·CP·Nkv·D``), its two query chunks zero-padded to square causal calls (q, output and
 log-sum-exp at up to ``CP + 1`` times the local rows) and a contiguous copy of the output (``Nq·D``). With full
-recomputation (``build.recompute_granularity=full``, blocks of N = ``recompute_num_layers`` layers) a layer keeps
+recomputation (``build.recompute_granularity=full``, blocks of N = ``recompute_num_layers`` layers) a block keeps
 only its input (``h/s``) and one block's ``N·A`` is alive while it recomputes, in backward, after the loss's logits
 are gone: the larger of the two counts. The last stage adds the final norm (``(3h + 1)/s``). Measured against the
-peak of live tensor bytes of one update on CPU (``tests/test_memory_check.py``).
+peak of live tensor bytes of one update on CPU: 0.92-0.98x (``tests/test_memory_check.py``), 1.01-1.14x at CP=2.
 
 - student: A x layers of the stage x tokens of a micro-batch x micro-batches in flight (PP − stage under 1F1B),
   plus on the last stage the logits, tokens × Vp/t × 8 bytes (bf16 logits, their bf16 gradient, an fp32 copy; 16
