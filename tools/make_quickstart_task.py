@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> None:
         args.n_eval,
         args.seed,
         args.teacher_digit_merges,
-        args.multi_teacher,
-        args.student_family,
+        student_family=args.student_family,
+        multi_teacher=args.multi_teacher,
     )
     logger.info("wrote %s: tokenizer, teacher-init, student-init, train.jsonl, eval.jsonl", args.out_dir)
 
