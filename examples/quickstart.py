@@ -44,6 +44,16 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 
+def _stop_with_this_process() -> None:
+    """In a child before exec: SIGTERM it when the quick start dies, even by SIGKILL (Linux), so that no trainer job
+    or teacher server is left running (torchrun passes the SIGTERM on to its workers)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def torchrun(
     nproc: int, config: Path, overrides: list[str], log: Path | None = None, jobs: int = 1
 ) -> subprocess.Popen:
@@ -56,7 +66,8 @@ def torchrun(
     threads = max(1, len(os.sched_getaffinity(0)) // (nproc * jobs))
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
     out = None if log is None else log.open("w")
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT if out else None)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                            preexec_fn=_stop_with_this_process)  # fmt: skip
 
 
 def finish(proc: subprocess.Popen, log: Path | None = None) -> None:
@@ -204,7 +215,7 @@ def serve_teacher(model: Path, workdir: Path) -> tuple[subprocess.Popen, str]:
            "-m", "megatron_opd.teacher.serve", "--model", str(model), "--port", str(port), "--ready-file", str(ready)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)  # fmt: skip
+                            start_new_session=True, preexec_fn=_stop_with_this_process)  # fmt: skip
     while not ready.exists():
         if proc.poll() is not None:
             raise SystemExit(f"{log.read_text()[-3000:]}\nthe teacher server failed (exit code {proc.returncode})")

@@ -1,7 +1,7 @@
 """The README's first command and the runs held to it, in one file so that one worker runs the quick start once
 (``quickstart_run``) for all of them.
 
-The quick start distils a tiny teacher into a smaller student and passes its bar; and again with
+The quick start (at ``--nproc 1``) distils a tiny teacher into a smaller student and passes its bar; and again with
 ``--rollout-backend vllm --nproc 1`` (rollout.backend=vllm, TP=1), reusing that run's teacher: the student's
 rollouts come from a vLLM engine synced after every step, and it must reach the same bar, train the same batches in
 the same order with exact sampler log-probs (zero_step_off), and land within the built-in run's seed spread (skips
@@ -40,9 +40,10 @@ needs_vllm = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def quickstart_run(tmp_path_factory) -> Path:
     """The README's first command (built-in rollouts), run once: its task, its teacher and its student run (the
-    reference the vLLM and asynchronous runs are held to)."""
+    reference the vLLM and asynchronous runs are held to). At TP=1 (``--nproc 1``: half the CPU time of TP=2 for
+    models this small; the trainer at TP=2 runs in the asynchronous run below and in test_train_cli.py)."""
     workdir = tmp_path_factory.mktemp("quickstart") / "qs"
-    run_quickstart(workdir)
+    run_quickstart(workdir, "--nproc", "1")
     return workdir
 
 
