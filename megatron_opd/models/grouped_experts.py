@@ -68,8 +68,9 @@ class GroupedExperts(SequentialMLP):
 def use_grouped_experts(layer_spec) -> None:
     """Swap ``SequentialMLP`` for :class:`GroupedExperts` in an MoE layer spec of Megatron-Core's local layers
     (a ``ModuleSpec`` tree in 0.16, ``functools.partial`` s in 0.19)."""
-    mlp = layer_spec.submodules.mlp
-    moe_submodules = mlp.submodules if hasattr(mlp, "submodules") else mlp.keywords["submodules"]
+    from megatron_opd.models.families.base import mlp_submodules
+
+    moe_submodules = mlp_submodules(layer_spec)
     experts = moe_submodules.experts
     if isinstance(experts, functools.partial):
         assert experts.func is SequentialMLP, f"expected SequentialMLP experts, got {experts.func}"

@@ -40,6 +40,13 @@ class SpecOptions:
     """MoE layers run their experts as one grouped GEMM (``ModelBuildConfig.moe_grouped_gemm``), not one by one."""
 
 
+def mlp_submodules(layer_spec):
+    """The submodules of a layer spec's MLP (dense or MoE), to swap one of them: a ``ModuleSpec`` in Megatron-Core
+    0.16, a ``functools.partial`` carrying them as its ``submodules`` keyword in 0.19."""
+    mlp = layer_spec.submodules.mlp
+    return mlp.submodules if hasattr(mlp, "submodules") else mlp.keywords["submodules"]
+
+
 def llama3_inv_freq(arch: ModelArchitecture) -> torch.Tensor:
     """Inverse RoPE frequencies with Llama 3.1's piecewise scaling, for any factor/low/high/original length."""
     from megatron_opd.models import rope

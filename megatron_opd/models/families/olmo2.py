@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_opd.model_files import UnsupportedArchitectureError
-from megatron_opd.models.families.base import ModelFamily, SpecOptions
+from megatron_opd.models.families.base import ModelFamily, SpecOptions, mlp_submodules
 from megatron_opd.models.name_mapping import Split, WeightRule
 
 
@@ -40,7 +40,7 @@ def sandwich_spec(family: ModelFamily, options: SpecOptions, pre_norms: bool, qk
     attention = spec.submodules.self_attention.submodules
     post = (post_norm,) if post_norm is not None else ()
     attention.linear_proj = post_normed(RowParallelLinear, *post)
-    spec.submodules.mlp.submodules.linear_fc2 = post_normed(RowParallelLinear, *post)
+    mlp_submodules(spec).linear_fc2 = post_normed(RowParallelLinear, *post)
     if qk_norm is not None:
         attention.q_layernorm, attention.k_layernorm = qk_norm
     if options.attention == "sdpa":
