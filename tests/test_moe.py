@@ -43,6 +43,7 @@ def _losses_and_grads(models: dict[str, str]):
     from megatron_opd.models.forward_backward import forward_backward
     from megatron_opd.models.reference import full_tensors
     from megatron_opd.models.source import build_and_load
+    from megatron_opd.teacher.inprocess import InProcessTeacher
 
     def ce(logits, batch):
         per_token = vocab_parallel_cross_entropy(logits.float(), torch.roll(batch["tokens"], -1, dims=1))
@@ -66,9 +67,11 @@ def _losses_and_grads(models: dict[str, str]):
                     chunks, arch, ps.get_tensor_model_parallel_group(), "grad", ps.get_expert_tensor_parallel_group()
                 )
                 out[layout, name, case] = (torch.cat([x.reshape(-1) for x in losses]), grads)
-            if dispatcher == "alltoall" or layout == "ep1":  # a forward-only pass while rank 1 has none (EP=2)
-                mine = [{"tokens": tokens[0]}] if rank == 0 or layout == "ep1" else []
-                out[layout, name, "rank 1 empty"] = forward_backward(chunks, mine, ce, forward_only=True)
+            if dispatcher == "alltoall" or layout == "ep1":  # an in-process teacher scores no rows on rank 1 (EP=2)
+                _, frozen = build_and_load(hf_dir, parallel, build, trainable=False)
+                teacher = InProcessTeacher(frozen, vocab_size=arch.vocab_size, mode="topk", topk=4)
+                rows = tokens[0] if rank == 0 or layout == "ep1" else tokens[0][:0]
+                out[layout, name, "rank 1 empty"] = teacher.score(rows).result().topk_logprobs
     return out
 
 
@@ -101,9 +104,9 @@ def test_expert_parallel_losses_and_gradients_equal_ep1(shape_dirs):
             experts = {p for p in ref[0][1] if ".local_experts." in p}
             assert held == experts and experts, f"{layout}/{name}: the EP ranks together hold every expert once"
     for name in SHAPES_RUN:
-        (got,), (ref,) = ranks[0]["ep2 alltoall", name, "rank 1 empty"], ranks[0]["ep1", name, "rank 1 empty"]
-        close(got, ref, f"{name}: forward-only per-token losses while rank 1 has no micro-batch")
-        assert ranks[1]["ep2 alltoall", name, "rank 1 empty"] == []
+        got, ref = ranks[0]["ep2 alltoall", name, "rank 1 empty"], ranks[0]["ep1", name, "rank 1 empty"]
+        close(got, ref, f"{name}: teacher top-k log-probabilities while rank 1 scores no rows")
+        assert ranks[1]["ep2 alltoall", name, "rank 1 empty"] is None
 
 
 @pytest.mark.parametrize(
