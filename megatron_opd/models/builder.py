@@ -67,7 +67,8 @@ class ModelBuildConfig:
     moe_token_dispatcher: Literal["allgather", "alltoall"] = "allgather"
     """Mixture-of-Experts models: how tokens reach the experts of other expert-parallel ranks. ``allgather``
     gathers every token on every rank (simple; best at small EP); ``alltoall`` sends each token only where its
-    experts are (less traffic at larger EP). Results are identical."""
+    experts are (less traffic at larger EP). Results are identical. ``allgather`` needs the same token count on
+    every EP rank at every forward: the trainer at EP > 1 (ranks with prompts of their own) needs ``alltoall``."""
     moe_grouped_gemm: bool = True
     """Mixture-of-Experts models: run a layer's experts as grouped GEMMs (TransformerEngine's ``TEGroupedMLP``, else
     megatron-opd's ``GroupedExperts`` on ``torch._grouped_mm``: 6.6x the sequential experts' scoring rate for a

@@ -271,6 +271,9 @@ class Scheduler:
         for name in self.teachers:  # config order: the same on every rank
             rows = [i for i, n in enumerate(names) if n == name]
             if not rows:
+                if getattr(self.teachers[name].backend, "lockstep", None) is not None:
+                    # Its MoE layers exchange tokens with the ranks that have samples for it: join with none.
+                    self.teachers[name].backend.score(flight.batch.tokens[:0], None, []).result()
                 continue
             teacher, part = self.teachers[name], flight.batch.select(rows)
             if teacher.retokenizer is not None:

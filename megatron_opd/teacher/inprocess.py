@@ -29,6 +29,7 @@ from typing import Literal
 
 import torch
 
+from megatron_opd.distributed.lockstep import lockstep_group
 from megatron_opd.interfaces import TeacherScores, completed
 from megatron_opd.losses.fused_output import chunk_tokens
 from megatron_opd.losses.shard_ops import global_topk_logprobs, logprobs_at
@@ -79,6 +80,9 @@ class InProcessTeacher:
         self.device = device
         if self.offload:
             self._move("cpu")
+        self.lockstep = lockstep_group(chunks)
+        """Not None where the teacher's MoE layers exchange tokens across data-parallel ranks: a rank with no rows
+        for it must still call ``score`` (with none) when the others do."""
         self.output = HiddenStateOutput(chunks)
         """The model returns hidden states; the logits are formed chunk by chunk (``_chunked``, or the loss)."""
 
@@ -98,7 +102,12 @@ class InProcessTeacher:
             self._move(self.device)
         packed = self.packing and lengths is not None
         hidden = self.mode == "topk" or not self.offload  # the model returns hidden states, not logits
-        micro_batches = self._packed(tokens, request_ids, lengths) if packed else self._padded(tokens, request_ids)
+        if not tokens.shape[0]:  # no rows: only the lockstep dummies of the MoE layers' exchange (``lockstep``)
+            micro_batches = []
+        elif packed:
+            micro_batches = self._packed(tokens, request_ids, lengths)
+        else:
+            micro_batches = self._padded(tokens, request_ids)
         split = ContextParallelSplit.current()
         if split is not None:  # each rank scores its share of every sequence; the scores are gathered back whole
             if packed:

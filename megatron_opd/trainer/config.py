@@ -715,6 +715,23 @@ class TrainConfig:
                 "parallel.context_parallel_size=1"
             )
 
+    def _validate_expert_parallel(self) -> None:
+        """What runs at expert parallelism: the built-in sampler, in-process teachers, training, evaluation, each
+        keeping the expert-parallel ranks in step (``distributed.lockstep``)."""
+        ep = self.parallel.expert_model_parallel_size
+        if self.build.moe_token_dispatcher == "allgather":
+            raise ValueError(
+                f"build.moe_token_dispatcher=allgather with parallel.expert_model_parallel_size={ep}: the allgather "
+                "dispatcher needs the same number of tokens on every expert-parallel rank at every forward, but "
+                "data-parallel ranks hold prompts of their own lengths; set build.moe_token_dispatcher=alltoall"
+            )
+        if self.rollout.backend == "vllm" and self.loss.kind != "sft":
+            raise ValueError(
+                f"rollout.backend=vllm with parallel.expert_model_parallel_size={ep}: the vLLM weight sync does not "
+                "gather the experts of every expert-parallel rank yet; set rollout.backend=builtin (or "
+                "parallel.expert_model_parallel_size=1)"
+            )
+
     def _validate_teacher(self) -> None:
         """The checks of ``teacher.*`` against ``loss.*`` (run for each teacher's view with ``teachers.*``)."""
         if self.teacher.transfer == "hidden" and self.teacher.backend == "inprocess":
@@ -832,12 +849,7 @@ class TrainConfig:
         if self.parallel.context_parallel_size > 1:
             self._validate_context_parallel()
         if self.parallel.expert_model_parallel_size > 1:
-            raise ValueError(
-                f"parallel.expert_model_parallel_size={self.parallel.expert_model_parallel_size}: the trainer does not "
-                "run expert parallelism yet (its sampling and scoring loops do not keep the expert-parallel ranks in "
-                "lockstep, which every MoE layer's token exchange needs); set it to 1. The model builder, loader and "
-                "tools/checkpoint/convert.py --ep support it"
-            )
+            self._validate_expert_parallel()
         if self.train.micro_batch_tokens is not None:
             tp = self.parallel.tensor_model_parallel_size
             if self.train.micro_batch_tokens % tp:

@@ -38,6 +38,9 @@ class EvalSet:
 
     items: list[PromptItem]
     prompt_texts: list[str]
+    counted: bool = True
+    """False on a rank with no eval prompts of its own: it evaluates another rank's first one, uncounted, so that
+    every rank runs the same passes (MoE layers may exchange tokens across data-parallel ranks)."""
 
 
 def _reporting_rank() -> bool:
@@ -172,7 +175,7 @@ class Evaluator:
             if self.teacher_batch is not None:
                 teacher_fixed = self._divergence_sums(self.teacher_batch, own=False)
         length = float(sum(rollouts.response_lengths)) if rollouts is not None else 0.0
-        mine = 1.0 if _reporting_rank() else 0.0
+        mine = 1.0 if _reporting_rank() and self.eval_set.counted else 0.0
         sums = _all_reduce(
             [
                 correct * mine,
@@ -215,6 +218,8 @@ def build_evaluator(cfg: TrainConfig, vocab, encoder, student, teacher, rollout,
     ]
     items = usable[: cfg.eval.max_prompts]
     mine = items[ps.get_data_parallel_rank() :: ps.get_data_parallel_world_size()]
+    counted = bool(mine) or not items
+    mine = mine or items[:1]
     teacher_sampler = None
     router = TeacherRouter.of(cfg)
     if router is not None:
@@ -231,7 +236,7 @@ def build_evaluator(cfg: TrainConfig, vocab, encoder, student, teacher, rollout,
         )
     return Evaluator(
         cfg,
-        EvalSet(mine, [encoder.prompt_text(it.record) for it in mine]),
+        EvalSet(mine, [encoder.prompt_text(it.record) for it in mine], counted),
         student_chunks=student.chunks,
         rollout=rollout,
         teacher=teacher,
