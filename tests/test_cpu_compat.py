@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -134,6 +136,45 @@ def _grad_sync_outcomes():
         except Exception as err:  # noqa: BLE001
             outcomes[name] = f"{type(err).__name__}: {err}"
     return outcomes
+
+
+_HOLDS_A_MANAGER = """
+import os, sys, psutil
+from megatron_opd.distributed.cpu_compat import forked_write_results_queue
+forked_write_results_queue().put(1)
+print(*[c.pid for c in psutil.Process().children()], flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_killed_ranks_checkpoint_manager_lets_go_of_its_output_and_exits():
+    """Patch 10's forked Manager, its rank killed (SIGKILL: no finalizer stops the Manager): the rank's output pipe
+    reaches its end (a launcher reading it would otherwise wait for ever) and the Manager exits by itself."""
+    import select
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    manager = None
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDS_A_MANAGER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    try:
+        (manager,) = map(int, proc.stdout.readline().split())
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        # The end of the pipe: nobody else holds it (before the fix the Manager did, and a launcher waited for ever).
+        assert select.select([proc.stdout], [], [], 10)[0] and proc.stdout.read() == "", "the Manager holds the pipe"
+        deadline = time.monotonic() + 10
+        while psutil.pid_exists(manager) and psutil.Process(manager).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the Manager outlived its rank by 10 s"
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        if manager is not None and psutil.pid_exists(manager):
+            psutil.Process(manager).kill()
 
 
 def test_grad_sync_stream_patch_is_needed_and_works():
@@ -329,3 +370,35 @@ def test_harness_reports_failing_rank_and_timeouts():
     assert "rank 1" in str(info.value)
     with pytest.raises(TimeoutError, match="did not finish"):
         run_distributed(_sleep_forever, 1, timeout=8, init_process_group=False)
+
+
+_LEAVES_AN_ORPHAN = """
+import os, sys, time
+if os.fork() == 0:  # outlives its parent, in a session of its own, holding the pipe (a rank torchrun left behind)
+    os.setsid()
+    print(os.getpid(), flush=True)
+    time.sleep(600)
+    os._exit(0)
+time.sleep(0.5)
+"""
+
+
+def test_harness_kills_what_a_run_left_behind_and_never_waits_for_ever():
+    """A run whose leftover process is re-parented to init and keeps the output pipe open: the harness fails the test
+    at its timeout (instead of waiting for the pipe for ever) and the leftover is killed."""
+    import sys
+    import time
+
+    import psutil
+
+    from megatron_opd.testing.multiprocess import run_process_group
+
+    start = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match="did not finish within 5 s") as info:
+        run_process_group([sys.executable, "-c", _LEAVES_AN_ORPHAN], env=dict(os.environ), cwd=".", timeout=5)
+    assert time.monotonic() - start < 60
+    orphan = int(str(info.value).split("s:\n")[1].split()[0])
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(orphan) and psutil.Process(orphan).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the leftover process is still running"
+        time.sleep(0.1)

@@ -32,7 +32,8 @@ Patches (all idempotent):
 10. Checkpoint saves: the async file writer of ``dist_checkpointing`` collects its results through a queue of a
    ``multiprocessing`` Manager that its first save starts in a *spawned* process, a fresh interpreter importing the
    trainer's main module (2 s of CPU; the first save of a run took 3-7 s instead of 0.3 s). The Manager is forked
-   instead, as Megatron's own trainer creates it (``get_write_results_queue(mp_mode="fork")``, 0.19).
+   instead, as Megatron's own trainer creates it (``get_write_results_queue(mp_mode="fork")``, 0.19); it lets go
+   of the rank's output and exits when the rank is gone (a rank killed mid-run left it holding the launcher's pipe).
 11. Context parallelism: ``rope_utils.get_pos_emb_on_this_cp_rank`` (RoPE's slice for this CP rank) builds its
    index in pinned memory, which needs CUDA; the same slice (``ContextParallelSplit.split``) replaces it in
    ``rope_utils`` and in the modules that import it by name.
@@ -49,6 +50,7 @@ import contextlib
 import functools
 import importlib
 import logging
+import os
 import types
 from typing import Any
 
@@ -254,10 +256,32 @@ _FILESYSTEM_ASYNC = "megatron.core.dist_checkpointing.strategies.filesystem_asyn
 
 def forked_write_results_queue(*args: Any, **kwargs: Any) -> Any:  # noqa: ARG001 (mp_mode: always fork)
     """Megatron's ``get_write_results_queue`` (``_get_write_results_queue`` in 0.16) with a forked Manager."""
+    from multiprocessing.managers import SyncManager
+
     filesystem_async = importlib.import_module(_FILESYSTEM_ASYNC)
     if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = filesystem_async.mp.get_context("fork").Manager().Queue()
+        manager = SyncManager(ctx=filesystem_async.mp.get_context("fork"))
+        manager.start(_manager_outlives_no_one, (os.getpid(),))
+        filesystem_async._results_queue = manager.Queue()
     return filesystem_async._results_queue
+
+
+def _manager_outlives_no_one(parent: int) -> None:
+    """In the forked Manager: let go of the rank's output (a launcher reading it to the end would otherwise wait on
+    this process) and exit once the rank is gone, even when it was killed before it could stop the Manager."""
+    import threading
+    import time
+
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+
+    def exit_when_orphaned() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=exit_when_orphaned, daemon=True, name="exit-when-orphaned").start()
 
 
 # Modules that import get_pos_emb_on_this_cp_rank by name (patch 11).
