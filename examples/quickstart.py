@@ -2,6 +2,8 @@
 
     python examples/quickstart.py [--workdir runs/quickstart] [--nproc 2] [--rollout-backend vllm]
     python examples/quickstart.py --cross-tokenizer     # a teacher with another tokenizer
+    python examples/quickstart.py --multi-teacher       # two tasks, a teacher for each, one student
+    python examples/quickstart.py --student-family gemma3   # a Gemma-3-shaped student
 
 1. ``tools/make_quickstart_task.py`` writes a digit-reversal task ("reverse 40912 =" -> "21904"), a tokenizer and
    two randomly initialised Qwen3 models: a teacher and a 6.6x smaller student (tied embeddings).
@@ -19,6 +21,13 @@ steps (``student_warmup.yaml``); then it distils with the sampled reverse KL ove
 (``distil_cross.yaml``, ``loss.cross_tokenizer=sampled``). The bar: held-out accuracy up 10 points and the sequence
 log-ratio to the teacher (log p - log q of each sampled answer, mean of the first and of the last 10 steps) at least
 halved. ``--nproc 1`` (TP=1) is about twice as fast on 2 CPU cores for models this small.
+
+``--multi-teacher``: a second task, digit sorting ("sort 40912 =" -> "01249"), with a teacher of its own. Both
+teachers learn their task by SFT side by side; the sorting teacher is then served by a teacher server
+(``megatron_opd.teacher.serve``) and the student distils from both on a prompt file mixing the tasks, each record
+naming its teacher (``teachers.*``, ``examples/quickstart/distil_multi.yaml``: the reversal teacher in-process with
+the dense forward KL, the sorting teacher's top-k from the server). The bar: each task's held-out accuracy
+(``eval/reverse/accuracy``, ``eval/sort/accuracy``) up 10 points, each teacher at 90% or more on its task.
 """
 
 from __future__ import annotations
@@ -35,6 +44,16 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 
+def _stop_with_this_process() -> None:
+    """In a child before exec: SIGTERM it when the quick start dies, even by SIGKILL (Linux), so that no trainer job
+    or teacher server is left running (torchrun passes the SIGTERM on to its workers)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def torchrun(
     nproc: int, config: Path, overrides: list[str], log: Path | None = None, jobs: int = 1
 ) -> subprocess.Popen:
@@ -47,7 +66,8 @@ def torchrun(
     threads = max(1, len(os.sched_getaffinity(0)) // (nproc * jobs))
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
     out = None if log is None else log.open("w")
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT if out else None)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                            preexec_fn=_stop_with_this_process)  # fmt: skip
 
 
 def finish(proc: subprocess.Popen, log: Path | None = None) -> None:
@@ -96,7 +116,17 @@ def main() -> None:
         "--cross-tokenizer", action="store_true",
         help="the teacher tokenizes doubled digits as one token: distil across tokenizers (loss.cross_tokenizer)",
     )  # fmt: skip
+    parser.add_argument(
+        "--multi-teacher", action="store_true",
+        help="two tasks (digit reversal and sorting), a teacher for each, one student distilled from both",
+    )  # fmt: skip
+    parser.add_argument(
+        "--student-family", metavar="FAMILY",
+        help="the student's model family (e.g. gemma3; default: qwen3, like the teacher)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.multi_teacher:
+        raise SystemExit(multi_teacher(args))
     start = time.perf_counter()
     work = args.workdir.resolve()
     if work.exists():
@@ -105,6 +135,7 @@ def main() -> None:
         shutil.rmtree(work)  # a fresh run every time (the trainer would otherwise resume)
     task = work / "task"
     merges = ["--teacher-digit-merges", "doubles"] if args.cross_tokenizer else []
+    merges += ["--student-family", args.student_family] if args.student_family else []
     subprocess.run([sys.executable, str(ROOT / "tools" / "make_quickstart_task.py"), str(task), *merges], cwd=ROOT,
                    check=True)  # fmt: skip
     data = [f"data.train_files={task / 'train.jsonl'}", f"data.eval_files={task / 'eval.jsonl'}"]
@@ -169,6 +200,78 @@ def main() -> None:
     print(f"  student exported to {student_run / 'hf'} (transformers / vLLM)")
     print("  PASS: divergence at least halved, accuracy up 10+ points" if ok else "  FAIL")
     raise SystemExit(0 if ok else 1)
+
+
+def serve_teacher(model: Path, workdir: Path) -> tuple[subprocess.Popen, str]:
+    """A teacher server of ``model`` (one process) in a session of its own; (its process, its address)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ready, log = workdir / "teacher-server.ready", workdir / "teacher-server.log"
+    ready.unlink(missing_ok=True)  # written by this server once it answers
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+           "-m", "megatron_opd.teacher.serve", "--model", str(model), "--port", str(port), "--ready-file", str(ready)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True, preexec_fn=_stop_with_this_process)  # fmt: skip
+    while not ready.exists():
+        if proc.poll() is not None:
+            raise SystemExit(f"{log.read_text()[-3000:]}\nthe teacher server failed (exit code {proc.returncode})")
+        time.sleep(0.5)
+    return proc, json.loads(ready.read_text())["address"]
+
+
+def multi_teacher(args) -> int:
+    """``--multi-teacher``: SFT of both teachers side by side, the sorting teacher served, the student distilled."""
+    import signal
+
+    start, work = time.perf_counter(), args.workdir.resolve()
+    if work.exists():
+        import shutil
+
+        shutil.rmtree(work)
+    task = work / "task"
+    subprocess.run([sys.executable, str(ROOT / "tools" / "make_quickstart_task.py"), str(task), "--multi-teacher"],
+                   cwd=ROOT, check=True)  # fmt: skip
+    tp = f"parallel.tensor_model_parallel_size={args.nproc}"
+    print("\n== 1/2 teachers: supervised fine-tuning, one per task, side by side ==", flush=True)
+    jobs = {}
+    for name, init in (("reverse", "teacher-init"), ("sort", "teacher-sort-init")):
+        data = [f"data.train_files={task / name / 'train.jsonl'}", f"data.eval_files={task / name / 'eval.jsonl'}"]
+        log = work / f"teacher-{name}.log"
+        work.mkdir(parents=True, exist_ok=True)
+        jobs[name] = (torchrun(args.nproc, HERE / "quickstart" / "teacher_sft.yaml",
+                               [f"student.path={task / init}", *data, f"output_dir={work / f'teacher-{name}'}", tp],
+                               log=log, jobs=2), log)  # fmt: skip
+    for proc, log in jobs.values():
+        finish(proc, log)
+    teacher_acc = {name: evals(work / f"teacher-{name}")[1]["eval/accuracy"] for name in jobs}
+    print(f"   teachers' held-out accuracy: {', '.join(f'{k} {v:.1%}' for k, v in teacher_acc.items())}", flush=True)
+    print("\n== 2/2 student: on-policy distillation from both teachers (sorting: a teacher server) ==", flush=True)
+    server, address = serve_teacher(work / "teacher-sort" / "hf", work)
+    student_run = work / "student"
+    try:
+        finish(torchrun(args.nproc, HERE / "quickstart" / "distil_multi.yaml",
+                        [f"student.path={task / 'student-init'}", f"teachers.reverse.path={work / 'teacher-reverse' / 'hf'}",
+                         f"teachers.sort.address={address}", f"data.train_files={task / 'train.jsonl'}",
+                         f"data.eval_files={task / 'eval.jsonl'}", f"output_dir={student_run}", tp,
+                         *([f"seed={args.seed}"] if args.seed is not None else [])]))  # fmt: skip
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+    before, after = evals(student_run)
+    print(f"\nmegatron-opd quick start with two teachers ({args.nproc} processes, TP={args.nproc}) in "
+          f"{time.perf_counter() - start:.0f} s")  # fmt: skip
+    print(f"  {'held-out accuracy':<40} {'teacher':>8} {'before':>8} {'after':>8}")
+    ok = True
+    for name in jobs:
+        key = f"eval/{name}/accuracy"
+        print(f"  {name:<40} {teacher_acc[name]:>8.1%} {before[key]:>8.1%} {after[key]:>8.1%}")
+        ok = ok and after[key] >= before[key] + 0.10 and teacher_acc[name] >= 0.9
+    print("  PASS: each task's accuracy up 10+ points" if ok else "  FAIL")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -57,7 +57,10 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
     if origin is dict or hint is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        return dict(value)
+        item = map_value_type(hint)
+        if item is None:
+            return dict(value)
+        return {str(k): _coerce(v, item, f"{where}.{k}") for k, v in value.items()}
     if origin is typing.Literal:
         if isinstance(value, bool):  # YAML 1.1 reads on/off/yes/no/true/false as booleans
             spelled = [c for c in typing.get_args(hint) if str(c).lower() in _BOOL_WORDS[value]]
@@ -89,6 +92,14 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a string, got {value!r}")
         return str(value)
     return value
+
+
+def map_value_type(hint: Any) -> Any:
+    """The value type of a typed map ``dict[str, X]`` (``teachers.NAME.*``), or None for an untyped dict."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is not dict or len(args) != 2 or args[1] is Any:
+        return None
+    return args[1]
 
 
 def _build(cls: type[T], values: dict[str, Any], where: str = "") -> T:
@@ -163,11 +174,19 @@ def field_docs(cls: type) -> dict[str, str]:
     import inspect
     import textwrap
 
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError):
-        return {}
-    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for base in reversed([c for c in cls.__mro__ if dataclasses.is_dataclass(c)]):  # a subclass's docs win
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(base)))
+        except (OSError, TypeError):
+            continue
+        docs.update(_class_field_docs(tree.body[0].body))  # type: ignore[attr-defined]
+    return docs
+
+
+def _class_field_docs(body: list) -> dict[str, str]:
+    import ast
+
     docs: dict[str, str] = {}
     for node, nxt in zip(body, body[1:]):
         if (
@@ -192,6 +211,11 @@ def describe(cls: type, prefix: str = "") -> list[str]:
         hint = hints[f.name]
         if dataclasses.is_dataclass(hint):
             lines += describe(hint, prefix=f"{key}.")
+            continue
+        item = map_value_type(hint)
+        if dataclasses.is_dataclass(item):  # a typed map: its entries' keys, under a placeholder name
+            lines.append(f"  {key} = {{}}\n      {docs.get(f.name, '')}")
+            lines += describe(item, prefix=f"{key}.<NAME>.")
             continue
         if f.default is not dataclasses.MISSING:
             default = f.default

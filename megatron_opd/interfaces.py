@@ -118,6 +118,14 @@ class Rollouts:
     def response_lengths(self) -> list[int]:
         return [int(r.numel()) for r in self.response_ids]
 
+    def select(self, rows: list[int]) -> Rollouts:
+        """The samples ``rows`` (their ``prompt_index`` unchanged: still indices into the batch's prompts)."""
+        pick = lambda values: None if values is None else [values[i] for i in rows]  # noqa: E731
+        return Rollouts(
+            pick(self.prompt_ids), pick(self.response_ids), pick(self.response_mask), pick(self.logprobs),
+            pick(self.finish_reasons), pick(self.prompt_index), self.policy_version, pick(self.topk_ids),
+        )  # fmt: skip
+
 
 @dataclass
 class TeacherScores:
@@ -142,6 +150,24 @@ class TeacherScores:
     requested_logprobs: torch.Tensor | None = None
     """``[N, S, R]`` float32 log-probabilities at the ids the request listed (e.g. the sampled next token)."""
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class TeacherPart:
+    """One teacher's share of a batch scored by several teachers (``teachers.*``)."""
+
+    name: str
+    rows: list[int]
+    """The batch's samples this teacher scored, in batch order."""
+    scores: TeacherScores
+    """Its scores of those samples only (``[len(rows), S, ...]``, positions as in the batch)."""
+
+
+@dataclass
+class RoutedScores:
+    """A batch scored by several teachers, each sample by the one its record names; every sample in one part."""
+
+    parts: list[TeacherPart]
 
 
 @runtime_checkable

@@ -23,6 +23,7 @@ from megatron_opd import quiet
 from megatron_opd.checkpoint.mcore_io import chunks_sharded_state_dict
 from megatron_opd.config import parse_args, to_dict
 from megatron_opd.data.prompts import PromptEncoder, load_prompts
+from megatron_opd.data.routing import TeacherRouter
 from megatron_opd.data.stream import PromptStream
 from megatron_opd.distributed import destroy_distributed, initialize_distributed
 from megatron_opd.faults import fault_point, hold_point
@@ -46,7 +47,7 @@ from megatron_opd.trainer.collapse import CollapseWatch, likely_cause
 from megatron_opd.trainer.config import TrainConfig
 from megatron_opd.trainer.evaluation import build_evaluator
 from megatron_opd.trainer.metrics import MetricsLogger
-from megatron_opd.trainer.objective import global_count, train_step
+from megatron_opd.trainer.objective import TeacherObjective, global_count, train_step
 from megatron_opd.trainer.resharding import check_optimizer_state, current_layout, saved_layout
 from megatron_opd.trainer.sequence_weights import import_function, sequence_weights
 from megatron_opd.trainer.setup import (
@@ -54,6 +55,7 @@ from megatron_opd.trainer.setup import (
     build_rollout,
     build_student,
     build_teacher,
+    build_teachers,
     check_inputs,
     max_seq_len,
     sampling_params,
@@ -173,7 +175,11 @@ def train(cfg: TrainConfig) -> dict[str, float]:
 
     # ---- the pieces: models, back ends, data -------------------------------------------------------------------
     student = build_student(cfg, accel)
-    teacher = build_teacher(cfg, accel, vocab.teacher_vocab_size, student, vocab.teacher_fingerprint)
+    teacher, teachers = None, None
+    if cfg.teachers:  # several teachers by name; each record's samples go to the one it names
+        teachers = build_teachers(cfg, accel, vocab, student)
+    else:
+        teacher = build_teacher(cfg, accel, vocab.teacher_vocab_size, student, vocab.teacher_fingerprint)
     rollout = build_rollout(cfg, student, vocab)
     if cfg.scheduler.sync_delay:  # debug: sample with the weights of sync_delay steps ago
         from megatron_opd.scheduler import DelayedSync
@@ -184,7 +190,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     encoder = PromptEncoder.for_data(vocab.tokenizer, cfg.data)
     prompt_room = seq_len - 1 if sft else seq_len - cfg.rollout.max_new_tokens
     data = build_data(cfg, encoder, cfg.data.train_files, "data.train_files", prompt_room, cfg.train.prompts_per_step)
-    scheduler = None if sft else rollout_scheduler(cfg, vocab, rollout, teacher, data, seq_len)
+    scheduler = None if sft else rollout_scheduler(cfg, vocab, rollout, teacher, data, seq_len, teachers)
     evaluator = build_evaluator(cfg, vocab, encoder, student, teacher, rollout, prompt_room, seq_len)
     reward_fn = import_function(cfg.loss.reward_fn, "loss.reward_fn") if cfg.loss.weighting == "reward" else None
 
@@ -261,8 +267,9 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     return last_eval
 
 
-def rollout_scheduler(cfg: TrainConfig, vocab, rollout, teacher, data: PromptStream, seq_len: int):
-    """The scheduler that hands the loop its sampled and scored batches (``scheduler.mode``)."""
+def rollout_scheduler(cfg: TrainConfig, vocab, rollout, teacher, data: PromptStream, seq_len: int, teachers=None):
+    """The scheduler that hands the loop its sampled and scored batches (``scheduler.mode``); ``teachers``: the
+    back ends of ``teachers.*`` by name (``teacher`` is then None)."""
     from megatron.core import parallel_state as ps
 
     from megatron_opd.scheduler import build_scheduler
@@ -280,7 +287,9 @@ def rollout_scheduler(cfg: TrainConfig, vocab, rollout, teacher, data: PromptStr
         max_len=seq_len,
         student_topk=cfg.loss.union_student_topk,  # loss.support=union: the rollout records the student's ids
         total_steps=cfg.train.steps,
-        retokenizer=build_retokenizer(cfg, vocab),  # a teacher with another tokenizer scores its own tokens
+        retokenizer=None if teachers else build_retokenizer(cfg, vocab),  # another tokenizer: its own tokens
+        teachers=teachers,
+        route=TeacherRouter.of(cfg),
     )
 
 
@@ -341,6 +350,7 @@ def update(student: Student, work: StepWork, cfg: TrainConfig, vocab_size: int, 
             guard=fidelity_guard,
             packing=cfg.train.packing,
             micro_batch_tokens=cfg.train.micro_batch_tokens,
+            teachers=teacher_objectives(cfg),
         )
     except NonFiniteLossError as err:
         raise NonFiniteLossError(
@@ -352,6 +362,28 @@ def update(student: Student, work: StepWork, cfg: TrainConfig, vocab_size: int, 
             f"step {step + 1} (sampled by policy version {step - work.staleness}): {err}. Stopped without applying "
             f"the update; the last checkpoint ({ckpt.latest() or 'none'}) is kept"
         ) from None
+
+
+def teacher_objectives(cfg: TrainConfig) -> dict[str, TeacherObjective] | None:
+    """``teachers.*``: each teacher's merged loss, temperature and weight, by name (None with one teacher)."""
+    if not cfg.teachers:
+        return None
+    return {
+        name: TeacherObjective(view.loss, view.teacher.temperature, cfg.teachers[name].loss.weight)
+        for name, view in cfg.teacher_views().items()
+    }
+
+
+def teacher_rows(stats) -> dict[str, float]:
+    """Per-teacher figures of a step (``teacher/NAME/...``; none with one teacher)."""
+    row = {}
+    for name, t in stats.teachers.items():
+        if t.tokens:
+            row[f"teacher/{name}/divergence"] = t.divergence_sum / t.tokens
+            row[f"teacher/{name}/top1_agreement"] = t.agree_sum / t.tokens
+        row[f"teacher/{name}/tokens"] = t.tokens
+        row[f"teacher/{name}/loss"] = t.loss
+    return row
 
 
 def step_row(result, work: StepWork, step: int, elapsed: float, cfg: TrainConfig) -> dict[str, float]:
@@ -382,6 +414,7 @@ def step_row(result, work: StepWork, step: int, elapsed: float, cfg: TrainConfig
         **fidelity,
         **{f"time/{k}": v for k, v in work.timings.items()},
         **work.metrics,
+        **teacher_rows(s),
     }
 
 
@@ -428,7 +461,7 @@ def max_logprob_diff_for(cfg: TrainConfig, student: Student) -> float:
 
 
 def _fmt(metrics: dict[str, float]) -> str:
-    return ", ".join(f"{k.split('/')[-1]} {v:.4f}" for k, v in metrics.items())
+    return ", ".join(f"{k.split('/', 1)[-1]} {v:.4f}" for k, v in metrics.items())  # eval/NAME/accuracy: NAME/accuracy
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,6 +31,8 @@ MCORE_SMOKE = (
     "tests/test_cpu_compat.py::test_every_patch_is_needed_and_works",
     "tests/test_cpu_compat.py::test_grad_sync_stream_patch_is_needed_and_works",
     "tests/test_cpu_compat.py::test_optimizer_type_patch_is_needed_works_and_is_scoped",
+    "tests/test_cpu_compat.py::test_moe_patches_are_needed_and_work",
+    "tests/test_moe.py::test_expert_parallel_losses_and_gradients_equal_ep1",
 )
 
 
@@ -50,7 +52,11 @@ LONGEST_FIRST = (
     "test_quickstart_cross_tokenizer.py",
     "test_real_tokenizers.py",
     "test_checkpoint.py",
+    "test_multi_teacher.py",
     "test_models.py",
+    "test_moe.py",
+    "test_context_parallel.py",
+    "test_deepseek_v3.py",
     "test_sampler.py",
     "test_checkpoint_memory.py",
     "test_fused_output.py",
@@ -112,11 +118,12 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def shape_dirs(tmp_path_factory) -> dict[str, str]:
-    """Every shape of the model-shape matrix (``megatron_opd.testing.shapes``), built once: name -> folder."""
-    from megatron_opd.testing.shapes import make_shapes
+def shape_dirs(tmp_path_factory):
+    """Every shape of the model-shape matrix (``megatron_opd.testing.shapes``), each built once on first use:
+    name -> folder."""
+    from megatron_opd.testing.shapes import ShapeDirs
 
-    return make_shapes(tmp_path_factory.mktemp("shapes"))
+    return ShapeDirs(tmp_path_factory.mktemp("shapes"))
 
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -31,14 +31,17 @@ def _attention(dtype=torch.float32, tp=1, **config) -> SDPAttention:
     return SDPAttention(_config(**config), 1, AttnMaskType.causal, "self", pg_collection=_TP(tp)).to(dtype)
 
 
-def _reference(q, k, v, offset: int = 0) -> torch.Tensor:
-    """float64 attention of ``q [s, b, h, d]`` over ``k, v [k, b, g, d]``; query i sits at key position offset + i."""
+def _reference(q, k, v, offset: int = 0, window: int | None = None) -> torch.Tensor:
+    """float64 attention of ``q [s, b, h, d]`` over ``k, v [k, b, g, d]``; query i sits at key position offset + i
+    and sees the ``window`` keys before it (None: all)."""
     q, k, v = (x.double() for x in (q, k, v))
     s, b, h, d = q.shape
     rep = h // k.shape[2]
     k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     scores = torch.einsum("sbhd,kbhd->bhsk", q, k) / math.sqrt(d)
     allowed = torch.arange(k.shape[0])[None, :] <= (offset + torch.arange(s))[:, None]
+    if window is not None:
+        allowed &= torch.arange(k.shape[0])[None, :] >= (offset + torch.arange(s))[:, None] - window
     probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
     return torch.einsum("bhsk,kbhd->sbhd", probs, v).reshape(s, b, h * d)
 
@@ -51,23 +54,47 @@ def _qkv(s, b=2, heads=4, groups=2, d=8, k_len=None, seed=0, dtype=torch.float32
     return q, k, v
 
 
+# Sliding windows: Megatron's window_size=(3, 0) is Hugging Face's sliding_window=4 (the query and 3 keys before).
+WINDOWS = pytest.mark.parametrize("window", [None, 3], ids=["full", "window3"])
+
+
+def _window(window: int | None) -> dict:
+    return {} if window is None else {"window_size": (window, 0)}
+
+
+@WINDOWS
 @pytest.mark.parametrize("heads, groups", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "one_kv"])
-def test_causal_matches_reference(heads, groups):
-    attn = _attention(heads=heads, groups=groups)
+def test_causal_matches_reference(heads, groups, window):
+    attn = _attention(heads=heads, groups=groups, **_window(window))
     q, k, v = _qkv(13, heads=heads, groups=groups)
     out = attn(q, k, v, None)
     assert out.shape == (13, 2, heads * 8)
-    torch.testing.assert_close(out.double(), _reference(q, k, v), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.double(), _reference(q, k, v, window=window), rtol=1e-5, atol=1e-6)
+    if window is not None:  # the window bites: the full causal answer differs
+        assert not torch.allclose(out.double(), _reference(q, k, v), atol=1e-3)
 
 
-def test_decode_steps_equal_prefill():
+def test_window_follows_megatrons_layer_pattern():
+    """``window_attn_skip_freq`` (Gemma 3's sliding/global layers): layer 2 of [1, 0] attends to everything."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    config = _config(window_size=(3, 0), window_attn_skip_freq=[1, 0])
+    sliding, full = (SDPAttention(config, n, AttnMaskType.causal, "self", pg_collection=_TP(1)) for n in (1, 2))
+    assert (sliding.window, full.window) == (3, None)
+    with pytest.raises(ValueError, match="right window of 0"):
+        _attention(window_size=(3, 2))
+
+
+@WINDOWS
+def test_decode_steps_equal_prefill(window):
     """The sampler's path: a prefill, then one query at a time against the growing cache (Megatron passes
     ``no_mask`` there); each step's output equals that row of the full causal pass."""
     from megatron.core.transformer.enums import AttnMaskType
 
-    attn = _attention()
+    attn = _attention(**_window(window))
     q, k, v = _qkv(10)
     full = attn(q, k, v, None)
+    torch.testing.assert_close(full.double(), _reference(q, k, v, window=window), rtol=1e-5, atol=1e-6)
     prefill = attn(q[:4], k[:4], v[:4], None)
     torch.testing.assert_close(prefill, full[:4], rtol=1e-6, atol=1e-6)
     for pos in range(4, 10):
@@ -75,11 +102,12 @@ def test_decode_steps_equal_prefill():
         torch.testing.assert_close(step, full[pos : pos + 1], rtol=1e-6, atol=1e-6)
     # Several new queries against a longer cache under the causal type: bottom-right aligned.
     chunk = attn(q[6:], k, v, None)
-    torch.testing.assert_close(chunk.double(), _reference(q[6:], k, v, offset=6), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(chunk.double(), _reference(q[6:], k, v, offset=6, window=window), rtol=1e-5, atol=1e-6)
 
 
+@WINDOWS
 @pytest.mark.parametrize("route", ["padded", "per_sequence"])
-def test_packed_sequences_equal_each_sequence_alone(route, monkeypatch):
+def test_packed_sequences_equal_each_sequence_alone(route, window, monkeypatch):
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from megatron_opd.models import attention
@@ -93,7 +121,7 @@ def test_packed_sequences_equal_each_sequence_alone(route, monkeypatch):
         return original(self, *args)
 
     monkeypatch.setattr(SDPAttention, f"_{route}", spy)
-    attn = _attention()
+    attn = _attention(**_window(window))
     lengths = [7, 1, 12, 0, 3]
     seqs = [_qkv(n, b=1, seed=i) for i, n in enumerate(lengths)]
     q, k, v = (torch.cat([s[j][:, 0] for s in seqs]) for j in range(3))  # [t, heads, d]
@@ -111,14 +139,14 @@ def test_packed_sequences_equal_each_sequence_alone(route, monkeypatch):
     assert called, f"the {route} route was not taken"
 
 
-@pytest.mark.parametrize("bound", [4, 0])
-def test_packed_gradients_gradcheck(bound, monkeypatch):
+@pytest.mark.parametrize("bound, window", [(4, None), (0, None), (4, 1)], ids=["padded", "per_sequence", "window1"])
+def test_packed_gradients_gradcheck(bound, window, monkeypatch):
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from megatron_opd.models import attention
 
     monkeypatch.setattr(attention, "PADDED_COST_BOUND", bound)
-    attn = _attention(dtype=torch.float64, heads=4, groups=2, head_dim=4)
+    attn = _attention(dtype=torch.float64, heads=4, groups=2, head_dim=4, **_window(window))
     cu = torch.tensor([0, 3, 3, 4, 7], dtype=torch.int32)  # an empty sequence, a one-token one, one padding token
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=3, max_seqlen_kv=3)
     g = torch.Generator().manual_seed(0)
@@ -150,8 +178,6 @@ def test_dropout_only_in_training_and_under_megatron_rng():
 @pytest.mark.parametrize(
     "extra, message",
     [
-        ({"context_parallel_size": 2}, "context parallelism needs TransformerEngine"),
-        ({"window_size": (8, 0)}, "sliding-window attention is not supported"),
         ({"softmax_type": "learnable"}, "softmax_type='learnable' is not supported"),
     ],
 )

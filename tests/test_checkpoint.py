@@ -27,6 +27,7 @@ LAYOUTS = {  # the matrix's layouts: name -> (world size, layout)
     "tp1": (1, dict()),
     "tp2_pp2": (4, WRITTEN_AT),
     "pp2_vp2": (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
+    "tp2_ep2": (4, dict(tensor_model_parallel_size=2, expert_model_parallel_size=2)),
 }
 ROUND_TRIP_PATH = "tools/checkpoint round trip (bitwise)"
 ROUND_TRIP_CELLS = [(layout, name) for layout in MATRIX[ROUND_TRIP_PATH] for name in shapes_at(ROUND_TRIP_PATH, layout)]

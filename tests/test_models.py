@@ -20,7 +20,7 @@ from megatron_opd.models import (
 from megatron_opd.models.reference import hf_logits
 from megatron_opd.testing.multiprocess import run_distributed
 from megatron_opd.testing.shapes import SHAPES, shapes_at
-from megatron_opd.testing.tiny_models import tiny_hf_config
+from megatron_opd.testing.tiny_models import routing_margin, tiny_hf_config
 
 SEQ = 16
 
@@ -30,15 +30,16 @@ def _tokens(num_micro_batches: int = 2, batch: int = 2, vocab: int = 1000) -> to
     return torch.randint(0, vocab, (num_micro_batches, batch, SEQ), generator=gen)
 
 
-def _load(parallel: ParallelConfig, hf_dir: str, trainable: bool):
+def _load(parallel: ParallelConfig, hf_dir: str, trainable: bool, build: dict | None = None):
+    from megatron_opd.models.builder import ModelBuildConfig
     from megatron_opd.models.source import build_and_load
 
-    return build_and_load(hf_dir, parallel, trainable=trainable)
+    return build_and_load(hf_dir, parallel, ModelBuildConfig(**(build or {})), trainable=trainable)
 
 
-def _logits_body(layout: dict, models: dict[str, tuple[str, torch.Tensor]]):
+def _logits_body(layout: dict, models: dict[str, tuple[str, torch.Tensor]], build: dict | None = None):
     """Full logits of every model (name -> (HF folder, its tokens)) on the last pipeline stage (tensor-parallel
-    rank 0), else None."""
+    rank 0), else None; ``build``: ``ModelBuildConfig`` fields."""
     from megatron.core import parallel_state as ps
 
     from megatron_opd.distributed import initialize_distributed
@@ -50,7 +51,7 @@ def _logits_body(layout: dict, models: dict[str, tuple[str, torch.Tensor]]):
     tp_group = ps.get_tensor_model_parallel_group()
     results = {}
     for name, (hf_dir, tokens) in models.items():
-        arch, chunks = _load(parallel, hf_dir, trainable=False)
+        arch, chunks = _load(parallel, hf_dir, trainable=False, build=build)
         assert not any(p.requires_grad for c in chunks for p in c.parameters()), "teacher must be frozen"
 
         def collect(logits, batch, vocab=arch.vocab_size):
@@ -67,6 +68,7 @@ LAYOUTS = {
     "tp1": (1, dict()),
     "tp2": (2, dict(tensor_model_parallel_size=2)),
     "tp2_sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+    "ep2": (2, dict(expert_model_parallel_size=2)),
     "pp2_vp2": (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
     "tp2_pp2": (4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)),
 }
@@ -75,19 +77,26 @@ MATRIX_PATH = "Megatron model vs transformers logits"
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_logits_match_transformers(layout, shape_dirs):
-    """The matrix's shapes at each layout (sequence parallelism: TP=2's shapes); tokens below each vocabulary."""
+    """The matrix's shapes at each layout (sequence parallelism: TP=2's and the MoE ones; at EP=2 the alltoall
+    token dispatcher, allgather elsewhere); tokens below each vocabulary, routed with a margin."""
     world, kwargs = LAYOUTS[layout]
-    names = shapes_at(MATRIX_PATH, "tp2" if layout == "tp2_sp" else layout)
+    names = shapes_at(MATRIX_PATH, layout)
     models = {name: (shape_dirs[name], _tokens(vocab=SHAPES[name].vocab_size)) for name in names}
-    per_rank = run_distributed(_logits_body, world, args=(kwargs, models), timeout=600)
-    results = [r for r in per_rank if r is not None]
-    assert len(results) == 1, f"expected exactly one reporting rank, got {len(results)}"
     for name, (hf_dir, tokens) in models.items():
-        ours = results[0][name]
+        margin = routing_margin(hf_dir, tokens)
+        assert margin > 1e-5, f"{name}: routing near-tie ({margin:.1e}) would test tie-breaking, not arithmetic"
+    build = {"moe_token_dispatcher": "alltoall"} if layout == "ep2" else {}
+    per_rank = run_distributed(_logits_body, world, args=(kwargs, models, build), timeout=600)
+    results = [r for r in per_rank if r is not None]
+    model_parallel = kwargs.get("tensor_model_parallel_size", 1) * kwargs.get("pipeline_model_parallel_size", 1)
+    data_parallel = world // model_parallel  # EP=2 is two data-parallel ranks, each reporting the same tokens
+    assert len(results) == data_parallel, f"expected {data_parallel} reporting ranks, got {len(results)}"
+    for name, (hf_dir, tokens) in models.items():
         ref = torch.stack([hf_logits(hf_dir, t) for t in tokens])
-        assert ours.shape == ref.shape, (name, ours.shape, ref.shape)
-        rel = ((ours - ref).abs().max() / ref.abs().max()).item()
-        assert rel <= 1e-5, f"{layout}/{name}: max relative error {rel:.2e} vs transformers"
+        for ours in (result[name] for result in results):
+            assert ours.shape == ref.shape, (name, ours.shape, ref.shape)
+            rel = ((ours - ref).abs().max() / ref.abs().max()).item()
+            assert rel <= 1e-5, f"{layout}/{name}: max relative error {rel:.2e} vs transformers"
 
 
 def _grads_body(model_dir: str, tokens: torch.Tensor):
@@ -152,9 +161,12 @@ def test_unsupported_architecture_is_named():
     cfg.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
     with pytest.raises(UnsupportedArchitectureError, match="model_type='gpt2'"):
         architecture_from_hf_config(cfg)
+    cfg.update(model_type="gemma2", architectures=["Gemma2ForCausalLM"])
+    with pytest.raises(UnsupportedArchitectureError, match="model_type='gemma2'.*soft-capping"):
+        architecture_from_hf_config(cfg)
     cfg = tiny_hf_config("qwen2").to_dict()
-    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
-    with pytest.raises(UnsupportedArchitectureError, match="yarn"):
+    cfg["rope_scaling"] = {"rope_type": "dynamic", "factor": 4.0}
+    with pytest.raises(UnsupportedArchitectureError, match="dynamic"):
         architecture_from_hf_config(cfg)
 
 
@@ -199,6 +211,15 @@ def test_architecture_reads_config_json(tiny_model_dirs):
     assert arch.num_key_value_heads == cfg["num_key_value_heads"] == 2
     assert arch.padded_vocab_size(2) == 1024 and arch.padded_vocab_size(4) == 1024 and arch.padded_vocab_size(1) == 1024
     assert load_architecture(tiny_model_dirs["qwen2"]).qkv_bias
+
+
+def test_sliding_window_is_read_never_ignored(shape_dirs):
+    """Mistral's window reaches Megatron's config (its logits, window 5 < 16 tokens, are in the shape matrix)."""
+    from megatron_opd.models import ModelBuildConfig, transformer_config
+
+    arch = load_architecture(shape_dirs["mistral_window"])
+    assert arch.sliding_window == 5
+    assert transformer_config(arch, ParallelConfig(), ModelBuildConfig()).window_size == (4, 0)
 
 
 def test_linear_rope_scaling_matches_transformers(tmp_path):

@@ -9,6 +9,7 @@ in-process teacher at TP=1.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -155,6 +156,40 @@ def test_distillation_through_the_server_matches_the_inprocess_teacher(transfer,
     key = "eval/divergence_own_samples"
     ref_eval, got_eval = [r[key] for r in ref if key in r], [r[key] for r in got if key in r]
     assert len(got_eval) == 2 and got_eval == pytest.approx(ref_eval, rel=1e-5)
+
+
+def test_an_inprocess_and_a_server_teacher_in_one_run(pair, server, tmp_path):
+    """``teachers.*`` end to end (config, routing, both back ends, the routed step, metrics): half the records name
+    the server teacher, the rest go to the in-process one (``data.default_teacher``); each teacher's metrics are logged
+    with exact token counts that add up to the step's. (Equal losses and gradients to one teacher:
+    tests/test_multi_teacher.py.)"""
+    mixed = {}
+    for name, path in (("train", pair.train_file), ("eval", pair.eval_file)):
+        records = [json.loads(line) for line in Path(path).read_text().splitlines()]
+        mixed[name] = tmp_path / f"{name}.jsonl"
+        mixed[name].write_text("".join(json.dumps({**r, **({"teacher": "remote"} if i % 2 else {})}) + "\n"
+                                       for i, r in enumerate(records)))  # fmt: skip
+    common = {"train.steps": 1, "loss.mode": "topk", "loss.topk": 8, "rollout.n": 2, "export_hf": False,
+              "data.train_files": mixed["train"], "data.eval_files": mixed["eval"], "data.shuffle": False,
+              "eval.scorer": "megatron_opd.tasks.digits:score", "loss.teacher_balance": "per_teacher"}  # fmt: skip
+    routed = [o for o in pair.overrides(tmp_path / "two", **common) if not o.startswith("teacher.path=")]
+    routed += [f"teachers.local.path={pair.teacher}", "teachers.remote.backend=server",
+               f"teachers.remote.address={server}", "data.default_teacher=local"]  # fmt: skip
+    code, out = run_trainer(routed, nproc=1)
+    assert code == 0, out[-3000:]
+    (got,) = [r for r in train_metrics(tmp_path / "two") if "loss" in r]
+    local, remote = (got[f"teacher/{name}/tokens"] for name in ("local", "remote"))
+    assert local > 0 and remote > 0 and local + remote == got["response_length"] * 8
+    assert got["teacher/local/samples"] + got["teacher/remote/samples"] == 8 and got["teacher/remote/retries"] == 0
+    # per_teacher balance: the step's loss is the mean of the two teachers' per-token divergences (top-k: the loss)
+    means = [got[f"teacher/{name}/divergence"] for name in ("local", "remote")]
+    assert got["loss"] == pytest.approx(sum(means) / 2, rel=1e-5)
+    assert "records per teacher: {'local': 16, 'remote': 16}" in out and "local div" in out and "remote div" in out
+    # Evaluation per teacher: the eval records carry the same field (2 of the 4 evaluated prompts each).
+    evals = [r for r in train_metrics(tmp_path / "two") if "eval/accuracy" in r]
+    assert len(evals) == 2
+    for r in evals:
+        assert r["eval/accuracy"] == pytest.approx((r["eval/local/accuracy"] + r["eval/remote/accuracy"]) / 2)
 
 
 def test_killed_pipeline_parallel_server_restarts_and_every_batch_is_answered_once(pair, tmp_path):

@@ -1,6 +1,7 @@
 """Bad input and faults of the vLLM rollout back end: a model that does not match the student, an engine that
-cannot start, an engine that dies, a sync interrupted midway (on a live engine and by killing the trainer), and
-the ``reload_weights`` fallback, all against the trainer's own log-probabilities. Skips without vLLM."""
+cannot start, an engine that dies, a sync interrupted midway (on a live engine and by killing the trainer), a
+trainer run whose sync leaves a tensor out (the start-up check off: the per-step monitor stops step 1), and the
+``reload_weights`` fallback, all against the trainer's own log-probabilities. Skips without vLLM."""
 
 from __future__ import annotations
 
@@ -134,12 +135,16 @@ def test_faults_and_fallback(tiny_model_dirs, tmp_path):
     assert out["restarted_after_partial"]
 
 
-def test_trainer_killed_during_sync_resyncs_on_restart(tmp_path):
-    """The trainer dies with a partial update in flight; restarted, it re-syncs before its first rollout and every
-    step trains on rollouts of its own version (the scheduler refuses any other)."""
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
     from megatron_opd.testing.distill_fixture import make_distill_fixture
 
-    pair = make_distill_fixture(tmp_path / "pair")
+    return make_distill_fixture(tmp_path_factory.mktemp("distill") / "pair")
+
+
+def test_trainer_killed_during_sync_resyncs_on_restart(pair, tmp_path):
+    """The trainer dies with a partial update in flight; restarted, it re-syncs before its first rollout and every
+    step trains on rollouts of its own version (the scheduler refuses any other)."""
     overrides = pair.overrides(
         tmp_path / "run",
         **{"parallel.tensor_model_parallel_size": 2, "train.steps": 3, "checkpoint.every": 1, "export_hf": False,
@@ -154,6 +159,18 @@ def test_trainer_killed_during_sync_resyncs_on_restart(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
     assert [r["step"] for r in steps][-2:] == [2, 3] and all(r["staleness"] == 0 for r in steps)
+
+
+def test_a_sync_that_leaves_a_tensor_out_stops_at_step_1(pair, tmp_path):
+    """The start-up check off: the per-step monitor stops step 1 before its update, nothing saved (student TP=2, as
+    in the asynchronous runs of tests/test_quickstart.py)."""
+    broken = pair.overrides(tmp_path / "broken", **{"parallel.tensor_model_parallel_size": 2, "rollout.backend": "vllm",
+                            "train.steps": 2, "rollout.startup_check": False, "data.eval_files": "",
+                            "export_hf": False, "checkpoint.every": 1})  # fmt: skip
+    code, out = run_trainer(broken, env={"MEGATRON_OPD_SYNC_SKIP": "model.layers.1.mlp.down_proj.weight"})
+    assert code != 0 and "step 1 (sampled by policy version 0)" in out, out[-3000:]
+    assert "do not come from the model being trained" in out and "Stopped without applying the update" in out
+    assert not (tmp_path / "broken" / "checkpoints" / "step_00000001").exists()
 
 
 _LEAK_SCRIPT = """

@@ -23,12 +23,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def start_server(model: str, port: int, log: str) -> subprocess.Popen:
+def start_server(model: str, port: int, log: str, worker_process: bool = False) -> subprocess.Popen:
     """Our launcher (vLLM's server with the RL routes), dummy weights until the first sync."""
     args = ["--dtype", "float32", "--max-model-len", "64", "--load-format", "dummy"]
-    return start_vllm_server(
-        model, port, log, args, module="megatron_opd.rollout.vllm_server", ready_path="weight_info"
-    )
+    return start_vllm_server(model, port, log, args, module="megatron_opd.rollout.vllm_server",
+                             ready_path="weight_info", worker_process=worker_process)  # fmt: skip
 
 
 def _server_body(model: str, log: str) -> dict:
@@ -53,7 +52,9 @@ def _server_body(model: str, log: str) -> dict:
         out["down"] = (down, str(err))
 
     port = find_free_port()
-    server = start_server(model, port, log)
+    # vLLM's CPU default here (elsewhere the model runs in the engine process): the model in a worker process of its
+    # own, which loads the weight-transfer plugin through its entry point.
+    server = start_server(model, port, log, worker_process=True)
     try:
         out["address"] = f"127.0.0.1:{port}"
         rollout = VLLMRollout(source, options, dp_rank=0, addresses=[out["address"]], timeout_s=120, server_wait_s=5)

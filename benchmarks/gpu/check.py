@@ -17,8 +17,12 @@ time limit, and the whole script stops itself before ``--budget`` seconds:
 Without a GPU, ``--cpu-smoke`` runs the same rows at tiny shapes on CPU in fp32 (random tiny models, a few
 hundred tokens; about a minute): it checks the script, not the figures.
 
-Rows (``ROWS``): #35 a Qwen3-30B-A3B-shaped MoE teacher scoring and #36 a DeepSeek-V3-shaped teacher scoring (both
-skipped, with a note, while their model families do not build); #39 the Qwen3-1.7B update at CP=1 at 32k and 64k
+Rows (``ROWS``): #35 a Qwen3-30B-A3B-shaped MoE teacher scoring (bf16, 30.5B parameters, 3.3B active: MFU
+counts active parameters), with sequential experts and with grouped expert GEMMs (TransformerEngine's, else
+megatron-opd's ``GroupedExperts`` on ``torch._grouped_mm``; skipped with the reason where neither runs); #36 a
+DeepSeek-V2-Lite-sized DeepSeek-V3-architecture teacher scoring (multi-latent attention with YaRN, 64 routed experts
+top-6, 2 shared, the first layer dense; MFU against active parameters), sequential and grouped; #39 the
+Qwen3-1.7B update at CP=1 at 32k and 64k
 tokens with full recompute; #40 the Qwen3-1.7B update at 4,096 tokens (bf16, no TransformerEngine; MFU against
 989 TFLOP/s dense bf16, 6N FLOPs per token, attention not counted) and one end-to-end trainer run on the GPU
 defaults (bf16 parameters, Megatron's distributed optimizer; the tiny distillation fixture, three steps). Update
@@ -53,16 +57,82 @@ class Row:
     recompute: str | None = None
     limit_s: int = 240
     smoke_tokens: int = 0
+    grouped_gemm: bool = False  # MoE rows: Megatron's grouped expert GEMM instead of sequential experts
 
 
 ROWS = (
-    Row("#35", "Qwen3-30B-A3B-shaped MoE teacher, scoring", "score", "Qwen3MoeConfig", 4096, smoke_tokens=64),
-    Row("#36", "DeepSeek-V3-shaped teacher (4 layers), scoring", "score", "DeepseekV3Config", 4096, smoke_tokens=64),
+    Row(
+        "#35",
+        "Qwen3-30B-A3B-shaped MoE teacher, scoring, sequential experts",
+        "score",
+        "Qwen3MoeConfig",
+        4096,
+        smoke_tokens=64,
+    ),
+    Row(
+        "#35",
+        "Qwen3-30B-A3B-shaped MoE teacher, scoring, grouped GEMM",
+        "score",
+        "Qwen3MoeConfig",
+        4096,
+        smoke_tokens=64,
+        grouped_gemm=True,
+    ),
+    Row(
+        "#36",
+        "DeepSeek-V2-Lite-sized DeepSeek-V3-architecture teacher, scoring, sequential experts",
+        "score",
+        "DeepseekV3Config",
+        4096,
+        smoke_tokens=64,
+    ),
+    Row(
+        "#36",
+        "DeepSeek-V2-Lite-sized DeepSeek-V3-architecture teacher, scoring, grouped GEMM",
+        "score",
+        "DeepseekV3Config",
+        4096,
+        smoke_tokens=64,
+        grouped_gemm=True,
+    ),
     Row("#39", "Qwen3-1.7B update, CP=1, full recompute", "update", "Qwen3-1.7B", 32768, "full", smoke_tokens=256),
     Row("#39", "Qwen3-1.7B update, CP=1, full recompute", "update", "Qwen3-1.7B", 65536, "full", smoke_tokens=512),
     Row("#40", "Qwen3-1.7B update, bf16, no TE", "update", "Qwen3-1.7B", 4096, smoke_tokens=128),
     Row("#40", "trainer run on the GPU defaults (3 steps, tiny fixture)", "train", limit_s=180),
 )
+
+
+DEEPSEEK_V2_LITE_SIZE = dict(
+    vocab_size=102400,
+    hidden_size=2048,
+    intermediate_size=10944,
+    num_hidden_layers=27,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    q_lora_rank=None,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=64,
+    num_experts_per_tok=6,
+    n_shared_experts=2,
+    moe_intermediate_size=1408,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=1.0,
+    norm_topk_prob=True,
+    max_position_embeddings=163840,
+    rope_theta=10000.0,
+    rope_scaling=dict(
+        type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
+        mscale=0.707, mscale_all_dim=0.707,
+    ),
+    tie_word_embeddings=False,
+)  # fmt: skip
+"""DeepSeek-V2-Lite's published shape (15.7B parameters, 2.4B active) in the DeepSeek-V3 architecture (sigmoid,
+bias-corrected routing; V2-Lite itself routes by softmax): the issue's GPU row."""
 
 
 def architecture(row: Row, smoke: bool):
@@ -73,9 +143,18 @@ def architecture(row: Row, smoke: bool):
     from megatron_opd.models.architecture import architecture_from_hf_config
     from megatron_opd.testing.tiny_models import tiny_hf_config
 
+    if row.model == "DeepseekV3Config":
+        full = transformers.DeepseekV3Config(**DEEPSEEK_V2_LITE_SIZE)
+        config = tiny_hf_config("deepseek_v3", q_lora_rank=None) if smoke else full  # V2-Lite has no query latent
+        return architecture_from_hf_config(config.to_dict(), row.model)
     if row.model.endswith("Config"):  # a family to come: transformers' defaults are the model's published shape
         small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=1000)
-        layers = {"num_hidden_layers": 4} if "Deepseek" in row.model else {}  # 671B would not fit one GPU
+        if "Moe" in row.model:
+            small.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+        layers = {}
+        if "Qwen3Moe" in row.model:  # Qwen3-30B-A3B's config.json (transformers' defaults are a 24-layer model)
+            layers = dict(num_hidden_layers=48, head_dim=128, intermediate_size=6144, max_position_embeddings=40960)
+            layers.update(norm_topk_prob=True)
         config = getattr(transformers, row.model)(**(small if smoke else layers))
         return architecture_from_hf_config(config.to_dict(), row.model)
     if smoke:
@@ -83,8 +162,19 @@ def architecture(row: Row, smoke: bool):
     return architecture_from_hf_config(hf_config(row.model).to_dict(), row.model)
 
 
+def active_parameters(model, arch) -> int:
+    """Parameters a token runs through: a Mixture-of-Experts layer's routed experts count top-k / experts each
+    (shared experts, router and the rest in full); every parameter of a dense model."""
+    total = 0
+    for name, param in model.named_parameters():
+        routed = arch.moe is not None and ".experts." in name
+        total += param.numel() * arch.moe.top_k / arch.moe.num_experts if routed else param.numel()
+    return int(total)
+
+
 def measure(row: Row, smoke: bool, reps: int) -> dict:
-    """One update or scoring row in this process: seconds per repetition after a warm-up, MFU, peak memory."""
+    """One update or scoring row in this process: seconds per repetition after a warm-up, MFU (against active
+    parameters), peak memory."""
     import torch
     from bench_phases_gpu import _score_step, _update_step
 
@@ -94,9 +184,12 @@ def measure(row: Row, smoke: bool, reps: int) -> dict:
     device = "cpu" if smoke else "cuda"
     arch = architecture(row, smoke)
     initialize_distributed(ParallelConfig(), device, seed=0)
-    build = ModelBuildConfig(dtype="fp32" if smoke else "bf16", attention="sdpa", recompute_granularity=row.recompute)
+    build = ModelBuildConfig(
+        dtype="fp32" if smoke else "bf16", attention="sdpa", recompute_granularity=row.recompute,
+        moe_grouped_gemm=row.grouped_gemm,
+    )  # fmt: skip
     (model,) = build_model(arch, ParallelConfig(), build, trainable=row.kind == "update")
-    n = sum(p.numel() for p in model.parameters())
+    n = active_parameters(model, arch)
     s = row.smoke_tokens if smoke else row.tokens
     tokens = torch.randint(0, min(arch.vocab_size, 1000), (1, s), device=device)
     positions = torch.arange(s, device=device).unsqueeze(0)
@@ -120,6 +213,7 @@ def measure(row: Row, smoke: bool, reps: int) -> dict:
         "mfu": None if smoke else flops / PEAK_FLOPS,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "active_params": n,
     }
 
 
@@ -165,6 +259,17 @@ def run_row(index: int, smoke: bool, reps: int, limit_s: float) -> dict:
     except UnsupportedArchitectureError as err:
         model_type = str(err).split("model_type=")[-1].split()[0] if "model_type=" in str(err) else row.model
         return {"skipped": f"skipped: model_type {model_type} does not build yet (its family is issue {row.issue})"}
+    if row.grouped_gemm:
+        import torch
+
+        from megatron_opd.distributed.device import has_transformer_engine
+        from megatron_opd.models.builder import grouped_gemm_unavailable
+
+        te = has_transformer_engine() and not smoke
+        dtype = torch.float32 if smoke else torch.bfloat16
+        reason = grouped_gemm_unavailable(te, "cpu" if smoke else "cuda", dtype)
+        if reason:
+            return {"skipped": f"skipped: grouped GEMM unavailable: {reason}"}
     return measure(row, smoke, reps)
 
 

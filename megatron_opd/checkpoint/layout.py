@@ -33,7 +33,14 @@ from megatron_opd.models.builder import (
     use_te_spec,
     validate_layout,
 )
-from megatron_opd.models.name_mapping import WeightRule, expand_rules, local_layer_name, weight_rules
+from megatron_opd.models.name_mapping import (
+    WeightRule,
+    expand_rules,
+    global_expert_names,
+    local_layer_name,
+    per_expert_rules,
+    weight_rules,
+)
 
 
 @dataclass(frozen=True)
@@ -148,6 +155,7 @@ def _rank_layout(arch: ModelArchitecture, parallel: ParallelConfig, build: Model
     common: dict = {}
     for model_chunk in _meta_chunks(arch, parallel, build):
         layers = chunk_layer_range(model_chunk)
+        experts = global_expert_names(model_chunk)  # a rank's experts by their global index, as the rules
         by_name = {
             local_layer_name(rule.megatron_name(layer, te=te), layers.start): (rule, layer)
             for rule, layer in expand_rules(arch, layers)
@@ -165,6 +173,7 @@ def _rank_layout(arch: ModelArchitecture, parallel: ParallelConfig, build: Model
                     objects.append(sharded)
                     continue
                 assert isinstance(sharded, ShardedTensor), type(sharded)
+                name = experts.get(name, name)
                 if name not in by_name:
                     raise RuntimeError(
                         f"Megatron parameter {name} (checkpoint key {sharded.key}) has no Hugging Face mapping in "
@@ -192,20 +201,25 @@ def _enumerate(arch: ModelArchitecture, parallel: ParallelConfig, build: ModelBu
     apply_cpu_patches()
     te = use_te_spec(build)
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size
     vp = parallel.virtual_pipeline_model_parallel_size
+    world = tp * pp * max(ep * parallel.etp_size // tp, 1)  # the expert ranks come from data-parallel ones
     layout = CheckpointLayout(
         parallel=parallel,
         dtype=parse_dtype(build.dtype),
         padded_vocab_size=arch.padded_vocab_size(tp, build.make_vocab_size_divisible_by),
     )
     seen: set[tuple[str, tuple[int, ...]]] = set()
-    # Megatron's default rank order is tp-cp-ep-dp-pp: with DP=CP=1, rank = pp_rank * TP + tp_rank.
-    for rank in range(tp * pp):
-        with fake_process_group(rank, tp * pp):
+    # Megatron's default rank order is tp-cp-ep-dp-pp: with DP=CP=1, rank = pp_rank * TP + tp_rank. With expert
+    # parallelism the dense layers' data-parallel replicas are main replicas on their first rank only.
+    for rank in range(world):
+        with fake_process_group(rank, world):
             parallel_state.initialize_model_parallel(
                 tensor_model_parallel_size=tp,
                 pipeline_model_parallel_size=pp,
                 virtual_pipeline_model_parallel_size=vp if vp and vp > 1 else None,
+                expert_model_parallel_size=ep,
+                expert_tensor_parallel_size=etp,
                 create_gloo_process_groups=False,
             )
             try:
@@ -221,7 +235,7 @@ def _enumerate(arch: ModelArchitecture, parallel: ParallelConfig, build: ModelBu
             seen.add(ident)
             layout.chunks.append(chunk)
         layout.objects.extend(objects)
-    rule_index = {rule.megatron: i for i, rule in enumerate(weight_rules(arch))}
+    rule_index = {one.megatron: i for i, rule in enumerate(weight_rules(arch)) for one in per_expert_rules(rule, arch)}
     layout.chunks.sort(key=lambda c: _chunk_order(c, rule_index))
     return layout
 
@@ -231,7 +245,8 @@ def checkpoint_layout(
 ) -> CheckpointLayout:
     """The chunks, objects and common state Megatron saves for ``arch`` under ``parallel`` (DP=1).
 
-    Only TP, PP and VP shape a checkpoint (context and sequence parallelism do not). The local layer
+    Only TP, PP, VP and, for Mixture-of-Experts models, EP and ETP shape a checkpoint (context and sequence
+    parallelism do not). The local layer
     spec is always used: its checkpoint keys are the TransformerEngine spec's (Megatron maps the
     fused-norm names), and it builds on the ``meta`` device on any machine. Runs in this process when
     ``torch.distributed`` is not initialised yet (it briefly creates fake process groups and Megatron
@@ -241,6 +256,10 @@ def checkpoint_layout(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
+        # MoE layers with TP need it to build; it does not shape a checkpoint.
+        sequence_parallel=arch.moe is not None and parallel.tensor_model_parallel_size > 1,
     )
     build = replace(build or ModelBuildConfig(), use_transformer_engine=False)
     validate_layout(arch, parallel)

@@ -29,6 +29,19 @@ Patches (all idempotent):
    and ``DistributedOptimizer`` sort parameters by ``Tensor.type()`` strings and refuse anything but
    ``torch.cuda.{Float,Half,BFloat16}Tensor``. While (and only while) one of them is being built, ``Tensor.type()``
    of a CPU tensor answers the CUDA name of its dtype; the arithmetic afterwards is the GPU's.
+10. Checkpoint saves: the async file writer of ``dist_checkpointing`` collects its results through a queue of a
+   ``multiprocessing`` Manager that its first save starts in a *spawned* process, a fresh interpreter importing the
+   trainer's main module (2 s of CPU; the first save of a run took 3-7 s instead of 0.3 s). The Manager is forked
+   instead, as Megatron's own trainer creates it (``get_write_results_queue(mp_mode="fork")``, 0.19); it lets go
+   of the rank's output and exits when the rank is gone (a rank killed mid-run left it holding the launcher's pipe).
+11. Context parallelism: ``rope_utils.get_pos_emb_on_this_cp_rank`` (RoPE's slice for this CP rank) builds its
+   index in pinned memory, which needs CUDA; the same slice (``ContextParallelSplit.split``) replaces it in
+   ``rope_utils`` and in the modules that import it by name.
+12. Mixture-of-Experts router without TransformerEngine (any device): Megatron-Core 0.16's ``moe_utils`` leaves
+   ``te_general_gemm`` unbound when TE is missing (NameError in the fp32 router); it is bound to None, which selects
+   the router's torch matmul (:func:`bind_te_general_gemm`, applied on GPUs too).
+13. The alltoall token dispatcher: its constructor makes a ``torch.cuda.Stream`` and its split sizes stay tensors,
+   which gloo's ``all_to_all_single`` refuses; no side stream, and the split sizes become host arrays.
 """
 
 from __future__ import annotations
@@ -37,6 +50,7 @@ import contextlib
 import functools
 import importlib
 import logging
+import os
 import types
 from typing import Any
 
@@ -237,9 +251,105 @@ def grad_sync_uses_cuda_stream() -> bool:
     return "current_stream" in _ParamAndGradBucketGroup.start_grad_sync.__code__.co_names
 
 
+_FILESYSTEM_ASYNC = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+
+
+def forked_write_results_queue(*args: Any, **kwargs: Any) -> Any:  # noqa: ARG001 (mp_mode: always fork)
+    """Megatron's ``get_write_results_queue`` (``_get_write_results_queue`` in 0.16) with a forked Manager."""
+    from multiprocessing.managers import SyncManager
+
+    filesystem_async = importlib.import_module(_FILESYSTEM_ASYNC)
+    if filesystem_async._results_queue is None:
+        manager = SyncManager(ctx=filesystem_async.mp.get_context("fork"))
+        manager.start(_manager_outlives_no_one, (os.getpid(),))
+        filesystem_async._results_queue = manager.Queue()
+    return filesystem_async._results_queue
+
+
+def _manager_outlives_no_one(parent: int) -> None:
+    """In the forked Manager: let go of the rank's output (a launcher reading it to the end would otherwise wait on
+    this process) and exit once the rank is gone, even when it was killed before it could stop the Manager."""
+    import threading
+    import time
+
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+
+    def exit_when_orphaned() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=exit_when_orphaned, daemon=True, name="exit-when-orphaned").start()
+
+
+# Modules that import get_pos_emb_on_this_cp_rank by name (patch 11).
+_MODULES_WITH_CP_POS_EMB = (
+    "megatron.core.models.common.embeddings.rope_utils",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
+)
+
+
+def pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    """Megatron's ``get_pos_emb_on_this_cp_rank`` without pinned memory: this CP rank's two chunks along
+    ``seq_dim``."""
+    from megatron_opd.models.context_parallel import ContextParallelSplit
+
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    return ContextParallelSplit(cp_group, cp_group.size(), cp_group.rank()).split(pos_emb, seq_dim)
+
+
+def bind_te_general_gemm() -> None:
+    """Megatron-Core 0.16's ``moe_utils`` imports ``te_general_gemm`` from TransformerEngine and leaves the name
+    unbound when TE is missing, so the fp32 router fails with a NameError (0.19 binds it to None); bind it to
+    None, which selects the router's torch matmul. Needed without TE on a GPU too."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _cpu_dtoh_and_synchronize(self: Any, point: str, tokens_per_expert: torch.Tensor | None = None) -> Any:
+    """CPU stand-in for ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize``: on a GPU it copies the token
+    counts to the host on a side CUDA stream and waits for an event; on CPU there is nothing to copy or wait for,
+    but Megatron's copy also turns the split sizes into the host arrays ``all_to_all_single`` needs (it leaves CPU
+    tensors as tensors, which gloo's all-to-all refuses), so do that."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, name, None)
+            if torch.is_tensor(value):
+                setattr(self, name, value.numpy())
+    return tokens_per_expert
+
+
+def patch_alltoall_dispatcher() -> None:
+    """The alltoall token dispatcher on CPU: no ``torch.cuda.Stream`` (its constructor makes one) and host split
+    sizes (:func:`_cpu_dtoh_and_synchronize`)."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "cpu: no side stream"  # set, so __init__ makes no CUDA stream
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _cpu_dtoh_and_synchronize  # type: ignore[method-assign]
+
+
+def unmark_mla_te() -> None:
+    """Megatron-Core 0.16's ``multi_latent_attention`` sets ``HAVE_TE = True`` when TransformerEngine is missing too
+    (its TE stand-ins import), then calls ``isinstance(linear_proj, TELinear)`` with a stand-in that is no type: every
+    multi-latent attention layer fails to build. Set it False where ``TELinear`` is no class (0.19 reads TE's flag)."""
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if getattr(mla, "HAVE_TE", False) and not isinstance(mla.TELinear, type):
+        mla.HAVE_TE = False
+
+
 def apply_cpu_patches() -> None:
-    """Make Megatron-Core usable on a CPU-only process. No-op when CUDA is available."""
+    """Make Megatron-Core usable on a CPU-only process. No-op when CUDA is available (but for the patches any
+    machine without TransformerEngine needs)."""
     global _APPLIED
+    bind_te_general_gemm()
+    unmark_mla_te()
     if _APPLIED or torch.cuda.is_available():
         return
 
@@ -265,6 +375,19 @@ def apply_cpu_patches() -> None:
 
     _built_with_cuda_type_names(mcore_optimizer.Float16OptimizerWithFloat16Params)
     _built_with_cuda_type_names(DistributedOptimizer)
+
+    filesystem_async = importlib.import_module(_FILESYSTEM_ASYNC)
+    for getter in ("get_write_results_queue", "_get_write_results_queue"):  # 0.19, 0.16
+        if hasattr(filesystem_async, getter):
+            setattr(filesystem_async, getter, forked_write_results_queue)
+    for module_name in _MODULES_WITH_CP_POS_EMB:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        if hasattr(module, "get_pos_emb_on_this_cp_rank"):
+            module.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
+    patch_alltoall_dispatcher()
 
     cpu_torch = _CpuTorch()
     for module_name in _MODULES_WITH_CUDA_LITERALS:

@@ -33,11 +33,23 @@ class ParallelConfig:
     """Shard activations along the sequence in the non-tensor-parallel regions (needs TP > 1)."""
     context_parallel_size: int = 1
     """Ranks that split the sequence inside attention."""
+    expert_model_parallel_size: int = 1
+    """Mixture-of-Experts models: ranks that split each MoE layer's experts (each holds experts / EP of them and
+    receives their tokens); taken from the data-parallel ranks (times TP / ETP), so it must divide
+    world / (PP * expert_tensor_parallel_size). Dense layers are unaffected."""
+    expert_tensor_parallel_size: int | None = None
+    """Mixture-of-Experts models: ranks that split each expert's matrices; null: the tensor-parallel size
+    (Megatron's default). 1 with TP > 1 keeps experts whole and uses those ranks for more expert parallelism."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.expert_model_parallel_size < 1:
+            raise ValueError(f"parallel.expert_model_parallel_size must be >= 1, got {self.expert_model_parallel_size}")
+        etp = self.expert_tensor_parallel_size
+        if etp is not None and etp < 1:
+            raise ValueError(f"parallel.expert_tensor_parallel_size must be >= 1 or null (= TP), got {etp}")
         vp = self.virtual_pipeline_model_parallel_size
         if vp is not None and vp < 1:
             raise ValueError(f"parallel.virtual_pipeline_model_parallel_size must be >= 1 or null, got {vp}")
@@ -51,6 +63,11 @@ class ParallelConfig:
     @property
     def model_parallel_size(self) -> int:
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+
+    @property
+    def etp_size(self) -> int:
+        """Expert tensor-parallel size in effect (the tensor-parallel size unless set)."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
 
     @property
     def vp_size(self) -> int:
@@ -124,6 +141,13 @@ def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234) -> Non
             f"*{parallel.pipeline_model_parallel_size}*{parallel.context_parallel_size}; "
             "launch a multiple of that many processes or change parallel.*_size"
         )
+    expert_ranks = parallel.expert_model_parallel_size * parallel.etp_size * parallel.pipeline_model_parallel_size
+    if world % expert_ranks:
+        raise ValueError(
+            f"world size {world} is not divisible by EP*ETP*PP = {parallel.expert_model_parallel_size}"
+            f"*{parallel.etp_size}*{parallel.pipeline_model_parallel_size}; change parallel.expert_model_parallel_size "
+            "or parallel.expert_tensor_parallel_size (or launch a multiple of that many processes)"
+        )
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     vp = parallel.virtual_pipeline_model_parallel_size
@@ -132,15 +156,19 @@ def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234) -> Non
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=vp if vp and vp > 1 else None,
         context_parallel_size=parallel.context_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
     )
     seed_rng(seed)
     logger.info(
-        "model parallel: TP=%d PP=%d VP=%s CP=%d DP=%d",
+        "model parallel: TP=%d PP=%d VP=%s CP=%d DP=%d EP=%d ETP=%d",
         parallel.tensor_model_parallel_size,
         parallel.pipeline_model_parallel_size,
         vp,
         parallel.context_parallel_size,
         parallel_state.get_data_parallel_world_size(),
+        parallel.expert_model_parallel_size,
+        parallel.etp_size,
     )
 
 

@@ -14,17 +14,33 @@ Bytes per parameter on a device:
 - in-process teacher (the trainer's start-up check): 2 or 4 (its weights, at the student's dtype and layout);
 - vLLM server: 2 (bf16 weights); what ``gpu_memory_utilization`` leaves is KV cache.
 
-Activations, rough (bf16, flash attention, no dropout). Per token and layer, the tensors a layer keeps for its
-backward are the inputs of the two norms, of QKV and of fc1 (h each, split over TP only under sequence
-parallelism), the QKV output and the attention output (2·Nq·D + 2·Nkv·D) and the gate/up and SwiGLU outputs (3F),
-the last two groups split over TP: ``A = 2·(4h/s + (2·Nq·D + 2·Nkv·D + 3F)/t)`` bytes, s = t with sequence
-parallelism, else 1 (with full recomputation a layer keeps only its input, 2h/s, plus one layer's A while it
-recomputes).
+Activations: what each layer of our local spec saves for its backward (torch ``RMSNorm``, Megatron's linears,
+``SDPAttention``, SwiGLU), counted per token and layer in elements (x 2 bytes in bf16, 4 in fp32; the few fp32
+statistics of a bf16 run, norms' 1/rms and attention's log-sum-exp, are counted at the same width). Attention
+assumes a flash-style SDPA kernel (CPU flash, GPU flash / cuDNN / memory-efficient): it keeps its q, k, v, output
+and log-sum-exp, nothing ``s x s``; Megatron's unfused ``DotProductAttention`` is not modelled.
 
-- student: A × layers of the stage × tokens of a micro-batch × micro-batches in flight (PP − stage under 1F1B),
-  plus on the last stage the logits, tokens × Vp/t × 8 bytes (bf16 logits, their bf16 gradient, an fp32 copy), where
-  tokens are one loss chunk's with the fused output layer (``loss.fused_output``), else the micro-batch's; in fp32
-  every activation term doubles;
+- two norms: input, normalised input and output (the next linear's input), and 1/rms: ``2·(3h + 1)/s``;
+- attention: the QKV output (one storage, V a view of it: ``(Nq + 2·Nkv)·D``), the RoPE'd q and k copies SDPA
+  saves (``Nq·D + Nkv·D``), its output (the projection's input) and log-sum-exp (``Nq·D + Nq``), all ``/t``; RoPE's
+  cos and sin, once for q and once for k (``4·D``, per token, not per head); with QK-norm (Qwen3) the q copy it
+  normalises, its normalised q and k and their 1/rms (``2·Nq·D + Nq + Nkv·D + Nkv``, ``/t``);
+- SwiGLU MLP: the fc1 output (gate and up, ``2F``), silu's output, the product (fc2's input) and one more ``F``:
+  ``5F/t``.
+
+``A`` is their sum; s = t under sequence parallelism, else 1. Under context parallelism a rank holds S/CP positions
+(tokens below are its own) and attention saves more (``models.context_parallel``): K and V gathered over the
+whole sequence (``2·CP·Nkv·D``), its two query chunks zero-padded to square causal calls (q, output and
+log-sum-exp at up to ``CP + 1`` times the local rows) and a contiguous copy of the output (``Nq·D``). With full
+recomputation (``build.recompute_granularity=full``, blocks of N = ``recompute_num_layers`` layers) a block keeps
+only its input (``h/s``) and one block's ``N·A`` is alive while it recomputes, in backward, after the loss's logits
+are gone: the larger of the two counts. The last stage adds the final norm (``(3h + 1)/s``). Measured against the
+peak of live tensor bytes of one update on CPU: 0.92-0.98x (``tests/test_memory_check.py``), 1.01-1.14x at CP=2.
+
+- student: A x layers of the stage x tokens of a micro-batch x micro-batches in flight (PP − stage under 1F1B),
+  plus on the last stage the logits, tokens × Vp/t × 8 bytes (bf16 logits, their bf16 gradient, an fp32 copy; 16
+  in fp32), where tokens are one loss chunk's with the fused output layer (``loss.fused_output``), else the
+  micro-batch's;
 - teacher: one layer's A for one micro-batch (forward only: freed layer by layer) plus on the last stage
   tokens × Vp/t × 6 bytes (bf16 logits and the fp32 log-softmax its top-k is taken from);
 - vLLM: KV cache of 2·L·(Nkv/t)·D·2 bytes per token; capacity = utilization × memory − weights − 3 GiB (CUDA
@@ -36,6 +52,7 @@ t / PP / DP tensor / pipeline / data-parallel sizes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,7 +64,7 @@ from megatron_opd.model_files import HF_CONFIG_DIR
 from megatron_opd.models.architecture import ModelArchitecture, architecture_from_hf_config
 from megatron_opd.models.builder import ModelBuildConfig
 from megatron_opd.models.families import FAMILIES
-from megatron_opd.models.name_mapping import Split, WeightRule, expand_rules
+from megatron_opd.models.name_mapping import ExpertSplit, Split, WeightRule, expand_rules, hf_shapes
 
 GIB = 1 << 30
 VLLM_OVERHEAD_BYTES = 3 * GIB
@@ -107,32 +124,51 @@ def _per_rank(rule: WeightRule, name: str, numel: int, arch: ModelArchitecture, 
     return numel // tp
 
 
-def shard_parameters(model: torch.nn.Module, tp: int, pp: int, vocab_multiple: int | None = 128) -> list[ParamShard]:
-    """Every parameter of ``model`` placed under TP=``tp``, PP=``pp`` by the name mapping's rules, the vocabulary
-    padded to a multiple of ``vocab_multiple x tp`` rows (None: unpadded, as in vLLM); raises when a parameter has
-    no rule (the mapping would not load this model)."""
+def shard_parameters(
+    model: torch.nn.Module,
+    tp: int,
+    pp: int,
+    vocab_multiple: int | None = 128,
+    ep: int = 1,
+    etp: int | None = None,
+) -> list[ParamShard]:
+    """Every parameter of ``model`` placed under TP=``tp``, PP=``pp`` (and for Mixture-of-Experts models EP=``ep``
+    ranks each holding experts / EP of the experts, each expert split over ``etp`` ranks, default ``tp``) by the
+    name mapping's rules, the vocabulary padded to a multiple of ``vocab_multiple x tp`` rows (None: unpadded, as
+    in vLLM); raises when the rules do not account for every parameter (the mapping would not load this model).
+    Sizes come from the rules' checkpoint shapes: transformers' modules may fuse tensors the checkpoint keeps
+    apart (transformers 5 holds a layer's experts as one tensor)."""
     arch = architecture_from_hf_config(model.config.to_dict())
     arch.validate_tensor_parallel(tp)
     if arch.num_layers % pp:
         raise ValueError(f"pipeline_model_parallel_size={pp} does not divide the {arch.num_layers} layers")
+    etp = etp or tp
     layers_per_stage = arch.num_layers // pp
-    params = dict(model.named_parameters())
     shards = []
     for rule, layer in expand_rules(arch):
         if layer is not None:
             stage = layer // layers_per_stage
         else:
             stage = 0 if rule.megatron.startswith("embedding") else pp - 1
-        for name in rule.hf_names(layer):
-            numel = params[name].numel()
+        for name, shape in zip(rule.hf_names(layer), hf_shapes(rule, arch)):
+            numel = math.prod(shape)
             split = rule.split is not Split.REPLICATED
-            shards.append(ParamShard(name, stage, numel, split, _per_rank(rule, name, numel, arch, tp, vocab_multiple)))
+            if rule.experts is ExpertSplit.PER_EXPERT:  # one expert of E on E/EP ranks' worth: numel / EP a rank
+                per_rank = _per_rank(rule, name, numel, arch, etp, vocab_multiple) // ep
+            else:
+                per_rank = _per_rank(rule, name, numel, arch, tp, vocab_multiple)
+            shards.append(ParamShard(name, stage, numel, split, per_rank))
+    total = sum(p.numel() for p in model.parameters())
+    placed = sum(s.numel for s in shards)
+    if placed != total:
+        unplaced = sorted(set(dict(model.named_parameters())) - {s.name for s in shards})
+        raise ValueError(
+            f"no name-mapping rule places {unplaced[:5]} ({len(unplaced)} tensors): the rules place {placed:,} of "
+            f"the model's {total:,} parameters"
+        )
     if arch.tie_word_embeddings and pp > 1:
         embedding = shards[0]
         shards.append(ParamShard(embedding.name, pp - 1, embedding.numel, True, embedding.per_rank))
-    unplaced = sorted(set(params) - {s.name for s in shards})
-    if unplaced:
-        raise ValueError(f"no name-mapping rule places {unplaced[:5]} ({len(unplaced)} tensors)")
     return shards
 
 
@@ -144,11 +180,23 @@ def stage_params(shards: list[ParamShard], pp: int) -> list[int]:
     return totals
 
 
-def layer_activation_bytes(arch: ModelArchitecture, tp: int, sequence_parallel: bool) -> float:
-    """``A``: bytes one layer keeps per token for its backward (see the module docstring)."""
-    d, s = arch.head_dim, tp if sequence_parallel else 1
-    split = 2 * arch.num_attention_heads * d + 2 * arch.num_key_value_heads * d + 3 * arch.ffn_hidden_size
-    return 2 * (4 * arch.hidden_size / s + split / tp)
+def layer_activation_elements(arch: ModelArchitecture, tp: int, sequence_parallel: bool, cp: int = 1) -> float:
+    """``A``: elements one layer keeps per token of this rank for its backward (see the module docstring)."""
+    h, d, f, s = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size, tp if sequence_parallel else 1
+    nq, nkv = arch.num_attention_heads / tp, arch.num_key_value_heads / tp
+    attention = (nq + 2 * nkv) * d + 4 * d
+    if cp == 1:
+        attention += nq * d + nkv * d + nq * d + nq
+    else:
+        attention += (cp + 1) * (2 * nq * d + nq) + 2 * cp * nkv * d + nq * d
+    if arch.qk_norm:
+        attention += 2 * nq * d + nq + nkv * d + nkv
+    return 2 * (3 * h + 1) / s + attention + 5 * f / tp
+
+
+def layer_activation_bytes(arch: ModelArchitecture, tp: int, sequence_parallel: bool, width: int = 2) -> float:
+    """``A`` in bytes at ``width`` bytes an element (2: bf16)."""
+    return width * layer_activation_elements(arch, tp, sequence_parallel)
 
 
 @dataclass(frozen=True)
@@ -170,9 +218,12 @@ class DeviceMemory:
         return self.weights + self.grads + self.optimizer + self.activations
 
 
-def _model(path: str, tp: int, pp: int, vocab_multiple: int | None) -> tuple[ModelArchitecture, list[ParamShard]]:
+def _model(
+    path: str, tp: int, pp: int, vocab_multiple: int | None, ep: int = 1, etp: int | None = None
+) -> tuple[ModelArchitecture, list[ParamShard]]:
     model = meta_model(hf_config(path))
-    return architecture_from_hf_config(model.config.to_dict()), shard_parameters(model, tp, pp, vocab_multiple)
+    shards = shard_parameters(model, tp, pp, vocab_multiple, ep, etp)
+    return architecture_from_hf_config(model.config.to_dict()), shards
 
 
 def micro_batch_tokens(cfg, seq: int) -> int:
@@ -198,34 +249,40 @@ def student_rows(cfg, dp: int, bf16: bool, distributed: bool) -> list[DeviceMemo
     Bytes per parameter: the weights (2 in bf16, 4 in fp32), the fp32 gradient buffer (4), and Adam's two fp32
     moments plus, in bf16, the fp32 master copy (8 or 12), divided by DP under the distributed optimizer."""
     tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
+    ep, etp = cfg.parallel.expert_model_parallel_size, cfg.parallel.etp_size
     multiple = cfg.build.make_vocab_size_divisible_by
-    arch, shards = _model(cfg.student.path, tp, pp, multiple)
+    arch, shards = _model(cfg.student.path, tp, pp, multiple, ep, etp)
     seq = cfg.train.max_seq_len or arch.max_position_embeddings
     tokens = micro_batch_tokens(cfg, seq)
     shape = f"{cfg.train.micro_batch_size} x {seq}" if tokens == cfg.train.micro_batch_size * seq else str(tokens)
     micro_batches = cfg.train.prompts_per_step * cfg.rollout.n // (dp * cfg.train.micro_batch_size)
     width = 2 if bf16 else 4
-    scale = width / 2  # the activation formulas count bf16
-    full = cfg.build.recompute == "full"
     sp = tp if cfg.parallel.sequence_parallel else 1
-    per_layer = 2 * arch.hidden_size / sp if full else layer_activation_bytes(arch, tp, cfg.parallel.sequence_parallel)
+    cp = cfg.parallel.context_parallel_size
+    local = tokens / cp  # this rank's positions of the micro-batch
+    layer = layer_activation_elements(arch, tp, cfg.parallel.sequence_parallel, cp)
+    block = cfg.build.recompute_num_layers
+    full = cfg.build.recompute == "full"
     vocab = arch.padded_vocab_size(tp, multiple) // tp
     rows = []
     for stage, params in enumerate(stage_params(shards, pp)):
+        last = stage == pp - 1
         in_flight = min(pp - stage, max(micro_batches, 1))
-        activations = per_layer * arch.num_layers / pp * tokens * in_flight
-        if full:
-            activations += layer_activation_bytes(arch, tp, cfg.parallel.sequence_parallel) * tokens
-        activations += _logit_tokens(cfg, tokens, vocab) * vocab * 8 if stage == pp - 1 else 0
+        per_layer = arch.hidden_size / sp / block if full else layer  # full: one input per block of layers
+        kept = per_layer * arch.num_layers / pp * local * in_flight
+        kept += (3 * arch.hidden_size + 1) / sp * local if last else 0  # the final norm
+        logits = _logit_tokens(cfg, int(local), vocab) * vocab * 4 * width if last else 0  # bytes
+        recomputing = min(block, arch.num_layers // pp) * layer * local * width if full else 0
+        activations = kept * width + max(logits, recomputing)
         rows.append(
             DeviceMemory(
                 "student (trainer)",
-                f"TP={tp} PP={pp} DP={dp}, stage {stage}",
+                f"TP={tp} PP={pp} DP={dp}{f' EP={ep}' if ep > 1 else ''}, stage {stage}",
                 params,
                 weights=width * params,
                 grads=4 * params,
                 optimizer=(12 if bf16 else 8) * params / (dp if distributed else 1),
-                activations=activations * scale,
+                activations=activations,
                 note=f"{in_flight} micro-batch(es) of {shape} tokens in flight",
             )
         )
@@ -240,14 +297,23 @@ def student_memory(recipe: Recipe) -> list[DeviceMemory]:
 
 
 def _forward_rows(
-    job: str, layout: str, path: str, tp: int, pp: int, multiple: int, tokens: int, width: int
+    job: str,
+    layout: str,
+    path: str,
+    tp: int,
+    pp: int,
+    multiple: int,
+    tokens: int,
+    width: int,
+    ep: int = 1,
+    etp: int | None = None,
 ) -> list[DeviceMemory]:
     """A forward-only model (a teacher): its weights, one layer's activations and the last stage's logits."""
-    arch, shards = _model(path, tp, pp, multiple)
+    arch, shards = _model(path, tp, pp, multiple, ep, etp)
     vocab = arch.padded_vocab_size(tp, multiple) // tp
     rows = []
     for stage, params in enumerate(stage_params(shards, pp)):
-        activations = layer_activation_bytes(arch, tp, False) * tokens * width / 2
+        activations = layer_activation_bytes(arch, tp, False, width) * tokens
         activations += tokens * vocab * 6 if stage == pp - 1 else 0
         rows.append(
             DeviceMemory(
@@ -350,8 +416,9 @@ def trainer_memory(cfg, world_size: int, accel_type: str, device_bytes: float | 
         tokens = micro_batch_tokens(cfg, cfg.train.max_seq_len or arch.max_position_embeddings)
         width = 2 if plan.bf16 else 4
         multiple = cfg.build.make_vocab_size_divisible_by
+        ep, etp = cfg.parallel.expert_model_parallel_size, cfg.parallel.etp_size
         teacher = _forward_rows("teacher (in-process)", f"TP={tp} PP={pp}", cfg.teacher.path, tp, pp, multiple,
-                                tokens, width)  # fmt: skip
+                                tokens, width, ep, etp)  # fmt: skip
         for rows, row in zip(stages, teacher):
             if cfg.teacher.offload:  # its weights leave while the student trains: count the larger phase
                 student = rows[0]
@@ -412,7 +479,7 @@ def check_trainer_memory(cfg, world_size: int, accel_type: str, device_gib: floa
             f"the run needs an estimated {peak.total / GIB:.1f} GiB on one device ({parts} GiB) but it has "
             f"{device_gib:g} GiB (train.device_memory_gib, else the device's own figure). To fit: "
             + "; or ".join(_advice(cfg, peak))
-            + ". Or set train.skip_memory_check=true to start anyway (the estimate is rough for activations).\n"
+            + ". Or set train.skip_memory_check=true to start anyway (activations are estimated, not measured).\n"
             + table
         )
     return peak, table

@@ -34,6 +34,7 @@ def aligned_divergence(
     *,
     vocab_size: int | None,
     student_temperature: float = 1.0,
+    context_parallel=None,
     **topk_options,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token loss and divergence, the logits' leading shape: top-k where ``aligned``, sampled elsewhere.
@@ -41,6 +42,7 @@ def aligned_divergence(
     ``topk_ids`` / ``topk_logprobs`` / ``support`` ``[..., K]``: the teacher's top-k in student ids at aligned
     positions (``support`` False: an empty slot). ``group_logprobs`` / ``group_offset``: each position's group
     log-probability under the teacher and the offset to its group's first position (``losses.sampled``).
+    ``context_parallel``: the rows are this rank's share of each sequence (``losses.sampled.group_sums``).
     ``topk_options``: ``topk_divergence``'s ``beta``, ``tail``, ``coverage_weight``, ``chunk_size``.
     """
     lead = logits.shape[:-1]
@@ -51,8 +53,9 @@ def aligned_divergence(
     if sampled_rows:
         logq_T = label_logprobs(logits_TV, labels.reshape(-1), vocab_size=vocab_size, temperature=student_temperature)
         per_token_T, divergence_T = sampled_reverse_kl(
-            logq_T, group_logprobs.reshape(-1).to(logq_T.dtype), group_offset.reshape(-1)
+            logq_T.view(lead), group_logprobs.to(logq_T.dtype), group_offset, context_parallel
         )
+        per_token_T, divergence_T = per_token_T.reshape(-1), divergence_T.reshape(-1)
     else:  # one tokenizer: the top-k loss alone, nothing sampled to read
         per_token_T = logits_TV.new_zeros(aligned_T.shape, dtype=torch.float32)
         divergence_T = per_token_T.detach().clone()

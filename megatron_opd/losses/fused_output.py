@@ -63,12 +63,14 @@ def reduction_coefficients(
     *,
     normalizer: float | None = None,
     segment_ids: torch.Tensor | None = None,
+    sequence_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``a`` with ``reduce_loss(l * weights, mask, mode, ...) == sum(a * l)`` for every ``l`` (float64): the
     reduction is linear in the per-token losses, so its gradient is the coefficient of each."""
     x_BS = torch.zeros(mask_BS.shape, dtype=torch.float64, device=mask_BS.device, requires_grad=True)
     with torch.enable_grad():
-        kwargs = {} if mode == "sum" else {"normalizer": normalizer, "segment_ids": segment_ids}
+        kwargs = {} if mode == "sum" else {"normalizer": normalizer, "segment_ids": segment_ids,
+                                           "sequence_weights": sequence_weights}  # fmt: skip
         total = reduce_loss(x_BS * weights_BS.to(torch.float64), mask_BS, mode, **kwargs)
         (coefficients,) = torch.autograd.grad(total, x_BS, allow_unused=True)
     return torch.zeros_like(x_BS) if coefficients is None else coefficients.detach()

@@ -28,6 +28,7 @@ def reduce_loss(
     *,
     normalizer: float | torch.Tensor | None = None,
     segment_ids: torch.Tensor | None = None,
+    sequence_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduce per-token losses to a scalar.
 
@@ -40,6 +41,8 @@ def reduce_loss(
             at least one valid token for ``sequence_mean``); not allowed with ``sum``.
         segment_ids: same shape, int: the sequence of each token when sequences are packed into one row (THD);
             ``sequence_mean`` then averages within each id instead of along the last dim.
+        sequence_weights: ``[batch]`` each sequence's total ``mask`` weight when the rows hold only part of each
+            sequence (context parallelism: counted before the split); ``sequence_mean`` divides by it.
 
     Returns:
         A scalar in the loss's dtype; 0 (with a gradient of zeros) when nothing is valid.
@@ -73,6 +76,8 @@ def reduce_loss(
         raise ValueError("sequence_mean needs per_token_loss shaped [..., seq]")
     else:
         seq_weight_B, seq_sum_B = weight.sum(dim=-1), weighted.sum(dim=-1)
+    if sequence_weights is not None:
+        seq_weight_B = sequence_weights.to(device=weighted.device, dtype=weighted.dtype)
     seq_mean_B = _safe_divide(seq_sum_B, seq_weight_B)
     has_tokens_B = seq_weight_B != 0
     if normalizer is None:

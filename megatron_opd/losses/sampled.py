@@ -58,11 +58,16 @@ def label_logprobs(
     return _LabelLogprob.apply(flat_TV, flat_T, shard, 1.0 / temperature).view(lead)
 
 
-def group_sums(values_T: torch.Tensor, group_offset_T: torch.Tensor | None) -> torch.Tensor:
+def group_sums(values_T: torch.Tensor, group_offset_T: torch.Tensor | None, context_parallel=None) -> torch.Tensor:
     """Each token's group total: ``values`` summed over the tokens whose ``position + group_offset`` (the group's
-    first position, in the same flattened layout) is the same; ``None``: every token its own group."""
+    first position, in the same flattened layout) is the same; ``None``: every token its own group.
+    ``context_parallel`` (a ``ContextParallelSplit``; ``[B, S]`` values): the rows are this rank's share of each
+    sequence, and a group may span ranks: the totals are taken over the gathered sequences (no gradient)."""
     if group_offset_T is None:
         return values_T
+    if context_parallel is not None:
+        cp = context_parallel
+        return cp.split(group_sums(cp.gather(values_T), cp.gather(group_offset_T)), 1)
     flat_T, shape = values_T.reshape(-1), values_T.shape
     first_T = torch.arange(flat_T.numel(), device=flat_T.device) + group_offset_T.reshape(-1).to(torch.int64)
     totals = torch.zeros_like(flat_T).index_add_(0, first_T, flat_T)
@@ -70,16 +75,20 @@ def group_sums(values_T: torch.Tensor, group_offset_T: torch.Tensor | None) -> t
 
 
 def sampled_reverse_kl(
-    logq_T: torch.Tensor, teacher_logp_T: torch.Tensor, group_offset_T: torch.Tensor | None = None
+    logq_T: torch.Tensor,
+    teacher_logp_T: torch.Tensor,
+    group_offset_T: torch.Tensor | None = None,
+    context_parallel=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(surrogate_T, divergence_T)``: the per-token loss whose gradient is the sampled estimate of
     ``grad KL(q || p)``, and the estimate itself (a group's ``log q - log p`` spread over its student tokens in
     proportion to each token's share: they sum to the group's). ``teacher_logp_T``: ``log p`` of each token, or with
-    ``group_offset_T`` of its group (the same value at every token of a group)."""
-    logq_group_T = group_sums(logq_T.detach(), group_offset_T)
+    ``group_offset_T`` of its group (the same value at every token of a group). ``context_parallel``: see
+    ``group_sums``."""
+    logq_group_T = group_sums(logq_T.detach(), group_offset_T, context_parallel)
     advantage_T = logq_group_T - teacher_logp_T.to(logq_T.dtype)
     surrogate_T = advantage_T * logq_T
     if group_offset_T is None:
         return surrogate_T, advantage_T
-    size_T = group_sums(torch.ones_like(logq_T.detach()), group_offset_T)
+    size_T = group_sums(torch.ones_like(logq_T.detach()), group_offset_T, context_parallel)
     return surrogate_T, advantage_T / size_T

@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from megatron_opd.model_files import ConfigFileError, UnsupportedArchitectureError
-from megatron_opd.models.families import BY_MODEL_TYPE, FAMILIES, ModelFamily, family_named
+from megatron_opd.models.families import BY_MODEL_TYPE, DEFERRED, FAMILIES, ModelFamily, family_named
+from megatron_opd.models.families.deepseek_v3 import DeepSeekRouting, MLAArchitecture
+from megatron_opd.models.rope import ROPE_TYPES
 
 SUPPORTED_MODEL_TYPES = {model_type: family.name for model_type, family in BY_MODEL_TYPE.items()}
 """model_type -> family name, from the registry in :mod:`megatron_opd.models.families`."""
@@ -38,15 +40,53 @@ class RopeConfig:
     theta: float = 10000.0
     """Base of the rotary frequencies (HF ``rope_theta``)."""
     type: str = "default"
-    """``default``, ``linear`` or ``llama3`` (HF ``rope_type``)."""
+    """``default``, ``linear``, ``llama3``, ``yarn`` or ``longrope`` (HF ``rope_type``; ``models.rope``)."""
     factor: float = 1.0
-    """Scaling factor for ``linear`` and ``llama3``."""
+    """Scaling factor for ``linear``, ``llama3`` and ``yarn``; ``longrope``: the context over the original one."""
     low_freq_factor: float = 1.0
     """``llama3`` only."""
     high_freq_factor: float = 4.0
     """``llama3`` only."""
     original_max_position_embeddings: int = 8192
-    """``llama3`` only: context length the base model was trained at."""
+    """``llama3``, ``yarn``, ``longrope``: context length the base model was trained at."""
+    partial_rotary_factor: float = 1.0
+    """Fraction of each head's dimensions that is rotated (HF ``partial_rotary_factor``; Phi-3 and Phi-4)."""
+    attention_factor: float | None = None
+    """Factor on cos and sin (``yarn``, ``longrope``); None: transformers' default for the type."""
+    beta_fast: float = 32.0
+    """``yarn`` only: rotations where the ramp from extrapolation to interpolation starts."""
+    beta_slow: float = 1.0
+    """``yarn`` only: rotations where it ends."""
+    mscale: float | None = None
+    """``yarn`` only (DeepSeek style): numerator weight of the default attention factor."""
+    mscale_all_dim: float | None = None
+    """``yarn`` only: denominator weight of the default attention factor."""
+    truncate: bool = True
+    """``yarn`` only: round the ramp's bounds to whole dimensions (transformers' default)."""
+    short_factor: tuple[float, ...] | None = None
+    """``longrope`` only: per-frequency factors up to ``original_max_position_embeddings`` (the long factors
+    beyond it are refused: ``models.rope``)."""
+
+
+@dataclass(frozen=True)
+class MoEArchitecture:
+    """The Mixture-of-Experts part of an architecture (``ModelArchitecture.moe``; None for a dense model)."""
+
+    num_experts: int
+    """Routed experts per MoE layer (HF ``num_experts`` / ``num_local_experts``)."""
+    top_k: int
+    """Experts each token is routed to (HF ``num_experts_per_tok``)."""
+    expert_ffn_hidden_size: int
+    """Width of each routed expert's SwiGLU gate and up projections (HF ``moe_intermediate_size``)."""
+    norm_topk_prob: bool
+    """The top-k routing probabilities are renormalised to sum to 1 (softmax over the top-k logits); else they are
+    the softmax over all experts' logits, taken at the top k."""
+    layers: tuple[int, ...]
+    """Global indices of the layers whose MLP is an MoE layer (the others are dense, ``ffn_hidden_size`` wide)."""
+    shared_expert_ffn_hidden_size: int = 0
+    """Width of the shared expert every token goes through (Qwen2-MoE); 0: none."""
+    shared_expert_gate: bool = False
+    """The shared expert's output is scaled by ``sigmoid(x @ gate)`` (Qwen2-MoE's ``shared_expert_gate``)."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +112,21 @@ class ModelArchitecture:
     """Bias on the query/key/value projections (Qwen2)."""
     qk_norm: bool
     """RMSNorm on each head's queries and keys (Qwen3)."""
+    sliding_window: int | None = None
+    """Keys each query attends to, itself included (HF ``sliding_window``; Mistral); None: all before it."""
+    sliding_layers: tuple[bool, ...] | None = None
+    """Which layers the window applies to (HF ``layer_types``; Gemma 3); None: every layer."""
+    local_rope: RopeConfig | None = None
+    """RoPE of the sliding-window layers where it differs from ``rope`` (Gemma 3's ``rope_local_base_freq``)."""
+    softmax_scale: float | None = None
+    """Attention softmax scale where it is not ``1 / sqrt(head_dim)`` (Gemma 3's ``query_pre_attn_scalar``)."""
     rope: RopeConfig = field(default_factory=RopeConfig)
+    moe: MoEArchitecture | None = None
+    """Mixture-of-Experts layers (Qwen3-MoE, Qwen2-MoE, Mixtral); None for a dense model."""
+    mla: MLAArchitecture | None = None
+    """Multi-latent attention (DeepSeek-V3) instead of grouped-query attention; None for the latter."""
+    routing: DeepSeekRouting | None = None
+    """DeepSeek's group-limited, scaled router on top of ``moe``; None for the MoE families' softmax router."""
     torch_dtype: str = "float32"
     """dtype the checkpoint was saved in (``config.json`` ``torch_dtype``/``dtype``)."""
 
@@ -106,24 +160,47 @@ class ModelArchitecture:
         return asdict(self)
 
 
-def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
+def rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
+    """The rotary embedding of a Hugging Face ``config.json`` dict (``rope_scaling``, 5.x ``rope_parameters``)."""
     params = cfg.get("rope_parameters") or {}
+    if isinstance(params.get("full_attention"), dict):  # 5.x per layer type (Gemma 3): the global layers' RoPE
+        params = params["full_attention"]
     scaling = cfg.get("rope_scaling") or {}
     merged = {**params, **scaling}  # an explicit 4.x rope_scaling wins over 5.x defaults
     theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
-    if rope_type not in ("default", "linear", "llama3"):
+    if rope_type not in ROPE_TYPES:
+        hint = " (it rescales with the sequence length at run time)" if rope_type == "dynamic" else ""
         raise UnsupportedArchitectureError(
-            f"rope scaling type {rope_type!r} (config.json rope_scaling/rope_parameters) is not supported; "
-            "supported: default, linear, llama3"
+            f"rope scaling type {rope_type!r} (config.json rope_scaling/rope_parameters) is not supported{hint}; "
+            f"supported: {', '.join(ROPE_TYPES)}"
         )
+    original = merged.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    if original is None:
+        # llama3 has always defaulted to 8192 here; YaRN and LongRoPE without it scale from the model's context.
+        original = 8192 if rope_type in ("default", "linear", "llama3") else cfg.get("max_position_embeddings")
+    factor = merged.get("factor")
+    if factor is None and rope_type in ("yarn", "longrope") and original:
+        factor = cfg.get("max_position_embeddings", original) / original
+    short_factor = merged.get("short_factor")
+    if rope_type == "longrope" and not short_factor:
+        raise UnsupportedArchitectureError("config.json rope_scaling.short_factor is missing for rope_type longrope")
+    optional = {k: merged.get(k) for k in ("attention_factor", "mscale", "mscale_all_dim")}
     return RopeConfig(
         theta=float(theta),
         type=rope_type,
-        factor=float(merged.get("factor", 1.0)),
+        factor=float(1.0 if factor is None else factor),
         low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=int(original or 8192),
+        partial_rotary_factor=float(merged.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0),
+        attention_factor=None if optional["attention_factor"] is None else float(optional["attention_factor"]),
+        beta_fast=float(merged.get("beta_fast") or 32.0),
+        beta_slow=float(merged.get("beta_slow") or 1.0),
+        mscale=None if optional["mscale"] is None else float(optional["mscale"]),
+        mscale_all_dim=None if optional["mscale_all_dim"] is None else float(optional["mscale_all_dim"]),
+        truncate=bool(merged.get("truncate", True)),
+        short_factor=tuple(float(x) for x in short_factor) if short_factor else None,
     )
 
 
@@ -151,8 +228,9 @@ def architecture_from_hf_config(cfg: dict[str, Any], source: str = "config.json"
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         archs = cfg.get("architectures")
+        reason = f" ({DEFERRED[model_type]})" if model_type in DEFERRED else ""
         raise UnsupportedArchitectureError(
-            f"{source} model_type={model_type!r} (architectures={archs}) is not supported; "
+            f"{source} model_type={model_type!r} (architectures={archs}) is not supported{reason}; "
             f"supported model types: {sorted(SUPPORTED_MODEL_TYPES)}"
         )
     family = BY_MODEL_TYPE[model_type]
@@ -167,6 +245,7 @@ def architecture_from_hf_config(cfg: dict[str, Any], source: str = "config.json"
             f"{source} field 'rms_norm_eps' must be a number, got {cfg['rms_norm_eps']!r}; fix the file"
         ) from None
     own_fields = family.read_config(cfg, source)
+    rope = own_fields.pop("rope", None) or rope_from_hf(cfg)  # a family with its own rotary embedding reads it
     return ModelArchitecture(
         family=family.name,
         vocab_size=_positive_int(cfg, "vocab_size", source),
@@ -180,7 +259,7 @@ def architecture_from_hf_config(cfg: dict[str, Any], source: str = "config.json"
         rms_norm_eps=rms_norm_eps,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         **own_fields,
-        rope=_rope_from_hf(cfg),
+        rope=rope,
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
     )
 

@@ -15,6 +15,12 @@ Three cases, from what Megatron's ``Attention`` passes:
   sequence attends causally to itself only, through ``torch.nn.attention.varlen`` on a GPU where it exists, otherwise
   one SDPA call over the sequences padded to the longest (or one call per sequence, where lengths differ widely).
 
+Sliding windows (``config.window_size = (w, 0)``, on the layers Megatron's ``window_attn_skip_freq`` picks): a
+query attends to itself and the ``w`` keys before it (Hugging Face's ``sliding_window`` is ``w + 1``), through an
+explicit boolean mask in each of the three cases (:func:`window_mask`, bottom-right aligned for decode), or
+``varlen``'s own window on a GPU. SDPA's flash kernel takes no mask: a window runs SDPA's memory-efficient kernel
+on a GPU, and a log line says so.
+
 Shape legend: ``s`` queries, ``k`` keys, ``b`` batch, ``h`` query heads on this rank, ``g`` K/V heads on this
 rank, ``d`` head dim, ``t`` packed tokens.
 """
@@ -22,7 +28,9 @@ rank, ``d`` head dim, ``t`` packed tokens.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
+import logging
 import math
 
 import torch
@@ -33,6 +41,9 @@ import torch.nn.functional as F
 # 10-20 tokens: 1.4 ms forward and backward against 7.6 ms for the per-sequence loop.
 PADDED_COST_BOUND = 4
 
+logger = logging.getLogger(__name__)
+_logged_window_kernel = False
+
 
 def _tp_size(pg_collection) -> int:
     if pg_collection is not None and getattr(pg_collection, "tp", None) is not None:
@@ -42,17 +53,26 @@ def _tp_size(pg_collection) -> int:
     return parallel_state.get_tensor_model_parallel_world_size()
 
 
-def _varlen_causal_attn():
+def window_mask(queries: int, keys: int, window: int, device) -> torch.Tensor:
+    """``[queries, keys]`` boolean mask (True = attends), bottom-right aligned: query ``i`` sits at key position
+    ``keys - queries + i`` and sees itself and the ``window`` keys before it."""
+    position = torch.arange(queries, device=device)[:, None] + (keys - queries)
+    key = torch.arange(keys, device=device)[None, :]
+    return (key <= position) & (key >= position - window)
+
+
+def _varlen_causal_attn(window: int | None = None):
     """A causal ``varlen_attn(q, k, v, cu, max_len, scale)`` from ``torch.nn.attention.varlen`` (a GPU flash kernel
-    for packed sequences), or None where this torch has none. Its causal argument changed between releases."""
+    for packed sequences), or None where this torch has none (or none with a ``window``: keys before the query).
+    Its causal argument changed between releases."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
     params = inspect.signature(varlen_attn).parameters
     if "window_size" in params:
-        causal = {"window_size": (-1, 0)}
-    elif "is_causal" in params:
+        causal = {"window_size": (-1 if window is None else window, 0)}
+    elif "is_causal" in params and window is None:
         causal = {"is_causal": True}
     else:
         return None
@@ -66,8 +86,35 @@ def _varlen_causal_attn():
     return attend
 
 
+def layer_window(config, layer_number: int) -> int | None:
+    """Keys before each query that a layer attends to (None: all), from ``config.window_size`` and
+    ``window_attn_skip_freq`` (Megatron's own rule for which layers slide)."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    window = getattr(config, "window_size", None)
+    if not is_layer_window_attention(window, getattr(config, "window_attn_skip_freq", None), layer_number):
+        return None
+    left, right = window
+    if right != 0:
+        raise ValueError(f"window_size={tuple(window)}: a causal decoder needs a right window of 0")
+    return None if left < 0 else int(left)
+
+
+def _context_parallel_split(config, pg_collection):
+    """The CP group's split when the sequence is split over context-parallel ranks, else None."""
+    if config.context_parallel_size == 1:
+        return None
+    from megatron_opd.models.context_parallel import ContextParallelSplit
+
+    group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+    if group is None:
+        return ContextParallelSplit.current()
+    return ContextParallelSplit(group, group.size(), group.rank())
+
+
 class SDPAttention(torch.nn.Module):
-    """Megatron-Core ``core_attention`` on SDPA: causal, GQA, TP-sharded heads, dropout, packed sequences."""
+    """Megatron-Core ``core_attention`` on SDPA: causal, GQA, TP-sharded heads, dropout, packed sequences, sliding
+    windows, and the sequence split over context-parallel ranks (``models.context_parallel``)."""
 
     def __init__(
         self,
@@ -79,27 +126,32 @@ class SDPAttention(torch.nn.Module):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection=None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
         **_,
     ) -> None:
         super().__init__()
-        if config.context_parallel_size != 1:
-            raise ValueError(
-                "context parallelism needs TransformerEngine's attention; set parallel.context_parallel_size=1"
-            )
-        if getattr(config, "window_size", None) is not None:
-            raise ValueError("sliding-window attention is not supported by build.attention=sdpa; use TE or 'local'")
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by build.attention=sdpa")
         self.config = config
         tp = _tp_size(pg_collection)
         self.heads = config.num_attention_heads // tp
         self.groups = config.num_query_groups // tp
-        self.head_dim = config.kv_channels
+        # Multi-latent attention passes its query/key and value head sizes (they differ); others use kv_channels.
+        self.head_dim = k_channels or config.kv_channels
+        self.v_head_dim = v_channels or self.head_dim
         # Megatron's apply_query_key_layer_scaling divides the scale by the layer number and multiplies it back in
         # the softmax: the product is this scale.
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.attn_mask_type = attn_mask_type
+        self.window = layer_window(config, layer_number)
+        self.context_parallel = _context_parallel_split(config, pg_collection)
+        if self.window is not None and self.context_parallel is not None:
+            raise ValueError(
+                "sliding-window attention with context parallelism is not supported; set "
+                "parallel.context_parallel_size=1"
+            )
 
     def forward(
         self,
@@ -124,15 +176,47 @@ class SDPAttention(torch.nn.Module):
                 return self._packed(query, key, value, packed_seq_params, dropout_p)
             q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, d]
             s, k_len = q.shape[2], k.shape[2]
+            if self.context_parallel is not None:
+                out = self._context_parallel(q, k, v, attention_mask, mask_type, dropout_p)
+                return out.permute(2, 0, 1, 3).reshape(s, out.shape[0], self.heads * self.head_dim)
             mask = None
             if attention_mask is not None:
                 mask = ~attention_mask.bool()  # Megatron: True = masked out; SDPA: True = attends
             elif mask_type == AttnMaskType.causal and s != k_len:
                 # Bottom-right aligned: query i sits at key position k_len - s + i (SDPA's is_causal would not).
                 mask = torch.ones(s, k_len, dtype=torch.bool, device=q.device).tril(diagonal=k_len - s)
+            if self._window_bites(k_len):
+                window = window_mask(s, k_len, self.window, q.device)
+                mask = window if mask is None else mask & window
             causal = mask is None and mask_type == AttnMaskType.causal and s > 1
             out = self._sdpa(q, k, v, mask, causal, dropout_p)  # [b, h, s, d]
-        return out.permute(2, 0, 1, 3).reshape(s, out.shape[0], self.heads * self.head_dim)
+        return out.permute(2, 0, 1, 3).reshape(s, out.shape[0], self.heads * self.v_head_dim)
+
+    def _window_bites(self, keys: int) -> bool:
+        """Whether this layer's window hides any of ``keys`` keys (logs once which kernel then runs on a GPU)."""
+        if self.window is None or keys <= self.window + 1:
+            return False
+        global _logged_window_kernel
+        if not _logged_window_kernel and torch.cuda.is_available():
+            _logged_window_kernel = True
+            logger.info(
+                "sliding-window attention (%d keys before each query) runs SDPA with an explicit mask: the "
+                "memory-efficient kernel, not flash (packed sequences: varlen's window where torch has it)",
+                self.window,
+            )
+        return True
+
+    def _context_parallel(self, q, k, v, attention_mask, mask_type, dropout_p: float) -> torch.Tensor:
+        """The sequence split over context-parallel ranks (``models.context_parallel``): causal self-attention only."""
+        from megatron.core.transformer.enums import AttnMaskType
+
+        if attention_mask is not None or mask_type != AttnMaskType.causal or q.shape[2] != k.shape[2]:
+            raise ValueError("context parallelism supports causal self-attention over the whole sequence only")
+        from megatron_opd.models import context_parallel
+
+        return context_parallel.attend(
+            q, k, v, self.context_parallel, lambda q, k, v, causal: self._sdpa(q, k, v, None, causal, dropout_p)
+        )
 
     def _sdpa(self, q, k, v, mask, causal: bool, dropout_p: float) -> torch.Tensor:
         gqa = self.groups != self.heads
@@ -142,32 +226,34 @@ class SDPAttention(torch.nn.Module):
 
     def _packed(self, query, key, value, params, dropout_p: float) -> torch.Tensor:
         """Packed sequences ``[t, heads, d]``: each sequence of ``cu_seqlens`` attends causally to itself only."""
+        if self.context_parallel is not None:
+            raise ValueError("packed sequences with context parallelism are not supported; set train.packing=false")
         if params.qkv_format != "thd":
             raise ValueError(f"packed sequences must use qkv_format='thd', got {params.qkv_format!r}")
         cu_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
         cu_k = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
         if not torch.equal(cu_q, cu_k):
             raise ValueError("packed self-attention needs cu_seqlens_q == cu_seqlens_kv")
-        varlen = _varlen_causal_attn() if query.is_cuda and dropout_p == 0.0 else None
+        varlen = _varlen_causal_attn(self.window) if query.is_cuda and dropout_p == 0.0 else None
         if varlen is not None:
             max_len = int(params.max_seqlen_q or int((cu_q[1:] - cu_q[:-1]).max()))
             out = varlen(
                 query, key, value, cu_q.to(torch.int32), max_len, self.softmax_scale, self.groups != self.heads
             )
             if out is not None:
-                return out.reshape(out.shape[0], self.heads * self.head_dim)
+                return out.reshape(out.shape[0], self.heads * self.v_head_dim)
         lengths = cu_q[1:] - cu_q[:-1]
         end = int(cu_q[-1])
         if end == 0:
-            return torch.zeros_like(query).reshape(query.shape[0], self.heads * self.head_dim)
+            return query.new_zeros(query.shape[0], self.heads * self.v_head_dim)
         longest = int(lengths.max())
         if len(lengths) * longest**2 <= PADDED_COST_BOUND * int((lengths**2).sum()):
             out = self._padded(query, key, value, cu_q[:-1], lengths, longest, dropout_p)
         else:
             out = self._per_sequence(query, key, value, cu_q.tolist(), dropout_p)
         if end < query.shape[0]:  # tokens after the last sequence (padding) attend to nothing useful
-            out = torch.cat([out, torch.zeros_like(query[end:])])
-        return out.reshape(query.shape[0], self.heads * self.head_dim)
+            out = torch.cat([out, out.new_zeros(query.shape[0] - end, *out.shape[1:])])
+        return out.reshape(query.shape[0], self.heads * self.v_head_dim)
 
     def _padded(self, query, key, value, starts, lengths, longest: int, dropout_p: float) -> torch.Tensor:
         """All sequences in one SDPA call, gathered into ``[n, heads, longest, d]`` with the padding at the end of
@@ -176,7 +262,9 @@ class SDPAttention(torch.nn.Module):
         tokens = (starts[:, None] + positions).clamp(max=query.shape[0] - 1)  # [n, longest]
         real = positions < lengths[:, None]
         q, k, v = (x[tokens].permute(0, 2, 1, 3) for x in (query, key, value))
-        return self._sdpa(q, k, v, None, longest > 1, dropout_p).permute(0, 2, 1, 3)[real]  # [t, heads, d]
+        mask = window_mask(longest, longest, self.window, query.device) if self._window_bites(longest) else None
+        out = self._sdpa(q, k, v, mask, mask is None and longest > 1, dropout_p)
+        return out.permute(0, 2, 1, 3)[real]  # [t, heads, d]
 
     def _per_sequence(self, query, key, value, bounds: list[int], dropout_p: float) -> torch.Tensor:
         pieces = []
@@ -184,7 +272,8 @@ class SDPAttention(torch.nn.Module):
             if hi == lo:
                 continue
             q, k, v = (x[lo:hi].permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))  # [1, heads, n, d]
-            pieces.append(self._sdpa(q, k, v, None, hi - lo > 1, dropout_p)[0].permute(1, 0, 2))
+            mask = window_mask(hi - lo, hi - lo, self.window, query.device) if self._window_bites(hi - lo) else None
+            pieces.append(self._sdpa(q, k, v, mask, mask is None and hi - lo > 1, dropout_p)[0].permute(1, 0, 2))
         return torch.cat(pieces)
 
     def _dropout_rng(self, dropout_p: float):
@@ -194,3 +283,23 @@ class SDPAttention(torch.nn.Module):
         from megatron.core import tensor_parallel
 
         return tensor_parallel.get_cuda_rng_tracker().fork()
+
+
+@functools.cache
+def per_layer_rope_attention(attention: type) -> type:
+    """``attention`` (Megatron's ``SelfAttention``) taking its RoPE per layer: given the two embeddings stacked by
+    :class:`~megatron_opd.models.rope` 's per-layer rotary module (``[2, s, 1, 1, d]``: global, local), sliding-window
+    layers take the local one (Gemma 3's ``rope_local_base_freq``) and the others the global one."""
+
+    class PerLayerRope(attention):
+        def __init__(self, config, *args, layer_number: int, **kwargs) -> None:
+            super().__init__(config, *args, layer_number=layer_number, **kwargs)
+            self.rope_index = 0 if layer_window(config, layer_number) is None else 1
+
+        def forward(self, *args, rotary_pos_emb=None, **kwargs):
+            if isinstance(rotary_pos_emb, torch.Tensor) and rotary_pos_emb.dim() == 5:
+                rotary_pos_emb = rotary_pos_emb[self.rope_index]
+            return super().forward(*args, rotary_pos_emb=rotary_pos_emb, **kwargs)
+
+    PerLayerRope.__name__ = PerLayerRope.__qualname__ = f"PerLayerRope{attention.__name__}"
+    return PerLayerRope

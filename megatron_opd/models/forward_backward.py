@@ -12,6 +12,9 @@ from typing import Any
 
 import torch
 
+from megatron_opd.distributed.lockstep import agree_count, lockstep_group
+from megatron_opd.models.context_parallel import SPLIT_MARKER
+
 MicroBatch = dict[str, torch.Tensor]
 # loss_fn(logits_BSV, micro_batch) -> (scalar loss, data to collect)
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, Any]]
@@ -32,12 +35,21 @@ def forward_backward(
     ``s`` may differ between micro-batches, so each is padded only to its own longest sequence. Returns the data ``loss_fn`` returned, one entry per micro-batch, on the last
     pipeline stage (an empty list elsewhere). Gradients accumulate into ``param.grad`` (or DDP's
     ``main_grad``); the loss of each micro-batch is divided by the number of micro-batches.
+
+    Where MoE layers exchange tokens with other data-parallel ranks (``distributed.lockstep``), every rank runs as
+    many micro-batches as the busiest: the others repeat their first micro-batch with a zero loss and discard it
+    (its backward still joins the exchanges), and scale their real losses so the division stays by their own count.
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    group = lockstep_group(chunks)
     if not micro_batches:
-        raise ValueError("micro_batches is empty")
+        if group is None:
+            raise ValueError("micro_batches is empty")
+        # Nothing of its own: only the dummies that keep the MoE layers' token exchange in step.
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        micro_batches = [{"tokens": torch.zeros((1, 8 * tp), dtype=torch.int64), _DUMMY_KEY: True}]
     batch_size, seq_len = micro_batches[0]["tokens"].shape
     one_stage = parallel_state.get_pipeline_model_parallel_world_size() == 1
     for i, mb in enumerate(micro_batches):
@@ -48,9 +60,25 @@ def forward_backward(
                 f"micro_batches[{i}]['tokens'] has shape {tuple(mb['tokens'].shape)}, expected {(batch_size, seq_len)}"
             )
 
+    # Checked on every rank before any communication, so that all of them refuse together.
+    if parallel_state.get_context_parallel_world_size() > 1 and any(SPLIT_MARKER not in mb for mb in micro_batches):
+        raise ValueError(
+            "context parallelism: the micro-batch is not split over context-parallel ranks "
+            "(trainer.loss_batch.split_for_context_parallel); each rank would attend with the whole sequence"
+        )
+
+    real = sum(not mb.get(_DUMMY_KEY) for mb in micro_batches)
+    total = agree_count(len(micro_batches), group) if group is not None else real
+    micro_batches = [*micro_batches, *[{**micro_batches[0], _DUMMY_KEY: True}] * (total - len(micro_batches))]
+    # The schedule divides each loss by `total`; a real one is scaled back to a division by `real`.
+    compensate = total / real if real and total != real and not forward_only else None
+
     def forward_step(data_iterator, model):
         device = next(model.parameters()).device
-        batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
+        # Tensors go to the device; plain values (the index of the teacher whose objective applies) stay as they are.
+        batch = {
+            k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in next(data_iterator).items()
+        }
         tokens = batch["tokens"]
         position_ids = batch.get("position_ids")
         if position_ids is None:
@@ -58,22 +86,32 @@ def forward_backward(
         output = model(tokens, position_ids, None, **packed_seq_params(batch))
 
         def reduce(output_tensor: torch.Tensor):
-            return loss_fn(output_tensor, batch)
+            if batch.get(_DUMMY_KEY):  # a lockstep dummy: zero gradients through the same exchanges
+                return output_tensor.sum() * 0.0, _DUMMY
+            loss, data = loss_fn(output_tensor, batch)
+            return (loss if compensate is None else loss * compensate), data
 
         return output, reduce
 
     # With virtual pipelining every chunk pulls micro-batches from its own iterator.
     iterators: Any = [iter(micro_batches) for _ in chunks] if len(chunks) > 1 else iter(micro_batches)
     schedule = get_forward_backward_func()
-    return schedule(
+    outputs = schedule(
         forward_step_func=forward_step,
         data_iterator=iterators,
         model=chunks if len(chunks) > 1 else chunks[0],
         num_microbatches=len(micro_batches),
-        seq_length=seq_len,
+        # Megatron's schedules take the whole sequence's length and divide it by the CP size themselves.
+        seq_length=seq_len * parallel_state.get_context_parallel_world_size(),
         micro_batch_size=batch_size,
         forward_only=forward_only,
     )
+    return [o for o in outputs if o is not _DUMMY]
+
+
+_DUMMY_KEY = "lockstep_dummy"
+_DUMMY = object()
+"""What a lockstep dummy micro-batch's loss returns as data (dropped from the results)."""
 
 
 def packed_seq_params(batch: MicroBatch) -> dict:

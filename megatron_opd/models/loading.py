@@ -14,7 +14,9 @@ import torch
 from megatron_opd.models.architecture import ModelArchitecture
 from megatron_opd.models.hf_io import CheckpointError, HFCheckpointReader
 from megatron_opd.models.name_mapping import (
+    ExpertSplit,
     expand_rules,
+    global_expert_names,
     hf_shapes,
     hf_to_megatron,
     local_layer_name,
@@ -42,19 +44,24 @@ def load_hf_weights(
     *,
     tp_rank: int,
     tp_size: int,
+    expert_tp_rank: int | None = None,
+    expert_tp_size: int | None = None,
     te: bool | None = None,
 ) -> None:
     """Copy the Hugging Face weights in ``hf_dir`` into ``chunks`` (this rank's model chunks).
 
-    Raises ``CheckpointError`` naming the tensor when it is missing or has the wrong shape, and
+    Mixture-of-Experts layers: only this rank's experts are read (each expert module knows its global indices),
+    split over ``expert_tp_size`` ranks (default: the tensor-parallel ones). Raises ``CheckpointError`` naming the tensor when it is missing or has the wrong shape, and
     when a model parameter is left without a weight. ``te=None`` detects the TransformerEngine
     layer spec from the parameter names (its norms are fused into the linear layers).
     """
     reader = HFCheckpointReader(hf_dir)
     for chunk in chunks:
         layers = chunk_layer_range(chunk)
-        params = dict(chunk.named_parameters())
-        targets = named_tensors(chunk)  # buffers too: a rule may name one
+        # Rules name experts by global index; a rank's experts are numbered from 0 in the module.
+        renamed = global_expert_names(chunk)
+        params = {renamed.get(n, n): p for n, p in chunk.named_parameters()}
+        targets = {renamed.get(n, n): t for n, t in named_tensors(chunk).items()}  # buffers too
         if te is None:
             te = any(name.endswith("layer_norm_weight") for name in params)
         padded_vocab = chunk.vocab_size
@@ -68,11 +75,14 @@ def load_hf_weights(
                 target = targets.get("output_layer.weight")
                 name = "output_layer.weight"
             if target is None:
-                continue  # held by another pipeline stage
+                continue  # held by another pipeline stage (or, for an expert, another expert-parallel rank)
             shapes = hf_shapes(rule, arch)
             hf_tensors = [reader.get(n, s) for n, s in zip(hf_names, shapes)]
             full = hf_to_megatron(rule, hf_tensors, arch, padded_vocab)
-            local = shard(rule, full, tp_rank, tp_size)
+            if rule.experts is ExpertSplit.PER_EXPERT and expert_tp_size is not None:
+                local = shard(rule, full, expert_tp_rank, expert_tp_size)
+            else:
+                local = shard(rule, full, tp_rank, tp_size)
             if tuple(local.shape) != tuple(target.shape):
                 raise CheckpointError(
                     f"parameter {name} expects shape {tuple(target.shape)} on this rank but the checkpoint tensors "

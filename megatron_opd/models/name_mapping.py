@@ -15,7 +15,7 @@ V vocabulary, Vp padded vocabulary.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -41,6 +41,8 @@ class ExpertSplit(str, Enum):
 
     NONE = "none"  # not an expert tensor: every expert-parallel rank holds it (dense layers, router, norms)
     PER_EXPERT = "per_expert"  # one tensor per expert ({expert} in the names); each EP rank holds E/EP experts
+    # expand_rules() yields one rule per expert with {expert} filled by the GLOBAL expert index (as {layer} is the
+    # global layer); Megatron numbers a rank's experts locally (local_experts.0..E/EP-1): see global_expert_names().
 
 
 @dataclass(frozen=True)
@@ -50,15 +52,21 @@ class WeightRule:
     megatron: str
     """Local-spec Megatron name, ``{layer}`` for the global layer index."""
     hf: tuple[str, ...]
-    """Hugging Face names, in fusion order (q, k, v / gate, up)."""
+    """Hugging Face names, in fusion order (q, k, v / gate, up), or one name where the checkpoint fuses them
+    (Phi-3's ``qkv_proj``: all q rows, then k, then v; ``gate_up_proj``: gate, then up)."""
     split: Split
     te_megatron: str | None = None
     """Name under the TransformerEngine spec, where it differs (norms fused into linears)."""
     experts: ExpertSplit = ExpertSplit.NONE
     """The split across expert-parallel ranks, on top of ``split`` (tensor parallelism within an expert)."""
+    layers: tuple[int, ...] | None = None
+    """The global layers that hold this per-layer tensor (None: every layer); MoE and dense layers differ."""
     buffer: bool = False
     """The Megatron tensor is a registered buffer, not a parameter (e.g. DeepSeek-V3's expert bias): it is
     loaded, converted and synced like a parameter but never trained."""
+    hf_shape: tuple[tuple[int, ...], ...] | None = None
+    """Each Hugging Face tensor's shape, where :func:`hf_shapes` cannot tell it from the name (multi-latent
+    attention's projections)."""
 
     def megatron_name(self, layer: int | None = None, te: bool = False) -> str:
         name = self.te_megatron if (te and self.te_megatron) else self.megatron
@@ -97,15 +105,52 @@ def expand_rules(
             yield rule, None
     for layer in layer_ids:
         for rule in rules:
-            if rule.per_layer:
-                yield rule, layer
+            if rule.per_layer and (rule.layers is None or layer in rule.layers):
+                for one in per_expert_rules(rule, arch):
+                    yield one, layer
     for rule in rules:
         if not rule.per_layer and not rule.megatron.startswith("embedding"):
             yield rule, None
 
 
+def per_expert_rules(rule: WeightRule, arch: ModelArchitecture) -> list[WeightRule]:
+    """``rule`` itself, or for a per-expert rule one copy per expert with ``{expert}`` filled (global index)."""
+    if rule.experts is ExpertSplit.NONE:
+        return [rule]
+
+    def fill(name: str | None, expert: int) -> str | None:
+        return name.replace("{expert}", str(expert)) if name else name
+
+    return [
+        replace(rule, megatron=fill(rule.megatron, e), hf=tuple(fill(n, e) for n in rule.hf),
+                te_megatron=fill(rule.te_megatron, e))
+        for e in range(arch.moe.num_experts)
+    ]  # fmt: skip
+
+
+def global_expert_names(module: torch.nn.Module) -> dict[str, str]:
+    """Local name -> global-expert name of every tensor of ``module`` inside a Megatron expert group
+    (``...mlp.experts.local_experts.{i}.`` becomes ``...mlp.experts.local_experts.{global index}.``), from each MoE
+    layer's own ``local_expert_indices``: at expert parallelism a rank holds experts ``r*E/EP ...``, numbered from
+    0. Names outside experts are not in the map."""
+    out = {}
+    for prefix, sub in module.named_modules():
+        indices = getattr(sub, "local_expert_indices", None)
+        local_experts = getattr(getattr(sub, "experts", None), "local_experts", None)
+        if indices is None or local_experts is None:
+            continue
+        for local, global_index in enumerate(indices):
+            old = f"{prefix}.experts.local_experts.{local}."
+            new = f"{prefix}.experts.local_experts.{global_index}."
+            for name in named_tensors(local_experts[local]):
+                out[old + name] = new + name
+    return out
+
+
 def hf_shapes(rule: WeightRule, arch: ModelArchitecture) -> tuple[tuple[int, ...], ...]:
     """Expected shape of each Hugging Face tensor of ``rule`` (for clear shape errors)."""
+    if rule.hf_shape is not None:
+        return rule.hf_shape
     h, d, nq, nkv, f, v = (
         arch.hidden_size,
         arch.head_dim,
@@ -115,19 +160,29 @@ def hf_shapes(rule: WeightRule, arch: ModelArchitecture) -> tuple[tuple[int, ...
         arch.vocab_size,
     )
     name = rule.megatron
+    if arch.moe is not None and ".mlp." in name:  # the MoE layers' widths
+        if name.endswith("router.weight"):
+            return ((arch.moe.num_experts, h),)
+        if name.endswith("gate_weight"):
+            return ((1, h),)
+        if ".shared_experts." in name:
+            f = arch.moe.shared_expert_ffn_hidden_size
+        elif ".experts." in name:
+            f = arch.moe.expert_ffn_hidden_size
     if rule.split is Split.VOCAB:
         return ((v, h),)
     if rule.split is Split.QKV:
-        if name.endswith("bias"):
-            return ((nq * d,), (nkv * d,), (nkv * d,))
-        return ((nq * d, h), (nkv * d, h), (nkv * d, h))
+        shapes = tuple((rows,) if name.endswith("bias") else (rows, h) for rows in (nq * d, nkv * d, nkv * d))
+        return shapes if len(rule.hf) == 3 else ((sum(s[0] for s in shapes), *shapes[0][1:]),)
     if rule.split is Split.GATE_UP:
-        return ((f, h), (f, h))
+        return ((f, h), (f, h)) if len(rule.hf) == 2 else ((2 * f, h),)
     if name.endswith("linear_proj.weight"):
         return ((h, nq * d),)
     if name.endswith("linear_fc2.weight"):
         return ((h, f),)
     if "q_layernorm" in name or "k_layernorm" in name:
+        if rule.split is Split.COLUMN:  # one norm over all heads (OLMo-2), split with them
+            return ((nq * d,),) if "q_layernorm" in name else ((nkv * d,),)
         return ((d,),)
     return ((h,),)
 
@@ -137,8 +192,11 @@ def hf_to_megatron(
 ) -> torch.Tensor:
     """Fuse the Hugging Face tensors of ``rule`` into the full Megatron tensor."""
     if rule.split is Split.QKV:
-        q, k, v = tensors
         nkv, d = arch.num_key_value_heads, arch.head_dim
+        if len(tensors) == 1:  # one fused Hugging Face tensor (Phi-3's qkv_proj): all q rows, then k, then v
+            q, k, v = torch.split(tensors[0], [arch.num_attention_heads * d, nkv * d, nkv * d], dim=0)
+        else:
+            q, k, v = tensors
         per_group = arch.num_attention_heads // nkv
         tail = q.shape[1:]  # (H,) for weights, () for biases
         q = q.reshape(nkv, per_group * d, *tail)
@@ -162,10 +220,11 @@ def megatron_to_hf(rule: WeightRule, full: torch.Tensor, arch: ModelArchitecture
         tail = full.shape[1:]
         grouped = full.reshape(nkv, (per_group + 2) * d, *tail)
         q, k, v = torch.split(grouped, [per_group * d, d, d], dim=1)
-        return (q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail))
+        q, k, v = (x.reshape(-1, *tail) for x in (q, k, v))
+        return (q, k, v) if len(rule.hf) == 3 else (torch.cat([q, k, v]),)
     if rule.split is Split.GATE_UP:
-        gate, up = torch.chunk(full, 2, dim=0)
-        return (gate, up)
+        # Megatron's fc1 is [gate; up]: a fused Hugging Face gate_up_proj (Phi-3) is the same tensor.
+        return torch.chunk(full, 2, dim=0) if len(rule.hf) == 2 else (full,)
     if rule.split is Split.VOCAB:
         return (full[: arch.vocab_size],)
     return (full,)

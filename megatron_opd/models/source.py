@@ -52,7 +52,16 @@ def model_architecture(path: str | os.PathLike, field: str = "path") -> ModelArc
     return load_architecture(config_dir(path, field))
 
 
-def load_weights(chunks: list, arch: ModelArchitecture, path: str | os.PathLike, *, tp_rank: int, tp_size: int) -> None:
+def load_weights(
+    chunks: list,
+    arch: ModelArchitecture,
+    path: str | os.PathLike,
+    *,
+    tp_rank: int,
+    tp_size: int,
+    expert_tp_rank: int | None = None,
+    expert_tp_size: int | None = None,
+) -> None:
     """Fill this rank's ``chunks`` from the model at ``path`` (a collective for a dist_ckpt)."""
     if model_format(path) == "dist_ckpt":
         from megatron_opd.checkpoint.mcore_io import load_model_checkpoint
@@ -61,7 +70,15 @@ def load_weights(chunks: list, arch: ModelArchitecture, path: str | os.PathLike,
     else:
         from megatron_opd.models.loading import load_hf_weights
 
-        load_hf_weights(chunks, arch, path, tp_rank=tp_rank, tp_size=tp_size)
+        load_hf_weights(
+            chunks,
+            arch,
+            path,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            expert_tp_rank=expert_tp_rank,
+            expert_tp_size=expert_tp_size,
+        )
 
 
 def build_and_load(path: str | os.PathLike, parallel, build=None, *, trainable: bool = True, field: str = "path"):
@@ -82,6 +99,8 @@ def build_and_load(path: str | os.PathLike, parallel, build=None, *, trainable: 
         path,
         tp_rank=ps.get_tensor_model_parallel_rank(),
         tp_size=ps.get_tensor_model_parallel_world_size(),
+        expert_tp_rank=ps.get_expert_tensor_parallel_rank(),
+        expert_tp_size=ps.get_expert_tensor_parallel_world_size(),
     )
     return arch, chunks
 

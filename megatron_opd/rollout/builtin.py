@@ -6,7 +6,9 @@ of the tensor-parallel group runs :meth:`BuiltinSampler.generate` with the same 
 Generation is static batching with Megatron-Core's KV cache (``StaticInferenceContext``). Prompts of different
 lengths are right-padded; the batch is prefilled up to the shortest prompt and then advances one position at a time
 for every row, feeding a row its own prompt token while its prompt lasts (Megatron-LM's legacy generation loop). All
-rows then share positions, so no attention mask is needed and the result is exact. Logits stay vocab-sharded:
+rows then share positions, so no attention mask is needed and the result is exact. Where MoE layers exchange
+tokens across data-parallel ranks (expert parallelism), those ranks decode step for step: a rank whose rows have
+all finished runs dummy forwards until every rank's have (``distributed.lockstep``). Logits stay vocab-sharded:
 sampling uses :mod:`megatron_opd.rollout.sampling`, which never gathers the vocabulary. Asked for
 (``SamplingParams.return_topk = k``), each generated position also records the global top-k ids of the raw logits
 (a merge of k candidates per rank, no gather): the student's half of the union loss support, at no extra forward.
@@ -25,6 +27,7 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as dist
 
+from megatron_opd.distributed.lockstep import agree_count, lockstep_group
 from megatron_opd.interfaces import Rollouts, SamplingParams, completed
 from megatron_opd.losses.shard_ops import global_topk
 from megatron_opd.losses.vocab_parallel import make_vocab_shard
@@ -124,6 +127,9 @@ class BuiltinSampler:
             raise ValueError(
                 f"the model's vocabulary {padded_vocab} does not split over {tp_size} tensor-parallel ranks"
             )
+        self.lockstep = lockstep_group(chunks)
+        """The ranks whose decode loops run step for step (MoE layers that exchange tokens across data-parallel
+        ranks; None otherwise): each decode step, one all-reduce decides whether any of them still decodes."""
         self.shard = make_vocab_shard(padded_vocab // tp_size, tp_group, vocab_size)
         if self.shard.world_size != tp_size:
             raise ValueError(f"tp_group has {self.shard.world_size} ranks, the model is split over {tp_size}")
@@ -168,6 +174,17 @@ class BuiltinSampler:
         )  # runtime_gather_output only satisfies GPTModel's assert; _keep_logits_sharded overrides it
         context.sequence_len_offset += tokens_NL.shape[1]
         return logits_N1V[:, -1]
+
+    def _idle(self) -> None:
+        """Dummy one-token forwards (no cache, output discarded) for as long as another rank of the lockstep group
+        still decodes: its MoE layers exchange tokens with this rank at every step."""
+        tokens_11 = torch.full(
+            (1, 1), self.pad_token_id, dtype=torch.int64, device=next(self.model.parameters()).device
+        )
+        while True:
+            self.model(tokens_11, torch.zeros_like(tokens_11), None, runtime_gather_output=True)
+            if not agree_count(0, self.lockstep):
+                return
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams, n: int) -> Future[Rollouts]:
         """Sample ``n`` responses per prompt (adjacent), on every rank of the tensor-parallel group at once."""
@@ -218,7 +235,12 @@ class BuiltinSampler:
                 end_N = torch.where(finish_N, pos + 1, end_N)
                 done_N |= finish_N
                 steps += 1
-                if bool(done_N.all()):  # a sync point, once per step
+                running = not bool(done_N.all())  # a sync point, once per step
+                if self.lockstep is not None and agree_count(int(running), self.lockstep):
+                    if not running:  # others still decode: join their steps with dummy forwards
+                        self._idle()
+                        break
+                elif not running:
                     break
                 logits_NV = self._forward(tokens_NL[:, pos : pos + 1], pos, context)
 

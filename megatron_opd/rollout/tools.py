@@ -26,8 +26,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
-import torch.distributed as dist
 
+from megatron_opd.distributed.lockstep import agree_count
 from megatron_opd.interfaces import DeferredFuture, RolloutBackend, Rollouts, SamplingParams, completed
 
 
@@ -54,14 +54,6 @@ def cut_at_stop_string(tokens: list[int], decode: Callable[[list[int]], str], st
         else:
             lo = mid + 1
     return lo
-
-
-def _any_across_ranks(flag: bool) -> bool:
-    if not dist.is_initialized():
-        return flag
-    t = torch.tensor([1 if flag else 0])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
 
 
 class ToolRollout:
@@ -148,7 +140,7 @@ class ToolRollout:
             self._take_turn(row, first, i, budget, last_turn=self.max_turns == 1)
         for turn in range(1, self.max_turns):
             active = [r for r in rows if r.calling]
-            if not _any_across_ranks(bool(active)):
+            if not agree_count(int(bool(active))):  # every rank takes as many turns
                 break
             step = dataclasses.replace(sampling, seed=sampling.seed + 7919 * turn)
             if not active:  # keep a collective back end in step; the sample is thrown away

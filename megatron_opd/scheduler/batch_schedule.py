@@ -30,7 +30,17 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from megatron_opd.interfaces import RolloutBackend, Rollouts, SamplingParams, TeacherBackend, TeacherScores
+import torch
+
+from megatron_opd.interfaces import (
+    RolloutBackend,
+    Rollouts,
+    RoutedScores,
+    SamplingParams,
+    TeacherBackend,
+    TeacherPart,
+    TeacherScores,
+)
 from megatron_opd.trainer.batch import TrainBatch, pack_rollouts
 
 DEPTH = {"zero_step_off": 0, "one_step_off": 1, "two_step_off": 2}
@@ -72,6 +82,30 @@ class ScoredBatch:
 
 
 @dataclass
+class RoutedTeacher:
+    """One of several teachers (``teachers.NAME``): its back end and, with another tokenizer, its re-tokenizer."""
+
+    backend: TeacherBackend
+    retokenizer: object | None = None
+
+
+@dataclass
+class _Request:
+    """One teacher's request for its part of a batch."""
+
+    name: str
+    rows: list[int]
+    future: Future
+    asked: float
+    part: TrainBatch
+    """Its samples of the batch (a copy: the re-tokenizer's changes to the loss mask are written back)."""
+    request: object | None = None
+    """With another tokenizer: its view of the part (``cross_tokenizer.TeacherRequest``)."""
+    done: float | None = None
+    """When its future completed (``time.perf_counter``)."""
+
+
+@dataclass
 class _InFlight:
     """One batch on its way: drawn, asked of the rollout back end, then of the teacher."""
 
@@ -87,6 +121,8 @@ class _InFlight:
     timings: dict[str, float] = field(default_factory=dict)
     teacher_request: object | None = None
     """With a teacher of another tokenizer: its view of the batch (``cross_tokenizer.TeacherRequest``)."""
+    requests: list[_Request] = field(default_factory=list)
+    """With several teachers: one request per teacher with samples in the batch, all out at once."""
 
 
 class Scheduler:
@@ -108,12 +144,16 @@ class Scheduler:
         student_topk: int = 0,
         total_steps: int | None = None,
         retokenizer=None,
+        teachers: dict[str, RoutedTeacher] | None = None,
+        route: Callable[[dict], str] | None = None,
     ) -> None:
         """``seed_for(b)``: the sampling seed of batch ``b``; ``total_steps``: no batch past the last step is asked
         for (``train.steps``; None: no end). ``student_topk > 0``: the rollouts record the
         student's top-k ids and the teacher scores them too (union loss support); a teacher that cannot return
         log-probabilities at requested ids is refused here. ``retokenizer`` (``cross_tokenizer.CrossTokenizer``): the
-        teacher has another tokenizer and scores its own re-tokenization of each batch."""
+        teacher has another tokenizer and scores its own re-tokenization of each batch. ``teachers`` with ``route``
+        (``teachers.*``; ``teacher`` is then None): several teachers, ``route(record)`` naming the one that scores the
+        samples of a record; each batch's samples are grouped by teacher and the requests go out together."""
         if mode not in DEPTH:
             raise ValueError(f"scheduler.mode must be one of {sorted(DEPTH)}, got {mode!r}")
         if DEPTH[mode] and not rollout.asynchronous:
@@ -122,7 +162,10 @@ class Scheduler:
                 f"ranks (rollout.backend=vllm); the {type(rollout).__name__} back end supports "
                 "scheduler.mode=zero_step_off only"
             )
-        if student_topk and not teacher.supports_requested_logprobs:
+        if teachers is not None and route is None:
+            raise ValueError("several teachers need route(record) -> the name of the teacher of its samples")
+        backends = [t.backend for t in teachers.values()] if teachers is not None else [teacher]
+        if student_topk and not all(b.supports_requested_logprobs for b in backends):
             raise ValueError(
                 f"loss.support=union needs the teacher's log-probabilities at the student's top-k ids, which the "
                 f"teacher back end {type(teacher).__name__} does not return (no requested_logprobs); use "
@@ -137,6 +180,7 @@ class Scheduler:
         self.sampling = dataclasses.replace(sampling, return_topk=student_topk) if student_topk else sampling
         self.n, self.pad_token_id, self.max_len, self.student_topk = n, pad_token_id, max_len, student_topk
         self.retokenizer = retokenizer
+        self.teachers, self.route = teachers, route
         self._flights: dict[int, _InFlight] = {}
         self._data_before: dict[int, dict[str, Any]] = {}
         self._next_asked: int | None = None
@@ -157,8 +201,10 @@ class Scheduler:
             self._ask_teacher(self._next_scored)
         flight = self._flights.pop(step)
         t0 = time.perf_counter()
-        scores = flight.teacher.result()
-        metrics = {}
+        if self.teachers is not None:
+            scores, metrics = self._collect(flight)
+        else:
+            scores, metrics = flight.teacher.result(), {}
         if flight.teacher_request is not None:  # the teacher's scores of its own tokens -> the student's positions
             scores = self.retokenizer.scores(scores, flight.teacher_request, flight.batch)
             metrics = flight.teacher_request.metrics
@@ -200,7 +246,9 @@ class Scheduler:
         # Also ask for the teacher's log-probability of each sampled token (teacher-confidence weights, metrics)
         # and, for the union support, of the student's top-k ids.
         asked = time.perf_counter()
-        if self.retokenizer is not None:  # the teacher's own tokens for the same texts
+        if self.teachers is not None:
+            self._ask_teachers(flight, asked)
+        elif self.retokenizer is not None:  # the teacher's own tokens for the same texts
             request = self.retokenizer.request(flight.batch, flight.rollouts, [it.record for it in flight.items])
             flight.teacher_request = request
             flight.teacher = self.teacher.score(request.tokens, request.request_ids, request.lengths)
@@ -209,8 +257,63 @@ class Scheduler:
                 flight.batch.tokens, flight.batch.teacher_request_ids(), flight.batch.lengths
             )
         flight.timings["wait_teacher"] = time.perf_counter() - asked  # a synchronous teacher scores inside score()
-        flight.teacher.add_done_callback(lambda _: flight.timings.setdefault("teacher", time.perf_counter() - asked))
+        if flight.teacher is not None:
+            flight.teacher.add_done_callback(
+                lambda _: flight.timings.setdefault("teacher", time.perf_counter() - asked)
+            )
         self._next_scored = b + 1
+
+    def _ask_teachers(self, flight: _InFlight, asked: float) -> None:
+        """Several teachers: each sample to the teacher its record names; every teacher's request goes out before
+        any is waited for, so a slow or restarting teacher delays only its own part."""
+        records = [it.record for it in flight.items]
+        names = [self.route(records[g]) for g in flight.rollouts.prompt_index]
+        for name in self.teachers:  # config order: the same on every rank
+            rows = [i for i, n in enumerate(names) if n == name]
+            if not rows:
+                if getattr(self.teachers[name].backend, "lockstep", None) is not None:
+                    # Its MoE layers exchange tokens with the ranks that have samples for it: join with none.
+                    self.teachers[name].backend.score(flight.batch.tokens[:0], None, []).result()
+                continue
+            teacher, part = self.teachers[name], flight.batch.select(rows)
+            if teacher.retokenizer is not None:
+                request = teacher.retokenizer.request(part, flight.rollouts.select(rows), records)
+                # Tokens it cannot compare are not trained on: its mask of them, in the whole batch too.
+                flight.batch.loss_mask[torch.tensor(rows)] = part.loss_mask
+                future = teacher.backend.score(request.tokens, request.request_ids, request.lengths)
+            else:
+                request = None
+                future = teacher.backend.score(part.tokens, part.teacher_request_ids(), part.lengths)
+            req = _Request(name, rows, future, asked, part, request)
+            future.add_done_callback(lambda _, req=req: setattr(req, "done", time.perf_counter()))
+            flight.requests.append(req)
+
+    def _collect(self, flight: _InFlight) -> tuple[RoutedScores, dict[str, float]]:
+        """The teachers' scores of a batch, each part in the student's positions, with per-teacher figures."""
+        parts, metrics = [], {}
+        for req in flight.requests:
+            scores = req.future.result()
+            if req.request is not None:
+                scores = self.teachers[req.name].retokenizer.scores(scores, req.request, req.part)
+                metrics.update({f"teacher/{req.name}/{k}": v for k, v in req.request.metrics.items()})
+            parts.append(TeacherPart(req.name, req.rows, scores))
+            metrics[f"teacher/{req.name}/samples"] = float(len(req.rows))
+            metrics[f"teacher/{req.name}/latency"] = (req.done or time.perf_counter()) - req.asked
+            retries = _client_retries(self.teachers[req.name].backend)
+            if retries is not None:  # the rank that asks (the first TP rank of the last stage)
+                metrics[f"teacher/{req.name}/retries"] = float(retries)
+        flight.timings["teacher"] = max((metrics[f"teacher/{r.name}/latency"] for r in flight.requests), default=0.0)
+        return RoutedScores(parts), metrics
+
+
+def _client_retries(backend) -> int | None:
+    """Requests a remote teacher's client has retried so far (its failures), through the wrappers around it."""
+    for _ in range(4):
+        stats = getattr(backend, "stats", None)
+        if isinstance(stats, dict) and "retries" in stats:
+            return int(stats["retries"])
+        backend = getattr(backend, "backend", None)
+    return None
 
 
 def build_scheduler(mode: str, rollout: RolloutBackend, teacher: TeacherBackend, **kwargs) -> Scheduler:

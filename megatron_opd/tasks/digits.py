@@ -22,6 +22,12 @@ from pathlib import Path
 EOS_TOKEN = "<|endoftext|>"
 """End of sequence, also the pad token (id 0)."""
 PROMPT_TEMPLATE = "reverse {digits} ="
+TASKS = {
+    "reverse": ("reverse {digits} =", lambda d: d[::-1]),
+    "sort": ("sort {digits} =", lambda d: "".join(sorted(d))),
+}
+"""Prompt template and answer of each task: digit reversal (the quick start's), and digit sorting (the second task of
+``examples/quickstart.py --multi-teacher``; the tokenizer has no merges for its word, which it spells byte by byte)."""
 MIN_DIGITS = 3
 MAX_DIGITS = 6
 VOCAB_SIZE = 272
@@ -56,11 +62,15 @@ def make_records(
     min_digits: int = MIN_DIGITS,
     max_digits: int = MAX_DIGITS,
     exclude: Iterable[str] = (),
+    task: str = "reverse",
 ) -> list[dict]:
-    """``n`` records with distinct digit strings, none in ``exclude`` (the prompts of another split).
+    """``n`` records with distinct digit strings, none in ``exclude`` (the prompts of another split), of ``task``.
 
     Lengths are uniform over ``[min_digits, max_digits]`` until a length runs out of unused strings.
     """
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {sorted(TASKS)}, got {task!r}")
+    template, answer_of = TASKS[task]
     if not 1 <= min_digits <= max_digits:
         raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
     lengths = range(min_digits, max_digits + 1)
@@ -77,8 +87,8 @@ def make_records(
             continue
         taken.add(digits)
         left[length] -= 1
-        answer = digits[::-1]
-        records.append({"prompt": PROMPT_TEMPLATE.format(digits=digits), "answer": answer, "response": answer})
+        answer = answer_of(digits)
+        records.append({"prompt": template.format(digits=digits), "answer": answer, "response": answer})
     return records
 
 
@@ -125,8 +135,11 @@ def make_tokenizer(out_dir: str | os.PathLike, digit_merges: str = "none") -> Pa
     return out
 
 
-def make_model(out_dir: str | os.PathLike, size: str, seed: int, digit_merges: str = "none") -> Path:
-    """Save a randomly initialised Qwen3 ``size`` model ("teacher" or "student") and the tokenizer to ``out_dir``.
+def make_model(
+    out_dir: str | os.PathLike, size: str, seed: int, digit_merges: str = "none", family: str | None = None
+) -> Path:
+    """Save a randomly initialised Qwen3 ``size`` model ("teacher" or "student") and the tokenizer to ``out_dir``;
+    ``family`` (a registered family's name) makes that family's model of the same sizes instead.
 
     The folder holds config.json, model.safetensors (fp32), generation_config.json (EOS id) and the tokenizer files.
     """
@@ -138,7 +151,7 @@ def make_model(out_dir: str | os.PathLike, size: str, seed: int, digit_merges: s
         raise ValueError(f"size must be one of {sorted(MODEL_SIZES)}, got {size!r}")
     out = make_tokenizer(out_dir, digit_merges)
     eos_id = Tokenizer.from_file(str(out / "tokenizer.json")).token_to_id(EOS_TOKEN)
-    config = Qwen3Config(
+    fields = dict(
         vocab_size=MERGES_VOCAB_SIZE[digit_merges],
         head_dim=HEAD_DIM,
         max_position_embeddings=MAX_POSITION_EMBEDDINGS,
@@ -149,6 +162,16 @@ def make_model(out_dir: str | os.PathLike, size: str, seed: int, digit_merges: s
         pad_token_id=eos_id,
         **MODEL_SIZES[size],
     )
+    if family is None:
+        config = Qwen3Config(**fields)
+    else:
+        from transformers import AutoConfig
+
+        from megatron_opd.models.families import family_named
+
+        # Sliding-window layers (where the family has them) see 8 tokens: less than a prompt and its answer.
+        config = AutoConfig.for_model(family_named(family).model_types[0], **fields, sliding_window=8,
+                                      query_pre_attn_scalar=HEAD_DIM, sliding_window_pattern=2)  # fmt: skip
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).float()
     model.generation_config = GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)

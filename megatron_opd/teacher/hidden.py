@@ -20,6 +20,7 @@ from megatron_opd.interfaces import TeacherBackend, TeacherScores
 from megatron_opd.losses.fused_output import chunk_tokens
 from megatron_opd.losses.shard_ops import logprobs_at
 from megatron_opd.losses.vocab_parallel import make_vocab_shard
+from megatron_opd.teacher.capabilities import SERVER_HIDDEN
 from megatron_opd.teacher.shared import LazyFuture
 
 
@@ -27,8 +28,8 @@ class HiddenStateTeacher:
     """``TeacherBackend`` over a back end that answers with hidden states; ``output_weight``: this rank's ``[V, H]``
     shard of the teacher's output layer (None on ranks without a loss, whose back end returns empty scores)."""
 
-    supports_dense = True
-    supports_requested_logprobs = True
+    supports_dense = SERVER_HIDDEN.dense
+    supports_requested_logprobs = SERVER_HIDDEN.requested_logprobs
 
     def __init__(
         self,

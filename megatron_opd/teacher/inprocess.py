@@ -13,6 +13,11 @@ Two-phase memory mode (``offload=True``): the weights move to the accelerator on
 the scores are cached in (pinned) host memory and the weights leave again before the student trains, so a
 teacher larger than the student fits. On a CPU-only machine both already live in host memory.
 
+With context parallelism each CP rank scores its share of every sequence (``models.context_parallel``) and the
+scores are all-gathered back to whole sequences, which the student's update splits again with the rest of its
+micro-batch (the gathered scores cost ``S / CP`` times a rank's own: modest for top-k, a full hidden-state or logit
+tensor per sequence in dense mode).
+
 Shape legend: ``N`` samples, ``S`` positions, ``K`` top-k, ``R`` requested ids, ``V`` this rank's vocab shard.
 """
 
@@ -24,20 +29,23 @@ from typing import Literal
 
 import torch
 
+from megatron_opd.distributed.lockstep import lockstep_group
 from megatron_opd.interfaces import TeacherScores, completed
 from megatron_opd.losses.fused_output import chunk_tokens
 from megatron_opd.losses.shard_ops import global_topk_logprobs, logprobs_at
 from megatron_opd.losses.vocab_parallel import make_vocab_shard
 from megatron_opd.models import packing
+from megatron_opd.models.context_parallel import ContextParallelSplit, split_micro_batch
 from megatron_opd.models.forward_backward import forward_backward
 from megatron_opd.models.output import HiddenStateOutput
+from megatron_opd.teacher.capabilities import INPROCESS
 
 
 class InProcessTeacher:
     """A frozen Megatron teacher colocated with the student (same TP/PP layout, same job)."""
 
-    supports_dense = True
-    supports_requested_logprobs = True
+    supports_dense = INPROCESS.dense
+    supports_requested_logprobs = INPROCESS.requested_logprobs
 
     def __init__(
         self,
@@ -72,6 +80,9 @@ class InProcessTeacher:
         self.device = device
         if self.offload:
             self._move("cpu")
+        self.lockstep = lockstep_group(chunks)
+        """Not None where the teacher's MoE layers exchange tokens across data-parallel ranks: a rank with no rows
+        for it must still call ``score`` (with none) when the others do."""
         self.output = HiddenStateOutput(chunks)
         """The model returns hidden states; the logits are formed chunk by chunk (``_chunked``, or the loss)."""
 
@@ -91,7 +102,21 @@ class InProcessTeacher:
             self._move(self.device)
         packed = self.packing and lengths is not None
         hidden = self.mode == "topk" or not self.offload  # the model returns hidden states, not logits
-        micro_batches = self._packed(tokens, request_ids, lengths) if packed else self._padded(tokens, request_ids)
+        if not tokens.shape[0]:  # no rows: only the lockstep dummies of the MoE layers' exchange (``lockstep``)
+            micro_batches = []
+        elif packed:
+            micro_batches = self._packed(tokens, request_ids, lengths)
+        else:
+            micro_batches = self._padded(tokens, request_ids)
+        split = ContextParallelSplit.current()
+        if split is not None:  # each rank scores its share of every sequence; the scores are gathered back whole
+            if packed:
+                raise ValueError("packed sequences cannot be scored with context parallelism; set train.packing=false")
+            sp = self.chunks[0].config.sequence_parallel
+            multiple = 2 * split.size * (self.chunks[0].config.tensor_model_parallel_size if sp else 1)
+            micro_batches = [
+                split_micro_batch(mb, split, per_token={"request_ids"}, pad_multiple=multiple) for mb in micro_batches
+            ]
 
         def collect(output: torch.Tensor, mb: dict):
             if hidden:  # output: hidden states [b, s, H]
@@ -101,6 +126,8 @@ class InProcessTeacher:
                     scores.dense_hidden = output.detach().clone()
             else:  # output: logit shards [b, s, V]
                 scores = self._scores_of(output, mb.get("request_ids"))
+            if split is not None:  # this rank's positions -> the whole (unpadded) sequences
+                scores = _map(scores, lambda v: split.gather(v)[:, : tokens.shape[1]])
             if packed:  # [1, T, ...] -> [b, S, ...]
                 sizes = mb["sequence_lengths"].tolist()
                 scores = _map(scores, lambda v: packing.unpack(v, sizes, tokens.shape[1]))

@@ -1,6 +1,6 @@
 """Serve a frozen teacher under its own TP/PP layout: ``torchrun ... -m megatron_opd.teacher.serve --model PATH``.
 
-    torchrun [--nnodes M ...] --nproc-per-node N -m megatron_opd.teacher.serve --model PATH --tp T --pp P \\
+    torchrun [--nnodes M ...] --nproc-per-node N -m megatron_opd.teacher.serve --model PATH --tp T --pp P [--cp C] \\
         [--host 127.0.0.1] [--port 5555] [--token-file F] [--topk 256] [--ready-file F]
 
 Every rank loads its shard of the teacher (a Hugging Face folder or a ``dist_ckpt``) forward-only. Rank 0 runs the
@@ -54,6 +54,8 @@ class ShardedScorer:
         """Rows are packed (THD) to their lengths: the padding between requests costs nothing."""
         self.pipeline = ps.get_pipeline_model_parallel_world_size()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
+        # Every context-parallel rank holds the whole scores (the teacher gathers them): the first one sends.
+        self.sends = self.tp_rank == 0 and ps.get_context_parallel_rank() == 0
         self.last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         self.first_rank = ps.get_pipeline_model_parallel_first_rank()
         self.last_rank = ps.get_pipeline_model_parallel_last_rank()
@@ -123,7 +125,7 @@ class ShardedScorer:
         scores = self.teacher.score(tokens_NS, request_ids_NSR, lengths).result()
         n, s = tokens_NS.shape
         r = 0 if request_ids_NSR is None else request_ids_NSR.shape[-1]
-        if self.pipeline > 1 and self.tp_rank == 0:
+        if self.pipeline > 1 and self.sends:
             h = self.teacher.chunks[0].config.hidden_size
             shapes = {"topk_ids": (n, s, k), "topk_logprobs": (n, s, k), "requested_logprobs": (n, s, r),
                       "dense_hidden": (n, s, h)}  # fmt: skip
@@ -191,6 +193,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", help="folder with the teacher's tokenizer files (default: the model's)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the teacher")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the teacher")
+    p.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel size of the teacher: each sequence split over CP ranks (implies --no-packing)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback; others need a token)")
     p.add_argument("--port", type=int, default=5555, help="TCP port (0: any free port, see --ready-file)")
     p.add_argument("--token-file", help="file holding the shared secret clients must send (teacher.token_file)")
@@ -220,11 +228,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(
             f"--host {args.host} is not loopback: give --token-file (clients send the token; it travels in plaintext)"
         )
-    for name in ("tp", "pp", "topk", "max_batch_tokens", "max_message_bytes", "micro_batch_size"):
+    for name in ("tp", "pp", "cp", "topk", "max_batch_tokens", "max_message_bytes", "micro_batch_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.micro_batch_tokens is not None and (args.micro_batch_tokens < 1 or args.micro_batch_tokens % args.tp):
         p.error(f"--micro-batch-tokens={args.micro_batch_tokens} must be >= 1 and divide by --tp={args.tp}")
+    if args.cp > 1:  # packed rows are not split over context-parallel ranks: batches are padded
+        args.packing = False
     return args
 
 
@@ -257,10 +267,13 @@ def main(argv: list[str] | None = None) -> None:
     from megatron_opd.vocab import tokenizer_dir
 
     accel = init_process_group(None if args.device == "auto" else args.device)
-    parallel = ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, context_parallel_size=args.cp
+    )
     if dist.get_world_size() != parallel.model_parallel_size:
         raise ValueError(
-            f"the teacher server runs one replica per job: launch exactly --tp x --pp = {parallel.model_parallel_size} "
+            f"the teacher server runs one replica per job: launch exactly --tp x --pp x --cp = "
+            f"{parallel.model_parallel_size} "
             f"processes (got {dist.get_world_size()}); start more servers and list them all in teacher.address"
         )
     initialize_model_parallel(parallel)
@@ -306,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
         embedding_rows=arch.vocab_size,
         tokenizer=summary,
         model=str(args.model),
-        extra={"tp": args.tp, "pp": args.pp, "dtype": dtype},
+        extra={"tp": args.tp, "pp": args.pp, "cp": args.cp, "dtype": dtype},
         hidden_size=arch.hidden_size,
         output_weight_sumsq=sumsq,
     )
@@ -326,8 +339,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.ready_file:
         _write_ready_file(args.ready_file, server.address)
     logger.info(
-        "teacher server ready on %s (TP=%d PP=%d, %s, %d tokens, top-k <= %d%s)",
-        server.address, args.tp, args.pp, dtype, vocab_size, args.topk, ", token required" if token else "",
+        "teacher server ready on %s (TP=%d PP=%d CP=%d, %s, %d tokens, top-k <= %d%s)",
+        server.address, args.tp, args.pp, args.cp, dtype, vocab_size, args.topk, ", token required" if token else "",
     )  # fmt: skip
     try:
         server.serve(stop)

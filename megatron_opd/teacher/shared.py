@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_opd.interfaces import TeacherBackend, TeacherScores, completed
+from megatron_opd.teacher.capabilities import SERVER
 from megatron_opd.teacher.transport import TeacherError
 
 
@@ -89,7 +90,7 @@ class GroupSharedTeacher:
     """``TeacherBackend`` for every rank: ``backend`` on the group's source rank, a broadcast to the others (top-k,
     requested log-probabilities, or the final hidden states of ``teacher.transfer=hidden``)."""
 
-    supports_dense = False
+    supports_dense = SERVER.dense
 
     def __init__(
         self,

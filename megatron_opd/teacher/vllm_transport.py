@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from megatron_opd.teacher.capabilities import VLLM
 from megatron_opd.teacher.transport import (
     RequestRefusedError,
     ScoreReply,
@@ -242,7 +243,7 @@ class VLLMTransport:
 class VLLMTransportFactory:
     """Builds ``VLLMTransport``s; holds the teacher's local tokenizer, its summary, and the request's k."""
 
-    supports_requested_logprobs = False
+    supports_requested_logprobs = VLLM.requested_logprobs
     """Not at arbitrary ids: vLLM's completions API scores only the prompt's own tokens (each position's next)."""
 
     def __init__(

@@ -74,25 +74,47 @@ def run_process_group(
     command: Sequence[str], *, env: dict[str, str], cwd: str | os.PathLike, timeout: float
 ) -> tuple[int, str]:
     """Run ``command`` in its own session and return ``(returncode, stdout+stderr)``; whatever it leaves behind
-    (torchrun workers, dist_checkpointing's helper processes holding the pipe) is killed with it (``kill_tree``).
-    A run past ``timeout`` fails the calling test with the output's tail."""
-    import subprocess
+    (torchrun workers, dist_checkpointing's helper processes holding the pipe) is killed with it. A run past
+    ``timeout`` fails the calling test with the output's tail.
 
+    Every process it starts carries a marker in its environment, so that one whose parent died first (a rank that
+    torchrun left behind, re-parented to init and no longer anyone's descendant) is found and killed too."""
+    import subprocess
+    import uuid
+
+    marker = uuid.uuid4().hex
     proc = subprocess.Popen(
-        list(command), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
+        list(command), cwd=cwd, env={**env, _RUN_MARKER: marker}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True,
     )  # fmt: skip
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_tree(proc.pid)
+        _kill_marked(marker)
         out, _ = proc.communicate()
         import pytest
 
         pytest.fail(f"{' '.join(command[:6])} ... did not finish within {timeout} s:\n{out[-3000:]}")
     finally:
         kill_tree(proc.pid)
+        _kill_marked(marker)
     return proc.returncode, out
+
+
+_RUN_MARKER = "MEGATRON_OPD_TEST_RUN"
+
+
+def _kill_marked(marker: str) -> None:
+    """SIGKILL every process whose environment says ``run_process_group`` started it with ``marker``."""
+    import psutil
+
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get(_RUN_MARKER) == marker:
+                p.kill()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
 
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,6 +11,7 @@ once, without the full product. ``MATRIX`` is the single source: the tests read 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,8 @@ class Shape:
     tied: bool  # tie_word_embeddings
     kv_heads: int  # of 4 query heads: 4 = MHA, 2 = GQA, 1 = a single KV head (TP=1 only)
     vocab_size: int
-    rope: str  # "llama3", "linear" or "none" (no scaling)
+    rope: str  # "llama3", "linear", "yarn" (the deepseek_v3 family's default), "longrope" or "none" (no scaling)
+    mlp: str = "dense"  # "dense", or Mixture-of-Experts: "moe", "moe+dense-layer", "moe+shared-expert"
 
     @property
     def properties(self) -> frozenset[str]:
@@ -39,6 +41,8 @@ class Shape:
             labels.add("vocab:odd")  # neither TP=2 nor 128 divides it: padded rows at every layout
         if self.rope != "none":
             labels.add(f"rope:{self.rope}")
+        if self.mlp != "dense":
+            labels.update(f"mlp:{part}" for part in self.mlp.split("+"))
         return frozenset(labels)
 
     def hf_overrides(self) -> dict[str, Any]:
@@ -49,30 +53,45 @@ class Shape:
         )  # fmt: skip
         if self.rope == "linear":
             out["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+        elif self.rope == "yarn":  # the tests' 16 tokens run past the original context of 8
+            out["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
         elif self.rope == "none":
             out["rope_scaling"] = None
-        return out  # "llama3" is the llama family's default in tiny_models
+        return out  # "llama3", "longrope" and "yarn" are the llama, phi3 and deepseek_v3 families' defaults
 
 
 SHAPES: dict[str, Shape] = {
     name: Shape(family.name, **fields) for family in FAMILIES.values() for name, fields in family.test_shapes.items()
 }
-"""Four shapes: at TP=1 ``llama_tied``, ``qwen2_mha_v97`` and ``qwen3_one_kv`` hold every property; at TP=2 and
-TP=2xPP=2 the first three hold every property but the single KV head (which TP=2 cannot split)."""
+"""Every family's shapes: at TP=1 ``LOCAL`` holds every property; at TP=2 and TP=2xPP=2 ``SPLIT`` holds every
+property of the first three families but the single KV head (which TP=2 cannot split), and ``SPLIT_ALL`` adds the
+newer families, which run split where their layers differ under TP (logits, the sampler's decode, the converter):
+each property still reaches every path and every layout, at a fraction of the full product's cost."""
 
-LOCAL = ("llama_tied", "qwen2_mha_v97", "qwen3_one_kv")  # TP=1 (and PP/VP without TP)
+NEW_FAMILIES = ("mistral_window", "olmo2_post_norms", "phi3_fused_partial", "gemma3_sandwich")
+LOCAL = ("llama_tied", "qwen2_mha_v97", "qwen3_one_kv", *NEW_FAMILIES)  # TP=1 (and PP/VP without TP)
 SPLIT = ("llama_tied", "qwen2_mha_v97", "qwen3_tied")  # any layout with TP=2
+MOE = ("qwen3_moe_dense0", "qwen2_moe_shared", "mixtral_untied", "deepseek_v3_mla")  # every layout MoE runs
+SPLIT_ALL = (*SPLIT, *NEW_FAMILIES)
 
 ALL_PROPERTIES = frozenset().union(*(s.properties for s in SHAPES.values()))
 TP1_ONLY = frozenset({"attention:one-kv-head"})
+MOE_ONLY = ALL_PROPERTIES - frozenset().union(*(s.properties for n, s in SHAPES.items() if n not in MOE))
+"""Properties only the MoE shapes have: the covering conditions ask for them in the paths and at the layouts
+that run MoE shapes so far (issue #35 brings MoE to every path)."""
+EXPERT_LAYOUTS = frozenset({"ep2", "tp2_ep2"})
+"""Layouts with expert parallelism, run by the MoE shapes alone (the dense ones run their TP/PP parts elsewhere):
+the covering conditions there ask for the MoE-only properties."""
 
 # path -> layout -> (shape names, the test that runs the cell)
 MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
     "Megatron model vs transformers logits": {
-        "tp1": (LOCAL, "test_models.py::test_logits_match_transformers"),
-        "tp2": (SPLIT, "test_models.py::test_logits_match_transformers"),
+        "tp1": (LOCAL + MOE, "test_models.py::test_logits_match_transformers"),
+        "tp2": (SPLIT_ALL, "test_models.py::test_logits_match_transformers"),
+        "tp2_sp": (SPLIT_ALL + MOE, "test_models.py::test_logits_match_transformers"),
+        "ep2": (MOE, "test_models.py::test_logits_match_transformers"),
         "pp2_vp2": (LOCAL, "test_models.py::test_logits_match_transformers"),
-        "tp2_pp2": (SPLIT, "test_models.py::test_logits_match_transformers"),
+        "tp2_pp2": (SPLIT_ALL, "test_models.py::test_logits_match_transformers"),
     },
     "vLLM sync, engine process": {
         "tp1": (LOCAL, "test_weight_sync_vllm.py::test_sync_is_exact"),
@@ -84,11 +103,12 @@ MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
     },
     "built-in sampler greedy vs transformers": {
         "tp1": (LOCAL, "test_sampler.py::test_greedy_matches_transformers"),
-        "tp2": (SPLIT, "test_sampler.py::test_greedy_matches_transformers"),
+        "tp2": (SPLIT_ALL, "test_sampler.py::test_greedy_matches_transformers"),
     },
     "tools/checkpoint round trip (bitwise)": {
-        "tp2_pp2": (SPLIT, "test_checkpoint.py::test_round_trip_is_bitwise"),
+        "tp2_pp2": (SPLIT_ALL, "test_checkpoint.py::test_round_trip_is_bitwise"),
         "pp2_vp2": (LOCAL, "test_checkpoint.py::test_round_trip_is_bitwise"),
+        "tp2_ep2": (MOE, "test_checkpoint.py::test_round_trip_is_bitwise"),
     },
     "trainer HF export (bitwise)": {
         "tp1": (LOCAL, "test_checkpoint.py::test_trainer_export_is_bitwise"),
@@ -99,7 +119,7 @@ MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
         "tp2": (SPLIT, "test_teacher_server.py::test_teacher_topk_per_shape"),
     },
     "teacher server top-k vs transformers": {
-        "tp1": (("qwen3_one_kv",), "test_teacher_server.py::test_teacher_topk_per_shape"),
+        "tp1": (("qwen3_one_kv", *NEW_FAMILIES), "test_teacher_server.py::test_teacher_topk_per_shape"),
         "tp2": (SPLIT, "test_teacher_server.py::test_teacher_topk_per_shape"),
     },
     "vLLM teacher top-k vs transformers": {
@@ -126,9 +146,29 @@ def make_shapes(root: str | os.PathLike, names: tuple[str, ...] | None = None) -
     return {name: str(make_shape(name, Path(root) / name, seed=i)) for i, name in enumerate(names)}
 
 
+class ShapeDirs(Mapping[str, str]):
+    """Every shape's folder under ``root``, each made on first use (a file's tests need only some shapes)."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+        self._made: dict[str, str] = {}
+
+    def __getitem__(self, name: str) -> str:
+        if name not in self._made:
+            seed = list(SHAPES).index(name)  # KeyError for an unknown shape; the seed make_shapes gives it
+            self._made[name] = str(make_shape(name, self.root / name, seed=seed))
+        return self._made[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(SHAPES)
+
+    def __len__(self) -> int:
+        return len(SHAPES)
+
+
 def markdown_table() -> str:
     """The matrix as the markdown table in ``docs/models.md``: a row per path, a column per layout."""
-    layouts = ["tp1", "tp2", "tp2_pp2", "pp2_vp2"]
+    layouts = ["tp1", "tp2", "tp2_sp", "ep2", "tp2_ep2", "tp2_pp2", "pp2_vp2"]
     header = "| path | " + " | ".join(layouts) + " | test |"
     lines = [header, "|" + "---|" * (len(layouts) + 2)]
     for path, cells in MATRIX.items():
@@ -136,12 +176,12 @@ def markdown_table() -> str:
         tests = sorted({test for _, test in cells.values()})
         lines.append(f"| {path} | " + " | ".join(row) + " | " + "<br>".join(f"`{t}`" for t in tests) + " |")
     shapes = [
-        "| shape | family | embeddings | attention (4 query heads) | vocabulary | RoPE scaling |",
-        "|---|---|---|---|---|---|",
+        "| shape | family | embeddings | attention (4 query heads) | vocabulary | RoPE scaling | MLP |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, s in SHAPES.items():
         kv = {4: "MHA", 2: "GQA, 2 KV heads", 1: "1 KV head"}[s.kv_heads]
         shapes.append(
-            f"| `{name}` | {s.family} | {'tied' if s.tied else 'untied'} | {kv} | {s.vocab_size} | {s.rope} |"
+            f"| `{name}` | {s.family} | {'tied' if s.tied else 'untied'} | {kv} | {s.vocab_size} | {s.rope} | {s.mlp} |"
         )
     return "\n".join(shapes) + "\n\n" + "\n".join(lines) + "\n"

@@ -50,9 +50,10 @@ def make_tiny_hf_model(family: str, out_dir: str | os.PathLike, seed: int = 0, *
     config = tiny_hf_config(family, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).float()
-    # Random init leaves norms at 1 and biases at 0; perturb them so a mapping mistake cannot hide.
+    # Random init leaves norms at 1 and biases at 0 (DeepSeek's expert bias buffer too); perturb them so a mapping
+    # mistake cannot hide.
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in [*model.named_parameters(), *model.named_buffers()]:
             if "norm" in name or name.endswith("bias"):
                 param.add_(torch.randn_like(param) * 0.1)
     out = Path(out_dir)
@@ -102,3 +103,42 @@ def make_tiny_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 1000, exac
     out = Path(out_dir)
     fast.save_pretrained(out)
     return out
+
+
+def routing_margin(hf_dir: str | os.PathLike, tokens: torch.Tensor) -> float:
+    """The smallest gap, over ``tokens`` (``[..., s]``) and every MoE layer of the model at ``hf_dir``, between the
+    k-th and (k+1)-th largest router logit (float64, transformers' own hidden states); ``inf`` for a dense model.
+
+    An equality test of an MoE model checks arithmetic only where this margin is far above the float32 noise of
+    the router's input: at a near-tie, summation order alone may route a token to another expert."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_opd.models.architecture import load_architecture
+
+    arch = load_architecture(hf_dir)
+    if arch.moe is None:
+        return float("inf")
+    model = AutoModelForCausalLM.from_pretrained(hf_dir).float().eval()
+    gaps = []
+
+    def hook(module, inputs):
+        x = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
+        top = torch.topk(x @ module.weight.double().T, arch.moe.top_k + 1, dim=-1).values
+        gaps.append((top[:, -2] - top[:, -1]).min())
+
+    # The router is the layer's one [experts, hidden] matrix (module names differ from checkpoint names in
+    # transformers 5: Mixtral's block_sparse_moe is its mlp).
+    shape = (arch.moe.num_experts, arch.hidden_size)
+    routers = [
+        module
+        for i in arch.moe.layers
+        for _, module in model.model.layers[i].named_modules()
+        if getattr(module, "weight", None) is not None and tuple(module.weight.shape) == shape
+    ]
+    assert len(routers) == len(arch.moe.layers), f"found {len(routers)} routers in {len(arch.moe.layers)} MoE layers"
+    handles = [router.register_forward_pre_hook(hook) for router in routers]
+    with torch.no_grad():
+        model(input_ids=tokens.reshape(-1, tokens.shape[-1]))
+    for handle in handles:
+        handle.remove()
+    return min(gaps).item()

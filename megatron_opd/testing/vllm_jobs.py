@@ -20,13 +20,21 @@ def start_vllm_server(
     module: str = VLLM_OPENAI_SERVER,
     ready_path: str = "v1/models",
     timeout_s: float = 300.0,
+    worker_process: bool = False,
 ) -> subprocess.Popen:
-    """``python -m module --model model --port port ...`` in its own session; returns once ``ready_path`` answers."""
+    """``python -m module --model model --port port ...`` in its own session; returns once ``ready_path`` answers.
+
+    The model runs in the engine process (vLLM's ``uni`` executor, what a one-GPU server runs) unless
+    ``worker_process``: vLLM's CPU default, a worker process of its own, costs another vLLM import (a start took
+    20-22 s and 16-17 s of CPU instead of 31-32 s and 23-28 s; benchmarks/RESULTS.md, "The test suite's time")."""
     import requests
 
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
+    if not worker_process:  # on CPU vLLM keeps ``uni`` only with the engine's multiprocessing flag off
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        extra_args = [*extra_args, "--distributed-executor-backend", "uni"]
     cmd = [sys.executable, "-m", module, "--model", model, "--port", str(port), "--enforce-eager", *extra_args]
     with open(log, "a") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

@@ -63,6 +63,16 @@ class TrainBatch:
     def seq_len(self) -> int:
         return int(self.tokens.shape[1])
 
+    def select(self, rows: list[int]) -> TrainBatch:
+        """The samples ``rows`` (same positions ``S``): one teacher's part of a batch (``teachers.*``)."""
+        index = torch.tensor(rows, dtype=torch.int64)
+        pick = lambda t: None if t is None else t.index_select(0, index)  # noqa: E731
+        return TrainBatch(
+            pick(self.tokens), pick(self.loss_mask), [self.prompt_lengths[i] for i in rows],
+            [self.lengths[i] for i in rows], pick(self.seq_weights), pick(self.student_topk_ids),
+            pick(self.rollout_logprobs),
+        )  # fmt: skip
+
     def next_tokens(self) -> torch.Tensor:
         """``[N, S]`` the token each position predicts (the last column, never trained, repeats padding)."""
         return torch.cat([self.tokens[:, 1:], self.tokens[:, -1:]], dim=1)
@@ -83,14 +93,16 @@ class TrainBatch:
         *,
         trim: bool = False,
         pad_multiple: int = 8,
+        ragged: bool = False,
     ) -> list[dict]:
         """Split into micro-batches of ``micro_batch_size`` samples; ``extra`` tensors ``[N, S, ...]`` are split too.
 
         ``trim``: cut each micro-batch to its own longest sample (rounded up to ``pad_multiple``) instead of the
         step's, so no compute goes to padding beyond it (only without pipeline parallelism, whose stages exchange
         activations of one shape). Trimmed positions predict nothing that is trained, so the loss is unchanged.
+        ``ragged``: the last micro-batch may hold fewer samples (one teacher's part of a batch, ``teachers.*``).
         """
-        if self.num_samples % micro_batch_size:
+        if self.num_samples % micro_batch_size and not ragged:
             raise ValueError(
                 f"{self.num_samples} samples per data-parallel rank (train.prompts_per_step / data-parallel size x "
                 f"rollout.n) is not divisible by train.micro_batch_size={micro_batch_size}; choose a divisor"
@@ -121,6 +133,7 @@ class TrainBatch:
         *,
         pad_multiple: int = 1,
         token_budget: int | None = None,
+        ragged: bool = False,
     ) -> list[dict]:
         """Micro-batches of samples concatenated without padding (THD), for the student update.
 
@@ -128,9 +141,9 @@ class TrainBatch:
         ``T`` = its samples' tokens rounded up to ``pad_multiple`` (sequence parallelism splits ``T`` over TP).
         With ``token_budget`` (pipeline parallelism: stages exchange activations of one shape): samples in order
         fill micro-batches of at most that many tokens, each padded to exactly ``token_budget``. Padding is a
-        segment of its own that nothing trains.
+        segment of its own that nothing trains. ``ragged``: as for :meth:`micro_batches`.
         """
-        if token_budget is None and self.num_samples % micro_batch_size:
+        if token_budget is None and self.num_samples % micro_batch_size and not ragged:
             raise ValueError(
                 f"{self.num_samples} samples per data-parallel rank is not divisible by train.micro_batch_size="
                 f"{micro_batch_size}; choose a divisor"

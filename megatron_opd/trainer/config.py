@@ -7,7 +7,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 from megatron_opd.distributed.parallel import ParallelConfig
@@ -83,6 +84,40 @@ class TeacherConfig:
             )
 
 
+@dataclass
+class TeacherLossConfig:
+    """One teacher's overrides of ``loss.*`` (``teachers.NAME.loss.*``); unset keys take the global ``loss.*``."""
+
+    kind: Literal["forward_kl", "reverse_kl", "jsd"] | None = None
+    """``loss.kind`` for this teacher's samples (a divergence; SFT has no teacher)."""
+    mode: Literal["dense", "topk", "sampled"] | None = None
+    """``loss.mode`` for this teacher's samples."""
+    topk: int | None = None
+    """``loss.topk`` for this teacher's samples."""
+    tail: Literal["bucket", "renorm", "ignore"] | None = None
+    """``loss.tail`` for this teacher's samples."""
+    cross_tokenizer: Literal["off", "sampled", "aligned"] | None = None
+    """``loss.cross_tokenizer``: whether this teacher has another tokenizer than the student, and its loss."""
+    weight: float = 1.0
+    """This teacher's tokens count this many times in the step's loss (1: as any other token)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.weight < math.inf:
+            raise ValueError(f"loss.weight must be a finite number > 0, got {self.weight}")
+
+
+@dataclass
+class NamedTeacherConfig(TeacherConfig):
+    """One of several teachers (``teachers.NAME.*``): every ``teacher.*`` key, and its overrides of ``loss.*``."""
+
+    loss: TeacherLossConfig = field(default_factory=TeacherLossConfig)
+    """Overrides of the global ``loss.*`` for the samples this teacher scores, each merged config validated."""
+
+    def teacher(self) -> TeacherConfig:
+        """The ``teacher.*`` section this entry stands for."""
+        return TeacherConfig(**{f.name: getattr(self, f.name) for f in fields(TeacherConfig)})
+
+
 _CHAT_TEMPLATE_ARGUMENTS = frozenset(
     ("conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
      "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "tokenizer_kwargs",
@@ -109,6 +144,10 @@ class DataConfig:
     """Record field with the target response (``loss.kind=sft``)."""
     shuffle: bool = True
     """Shuffle the prompts every epoch (deterministically from ``seed`` and the epoch)."""
+    teacher_key: str = "teacher"
+    """With ``teachers.*``: record field naming the teacher that scores the record's samples."""
+    default_teacher: str | None = None
+    """With ``teachers.*``: the teacher of records without ``data.teacher_key`` (unset: such records are refused)."""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra variables of the chat template, the same for rollout, evaluation and the teacher's re-tokenization,
     e.g. ``{enable_thinking: false}`` for Qwen3 (CLI: ``data.chat_template_kwargs.enable_thinking=false``)."""
@@ -400,6 +439,10 @@ class LossConfig:
     """Reward -> weight: r itself, exp(r / T), or n * softmax(r / T) over the samples of each prompt."""
     weight_temperature: float = 1.0
     """T of the reward transform and of the teacher-confidence softmax."""
+    teacher_balance: Literal["tokens", "per_teacher"] = "tokens"
+    """With ``teachers.*``: ``tokens``: ``loss.reduction`` over the whole batch (each token counts the same, whichever
+    teacher scored it); ``per_teacher``: each teacher's part of the batch weighs the same, however many tokens it
+    has (each teacher's reduction, averaged over the teachers in the step; times ``teachers.NAME.loss.weight``)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.beta <= 1.0:
@@ -556,6 +599,9 @@ class TrainConfig:
     """The model being trained."""
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     """The frozen scorer."""
+    teachers: dict[str, NamedTeacherConfig] = field(default_factory=dict)
+    """Several teachers by name instead of ``teacher.*``: each record's ``data.teacher_key`` field names the one that
+    scores its samples (``teachers.NAME.*``: every ``teacher.*`` key and ``loss.*`` overrides; docs/training.md)."""
     data: DataConfig = field(default_factory=DataConfig)
     """Prompt files."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -613,24 +659,13 @@ class TrainConfig:
                     "teacher.transfer=hidden needs teacher.path: the trainer loads the teacher's output layer from it "
                     "(the Hugging Face or dist_ckpt folder of the model the server runs)"
                 )
-        elif self.loss.mode == "dense":
-            raise ValueError(
-                f"teacher.backend={backend} sends the teacher's top-k, not its logits: set loss.mode=topk, or "
-                "teacher.transfer=hidden with a teacher server (exact dense distillation from its hidden states)"
-            )
+        from megatron_opd.teacher.capabilities import refusal
+
+        why = refusal(backend, t.transfer, mode=self.loss.mode, support=self.loss.support, temperature=t.temperature)
+        if why is not None:  # from the back end's declared capabilities (teacher/capabilities.py)
+            raise ValueError(why)
         if backend != "vllm":
             return
-        if t.temperature != 1.0:
-            raise ValueError(
-                f"teacher.temperature={t.temperature} cannot be applied by teacher.backend=vllm: vLLM applies no "
-                "temperature to prompt log-probabilities and a top-k cannot be re-tempered exactly; use "
-                "teacher.backend=server or inprocess, or teacher.temperature=1"
-            )
-        if self.loss.support == "union":
-            raise ValueError(
-                "loss.support=union needs the teacher's log-probabilities at the student's top-k ids, which vLLM's "
-                "prompt_logprobs cannot give: use teacher.backend=server or inprocess, or loss.support=teacher_topk"
-            )
         if not (t.tokenizer or t.path):
             raise ValueError(
                 "teacher.backend=vllm needs the teacher's tokenizer files for the vocabulary check (vLLM publishes "
@@ -657,12 +692,48 @@ class TrainConfig:
                 "set loss.staleness_correction=off"
             )
 
-    def validate(self) -> None:
-        """Checks that need the whole config (run by the entry point, after overrides); fills derived defaults."""
-        if self.checkpoint.dir is None:
-            self.checkpoint.dir = f"{self.output_dir.rstrip('/')}/checkpoints"
-        if not self.student.path:
-            raise ValueError("student.path is required: a Hugging Face or dist_ckpt folder of the student")
+    def _validate_context_parallel(self) -> None:
+        """What context parallelism (the sequence split over CP ranks, ``models.context_parallel``) cannot run."""
+        from megatron_opd.models.builder import check_context_parallel
+
+        cp = self.parallel.context_parallel_size
+        check_context_parallel(self.build, cp)
+        if self.train.packing:
+            raise ValueError(
+                f"train.packing=true with parallel.context_parallel_size={cp}: packed sequences are not split over "
+                "context-parallel ranks (no per-sequence split of cu_seqlens yet); set train.packing=false"
+            )
+        if self.rollout.backend == "builtin":
+            raise ValueError(
+                f"rollout.backend=builtin with parallel.context_parallel_size={cp}: the built-in sampler's decode "
+                "steps cannot split the sequence; set rollout.backend=vllm"
+            )
+        if self.teachers:
+            raise ValueError(
+                f"teachers.* with parallel.context_parallel_size={cp}: a step routed over several teachers does not "
+                "split its micro-batches over context-parallel ranks yet; use one teacher.* or "
+                "parallel.context_parallel_size=1"
+            )
+
+    def _validate_expert_parallel(self) -> None:
+        """What runs at expert parallelism: the built-in sampler, in-process teachers, training, evaluation, each
+        keeping the expert-parallel ranks in step (``distributed.lockstep``)."""
+        ep = self.parallel.expert_model_parallel_size
+        if self.build.moe_token_dispatcher == "allgather":
+            raise ValueError(
+                f"build.moe_token_dispatcher=allgather with parallel.expert_model_parallel_size={ep}: the allgather "
+                "dispatcher needs the same number of tokens on every expert-parallel rank at every forward, but "
+                "data-parallel ranks hold prompts of their own lengths; set build.moe_token_dispatcher=alltoall"
+            )
+        if self.rollout.backend == "vllm" and self.loss.kind != "sft":
+            raise ValueError(
+                f"rollout.backend=vllm with parallel.expert_model_parallel_size={ep}: the vLLM weight sync does not "
+                "gather the experts of every expert-parallel rank yet; set rollout.backend=builtin (or "
+                "parallel.expert_model_parallel_size=1)"
+            )
+
+    def _validate_teacher(self) -> None:
+        """The checks of ``teacher.*`` against ``loss.*`` (run for each teacher's view with ``teachers.*``)."""
         if self.teacher.transfer == "hidden" and self.teacher.backend == "inprocess":
             raise ValueError(
                 "teacher.transfer=hidden applies to teacher.backend=server (an in-process teacher already hands "
@@ -685,6 +756,73 @@ class TrainConfig:
             self._validate_remote_teacher()
         elif self.loss.kind != "sft" and not self.teacher.path:
             raise ValueError("teacher.path is required for distillation (loss.kind != sft)")
+
+    def teacher_views(self) -> dict[str, TrainConfig]:
+        """With ``teachers.*``: per name, this config in the one-teacher form of that teacher (its ``teacher.*`` and
+        the global ``loss.*`` with its overrides), which every one-teacher path takes (vocabulary check, back end,
+        objective). Sections other than ``teacher``/``loss`` are shared with this config."""
+        views = {}
+        for name, spec in self.teachers.items():
+            overrides = {f.name: getattr(spec.loss, f.name) for f in fields(TeacherLossConfig) if f.name != "weight"}
+            try:
+                loss = replace(self.loss, **{k: v for k, v in overrides.items() if v is not None})
+            except ValueError as err:
+                raise ValueError(f"teachers.{name}.loss merged over loss.*: {err}") from None
+            views[name] = replace(self, teacher=spec.teacher(), loss=loss, teachers={})
+        return views
+
+    def _validate_teachers(self) -> None:
+        names = sorted(self.teachers)
+        if self.teacher != TeacherConfig():
+            raise ValueError(
+                f"teacher.* and teachers.* ({', '.join(names)}) are both set: teacher.* is the one-teacher form; move "
+                "its keys under teachers.NAME.*"
+            )
+        if self.loss.kind == "sft":
+            raise ValueError("loss.kind=sft trains on the records' responses with no teacher: remove teachers.*")
+        for name in names:
+            if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+                raise ValueError(f"teachers.{name}: a teacher's name may hold letters, digits, _ and - only "
+                                 "(it names metrics teacher/NAME/...)")  # fmt: skip
+        if self.data.default_teacher is not None and self.data.default_teacher not in self.teachers:
+            raise ValueError(f"data.default_teacher={self.data.default_teacher} is none of teachers.*: {names}")
+        inprocess = [n for n in names if self.teachers[n].backend == "inprocess"]
+        if len(inprocess) > 1:
+            raise ValueError(
+                f"teachers {inprocess} are all backend=inprocess: at most one teacher shares the student's ranks; "
+                "serve the others (teachers.NAME.backend=server or vllm)"
+            )
+        if self.loss.weighting == "teacher_confidence":
+            raise ValueError(
+                "loss.weighting=teacher_confidence is not supported with teachers.* yet: use none or reward"
+            )
+        if self.parallel.pipeline_model_parallel_size > 1 and not self.train.packing:
+            raise ValueError(
+                "teachers.* with pipeline parallelism needs train.packing=true (a micro-batch holds one teacher's "
+                "samples, so micro-batches are filled to one token budget rather than a count of samples)"
+            )
+        for name, view in self.teacher_views().items():
+            try:
+                view._validate_teacher()
+                view._validate_staleness_correction()
+            except ValueError as err:
+                raise ValueError(f"teachers.{name}: {err} (teacher.* / loss.* here: teachers.{name}.*)") from None
+
+    def validate(self) -> None:
+        """Checks that need the whole config (run by the entry point, after overrides); fills derived defaults."""
+        if self.checkpoint.dir is None:
+            self.checkpoint.dir = f"{self.output_dir.rstrip('/')}/checkpoints"
+        if not self.student.path:
+            raise ValueError("student.path is required: a Hugging Face or dist_ckpt folder of the student")
+        if self.teachers:
+            self._validate_teachers()
+        else:
+            self._validate_teacher()
+            if self.data.default_teacher is not None or self.loss.teacher_balance != "tokens":
+                raise ValueError(
+                    "data.default_teacher and loss.teacher_balance=per_teacher apply to several teachers (teachers.*); "
+                    "unset them for the one-teacher form teacher.*"
+                )
         dtype = self.build.dtype
         if dtype not in ("auto", "fp32", "bf16"):
             raise ValueError(
@@ -708,11 +846,10 @@ class TrainConfig:
                 "train.packing=true needs build.attention=sdpa (Megatron's local attention cannot separate packed "
                 "sequences) or TransformerEngine; set train.packing=false to keep build.attention=local"
             )
-        if self.train.packing and self.parallel.context_parallel_size > 1:
-            raise ValueError(
-                "train.packing=true with parallel.context_parallel_size > 1 is not supported (context parallelism is "
-                "out of scope for packed sequences); set train.packing=false or context_parallel_size=1"
-            )
+        if self.parallel.context_parallel_size > 1:
+            self._validate_context_parallel()
+        if self.parallel.expert_model_parallel_size > 1:
+            self._validate_expert_parallel()
         if self.train.micro_batch_tokens is not None:
             tp = self.parallel.tensor_model_parallel_size
             if self.train.micro_batch_tokens % tp:
@@ -725,7 +862,8 @@ class TrainConfig:
                 f"scheduler.mode={self.scheduler.mode} samples while the trainer trains, which needs rollouts outside "
                 "the trainer's ranks: set rollout.backend=vllm, or scheduler.mode=zero_step_off with the built-in sampler"
             )
-        self._validate_staleness_correction()
+        if not self.teachers:
+            self._validate_staleness_correction()
         if self.scheduler.sync_delay < 0 or (
             self.scheduler.sync_delay
             and (self.scheduler.mode != "zero_step_off" or self.rollout.backend != "builtin" or self.loss.kind == "sft")

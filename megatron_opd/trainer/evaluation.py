@@ -22,10 +22,11 @@ from megatron_opd.data.stream import PromptItem
 from megatron_opd.distributed.device import collective_device
 from megatron_opd.interfaces import RolloutBackend, SamplingParams
 from megatron_opd.losses.sampled import label_logprobs
+from megatron_opd.models.context_parallel import ContextParallelSplit
 from megatron_opd.models.forward_backward import forward_backward
 from megatron_opd.trainer.batch import TrainBatch, pack_rollouts
 from megatron_opd.trainer.config import TrainConfig
-from megatron_opd.trainer.loss_batch import LossBatch
+from megatron_opd.trainer.loss_batch import LossBatch, split_for_context_parallel
 from megatron_opd.trainer.objective import teacher_columns, teacher_divergence
 
 logger = logging.getLogger(__name__)
@@ -37,12 +38,19 @@ class EvalSet:
 
     items: list[PromptItem]
     prompt_texts: list[str]
+    counted: bool = True
+    """False on a rank with no eval prompts of its own: it evaluates another rank's first one, uncounted, so that
+    every rank runs the same passes (MoE layers may exchange tokens across data-parallel ranks)."""
 
 
 def _reporting_rank() -> bool:
     from megatron.core import parallel_state as ps
 
-    return ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_last_stage(ignore_virtual=True)
+    return (
+        ps.get_tensor_model_parallel_rank() == 0
+        and ps.get_context_parallel_rank() == 0  # its sums are already the CP group's (``_divergence_sums``)
+        and ps.is_pipeline_last_stage(ignore_virtual=True)
+    )
 
 
 def _all_reduce(values: list[float]) -> list[float]:
@@ -70,6 +78,7 @@ class Evaluator:
         stop_token_ids: tuple[int, ...],
         max_len: int,
         scorer=None,
+        router=None,
     ) -> None:
         self.cfg = cfg
         self.eval_set = eval_set
@@ -81,6 +90,8 @@ class Evaluator:
         self.pad_token_id = pad_token_id
         self.max_len = max_len
         self.scorer = scorer
+        self.router = router
+        """``teachers.*``: the accuracy is also reported per teacher (``eval/NAME/accuracy``) by the records' field."""
         self.kind = "forward_kl" if cfg.loss.kind == "sft" else cfg.loss.kind
         self.sampling = SamplingParams(
             max_new_tokens=cfg.rollout.max_new_tokens,
@@ -107,6 +118,7 @@ class Evaluator:
         scores = self.teacher.score(batch.tokens, request_ids, lengths=batch.lengths).result()
         mbs = batch.num_samples
         extra = teacher_columns(scores)
+        split = ContextParallelSplit.current()
 
         def measure(logits_BSV: torch.Tensor, mb: dict):
             if sampled:
@@ -116,7 +128,7 @@ class Evaluator:
                 return logits_BSV.new_zeros(()), (float(torch.where(mask, d, 0.0).sum()), float(mask.sum()))
             d = teacher_divergence(
                 logits_BSV,
-                LossBatch.of(mb),
+                LossBatch.of(mb, split),
                 self.cfg.loss,
                 self.kind,
                 vocab_size=self.vocab_size,
@@ -127,8 +139,18 @@ class Evaluator:
             mask = mb["loss_mask"] != 0
             return logits_BSV.new_zeros(()), (float(torch.where(mask, d, 0.0).sum()), float(mask.sum()))
 
-        outputs = forward_backward(self.student_chunks, batch.micro_batches(mbs, extra), measure, forward_only=True)
-        return (sum(o[0] for o in outputs), sum(o[1] for o in outputs)) if outputs else (0.0, 0.0)
+        micro_batches = batch.micro_batches(mbs, extra)
+        if split is not None:  # each CP rank measures its share of every sequence; the sums add up over them
+            sp = self.student_chunks[0].config.sequence_parallel
+            multiple = 2 * split.size * (self.student_chunks[0].config.tensor_model_parallel_size if sp else 1)
+            micro_batches = [split_for_context_parallel(mb, split, pad_multiple=multiple) for mb in micro_batches]
+        outputs = forward_backward(self.student_chunks, micro_batches, measure, forward_only=True)
+        sums = (sum(o[0] for o in outputs), sum(o[1] for o in outputs)) if outputs else (0.0, 0.0)
+        if split is not None and outputs:
+            total = torch.tensor(sums, dtype=torch.float64, device=collective_device())
+            torch.distributed.all_reduce(total, group=split.group)
+            sums = (float(total[0]), float(total[1]))
+        return sums
 
     def run(self) -> dict[str, float]:
         """Evaluate now; returns the metrics on every rank."""
@@ -136,17 +158,24 @@ class Evaluator:
         prompts = [item.prompt_ids for item in items]
         rollouts = self.rollout.generate(prompts, self.sampling, 1).result() if prompts else None
         correct = 0.0
+        names = self.router.names if self.router is not None else []
+        per_teacher = [0.0] * (2 * len(names))  # correct, prompts of each teacher
         if self.scorer is not None and rollouts is not None:
             for i, item in enumerate(items):
                 response = self.tokenizer.decode(rollouts.response_ids[i].tolist(), skip_special_tokens=True)
-                correct += float(self.scorer(self.eval_set.prompt_texts[i], response, item.record))
+                score = float(self.scorer(self.eval_set.prompt_texts[i], response, item.record))
+                correct += score
+                if names:
+                    t = names.index(self.router(item.record))
+                    per_teacher[2 * t] += score
+                    per_teacher[2 * t + 1] += 1.0
         own = teacher_fixed = (0.0, 0.0)
         if self.teacher is not None and rollouts is not None:
             own = self._divergence_sums(pack_rollouts(rollouts, pad_token_id=self.pad_token_id, max_len=self.max_len))
             if self.teacher_batch is not None:
                 teacher_fixed = self._divergence_sums(self.teacher_batch, own=False)
         length = float(sum(rollouts.response_lengths)) if rollouts is not None else 0.0
-        mine = 1.0 if _reporting_rank() else 0.0
+        mine = 1.0 if _reporting_rank() and self.eval_set.counted else 0.0
         sums = _all_reduce(
             [
                 correct * mine,
@@ -156,11 +185,15 @@ class Evaluator:
                 teacher_fixed[0] * mine,
                 teacher_fixed[1] * mine,
                 length * mine,
+                *[v * mine for v in per_teacher],
             ]
         )
         out = {"eval/response_length": sums[6] / max(sums[1], 1.0)}
         if self.scorer is not None:
             out["eval/accuracy"] = sums[0] / max(sums[1], 1.0)
+            for t, name in enumerate(names):
+                if sums[8 + 2 * t]:
+                    out[f"eval/{name}/accuracy"] = sums[7 + 2 * t] / sums[8 + 2 * t]
         if self.teacher is not None:
             out["eval/divergence_own_samples"] = sums[2] / max(sums[3], 1.0)
             if self.teacher_batch is not None:
@@ -173,6 +206,7 @@ def build_evaluator(cfg: TrainConfig, vocab, encoder, student, teacher, rollout,
     from megatron.core import parallel_state as ps
 
     from megatron_opd.data.prompts import load_prompts
+    from megatron_opd.data.routing import TeacherRouter
     from megatron_opd.rollout.builtin import BuiltinSampler
     from megatron_opd.trainer.sequence_weights import import_function
 
@@ -184,8 +218,14 @@ def build_evaluator(cfg: TrainConfig, vocab, encoder, student, teacher, rollout,
     ]
     items = usable[: cfg.eval.max_prompts]
     mine = items[ps.get_data_parallel_rank() :: ps.get_data_parallel_world_size()]
+    counted = bool(mine) or not items
+    mine = mine or items[:1]
     teacher_sampler = None
-    if cfg.loss.cross_tokenizer != "off":  # the teacher scores its own tokens: no per-token divergence here
+    router = TeacherRouter.of(cfg)
+    if router is not None:
+        logger.info("evaluation with teachers.*: accuracy, overall and per teacher (eval/NAME/accuracy)")
+        teacher = None
+    elif cfg.loss.cross_tokenizer != "off":  # the teacher scores its own tokens: no per-token divergence here
         logger.info("evaluation with loss.cross_tokenizer: accuracy only (see cross_tokenizer/* in the step metrics)")
         teacher = None
     if teacher is not None and not hasattr(teacher, "chunks") and cfg.eval.teacher_responses:
@@ -196,7 +236,7 @@ def build_evaluator(cfg: TrainConfig, vocab, encoder, student, teacher, rollout,
         )
     return Evaluator(
         cfg,
-        EvalSet(mine, [encoder.prompt_text(it.record) for it in mine]),
+        EvalSet(mine, [encoder.prompt_text(it.record) for it in mine], counted),
         student_chunks=student.chunks,
         rollout=rollout,
         teacher=teacher,
@@ -207,4 +247,5 @@ def build_evaluator(cfg: TrainConfig, vocab, encoder, student, teacher, rollout,
         stop_token_ids=vocab.stop_token_ids,
         max_len=seq_len,
         scorer=import_function(cfg.eval.scorer, "eval.scorer") if cfg.eval.scorer else None,
+        router=router,
     )

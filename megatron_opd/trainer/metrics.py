@@ -91,6 +91,11 @@ class MetricsLogger:
             self.wandb.log(metrics, step=step)
         if advance and step % self.cfg.log_every == 0:
             cols = [f"{label} {fmt.format(metrics[key])}" for key, label, fmt in _CONSOLE if key in metrics]
+            cols += [  # several teachers (teachers.*): each one's per-token divergence
+                f"{key.split('/')[1]} div {value:.4f}"
+                for key, value in metrics.items()
+                if key.startswith("teacher/") and key.endswith("/divergence")
+            ]
             self.write(f"step {step:>5} | " + " | ".join(cols))
 
     def close(self) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import ClassVar
 
 import torch
@@ -35,11 +35,28 @@ from megatron_opd.losses.fused_output import chunk_tokens, fused_output_loss, re
 from megatron_opd.losses.sampled import label_logprobs, sampled_reverse_kl
 from megatron_opd.losses.shard_ops import chunked_logsumexp, gather_at_ids, global_argmax
 from megatron_opd.losses.vocab_parallel import make_vocab_shard
+from megatron_opd.models.context_parallel import ContextParallelSplit
 from megatron_opd.models.output import HiddenStateOutput
 from megatron_opd.models.packing import pipeline_token_budget
 from megatron_opd.rollout.fidelity import fidelity_sum_tensors, importance_weights, prefix_log_ratios
 from megatron_opd.trainer.config import LossConfig
-from megatron_opd.trainer.loss_batch import LossBatch
+from megatron_opd.trainer.loss_batch import LossBatch, split_for_context_parallel
+
+
+@dataclass
+class TeacherStats:
+    """One teacher's share of a step's sums (``teachers.*``): its samples' trained tokens and what they gave."""
+
+    FIELDS: ClassVar[tuple[str, ...]] = ("loss", "divergence_sum", "agree_sum", "tokens")
+
+    loss: float = 0.0
+    """Its tokens' share of the step's loss."""
+    divergence_sum: float = 0.0
+    """Unweighted per-token divergence summed over its trained tokens."""
+    agree_sum: float = 0.0
+    """Its trained tokens where the student's top-1 equals the teacher's."""
+    tokens: float = 0.0
+    """Its trained tokens."""
 
 
 @dataclass
@@ -48,7 +65,8 @@ class StepStats:
     (``MAX_FIELDS``: the largest over micro-batches and ranks).
 
     The ``fidelity_*``/``logprob_*``/``prob_ratio``/``kl_k3`` entries compare the trainer's log-probability of each
-    sampled token (temperature 1, read in the loss pass) with the sampler's (``rollout.fidelity``)."""
+    sampled token (temperature 1, read in the loss pass) with the sampler's (``rollout.fidelity``). With several
+    teachers, ``teachers`` holds each one's share (``TeacherStats``), laid out after the sums in ``as_tensor``."""
 
     MAX_FIELDS: ClassVar[tuple[str, ...]] = ("logprob_diff_max",)
 
@@ -82,21 +100,35 @@ class StepStats:
     """Tokens whose weight was clipped at ``loss.staleness_clip``."""
     logprob_diff_max: float = 0.0
     """Largest |log p_trainer - log p_sampler| (a maximum, not a sum)."""
+    teachers: dict[str, TeacherStats] = field(default_factory=dict)
+    """Per teacher by name (``teachers.*``; empty with one teacher)."""
+
+    @classmethod
+    def sums(cls) -> tuple[str, ...]:
+        """The float fields, in ``as_tensor`` order (the per-teacher blocks follow them)."""
+        return tuple(f.name for f in fields(cls) if f.name != "teachers")
 
     def as_tensor(self) -> torch.Tensor:
-        return torch.tensor([getattr(self, f.name) for f in fields(self)], dtype=torch.float64)
+        values = [getattr(self, name) for name in self.sums()]
+        values += [getattr(t, name) for t in self.teachers.values() for name in TeacherStats.FIELDS]
+        return torch.tensor(values, dtype=torch.float64)
 
     @classmethod
-    def from_tensor(cls, t: torch.Tensor) -> StepStats:
-        return cls(*[float(x) for x in t.tolist()])
+    def from_tensor(cls, t: torch.Tensor, teachers: tuple[str, ...] = ()) -> StepStats:
+        values = [float(x) for x in t.tolist()]
+        n, k = len(cls.sums()), len(TeacherStats.FIELDS)
+        blocks = {name: TeacherStats(*values[n + i * k : n + (i + 1) * k]) for i, name in enumerate(teachers)}
+        return cls(*values[:n], teachers=blocks)
 
     @classmethod
-    def max_mask(cls) -> torch.Tensor:
-        """``[fields]`` bool: which entries of ``as_tensor`` are maxima."""
-        return torch.tensor([f.name in cls.MAX_FIELDS for f in fields(cls)])
+    def max_mask(cls, teachers: int = 0) -> torch.Tensor:
+        """``[fields]`` bool: which entries of ``as_tensor`` are maxima (``teachers``: per-teacher blocks after)."""
+        return torch.tensor(
+            [name in cls.MAX_FIELDS for name in cls.sums()] + [False] * teachers * len(TeacherStats.FIELDS)
+        )
 
     def as_dict(self) -> dict[str, float]:
-        return asdict(self)
+        return {name: getattr(self, name) for name in self.sums()}
 
 
 class MicroBatchStats:
@@ -113,19 +145,27 @@ class MicroBatchStats:
     def of(cls, values: dict[str, torch.Tensor], device: torch.device) -> MicroBatchStats:
         """From scalar tensors named as ``StepStats``' fields (missing ones are 0)."""
         zero = torch.zeros((), dtype=torch.float64, device=device)
-        return cls(torch.stack([values.get(f.name, zero).double() for f in fields(StepStats)]))
+        return cls(torch.stack([values.get(name, zero).double() for name in StepStats.sums()]))
+
+    def for_teacher(self, index: int, teachers: int) -> MicroBatchStats:
+        """These sums, also as teacher ``index``'s block of ``teachers`` (a micro-batch holds one teacher's samples)."""
+        sums = StepStats.sums()
+        block = torch.stack([self.values[sums.index(name)] for name in TeacherStats.FIELDS])
+        blocks = self.values.new_zeros(teachers, len(TeacherStats.FIELDS))
+        blocks[index] = block
+        return MicroBatchStats(torch.cat([self.values, blocks.reshape(-1)]))
 
     def as_tensor(self) -> torch.Tensor:
         return self.values
 
     def read(self) -> StepStats:
-        return StepStats.from_tensor(self.values.cpu())
+        return StepStats.from_tensor(self.values.cpu()[: len(StepStats.sums())])
 
     def as_dict(self) -> dict[str, float]:
         return self.read().as_dict()
 
     def __getattr__(self, name: str) -> float:
-        if name not in StepStats.__dataclass_fields__:  # not a field (nor ``values`` before it is set: copy, pickle)
+        if name not in StepStats.sums():  # not a field (nor ``values`` before it is set: copy, pickle)
             raise AttributeError(name)
         return getattr(self.read(), name)
 
@@ -335,7 +375,9 @@ class SampledObjective(Objective):
         top1 = batch.teacher_topk_ids
         reads["target_top1"] = top1[..., 0] if top1 is not None else torch.full_like(batch.labels, -1)
         logq = label_logprobs(logits_TV, batch.labels, vocab_size=self.vocab_size, temperature=cfg.student_temperature)
-        per_token, reads["divergence"] = sampled_reverse_kl(logq, batch.teacher_label_logprobs, batch.group_offset)
+        per_token, reads["divergence"] = sampled_reverse_kl(
+            logq, batch.teacher_label_logprobs, batch.group_offset, batch.context_parallel
+        )
         if label_logit is not None and cfg.student_temperature == 1.0:
             outputs["student_lse"] = label_logit - logq.detach()
         return per_token
@@ -359,6 +401,7 @@ class AlignedObjective(Objective):
             batch.teacher_topk_support, batch.teacher_label_logprobs, batch.group_offset, cfg.kind,
             vocab_size=self.vocab_size, beta=cfg.beta, tail=cfg.tail, coverage_weight=cfg.coverage_weight,
             student_temperature=cfg.student_temperature, chunk_size=cfg.chunk_size,
+            context_parallel=batch.context_parallel,
         )  # fmt: skip
         return per_token
 
@@ -391,6 +434,7 @@ def make_loss_fn(
     output: HiddenStateOutput | None = None,
     grad_hint: float | None = None,
     teacher_weight: torch.Tensor | None = None,
+    context_parallel: ContextParallelSplit | None = None,
 ) -> Callable[[torch.Tensor, dict], tuple[torch.Tensor, MicroBatchStats]]:
     """The loss function Megatron's schedule calls with (logits, micro-batch) on the last pipeline stage.
 
@@ -401,16 +445,18 @@ def make_loss_fn(
     ``grad_hint``: the gradient Megatron's schedule will bring to the returned loss (``fused_output_loss``: the
     weight gradient then goes straight into its buffer); None when unknown. ``teacher_weight``: the in-process
     teacher's output-weight shard when its scores are hidden states (``TeacherScores.output_weight``).
+    ``context_parallel``: the micro-batches are split over context-parallel ranks (``split_for_context_parallel``).
     """
     objective = objective_for(
         cfg, vocab_size=vocab_size, teacher_temperature=teacher_temperature, teacher_weight=teacher_weight
     )
 
     def loss_fn(output_tensor: torch.Tensor, mb: dict) -> tuple[torch.Tensor, MicroBatchStats]:
-        batch = LossBatch.of(mb)
+        batch = LossBatch.of(mb, context_parallel)
         objective.check(batch)
         mask_BS, weights_BS = batch.loss_mask, batch.weights
-        kwargs = {} if cfg.reduction == "sum" else {"normalizer": normalizer, "segment_ids": batch.segment_ids}
+        kwargs = {} if cfg.reduction == "sum" else {"normalizer": normalizer, "segment_ids": batch.segment_ids,
+                                                   "sequence_weights": batch.sequence_tokens}  # fmt: skip
         if output is None:
             per_token_BS, reads = objective.per_token_pass(output_tensor, batch)
             staleness = staleness_weights(reads, batch)
@@ -443,8 +489,13 @@ def make_loss_fn(
         if batch.rollout_logprobs is None:
             return None
         with torch.no_grad():
-            log_ratio_BS = prefix_log_ratios(reads["label_lp"], batch.rollout_logprobs, batch.loss_mask,
-                                             batch.segment_ids, inclusive=cfg.mode == "sampled")  # fmt: skip
+            columns = (reads["label_lp"], batch.rollout_logprobs, batch.loss_mask)
+            cp = batch.context_parallel
+            if cp is not None:  # a prefix spans the ranks' chunks: read along the gathered sequences
+                columns = tuple(cp.gather(c) for c in columns)
+            log_ratio_BS = prefix_log_ratios(*columns, batch.segment_ids, inclusive=cfg.mode == "sampled")
+            if cp is not None:
+                log_ratio_BS = cp.split(log_ratio_BS, 1)
             return importance_weights(log_ratio_BS, cfg.staleness_clip)
 
     def _fused_pass(hidden_BSH: torch.Tensor, weight_VH: torch.Tensor, batch: LossBatch, kwargs: dict):
@@ -515,25 +566,55 @@ def teacher_columns(scores, batch=None) -> dict[str, torch.Tensor]:
     return columns
 
 
-def global_count(mask: torch.Tensor, reduction: str) -> float:
-    """The reduction's denominator over the global batch: trained tokens (``token_mean``), sequences with a
-    trained token (``sequence_mean``) or the plain sum of ``mask`` (``sum``); a collective over data-parallel
-    ranks."""
+def _local_count(mask: torch.Tensor, reduction: str) -> torch.Tensor:
+    if reduction == "sequence_mean":
+        return (mask != 0).any(dim=-1).sum().double()
+    if reduction == "sum":
+        return mask.double().sum()
+    return (mask != 0).sum().double()
+
+
+def _data_parallel_sum(local: torch.Tensor) -> torch.Tensor:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from megatron_opd.distributed.device import collective_device
 
-    if reduction == "sequence_mean":
-        local = (mask != 0).any(dim=-1).sum().double()
-    elif reduction == "sum":
-        local = mask.double().sum()
-    else:
-        local = (mask != 0).sum().double()
-    t = local.reshape(1).to(collective_device())
+    t = local.reshape(-1).to(collective_device())
     if ps.get_data_parallel_world_size() > 1:
         dist.all_reduce(t, group=ps.get_data_parallel_group())
-    return float(t.item())
+    return t.cpu()
+
+
+def global_count(mask: torch.Tensor, reduction: str) -> float:
+    """The reduction's denominator over the global batch: trained tokens (``token_mean``), sequences with a
+    trained token (``sequence_mean``) or the plain sum of ``mask`` (``sum``); a collective over data-parallel
+    ranks. ``mask`` holds whole sequences (counted before any context-parallel split: CP ranks hold the same)."""
+    return float(_data_parallel_sum(_local_count(mask, reduction)).item())
+
+
+@dataclass(frozen=True)
+class TeacherObjective:
+    """How one of several teachers' samples are trained (``teachers.NAME``): its merged ``loss.*``, its temperature
+    and its ``loss.weight``."""
+
+    loss: LossConfig
+    temperature: float = 1.0
+    weight: float = 1.0
+
+
+def _micro_batches(batch, columns: dict, *, micro_batch_size: int, packing: bool, micro_batch_tokens: int | None,
+                   ragged: bool = False) -> list[dict]:  # fmt: skip
+    from megatron.core import parallel_state as ps
+
+    tp, one_stage = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size() == 1
+    if packing:
+        budget = pipeline_token_budget(micro_batch_tokens, micro_batch_size, batch.seq_len)
+        return batch.packed_micro_batches(
+            micro_batch_size, columns, pad_multiple=tp, token_budget=budget, ragged=ragged
+        )
+    # sequence parallelism splits S over TP
+    return batch.micro_batches(micro_batch_size, columns, trim=one_stage, pad_multiple=8 * tp, ragged=ragged)
 
 
 def train_step(
@@ -548,30 +629,27 @@ def train_step(
     guard: Callable[[StepStats], None] | None = None,
     packing: bool = False,
     micro_batch_tokens: int | None = None,
+    teachers: dict[str, TeacherObjective] | None = None,
 ):
     """One optimizer step of ``student`` on ``batch`` (and the teacher's ``scores``; None for SFT); ``guard`` may
-    refuse the step before it is applied (``Student.step``). ``packing``: THD micro-batches (``train.packing``)."""
+    refuse the step before it is applied (``Student.step``). ``packing``: THD micro-batches (``train.packing``).
+    ``teachers`` (``teachers.*``, with ``scores`` a ``RoutedScores``): each teacher's objective by name."""
     from megatron.core import parallel_state as ps
 
+    layout = dict(micro_batch_size=micro_batch_size, packing=packing, micro_batch_tokens=micro_batch_tokens)
+    if teachers is not None:
+        return _routed_step(student, batch, scores, cfg, teachers, vocab_size=vocab_size, guard=guard, **layout)
     columns = teacher_columns(scores, batch) if scores is not None else {}
-    tp, one_stage = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size() == 1
-    if packing:
-        budget = pipeline_token_budget(micro_batch_tokens, micro_batch_size, batch.seq_len)
-        micro_batches = batch.packed_micro_batches(micro_batch_size, columns, pad_multiple=tp, token_budget=budget)
-    else:
-        micro_batches = batch.micro_batches(
-            micro_batch_size,
-            columns,
-            trim=one_stage,
-            pad_multiple=8 * tp,  # sequence parallelism splits S over TP
-        )
+    micro_batches = _micro_batches(batch, columns, **layout)
+    split = ContextParallelSplit.current()
+    if split is not None:  # Megatron's CP layout; sequence parallelism then splits each rank's share over TP
+        tp = ps.get_tensor_model_parallel_world_size()
+        multiple = 2 * split.size * (tp if student.model[0].config.sequence_parallel else 1)
+        micro_batches = [split_for_context_parallel(mb, split, pad_multiple=multiple) for mb in micro_batches]
     output = HiddenStateOutput(student.model) if fused_output_applies(cfg) else None
     if output is not None:  # the fused loss chunks the trained tokens: found here, not by a device sync in the loop
         for mb in micro_batches:
             mb["trained_index"] = (mb["loss_mask"] != 0).reshape(-1).nonzero().reshape(-1)
-    # What the schedule does to the loss: x CP size / micro-batches, and fp16's dynamic loss scale (not known here).
-    fp16 = any(getattr(getattr(chunk, "config", None), "fp16", False) for chunk in student.model)
-    grad_hint = None if fp16 else ps.get_context_parallel_world_size() / len(micro_batches)
     loss_fn = make_loss_fn(
         cfg,
         vocab_size=vocab_size,
@@ -579,11 +657,80 @@ def train_step(
         normalizer=global_count(batch.loss_mask, cfg.reduction),
         scale=len(micro_batches) * ps.get_data_parallel_world_size(),
         output=output,
-        grad_hint=grad_hint,
+        grad_hint=_grad_hint(student, len(micro_batches)),
         teacher_weight=getattr(scores, "output_weight", None),
+        context_parallel=split,
     )
     with output.active() if output is not None else contextlib.nullcontext():
         return student.step(micro_batches, loss_fn, guard)
+
+
+def _grad_hint(student, num_micro_batches: int) -> float | None:
+    """What the schedule does to the loss: x CP size / micro-batches, and fp16's dynamic loss scale (not known)."""
+    from megatron.core import parallel_state as ps
+
+    fp16 = any(getattr(getattr(chunk, "config", None), "fp16", False) for chunk in student.model)
+    return None if fp16 else ps.get_context_parallel_world_size() / num_micro_batches
+
+
+def teacher_shares(
+    batch, routed, teachers: dict[str, TeacherObjective], reduction: str, balance: str
+) -> dict[str, float]:
+    """Each teacher's factor on its samples' weights: its ``loss.weight``, and with ``loss.teacher_balance=
+    per_teacher`` ``D / (T * D_t)`` (``D_t`` its part of the reduction's global denominator ``D``, ``T`` the teachers
+    with samples in the step), so each teacher's part weighs the same. One collective over data-parallel ranks."""
+    names = list(teachers)
+    local = torch.zeros(len(names), dtype=torch.float64)
+    for part in routed.parts:
+        mask = batch.loss_mask.index_select(0, torch.tensor(part.rows, dtype=torch.int64))
+        local[names.index(part.name)] = _local_count(mask, reduction)
+    counts = _data_parallel_sum(local)
+    present = counts > 0
+    shares = {}
+    for i, name in enumerate(names):
+        balance_t = 1.0
+        if balance == "per_teacher" and present[i]:
+            balance_t = float(counts.sum() / (present.sum() * counts[i]))
+        shares[name] = teachers[name].weight * balance_t
+    return shares
+
+
+def _routed_step(student, batch, routed, cfg: LossConfig, teachers: dict[str, TeacherObjective], *, vocab_size: int,
+                 guard, **layout):  # fmt: skip
+    """``train_step`` of a batch scored by several teachers: each teacher's samples in micro-batches of their own,
+    each trained by that teacher's objective, all reduced over the whole batch (``loss.teacher_balance``)."""
+    from megatron.core import parallel_state as ps
+
+    names = list(teachers)
+    shares = teacher_shares(batch, routed, teachers, cfg.reduction, cfg.teacher_balance)
+    micro_batches, weights = [], {}
+    for part in routed.parts:
+        sub = batch.select(part.rows)
+        sub.seq_weights = sub.seq_weights * shares[part.name]
+        weights[part.name] = getattr(part.scores, "output_weight", None)
+        for mb in _micro_batches(sub, teacher_columns(part.scores, sub), ragged=True, **layout):
+            mb["teacher"] = names.index(part.name)  # a plain int: which objective applies (kept off the device)
+            micro_batches.append(mb)
+    fused = all(fused_output_applies(t.loss) for t in teachers.values())
+    output = HiddenStateOutput(student.model) if fused else None
+    if output is not None:
+        for mb in micro_batches:
+            mb["trained_index"] = (mb["loss_mask"] != 0).reshape(-1).nonzero().reshape(-1)
+    common = dict(vocab_size=vocab_size, normalizer=global_count(batch.loss_mask, cfg.reduction),
+                  scale=len(micro_batches) * ps.get_data_parallel_world_size(), output=output,
+                  grad_hint=_grad_hint(student, len(micro_batches)))  # fmt: skip
+    loss_fns = [
+        make_loss_fn(t.loss, teacher_temperature=t.temperature, teacher_weight=weights.get(name), **common)
+        for name, t in teachers.items()
+    ]
+
+    def loss_fn(output_tensor: torch.Tensor, mb: dict):
+        index = mb["teacher"]
+        loss, stats = loss_fns[index](output_tensor, mb)
+        return loss, stats.for_teacher(index, len(names))
+
+    with output.active() if output is not None else contextlib.nullcontext():
+        return student.step(micro_batches, loss_fn, guard, teachers=tuple(names))
 
 
 def fused_output_applies(cfg: LossConfig) -> bool:

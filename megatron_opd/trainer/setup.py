@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from megatron_opd.distributed.device import Accelerator
 from megatron_opd.interfaces import SamplingParams
+from megatron_opd.models import rope
 from megatron_opd.models.source import build_and_load, config_dir, load_output_weight, model_architecture
 from megatron_opd.trainer.config import TrainConfig
 from megatron_opd.trainer.student import PrecisionPlan, Student, precision_plan
@@ -36,6 +37,8 @@ class Vocabulary:
     """Remote teachers: the checked vocabulary's fingerprint, which every replica must serve."""
     teacher_tokenizer: object | None = None
     """``loss.cross_tokenizer``: the teacher's own tokenizer (None: the teacher shares the student's)."""
+    teachers: dict[str, Vocabulary] = field(default_factory=dict)
+    """With ``teachers.*``: each teacher's vocabulary check (its fingerprint and tokenizer), by name."""
 
     @property
     def teacher_vocab_size(self) -> int:
@@ -51,13 +54,42 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
     from megatron_opd.models.builder import validate_layout
 
     validate_layout(model_architecture(cfg.student.path, "student.path"), cfg.parallel)
-    if cfg.loss.kind != "sft" and cfg.teacher.backend == "inprocess":
-        validate_layout(model_architecture(cfg.teacher.path, "teacher.path"), cfg.parallel)
+    views = cfg.teacher_views() if cfg.teachers else {"teacher": cfg}
+    for name, view in views.items():
+        if view.loss.kind != "sft" and view.teacher.backend == "inprocess":
+            where = "teacher.path" if view is cfg else f"teachers.{name}.path"
+            validate_layout(model_architecture(view.teacher.path, where), cfg.parallel)
     check_paths(cfg.data.train_files, "data.train_files")
     if cfg.data.eval_files:
         check_paths(cfg.data.eval_files, "data.eval_files")
-    check_memory(cfg)
-    return load_vocabulary(cfg)
+    # The in-process teacher (at most one) is the one the estimate places beside the student.
+    check_memory(next((v for v in views.values() if v.teacher.backend == "inprocess"), cfg))
+    if not cfg.teachers:
+        return load_vocabulary(cfg)
+    from megatron_opd.data.routing import TeacherRouter
+
+    router = TeacherRouter.of(cfg)
+    counts = router.check_files(cfg.data.train_files, "data.train_files")
+    if cfg.data.eval_files:
+        router.check_files(cfg.data.eval_files, "data.eval_files")
+    logger.info("training records per teacher: %s", counts)
+    return teachers_vocabulary(views)
+
+
+def teachers_vocabulary(views: dict[str, TrainConfig]) -> Vocabulary:
+    """``teachers.*``: the vocabulary check of each teacher against the student; the student's facts, with each
+    teacher's result in ``Vocabulary.teachers``."""
+    per = {}
+    for name, view in views.items():
+        try:
+            per[name] = load_vocabulary(view)
+        except ValueError as err:
+            raise ValueError(f"teachers.{name}: {err}") from None
+    first = next(iter(per.values()))
+    sizes = {name: v.vocab_size for name, v in per.items()}
+    if len(set(sizes.values())) > 1:
+        raise ValueError(f"the teachers' vocabulary checks give the student different vocabulary sizes {sizes}")
+    return replace(first, teacher_fingerprint=None, teacher_tokenizer=None, teachers=per)
 
 
 def device_memory_gib(accel_type: str) -> float | None:
@@ -299,6 +331,7 @@ def build_remote_teacher(cfg: TrainConfig, teacher_fingerprint: str | None, stud
     scores (with ``teacher.transfer=hidden``, each rank also holds its shard of the teacher's output layer)."""
     from megatron.core import parallel_state as ps
 
+    from megatron_opd.teacher.capabilities import declared
     from megatron_opd.teacher.shared import GroupSharedTeacher
 
     last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
@@ -317,7 +350,7 @@ def build_remote_teacher(cfg: TrainConfig, teacher_fingerprint: str | None, stud
         group=ps.get_tensor_model_parallel_group(),
         src=ps.get_tensor_model_parallel_src_rank(),
         active=last_stage,
-        supports_requested_logprobs=cfg.teacher.backend != "vllm",
+        supports_requested_logprobs=declared(cfg.teacher.backend, cfg.teacher.transfer).requested_logprobs,
     )
     if full_VH is not None:
         from megatron_opd.teacher.hidden import HiddenStateTeacher
@@ -393,14 +426,27 @@ def build_retokenizer(cfg: TrainConfig, vocab: Vocabulary):
                           topk=aligned)  # fmt: skip
 
 
+def build_teachers(cfg: TrainConfig, accel: Accelerator, vocab: Vocabulary, student: Student) -> dict:
+    """``teachers.*``: each teacher's back end (and re-tokenizer, for another tokenizer), by name, in config order."""
+    from megatron_opd.scheduler.batch_schedule import RoutedTeacher
+
+    teachers = {}
+    for name, view in cfg.teacher_views().items():
+        v = vocab.teachers[name]
+        backend = build_teacher(view, accel, v.teacher_vocab_size, student, v.teacher_fingerprint)
+        teachers[name] = RoutedTeacher(backend, build_retokenizer(view, v))
+    return teachers
+
+
 def max_seq_len(cfg: TrainConfig) -> int:
     """Longest prompt + response: ``train.max_seq_len`` or the student's context."""
-    context = model_architecture(cfg.student.path, "student.path").max_position_embeddings
-    if cfg.train.max_seq_len is None:
-        return context
-    if cfg.train.max_seq_len > context:
+    arch = model_architecture(cfg.student.path, "student.path")
+    context = arch.max_position_embeddings
+    if cfg.train.max_seq_len is not None and cfg.train.max_seq_len > context:
         raise ValueError(f"train.max_seq_len={cfg.train.max_seq_len} exceeds the student's context of {context}")
-    return cfg.train.max_seq_len
+    length = context if cfg.train.max_seq_len is None else cfg.train.max_seq_len
+    rope.check_sequence_length(arch.rope, length, "train.max_seq_len")  # longrope: its short factors only
+    return length
 
 
 def build_rollout(cfg: TrainConfig, student: Student, vocab: Vocabulary):

@@ -221,15 +221,17 @@ class Student:
         micro_batches: list[dict],
         loss_fn: Callable[[torch.Tensor, dict], tuple[torch.Tensor, MicroBatchStats]],
         guard: Callable[[StepStats], None] | None = None,
+        teachers: tuple[str, ...] = (),
     ) -> StepResult:
         """Forward and backward every micro-batch, check the loss (and ``guard``, which raises to refuse the step:
-        the rollout-fidelity monitor), then apply one optimizer step."""
+        the rollout-fidelity monitor), then apply one optimizer step. ``teachers``: the names of the per-teacher
+        blocks ``loss_fn``'s statistics carry (``teachers.*``), the same on every rank."""
         self.train()
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = forward_backward(self.model, micro_batches, loss_fn)
-        stats = sum_stats(outputs)
+        stats = sum_stats(outputs, teachers)
         if stats.nonfinite:
             raise NonFiniteLossError(f"loss is {stats.loss}")
         if guard is not None:
@@ -273,16 +275,17 @@ def _keeping_unsaved_states(optimizer):
         del optimizer._set_main_param_and_optimizer_states
 
 
-def sum_stats(outputs: list[StepStats] | list[MicroBatchStats]) -> StepStats:
+def sum_stats(outputs: list[StepStats] | list[MicroBatchStats], teachers: tuple[str, ...] = ()) -> StepStats:
     """Add the micro-batch stats of the last pipeline stage and share the totals with every rank (a collective).
 
-    Data-parallel ranks' sums add up; pipeline stages without a loss contribute zeros; tensor-parallel ranks
-    hold identical values, so the total is divided by the tensor-parallel size. ``StepStats.MAX_FIELDS`` (never
+    Data-parallel ranks' sums add up, and so do context-parallel ranks' (each holds its share of every sequence);
+    pipeline stages without a loss contribute zeros; tensor-parallel ranks hold identical values, so the total is
+    divided by the tensor-parallel size. ``StepStats.MAX_FIELDS`` (never
     negative) take the maximum instead, over micro-batches and ranks (a second all-reduce).
     """
     from megatron.core import parallel_state as ps
 
-    is_max = StepStats.max_mask()
+    is_max = StepStats.max_mask(len(teachers))
     total = torch.zeros(len(is_max), dtype=torch.float64)
     if outputs:  # added where the loss put them (MicroBatchStats: on its device); read to the host once, below
         is_max = is_max.to(outputs[0].as_tensor().device)
@@ -295,6 +298,6 @@ def sum_stats(outputs: list[StepStats] | list[MicroBatchStats]) -> StepStats:
         maxima = torch.where(is_max, total, 0.0).to(collective_device())
         dist.all_reduce(sums)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
-        sums /= ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size()
+        sums /= ps.get_tensor_model_parallel_world_size()
         total = torch.where(is_max.cpu(), maxima.cpu(), sums.cpu())
-    return StepStats.from_tensor(total.cpu())
+    return StepStats.from_tensor(total.cpu(), teachers)

@@ -57,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     to_mcore.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     to_mcore.add_argument("--vp", type=int, default=1, help="virtual pipeline stages per pipeline rank (1: none)")
     to_mcore.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel size (Mixture-of-Experts models: experts split over EP ranks)",
+    )
+    to_mcore.add_argument("--etp", type=int, help="expert tensor-parallel size (MoE models; default: --tp)")
+    to_mcore.add_argument(
         "--dtype", choices=("bf16", "fp16", "fp32"), help="parameter dtype (default: config.json torch_dtype)"
     )
     to_mcore.add_argument(
@@ -160,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                 tensor_model_parallel_size=args.tp,
                 pipeline_model_parallel_size=args.pp,
                 virtual_pipeline_model_parallel_size=args.vp if args.vp > 1 else None,
+                expert_model_parallel_size=args.ep,
+                expert_tensor_parallel_size=args.etp,
             )
             result = convert_hf_to_mcore(
                 args.hf_dir,

@@ -6,16 +6,33 @@ below (``docs/models.md``, "Adding a model family").
 
 from __future__ import annotations
 
-from megatron_opd.models.families import llama, qwen2, qwen3
+from megatron_opd.models.families import (
+    deepseek_v3,
+    gemma3,
+    llama,
+    mistral,
+    mixtral,
+    olmo2,
+    phi3,
+    qwen2,
+    qwen2_moe,
+    qwen3,
+    qwen3_moe,
+)
 from megatron_opd.models.families.base import ModelFamily, SpecOptions
 
-_MODULES = (llama, qwen2, qwen3)
+_MODULES = (llama, qwen2, qwen3, mistral, olmo2, phi3, gemma3, qwen3_moe, qwen2_moe, mixtral, deepseek_v3)
 
 FAMILIES: dict[str, ModelFamily] = {module.FAMILY.name: module.FAMILY for module in _MODULES}
 """Family name -> its declarations, in registry order (shape and memory tables follow it)."""
 
 BY_MODEL_TYPE: dict[str, ModelFamily] = {t: f for f in FAMILIES.values() for t in f.model_types}
 """Hugging Face ``model_type`` -> the family that reads it."""
+
+DEFERRED: dict[str, str] = {
+    "gemma2": "Gemma 2's attention logit soft-capping, which SDPA and TransformerEngine cannot fuse, is not built",
+}
+"""Hugging Face ``model_type`` -> why it is refused (the error names the reason, not just the list)."""
 
 
 def family_named(name: str) -> ModelFamily:
@@ -26,4 +43,4 @@ def family_named(name: str) -> ModelFamily:
         raise ValueError(f"family must be one of {tuple(FAMILIES)}, got {name!r}") from None
 
 
-__all__ = ["BY_MODEL_TYPE", "FAMILIES", "ModelFamily", "SpecOptions", "family_named"]
+__all__ = ["BY_MODEL_TYPE", "DEFERRED", "FAMILIES", "ModelFamily", "SpecOptions", "family_named"]

@@ -36,22 +36,22 @@ class SpecOptions:
     """Core attention of the local spec: ``sdpa`` or ``local`` (``ModelBuildConfig.attention``)."""
     norm: str = "torch"
     """RMSNorm of the local spec: ``torch`` or ``triton`` (``ModelBuildConfig.norm``)."""
+    moe_grouped_gemm: bool = False
+    """MoE layers run their experts as one grouped GEMM (``ModelBuildConfig.moe_grouped_gemm``), not one by one."""
+
+
+def mlp_submodules(layer_spec):
+    """The submodules of a layer spec's MLP (dense or MoE), to swap one of them: a ``ModuleSpec`` in Megatron-Core
+    0.16, a ``functools.partial`` carrying them as its ``submodules`` keyword in 0.19."""
+    mlp = layer_spec.submodules.mlp
+    return mlp.submodules if hasattr(mlp, "submodules") else mlp.keywords["submodules"]
 
 
 def llama3_inv_freq(arch: ModelArchitecture) -> torch.Tensor:
     """Inverse RoPE frequencies with Llama 3.1's piecewise scaling, for any factor/low/high/original length."""
-    rope = arch.rope
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, arch.head_dim, 2, dtype=torch.int64).float() / arch.head_dim))
-    low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
-    high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
-    wavelen = 2 * torch.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
-    smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
-        rope.high_freq_factor - rope.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(medium, smoothed, scaled)
+    from megatron_opd.models import rope
+
+    return rope.inv_freq(arch.rope, arch.head_dim)
 
 
 def check_dense_mlp(cfg: dict[str, Any]) -> None:
@@ -64,6 +64,16 @@ def check_dense_mlp(cfg: dict[str, Any]) -> None:
         raise UnsupportedArchitectureError("config.json mlp_bias=true is not supported")
     if cfg.get("use_sliding_window"):
         raise UnsupportedArchitectureError("config.json use_sliding_window=true is not supported")
+
+
+def read_sliding_window(cfg: dict[str, Any], source: str) -> int | None:
+    """``config.json`` ``sliding_window`` (keys per query, itself included) or None; honoured, never ignored."""
+    from megatron_opd.model_files import ConfigFileError
+
+    window = cfg.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ConfigFileError(f"{source} field 'sliding_window' must be a positive integer or null, got {window!r}")
+    return window
 
 
 @dataclass(frozen=True)
@@ -111,6 +121,10 @@ class ModelFamily:
             add_bias_linear=False,
             add_qkv_bias=arch.qkv_bias,
             qk_layernorm=arch.qk_norm,
+            # Hugging Face's window counts the query itself; Megatron's (left, right) counts the keys around it.
+            window_size=(arch.sliding_window - 1, 0) if arch.sliding_window else None,
+            window_attn_skip_freq=[int(x) for x in arch.sliding_layers] if arch.sliding_layers else None,
+            softmax_scale=arch.softmax_scale,
         )
 
     # --- layer specs and chunks -------------------------------------------------------------------------------
@@ -119,13 +133,25 @@ class ModelFamily:
         layers with ``options.te``, else the local spec with megatron-opd's :class:`RMSNorm` (it supports
         sequence parallelism where Megatron's torch fallback does not) and, with ``attention="sdpa"``,
         :class:`~megatron_opd.models.attention.SDPAttention` as core attention. Dense and MoE layers may mix."""
+        return [self.decoder_layer_spec(arch, options)] * len(layers)
+
+    def decoder_layer_spec(self, arch: ModelArchitecture, options: SpecOptions, num_experts: int | None = None):
+        """The spec of one decoder layer: a dense MLP, or with ``num_experts`` Megatron's ``MoELayer`` (router,
+        experts, shared expert) with sequential experts, or grouped ones with ``options.moe_grouped_gemm``."""
         from megatron.core.models.gpt import gpt_layer_specs
 
+        moe = dict(num_experts=num_experts) if num_experts else {}
         if options.te:
-            spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
-            return [spec] * len(layers)
+            grouped = dict(moe_grouped_gemm=options.moe_grouped_gemm) if num_experts else {}
+            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+                qk_layernorm=arch.qk_norm, **moe, **grouped
+            )
         norm = self.local_norm(options)
-        spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm", **moe)
+        if num_experts and options.moe_grouped_gemm:
+            from megatron_opd.models.grouped_experts import use_grouped_experts
+
+            use_grouped_experts(spec)
         spec.submodules.input_layernorm = norm
         spec.submodules.pre_mlp_layernorm = norm
         if arch.qk_norm:
@@ -135,7 +161,7 @@ class ModelFamily:
             from megatron_opd.models.attention import SDPAttention
 
             spec.submodules.self_attention.submodules.core_attention = SDPAttention
-        return [spec] * len(layers)
+        return spec
 
     def local_norm(self, options: SpecOptions):
         """The norm class of the local spec (layer, QK and final norms)."""
@@ -157,7 +183,8 @@ class ModelFamily:
         around the decoder: rotary embeddings (Llama 3's scaled frequencies), MTP or MLA models."""
         from megatron.core.models.gpt import GPTModel
 
-        rope = arch.rope
+        from megatron_opd.models import rope
+
         model = GPTModel(
             config=config,
             transformer_layer_spec=block_spec,
@@ -165,13 +192,10 @@ class ModelFamily:
             parallel_output=True,
             share_embeddings_and_output_weights=arch.tie_word_embeddings,
             position_embedding_type="rope",
-            rotary_base=int(rope.theta) if float(rope.theta).is_integer() else rope.theta,
-            seq_len_interpolation_factor=rope.factor if rope.type == "linear" else None,
             **gpt_kwargs,
         )
-        if rope.type == "llama3":
-            rotary = model.rotary_pos_emb
-            rotary.inv_freq = llama3_inv_freq(arch).to(rotary.inv_freq.device)
+        if not getattr(config, "multi_latent_attention", False):  # MLA rotates inside its attention (its own YaRN)
+            rope.install(model, arch.rope, arch.head_dim)  # transformers' frequencies for every rope_type
         return model
 
     # --- weights ----------------------------------------------------------------------------------------------

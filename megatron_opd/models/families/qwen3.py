@@ -20,8 +20,8 @@ FAMILY = ModelFamily(
     model_types=("qwen3",),
     read_config=read_config,
     test_shapes={
-        "qwen3_tied": dict(tied=True, kv_heads=2, vocab_size=1001, rope="none"),
-        "qwen3_one_kv": dict(tied=False, kv_heads=1, vocab_size=1001, rope="linear"),
+        "qwen3_tied": dict(tied=True, kv_heads=2, vocab_size=1001, rope="yarn"),
+        "qwen3_one_kv": dict(tied=False, kv_heads=1, vocab_size=1001, rope="yarn"),
     },
     memory_configs={
         "Qwen3-32B": dict(

@@ -1,0 +1,386 @@
+"""DeepSeek-V3 architecture (DeepSeek-V3/R1, Kimi-K2, Moonlight): multi-latent attention and DeepSeek's routing.
+
+Attention is Megatron-Core's multi-latent attention (``MLASelfAttention`` of the local spec,
+``multi_latent_attention=True``): queries through a low-rank ``q_lora_rank`` bottleneck (or one projection when it
+is null), keys and values from a shared ``kv_lora_rank`` latent, each head's query/key split into a
+``qk_nope_head_dim`` part without and a ``qk_rope_head_dim`` part with rotary embedding (one rotary key shared by
+all heads), values ``v_head_dim`` wide. Megatron de-interleaves the rotary part as transformers'
+``rope_interleave`` does, and applies DeepSeek's YaRN (``mscale`` on cos/sin, ``mscale_all_dim`` squared on the
+softmax scale).
+
+The MLPs are Megatron's ``MoELayer`` (:class:`~megatron_opd.models.families.moe.MoEFamily`) after the first
+``first_k_dense_replace`` dense layers, with DeepSeek's router: sigmoid scores, the top-k picked on the scores plus
+the expert bias ``e_score_correction_bias`` (Megatron's ``expert_bias`` buffer, loaded like a weight), group-limited
+(``n_group`` groups, the best ``topk_group`` by the sum of their top-2 scores), the chosen scores renormalised and
+scaled by ``routed_scaling_factor``; ``n_shared_experts`` shared experts as one ungated SwiGLU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from megatron_opd.model_files import UnsupportedArchitectureError
+from megatron_opd.models.families.base import SpecOptions
+from megatron_opd.models.families.moe import QWEN_MOE_NAMES, MoEFamily, check_moe_config
+from megatron_opd.models.name_mapping import Split, WeightRule
+
+if TYPE_CHECKING:
+    from megatron_opd.models.architecture import ModelArchitecture
+
+
+@dataclass(frozen=True)
+class MLAArchitecture:
+    """Multi-latent attention and its rotary embedding (``ModelArchitecture.mla``; None for other attention)."""
+
+    q_lora_rank: int | None
+    """Width of the query's low-rank bottleneck (``q_a_proj`` -> norm -> ``q_b_proj``); None: one ``q_proj``."""
+    kv_lora_rank: int
+    """Width of the key/value latent (``kv_a_proj_with_mqa`` -> norm -> ``kv_b_proj``)."""
+    qk_nope_head_dim: int
+    """Per-head query/key width without rotary embedding."""
+    qk_rope_head_dim: int
+    """Per-head query/key width with rotary embedding (the rotary key is shared by all heads)."""
+    v_head_dim: int
+    """Per-head value width."""
+    yarn_factor: float = 1.0
+    """YaRN scaling factor (``rope_scaling.factor``); 1.0: plain RoPE."""
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    """YaRN's ``mscale`` (cos/sin scale ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)``)."""
+    yarn_mscale_all_dim: float = 0.0
+    """YaRN's ``mscale_all_dim`` (the softmax scale is multiplied by ``mscale(factor, mscale_all_dim)`` squared)."""
+
+
+@dataclass(frozen=True)
+class DeepSeekRouting:
+    """DeepSeek's router on top of ``ModelArchitecture.moe`` (``ModelArchitecture.routing``)."""
+
+    n_group: int = 1
+    """Expert groups (group-limited routing); 1: none."""
+    topk_group: int = 1
+    """Groups each token may use, picked by the sum of each group's top-2 biased scores."""
+    routed_scaling_factor: float = 1.0
+    """The routed experts' combined output is scaled by this."""
+
+
+def _int(cfg: dict[str, Any], name: str, source: str, *, optional: bool = False) -> int | None:
+    value = cfg.get(name)
+    if value is None and optional:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise UnsupportedArchitectureError(f"{source} field {name!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def _yarn(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """The YaRN fields of ``rope_scaling`` (transformers 4) / ``rope_parameters`` (5); empty without scaling."""
+    scaling = {**(cfg.get("rope_parameters") or {}), **(cfg.get("rope_scaling") or {})}
+    kind = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+    if kind == "default":
+        return {}
+    if kind != "yarn":
+        raise UnsupportedArchitectureError(
+            f"{source} rope scaling type {kind!r} is not supported for deepseek_v3 models; supported: default, yarn"
+        )
+    return dict(
+        yarn_factor=float(scaling["factor"]),
+        yarn_original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 4096)),
+        yarn_beta_fast=float(scaling.get("beta_fast") or 32.0),
+        yarn_beta_slow=float(scaling.get("beta_slow") or 1.0),
+        yarn_mscale=float(scaling.get("mscale") or 1.0),
+        yarn_mscale_all_dim=float(scaling.get("mscale_all_dim") or 0.0),
+    )
+
+
+def check_config(cfg: dict[str, Any]) -> None:
+    """Refuse DeepSeek fields whose behaviour Megatron's router and MLA do not reproduce."""
+    check_moe_config(cfg)
+    for name in ("attention_bias", "mlp_bias"):
+        if cfg.get(name):
+            raise UnsupportedArchitectureError(f"config.json {name}=true is not supported for deepseek_v3 models")
+    if cfg.get("scoring_func", "sigmoid") != "sigmoid" or cfg.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise UnsupportedArchitectureError(
+            f"config.json scoring_func={cfg.get('scoring_func')!r} topk_method={cfg.get('topk_method')!r}: "
+            "deepseek_v3 models route with sigmoid scores and noaux_tc (DeepSeek-V2's routing is not supported)"
+        )
+    top_k, n_group = cfg.get("num_experts_per_tok") or 0, cfg.get("n_group") or 1
+    topk_group = cfg.get("topk_group") or 1
+    if top_k > 1 and not cfg.get("norm_topk_prob", True):
+        raise UnsupportedArchitectureError(
+            "config.json norm_topk_prob=false is not supported for deepseek_v3 models: Megatron's sigmoid router "
+            "always renormalises the top-k scores"
+        )
+    if n_group > 1 and top_k != 2 * topk_group:
+        # transformers ranks groups by their top-2 scores; Megatron by their top-(k / topk_group).
+        raise UnsupportedArchitectureError(
+            f"config.json n_group={n_group} with num_experts_per_tok={top_k} and topk_group={topk_group}: "
+            "group-limited routing needs num_experts_per_tok == 2 * topk_group (as DeepSeek-V3's 8 and 4)"
+        )
+    if int(cfg.get("moe_layer_freq") or 1) != 1:
+        raise UnsupportedArchitectureError(f"config.json moe_layer_freq={cfg['moe_layer_freq']} is not supported")
+
+
+def read_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    from megatron_opd.models.architecture import MoEArchitecture, RopeConfig
+
+    layers = _int(cfg, "num_hidden_layers", source)
+    experts = _int(cfg, "n_routed_experts", source)
+    top_k = _int(cfg, "num_experts_per_tok", source)
+    ffn = _int(cfg, "moe_intermediate_size", source)
+    if top_k > experts:
+        raise UnsupportedArchitectureError(f"{source} num_experts_per_tok={top_k} exceeds n_routed_experts={experts}")
+    shared = int(cfg.get("n_shared_experts") or 0)
+    first_dense = int(cfg.get("first_k_dense_replace") or 0)
+    heads = _int(cfg, "num_attention_heads", source)
+    if cfg.get("num_key_value_heads", heads) != heads:
+        raise UnsupportedArchitectureError(
+            f"{source} num_key_value_heads={cfg['num_key_value_heads']}: multi-latent attention has one key/value "
+            f"per query head (num_attention_heads={heads})"
+        )
+    mla = MLAArchitecture(
+        q_lora_rank=_int(cfg, "q_lora_rank", source, optional=True),
+        kv_lora_rank=_int(cfg, "kv_lora_rank", source),
+        qk_nope_head_dim=_int(cfg, "qk_nope_head_dim", source),
+        qk_rope_head_dim=_int(cfg, "qk_rope_head_dim", source),
+        v_head_dim=_int(cfg, "v_head_dim", source),
+        **_yarn(cfg, source),
+    )
+    n_group = int(cfg.get("n_group") or 1)
+    if experts % n_group:
+        raise UnsupportedArchitectureError(f"{source} n_group={n_group} does not divide n_routed_experts={experts}")
+    theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))
+    return dict(
+        qkv_bias=False,
+        qk_norm=False,
+        moe=MoEArchitecture(
+            num_experts=experts,
+            top_k=top_k,
+            expert_ffn_hidden_size=ffn,
+            norm_topk_prob=True,
+            layers=tuple(range(first_dense, layers)),
+            shared_expert_ffn_hidden_size=shared * ffn,
+            shared_expert_gate=False,
+        ),
+        mla=mla,
+        routing=DeepSeekRouting(
+            n_group=n_group,
+            topk_group=int(cfg.get("topk_group") or 1),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+        ),
+        # The rotary embedding is MLA's own (below); YaRN's fields live in ``mla``.
+        rope=RopeConfig(theta=float(theta)),
+    )
+
+
+def local_mla_self_attention():
+    """Megatron's ``MLASelfAttention`` for the local spec. Megatron-Core 0.19.2 resolves the query projection of a
+    model without ``q_lora_rank`` (one ``q_proj`` on the hidden states, no norm in front) to a fused norm+linear,
+    which only TransformerEngine has: the local spec cannot build DeepSeek-V2-Lite-style attention. With no query
+    latent this takes the spec's own ``linear_q_proj``; otherwise (and on 0.16, which has no resolver) Megatron's."""
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    class LocalMLASelfAttention(MLASelfAttention):
+        def _resolve_qk_norm_config(self, submodules):
+            if self.config.q_lora_rank is not None:
+                return super()._resolve_qk_norm_config(submodules)
+            return dict(
+                linear_q_proj=submodules.linear_q_proj,
+                linear_q_up_proj=IdentityOp,
+                linear_kv_up_proj=submodules.linear_kv_up_proj,
+                q_layernorm=IdentityOp,
+                kv_layernorm=submodules.kv_layernorm,
+            )
+
+    return LocalMLASelfAttention
+
+
+def _refuse_tensor_parallel_gradient(grad):
+    """Megatron-Core's local multi-latent attention at TP > 1 (0.16.1, 0.19.2) splits the gathered key/value latent's
+    gradient back to the column shards without summing the shared rotary key's part over the other ranks' heads:
+    every gradient below it is wrong (forward and logits are exact; ``tests/test_deepseek_v3.py``)."""
+    raise RuntimeError(
+        "deepseek_v3 models cannot train at tensor_model_parallel_size > 1 yet: Megatron-Core's local multi-latent "
+        "attention leaves the other tensor-parallel ranks' share out of the rotary key's gradient; train the student "
+        "at tensor_model_parallel_size=1 (a teacher at any size scores exactly)"
+    )
+
+
+@dataclass(frozen=True)
+class DeepSeekV3Family(MoEFamily):
+    """MoE family with multi-latent attention and DeepSeek's sigmoid, bias-corrected, group-limited router."""
+
+    def transformer_config_class(self):
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        return MLATransformerConfig
+
+    def transformer_config_fields(self, arch: ModelArchitecture) -> dict[str, Any]:
+        mla, routing = arch.mla, arch.routing
+        fields = super().transformer_config_fields(arch)
+        fields.update(
+            num_query_groups=arch.num_attention_heads,
+            qk_layernorm=True,  # the RMSNorms on MLA's query and key/value latents
+            kv_channels=mla.qk_nope_head_dim + mla.qk_rope_head_dim,
+            q_lora_rank=mla.q_lora_rank,
+            kv_lora_rank=mla.kv_lora_rank,
+            qk_head_dim=mla.qk_nope_head_dim,
+            qk_pos_emb_head_dim=mla.qk_rope_head_dim,
+            v_head_dim=mla.v_head_dim,
+            rotary_base=arch.rope.theta,
+            rope_type="yarn" if mla.yarn_factor != 1.0 else "rope",
+            rotary_scaling_factor=mla.yarn_factor,
+            original_max_position_embeddings=mla.yarn_original_max_position_embeddings,
+            beta_fast=mla.yarn_beta_fast,
+            beta_slow=mla.yarn_beta_slow,
+            mscale=mla.yarn_mscale,
+            mscale_all_dim=mla.yarn_mscale_all_dim,
+            moe_router_score_function="sigmoid",
+            moe_router_pre_softmax=False,
+            moe_router_enable_expert_bias=True,
+            # A frozen teacher keeps its bias; a student's auxiliary-loss-free balancing is opt-in.
+            moe_router_bias_update_rate=0.0,
+            moe_router_num_groups=routing.n_group if routing.n_group > 1 else None,
+            moe_router_group_topk=routing.topk_group if routing.n_group > 1 else None,
+            moe_router_topk_scaling_factor=routing.routed_scaling_factor,
+        )
+        return fields
+
+    def layer_specs(self, arch: ModelArchitecture, layers: Sequence[int], options: SpecOptions) -> list:
+        dense = self.mla_layer_spec(arch, options)
+        moe = self.mla_layer_spec(arch, options, num_experts=arch.moe.num_experts)
+        return [moe if layer in arch.moe.layers else dense for layer in layers]
+
+    def mla_layer_spec(self, arch: ModelArchitecture, options: SpecOptions, num_experts: int | None = None):
+        """Megatron's local MLA layer spec with megatron-opd's norms and (``attention=sdpa``) core attention."""
+        from megatron.core.models.gpt import gpt_layer_specs
+
+        if options.te:
+            raise ValueError(
+                "deepseek_v3 models run Megatron's local layer spec: set build.use_transformer_engine=false"
+            )
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(
+            num_experts=num_experts, qk_layernorm=True, multi_latent_attention=True, normalization="RMSNorm"
+        )
+        if num_experts and options.moe_grouped_gemm:
+            from megatron_opd.models.grouped_experts import use_grouped_experts
+
+            use_grouped_experts(spec)
+        norm = self.local_norm(options)
+        spec.submodules.input_layernorm = norm
+        spec.submodules.pre_mlp_layernorm = norm
+        spec.submodules.self_attention.module = local_mla_self_attention()
+        attention = spec.submodules.self_attention.submodules
+        if arch.mla.q_lora_rank is None:  # no query latent to normalise (Megatron-Core 0.19 refuses a norm there)
+            from megatron.core.transformer.identity_op import IdentityOp
+
+            attention.q_layernorm = IdentityOp
+        else:
+            attention.q_layernorm = norm
+        attention.kv_layernorm = norm
+        if options.attention != "sdpa":
+            raise ValueError(
+                "deepseek_v3 models need build.attention=sdpa: Megatron-Core 0.16's DotProductAttention has no value "
+                "head size of its own"
+            )
+        from megatron_opd.models.attention import SDPAttention
+
+        attention.core_attention = SDPAttention
+        return spec
+
+    def build_chunk(self, arch: ModelArchitecture, config, block_spec, **gpt_kwargs):
+        model = super().build_chunk(arch, config, block_spec, **gpt_kwargs)
+        if config.tensor_model_parallel_size > 1:  # a frozen teacher never gets here: its weights need no gradient
+            for name, param in model.named_parameters():
+                if name.endswith("linear_kv_down_proj.weight"):
+                    param.register_hook(_refuse_tensor_parallel_gradient)
+        return model
+
+    def weight_rules(self, arch: ModelArchitecture) -> list[WeightRule]:
+        mla, moe, h, heads = arch.mla, arch.moe, arch.hidden_size, arch.num_attention_heads
+        ml, attn = "decoder.layers.{layer}", "model.layers.{layer}.self_attn"
+        sa = f"{ml}.self_attention"
+        q_width = heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim)
+
+        def rule(megatron: str, hf: str, split: Split, *shape: int) -> WeightRule:
+            return WeightRule(f"{sa}.{megatron}", (f"{attn}.{hf}",), split, hf_shape=(shape,))
+
+        if mla.q_lora_rank is None:
+            query = [rule("linear_q_proj.weight", "q_proj.weight", Split.COLUMN, q_width, h)]
+        else:
+            r = mla.q_lora_rank
+            query = [
+                rule("linear_q_down_proj.weight", "q_a_proj.weight", Split.COLUMN, r, h),
+                rule("q_layernorm.weight", "q_a_layernorm.weight", Split.REPLICATED, r),
+                rule("linear_q_up_proj.weight", "q_b_proj.weight", Split.COLUMN, q_width, r),
+            ]
+        r, kv_width = mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+        attention = query + [
+            rule("linear_kv_down_proj.weight", "kv_a_proj_with_mqa.weight", Split.COLUMN, r + mla.qk_rope_head_dim, h),
+            rule("kv_layernorm.weight", "kv_a_layernorm.weight", Split.REPLICATED, r),
+            rule("linear_kv_up_proj.weight", "kv_b_proj.weight", Split.COLUMN, kv_width, r),
+        ]
+        rules = []
+        for base in super().weight_rules(arch):
+            if base.megatron == f"{sa}.linear_qkv.weight":
+                rules += attention
+            elif base.megatron == f"{sa}.linear_proj.weight":
+                rules.append(replace(base, hf_shape=((h, heads * mla.v_head_dim),)))
+            elif base.megatron == f"{ml}.input_layernorm.weight":
+                rules.append(replace(base, te_megatron=None))
+            else:
+                rules.append(base)
+        bias = WeightRule(
+            f"{ml}.mlp.router.expert_bias",
+            ("model.layers.{layer}.mlp.gate.e_score_correction_bias",),
+            Split.REPLICATED,
+            layers=moe.layers,
+            buffer=True,
+            hf_shape=((moe.num_experts,),),
+        )
+        router = next(i for i, r in enumerate(rules) if r.megatron == f"{ml}.mlp.router.weight")
+        return rules[: router + 1] + [bias] + rules[router + 1 :]
+
+
+TINY_DEEPSEEK = dict(
+    num_key_value_heads=4,  # multi-latent attention: one key/value per query head (the common tiny size: 4)
+    head_dim=8,  # transformers sizes the rotary embedding by it: qk_rope_head_dim
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    n_group=4,
+    topk_group=2,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    q_lora_rank=24,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    rope_scaling=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=64, beta_fast=32, beta_slow=1, mscale=0.9,
+        mscale_all_dim=0.8,
+    ),
+)  # fmt: skip
+"""Tiny test model: 16 experts in 4 groups, top-4 of the 8 in the best 2 groups, a shared expert, layer 0 dense, q-LoRA,
+value heads narrower than query/key heads, YaRN with DeepSeek's two magnitude scales."""
+
+FAMILY = DeepSeekV3Family(
+    name="deepseek_v3",
+    model_types=("deepseek_v3",),
+    read_config=read_config,
+    check_config=check_config,
+    expert_names=replace(QWEN_MOE_NAMES, shared="model.layers.{layer}.mlp.shared_experts"),
+    tiny_config=TINY_DEEPSEEK,
+    test_shapes={
+        "deepseek_v3_mla": dict(
+            tied=False, kv_heads=4, vocab_size=1000, rope="yarn", mlp="moe+shared-expert+dense-layer"
+        )
+    },
+)

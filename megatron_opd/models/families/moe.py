@@ -1,0 +1,159 @@
+"""Mixture-of-Experts decoders (Qwen3-MoE, Qwen2-MoE, Mixtral) through Megatron-Core's ``MoELayer``.
+
+An MoE family is the dense decoder whose MLP, in the layers ``ModelArchitecture.moe.layers`` names, is Megatron's
+``MoELayer``: a softmax router computed in fp32 (``moe_router_dtype``), top-k routing without token dropping
+(no capacity factor), the top-k probabilities renormalised where ``norm_topk_prob`` says (Megatron's softmax over
+the top-k logits; else its softmax over all experts before the top-k, ``moe_router_pre_softmax``), SwiGLU experts
+run one after another (``SequentialMLP``) or as one grouped GEMM, and Qwen2-MoE's sigmoid-gated shared expert.
+No auxiliary loss unless ``build.moe_aux_loss_coeff`` asks for one. The families differ only in their
+``config.json`` fields and Hugging Face weight names (:class:`ExpertNames`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from megatron_opd.model_files import UnsupportedArchitectureError
+from megatron_opd.models.families.base import ModelFamily, SpecOptions, check_dense_mlp
+from megatron_opd.models.name_mapping import ExpertSplit, Split, WeightRule
+
+if TYPE_CHECKING:
+    from megatron_opd.models.architecture import ModelArchitecture
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """Hugging Face names of one MoE layer's tensors (``{layer}`` the layer, ``{expert}`` the expert index)."""
+
+    router: str
+    """The router's ``[experts, hidden]`` weight."""
+    gate: str
+    up: str
+    down: str
+    """Each routed expert's SwiGLU projections."""
+    shared: str | None = None
+    """Prefix of the shared expert's ``gate_proj``/``up_proj``/``down_proj`` (Qwen2-MoE), if any."""
+    shared_gate: str | None = None
+    """The shared expert's ``[1, hidden]`` sigmoid gate, if any."""
+
+
+def moe_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """Global indices of the MoE layers from Qwen-MoE's ``mlp_only_layers`` and ``decoder_sparse_step`` (a layer
+    ``i`` is MoE unless listed, and when ``(i + 1) % decoder_sparse_step == 0``; absent fields: every layer)."""
+    dense = set(cfg.get("mlp_only_layers") or ())
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    return tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+
+
+def read_moe(cfg: dict[str, Any], source: str, *, expert_ffn_key: str, shared: bool):
+    """The :class:`MoEArchitecture` of a Qwen-MoE or Mixtral ``config.json``."""
+    from megatron_opd.models.architecture import MoEArchitecture
+
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    top_k = cfg.get("num_experts_per_tok")
+    ffn = cfg.get(expert_ffn_key)
+    for name, value in (("num_experts", experts), ("num_experts_per_tok", top_k), (expert_ffn_key, ffn)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UnsupportedArchitectureError(f"{source} field {name!r} must be a positive integer, got {value!r}")
+    if top_k > experts:
+        raise UnsupportedArchitectureError(f"{source} num_experts_per_tok={top_k} exceeds num_experts={experts}")
+    shared_ffn = int(cfg.get("shared_expert_intermediate_size") or 0) if shared else 0
+    return MoEArchitecture(
+        num_experts=experts,
+        top_k=top_k,
+        expert_ffn_hidden_size=ffn,
+        # Mixtral has no such field: it always renormalises (softmax over the top-k logits).
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        layers=moe_layers(cfg, int(cfg.get("num_hidden_layers") or 0)),
+        shared_expert_ffn_hidden_size=shared_ffn,
+        shared_expert_gate=shared_ffn > 0,
+    )
+
+
+def check_moe_config(cfg: dict[str, Any]) -> None:
+    """Refuse what the MoE layers cannot honour, on top of the dense decoder's checks."""
+    check_dense_mlp(cfg)
+    if cfg.get("sliding_window") and cfg.get("use_sliding_window", True):
+        raise UnsupportedArchitectureError(f"config.json sliding_window={cfg['sliding_window']} is not supported")
+
+
+@dataclass(frozen=True)
+class MoEFamily(ModelFamily):
+    """A family whose MLPs are Megatron ``MoELayer`` s in ``arch.moe.layers`` (dense elsewhere)."""
+
+    expert_names: ExpertNames = ExpertNames("", "", "", "")
+    """Hugging Face names of the router, experts and shared expert."""
+    check_config: Callable[[dict[str, Any]], None] = check_moe_config
+
+    def transformer_config_fields(self, arch: ModelArchitecture) -> dict[str, Any]:
+        moe = arch.moe
+        fields = super().transformer_config_fields(arch)
+        fields.update(
+            num_moe_experts=moe.num_experts,
+            moe_router_topk=moe.top_k,
+            moe_ffn_hidden_size=moe.expert_ffn_hidden_size,
+            moe_layer_freq=[int(i in moe.layers) for i in range(arch.num_layers)],
+            moe_router_score_function="softmax",
+            # Renormalised top-k = softmax over the top-k logits (Megatron's default); else softmax over all first.
+            moe_router_pre_softmax=not moe.norm_topk_prob,
+            moe_router_dtype="fp32",
+            moe_router_load_balancing_type="none",
+            moe_expert_capacity_factor=None,  # no token dropping
+            moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size or None,
+            moe_shared_expert_gate=moe.shared_expert_gate,
+        )
+        return fields
+
+    def layer_specs(self, arch: ModelArchitecture, layers: Sequence[int], options: SpecOptions) -> list:
+        dense = self.decoder_layer_spec(arch, options)
+        moe = self.decoder_layer_spec(arch, options, num_experts=arch.moe.num_experts)
+        return [moe if layer in arch.moe.layers else dense for layer in layers]
+
+    def weight_rules(self, arch: ModelArchitecture) -> list[WeightRule]:
+        moe = arch.moe
+        names = self.expert_names
+        dense_layers = tuple(i for i in range(arch.num_layers) if i not in moe.layers)
+        ml = "decoder.layers.{layer}"
+        rules = []
+        for rule in super().weight_rules(arch):
+            if rule.megatron.startswith(f"{ml}.mlp."):  # the dense MLP: only in dense layers
+                rules.append(replace(rule, layers=dense_layers))
+            elif rule.megatron == f"{ml}.pre_mlp_layernorm.weight":  # TE fuses it into linear_fc1 in dense layers
+                rules.append(replace(rule, layers=dense_layers))
+                rules.append(replace(rule, te_megatron=None, layers=moe.layers))
+            else:
+                rules.append(rule)
+        expert = f"{ml}.mlp.experts.local_experts.{{expert}}"
+        per_expert = dict(experts=ExpertSplit.PER_EXPERT, layers=moe.layers)
+        moe_rules = [
+            WeightRule(f"{ml}.mlp.router.weight", (names.router,), Split.REPLICATED, layers=moe.layers),
+            WeightRule(f"{expert}.linear_fc1.weight", (names.gate, names.up), Split.GATE_UP, **per_expert),
+            WeightRule(f"{expert}.linear_fc2.weight", (names.down,), Split.ROW, **per_expert),
+        ]
+        if moe.shared_expert_ffn_hidden_size:
+            shared, sm = names.shared, f"{ml}.mlp.shared_experts"
+            gate_up = (f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight")
+            moe_rules += [
+                WeightRule(f"{sm}.linear_fc1.weight", gate_up, Split.GATE_UP, layers=moe.layers),
+                WeightRule(f"{sm}.linear_fc2.weight", (f"{shared}.down_proj.weight",), Split.ROW, layers=moe.layers),
+            ]
+            if moe.shared_expert_gate:
+                moe_rules.append(
+                    WeightRule(f"{sm}.gate_weight", (names.shared_gate,), Split.REPLICATED, layers=moe.layers)
+                )
+        final = next(i for i, r in enumerate(rules) if not r.per_layer and not r.megatron.startswith("embedding"))
+        return rules[:final] + moe_rules + rules[final:]
+
+
+QWEN_MOE_NAMES = ExpertNames(
+    router="model.layers.{layer}.mlp.gate.weight",
+    gate="model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight",
+    up="model.layers.{layer}.mlp.experts.{expert}.up_proj.weight",
+    down="model.layers.{layer}.mlp.experts.{expert}.down_proj.weight",
+)
+"""Qwen3-MoE's (and, with the shared expert, Qwen2-MoE's) weight names."""
+
+TINY_MOE = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+"""Tiny test models' experts (over ``testing.tiny_models``' common sizes): 4 experts, top-2."""

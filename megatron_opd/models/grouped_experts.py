@@ -1,0 +1,80 @@
+"""A Mixture-of-Experts layer's experts as two grouped GEMMs (``torch._grouped_mm``), without TransformerEngine.
+
+Megatron-Core runs experts as one grouped GEMM only through TransformerEngine (``TEGroupedMLP``) or, before 0.19,
+the ``grouped_gemm`` package; otherwise ``SequentialMLP`` loops over the experts: two small GEMMs per expert and a
+host sync per layer (``tokens_per_expert.tolist()``). On an H100 that loop held a Qwen3-30B-A3B teacher at 1.5%
+MFU (``benchmarks/RESULTS.md``). :class:`GroupedExperts` is ``SequentialMLP`` — the same experts, parameters,
+names, checkpoints and tensor/expert-parallel shards — whose forward stacks the local experts' weights and runs
+each projection for every expert in one ``torch._grouped_mm`` call (CUTLASS on Hopper, a reference loop on CPU),
+with the arithmetic of Megatron's ``MLP`` in between, and no host sync.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from megatron.core.transformer.moe.experts import SequentialMLP
+
+
+@functools.cache
+def grouped_mm_unavailable(device_type: str, dtype: torch.dtype) -> str | None:
+    """Why ``torch._grouped_mm`` cannot run for ``dtype`` on ``device_type`` here, or None where it can (probed
+    once with a two-group product checked against a loop)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._grouped_mm"
+    x = torch.randn(24, 16, device=device_type).to(dtype)
+    w = torch.randn(2, 16, 16, device=device_type).to(dtype)
+    offs = torch.tensor([8, 24], dtype=torch.int32, device=device_type)
+    try:
+        out = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+    except (RuntimeError, NotImplementedError) as err:
+        return f"torch._grouped_mm does not run {dtype} on {device_type}: {str(err).splitlines()[0]}"
+    ref = torch.cat([x[:8] @ w[0].T, x[8:] @ w[1].T])
+    if not torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2):
+        return f"torch._grouped_mm gave wrong results for {dtype} on {device_type}"
+    return None
+
+
+class GroupedExperts(SequentialMLP):
+    """``SequentialMLP`` computed as grouped GEMMs: fc1 for every local expert, the gated activation and the
+    router's probabilities exactly as Megatron's ``MLP`` applies them, then fc2 — partial sums under expert tensor
+    parallelism, reduced by the token dispatcher as for ``SequentialMLP``."""
+
+    def _grouped_ok(self, hidden: torch.Tensor) -> bool:
+        c = self.config
+        plain = not (c.add_bias_linear or c.fp8 or c.fp4 or c.moe_apply_probs_on_input or c.bias_activation_fusion)
+        plain = plain and getattr(c, "activation_func_clamp_value", None) is None
+        plain = plain and getattr(c, "glu_linear_offset", 0.0) == 0.0 and not getattr(c, "use_te_activation_func", 0)
+        return plain and self.num_local_experts > 1 and grouped_mm_unavailable(hidden.device.type, hidden.dtype) is None
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        hidden = permuted_local_hidden_states
+        if not self._grouped_ok(hidden):
+            return super().forward(hidden, tokens_per_expert, permuted_probs)
+        offs = torch.cumsum(tokens_per_expert.to(device=hidden.device), 0).to(torch.int32)
+        fc1 = torch.stack([expert.linear_fc1.weight for expert in self.local_experts])  # [E, 2F or F, H]
+        fc2 = torch.stack([expert.linear_fc2.weight for expert in self.local_experts])  # [E, H, F]
+        intermediate = torch._grouped_mm(hidden, fc1.transpose(1, 2), offs=offs)
+        if self.config.gated_linear_unit:
+            gate, linear = torch.chunk(intermediate, 2, dim=-1)
+            intermediate = self.config.activation_func(gate) * linear
+        else:
+            intermediate = self.config.activation_func(intermediate)
+        intermediate = (intermediate * permuted_probs.unsqueeze(-1)).to(intermediate.dtype)
+        return torch._grouped_mm(intermediate, fc2.transpose(1, 2), offs=offs), None
+
+
+def use_grouped_experts(layer_spec) -> None:
+    """Swap ``SequentialMLP`` for :class:`GroupedExperts` in an MoE layer spec of Megatron-Core's local layers
+    (a ``ModuleSpec`` tree in 0.16, ``functools.partial`` s in 0.19)."""
+    from megatron_opd.models.families.base import mlp_submodules
+
+    moe_submodules = mlp_submodules(layer_spec)
+    experts = moe_submodules.experts
+    if isinstance(experts, functools.partial):
+        assert experts.func is SequentialMLP, f"expected SequentialMLP experts, got {experts.func}"
+        moe_submodules.experts = functools.partial(GroupedExperts, *experts.args, **experts.keywords)
+    else:
+        assert experts.module is SequentialMLP, f"expected SequentialMLP experts, got {experts.module}"
+        experts.module = GroupedExperts

@@ -1,0 +1,213 @@
+"""Expert parallelism changes where experts run, not what they compute: per-token losses and gradients at EP=2
+(both token dispatchers) equal EP=1's at the same data-parallel size, also when the ranks hold different numbers
+of micro-batches (alltoall), the trainer at EP=2 trains as at EP=1, and bad layouts are refused before any model
+is built."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+
+import pytest
+import torch
+
+from megatron_opd.distributed import ParallelConfig
+from megatron_opd.testing.multiprocess import run_distributed, run_trainer
+from megatron_opd.testing.shapes import SHAPES
+from megatron_opd.testing.teacher_jobs import train_metrics
+from megatron_opd.testing.tiny_models import routing_margin, tiny_hf_config
+
+SEQ = 16
+SHAPES_RUN = ("qwen3_moe_dense0",)  # a dense first layer next to MoE layers
+LAYOUTS = {
+    "ep1": (dict(), "allgather"),
+    "ep2 allgather": (dict(expert_model_parallel_size=2), "allgather"),
+    "ep2 alltoall": (dict(expert_model_parallel_size=2), "alltoall"),
+}
+
+
+def _tokens(rank: int, vocab: int) -> torch.Tensor:
+    """Each data-parallel rank's own 2 micro-batches of 2 sequences."""
+    return torch.randint(0, vocab, (2, 2, SEQ), generator=torch.Generator().manual_seed(rank))
+
+
+def _losses_and_grads(models: dict[str, str]):
+    """Per layout and model: this rank's per-token losses and gradients (experts by global index)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from megatron_opd.distributed import initialize_distributed
+    from megatron_opd.models.builder import ModelBuildConfig
+    from megatron_opd.models.forward_backward import forward_backward
+    from megatron_opd.models.reference import full_tensors
+    from megatron_opd.models.source import build_and_load
+    from megatron_opd.teacher.inprocess import InProcessTeacher
+
+    def ce(logits, batch):
+        per_token = vocab_parallel_cross_entropy(logits.float(), torch.roll(batch["tokens"], -1, dims=1))
+        return per_token.mean(), per_token.detach()
+
+    out = {}
+    rank = dist.get_rank()
+    for layout, (kwargs, dispatcher) in LAYOUTS.items():
+        parallel = ParallelConfig(**kwargs)
+        initialize_distributed(parallel)
+        for name, hf_dir in models.items():
+            build = ModelBuildConfig(moe_token_dispatcher=dispatcher)
+            # uneven: rank 0 runs 2 micro-batches, rank 1 one of fewer tokens (the lockstep's dummy micro-batches)
+            for case, count, length in (("even", 2, SEQ), ("uneven", 2 - rank, SEQ - 6 * rank)):
+                if case == "uneven" and dispatcher == "allgather" and layout != "ep1":
+                    continue  # allgather exchanges equal token counts only (the trainer refuses it at EP > 1)
+                arch, chunks = build_and_load(hf_dir, parallel, build, trainable=True)
+                tokens = _tokens(rank, arch.vocab_size)[:count, :, :length]
+                losses = forward_backward(chunks, [{"tokens": t} for t in tokens], ce)
+                grads = full_tensors(
+                    chunks, arch, ps.get_tensor_model_parallel_group(), "grad", ps.get_expert_tensor_parallel_group()
+                )
+                out[layout, name, case] = (torch.cat([x.reshape(-1) for x in losses]), grads)
+            if dispatcher == "alltoall" or layout == "ep1":  # an in-process teacher scores no rows on rank 1 (EP=2)
+                _, frozen = build_and_load(hf_dir, parallel, build, trainable=False)
+                teacher = InProcessTeacher(frozen, vocab_size=arch.vocab_size, mode="topk", topk=4)
+                rows = tokens[0] if rank == 0 or layout == "ep1" else tokens[0][:0]
+                out[layout, name, "rank 1 empty"] = teacher.score(rows).result().topk_logprobs
+    return out
+
+
+def test_expert_parallel_losses_and_gradients_equal_ep1(shape_dirs):
+    models = {name: shape_dirs[name] for name in SHAPES_RUN}
+    for name, hf_dir in models.items():
+        margin = min(routing_margin(hf_dir, _tokens(rank, SHAPES[name].vocab_size)) for rank in range(2))
+        assert margin > 1e-5, f"{name}: routing near-tie ({margin:.1e}) would test tie-breaking, not arithmetic"
+    ranks = run_distributed(_losses_and_grads, 2, args=(models,), timeout=600)
+
+    def close(got: torch.Tensor, ref: torch.Tensor, what: str, tol: float = 1e-6) -> None:
+        rel = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+        assert rel <= tol, f"{what}: max relative difference {rel:.2e} from EP=1"
+
+    for name, case in itertools.product(SHAPES_RUN, ("even", "uneven")):
+        # uneven: rank 1's few tokens share the experts' GEMMs with rank 0's (measured 1.03e-6 at most)
+        tol = 1e-6 if case == "even" else 2e-6
+        ref = [r["ep1", name, case] for r in ranks]
+        for layout in ("ep2 allgather", "ep2 alltoall") if case == "even" else ("ep2 alltoall",):
+            held = set()
+            for rank, result in enumerate(ranks):
+                losses, grads = result[layout, name, case]
+                close(losses, ref[rank][0], f"{layout}/{name} {case} rank {rank} per-token losses", tol)
+                for param, grad in grads.items():
+                    if ".local_experts." in param:  # an expert sees both ranks' tokens at EP=2
+                        close(grad, ref[0][1][param] + ref[1][1][param], f"{layout}/{name} {case} {param}", tol)
+                        held.add(param)
+                    else:
+                        close(grad, ref[rank][1][param], f"{layout}/{name} {case} rank {rank} {param}", tol)
+            experts = {p for p in ref[0][1] if ".local_experts." in p}
+            assert held == experts and experts, f"{layout}/{name}: the EP ranks together hold every expert once"
+    for name in SHAPES_RUN:
+        got, ref = ranks[0]["ep2 alltoall", name, "rank 1 empty"], ranks[0]["ep1", name, "rank 1 empty"]
+        close(got, ref, f"{name}: teacher top-k log-probabilities while rank 1 scores no rows")
+        assert ranks[1]["ep2 alltoall", name, "rank 1 empty"] is None
+
+
+@pytest.mark.parametrize(
+    "overrides, parallel, message",
+    [
+        (dict(), dict(expert_model_parallel_size=3), "expert_model_parallel_size=3 does not divide the 4 experts"),
+        (dict(), dict(tensor_model_parallel_size=2), "set parallel.sequence_parallel=true"),
+        (
+            dict(moe_intermediate_size=30),
+            dict(expert_tensor_parallel_size=4),
+            "does not divide moe_intermediate_size=30",
+        ),
+    ],
+)
+def test_bad_expert_layouts_are_refused(overrides, parallel, message):
+    from megatron_opd.models import architecture_from_hf_config, validate_layout
+
+    arch = architecture_from_hf_config(tiny_hf_config("qwen3_moe", **overrides).to_dict())
+    with pytest.raises(ValueError, match=message):
+        validate_layout(arch, ParallelConfig(**parallel))
+
+
+def test_memory_estimate_counts_experts_per_expert_parallel_rank():
+    """Qwen3-30B-A3B's sizes (``launch.memory.KNOWN_CONFIGS``): at EP=8 a device holds an eighth of the routed
+    experts and all the rest, counted against transformers' own parameters."""
+    from megatron_opd.launch.memory import hf_config, meta_model, shard_parameters, stage_params
+
+    model = meta_model(hf_config("Qwen3-30B-A3B"))
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    assert 30e9 < total < 31e9 and experts > 0.9 * total
+    (ep1,) = stage_params(shard_parameters(model, 1, 1, None), 1)
+    (ep8,) = stage_params(shard_parameters(model, 1, 1, None, ep=8), 1)
+    assert ep1 == total and ep8 == total - experts + experts // 8
+
+
+@pytest.fixture(scope="module")
+def moe_run_files(tmp_path_factory):
+    """A tiny Qwen3-MoE student (a dense first layer, 4 experts) next to the distillation fixture's dense teacher
+    and tokenizer, and prompts from 1 to 23 words: the data-parallel ranks' decode loops end at different steps."""
+    from megatron_opd.testing.distill_fixture import make_distill_fixture
+    from megatron_opd.testing.tiny_models import make_tiny_hf_model, make_tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("moe_trainer")
+    pair = make_distill_fixture(root / "pair", num_prompts=8)
+    student = make_tiny_hf_model("qwen3_moe", root / "student", seed=1, num_hidden_layers=2)
+    make_tiny_tokenizer(student, vocab_size=1000)
+    words = ("tensor", "pipeline", "teacher", "student", "expert", "router", "token")
+    with open(root / "train.jsonl", "w") as f:
+        for i in range(8):
+            prompt = " ".join(words[(i + j) % len(words)] for j in range(1 + (i * 11) % 23))
+            f.write(json.dumps({"prompt": prompt, "answer": str(i)}) + "\n")
+    return pair, str(student), str(root / "train.jsonl")
+
+
+def test_trainer_at_expert_parallelism_equals_ep1(moe_run_files, tmp_path):
+    """The real trainer (built-in sampler, in-process dense teacher, evaluation) with an MoE student at EP=2 runs
+    to its end and trains exactly as at EP=1 with the same data-parallel size: its ranks keep the MoE layers'
+    token exchange in step while their decode loops run to different lengths, and the one eval prompt leaves
+    rank 1 without one of its own (``distributed.lockstep``)."""
+    pair, student, train_file = moe_run_files
+    runs = {}
+    for ep in (1, 2):
+        out = tmp_path / f"ep{ep}"
+        overrides = pair.overrides(
+            out, **{"student.path": student, "data.train_files": train_file, "data.shuffle": False,
+                    "train.steps": 2, "train.prompts_per_step": 4, "rollout.max_new_tokens": 5,
+                    "eval.max_prompts": 1, "export_hf": False, "checkpoint.every": 0,
+                    "parallel.expert_model_parallel_size": ep, "build.moe_token_dispatcher": "alltoall"},
+        )  # fmt: skip
+        code, log = run_trainer(overrides, timeout=240)
+        assert code == 0, log[-3000:]
+        runs[ep] = train_metrics(out)
+    steps = {ep: [r for r in rows if "loss" in r] for ep, rows in runs.items()}
+    assert len(steps[1]) == len(steps[2]) == 2
+    for one, two in zip(steps[1], steps[2]):
+        assert one["response_length"] == two["response_length"], "EP=2 sampled other responses than EP=1"
+        for key in ("loss", "divergence", "grad_norm"):
+            assert two[key] == pytest.approx(one[key], rel=1e-5, abs=1e-7), key
+    evals = {ep: [r for r in rows if "eval/divergence_own_samples" in r] for ep, rows in runs.items()}
+    assert len(evals[1]) == len(evals[2]) == 2
+    for one, two in zip(evals[1], evals[2]):
+        assert two["eval/divergence_own_samples"] == pytest.approx(one["eval/divergence_own_samples"], rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (dict(), "build.moe_token_dispatcher=allgather with parallel.expert_model_parallel_size=2"),
+        (
+            {"build.moe_token_dispatcher": "alltoall", "rollout.backend": "vllm"},
+            "rollout.backend=vllm with parallel.expert_model_parallel_size=2: the vLLM weight sync",
+        ),
+    ],
+)
+def test_the_trainer_refuses_what_expert_parallelism_cannot_run_before_any_model(extra, message):
+    from megatron_opd.config import parse_args
+    from megatron_opd.trainer.config import TrainConfig
+
+    base = ["student.path=s", "teacher.path=t", "data.train_files=x.jsonl", "parallel.expert_model_parallel_size=2"]
+    parse_args(TrainConfig, [*base, "build.moe_token_dispatcher=alltoall"]).validate()
+    cfg = parse_args(TrainConfig, [*base, *(f"{k}={v}" for k, v in extra.items())])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cfg.validate()
