@@ -102,6 +102,7 @@ def test_rollout_server_and_teacher_replica_killed_and_restarted_mid_run(tmp_pat
             stop_vllm_server(proc)
         for proc in teachers:
             stop(proc)
+    (logs / "trainer.log").write_text(out)
     assert code == 0, out[-5000:]
 
     # Every batch trained once, in the prompt stream's order (the first 8 steps are one epoch of the 32 prompts).
@@ -120,4 +121,5 @@ def test_rollout_server_and_teacher_replica_killed_and_restarted_mid_run(tmp_pat
     assert "POST /v1/completions" in after_restart, "the restarted rollout server served no rollout"
     assert "retrying" in out, "the killed teacher replica was never noticed"
     teacher_after = (logs / "teacher0.log").read_text(errors="replace")[restart_mark["teacher0"] :]
-    assert "scored" in teacher_after, "the restarted teacher replica scored nothing"
+    tried = "\n".join(line for line in out.splitlines() if "teacher.client" in line)
+    assert "scored" in teacher_after, f"the restarted teacher replica scored nothing; the client's retries:\n{tried}"

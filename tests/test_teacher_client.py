@@ -270,6 +270,27 @@ def test_killed_server_is_noticed_at_once_and_answers_after_its_restart(servers)
     client.close()
 
 
+def test_replica_restarted_between_requests_is_used_again_without_a_retry(servers):
+    """Each worker thread keeps a connection per replica; one restarted while idle is reconnected at its next turn,
+    not counted as a failure (that back-off kept a restarted replica out of the last steps of a run)."""
+    scorer = ToyScorer()
+    restarting, other = ThreadServer(scorer), ThreadServer(scorer)
+    servers.extend([restarting, other])
+    client = _client([restarting.address, other.address], timeout_s=30.0, retries=4, backoff_s=30.0)
+    batches = [_batch(i) for i in range(4)]  # 4 rows: one piece per replica
+    for tokens, request_ids in batches:  # every worker thread has connected to both replicas
+        client.score(tokens, request_ids).result(timeout=30)
+    restarting.stop()
+    restarted = ThreadServer(scorer, port=restarting.port)
+    servers.append(restarted)
+    time.sleep(0.5)  # ZeroMQ reconnects the idle connections in the background
+    for tokens, request_ids in batches:
+        _assert_matches(client.score(tokens, request_ids).result(timeout=30), scorer, tokens, request_ids, 8, 1.0)
+    assert client.stats["retries"] == 0 and client.stats["reconnects"] >= 1
+    assert restarted.server.answered == 4, "the restarted replica was kept out"
+    client.close()
+
+
 def test_nobody_listening_stops_start_up_after_connect_timeout_naming_the_address(servers, caplog, monkeypatch):
     """teacher.timeout_s=300 does not stretch the start-up wait; progress is logged while it lasts."""
     monkeypatch.setattr(server_wait, "PROGRESS_EVERY_S", 0.2)

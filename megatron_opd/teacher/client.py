@@ -226,7 +226,12 @@ class TeacherClient:
         ``wait_s`` (default ``timeout_s``) for the server to accept it, then ``hello_timeout_s`` for the hello."""
         cache = self._local.__dict__.setdefault("transports", {})
         if address in cache:
-            return cache[address]
+            closed = getattr(cache[address], "closed_while_idle", None)
+            if closed is None or not closed():
+                return cache[address]
+            # This thread's connection to a replica that restarted since its last request: a fresh one, no back-off
+            # (otherwise each worker's stale connection kept a restarted replica out for a back-off).
+            self._drop(address)
         transport = self.factory(address)
         with self._lock:
             self._open.append(transport)

@@ -151,7 +151,9 @@ class Transport(Protocol):
     After any ``TransportError`` the client calls ``close()`` and builds a fresh transport for the next attempt
     (a ZeroMQ socket that timed out must never be reused). A transport whose connection is made in the background
     also has ``wait_connected(timeout_s) -> bool`` (the ZeroMQ one): the client waits on it before the hello, to
-    tell a server that accepts no connection (down, restarting) from one that is slow to answer.
+    tell a server that accepts no connection (down, restarting) from one that is slow to answer, and
+    ``closed_while_idle() -> bool``: the client replaces a cached connection that closed between requests (a server
+    restart) without counting a failure.
     """
 
     address: str

@@ -82,6 +82,14 @@ class ZmqTransport:
                 self._up, self._lost = False, True
             timeout_ms = 0
 
+    def closed_while_idle(self) -> bool:
+        """Whether the connection closed since it was last used (a server restart): nothing was in flight, so the
+        caller opens a fresh one instead of counting a failure."""
+        if self._socket is None:
+            return False
+        self._read_events()
+        return self._lost
+
     def _check_connection(self) -> None:
         self._read_events()
         if self._lost:
