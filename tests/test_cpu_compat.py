@@ -364,6 +364,58 @@ def _sleep_forever():
     time.sleep(3600)
 
 
+_DEFERRED_COMPILE = """
+import sys, torch
+from megatron_opd.distributed.cpu_compat import CompileOnFirstCall, apply_cpu_patches, torch_compile_deferred
+
+if sys.argv[1] == "without":
+    import megatron.core
+    print("inductor imported" if "torch._inductor.compile_fx" in sys.modules else "inductor not imported")
+    sys.exit()
+apply_cpu_patches()
+from megatron.core.transformer.moe.router import TopKRouter  # imported after the patch: jit_fuser stays deferred
+
+assert "torch._inductor.compile_fx" not in sys.modules, "megatron.core imported TorchInductor"
+assert torch.compile.__module__ == "torch", "torch.compile left patched"
+assert isinstance(TopKRouter.__dict__["_apply_expert_bias"], CompileOnFirstCall)  # a method: run in test_moe.py
+with torch_compile_deferred():  # the mechanics, on dynamo's eager backend (no C++ build)
+    @torch.compile(backend="eager")
+    def shifted_sine(x):
+        return x.sin() + 1
+
+    class Scale:
+        def __init__(self, k):
+            self.k = k
+
+        @torch.compile(backend="eager")
+        def apply(self, x):
+            return self.k * x
+
+    doubled = torch.compile(lambda x: 2 * x, backend="eager")
+x = torch.randn(5)
+assert shifted_sine._compiled is None and shifted_sine.__name__ == "shifted_sine"
+torch.testing.assert_close(shifted_sine(x), x.sin() + 1)
+assert shifted_sine._compiled is not None and shifted_sine._compiled is not shifted_sine.__wrapped__
+torch.testing.assert_close(Scale(3.0).apply(x), 3.0 * x)
+torch.testing.assert_close(doubled(x), 2 * x)
+print("ok")
+"""
+
+
+def test_compile_on_first_call_patch_is_needed_and_works():
+    import subprocess
+    import sys
+
+    def run(mode: str) -> str:
+        done = subprocess.run([sys.executable, "-c", _DEFERRED_COMPILE, mode], capture_output=True, text=True,
+                              timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout.strip().splitlines()[-1]
+
+    assert run("without") == "inductor imported", "Megatron-Core no longer compiles at import: patch 14 is dead code"
+    assert run("with") == "ok"
+
+
 def test_harness_reports_failing_rank_and_timeouts():
     with pytest.raises(DistributedTestError, match="planted failure") as info:
         run_distributed(_hang, 2, args=(1,), timeout=120)

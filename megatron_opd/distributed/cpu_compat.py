@@ -42,6 +42,11 @@ Patches (all idempotent):
    the router's torch matmul (:func:`bind_te_general_gemm`, applied on GPUs too).
 13. The alltoall token dispatcher: its constructor makes a ``torch.cuda.Stream`` and its split sizes stay tensors,
    which gloo's ``all_to_all_single`` refuses; no side stream, and the split sizes become host arrays.
+14. Import time: Megatron's ``jit_fuser`` is ``torch.compile``, applied at import to a dozen functions and methods
+   (fused activations, norms, the MoE router), and each such decoration imports TorchInductor and triton (about
+   3 s of CPU in every process, most of which never calls one). ``megatron.core`` is first imported with
+   ``torch.compile`` deferring to the first call (:class:`CompileOnFirstCall`): what is called compiles exactly as
+   before, what is not costs nothing.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ import functools
 import importlib
 import logging
 import os
+import sys
 import types
 from typing import Any
 
@@ -344,10 +350,60 @@ def unmark_mla_te() -> None:
         mla.HAVE_TE = False
 
 
+_torch_compile = torch.compile
+
+
+class CompileOnFirstCall:
+    """``torch.compile(fn, **options)``, made when ``fn`` is first called rather than when it is decorated. A method
+    too (``__get__``): Megatron compiles methods such as ``Router._apply_expert_bias``."""
+
+    def __init__(self, fn: Any, options: dict[str, Any]) -> None:
+        functools.update_wrapper(self, fn)
+        self._fn, self._options, self._compiled = fn, options, None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._compiled is None:
+            self._compiled = _torch_compile(self._fn, **self._options)
+        return self._compiled(*args, **kwargs)
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        return self if instance is None else types.MethodType(self, instance)
+
+
+def compile_on_first_call(model: Any = None, **options: Any) -> Any:
+    """``torch.compile``'s signature, both as ``compile(fn, ...)`` and as the decorator ``compile(...)(fn)``."""
+    if model is None:
+        return lambda fn: CompileOnFirstCall(fn, options)
+    return CompileOnFirstCall(model, options)
+
+
+@contextlib.contextmanager
+def torch_compile_deferred():
+    """While inside, ``torch.compile`` is :func:`compile_on_first_call`: a module imported here that binds it at
+    import (Megatron's ``jit_fuser``) keeps the deferred one."""
+    torch.compile = compile_on_first_call  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.compile = _torch_compile  # type: ignore[assignment]
+
+
+def import_megatron_with_deferred_compile() -> None:
+    """Patch 14: the first import of ``megatron.core`` binds ``jit_fuser`` to :func:`compile_on_first_call`."""
+    if "megatron.core.jit" in sys.modules:
+        logger.debug("cpu_compat: megatron.core was imported before the CPU patches; its jit_fuser compiles at import")
+        return
+    with torch_compile_deferred():
+        import megatron.core  # noqa: F401
+        import megatron.core.jit  # noqa: F401
+
+
 def apply_cpu_patches() -> None:
     """Make Megatron-Core usable on a CPU-only process. No-op when CUDA is available (but for the patches any
     machine without TransformerEngine needs)."""
     global _APPLIED
+    if not torch.cuda.is_available():
+        import_megatron_with_deferred_compile()
     bind_te_general_gemm()
     unmark_mla_te()
     if _APPLIED or torch.cuda.is_available():

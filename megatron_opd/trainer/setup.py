@@ -110,6 +110,8 @@ def check_memory(cfg: TrainConfig) -> None:
 
     accel_type = detect_accelerator(None if cfg.device == "auto" else cfg.device).type
     device_gib = cfg.train.device_memory_gib or device_memory_gib(accel_type)
+    if not device_gib and int(os.environ.get("RANK", 0)) != 0:
+        return  # nothing to check against (CPU): only rank 0 logs the estimate, the others skip building it
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     try:
         peak, table = check_trainer_memory(cfg, world_size, accel_type, device_gib)
