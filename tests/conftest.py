@@ -42,15 +42,15 @@ MCORE_SMOKE = (
 # file is left for the end (the seconds each took on 2 cores: benchmarks/RESULTS.md, "The test suite's time").
 LONGEST_FIRST = (
     "test_quickstart.py",
-    "test_train_cli.py",
-    "test_teacher_server.py",
+    "test_quickstart_cross_tokenizer.py",  # one test of ~290 s: it cannot be split across workers
     "test_vllm_server.py",
-    "test_weight_sync_vllm.py",
+    "test_teacher_server.py",
+    "test_train_cli.py",
     "test_vllm_rollout_faults.py",
     "test_teacher_vllm.py",
-    "test_scheduler_faults.py",
-    "test_quickstart_cross_tokenizer.py",
+    "test_weight_sync_vllm.py",
     "test_real_tokenizers.py",
+    "test_scheduler_faults.py",
     "test_checkpoint.py",
     "test_multi_teacher.py",
     "test_models.py",

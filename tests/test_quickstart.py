@@ -7,8 +7,8 @@ rollouts come from a vLLM engine synced after every step, and it must reach the 
 the same order with exact sampler log-probs (zero_step_off), and land within the built-in run's seed spread (skips
 without vLLM). The student has tied embeddings, like the small Qwen and Llama students people distil into.
 
-The asynchronous scheduler modes on the same task (student TP=2 with tied embeddings, rollouts from a vLLM engine
-process synced after every step), in one run: one_step_off killed mid-run and resumed as two_step_off. Held to the
+The asynchronous scheduler modes on the same task (student TP=1 with tied embeddings, one process: the sync at TP=2
+and TP=2xPP=2 is tests/test_weight_sync_vllm.py's; rollouts from a vLLM engine process synced after every step), in one run: one_step_off killed mid-run and resumed as two_step_off. Held to the
 quick start's built-in run with the same seed: every batch is trained exactly once in that run's order, staleness
 stays within each mode's bound, the learning-rate schedule is the same. The rollout-fidelity checks run in it: the
 start-up check passes and the sampler's log-probs are exact on fresh batches (a run whose sync leaves a tensor out:
@@ -54,7 +54,7 @@ def test_quickstart_distils(quickstart_run):
 
 @needs_vllm
 def test_quickstart_distils_with_vllm_rollouts(quickstart_run, tmp_path):
-    # TP=1 (``--nproc 1``): the vLLM sync at TP=2 runs in the asynchronous run below and in test_weight_sync_vllm.py.
+    # TP=1 (``--nproc 1``): the vLLM sync at TP=2 runs in test_weight_sync_vllm.py.
     args = ["--rollout-backend", "vllm", "--teacher-run", str(quickstart_run / "teacher"), "--nproc", "1"]
     proc, out = run_quickstart(tmp_path / "qs", *args, timeout=1200)
     assert "rollouts: vllm" in proc.stdout and "reusing" in proc.stdout
@@ -105,7 +105,6 @@ def _overrides(quickstart_run: Path, output_dir: Path, **extra) -> list[str]:
         "teacher.path": quickstart_run / "teacher" / "hf",
         "data.train_files": task / "train.jsonl",
         "data.eval_files": task / "eval.jsonl",
-        "parallel.tensor_model_parallel_size": 2,
         "rollout.backend": "vllm",
         "train.steps": STEPS,
         "optim.lr_decay_steps": yaml.safe_load(CONFIG.read_text())["train"]["steps"],
@@ -127,11 +126,11 @@ def test_async_modes_train_every_batch_once_in_order_with_bounded_staleness_and_
     """One run in both asynchronous modes: one_step_off killed after step KILL_AT (its checkpoint saved, a batch in
     flight), resumed as two_step_off (a mode change at a restart, as a user may make it) to step STEPS."""
     run = tmp_path / "async"
-    code, out = run_trainer(_overrides(quickstart_run, run, **{"scheduler.mode": "one_step_off"}),
+    code, out = run_trainer(_overrides(quickstart_run, run, **{"scheduler.mode": "one_step_off"}), nproc=1,
                             env={"MEGATRON_OPD_FAULT": f"kill_after_step:{KILL_AT}"})  # fmt: skip
     assert code != 0 and f"fault injection: kill_after_step at step {KILL_AT}" in out, out[-3000:]
     assert "rollout start-up check passed" in out
-    code, out = run_trainer(_overrides(quickstart_run, run, **{"scheduler.mode": "two_step_off"}))
+    code, out = run_trainer(_overrides(quickstart_run, run, **{"scheduler.mode": "two_step_off"}), nproc=1)
     assert code == 0 and "resumed from" in out and f"(step {KILL_AT})" in out, out[-3000:]
 
     reference = quickstart_run / "student"

@@ -2,9 +2,9 @@
 
 For Mistral's SentencePiece model (``mistral_common``) and Llama 3's tiktoken model (``llama-models``), a tiny random
 Llama student whose folder holds only ``tokenizer.model`` is distilled from a teacher converted to a dist_ckpt with
-a padded embedding (TP=2, a few steps), and exported. Every stage must give a prompt the ids that the reference
-libraries give: ``sentencepiece`` and ``mistral_common`` for Mistral, ``llama-models``' own tiktoken tokenizer and
-chat format for Llama 3. vLLM must also stop on every EOS id of generation_config.json.
+a padded embedding at TP=2 (resharded on load: the run is TP=1, a few steps), and exported. Every stage must give a
+prompt the ids that the reference libraries give: ``sentencepiece`` and ``mistral_common`` for Mistral,
+``llama-models``' own tiktoken tokenizer and chat format for Llama 3. vLLM must also stop on every EOS id of generation_config.json.
 """
 
 from __future__ import annotations
@@ -115,7 +115,6 @@ def _build_pipeline(root: Path, kind: str) -> Pipeline:
         "student.path": student,
         "teacher.path": teacher_ckpt,
         "data.train_files": train_file,
-        "parallel.tensor_model_parallel_size": 2,
         "train.steps": STEPS,
         "train.prompts_per_step": 2,
         "train.micro_batch_size": 2,
@@ -128,7 +127,7 @@ def _build_pipeline(root: Path, kind: str) -> Pipeline:
         "logging.tensorboard": False,
         "output_dir": output_dir,
     }
-    code, log = run_trainer([f"{k}={v}" for k, v in overrides.items()])
+    code, log = run_trainer([f"{k}={v}" for k, v in overrides.items()], nproc=1)  # the teacher's TP=2 resharded
     assert code == 0, log[-4000:]
     return Pipeline(student, teacher_ckpt, output_dir, vocab, log)
 

@@ -124,13 +124,14 @@ def test_server_tp2_matches_transformers_and_the_inprocess_teacher(pair, server)
 
 @pytest.mark.parametrize("transfer", ["topk", "hidden", "aligned"])
 def test_distillation_through_the_server_matches_the_inprocess_teacher(transfer, pair, server, tmp_path):
-    """Student TP=2 in one torchrun job, teacher TP=2 in another: the first step's loss equals the in-process one.
+    """Student in one torchrun job (one process: the student's layout is not the subject), teacher TP=2 in another:
+    the first step's loss equals the in-process one.
     ``hidden``: the server sends final hidden states (fp32 on the wire) and the trainer forms the teacher's logits
     with its output layer from ``teacher.path``: dense distillation, equal to the in-process dense loss.
     ``aligned``: ``loss.cross_tokenizer=aligned``, the trainer re-tokenizing for the teacher and mapping its reply
     back (the tokenizers are one here: every position on the top-k loss; another tokenizer's ids and their mapping:
     tests/test_aligned_loss.py, tests/test_vocabulary_map.py)."""
-    common = {"parallel.tensor_model_parallel_size": 2, "train.steps": 1, "loss.mode": "topk", "loss.topk": 8,
+    common = {"train.steps": 1, "loss.mode": "topk", "loss.topk": 8,
               "teacher.temperature": 1.5, "loss.weighting": "teacher_confidence", "rollout.n": 2,
               "export_hf": False}  # fmt: skip
     if transfer == "hidden":
@@ -138,10 +139,10 @@ def test_distillation_through_the_server_matches_the_inprocess_teacher(transfer,
     if transfer == "aligned":
         common.update({"loss.cross_tokenizer": "aligned", "loss.weighting": "none"})
         transfer = "topk"
-    code, out = run_trainer(pair.overrides(tmp_path / "inprocess", **common))
+    code, out = run_trainer(pair.overrides(tmp_path / "inprocess", **common), nproc=1)
     assert code == 0, out[-3000:]
     remote = dict(common, **{"teacher.backend": "server", "teacher.address": server, "teacher.transfer": transfer})
-    code, out = run_trainer(pair.overrides(tmp_path / "server", **remote))
+    code, out = run_trainer(pair.overrides(tmp_path / "server", **remote), nproc=1)
     assert code == 0, out[-3000:]
     ref, got = train_metrics(tmp_path / "inprocess"), train_metrics(tmp_path / "server")
     ref_loss, got_loss = [r["loss"] for r in ref if "loss" in r], [r["loss"] for r in got if "loss" in r]

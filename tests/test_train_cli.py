@@ -1,7 +1,9 @@
 """``python -m megatron_opd.train`` under a real torchrun: resume, faults, pre-emption, lock, export, bad input.
 
-Each run is a short TP=2 distillation of a tiny student (2 processes, 1 thread each). Faults are injected with
-``MEGATRON_OPD_FAULT`` (kills triggered at a given step, not by timers).
+Each run is a short distillation of a tiny student in one process (TP=1: the command is the subject here, not the
+layout; a TP=2 step equals TP=1 in tests/test_train_step.py). Pre-emption and the export of merged TP shards run at
+TP=2 (2 processes, 1 thread each). Faults are injected with ``MEGATRON_OPD_FAULT`` (kills triggered at a given step,
+not by timers).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def pair(tmp_path_factory):
     return make_distill_fixture(tmp_path_factory.mktemp("distill"))
 
 
-def run(overrides: list[str], *, nproc: int = 2, fault: str | None = None, timeout: float = 300):
+def run(overrides: list[str], *, nproc: int = 1, fault: str | None = None, timeout: float = 300):
     return run_trainer(overrides, nproc=nproc, fault=fault, timeout=timeout)
 
 
@@ -37,9 +39,9 @@ def losses(output_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-# The reference run: 4 steps at TP=2 with a checkpoint after each, run once for the resume, refusal and dist_ckpt
-# tests below (each that damages it works on a copy).
-REFERENCE = dict(TP2, **{"train.steps": 4, "checkpoint.every": 1, "export_hf": False})
+# The reference run: 4 steps with a checkpoint after each, run once for the resume, refusal and dist_ckpt tests below
+# (each that damages it works on a copy).
+REFERENCE = {"train.steps": 4, "checkpoint.every": 1, "export_hf": False}
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +117,9 @@ def test_export_and_lock_and_padded_vocab(pair, tmp_path):
         fcntl.flock(lock, fcntl.LOCK_EX)
         lock.write("pid 4242 on some-host\n")
         lock.flush()
-        code, out = run(pair.overrides(out_dir, **TP2, **{"train.steps": 2}))
+        code, out = run(pair.overrides(out_dir, **{"train.steps": 2}))
         assert code != 0 and "is in use by pid 4242 on some-host" in out, out[-3000:]
-    code, out = run(pair.overrides(out_dir, **TP2, **{"train.steps": 2, "loss.mode": "topk", "loss.topk": 8}))
+    code, out = run(pair.overrides(out_dir, **TP2, **{"train.steps": 2, "loss.mode": "topk", "loss.topk": 8}), nproc=2)
     assert code == 0, out[-3000:]
     assert "eval before training" in out and "eval after step 2" in out
     model = AutoModelForCausalLM.from_pretrained(out_dir / "hf")
@@ -133,7 +135,7 @@ def test_bad_input_is_refused_clearly(case, pair, reference_run, tmp_path):
     from safetensors.torch import load_file, save_file
 
     out_dir = tmp_path / case
-    overrides = pair.overrides(out_dir, **TP2, **{"train.steps": 2, "checkpoint.every": 1, "export_hf": False})
+    overrides = pair.overrides(out_dir, **{"train.steps": 2, "checkpoint.every": 1, "export_hf": False})
     if case in ("missing_latest", "corrupt_checkpoint"):  # on a copy of the reference run's checkpoints
         shutil.copytree(reference_run, out_dir)
         ckpt = out_dir / "checkpoints" / "step_00000004"
