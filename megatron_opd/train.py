@@ -415,6 +415,7 @@ def step_row(result, work: StepWork, step: int, elapsed: float, cfg: TrainConfig
         **{f"time/{k}": v for k, v in work.timings.items()},
         **work.metrics,
         **teacher_rows(s),
+        **result.router,
     }
 
 

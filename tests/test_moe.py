@@ -166,7 +166,8 @@ def test_trainer_at_expert_parallelism_equals_ep1(moe_run_files, tmp_path):
     """The real trainer (built-in sampler, in-process dense teacher, evaluation) with an MoE student at EP=2 runs
     to its end and trains exactly as at EP=1 with the same data-parallel size: its ranks keep the MoE layers'
     token exchange in step while their decode loops run to different lengths, and the one eval prompt leaves
-    rank 1 without one of its own (``distributed.lockstep``)."""
+    rank 1 without one of its own (``distributed.lockstep``). With the load-balancing and z-losses on, their values
+    and the expert load (``trainer/router.py``) are logged each step, the same at both layouts."""
     pair, student, train_file = moe_run_files
     runs = {}
     for ep in (1, 2):
@@ -175,7 +176,8 @@ def test_trainer_at_expert_parallelism_equals_ep1(moe_run_files, tmp_path):
             out, **{"student.path": student, "data.train_files": train_file, "data.shuffle": False,
                     "train.steps": 2, "train.prompts_per_step": 4, "rollout.max_new_tokens": 5,
                     "eval.max_prompts": 1, "export_hf": False, "checkpoint.every": 0,
-                    "parallel.expert_model_parallel_size": ep, "build.moe_token_dispatcher": "alltoall"},
+                    "parallel.expert_model_parallel_size": ep, "build.moe_token_dispatcher": "alltoall",
+                    "build.moe_aux_loss_coeff": 0.01, "build.moe_z_loss_coeff": 0.001},
         )  # fmt: skip
         code, log = run_trainer(overrides, timeout=240)
         assert code == 0, log[-3000:]
@@ -184,8 +186,12 @@ def test_trainer_at_expert_parallelism_equals_ep1(moe_run_files, tmp_path):
     assert len(steps[1]) == len(steps[2]) == 2
     for one, two in zip(steps[1], steps[2]):
         assert one["response_length"] == two["response_length"], "EP=2 sampled other responses than EP=1"
-        for key in ("loss", "divergence", "grad_norm"):
+        for key in ("loss", "divergence", "grad_norm", "moe/load_balancing_loss", "moe/z_loss"):
             assert two[key] == pytest.approx(one[key], rel=1e-5, abs=1e-7), key
+        loads = {k: v for k, v in one.items() if k.startswith("moe/expert_load")}
+        assert set(loads) == {"moe/expert_load_max", "moe/expert_load/layer_01"}, "the MoE layer's load is logged"
+        assert {k: two[k] for k in loads} == loads, "EP=2 routed the step's tokens otherwise"
+        assert 1.0 <= loads["moe/expert_load_max"] <= 4 / 2  # 4 experts, top-2
     evals = {ep: [r for r in rows if "eval/divergence_own_samples" in r] for ep, rows in runs.items()}
     assert len(evals[1]) == len(evals[2]) == 2
     for one, two in zip(evals[1], evals[2]):

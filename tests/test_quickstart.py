@@ -105,6 +105,7 @@ def _overrides(quickstart_run: Path, output_dir: Path, **extra) -> list[str]:
         "teacher.path": quickstart_run / "teacher" / "hf",
         "data.train_files": task / "train.jsonl",
         "data.eval_files": task / "eval.jsonl",
+        "parallel.tensor_model_parallel_size": 1,
         "rollout.backend": "vllm",
         "train.steps": STEPS,
         "optim.lr_decay_steps": yaml.safe_load(CONFIG.read_text())["train"]["steps"],

@@ -74,6 +74,13 @@ class ModelBuildConfig:
     megatron-opd's ``GroupedExperts`` on ``torch._grouped_mm``: 6.6x the sequential experts' scoring rate for a
     Qwen3-30B-A3B on an H100) instead of one GEMM per expert (``false``). The same parameters and results; where no
     grouped kernel runs (an old torch), the experts run one by one and the start-up log says why."""
+    moe_aux_loss_coeff: float = 0.0
+    """Mixture-of-Experts students: weight of the Switch load-balancing loss per MoE layer (Megatron's ``aux_loss``;
+    e.g. 1e-3 as in Qwen3-MoE's pre-training, 0: none). Megatron adds its gradient in the router's backward, not
+    to the distillation loss; its value is logged per step (``moe/load_balancing_loss``)."""
+    moe_z_loss_coeff: float = 0.0
+    """Mixture-of-Experts students: weight of the router z-loss (mean squared log-sum-exp of the router logits, which
+    keeps them small; e.g. 1e-3; 0: none), applied and logged (``moe/z_loss``) as the auxiliary loss is."""
     hidden_dropout: float = 0.0
     """Dropout after attention and MLP (0 for distillation: it would perturb student log-probs)."""
     attention_dropout: float = 0.0
@@ -97,6 +104,10 @@ class ModelBuildConfig:
             raise ValueError(
                 f"build.moe_token_dispatcher must be 'allgather' or 'alltoall', got {self.moe_token_dispatcher!r}"
             )
+        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+                raise ValueError(f"build.{name} must be a number >= 0 (0: off), got {value!r}")
         if self.recompute_num_layers < 1:
             raise ValueError(f"build.recompute_num_layers must be >= 1, got {self.recompute_num_layers}")
 
@@ -185,6 +196,10 @@ def transformer_config(arch: ModelArchitecture, parallel: ParallelConfig, build:
             # Megatron's flag picks TEGroupedMLP; without TE the local spec carries GroupedExperts (families/base.py).
             moe_grouped_gemm=build.moe_grouped_gemm and use_te_spec(build, parallel),
         )
+        if build.moe_aux_loss_coeff > 0:  # Megatron's own path: the router attaches it to its output's backward
+            kwargs.update(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=float(build.moe_aux_loss_coeff))
+        if build.moe_z_loss_coeff > 0:
+            kwargs["moe_z_loss_coeff"] = float(build.moe_z_loss_coeff)
     if parallel.pipeline_model_parallel_size == 2 and vp and vp > 1:
         # Upstream bug: with two pipeline ranks the previous and next stage are the same peer and the
         # batched p2p exchange silently mixes up tensors in the interleaved schedule (Megatron-LM #1450).

@@ -278,6 +278,10 @@ class TrainLoopConfig:
     """Steps averaged for each side of the comparison (the first window is the reference)."""
     collapse_patience: int = 20
     """Steps in a row the collapse must hold before the run stops (it warns at the first)."""
+    freeze_router: bool = False
+    """Mixture-of-Experts students: keep every router's weights as loaded (no gradient, no optimizer state), so that
+    distillation moves the experts and the rest but not which experts a token goes to (NeMo-RL's
+    ``freeze_moe_router``); refused for a dense student."""
     device_memory_gib: float | None = None
     """Memory of one device for the start-up memory check (GiB); None: ask the device (on CPU: none, the check only
     logs its estimate). Set it to check a layout for another GPU from a dry run."""

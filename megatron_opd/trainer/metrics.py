@@ -23,6 +23,8 @@ _CONSOLE = (
     ("time/teacher", "teacher", "{:.2f}s"),
     ("time/update", "update", "{:.2f}s"),
     ("lr", "lr", "{:.2e}"),
+    ("moe/load_balancing_loss", "aux", "{:.3f}"),  # Mixture-of-Experts students only
+    ("moe/expert_load_max", "load", "{:.2f}"),
     ("staleness/policy_lag", "lag", "{:.3f}"),  # stale batches only
     ("staleness/is_weight_std", "IS sd", "{:.2f}"),
 )

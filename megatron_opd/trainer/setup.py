@@ -53,7 +53,13 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
     from megatron_opd.data.records import check_paths
     from megatron_opd.models.builder import validate_layout
 
-    validate_layout(model_architecture(cfg.student.path, "student.path"), cfg.parallel)
+    student = model_architecture(cfg.student.path, "student.path")
+    validate_layout(student, cfg.parallel)
+    if cfg.train.freeze_router and student.moe is None:
+        raise ValueError(
+            f"train.freeze_router=true, but the student ({cfg.student.path}) has no Mixture-of-Experts layer and so "
+            "no router; remove train.freeze_router"
+        )
     views = cfg.teacher_views() if cfg.teachers else {"teacher": cfg}
     for name, view in views.items():
         if view.loss.kind != "sft" and view.teacher.backend == "inprocess":
@@ -220,7 +226,7 @@ def build_student(cfg: TrainConfig, accel: Accelerator) -> Student:
     """The student's chunks under ``cfg.parallel``, loaded from ``student.path``, with optimizer and schedule."""
     plan = resolve_precision(cfg, accel)
     _, chunks = build_and_load(cfg.student.path, cfg.parallel, cfg.build, trainable=True, field="student.path")
-    return Student(chunks, cfg.optim, plan, cfg.train.steps)
+    return Student(chunks, cfg.optim, plan, cfg.train.steps, freeze_router=cfg.train.freeze_router)
 
 
 def resolve_precision(cfg: TrainConfig, accel: Accelerator) -> PrecisionPlan:

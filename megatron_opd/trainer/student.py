@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from megatron_opd.distributed.device import Accelerator, collective_device
 from megatron_opd.models.forward_backward import forward_backward
 from megatron_opd.trainer.config import OptimConfig
 from megatron_opd.trainer.objective import MicroBatchStats, StepStats
+from megatron_opd.trainer.router import RouterMetrics, freeze_routers
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +114,8 @@ class StepResult:
     stats: StepStats
     grad_norm: float
     lr: float
+    router: dict[str, float] = field(default_factory=dict)
+    """A Mixture-of-Experts student's router metrics (``trainer/router.py``); empty for a dense one."""
 
 
 class NonFiniteLossError(RuntimeError):
@@ -122,12 +125,18 @@ class NonFiniteLossError(RuntimeError):
 class Student:
     """This rank's student chunks wrapped for training, with their optimizer and LR schedule."""
 
-    def __init__(self, chunks: list, optim: OptimConfig, plan: PrecisionPlan, total_steps: int) -> None:
+    def __init__(
+        self, chunks: list, optim: OptimConfig, plan: PrecisionPlan, total_steps: int, freeze_router: bool = False
+    ) -> None:
         from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
         from megatron.core.optimizer import get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         self.chunks = chunks
+        if freeze_router:  # before DDP and the optimizer, which then leave the routers out
+            frozen = freeze_routers(chunks)
+            logger.info("train.freeze_router: %d router parameter(s) frozen on this rank", frozen)
+        self.router_metrics = RouterMetrics(chunks) if getattr(chunks[0].config, "num_moe_experts", None) else None
         self.model = [
             DistributedDataParallel(
                 config=chunk.config,
@@ -230,7 +239,9 @@ class Student:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = forward_backward(self.model, micro_batches, loss_fn)
+        with self.router_metrics.recording() if self.router_metrics else contextlib.nullcontext():
+            outputs = forward_backward(self.model, micro_batches, loss_fn)
+        router = self.router_metrics.reduce(len(micro_batches)) if self.router_metrics else {}
         stats = sum_stats(outputs, teachers)
         if stats.nonfinite:
             raise NonFiniteLossError(f"loss is {stats.loss}")
@@ -241,7 +252,7 @@ class Student:
             logger.warning("optimizer skipped the step (gradient overflow)")
         self.lr_schedule.step(increment=1)
         lr = self.optimizer.param_groups[0]["lr"]
-        return StepResult(stats=stats, grad_norm=float(grad_norm or 0.0), lr=float(lr))
+        return StepResult(stats=stats, grad_norm=float(grad_norm or 0.0), lr=float(lr), router=router)
 
 
 def _per_chunk(funcs: list) -> Callable | list[Callable]:

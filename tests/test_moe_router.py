@@ -1,0 +1,181 @@
+"""An MoE student's routers: ``build.moe_aux_loss_coeff`` and ``build.moe_z_loss_coeff`` reach Megatron's router,
+whose gradients are exactly the Switch load-balancing loss's and the z-loss's (float64, from the router's own
+inputs) and added once; the per-step router metrics equal the same losses and expert counts computed by hand;
+``train.freeze_router`` keeps the routers as loaded while the rest trains; and it is refused for a dense student.
+The metrics in a real run, at EP=1 and EP=2: tests/test_moe.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_opd.testing.multiprocess import run_distributed
+from megatron_opd.testing.shapes import SHAPES
+from megatron_opd.testing.tiny_models import routing_margin
+
+SHAPE = "qwen3_moe_dense0"  # a dense first layer next to MoE layers
+AUX, Z = 0.1, 0.01  # large, so the losses' gradients stand well above float32 noise in the router's gradient
+
+
+def _tokens(vocab: int) -> torch.Tensor:
+    """Two micro-batches of two sequences."""
+    return torch.randint(0, vocab, (2, 2, 12), generator=torch.Generator().manual_seed(0))
+
+
+def _router_runs(hf_dir: str):
+    """Per coefficient setting: router gradients, the routers' inputs per micro-batch, their weights, the metrics."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from megatron_opd.distributed import ParallelConfig, initialize_distributed
+    from megatron_opd.models.builder import ModelBuildConfig
+    from megatron_opd.models.forward_backward import forward_backward
+    from megatron_opd.models.source import build_and_load
+    from megatron_opd.trainer.router import RouterMetrics, routers
+
+    def ce(logits, batch):
+        per_token = vocab_parallel_cross_entropy(logits.float(), torch.roll(batch["tokens"], -1, dims=1))
+        return per_token.mean(), per_token.detach()
+
+    initialize_distributed(ParallelConfig())
+    out = {}
+    for name, (aux, z) in {"off": (0.0, 0.0), "on": (AUX, Z)}.items():
+        build = ModelBuildConfig(moe_aux_loss_coeff=aux, moe_z_loss_coeff=z)
+        arch, chunks = build_and_load(hf_dir, ParallelConfig(), build, trainable=True)
+        inputs: dict[int, list[torch.Tensor]] = {}
+        for router in routers(chunks):
+            router.register_forward_pre_hook(
+                lambda m, args, seen=inputs: seen.setdefault(m.layer_number, []).append(args[0].detach().clone())
+            )
+        metrics = RouterMetrics(chunks)
+        with metrics.recording():
+            forward_backward(chunks, [{"tokens": t} for t in _tokens(arch.vocab_size)], ce)
+        out[name] = {
+            "grads": {r.layer_number: r.weight.grad.clone() for r in routers(chunks)},
+            "weights": {r.layer_number: r.weight.detach().clone() for r in routers(chunks)},
+            "inputs": inputs,
+            "metrics": metrics.reduce(num_microbatches=2),
+        }
+    return out
+
+
+def _switch_and_z(x: torch.Tensor, weight: torch.Tensor, top_k: int):
+    """The Switch Transformer load-balancing loss ``E * sum_i f_i P_i`` (``f_i``: share of the ``T * top_k``
+    routed slots at expert ``i``; ``P_i``: mean router probability of expert ``i``), the z-loss
+    ``mean(logsumexp(logits)^2)`` and the tokens per expert, in float64."""
+    logits = x.reshape(-1, x.shape[-1]).double() @ weight.T
+    probs = torch.softmax(logits, dim=-1)
+    tokens, experts = probs.shape
+    counts = torch.zeros(experts, dtype=torch.float64).index_add_(
+        0, torch.topk(probs, top_k).indices.flatten(), torch.ones(tokens * top_k, dtype=torch.float64)
+    )
+    switch = experts * (counts / (tokens * top_k) * probs.mean(0)).sum()
+    z = torch.logsumexp(logits, dim=-1).square().mean()
+    return switch, z, counts
+
+
+def test_router_losses_are_megatron_s_added_once_and_logged(shape_dirs):
+    from megatron_opd.models.architecture import load_architecture
+
+    hf_dir = shape_dirs[SHAPE]
+    margin = routing_margin(hf_dir, _tokens(SHAPES[SHAPE].vocab_size).flatten(0, 1))
+    assert margin > 1e-5, f"routing near-tie ({margin:.1e}) would test tie-breaking, not arithmetic"
+    runs = run_distributed(_router_runs, 1, args=(hf_dir,), timeout=300)[0]
+    off, on = runs["off"], runs["on"]
+    top_k = load_architecture(hf_dir).moe.top_k
+    layers = sorted(on["grads"])
+    assert len(layers) >= 2 and off["metrics"].keys() == {"moe/expert_load_max"} | {
+        f"moe/expert_load/layer_{layer - 1:02d}" for layer in layers
+    }
+    losses = {"switch": [], "z": []}
+    for layer in layers:
+        weight = on["weights"][layer].double().requires_grad_(True)
+        total, counts = 0.0, 0.0
+        for x in on["inputs"][layer]:  # one per micro-batch; Megatron scales each by 1 / micro-batches
+            switch, z, n = _switch_and_z(x, weight, top_k)
+            total = total + (AUX * switch + Z * z) / len(on["inputs"][layer])
+            losses["switch"].append(float(switch.detach()))
+            losses["z"].append(float(z.detach()))
+            counts = counts + n
+        load = float(counts.max() / counts.mean())
+        for run in (on, off):
+            assert run["metrics"][f"moe/expert_load/layer_{layer - 1:02d}"] == pytest.approx(load, rel=1e-12)
+        if layer == layers[-1]:  # no later layer's losses reach this router through its output
+            (expected,) = torch.autograd.grad(total, weight)
+            got = on["grads"][layer].double() - off["grads"][layer].double()
+            rel = ((got - expected).abs().max() / expected.abs().max()).item()
+            assert rel < 1e-5, f"router gradient of the auxiliary losses: {rel:.1e} relative from float64"
+    assert on["metrics"]["moe/load_balancing_loss"] == pytest.approx(sum(losses["switch"]) / len(losses["switch"]))
+    assert on["metrics"]["moe/z_loss"] == pytest.approx(sum(losses["z"]) / len(losses["z"]))
+    assert on["metrics"]["moe/expert_load_max"] == max(
+        v for k, v in on["metrics"].items() if k.startswith("moe/expert_load/")
+    )
+    for layer in layers:  # the main loss's own gradient is there in both runs: the losses only add to it
+        assert off["grads"][layer].abs().max() > 0
+
+
+def _frozen_step(hf_dir: str):
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from megatron_opd.distributed import ParallelConfig, initialize_distributed
+    from megatron_opd.distributed.device import detect_accelerator
+    from megatron_opd.models.forward_backward import forward_backward
+    from megatron_opd.models.source import build_and_load
+    from megatron_opd.trainer.config import OptimConfig
+    from megatron_opd.trainer.router import routers
+    from megatron_opd.trainer.student import Student, precision_plan
+
+    def ce(logits, batch):
+        per_token = vocab_parallel_cross_entropy(logits.float(), torch.roll(batch["tokens"], -1, dims=1))
+        return per_token.mean(), per_token.detach()
+
+    initialize_distributed(ParallelConfig())
+    optim = OptimConfig(lr=1e-2)
+    arch, chunks = build_and_load(hf_dir, ParallelConfig(), trainable=True)
+    before = {n: p.detach().clone() for n, p in chunks[0].named_parameters()}
+    student = Student(chunks, optim, precision_plan(optim, detect_accelerator("cpu")), 10, freeze_router=True)
+    for chunk in student.model:
+        chunk.zero_grad_buffer()
+    forward_backward(student.model, [{"tokens": t} for t in _tokens(arch.vocab_size)], ce)
+    student.optimizer.step()
+    router_params = {id(p) for r in routers(chunks) for p in r.parameters(recurse=False)}
+    optimized = {id(p) for group in student.optimizer.param_groups for p in group["params"]}
+    after = dict(chunks[0].named_parameters())
+    router_names = {n for n, p in after.items() if id(p) in router_params}
+    return {
+        "routers": sorted(router_names),
+        "in_optimizer": bool(router_params & optimized),
+        "changed": sorted(n for n, p in after.items() if not torch.equal(p.detach(), before[n])),
+    }
+
+
+def test_freeze_router_keeps_routers_as_loaded_while_the_rest_trains(shape_dirs):
+    got = run_distributed(_frozen_step, 1, args=(shape_dirs[SHAPE],), timeout=300)[0]
+    assert got["routers"] and all(".mlp.router." in n for n in got["routers"])
+    assert not got["in_optimizer"], "router parameters in the optimizer"
+    assert not set(got["routers"]) & set(got["changed"]), "a frozen router moved"
+    assert any(".local_experts." in n or ".experts." in n for n in got["changed"]), "the experts did not train"
+    assert any("self_attention" in n for n in got["changed"])
+
+
+def test_freeze_router_is_refused_for_a_dense_student(tiny_model_dirs, tmp_path):
+    from megatron_opd.config import parse_args
+    from megatron_opd.trainer.config import TrainConfig
+    from megatron_opd.trainer.setup import check_inputs
+
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "a"}\n')
+    dense = tiny_model_dirs["llama"]
+    cfg = parse_args(TrainConfig, [f"student.path={dense}", f"teacher.path={dense}", f"data.train_files={data}",
+                                   "train.freeze_router=true"])  # fmt: skip
+    cfg.validate()
+    with pytest.raises(ValueError, match="train.freeze_router=true, but the student .* has no Mixture-of-Experts"):
+        check_inputs(cfg)
+
+
+@pytest.mark.parametrize("key", ["build.moe_aux_loss_coeff", "build.moe_z_loss_coeff"])
+def test_negative_router_loss_coefficients_are_refused(key, tmp_path):
+    from megatron_opd.config import parse_args
+    from megatron_opd.trainer.config import TrainConfig
+
+    with pytest.raises(ValueError, match=f"{key} must be a number >= 0"):
+        parse_args(TrainConfig, [f"{key}=-0.1"])
