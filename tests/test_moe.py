@@ -1,6 +1,6 @@
 """Expert parallelism changes where experts run, not what they compute: per-token losses and gradients at EP=2
-(both token dispatchers) equal EP=1's at the same data-parallel size, also when the ranks hold different numbers
-of micro-batches (alltoall), the trainer at EP=2 trains as at EP=1, and bad layouts are refused before any model
+(both token dispatchers; the router's load-balancing and z-losses on) equal EP=1's at the same data-parallel size,
+also when the ranks hold different numbers of micro-batches (alltoall), the trainer at EP=2 trains as at EP=1, and bad layouts are refused before any model
 is built."""
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ LAYOUTS = {
 
 
 def _tokens(rank: int, vocab: int) -> torch.Tensor:
-    """Each data-parallel rank's own 2 micro-batches of 2 sequences."""
-    return torch.randint(0, vocab, (2, 2, SEQ), generator=torch.Generator().manual_seed(rank))
+    """Each data-parallel rank's own 3 micro-batches of 2 sequences."""
+    return torch.randint(0, vocab, (3, 2, SEQ), generator=torch.Generator().manual_seed(rank))
 
 
 def _losses_and_grads(models: dict[str, str]):
@@ -55,9 +55,11 @@ def _losses_and_grads(models: dict[str, str]):
         parallel = ParallelConfig(**kwargs)
         initialize_distributed(parallel)
         for name, hf_dir in models.items():
-            build = ModelBuildConfig(moe_token_dispatcher=dispatcher)
-            # uneven: rank 0 runs 2 micro-batches, rank 1 one of fewer tokens (the lockstep's dummy micro-batches)
-            for case, count, length in (("even", 2, SEQ), ("uneven", 2 - rank, SEQ - 6 * rank)):
+            # With the router losses: a rank's lockstep dummies must add none, its real micro-batches theirs once.
+            build = ModelBuildConfig(moe_token_dispatcher=dispatcher, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
+            # uneven: rank 0 runs 3 micro-batches, rank 1 two of fewer tokens and the lockstep's dummy (a copy of
+            # its first, whose router losses would shift rank 1's gradients: the second's are not the first's)
+            for case, count, length in (("even", 2, SEQ), ("uneven", 3 - rank, SEQ - 6 * rank)):
                 if case == "uneven" and dispatcher == "allgather" and layout != "ep1":
                     continue  # allgather exchanges equal token counts only (the trainer refuses it at EP > 1)
                 arch, chunks = build_and_load(hf_dir, parallel, build, trainable=True)
@@ -205,6 +207,14 @@ def test_trainer_at_expert_parallelism_equals_ep1(moe_run_files, tmp_path):
         (
             {"build.moe_token_dispatcher": "alltoall", "rollout.backend": "vllm"},
             "rollout.backend=vllm with parallel.expert_model_parallel_size=2: the vLLM weight sync",
+        ),
+        (
+            {
+                "build.moe_token_dispatcher": "alltoall",
+                "build.moe_z_loss_coeff": 1e-3,
+                "build.recompute_granularity": "full",
+            },
+            "build.moe_aux_loss_coeff / build.moe_z_loss_coeff with build.recompute_granularity=full",
         ),
     ],
 )

@@ -7,6 +7,7 @@ vocab-sharded logits and its micro-batch; what it returns as data is collected o
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +40,8 @@ def forward_backward(
     Where MoE layers exchange tokens with other data-parallel ranks (``distributed.lockstep``), every rank runs as
     many micro-batches as the busiest: the others repeat their first micro-batch with a zero loss and discard it
     (its backward still joins the exchanges), and scale their real losses so the division stays by their own count.
+    Megatron's router losses (``build.moe_aux_loss_coeff``, ``moe_z_loss_coeff``) are scaled alike: none for a
+    dummy, and a real micro-batch's compensated as its loss is (:func:`router_losses_scaled`).
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -83,7 +86,9 @@ def forward_backward(
         position_ids = batch.get("position_ids")
         if position_ids is None:
             position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-        output = model(tokens, position_ids, None, **packed_seq_params(batch))
+        dummy = bool(batch.get(_DUMMY_KEY))
+        with router_losses_scaled(model.config, 0.0 if dummy else compensate or 1.0, dummy=dummy):
+            output = model(tokens, position_ids, None, **packed_seq_params(batch))
 
         def reduce(output_tensor: torch.Tensor):
             if batch.get(_DUMMY_KEY):  # a lockstep dummy: zero gradients through the same exchanges
@@ -109,6 +114,34 @@ def forward_backward(
     return [o for o in outputs if o is not _DUMMY]
 
 
+@contextlib.contextmanager
+def router_losses_scaled(config, factor: float, *, dummy: bool = False):
+    """Megatron's MoE router losses, in the forward inside, scaled by ``factor`` (0: none). Megatron reads the
+    coefficients from the shared config at each router forward and scales each micro-batch's loss gradient by one
+    over the schedule's micro-batch count, so a lockstep dummy gets 0 and a real micro-batch of a rank with dummies
+    ``total / real``, as its loss does. A layer recomputed in the backward (``build.recompute_granularity=full``)
+    forms its losses outside this scope, which the trainer refuses at expert parallelism."""
+    global _IN_DUMMY
+    aux, z = getattr(config, "moe_aux_loss_coeff", 0.0), getattr(config, "moe_z_loss_coeff", None)
+    if factor == 1.0 and not dummy:
+        yield
+        return
+    _IN_DUMMY = dummy
+    if isinstance(aux, (int, float)):
+        config.moe_aux_loss_coeff = aux * factor
+    config.moe_z_loss_coeff = z * factor if z and factor else None  # 0 would divide by zero in Megatron's tracker
+    try:
+        yield
+    finally:
+        config.moe_aux_loss_coeff, config.moe_z_loss_coeff, _IN_DUMMY = aux, z, False
+
+
+def in_lockstep_dummy() -> bool:
+    """Whether the forward running now is a lockstep dummy's (its routing is not the data's: metrics skip it)."""
+    return _IN_DUMMY
+
+
+_IN_DUMMY = False
 _DUMMY_KEY = "lockstep_dummy"
 _DUMMY = object()
 """What a lockstep dummy micro-batch's loss returns as data (dropped from the results)."""

@@ -729,6 +729,14 @@ class TrainConfig:
                 "dispatcher needs the same number of tokens on every expert-parallel rank at every forward, but "
                 "data-parallel ranks hold prompts of their own lengths; set build.moe_token_dispatcher=alltoall"
             )
+        router_losses = self.build.moe_aux_loss_coeff > 0 or self.build.moe_z_loss_coeff > 0
+        if router_losses and self.build.recompute == "full":
+            raise ValueError(
+                f"build.moe_aux_loss_coeff / build.moe_z_loss_coeff with build.recompute_granularity=full at "
+                f"parallel.expert_model_parallel_size={ep}: a recomputed layer forms its router losses in the "
+                "backward, where the lockstep's dummy micro-batches cannot be left out of them; use "
+                "recompute_granularity=selective (or null), or no router loss"
+            )
         if self.rollout.backend == "vllm" and self.loss.kind != "sft":
             raise ValueError(
                 f"rollout.backend=vllm with parallel.expert_model_parallel_size={ep}: the vLLM weight sync does not "

@@ -9,7 +9,7 @@ routed to each expert, once per optimizer step, over every rank:
   MoE layers and data-parallel ranks (Megatron's own logging of them, with a reduction gloo runs too);
 - ``moe/expert_load/layer_NN``: the busiest expert's routed tokens over the mean expert's, per MoE layer (1: even;
   ``num_experts / top_k``: every token on the same experts), and ``moe/expert_load_max`` the worst layer's.
-  Counted over the tokens the step trained on, padding included.
+  Counted over the tokens the step trained on, padding included (a lockstep dummy micro-batch's are not).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+
+from megatron_opd.models.forward_backward import in_lockstep_dummy
 
 LOSS_NAMES = ("load_balancing_loss", "z_loss")
 """Megatron's tracker names of the router losses (``TopKRouter``)."""
@@ -57,7 +59,7 @@ class RouterMetrics:
 
     def _count(self, router, args, output) -> None:
         # Once per token: a fully recomputed layer's first forward runs without grad (as Megatron adds its losses).
-        if self._recording and torch.is_grad_enabled():
+        if self._recording and torch.is_grad_enabled() and not in_lockstep_dummy():
             routing_map = output[1]
             self.counts[router.layer_number - 1] += routing_map.sum(0).to("cpu", torch.float64)
 
