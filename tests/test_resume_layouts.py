@@ -1,5 +1,6 @@
 """A training checkpoint resumes at another layout (issue 23): TP1 -> TP2 (from DP2), TP2 -> TP2xPP2,
-TP2 -> PP2xVP2 (DP2), DP2 -> DP1; with Megatron's distributed optimizer (issue 40: its ``fully_reshardable``
+TP2 -> PP2xVP2 (DP2), DP2 -> DP1, and a Mixture-of-Experts student EP1 -> EP2 (DP2: each rank then holds half the
+experts, issue 35); with Megatron's distributed optimizer (issue 40: its ``fully_reshardable``
 state), fp32 and the GPU defaults (bf16 + distributed optimizer), DP2 -> TP2 and DP2 -> DP1 (fp32 also
 DP2 -> PP2xVP2); an old ``dp_reshardable`` checkpoint at its own TP/PP (DP2 -> DP1), refused at TP2. The
 distributed-optimizer runs also check overlapped communication (issue 40): overlapped steps equal serial ones, and
@@ -20,6 +21,7 @@ import torch
 from megatron_opd.testing.multiprocess import run_distributed
 
 SEED, GLOBAL_BATCH = 7, 4
+MOE_BUILD = {"moe_token_dispatcher": "alltoall"}  # the ranks' packed micro-batches hold different token counts
 DISTRIBUTED = {  # run name -> optim.* of a distributed-optimizer run
     "do_dp2": {"use_distributed_optimizer": True},
     "bf16_dp2": {"use_distributed_optimizer": True, "bf16": True},  # the GPU defaults
@@ -45,7 +47,15 @@ def _rank_batch(dp_rank: int, dp_size: int):
 class _Run:
     """One layout's student, checkpoint folder, prompt stream and step, in a running job."""
 
-    def __init__(self, layout: dict, student_dir: str, ckpt_dir: str, data_seed: int = SEED, **precision) -> None:
+    def __init__(
+        self,
+        layout: dict,
+        student_dir: str,
+        ckpt_dir: str,
+        data_seed: int = SEED,
+        build: dict | None = None,
+        **precision,
+    ) -> None:
         from megatron.core import parallel_state as ps
 
         from megatron_opd.data.stream import PromptStream
@@ -62,7 +72,8 @@ class _Run:
         optim = OptimConfig(lr=1e-3, lr_warmup_steps=2, lr_decay_style="linear", clip_grad=0.5, **precision)
         self.cfg = TrainConfig(student=StudentConfig(path=student_dir), optim=optim, parallel=parallel, seed=SEED)
         plan = precision_plan(optim, detect_accelerator("cpu"))
-        chunks = build_and_load(student_dir, parallel, ModelBuildConfig(dtype=plan.params_dtype), trainable=True)[1]
+        build_cfg = ModelBuildConfig(dtype=plan.params_dtype, **(build or {}))
+        chunks = build_and_load(student_dir, parallel, build_cfg, trainable=True)[1]
         self.student = Student(chunks, optim, plan, total_steps=10)
         self.ckpt = CheckpointManager(ckpt_dir)
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -111,7 +122,10 @@ class _Run:
         for key in ("main_param", "exp_avg", "exp_avg_sq"):
             out[key] = full_tensors(self.student.chunks, arch, group, of=lambda p, key=key: state[p][key])
         steps = {float(opt.state[p]["step"]) for opt in inner for p in opt.state}
-        keep = ps.get_tensor_model_parallel_rank() == 0 and self.dp_rank == 0
+        # data-parallel replicas are equal; at EP > 1 each data-parallel rank holds its own experts
+        keep = ps.get_tensor_model_parallel_rank() == 0 and (
+            self.dp_rank == 0 or ps.get_expert_model_parallel_world_size() > 1
+        )
         return {
             "tensors": out if keep else {},
             "adam_steps": steps,
@@ -223,6 +237,12 @@ def _launch_world2(dirs: dict) -> dict:
         again.resume()
     out["tp2_same_layout"] = {"rng": _rng_snapshot(), "warnings": caught.reseeded}
     out.update(_distributed_optimizer_runs(dirs))
+    moe = _Run({}, dirs["moe_student"], dirs["moe_dp2"], build=MOE_BUILD)
+    moe.step()
+    out["moe_dp2"] = _save_then_step(moe)
+    out["moe_dp2_to_ep2"] = _resume_and_continue(
+        _Run({"expert_model_parallel_size": 2}, dirs["moe_student"], dirs["moe_dp2"], build=MOE_BUILD)
+    )
     return out
 
 
@@ -333,8 +353,11 @@ def launches(tmp_path_factory):
     from megatron_opd.testing.tiny_models import make_tiny_hf_model
 
     root = tmp_path_factory.mktemp("resume_layouts")
-    dirs = {"student": str(make_tiny_hf_model("qwen3", root / "student", seed=1, num_hidden_layers=4))}
-    dirs.update({name: str(root / name) for name in ("dp2", "tp2", "legacy_dp2", "serial", *DISTRIBUTED)})
+    dirs = {
+        "student": str(make_tiny_hf_model("qwen3", root / "student", seed=1, num_hidden_layers=4)),
+        "moe_student": str(make_tiny_hf_model("qwen3_moe", root / "moe_student", seed=1, num_hidden_layers=2)),
+    }
+    dirs.update({name: str(root / name) for name in ("dp2", "tp2", "legacy_dp2", "serial", "moe_dp2", *DISTRIBUTED)})
     world2 = run_distributed(_launch_world2, 2, args=(dirs,), timeout=300)
     world4 = run_distributed(_launch_world4, 4, args=(dirs,), timeout=300)
     world1 = run_distributed(_launch_world1, 1, args=(dirs,), timeout=300)
@@ -352,6 +375,7 @@ CASES = {  # resumed case -> (its launch, the saving layout's entry in the world
     "bf16_dp2_to_tp2": ("world2", "bf16_dp2"),
     "bf16_dp2_to_dp1": ("world1", "bf16_dp2"),
     "legacy_dp2_to_dp1": ("world1", "do_dp2"),  # saved at the same step as do_dp2
+    "moe_dp2_to_ep2": ("world2", "moe_dp2"),
 }
 
 

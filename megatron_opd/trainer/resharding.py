@@ -41,6 +41,8 @@ class Layout:
     optimizer_format: str = ""
     """The distributed optimizer's ``distrib_optim_sharding_type`` (``fully_reshardable``, or ``dp_reshardable``
     in older checkpoints); empty for the plain optimizer."""
+    expert_model_parallel_size: int = 1
+    """Ranks splitting each MoE layer's experts (1 in checkpoints from before expert parallelism)."""
 
     def ranks(self) -> tuple[int, ...]:
         """The sizes that decide which rank holds which per-rank state."""
@@ -52,12 +54,14 @@ class Layout:
             self.pipeline_model_parallel_size,
             self.virtual_pipeline_model_parallel_size,
             self.context_parallel_size,
+            self.expert_model_parallel_size,
         )
 
     def describe(self) -> str:
+        expert = f" EP={self.expert_model_parallel_size}" if self.expert_model_parallel_size > 1 else ""
         return (
             f"TP={self.tensor_model_parallel_size} PP={self.pipeline_model_parallel_size} "
-            f"VP={self.virtual_pipeline_model_parallel_size} CP={self.context_parallel_size} "
+            f"VP={self.virtual_pipeline_model_parallel_size} CP={self.context_parallel_size}{expert} "
             f"DP={self.data_parallel_size}"
         )
 
@@ -84,6 +88,7 @@ def current_layout(student) -> Layout:
         data_parallel_size=ps.get_data_parallel_world_size(),
         distributed_optimizer=distributed,
         optimizer_format=SAVED_OPTIMIZER_FORMAT if distributed else "",
+        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
     )
 
 
@@ -139,7 +144,7 @@ def check_optimizer_state(saved: Layout, current: Layout, path: str | Path) -> N
         raise ValueError(
             f"{path} holds the distributed optimizer's state in Megatron's dp_reshardable format (written by an "
             f"older megatron-opd; checkpoints written now are fully_reshardable), saved at "
-            f"{saved.describe()}; it loads at that TP/PP/VP/CP with any number of data-parallel ranks, not at "
+            f"{saved.describe()}; it loads at that TP/PP/VP/CP/EP with any number of data-parallel ranks, not at "
             f"{current.describe()}. Resume at the saved parallel.* sizes, or set checkpoint.load_optimizer=false to "
             "reshard the model, keep the LR schedule and data position, and start Adam's moments afresh"
         )

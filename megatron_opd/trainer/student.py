@@ -133,6 +133,7 @@ class Student:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         self.chunks = chunks
+        mark_experts_expert_parallel(chunks)
         if freeze_router:  # before DDP and the optimizer, which then leave the routers out
             frozen = freeze_routers(chunks)
             logger.info("train.freeze_router: %d router parameter(s) frozen on this rank", frozen)
@@ -253,6 +254,21 @@ class Student:
         self.lr_schedule.step(increment=1)
         lr = self.optimizer.param_groups[0]["lr"]
         return StepResult(stats=stats, grad_norm=float(grad_norm or 0.0), lr=float(lr), router=router)
+
+
+def mark_experts_expert_parallel(chunks: list) -> None:
+    """Mark every routed expert's parameters as Megatron does at expert parallelism (``allreduce=False``), at EP=1
+    too. Megatron's DDP then reduces their gradients over the expert-data-parallel ranks (at EP=1 the data-parallel
+    ones: the same sums) and its optimizer steps them in an optimizer of their own, a ``ChainedOptimizer`` at every
+    EP; otherwise the optimizer state saved at EP=1 (one optimizer) had other checkpoint keys than at EP > 1 (two,
+    ``chained_N.``-prefixed) and could not be resumed at another EP."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, MoELayer):
+                for param in module.experts.parameters():
+                    param.allreduce = False
 
 
 def _per_chunk(funcs: list) -> Callable | list[Callable]:
