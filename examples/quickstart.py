@@ -4,6 +4,7 @@
     python examples/quickstart.py --cross-tokenizer     # a teacher with another tokenizer
     python examples/quickstart.py --multi-teacher       # two tasks, a teacher for each, one student
     python examples/quickstart.py --student-family gemma3   # a Gemma-3-shaped student
+    python examples/quickstart.py --moe                 # a Mixture-of-Experts student at expert parallelism
 
 1. ``tools/make_quickstart_task.py`` writes a digit-reversal task ("reverse 40912 =" -> "21904"), a tokenizer and
    two randomly initialised Qwen3 models: a teacher and a 6.6x smaller student (tied embeddings).
@@ -28,6 +29,10 @@ teachers learn their task by SFT side by side; the sorting teacher is then serve
 naming its teacher (``teachers.*``, ``examples/quickstart/distil_multi.yaml``: the reversal teacher in-process with
 the dense forward KL, the sorting teacher's top-k from the server). The bar: each task's held-out accuracy
 (``eval/reverse/accuracy``, ``eval/sort/accuracy``) up 10 points, each teacher at 90% or more on its task.
+
+``--moe``: the student is a Qwen3-MoE upcycled from the dense one (``tools/upcycle_moe.py``: 4 experts per layer,
+each the layer's MLP, top-2 routing, a random router) and distils at expert parallelism (EP = ``--nproc``, TP=1,
+the alltoall dispatcher, the built-in sampler) with the load-balancing loss on; same bar.
 """
 
 from __future__ import annotations
@@ -121,6 +126,10 @@ def main() -> None:
         help="two tasks (digit reversal and sorting), a teacher for each, one student distilled from both",
     )  # fmt: skip
     parser.add_argument(
+        "--moe", action="store_true",
+        help="a Mixture-of-Experts student (upcycled from the dense one), distilled at expert parallelism",
+    )  # fmt: skip
+    parser.add_argument(
         "--student-family", metavar="FAMILY",
         help="the student's model family (e.g. gemma3; default: qwen3, like the teacher)",
     )  # fmt: skip
@@ -142,6 +151,16 @@ def main() -> None:
     tp = f"parallel.tensor_model_parallel_size={args.nproc}"
 
     student_init, config, student_run = task / "student-init", HERE / "quickstart" / "distil.yaml", work / "student"
+    student_layout = [tp]
+    if args.moe:
+        sys.path.insert(0, str(ROOT))
+        from tools.upcycle_moe import upcycle_to_moe
+
+        student_init = upcycle_to_moe(student_init, task / "student-init-moe", experts=4, top_k=2)
+        # EP ranks are data-parallel ones: the step's 64 prompts are split over them
+        student_layout = ["parallel.tensor_model_parallel_size=1", f"parallel.expert_model_parallel_size={args.nproc}",
+                          "build.moe_token_dispatcher=alltoall", "build.moe_aux_loss_coeff=1e-3",
+                          f"train.micro_batch_size={64 // args.nproc}"]  # fmt: skip
     warmup = None
     if args.cross_tokenizer:  # step 2 needs no teacher: it runs beside step 1, its output in a log file
         warmup_log = work / "student-warmup.log"
@@ -174,13 +193,14 @@ def main() -> None:
           f"{' (another tokenizer)' if args.cross_tokenizer else ''} ==", flush=True)  # fmt: skip
     finish(torchrun(args.nproc, config,
                     [f"student.path={student_init}", f"teacher.path={teacher_run / 'hf'}", *data,
-                     f"output_dir={student_run}", tp, f"rollout.backend={args.rollout_backend}",
+                     f"output_dir={student_run}", *student_layout, f"rollout.backend={args.rollout_backend}",
                      f"scheduler.mode={args.scheduler_mode}", *([f"seed={args.seed}"] if args.seed is not None else [])]))  # fmt: skip
     before, after = evals(student_run)
 
     print(
         f"\nmegatron-opd quick start{' across tokenizers' if args.cross_tokenizer else ''} ({args.nproc} processes, "
-        f"TP={args.nproc}, rollouts: {args.rollout_backend}, {args.scheduler_mode}) in "
+        f"{'MoE student at EP' if args.moe else 'TP'}={args.nproc}, rollouts: {args.rollout_backend}, "
+        f"{args.scheduler_mode}) in "
         f"{time.perf_counter() - start:.0f} s"
     )
     print(f"  teacher held-out accuracy after SFT: {teacher_eval['eval/accuracy']:.1%}")

@@ -169,7 +169,7 @@ def test_train_cli_with_union_support(tmp_path) -> None:
         "parallel.tensor_model_parallel_size": 2, "train.steps": 3, "export_hf": False, "loss.mode": "topk",
         "loss.topk": 8, "loss.support": "union", "loss.student_topk": 4, "loss.coverage_weight": 0.1,
     }  # fmt: skip
-    code, out = run(fixture.overrides(tmp_path / "run", **overrides))
+    code, out = run(fixture.overrides(tmp_path / "run", **overrides), nproc=2)
     assert code == 0, out[-3000:]
     per_step = losses(tmp_path / "run")
     assert sorted(per_step) == [1, 2, 3] and all(math.isfinite(x) for x in per_step.values()), per_step
