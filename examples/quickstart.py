@@ -30,9 +30,9 @@ naming its teacher (``teachers.*``, ``examples/quickstart/distil_multi.yaml``: t
 the dense forward KL, the sorting teacher's top-k from the server). The bar: each task's held-out accuracy
 (``eval/reverse/accuracy``, ``eval/sort/accuracy``) up 10 points, each teacher at 90% or more on its task.
 
-``--moe``: the student is a Qwen3-MoE upcycled from the dense one (``tools/upcycle_moe.py``: 4 experts per layer,
-each the layer's MLP, top-2 routing, a random router) and distils at expert parallelism (EP = ``--nproc``, TP=1,
-the alltoall dispatcher, the built-in sampler) with the load-balancing loss on; same bar.
+``--moe``: the student is a Qwen3-MoE upcycled from the dense one (``megatron_opd.models.upcycle``: 4 experts per
+layer, each the layer's MLP, top-2 routing, a random router) and distils at expert parallelism (EP = ``--nproc``,
+TP=1, the alltoall dispatcher, the built-in sampler) with the load-balancing loss on; same bar.
 """
 
 from __future__ import annotations
@@ -153,8 +153,7 @@ def main() -> None:
     student_init, config, student_run = task / "student-init", HERE / "quickstart" / "distil.yaml", work / "student"
     student_layout = [tp]
     if args.moe:
-        sys.path.insert(0, str(ROOT))
-        from tools.upcycle_moe import upcycle_to_moe
+        from megatron_opd.models.upcycle import upcycle_to_moe
 
         student_init = upcycle_to_moe(student_init, task / "student-init-moe", experts=4, top_k=2)
         # EP ranks are data-parallel ones: the step's 64 prompts are split over them

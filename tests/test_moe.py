@@ -111,6 +111,49 @@ def test_expert_parallel_losses_and_gradients_equal_ep1(shape_dirs):
         assert ranks[1]["ep2 alltoall", name, "rank 1 empty"] is None
 
 
+def _weight_streams(hf_dir: str) -> dict:
+    """Per layout: the Hugging Face tensors this rank's weight source yields (vLLM's sync), by name."""
+    from megatron_opd.distributed import initialize_distributed
+    from megatron_opd.models.builder import ModelBuildConfig
+    from megatron_opd.models.source import build_and_load
+    from megatron_opd.weight_sync.source import megatron_weight_source
+
+    out = {}
+    for name, layout in STREAM_LAYOUTS.items():
+        parallel = ParallelConfig(**layout)
+        initialize_distributed(parallel)
+        arch, chunks = build_and_load(hf_dir, parallel, ModelBuildConfig(moe_token_dispatcher="alltoall"))
+        source = megatron_weight_source(chunks, arch)
+        stream = list(source)
+        out[name] = {"names": [n for n, _ in stream], "metadata": [m.name for m in source.metadata()],
+                     "tensors": {n: t for n, t in stream if t is not None}}  # fmt: skip
+    return out
+
+
+STREAM_LAYOUTS = {
+    "ep1 (dp2)": dict(),
+    "ep2": dict(expert_model_parallel_size=2),
+    "tp2 (sp)": dict(tensor_model_parallel_size=2, sequence_parallel=True),
+}
+
+
+def test_weight_source_streams_every_expert_from_its_expert_parallel_rank(shape_dirs):
+    """The vLLM weight sync's source at EP=2: rank 0 yields every Hugging Face tensor, each routed expert's from the
+    rank that holds it, equal to the checkpoint's; the other rank yields none (also at EP=1 and TP=2)."""
+    from safetensors.torch import load_file
+
+    hf_dir = shape_dirs[SHAPES_RUN[0]]
+    checkpoint = load_file(f"{hf_dir}/model.safetensors")
+    ranks = run_distributed(_weight_streams, 2, args=(hf_dir,), timeout=300)
+    for layout in STREAM_LAYOUTS:
+        sender, other = ranks[0][layout], ranks[1][layout]
+        assert sender["names"] == sender["metadata"] == other["names"], layout
+        assert not other["tensors"], f"{layout}: rank 1 yielded tensors"
+        assert set(sender["tensors"]) == set(checkpoint) and any(".experts.3." in n for n in checkpoint), layout
+        for name, tensor in sender["tensors"].items():
+            assert torch.equal(tensor, checkpoint[name]), f"{layout}: {name} differs from the checkpoint"
+
+
 @pytest.mark.parametrize(
     "overrides, parallel, message",
     [

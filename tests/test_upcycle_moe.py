@@ -1,5 +1,6 @@
-"""``tools/upcycle_moe.py`` (the quick start's ``--moe`` student): the upcycled Qwen3-MoE computes the dense model's
-logits, in transformers and as megatron-opd's Megatron model, and every expert starts as the dense MLP."""
+"""``megatron_opd.models.upcycle`` (``tools/upcycle_moe.py``; the quick start's ``--moe`` student): the upcycled
+Qwen3-MoE computes the dense model's logits, in transformers and as megatron-opd's Megatron model, and every expert
+starts as the dense MLP."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ def _megatron_logits(hf_dir: str, tokens: torch.Tensor, vocab: int) -> torch.Ten
 def test_upcycled_moe_computes_the_dense_logits(tmp_path):
     from transformers import AutoModelForCausalLM
 
+    from megatron_opd.models.upcycle import upcycle_to_moe
     from megatron_opd.tasks import digits
-    from tools.upcycle_moe import upcycle_to_moe
 
     dense_dir = digits.make_model(tmp_path / "dense", "student", seed=1)  # the quick start's student (tied)
     moe_dir = upcycle_to_moe(dense_dir, tmp_path / "moe", experts=4, top_k=2)
@@ -41,11 +42,12 @@ def test_upcycled_moe_computes_the_dense_logits(tmp_path):
 
 
 def test_upcycling_refuses_what_it_cannot_read(tmp_path):
+    from megatron_opd.models.upcycle import upcycle_to_moe
     from megatron_opd.testing.tiny_models import make_tiny_hf_model
-    from tools.upcycle_moe import upcycle_to_moe
 
     llama = make_tiny_hf_model("llama", tmp_path / "llama")
-    with pytest.raises(ValueError, match="upcycling reads a qwen3 model, got model_type='llama'"):
+    refusal = r"no Mixture-of-Experts family upcycles model_type='llama'; upcycling reads \['qwen3'\]"
+    with pytest.raises(ValueError, match=refusal):
         upcycle_to_moe(llama, tmp_path / "out")
     with pytest.raises(ValueError, match="top_k must be in"):
         upcycle_to_moe(llama, tmp_path / "out", experts=2, top_k=3)

@@ -10,7 +10,10 @@ Every trainer rank iterates the source in lockstep (each tensor is a collective 
 - only data-parallel replica 0 takes part; other replicas yield ``(name, None)`` without communicating;
 - the pipeline stage that holds a tensor gathers its tensor-parallel shards onto its first TP rank
   (``dist.gather``, not an all-gather), which rebuilds the full tensor and splits it into Hugging Face tensors;
-- a stage other than the first sends them to global rank 0 (the sender) point to point.
+- a stage other than the first sends them to global rank 0 (the sender) point to point;
+- a routed expert's tensors (Mixture-of-Experts students at expert parallelism) come from the expert-parallel rank
+  that holds that expert (of expert-data-parallel replica 0): its expert-tensor-parallel shards are gathered onto
+  its first expert-TP rank, which sends them to the sender unless it is the sender.
 
 So the sender holds one tensor at a time (plus the transfer engine's bucket) and every other rank yields ``None``.
 Tensor order: embedding, layer 0 ... L-1 (in each, the mapping's rule order), final norm, output layer.
@@ -29,8 +32,10 @@ import torch.distributed as dist
 
 from megatron_opd.models.architecture import ModelArchitecture
 from megatron_opd.models.name_mapping import (
+    ExpertSplit,
     WeightRule,
     expand_rules,
+    global_expert_names,
     global_layer_name,
     hf_shapes,
     megatron_to_hf,
@@ -95,24 +100,34 @@ class MegatronWeightSource(WeightSource):  # noqa: B024 - abstract only in the f
         pp_group: dist.ProcessGroup,
         dp_rank: int,
         dtype: torch.dtype | None = None,
+        etp_group: dist.ProcessGroup | None = None,
+        expert_dp_rank: int = 0,
     ) -> None:
         """``tp_group`` / ``pp_group``: Megatron's tensor- and pipeline-parallel groups of this rank; ``dtype``:
-        wire dtype (default: the parameters')."""
+        wire dtype (default: the parameters'); ``etp_group`` / ``expert_dp_rank``: its expert-tensor-parallel group
+        (default ``tp_group``) and expert-data-parallel rank, for a Mixture-of-Experts student."""
         from megatron_opd.models.loading import chunk_layer_range
 
         self.arch = arch
         self.tp_group, self.pp_group = tp_group, pp_group
+        self.etp_group = etp_group if etp_group is not None else tp_group
         self.tp_rank, self.tp_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
+        self.etp_rank, self.etp_size = dist.get_rank(self.etp_group), dist.get_world_size(self.etp_group)
         self.pp_rank = dist.get_rank(pp_group)
         self.active = dp_rank == 0
+        self.expert_active = expert_dp_rank == 0
         params: dict[str, torch.Tensor] = {}
         for chunk in chunks:
             offset = chunk_layer_range(chunk).start
+            experts = global_expert_names(chunk)  # this rank's experts by global index
             for local, param in named_tensors(chunk).items():  # buffers too: a rule may name one
-                params[global_layer_name(local, offset)] = param
+                params[global_layer_name(experts.get(local, local), offset)] = param
         self.dtype = dtype or next(chunks[0].parameters()).dtype
         self.te = any(name.endswith("layer_norm_weight") for name in params)
         self.rules = list(expand_rules(arch))
+        expert_rules = {
+            r.megatron_name(layer, te=self.te) for r, layer in self.rules if r.experts is ExpertSplit.PER_EXPERT
+        }
         self.params = {}
         for rule, layer in self.rules:
             name = rule.megatron_name(layer, te=self.te)
@@ -120,10 +135,18 @@ class MegatronWeightSource(WeightSource):  # noqa: B024 - abstract only in the f
                 self.params[name] = params[name]
         # Which pipeline stage holds each tensor (one exchange of names within the pipeline group).
         held = [None] * dist.get_world_size(pp_group)
-        dist.all_gather_object(held, sorted(self.params), group=pp_group)
+        dense = sorted(n for n in self.params if n not in expert_rules)
+        dist.all_gather_object(held, dense, group=pp_group)
         self.owner = {name: stage for stage in range(len(held)) for name in held[stage]}
+        # Which global rank sends each routed expert's tensors: the first expert-TP rank of replica 0 holding it.
+        self.expert_owner: dict[str, int] = {}
+        if expert_rules:  # the same on every rank: the architecture says
+            mine = sorted(expert_rules & set(self.params)) if self.expert_active and self.etp_rank == 0 else []
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, mine)
+            self.expert_owner = {name: rank for rank, names in enumerate(every) for name in names}
         missing = [r.megatron_name(layer, te=self.te) for r, layer in self.rules]
-        missing = [n for n in missing if n not in self.owner]
+        missing = [n for n in missing if n not in self.owner and n not in self.expert_owner]
         if missing:
             raise ValueError(f"no pipeline stage holds the student parameters {missing[:5]}")
         self._metadata = hf_metadata(arch, self.dtype)
@@ -138,13 +161,40 @@ class MegatronWeightSource(WeightSource):  # noqa: B024 - abstract only in the f
         return [m for m in self._metadata if m.name not in skip]
 
     def _full(self, rule: WeightRule, name: str) -> torch.Tensor | None:
-        """The full Megatron tensor on this stage's first TP rank (a gather over the TP group), else None."""
+        """The full Megatron tensor on the first rank of its tensor-parallel group (the expert-TP one for a routed
+        expert's), a gather over that group, else None."""
         local = self.params[name].detach()
-        if self.tp_size == 1:
+        group, rank, size = (
+            (self.etp_group, self.etp_rank, self.etp_size) if name in self.expert_owner
+            else (self.tp_group, self.tp_rank, self.tp_size)
+        )  # fmt: skip
+        if size == 1:
             return local
-        parts = [torch.empty_like(local) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
-        dist.gather(local.contiguous(), parts, group_dst=0, group=self.tp_group)
+        parts = [torch.empty_like(local) for _ in range(size)] if rank == 0 else None
+        dist.gather(local.contiguous(), parts, group_dst=0, group=group)
         return unshard(rule, parts) if parts is not None else None
+
+    def _expert_tensors(self, rule: WeightRule, layer: int | None, name: str) -> Iterator[torch.Tensor | None]:
+        """A routed expert's Hugging Face tensors: gathered by the replica-0 ranks holding it, sent by its owner."""
+        owner, hf_names = self.expert_owner[name], rule.hf_names(layer)
+        if self.expert_active and name in self.params:
+            full = self._full(rule, name)
+            if full is None:  # another expert-TP rank of the owner's group
+                yield from (None for _ in hf_names)
+                return
+            for tensor in megatron_to_hf(rule, full, self.arch):
+                tensor = tensor.to(self.dtype).contiguous()
+                if owner != 0:  # the sender is global rank 0
+                    dist.send(tensor, dst=0)
+                    tensor = None
+                yield tensor
+        elif self.is_sender:
+            for shape in hf_shapes(rule, self.arch):
+                tensor = torch.empty(shape, dtype=self.dtype)
+                dist.recv(tensor, src=owner)
+                yield tensor
+        else:
+            yield from (None for _ in hf_names)
 
     def _stage_tensors(self, rule: WeightRule, layer: int | None, name: str) -> Iterator[torch.Tensor | None]:
         owner = self.owner[name]
@@ -178,6 +228,10 @@ class MegatronWeightSource(WeightSource):  # noqa: B024 - abstract only in the f
         for rule, layer in self.rules:
             name = rule.megatron_name(layer, te=self.te)
             hf_names = rule.hf_names(layer)
+            if name in self.expert_owner:
+                with torch.no_grad():
+                    yield from zip(hf_names, self._expert_tensors(rule, layer, name))
+                continue
             if not self.active or (self.tp_rank != 0 and self.pp_rank != self.owner[name]):
                 yield from ((n, None) for n in hf_names)
                 continue
@@ -200,4 +254,6 @@ def megatron_weight_source(chunks: list[torch.nn.Module], arch: ModelArchitectur
         pp_group=ps.get_pipeline_model_parallel_group(),
         dp_rank=ps.get_data_parallel_rank(),
         dtype=dtype,
+        etp_group=ps.get_expert_tensor_parallel_group() if arch.moe is not None else None,
+        expert_dp_rank=ps.get_expert_data_parallel_rank() if arch.moe is not None else 0,
     )

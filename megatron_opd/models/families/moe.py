@@ -86,6 +86,11 @@ class MoEFamily(ModelFamily):
     expert_names: ExpertNames = ExpertNames("", "", "", "")
     """Hugging Face names of the router, experts and shared expert."""
     check_config: Callable[[dict[str, Any]], None] = check_moe_config
+    upcycles_from: tuple[str, ...] = ()
+    """Dense ``model_type`` s whose checkpoints ``models.upcycle`` turns into this family's (every expert a copy of
+    the layer's MLP)."""
+    upcycle_config: Callable[[dict[str, Any], int, int], dict[str, Any]] | None = None
+    """``(dense config.json, experts, top_k) ->`` this family's ``config.json`` for the upcycled model."""
 
     def transformer_config_fields(self, arch: ModelArchitecture) -> dict[str, Any]:
         moe = arch.moe

@@ -17,10 +17,21 @@ def read_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     )
 
 
+def upcycle_config(dense: dict[str, Any], experts: int, top_k: int) -> dict[str, Any]:
+    """A Qwen3 ``config.json`` as Qwen3-MoE's: every layer MoE, experts as wide as the dense MLP, top-k renormalised
+    (so that identical experts compute the dense MLP exactly)."""
+    fields = {k: v for k, v in dense.items() if k not in ("architectures", "model_type")}
+    return {**fields, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": experts,
+            "num_experts_per_tok": top_k, "moe_intermediate_size": dense["intermediate_size"],
+            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}  # fmt: skip
+
+
 FAMILY = MoEFamily(
     name="qwen3_moe",
     model_types=("qwen3_moe",),
     read_config=read_config,
+    upcycles_from=("qwen3",),
+    upcycle_config=upcycle_config,
     expert_names=QWEN_MOE_NAMES,
     tiny_config=dict(**TINY_MOE, mlp_only_layers=[0], norm_topk_prob=True),
     test_shapes={"qwen3_moe_dense0": dict(tied=False, kv_heads=2, vocab_size=1001, rope="none", mlp="moe+dense-layer")},
