@@ -249,7 +249,7 @@ def test_trainer_at_expert_parallelism_equals_ep1(moe_run_files, tmp_path):
         (dict(), "build.moe_token_dispatcher=allgather with parallel.expert_model_parallel_size=2"),
         (
             {"build.moe_token_dispatcher": "alltoall", "rollout.backend": "vllm"},
-            "rollout.backend=vllm with parallel.expert_model_parallel_size=2: the vLLM weight sync",
+            "rollout.backend=vllm with parallel.expert_model_parallel_size=2: the vLLM rollout of a",
         ),
         (
             {
