@@ -342,3 +342,38 @@ def test_teacher_topk_per_shape(shape_dirs, tmp_path):
                                        atol=2e-5, rtol=0, msg=lambda m, w=what: f"{w} {m}")  # fmt: skip
             if (where, name) in hidden:
                 _assert_hidden_gives(hidden[where, name][row, :n], shape_dirs[name], ref[row, :n], vocab, what)
+
+
+def test_moe_teacher_server_at_expert_parallelism_matches_transformers(shape_dirs, tmp_path):
+    """A Mixture-of-Experts teacher served at ``--ep 2``: its two data-parallel replicas score a batch's rows in two
+    shares (3 rows: 2 and 1; 1 row: replica 1 scores none and keeps its experts' exchanges in step), returned in
+    order, top-k, requested and hidden states against float64 transformers."""
+    from megatron_opd.testing.tiny_models import make_tiny_tokenizer, routing_margin
+
+    name = "qwen3_moe_dense0"
+    vocab = SHAPES[name].vocab_size
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, vocab, (3, 10), generator=g)
+    request_ids = torch.randint(0, vocab, (3, 10, 2), generator=g)
+    assert routing_margin(shape_dirs[name], tokens) > 1e-5, "routing near-tie: would test tie-breaking"
+    tokenizer = str(make_tiny_tokenizer(tmp_path / "tokenizer", vocab, exact=True))
+    log = str(tmp_path / "server.log")
+    proc = start_teacher_server(shape_dirs[name], ep=2, port=0, ready_file=tmp_path / "ready", log_file=log,
+                                extra_args=["--topk", str(K), "--tokenizer", tokenizer])  # fmt: skip
+    try:
+        address = wait_ready(proc, tmp_path / "ready", log)
+        ref = _reference(shape_dirs[name], tokens, vocab, 1.0)
+        for rows in (slice(0, 3), slice(2, 3)):
+            client = _client(address)
+            scores = client.score(tokens[rows], request_ids[rows]).result(timeout=120)
+            _assert_topk_close(scores.topk_ids, scores.topk_logprobs, ref[rows], atol=2e-5, what=f"rows {rows}")
+            torch.testing.assert_close(scores.requested_logprobs.double(), ref[rows].gather(-1, request_ids[rows]),
+                                       atol=2e-5, rtol=0)  # fmt: skip
+            client.close()
+        client = _client(address, transfer="hidden")
+        hidden = client.score(tokens, None).result(timeout=120).dense_hidden
+        client.close()
+        _assert_hidden_gives(hidden, shape_dirs[name], ref, vocab, what="ep2")
+    finally:
+        stop(proc)
+    assert "EP=2" in Path(log).read_text(errors="replace")

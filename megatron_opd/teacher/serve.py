@@ -1,7 +1,7 @@
 """Serve a frozen teacher under its own TP/PP layout: ``torchrun ... -m megatron_opd.teacher.serve --model PATH``.
 
     torchrun [--nnodes M ...] --nproc-per-node N -m megatron_opd.teacher.serve --model PATH --tp T --pp P [--cp C] \\
-        [--host 127.0.0.1] [--port 5555] [--token-file F] [--topk 256] [--ready-file F]
+        [--ep E] [--host 127.0.0.1] [--port 5555] [--token-file F] [--topk 256] [--ready-file F]
 
 Every rank loads its shard of the teacher (a Hugging Face folder or a ``dist_ckpt``) forward-only. Rank 0 runs the
 request loop (:mod:`megatron_opd.teacher.server`); for each batch it broadcasts the shapes, the temperature and
@@ -10,6 +10,10 @@ the tokens to all ranks, every rank runs the in-process teacher's sharded forwar
 sends the result to rank 0. While idle, rank 0 broadcasts a heartbeat so the other ranks' waits never reach the
 process group's timeout. ``--ready-file`` is written (atomically, with the bound address) once the server accepts
 requests; a health check (PING) also answers then.
+
+A Mixture-of-Experts teacher at ``--ep E`` runs ``E`` data-parallel replicas of its dense part whose experts are
+split over them (Megatron's expert parallelism): each replica scores its share of a batch's rows (the expert-parallel
+ranks kept in step, ``distributed.lockstep``) and its sender hands its rows to rank 0, which returns them in order.
 """
 
 from __future__ import annotations
@@ -52,13 +56,16 @@ class ShardedScorer:
         self.device = device
         self.packing = teacher.packing
         """Rows are packed (THD) to their lengths: the padding between requests costs nothing."""
-        self.pipeline = ps.get_pipeline_model_parallel_world_size()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
-        # Every context-parallel rank holds the whole scores (the teacher gathers them): the first one sends.
-        self.sends = self.tp_rank == 0 and ps.get_context_parallel_rank() == 0
-        self.last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
-        self.first_rank = ps.get_pipeline_model_parallel_first_rank()
-        self.last_rank = ps.get_pipeline_model_parallel_last_rank()
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        # Every context-parallel rank holds the whole scores (the teacher gathers them): the first one of the last
+        # stage sends its replica's rows to rank 0.
+        self.sends = (
+            self.tp_rank == 0 and ps.get_context_parallel_rank() == 0 and ps.is_pipeline_last_stage(ignore_virtual=True)
+        )
+        senders = [None] * dist.get_world_size()
+        dist.all_gather_object(senders, (self.dp_rank, self.sends))
+        self.senders = {dp: rank for rank, (dp, sends) in enumerate(senders) if sends}  # replica -> its sender
         self._last_collective = time.monotonic()
 
     def _control(
@@ -122,33 +129,36 @@ class ShardedScorer:
         hidden = transfer == "hidden"
         self.teacher.mode = "dense" if hidden else "topk"  # dense: the hidden states, no logits formed
         self.teacher.topk, self.teacher.temperature = k, temperature
-        scores = self.teacher.score(tokens_NS, request_ids_NSR, lengths).result()
         n, s = tokens_NS.shape
+        bounds = [n * i // self.dp_size for i in range(self.dp_size + 1)]  # each replica's rows
+        rows = slice(bounds[self.dp_rank], bounds[self.dp_rank + 1])
+        requested = None if request_ids_NSR is None else request_ids_NSR[rows]
+        scores = self.teacher.score(tokens_NS[rows], requested, lengths[rows]).result()
         r = 0 if request_ids_NSR is None else request_ids_NSR.shape[-1]
-        if self.pipeline > 1 and self.sends:
-            h = self.teacher.chunks[0].config.hidden_size
-            shapes = {"topk_ids": (n, s, k), "topk_logprobs": (n, s, k), "requested_logprobs": (n, s, r),
-                      "dense_hidden": (n, s, h)}  # fmt: skip
-            names = (
-                ("dense_hidden",) if hidden else ("topk_ids", "topk_logprobs") + (("requested_logprobs",) if r else ())
-            )
-            if self.last_stage:
-                for name in names:
-                    value = getattr(scores, name)
-                    dist.send(
-                        value.contiguous().to(self.device, torch.float32 if value.is_floating_point() else None),
-                        dst=self.first_rank,
-                    )
-            elif dist.get_rank() == 0:
-                received = {}
-                for name in names:
-                    dtype = torch.int64 if name == "topk_ids" else torch.float32
-                    received[name] = torch.empty(shapes[name], dtype=dtype, device=self.device)
-                    dist.recv(received[name], src=self.last_rank)
-                scores = TeacherScores(**received)
+        names = ("dense_hidden",) if hidden else ("topk_ids", "topk_logprobs") + (("requested_logprobs",) if r else ())
+        if self.sends and dist.get_rank() != 0 and rows.stop > rows.start:
+            for name in names:
+                value = getattr(scores, name)
+                dist.send(value.contiguous().to(self.device, torch.float32 if value.is_floating_point() else None), 0)
         self._last_collective = time.monotonic()
         if dist.get_rank() != 0:
             return scores
+        h = self.teacher.chunks[0].config.hidden_size
+        parts: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+        for dp, sender in sorted(self.senders.items()):
+            m = bounds[dp + 1] - bounds[dp]
+            for name in names if m else ():
+                if sender == 0:
+                    parts[name].append(getattr(scores, name))
+                    continue
+                shape = {"topk_ids": (m, s, k), "topk_logprobs": (m, s, k), "requested_logprobs": (m, s, r),
+                         "dense_hidden": (m, s, h)}[name]  # fmt: skip
+                part = torch.empty(
+                    shape, dtype=torch.int64 if name == "topk_ids" else torch.float32, device=self.device
+                )
+                dist.recv(part, src=sender)
+                parts[name].append(part)
+        scores = TeacherScores(**{name: torch.cat(values) for name, values in parts.items()})
         if hidden:
             return TeacherScores(dense_hidden=scores.dense_hidden.float().cpu())
         return TeacherScores(
@@ -199,6 +209,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1,
         help="context-parallel size of the teacher: each sequence split over CP ranks (implies --no-packing)",
     )
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel size of a Mixture-of-Experts teacher: E data-parallel replicas of the dense part "
+        "(launch --tp x --pp x --cp x --ep processes), each scoring a share of every batch",
+    )
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback; others need a token)")
     p.add_argument("--port", type=int, default=5555, help="TCP port (0: any free port, see --ready-file)")
     p.add_argument("--token-file", help="file holding the shared secret clients must send (teacher.token_file)")
@@ -228,7 +245,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(
             f"--host {args.host} is not loopback: give --token-file (clients send the token; it travels in plaintext)"
         )
-    for name in ("tp", "pp", "cp", "topk", "max_batch_tokens", "max_message_bytes", "micro_batch_size"):
+    for name in ("tp", "pp", "cp", "ep", "topk", "max_batch_tokens", "max_message_bytes", "micro_batch_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.micro_batch_tokens is not None and (args.micro_batch_tokens < 1 or args.micro_batch_tokens % args.tp):
@@ -261,24 +278,30 @@ def main(argv: list[str] | None = None) -> None:
     from megatron_opd.distributed.device import collective_device
     from megatron_opd.distributed.parallel import initialize_model_parallel
     from megatron_opd.models.builder import ModelBuildConfig
-    from megatron_opd.models.source import build_and_load
+    from megatron_opd.models.source import build_and_load, model_architecture
     from megatron_opd.teacher.inprocess import InProcessTeacher
     from megatron_opd.tokenizer import load_tokenizer
     from megatron_opd.vocab import tokenizer_dir
 
     accel = init_process_group(None if args.device == "auto" else args.device)
+    moe = model_architecture(args.model, "--model").moe is not None
+    if args.ep > 1 and not moe:
+        raise ValueError(f"--ep {args.ep}: the model at --model has no Mixture-of-Experts layer; drop --ep")
     parallel = ParallelConfig(
-        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, context_parallel_size=args.cp
-    )
-    if dist.get_world_size() != parallel.model_parallel_size:
+        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, context_parallel_size=args.cp,
+        expert_model_parallel_size=args.ep, sequence_parallel=moe and args.tp > 1,  # Megatron's MoE needs SP at TP > 1
+    )  # fmt: skip
+    if dist.get_world_size() != parallel.model_parallel_size * args.ep:
         raise ValueError(
-            f"the teacher server runs one replica per job: launch exactly --tp x --pp x --cp = "
-            f"{parallel.model_parallel_size} "
-            f"processes (got {dist.get_world_size()}); start more servers and list them all in teacher.address"
+            f"the teacher server runs one replica per job (its --ep expert-parallel ranks together): launch exactly "
+            f"--tp x --pp x --cp x --ep = {parallel.model_parallel_size * args.ep} processes (got "
+            f"{dist.get_world_size()}); start more servers and list them all in teacher.address"
         )
     initialize_model_parallel(parallel)
     dtype = args.dtype if args.dtype != "auto" else ("fp32" if accel.type == "cpu" else "bf16")
-    arch, chunks = build_and_load(args.model, parallel, ModelBuildConfig(dtype=dtype), trainable=False, field="--model")
+    # The replicas score row shares of their own sizes: alltoall exchanges tokens in the counts each rank holds.
+    build = ModelBuildConfig(dtype=dtype, moe_token_dispatcher="alltoall" if args.ep > 1 else "allgather")
+    arch, chunks = build_and_load(args.model, parallel, build, trainable=False, field="--model")
     # Megatron allocates its parallel layers on the current device, but norms (local spec) start on the CPU.
     device = accel.device(LaunchEnv.from_environ().local_rank)
     for chunk in chunks:
@@ -319,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
         embedding_rows=arch.vocab_size,
         tokenizer=summary,
         model=str(args.model),
-        extra={"tp": args.tp, "pp": args.pp, "cp": args.cp, "dtype": dtype},
+        extra={"tp": args.tp, "pp": args.pp, "cp": args.cp, "ep": args.ep, "dtype": dtype},
         hidden_size=arch.hidden_size,
         output_weight_sumsq=sumsq,
     )
@@ -339,8 +362,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.ready_file:
         _write_ready_file(args.ready_file, server.address)
     logger.info(
-        "teacher server ready on %s (TP=%d PP=%d CP=%d, %s, %d tokens, top-k <= %d%s)",
-        server.address, args.tp, args.pp, args.cp, dtype, vocab_size, args.topk, ", token required" if token else "",
+        "teacher server ready on %s (TP=%d PP=%d CP=%d EP=%d, %s, %d tokens, top-k <= %d%s)",
+        server.address, args.tp, args.pp, args.cp, args.ep, dtype, vocab_size, args.topk,
+        ", token required" if token else "",
     )  # fmt: skip
     try:
         server.serve(stop)

@@ -22,18 +22,20 @@ def start_teacher_server(
     tp: int = 1,
     pp: int = 1,
     cp: int = 1,
+    ep: int = 1,
     port: int,
     ready_file: str | os.PathLike,
     log_file: str | os.PathLike,
     extra_args: list[str] = (),
     env: dict[str, str] | None = None,
 ) -> subprocess.Popen:
-    """``torchrun --nproc-per-node tp*pp*cp -m megatron_opd.teacher.serve`` in a new session; output to ``log_file``."""
+    """``torchrun --nproc-per-node tp*pp*cp*ep -m megatron_opd.teacher.serve`` in a new session; output to
+    ``log_file``."""
     Path(ready_file).unlink(missing_ok=True)
     command = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp * pp * cp}",
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp * pp * cp * ep}",
         f"--master-port={find_free_port()}", "-m", "megatron_opd.teacher.serve", "--model", str(model),
-        "--tp", str(tp), "--pp", str(pp), "--cp", str(cp), "--port", str(port), "--ready-file", str(ready_file), *extra_args,
+        "--tp", str(tp), "--pp", str(pp), "--cp", str(cp), "--ep", str(ep), "--port", str(port), "--ready-file", str(ready_file), *extra_args,
     ]  # fmt: skip
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     if env is None or "MEGATRON_OPD_TEACHER_FAULT" not in env:
