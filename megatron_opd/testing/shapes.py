@@ -102,7 +102,7 @@ MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
         "tp1": (LOCAL, "test_vllm_server.py::test_server_sync_and_teacher_per_shape"),
     },
     "built-in sampler greedy vs transformers": {
-        "tp1": (LOCAL, "test_sampler.py::test_greedy_matches_transformers"),
+        "tp1": (LOCAL + MOE, "test_sampler.py::test_greedy_matches_transformers"),
         "tp2": (SPLIT_ALL, "test_sampler.py::test_greedy_matches_transformers"),
     },
     "tools/checkpoint round trip (bitwise)": {
@@ -111,7 +111,7 @@ MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
         "tp2_ep2": (MOE, "test_checkpoint.py::test_round_trip_is_bitwise"),
     },
     "trainer HF export (bitwise)": {
-        "tp1": (LOCAL, "test_checkpoint.py::test_trainer_export_is_bitwise"),
+        "tp1": (LOCAL + MOE, "test_checkpoint.py::test_trainer_export_is_bitwise"),
         "tp2_pp2": (SPLIT, "test_checkpoint.py::test_trainer_export_is_bitwise"),
     },
     "in-process teacher top-k vs transformers": {
