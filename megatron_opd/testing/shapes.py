@@ -115,7 +115,7 @@ MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
         "tp2_pp2": (SPLIT, "test_checkpoint.py::test_trainer_export_is_bitwise"),
     },
     "in-process teacher top-k vs transformers": {
-        "tp1": (LOCAL, "test_teacher_server.py::test_teacher_topk_per_shape"),
+        "tp1": (LOCAL + MOE, "test_teacher_server.py::test_teacher_topk_per_shape"),
         "tp2": (SPLIT, "test_teacher_server.py::test_teacher_topk_per_shape"),
     },
     "teacher server top-k vs transformers": {
