@@ -242,10 +242,21 @@ def serve_teacher(model: Path, workdir: Path) -> tuple[subprocess.Popen, str]:
     return proc, json.loads(ready.read_text())["address"]
 
 
-def multi_teacher(args) -> int:
-    """``--multi-teacher``: SFT of both teachers side by side, the sorting teacher served, the student distilled."""
+def stop_server(server: subprocess.Popen) -> None:
+    """SIGTERM to the server's torchrun, which stops its worker (a SIGKILL to torchrun's process group left the worker
+    running, 2026-11-28); SIGKILL if it has not exited within 60 s."""
     import signal
 
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
+
+def multi_teacher(args) -> int:
+    """``--multi-teacher``: SFT of both teachers side by side, the sorting teacher served, the student distilled."""
     start, work = time.perf_counter(), args.workdir.resolve()
     if work.exists():
         import shutil
@@ -278,8 +289,7 @@ def multi_teacher(args) -> int:
                          f"data.eval_files={task / 'eval.jsonl'}", f"output_dir={student_run}", tp,
                          *([f"seed={args.seed}"] if args.seed is not None else [])]))  # fmt: skip
     finally:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
+        stop_server(server)
     before, after = evals(student_run)
     print(f"\nmegatron-opd quick start with two teachers ({args.nproc} processes, TP={args.nproc}) in "
           f"{time.perf_counter() - start:.0f} s")  # fmt: skip
