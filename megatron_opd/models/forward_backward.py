@@ -86,8 +86,7 @@ def forward_backward(
         position_ids = batch.get("position_ids")
         if position_ids is None:
             position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-        dummy = bool(batch.get(_DUMMY_KEY))
-        with router_losses_scaled(model.config, 0.0 if dummy else compensate or 1.0, dummy=dummy):
+        with router_losses_scaled(model.config, 0.0 if batch.get(_DUMMY_KEY) else compensate or 1.0):
             output = model(tokens, position_ids, None, **packed_seq_params(batch))
 
         def reduce(output_tensor: torch.Tensor):
@@ -115,18 +114,18 @@ def forward_backward(
 
 
 @contextlib.contextmanager
-def router_losses_scaled(config, factor: float, *, dummy: bool = False):
-    """Megatron's MoE router losses, in the forward inside, scaled by ``factor`` (0: none). Megatron reads the
-    coefficients from the shared config at each router forward and scales each micro-batch's loss gradient by one
-    over the schedule's micro-batch count, so a lockstep dummy gets 0 and a real micro-batch of a rank with dummies
-    ``total / real``, as its loss does. A layer recomputed in the backward (``build.recompute_granularity=full``)
+def router_losses_scaled(config, factor: float):
+    """Megatron's MoE router losses, in the forward inside, scaled by ``factor``. Megatron reads the coefficients
+    from the shared config at each router forward and scales each micro-batch's loss gradient by one over the
+    schedule's micro-batch count, so a lockstep dummy gets 0 (and its routing is not counted:
+    :func:`in_lockstep_dummy`) and a real micro-batch of a rank with dummies ``total / real``, as its loss does. A layer recomputed in the backward (``build.recompute_granularity=full``)
     forms its losses outside this scope, which the trainer refuses at expert parallelism."""
     global _IN_DUMMY
     aux, z = getattr(config, "moe_aux_loss_coeff", 0.0), getattr(config, "moe_z_loss_coeff", None)
-    if factor == 1.0 and not dummy:
+    if factor == 1.0:
         yield
         return
-    _IN_DUMMY = dummy
+    _IN_DUMMY = factor == 0.0
     if isinstance(aux, (int, float)):
         config.moe_aux_loss_coeff = aux * factor
     config.moe_z_loss_coeff = z * factor if z and factor else None  # 0 would divide by zero in Megatron's tracker
