@@ -347,7 +347,7 @@ def test_teacher_topk_per_shape(shape_dirs, tmp_path):
 
 def test_moe_teacher_server_at_expert_parallelism_matches_transformers(shape_dirs, tmp_path):
     """A Mixture-of-Experts teacher served at ``--ep 2``: its two data-parallel replicas score a batch's rows in two
-    shares (3 rows: 2 and 1; 1 row: replica 1 scores none and keeps its experts' exchanges in step), returned in
+    shares (3 rows: 1 and 2; 1 row: replica 0 scores none and keeps its experts' exchanges in step), returned in
     order, top-k, requested and hidden states against float64 transformers."""
     from megatron_opd.testing.tiny_models import make_tiny_tokenizer, routing_margin
 
