@@ -11,6 +11,7 @@ tied and untied, through Megatron's schedule (gradients of every parameter) and 
 from __future__ import annotations
 
 import itertools
+import zlib
 
 import pytest
 import torch
@@ -72,7 +73,8 @@ CASES = [
 @pytest.mark.parametrize("reduction,grad_hint", [("token_mean", None), ("sequence_mean", 1.0), ("sum", None)])
 def test_fused_equals_the_output_layer_then_the_loss(kind, mode, tail, support, reduction, grad_hint):
     """``grad_hint``: the weight gradient written straight into ``.grad`` (no accumulator), else accumulated."""
-    gen = torch.Generator().manual_seed(hash((kind, mode, tail, support, reduction)) % 1000)
+    # A seed of the case's own (str hashes change from process to process: the inputs would too).
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((kind, mode, tail, support, reduction)).encode()) % 1000)
     mb = _micro_batch(mode, support or "teacher_topk", gen)
     cfg = LossConfig(kind=kind, mode=mode, tail=tail or "bucket", support=support or "teacher_topk", beta=0.3,
                      reduction=reduction, student_temperature=1.5, chunk_size=4,
@@ -92,7 +94,8 @@ def test_fused_equals_the_output_layer_then_the_loss(kind, mode, tail, support, 
         loss.backward()
         results[fused] = (float(loss.detach()), hidden.grad.clone(), weight.grad.clone(), stats)
     (ref_loss, ref_h, ref_w, ref_stats), (loss, grad_h, grad_w, stats) = results[False], results[True]
-    assert loss == pytest.approx(ref_loss, rel=1e-6, abs=1e-9)
+    # abs: a loss of ~1e-4 can be a sum of terms of ~1e-2 (reverse KL over the top-k alone): their float32 rounding.
+    assert loss == pytest.approx(ref_loss, rel=1e-6, abs=1e-8)
     for name, got, want in (("hidden", grad_h, ref_h), ("weight", grad_w, ref_w)):
         assert want.abs().max() > 0, f"{name}: zero gradient, the comparison would be vacuous"
         rel = float((got - want).abs().max() / want.abs().max())
