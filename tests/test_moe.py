@@ -111,22 +111,23 @@ def test_expert_parallel_losses_and_gradients_equal_ep1(shape_dirs):
         assert ranks[1]["ep2 alltoall", name, "rank 1 empty"] is None
 
 
-def _weight_streams(hf_dir: str) -> dict:
-    """Per layout: the Hugging Face tensors this rank's weight source yields (vLLM's sync), by name."""
+def _weight_streams(hf_dirs: dict[str, str]) -> dict:
+    """Per shape and layout: the Hugging Face tensors this rank's weight source yields (vLLM's sync), by name."""
     from megatron_opd.distributed import initialize_distributed
     from megatron_opd.models.builder import ModelBuildConfig
     from megatron_opd.models.source import build_and_load
     from megatron_opd.weight_sync.source import megatron_weight_source
 
     out = {}
-    for name, layout in STREAM_LAYOUTS.items():
+    for layout_name, layout in STREAM_LAYOUTS.items():
         parallel = ParallelConfig(**layout)
         initialize_distributed(parallel)
-        arch, chunks = build_and_load(hf_dir, parallel, ModelBuildConfig(moe_token_dispatcher="alltoall"))
-        source = megatron_weight_source(chunks, arch)
-        stream = list(source)
-        out[name] = {"names": [n for n, _ in stream], "metadata": [m.name for m in source.metadata()],
-                     "tensors": {n: t for n, t in stream if t is not None}}  # fmt: skip
+        for shape, hf_dir in hf_dirs.items():
+            arch, chunks = build_and_load(hf_dir, parallel, ModelBuildConfig(moe_token_dispatcher="alltoall"))
+            source = megatron_weight_source(chunks, arch)
+            stream = list(source)
+            out[shape, layout_name] = {"names": [n for n, _ in stream], "metadata": [m.name for m in source.metadata()],
+                                       "tensors": {n: t for n, t in stream if t is not None}}  # fmt: skip
     return out
 
 
@@ -137,21 +138,25 @@ STREAM_LAYOUTS = {
 }
 
 
+STREAM_SHAPES = ("qwen3_moe_dense0", "qwen2_moe_shared", "mixtral_untied")  # the MoE families the trainer runs at EP
+
+
 def test_weight_source_streams_every_expert_from_its_expert_parallel_rank(shape_dirs):
     """The vLLM weight sync's source at EP=2: rank 0 yields every Hugging Face tensor, each routed expert's from the
-    rank that holds it, equal to the checkpoint's; the other rank yields none (also at EP=1 and TP=2)."""
+    rank that holds it, equal to the checkpoint's; the other rank yields none (also at EP=1 and TP=2). On a dense
+    first layer, a gated shared expert (replicated over EP ranks: sent once) and Mixtral's ``w1/w2/w3`` names."""
     from safetensors.torch import load_file
 
-    hf_dir = shape_dirs[SHAPES_RUN[0]]
-    checkpoint = load_file(f"{hf_dir}/model.safetensors")
-    ranks = run_distributed(_weight_streams, 2, args=(hf_dir,), timeout=300)
-    for layout in STREAM_LAYOUTS:
-        sender, other = ranks[0][layout], ranks[1][layout]
-        assert sender["names"] == sender["metadata"] == other["names"], layout
-        assert not other["tensors"], f"{layout}: rank 1 yielded tensors"
-        assert set(sender["tensors"]) == set(checkpoint) and any(".experts.3." in n for n in checkpoint), layout
-        for name, tensor in sender["tensors"].items():
-            assert torch.equal(tensor, checkpoint[name]), f"{layout}: {name} differs from the checkpoint"
+    ranks = run_distributed(_weight_streams, 2, args=({s: shape_dirs[s] for s in STREAM_SHAPES},), timeout=300)
+    for shape in STREAM_SHAPES:
+        checkpoint = load_file(f"{shape_dirs[shape]}/model.safetensors")
+        for layout in STREAM_LAYOUTS:
+            sender, other, what = ranks[0][shape, layout], ranks[1][shape, layout], f"{shape} at {layout}"
+            assert sender["names"] == sender["metadata"] == other["names"], what
+            assert not other["tensors"], f"{what}: rank 1 yielded tensors"
+            assert set(sender["tensors"]) == set(checkpoint) and any(".experts.3." in n for n in checkpoint), what
+            for name, tensor in sender["tensors"].items():
+                assert torch.equal(tensor, checkpoint[name]), f"{what}: {name} differs from the checkpoint"
 
 
 @pytest.mark.parametrize(
