@@ -380,7 +380,8 @@ def teacher_rows(stats) -> dict[str, float]:
     for name, t in stats.teachers.items():
         if t.tokens:
             row[f"teacher/{name}/divergence"] = t.divergence_sum / t.tokens
-            row[f"teacher/{name}/top1_agreement"] = t.agree_sum / t.tokens
+        if t.top1_tokens:
+            row[f"teacher/{name}/top1_agreement"] = t.agree_sum / t.top1_tokens
         row[f"teacher/{name}/tokens"] = t.tokens
         row[f"teacher/{name}/loss"] = t.loss
     return row
@@ -402,7 +403,7 @@ def step_row(result, work: StepWork, step: int, elapsed: float, cfg: TrainConfig
     return {
         "loss": s.loss,
         "divergence": s.divergence_sum / max(s.tokens, 1.0),
-        "top1_agreement": s.agree_sum / max(s.tokens, 1.0),
+        **({"top1_agreement": s.agree_sum / s.top1_tokens} if s.top1_tokens else {}),  # where the teacher has one
         "response_length": response_tokens / samples,
         "tokens_per_s": response_tokens / elapsed,
         "tool_tokens": global_count(torch.tensor([float(work.tool_tokens)]), "sum") / samples,  # never trained

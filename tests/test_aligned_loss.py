@@ -209,6 +209,7 @@ def test_one_tokenizer_through_the_retokenizer_and_the_trainers_loss_is_the_topk
     assert loss_x == pytest.approx(loss, rel=1e-6)
     torch.testing.assert_close(grad_x, grad, rtol=1e-6, atol=1e-7)
     assert stats_x.agree_sum == stats.agree_sum and stats_x.divergence_sum == pytest.approx(stats.divergence_sum)
+    assert stats_x.top1_tokens == stats.top1_tokens == stats.tokens > 0  # one tokenizer: every token has a twin
 
 
 def test_a_groups_first_position_takes_the_topk_its_teacher_tokens_begin_with(tokenizers):

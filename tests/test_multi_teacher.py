@@ -396,3 +396,19 @@ def test_the_digit_sorting_task_of_the_multi_teacher_quick_start():
     assert digits.make_records(3, seed=2)[0]["prompt"].startswith("reverse ")  # the default task is unchanged
     with pytest.raises(ValueError, match="task must be one of"):
         digits.make_records(1, seed=0, task="shuffle")
+
+
+def test_per_teacher_stats_round_trip_and_leave_out_an_agreement_without_a_teacher_top1():
+    """The per-teacher blocks survive the step's reduction vector in field order; a teacher with no top-1 (the sampled
+    loss across tokenizers) gets no ``top1_agreement``, the others' is over the tokens where the teacher has one."""
+    from megatron_opd.train import teacher_rows
+    from megatron_opd.trainer.objective import StepStats, TeacherStats
+
+    stats = StepStats(loss=1.5, agree_sum=3.0, top1_tokens=4.0, tokens=13.0, teachers={
+        "math": TeacherStats(loss=1.0, divergence_sum=2.0, agree_sum=3.0, top1_tokens=4.0, tokens=8.0),
+        "xtok": TeacherStats(loss=0.5, divergence_sum=1.0, tokens=5.0),
+    })  # fmt: skip
+    assert StepStats.from_tensor(stats.as_tensor(), teachers=("math", "xtok")) == stats
+    row = teacher_rows(stats)
+    assert row["teacher/math/top1_agreement"] == 0.75 and "teacher/xtok/top1_agreement" not in row
+    assert row["teacher/xtok/divergence"] == 0.2 and row["teacher/xtok/tokens"] == 5.0

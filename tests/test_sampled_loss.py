@@ -107,7 +107,9 @@ def test_the_trainers_loss_with_tokens_and_with_one_to_one_groups(fused):
             loss, stats = make_loss_fn(cfg, **common)(hidden @ weight.t(), cols)
         loss.backward()
         results.append((float(loss.detach()), hidden.grad.clone(), weight.grad.clone(), stats))
-    (loss, gh, gw, stats), (loss_x, gh_x, gw_x, _) = results
+    (loss, gh, gw, stats), (loss_x, gh_x, gw_x, stats_x) = results
+    # No teacher top-1 here: the agreement has no denominator (the metrics row leaves top1_agreement out).
+    assert stats.top1_tokens == stats_x.top1_tokens == 0 and stats.tokens == stats_x.tokens == float(mask.sum())
     assert loss_x == pytest.approx(loss, rel=1e-6)
     torch.testing.assert_close(gh_x, gh, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(gw_x, gw, rtol=1e-6, atol=1e-7)

@@ -47,7 +47,7 @@ from megatron_opd.trainer.loss_batch import LossBatch, split_for_context_paralle
 class TeacherStats:
     """One teacher's share of a step's sums (``teachers.*``): its samples' trained tokens and what they gave."""
 
-    FIELDS: ClassVar[tuple[str, ...]] = ("loss", "divergence_sum", "agree_sum", "tokens")
+    FIELDS: ClassVar[tuple[str, ...]] = ("loss", "divergence_sum", "agree_sum", "top1_tokens", "tokens")
 
     loss: float = 0.0
     """Its tokens' share of the step's loss."""
@@ -55,6 +55,8 @@ class TeacherStats:
     """Unweighted per-token divergence summed over its trained tokens."""
     agree_sum: float = 0.0
     """Its trained tokens where the student's top-1 equals the teacher's."""
+    top1_tokens: float = 0.0
+    """Its trained tokens where the teacher's top-1 is known (the agreement's denominator)."""
     tokens: float = 0.0
     """Its trained tokens."""
 
@@ -76,6 +78,9 @@ class StepStats:
     """Unweighted per-token divergence (or cross-entropy) summed over trained tokens."""
     agree_sum: float = 0.0
     """Trained tokens where the student's top-1 equals the teacher's (SFT: the target token)."""
+    top1_tokens: float = 0.0
+    """Trained tokens where the teacher's top-1 is a student token: the agreement's denominator (none for the sampled
+    loss across tokenizers, which reads one log-probability per group; aligned: the groups' first tokens with a twin)."""
     tokens: float = 0.0
     """Trained tokens."""
     nonfinite: float = 0.0
@@ -475,6 +480,7 @@ def make_loss_fn(
                 "loss": loss.detach().double(),
                 "divergence_sum": torch.where(valid_BS, reads.get("divergence", per_token_BS).detach(), 0.0).sum(),
                 "agree_sum": ((reads["student_top1"] == reads["target_top1"]) & valid_BS).sum(),
+                "top1_tokens": ((reads["target_top1"] >= 0) & valid_BS).sum(),
                 "tokens": valid_BS.sum(),
                 "nonfinite": ~torch.isfinite(loss.detach()),
             }
