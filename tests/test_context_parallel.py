@@ -79,7 +79,8 @@ def _rows(scores, lo: int, hi: int):
 
 
 def _teacher_temperature(cfg) -> float:
-    """The loss's teacher temperature: the dense teacher's logits are formed in the loss; top-k scores come sharpened."""
+    """The loss's teacher temperature: the dense teacher's logits are formed in the loss, top-k scores come
+    sharpened."""
     return DENSE_TEACHER_TEMPERATURE if cfg.mode == "dense" else 1.0
 
 

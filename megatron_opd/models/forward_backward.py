@@ -118,8 +118,9 @@ def router_losses_scaled(config, factor: float):
     """Megatron's MoE router losses, in the forward inside, scaled by ``factor``. Megatron reads the coefficients
     from the shared config at each router forward and scales each micro-batch's loss gradient by one over the
     schedule's micro-batch count, so a lockstep dummy gets 0 (and its routing is not counted:
-    :func:`in_lockstep_dummy`) and a real micro-batch of a rank with dummies ``total / real``, as its loss does. A layer recomputed in the backward (``build.recompute_granularity=full``)
-    forms its losses outside this scope, which the trainer refuses at expert parallelism."""
+    :func:`in_lockstep_dummy`) and a real micro-batch of a rank with dummies ``total / real``, as its loss does. A
+    layer recomputed in the backward (``build.recompute_granularity=full``) forms its losses outside this scope, which
+    the trainer refuses at expert parallelism."""
     global _IN_DUMMY
     aux, z = getattr(config, "moe_aux_loss_coeff", 0.0), getattr(config, "moe_z_loss_coeff", None)
     if factor == 1.0:

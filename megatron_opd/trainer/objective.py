@@ -80,7 +80,8 @@ class StepStats:
     """Trained tokens where the student's top-1 equals the teacher's (SFT: the target token)."""
     top1_tokens: float = 0.0
     """Trained tokens where the teacher's top-1 is a student token: the agreement's denominator (none for the sampled
-    loss across tokenizers, which reads one log-probability per group; aligned: the groups' first tokens with a twin)."""
+    loss across tokenizers, which reads one log-probability per group; aligned: the groups' first tokens with a
+    twin)."""
     tokens: float = 0.0
     """Trained tokens."""
     nonfinite: float = 0.0
