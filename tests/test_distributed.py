@@ -131,3 +131,38 @@ def test_kernels_import_beside_hugging_face_kernels(tmp_path):
         )
         assert out.returncode == 0, out.stderr[-3000:]
         assert "side by side:" in out.stdout
+
+
+def _probes(out: str) -> dict[str, dict]:
+    import json
+
+    seen = [json.loads(line.split("probe ", 1)[1]) for line in out.splitlines() if line.startswith("probe ")]
+    return {s["env"]["RANK"]: s for s in seen}
+
+
+def test_rank_jobs_start_ranks_as_torchrun_does_and_stop_them_as_it_does():
+    """``RankJob`` (the trainer and teacher-server ranks of the tests, forked from the rank server): the same launch
+    variables, arguments and working folder as under a real torchrun; the first rank to fail stops the others and
+    the job exits with 1, as torchrun does; a job past its timeout fails the test."""
+    import time
+
+    from megatron_opd.testing.multiprocess import ROOT, find_free_port, run_module_job
+
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    torchrun = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={find_free_port()}",
+         "-m", "tests.rank_job_probe", "ok"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert torchrun.returncode == 0, torchrun.stderr[-3000:]
+    code, out = run_module_job("tests.rank_job_probe", ["ok"], nproc=2, env=env, timeout=120)
+    assert code == 0, out[-3000:]
+    assert _probes(out) == _probes(torchrun.stdout) and set(_probes(out)) == {"0", "1"}
+
+    start = time.monotonic()
+    code, out = run_module_job("tests.rank_job_probe", ["rank1_fails"], nproc=2, env=env, timeout=120)
+    assert code == 1 and "rank 1 (tests.rank_job_probe) exited with code 3" in out, out[-3000:]
+    assert "rank 0 (tests.rank_job_probe) exited with code -15" in out, "rank 0 was not stopped with SIGTERM"
+    assert time.monotonic() - start < 60
+
+    with pytest.raises(pytest.fail.Exception, match="did not finish within 3 s"):
+        run_module_job("tests.rank_job_probe", ["hang"], nproc=1, env=env, timeout=3)

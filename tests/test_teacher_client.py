@@ -3,7 +3,7 @@
 Faults are triggered by request counts (``fault_at_request``), never by timers: a server dies on its N-th request
 and is restarted on the same port; a replica dies and its requests move to the other; servers that never answer
 or answer garbage; random bytes and bad requests sent to a serving server; wrong tokens and vocabularies.
-The real Megatron server under torchrun is tested in ``test_teacher_server.py``.
+The real Megatron server (a job of ranks) is tested in ``test_teacher_server.py``.
 """
 
 from __future__ import annotations

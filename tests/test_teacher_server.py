@@ -1,5 +1,6 @@
-"""The Megatron teacher server under torchrun: exactness at TP=2 and PP=2, a distillation through it, kill and restart;
-the in-process teacher and the server on every shape of the model-shape matrix.
+"""The Megatron teacher server as a job of ranks (``RankJob``: torchrun's launch variables): exactness at TP=2 and
+PP=2, a distillation through it, kill and restart; the in-process teacher and the server on every shape of the
+model-shape matrix.
 
 One TP=2 server of the fixture's teacher serves the first tests; the fault test runs its own server that dies
 on its 3rd request (``MEGATRON_OPD_TEACHER_FAULT=exit_at_request:3``, a request count, not a timer) and is started
@@ -124,7 +125,7 @@ def test_server_tp2_matches_transformers_and_the_inprocess_teacher(pair, server)
 
 @pytest.mark.parametrize("transfer", ["topk", "hidden", "aligned"])
 def test_distillation_through_the_server_matches_the_inprocess_teacher(transfer, pair, server, tmp_path):
-    """Student in one torchrun job (one process: the student's layout is not the subject), teacher TP=2 in another:
+    """Student in one job (one process: the student's layout is not the subject), teacher TP=2 in another:
     the first step's loss equals the in-process one.
     ``hidden``: the server sends final hidden states (fp32 on the wire) and the trainer forms the teacher's logits
     with its output layer from ``teacher.path``: dense distillation, equal to the in-process dense loss.

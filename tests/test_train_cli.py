@@ -1,4 +1,5 @@
-"""``python -m megatron_opd.train`` under a real torchrun: resume, faults, pre-emption, lock, export, bad input.
+"""``python -m megatron_opd.train`` on ranks started as torchrun starts them (``run_trainer``; pre-emption under a real
+torchrun): resume, faults, pre-emption, lock, export, bad input.
 
 Each run is a short distillation of a tiny student in one process (TP=1: the command is the subject here, not the
 layout; a TP=2 step equals TP=1 in tests/test_train_step.py). Pre-emption and the export of merged TP shards run at
@@ -129,7 +130,7 @@ def test_export_and_lock_and_padded_vocab(pair, tmp_path):
 
 @pytest.mark.parametrize("case", ["missing_latest", "corrupt_checkpoint", "nan_teacher"])
 def test_bad_input_is_refused_clearly(case, pair, reference_run, tmp_path):
-    """Refusals that need a checkpoint or a training step, through torchrun: a non-zero exit and the message."""
+    """Refusals that need a checkpoint or a training step, through the command: a non-zero exit and the message."""
     import shutil
 
     from safetensors.torch import load_file, save_file

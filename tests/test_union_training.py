@@ -159,8 +159,9 @@ def test_union_trains_at_tp2_and_its_first_loss_is_the_union_loss(pair) -> None:
 
 
 def test_train_cli_with_union_support(tmp_path) -> None:
-    """The whole loop under torchrun at TP=2: the config reaches the scheduler (the rollout records the student's
-    ids), every step's loss is finite, and evaluation (teacher-top-k support: its request has no student ids) runs."""
+    """The whole loop through the trainer's command at TP=2: the config reaches the scheduler (the rollout records the
+    student's ids), every step's loss is finite, and evaluation (teacher-top-k support: its request has no student
+    ids) runs."""
     from megatron_opd.testing.distill_fixture import make_distill_fixture
     from tests.test_train_cli import losses, run
 

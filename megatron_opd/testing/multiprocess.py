@@ -37,6 +37,8 @@ _PRELOAD = [
     "torch.distributed",
     "megatron.core",
     "megatron.core.models.gpt",
+    "transformers",
+    "megatron_opd.train",  # what a trainer rank imports first (``run_module_job``)
     __name__,
 ]
 
@@ -147,9 +149,161 @@ def run_trainer(
     env: dict[str, str] | None = None,
     timeout: float = 400,
 ) -> tuple[int, str]:
-    """The one way tests run the trainer to its end: ``trainer_command`` in its own process group
-    (``run_process_group``); (exit code, output)."""
-    return run_process_group(trainer_command(overrides, nproc), env=trainer_env(fault, env), cwd=ROOT, timeout=timeout)
+    """The one way tests run the trainer to its end: ``python -m megatron_opd.train overrides`` on ``nproc`` ranks
+    started as torchrun starts them, forked from the rank server (``run_module_job``); (exit code, output). The
+    trainer under a real torchrun: the README's quick start, the pre-emption test (``trainer_command``),
+    test_launch.py."""
+    return run_module_job("megatron_opd.train", overrides, nproc=nproc, env=trainer_env(fault, env), timeout=timeout)
+
+
+def run_module_job(
+    module: str, argv: Sequence[str], *, nproc: int, env: dict[str, str], timeout: float, cwd: str | os.PathLike = ROOT
+) -> tuple[int, str]:
+    """``RankJob`` to its end: (exit code, every rank's output). Whatever the ranks leave behind is killed, and a job
+    past ``timeout`` fails the calling test with the output's tail."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(prefix="rank-job-", suffix=".log", delete=False) as log:
+        log_path = Path(log.name)
+    try:
+        job = RankJob(module, argv, nproc=nproc, env=env, log_file=log_path, cwd=cwd)
+        try:
+            code = job.wait(timeout)
+        except TimeoutError:
+            job.kill()
+            import pytest
+
+            out = log_path.read_text(errors="replace")
+            pytest.fail(f"python -m {module} on {nproc} ranks did not finish within {timeout} s:\n{out[-3000:]}")
+        finally:
+            job.kill()  # what the ranks started and left behind
+        return code, log_path.read_text(errors="replace")
+    finally:
+        log_path.unlink(missing_ok=True)
+
+
+class RankJob:
+    """``torchrun --nproc-per-node nproc -m module argv`` without torchrun: each rank forks from the rank server
+    (torch and Megatron-Core imported once per test worker; a trainer rank spends 4 s of CPU importing otherwise, and
+    torchrun's agent 1.6 s more), gets torchrun's variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``...) and a session of its own, and runs ``module`` as ``__main__`` with its
+    output appended to ``log_file``. As torchrun's agent does, the first rank to fail stops the others (SIGTERM,
+    then SIGKILL after a grace) and the job's exit code is then 1. ``poll``/``wait``/``returncode`` as
+    ``subprocess.Popen``'s; ``kill`` ends every rank and what it started."""
+
+    def __init__(
+        self,
+        module: str,
+        argv: Sequence[str],
+        *,
+        nproc: int,
+        env: dict[str, str],
+        log_file: str | os.PathLike,
+        cwd: str | os.PathLike = ROOT,
+    ) -> None:
+        import threading
+
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        port = find_free_port()
+        Path(log_file).touch()
+        self.module, self.log_file, self.returncode = module, str(log_file), None
+        self.procs = [
+            ctx.Process(target=_module_rank_main,
+                        args=(module, list(argv), rank, nproc, port, dict(env), str(cwd), str(log_file)))
+            for rank in range(nproc)
+        ]  # fmt: skip
+        for proc in self.procs:
+            proc.start()
+        self.pid = self.procs[0].pid
+        self._done = threading.Event()
+        threading.Thread(target=self._supervise, daemon=True, name=f"rank job {module}").start()
+
+    def _supervise(self) -> None:
+        import signal
+        from multiprocessing.connection import wait
+
+        failed_at, code, reported = None, 0, set()
+        while len(reported) < len(self.procs):
+            wait([p.sentinel for p in self.procs if p.exitcode is None], timeout=0.5)
+            for rank, proc in enumerate(self.procs):
+                if proc.exitcode is not None and rank not in reported:
+                    reported.add(rank)
+                    if proc.exitcode != 0:  # torchrun's agent names the failed ranks too
+                        with open(self.log_file, "a") as log:
+                            log.write(f"[rank job] rank {rank} ({self.module}) exited with code {proc.exitcode}\n")
+            if failed_at is None and any(p.exitcode not in (None, 0) for p in self.procs):
+                failed_at, code = time.monotonic(), 1
+                self._signal(signal.SIGTERM)
+            if failed_at is not None and time.monotonic() > failed_at + _FAILURE_GRACE_S:
+                self._signal(signal.SIGKILL)
+        self.returncode = code
+        self._done.set()
+
+    def _signal(self, sig: int) -> None:
+        """``sig`` to the session of every rank still running (its descendants stay in its process group)."""
+        for proc in self.procs:
+            if proc.exitcode is None:
+                try:
+                    os.killpg(proc.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"python -m {self.module} still running after {timeout} s")
+        return self.returncode
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            kill_tree(proc.pid)
+        self._done.wait(30)
+
+
+def _module_rank_main(
+    module: str, argv: list[str], rank: int, world_size: int, port: int, env: dict[str, str], cwd: str, log_path: str
+) -> None:
+    """One rank of ``run_module_job``: torchrun's environment for it, its output appended to the job's log, then
+    ``python -m module argv`` (its exit code is the process's)."""
+    import runpy
+
+    os.setsid()
+    log = os.open(log_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True)  # PYTHONUNBUFFERED acts at a start this process did not make
+    os.chdir(cwd)
+    os.environ.clear()  # the rank server's environment is the parent's when the server started
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0",
+        ROLE_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+        ROLE_WORLD_SIZE=str(world_size), TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
+    )  # fmt: skip
+    import torch
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    sys.path[0:0] = [cwd]  # ``python -m`` puts the working folder first
+    sys.argv = [module, *argv]
+    sys.modules.pop(module, None)  # as if never imported: runpy warns about a module run twice
+    code = 0
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        if stop.code is not None and not isinstance(stop.code, int):
+            print(stop.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - printed as Python would, then the exit code
+        traceback.print_exc()
+        code = 1
+    from megatron_opd.process_exit import exit_now
+
+    exit_now(code)
 
 
 def _rank_main(

@@ -2,7 +2,7 @@
 
 The client's fault handling (time-outs, restarts, dead replicas, bad replies) is tested against the real
 ``TeacherServer`` front end running in a thread with ``ToyScorer`` (no Megatron, milliseconds per batch), and
-against raw ZeroMQ sockets that never answer or answer garbage. The Megatron server itself is tested under torchrun.
+against raw ZeroMQ sockets that never answer or answer garbage. The Megatron server itself is tested as a job of ranks.
 ``python -m megatron_opd.testing.teacher_fakes --port P`` serves a ``ToyScorer`` in a process of its own, for tests
 that kill a server with SIGKILL (``ToyServerProcess`` starts one).
 """

@@ -1,19 +1,18 @@
-"""Launch a real teacher server job (torchrun, its own process group) for tests and benchmarks, and stop it.
+"""Launch a real teacher server job for tests and benchmarks, and stop it.
 
-Servers run under ``torchrun --standalone``-like settings on loopback with a free master port, one thread per
-process. Stopping kills torchrun and every descendant (its workers live in sessions of their own).
+A server's ranks start as torchrun starts them, on loopback with a free master port and one thread per process, but
+fork from the rank server (``RankJob``: no import of torch and Megatron-Core per rank, no torchrun agent). Stopping
+kills every rank and what it started.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from megatron_opd.testing.multiprocess import ROOT, find_free_port, kill_tree
+from megatron_opd.testing.multiprocess import RankJob
 
 
 def start_teacher_server(
@@ -28,25 +27,21 @@ def start_teacher_server(
     log_file: str | os.PathLike,
     extra_args: list[str] = (),
     env: dict[str, str] | None = None,
-) -> subprocess.Popen:
-    """``torchrun --nproc-per-node tp*pp*cp*ep -m megatron_opd.teacher.serve`` in a new session; output to
+) -> RankJob:
+    """``torchrun --nproc-per-node tp*pp*cp*ep -m megatron_opd.teacher.serve`` as a ``RankJob``; output to
     ``log_file``."""
     Path(ready_file).unlink(missing_ok=True)
-    command = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp * pp * cp * ep}",
-        f"--master-port={find_free_port()}", "-m", "megatron_opd.teacher.serve", "--model", str(model),
-        "--tp", str(tp), "--pp", str(pp), "--cp", str(cp), "--ep", str(ep), "--port", str(port), "--ready-file", str(ready_file), *extra_args,
+    argv = [
+        "--model", str(model), "--tp", str(tp), "--pp", str(pp), "--cp", str(cp), "--ep", str(ep), "--port", str(port),
+        "--ready-file", str(ready_file), *extra_args,
     ]  # fmt: skip
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     if env is None or "MEGATRON_OPD_TEACHER_FAULT" not in env:
         full_env.pop("MEGATRON_OPD_TEACHER_FAULT", None)
-    with open(log_file, "ab") as log:
-        return subprocess.Popen(
-            command, cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+    return RankJob("megatron_opd.teacher.serve", argv, nproc=tp * pp * cp * ep, env=full_env, log_file=log_file)
 
 
-def wait_ready(proc: subprocess.Popen, ready_file: str | os.PathLike, log_file: str, timeout: float = 240) -> str:
+def wait_ready(proc: RankJob, ready_file: str | os.PathLike, log_file: str, timeout: float = 240) -> str:
     """The server's address once ``ready_file`` appears; raises with the log's tail if it died or took too long."""
     deadline = time.monotonic() + timeout
     while not Path(ready_file).exists():
@@ -58,9 +53,9 @@ def wait_ready(proc: subprocess.Popen, ready_file: str | os.PathLike, log_file: 
     return json.loads(Path(ready_file).read_text())["address"]
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """Kill the server job: torchrun and all its ranks (idempotent)."""
-    kill_tree(proc.pid)
+def stop(proc: RankJob) -> None:
+    """Kill the server job: all its ranks and what they started (idempotent)."""
+    proc.kill()
     proc.wait(timeout=30)
 
 
