@@ -38,7 +38,11 @@ _PRELOAD = [
     "megatron.core",
     "megatron.core.models.gpt",
     "transformers",
-    "megatron_opd.train",  # what a trainer rank imports first (``run_module_job``)
+    "megatron_opd.train",  # what a trainer rank imports first (``RankJob``)
+    # The vLLM server's imports (a start otherwise spends 8 s of CPU importing them; 3 s more here), where installed:
+    # the fork server passes over a module it cannot import.
+    "vllm.entrypoints.openai.api_server",
+    "vllm.entrypoints.launchers.api_server.entry",
     __name__,
 ]
 
@@ -189,7 +193,8 @@ class RankJob:
     ``MASTER_ADDR``, ``MASTER_PORT``...) and a session of its own, and runs ``module`` as ``__main__`` with its
     output appended to ``log_file``. As torchrun's agent does, the first rank to fail stops the others (SIGTERM,
     then SIGKILL after a grace) and the job's exit code is then 1. ``poll``/``wait``/``returncode`` as
-    ``subprocess.Popen``'s; ``kill`` ends every rank and what it started."""
+    ``subprocess.Popen``'s; ``kill`` ends every rank and what it started. Without ``launch_env``, a process that is
+    no rank of a job (a vLLM server: torchrun's variables would make it one)."""
 
     def __init__(
         self,
@@ -200,6 +205,7 @@ class RankJob:
         env: dict[str, str],
         log_file: str | os.PathLike,
         cwd: str | os.PathLike = ROOT,
+        launch_env: bool = True,
     ) -> None:
         import threading
 
@@ -210,7 +216,7 @@ class RankJob:
         self.module, self.log_file, self.returncode = module, str(log_file), None
         self.procs = [
             ctx.Process(target=_module_rank_main,
-                        args=(module, list(argv), rank, nproc, port, dict(env), str(cwd), str(log_file)))
+                        args=(module, list(argv), rank, nproc, port, dict(env), str(cwd), str(log_file), launch_env))
             for rank in range(nproc)
         ]  # fmt: skip
         for proc in self.procs:
@@ -264,10 +270,18 @@ class RankJob:
 
 
 def _module_rank_main(
-    module: str, argv: list[str], rank: int, world_size: int, port: int, env: dict[str, str], cwd: str, log_path: str
+    module: str,
+    argv: list[str],
+    rank: int,
+    world_size: int,
+    port: int,
+    env: dict[str, str],
+    cwd: str,
+    log_path: str,
+    launch_env: bool,
 ) -> None:
-    """One rank of ``run_module_job``: torchrun's environment for it, its output appended to the job's log, then
-    ``python -m module argv`` (its exit code is the process's)."""
+    """One rank of a ``RankJob``: ``env`` and (with ``launch_env``) torchrun's variables for it, its output appended
+    to the job's log, then ``python -m module argv`` (its exit code is the process's)."""
     import runpy
 
     os.setsid()
@@ -280,11 +294,12 @@ def _module_rank_main(
     os.chdir(cwd)
     os.environ.clear()  # the rank server's environment is the parent's when the server started
     os.environ.update(env)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0",
-        ROLE_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-        ROLE_WORLD_SIZE=str(world_size), TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
-    )  # fmt: skip
+    if launch_env:
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0",
+            ROLE_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+            ROLE_WORLD_SIZE=str(world_size), TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
+        )  # fmt: skip
     import torch
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))

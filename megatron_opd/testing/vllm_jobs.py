@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import time
+
+from megatron_opd.testing.multiprocess import RankJob
 
 VLLM_OPENAI_SERVER = "vllm.entrypoints.openai.api_server"
 """The server users run (``vllm serve``; on CPU the console command is missing, so ``python -m`` this)."""
@@ -21,8 +20,9 @@ def start_vllm_server(
     ready_path: str = "v1/models",
     timeout_s: float = 300.0,
     worker_process: bool = False,
-) -> subprocess.Popen:
-    """``python -m module --model model --port port ...`` in its own session; returns once ``ready_path`` answers.
+) -> RankJob:
+    """``python -m module --model model --port port ...`` in a session of its own, forked from the rank server (vLLM
+    imported there once: ``RankJob``); returns once ``ready_path`` answers.
 
     The model runs in the engine process (vLLM's ``uni`` executor, what a one-GPU server runs) unless
     ``worker_process``: vLLM's CPU default, a worker process of its own, costs another vLLM import (a start took
@@ -35,9 +35,8 @@ def start_vllm_server(
     if not worker_process:  # on CPU vLLM keeps ``uni`` only with the engine's multiprocessing flag off
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         extra_args = [*extra_args, "--distributed-executor-backend", "uni"]
-    cmd = [sys.executable, "-m", module, "--model", model, "--port", str(port), "--enforce-eager", *extra_args]
-    with open(log, "a") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    argv = ["--model", model, "--port", str(port), "--enforce-eager", *extra_args]
+    proc = RankJob(module, argv, nproc=1, env=env, log_file=log, launch_env=False)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -52,10 +51,6 @@ def start_vllm_server(
     raise TimeoutError(f"the vLLM server did not start within {timeout_s:.0f} s; see {log}")
 
 
-def stop_vllm_server(proc: subprocess.Popen) -> None:
-    """Kill the server's whole session (vLLM spawns engine processes)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
+def stop_vllm_server(proc: RankJob) -> None:
+    """Kill the server and what it started (vLLM spawns engine processes)."""
+    proc.kill()
