@@ -70,6 +70,20 @@ def test_optimizer_fields_are_checked_by_name(override, message):
         parse_args(TrainConfig, [override])
 
 
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("eval.max_prompts=0", "eval.max_prompts must be >= 1, got 0; to run without evaluation, set data.eval_files"),
+        ("eval.every=-1", "eval.every must be >= 0 (0: before the first and after the last step), got -1"),
+    ],
+)
+def test_evaluation_fields_are_checked_by_name(override, message):
+    from megatron_opd.trainer.config import TrainConfig
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_args(TrainConfig, [override])
+
+
 def test_warm_up_must_end_before_the_last_step():
     from megatron_opd.trainer.config import TrainConfig
 

@@ -95,7 +95,7 @@ def test_resume_after_kill_is_bitwise_on_the_newer_families(shape, pair, tmp_pat
     # train.max_seq_len: within Phi-3's original 64 positions (LongRoPE's short factors; longer is refused)
     common = {"student.path": student, "teacher.path": "", "loss.kind": "sft", "data.response_key": "answer",
               "train.steps": 4, "train.max_seq_len": 64, "checkpoint.every": 1, "export_hf": False,
-              "eval.max_prompts": 0}  # fmt: skip
+              "data.eval_files": ""}  # fmt: skip
     code, out = run(pair.overrides(tmp_path / "straight", **common))
     assert code == 0, out[-3000:]
     straight = losses(tmp_path / "straight")

@@ -580,6 +580,15 @@ class EvalConfig:
     teacher_responses: bool = True
     """Also measure the divergence on a fixed set of teacher-generated (greedy) responses."""
 
+    def __post_init__(self) -> None:
+        if self.max_prompts < 1:
+            raise ValueError(
+                f"eval.max_prompts must be >= 1, got {self.max_prompts}; to run without evaluation, set "
+                "data.eval_files to an empty value"
+            )
+        if self.every < 0:
+            raise ValueError(f"eval.every must be >= 0 (0: before the first and after the last step), got {self.every}")
+
 
 @dataclass
 class LoggingConfig:
@@ -736,13 +745,6 @@ class TrainConfig:
                 f"parallel.expert_model_parallel_size={ep}: a recomputed layer forms its router losses in the "
                 "backward, where the lockstep's dummy micro-batches cannot be left out of them; use "
                 "recompute_granularity=selective (or null), or no router loss"
-            )
-        if self.rollout.backend == "vllm" and self.loss.kind != "sft":
-            raise ValueError(
-                f"rollout.backend=vllm with parallel.expert_model_parallel_size={ep}: the vLLM rollout of a "
-                "Mixture-of-Experts student at expert parallelism has not run end to end (its weight source gathers "
-                "every expert-parallel rank's experts, but no vLLM here takes MoE weight updates exactly); set "
-                "rollout.backend=builtin (or parallel.expert_model_parallel_size=1)"
             )
 
     def _validate_teacher(self) -> None:

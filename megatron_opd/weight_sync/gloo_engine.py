@@ -24,6 +24,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from megatron_opd.weight_sync.buckets import DEFAULT_BUCKET_BYTES
+from megatron_opd.weight_sync.fused_experts import prepare_cpu_experts
 from megatron_opd.weight_sync.tied import refresh_shared_layers
 from megatron_opd.weight_sync.transport import (
     GlooInitInfo,
@@ -66,6 +67,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
         finalize_layerwise_reload(self.model, self.model_config)
         refresh_shared_layers(self.model)  # a tied lm_head's packed kernel (megatron_opd.weight_sync.tied)
+        prepare_cpu_experts(self.model)  # fused-MoE experts on CPU (megatron_opd.weight_sync.fused_experts)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(): nothing to wait for on a gloo receive.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from megatron_opd.weight_sync.fused_experts import prepare_cpu_experts
 from megatron_opd.weight_sync.tied import refresh_shared_layers
 from megatron_opd.weight_sync.transport import (
     GlooInitInfo,
@@ -43,3 +44,4 @@ class ReloadWorkerExtension:
             buckets.close()
             raise
         refresh_shared_layers(self.model_runner.get_model())  # a tied lm_head (megatron_opd.weight_sync.tied)
+        prepare_cpu_experts(self.model_runner.get_model())  # CPU fused-MoE experts (weight_sync.fused_experts)
