@@ -1,5 +1,6 @@
-"""Run by ``tests/test_distributed.py`` under torchrun and as a ``RankJob``: prints the launch variables a rank sees,
-and fails or hangs on request."""
+"""Run by ``tests/test_distributed.py`` under torchrun and as a ``RankJob``: writes the launch variables a rank sees
+to ``$PROBE_DIR/rank<RANK>.json`` (a file, whatever a launcher does with the ranks' output), and fails or hangs on
+request."""
 
 import json
 import os
@@ -13,7 +14,8 @@ LAUNCH_VARIABLES = (
 
 if __name__ == "__main__":
     seen = {"argv": sys.argv[1:], "cwd": os.getcwd(), "env": {k: os.environ.get(k) for k in LAUNCH_VARIABLES}}
-    print("probe", json.dumps(seen), flush=True)
+    with open(os.path.join(os.environ["PROBE_DIR"], f"rank{os.environ['RANK']}.json"), "w") as f:
+        json.dump(seen, f)
     if sys.argv[1:] == ["rank1_fails"] and os.environ["RANK"] == "1":
         sys.exit(3)
     if sys.argv[1:] in (["rank1_fails"], ["hang"]):

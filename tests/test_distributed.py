@@ -133,14 +133,13 @@ def test_kernels_import_beside_hugging_face_kernels(tmp_path):
         assert "side by side:" in out.stdout
 
 
-def _probes(out: str) -> dict[str, dict]:
+def _probes(probe_dir) -> dict[str, dict]:
     import json
 
-    seen = [json.loads(line.split("probe ", 1)[1]) for line in out.splitlines() if line.startswith("probe ")]
-    return {s["env"]["RANK"]: s for s in seen}
+    return {p.stem: json.loads(p.read_text()) for p in sorted(Path(probe_dir).glob("rank*.json"))}
 
 
-def test_rank_jobs_start_ranks_as_torchrun_does_and_stop_them_as_it_does():
+def test_rank_jobs_start_ranks_as_torchrun_does_and_stop_them_as_it_does(tmp_path):
     """``RankJob`` (the trainer and teacher-server ranks of the tests, forked from the rank server): the same launch
     variables, arguments and working folder as under a real torchrun; the first rank to fail stops the others and
     the job exits with 1, as torchrun does; a job past its timeout fails the test."""
@@ -148,15 +147,20 @@ def test_rank_jobs_start_ranks_as_torchrun_does_and_stop_them_as_it_does():
 
     from megatron_opd.testing.multiprocess import ROOT, find_free_port, run_module_job
 
-    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    (tmp_path / "torchrun").mkdir()
+    (tmp_path / "rank_job").mkdir()
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "PROBE_DIR": str(tmp_path / "torchrun")}
     torchrun = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={find_free_port()}",
          "-m", "tests.rank_job_probe", "ok"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert torchrun.returncode == 0, torchrun.stderr[-3000:]
+    assert torchrun.returncode == 0, torchrun.stdout[-2000:] + torchrun.stderr[-2000:]
+    env["PROBE_DIR"] = str(tmp_path / "rank_job")
     code, out = run_module_job("tests.rank_job_probe", ["ok"], nproc=2, env=env, timeout=120)
     assert code == 0, out[-3000:]
-    assert _probes(out) == _probes(torchrun.stdout) and set(_probes(out)) == {"0", "1"}
+    ours, theirs = _probes(tmp_path / "rank_job"), _probes(tmp_path / "torchrun")
+    assert set(theirs) == {"rank0", "rank1"}, torchrun.stdout[-2000:] + torchrun.stderr[-2000:]
+    assert ours == theirs
 
     start = time.monotonic()
     code, out = run_module_job("tests.rank_job_probe", ["rank1_fails"], nproc=2, env=env, timeout=120)
