@@ -174,14 +174,15 @@ def run_module_job(
         try:
             code = job.wait(timeout)
         except TimeoutError:
-            job.kill()
+            code = None
+        finally:
+            job.kill()  # what the ranks started and left behind (all of it, past the timeout)
+        out = log_path.read_text(errors="replace")
+        if code is None:
             import pytest
 
-            out = log_path.read_text(errors="replace")
             pytest.fail(f"python -m {module} on {nproc} ranks did not finish within {timeout} s:\n{out[-3000:]}")
-        finally:
-            job.kill()  # what the ranks started and left behind
-        return code, log_path.read_text(errors="replace")
+        return code, out
     finally:
         log_path.unlink(missing_ok=True)
 
@@ -221,7 +222,6 @@ class RankJob:
         ]  # fmt: skip
         for proc in self.procs:
             proc.start()
-        self.pid = self.procs[0].pid
         self._done = threading.Event()
         threading.Thread(target=self._supervise, daemon=True, name=f"rank job {module}").start()
 
@@ -269,6 +269,16 @@ class RankJob:
         self._done.wait(30)
 
 
+def launch_variables(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The variables torchrun gives rank ``rank`` of a one-node job on loopback (checked against a real torchrun's in
+    tests/test_distributed.py)."""
+    return dict(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0",
+        ROLE_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+        ROLE_WORLD_SIZE=str(world_size), TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
+    )  # fmt: skip
+
+
 def _module_rank_main(
     module: str,
     argv: list[str],
@@ -295,11 +305,7 @@ def _module_rank_main(
     os.environ.clear()  # the rank server's environment is the parent's when the server started
     os.environ.update(env)
     if launch_env:
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0",
-            ROLE_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-            ROLE_WORLD_SIZE=str(world_size), TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
-        )  # fmt: skip
+        os.environ.update(launch_variables(rank, world_size, port))
     import torch
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
@@ -333,14 +339,7 @@ def _rank_main(
 ) -> None:
     os.environ.clear()  # the rank server's environment is the parent's when the server started
     os.environ.update(env)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
+    os.environ.update(launch_variables(rank, world_size, port))
     try:
         import torch
 
