@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_opd.testing.distill_fixture import make_distill_fixture
 from megatron_opd.testing.multiprocess import ROOT, run_trainer, trainer_command, trainer_env
@@ -106,6 +107,39 @@ def test_resume_after_kill_is_bitwise_on_the_newer_families(shape, pair, tmp_pat
     code, out = run(pair.overrides(killed, **common))
     assert code == 0 and "resumed from" in out, out[-3000:]
     assert losses(killed) == straight, f"{shape}: a resumed run must reproduce the uninterrupted losses bitwise"
+
+
+def test_deepseek_expert_bias_survives_resume_and_export(pair, tmp_path):
+    """A DeepSeek-V3-architecture student balancing its experts without an auxiliary loss (the expert bias, a buffer,
+    moves every step): killed after step 2 and started again, it reproduces the uninterrupted losses bitwise, and
+    both runs export the same trained bias, not the loaded one (a run that lost the bias would route otherwise)."""
+    from safetensors.torch import load_file
+
+    from megatron_opd.testing.shapes import make_shape
+    from megatron_opd.testing.tiny_models import make_tiny_tokenizer
+
+    student = make_shape("deepseek_v3_mla", tmp_path / "student")
+    make_tiny_tokenizer(student, vocab_size=1000)
+    common = {"student.path": student, "teacher.path": "", "loss.kind": "sft", "data.response_key": "answer",
+              "train.steps": 4, "train.max_seq_len": 64, "checkpoint.every": 1, "data.eval_files": "",
+              "build.moe_router_bias_update_rate": 1e-2}  # fmt: skip
+    code, out = run(pair.overrides(tmp_path / "straight", **common))
+    assert code == 0, out[-3000:]
+    straight = losses(tmp_path / "straight")
+    killed = tmp_path / "killed"
+    code, out = run(pair.overrides(killed, **common), fault="kill_after_step:2")
+    assert code != 0 and sorted(losses(killed)) == [1, 2], out[-3000:]
+    code, out = run(pair.overrides(killed, **common))
+    assert code == 0 and "resumed from" in out, out[-3000:]
+    assert losses(killed) == straight, "a resumed DeepSeek-V3 student must reproduce the uninterrupted losses"
+    loaded, exported = load_file(f"{student}/model.safetensors"), {}
+    for run_dir in ("straight", "killed"):
+        weights = load_file(tmp_path / run_dir / "hf" / "model.safetensors")
+        exported[run_dir] = {n: t for n, t in weights.items() if n.endswith("e_score_correction_bias")}
+    assert exported["straight"].keys() == {n for n in loaded if n.endswith("e_score_correction_bias")}
+    for name, bias in exported["straight"].items():
+        assert torch.equal(bias, exported["killed"][name]), f"{name}: the resumed run trained another bias"
+        assert not torch.equal(bias, loaded[name].to(bias.dtype)), f"{name}: exported as loaded, not as trained"
 
 
 def test_sigterm_saves_and_resumes(pair, tmp_path):

@@ -81,6 +81,11 @@ class ModelBuildConfig:
     moe_z_loss_coeff: float = 0.0
     """Mixture-of-Experts students: weight of the router z-loss (mean squared log-sum-exp of the router logits, which
     keeps them small; e.g. 1e-3; 0: none), applied and logged (``moe/z_loss``) as the auxiliary loss is."""
+    moe_router_bias_update_rate: float = 0.0
+    """Students whose router has an expert bias (DeepSeek-V3 architecture): auxiliary-loss-free balancing, Megatron's
+    option. After each step every expert's bias moves by this much towards a balanced load (up when the expert got
+    fewer tokens than the mean, down when more; DeepSeek-V3's pre-training used 1e-3); it is checkpointed, synced to
+    vLLM and exported with the weights. 0: the bias stays as loaded (a frozen teacher's always does)."""
     hidden_dropout: float = 0.0
     """Dropout after attention and MLP (0 for distillation: it would perturb student log-probs)."""
     attention_dropout: float = 0.0
@@ -104,7 +109,7 @@ class ModelBuildConfig:
             raise ValueError(
                 f"build.moe_token_dispatcher must be 'allgather' or 'alltoall', got {self.moe_token_dispatcher!r}"
             )
-        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
                 raise ValueError(f"build.{name} must be a number >= 0 (0: off), got {value!r}")
@@ -200,6 +205,8 @@ def transformer_config(arch: ModelArchitecture, parallel: ParallelConfig, build:
             kwargs.update(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=float(build.moe_aux_loss_coeff))
         if build.moe_z_loss_coeff > 0:
             kwargs["moe_z_loss_coeff"] = float(build.moe_z_loss_coeff)
+        if kwargs.get("moe_router_enable_expert_bias"):  # routers without the bias (another family's teacher) ignore it
+            kwargs["moe_router_bias_update_rate"] = float(build.moe_router_bias_update_rate)
     if parallel.pipeline_model_parallel_size == 2 and vp and vp > 1:
         # Upstream bug: with two pipeline ranks the previous and next stage are the same peer and the
         # batched p2p exchange silently mixes up tensors in the interleaved schedule (Megatron-LM #1450).

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from megatron_opd.model_files import UnsupportedArchitectureError
 from megatron_opd.models.families.base import SpecOptions
 from megatron_opd.models.families.moe import QWEN_MOE_NAMES, MoEFamily, check_moe_config
@@ -176,15 +178,47 @@ def read_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     )
 
 
+class DuplicatedKVDownProjection(torch.nn.Module):
+    """MLA's key/value down projection whole on every tensor-parallel rank (TransformerEngine's ``duplicated`` mode,
+    which the local spec lacks), applied to this rank's sequence-parallel slice of the tokens.
+
+    Megatron's column-parallel version gathers the projection over the tensor-parallel ranks and, in the backward,
+    keeps each rank's slice of the gradient: the shared rotary key's gradient then holds only the heads of the rank
+    that owns those columns (Megatron-Core 0.16.1 and 0.19.2), and every gradient below it is off by ~1e-3. Whole
+    rows on the sequence slice take Megatron's other path: the rotary key is gathered over the sequence, whose
+    backward sums every rank's heads, and the weight's gradient is summed over the ranks as a norm's is under
+    sequence parallelism (``sequence_parallel`` marks it for ``finalize_model_grads``). Mixture-of-Experts models
+    run tensor parallelism only with sequence parallelism (``validate_expert_layout``), so that path is always
+    the one taken."""
+
+    def __init__(self, input_size: int, output_size: int, config) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+        if config.perform_initialization:
+            config.init_method(self.weight)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return torch.nn.functional.linear(hidden_states, self.weight), None
+
+
 def local_mla_self_attention():
-    """Megatron's ``MLASelfAttention`` for the local spec. Megatron-Core 0.19.2 resolves the query projection of a
-    model without ``q_lora_rank`` (one ``q_proj`` on the hidden states, no norm in front) to a fused norm+linear,
-    which only TransformerEngine has: the local spec cannot build DeepSeek-V2-Lite-style attention. With no query
-    latent this takes the spec's own ``linear_q_proj``; otherwise (and on 0.16, which has no resolver) Megatron's."""
+    """Megatron's ``MLASelfAttention`` for the local spec, with the key/value down projection of
+    :class:`DuplicatedKVDownProjection`. Megatron-Core 0.19.2 resolves the query projection of a model without
+    ``q_lora_rank`` (one ``q_proj`` on the hidden states, no norm in front) to a fused norm+linear, which only
+    TransformerEngine has: the local spec cannot build DeepSeek-V2-Lite-style attention. With no query latent this
+    takes the spec's own ``linear_q_proj``; otherwise (and on 0.16, which has no resolver) Megatron's."""
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
     class LocalMLASelfAttention(MLASelfAttention):
+        def __init__(self, config, *args, **kwargs):
+            super().__init__(config, *args, **kwargs)
+            device = self.linear_kv_down_proj.weight.device
+            self.linear_kv_down_proj = DuplicatedKVDownProjection(
+                config.hidden_size, config.kv_lora_rank + config.qk_pos_emb_head_dim, config
+            ).to(device)
+
         def _resolve_qk_norm_config(self, submodules):
             if self.config.q_lora_rank is not None:
                 return super()._resolve_qk_norm_config(submodules)
@@ -197,17 +231,6 @@ def local_mla_self_attention():
             )
 
     return LocalMLASelfAttention
-
-
-def _refuse_tensor_parallel_gradient(grad):
-    """Megatron-Core's local multi-latent attention at TP > 1 (0.16.1, 0.19.2) splits the gathered key/value latent's
-    gradient back to the column shards without summing the shared rotary key's part over the other ranks' heads:
-    every gradient below it is wrong (forward and logits are exact; ``tests/test_deepseek_v3.py``)."""
-    raise RuntimeError(
-        "deepseek_v3 models cannot train at tensor_model_parallel_size > 1 yet: Megatron-Core's local multi-latent "
-        "attention leaves the other tensor-parallel ranks' share out of the rotary key's gradient; train the student "
-        "at tensor_model_parallel_size=1 (a teacher at any size scores exactly)"
-    )
 
 
 @dataclass(frozen=True)
@@ -292,14 +315,6 @@ class DeepSeekV3Family(MoEFamily):
         attention.core_attention = SDPAttention
         return spec
 
-    def build_chunk(self, arch: ModelArchitecture, config, block_spec, **gpt_kwargs):
-        model = super().build_chunk(arch, config, block_spec, **gpt_kwargs)
-        if config.tensor_model_parallel_size > 1:  # a frozen teacher never gets here: its weights need no gradient
-            for name, param in model.named_parameters():
-                if name.endswith("linear_kv_down_proj.weight"):
-                    param.register_hook(_refuse_tensor_parallel_gradient)
-        return model
-
     def weight_rules(self, arch: ModelArchitecture) -> list[WeightRule]:
         mla, moe, h, heads = arch.mla, arch.moe, arch.hidden_size, arch.num_attention_heads
         ml, attn = "decoder.layers.{layer}", "model.layers.{layer}.self_attn"
@@ -320,7 +335,9 @@ class DeepSeekV3Family(MoEFamily):
             ]
         r, kv_width = mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim)
         attention = query + [
-            rule("linear_kv_down_proj.weight", "kv_a_proj_with_mqa.weight", Split.COLUMN, r + mla.qk_rope_head_dim, h),
+            rule(
+                "linear_kv_down_proj.weight", "kv_a_proj_with_mqa.weight", Split.REPLICATED, r + mla.qk_rope_head_dim, h
+            ),
             rule("kv_layernorm.weight", "kv_a_layernorm.weight", Split.REPLICATED, r),
             rule("linear_kv_up_proj.weight", "kv_b_proj.weight", Split.COLUMN, kv_width, r),
         ]
