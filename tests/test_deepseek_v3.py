@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_opd.testing.multiprocess import run_distributed
+from megatron_opd.testing.tiny_models import routing_margin
 
 SEQ = 16
 MARGIN = 1e-4  # smallest gap between a chosen and a passed-over group or expert score; errors here are ~1e-7
@@ -24,21 +25,6 @@ MARGIN = 1e-4  # smallest gap between a chosen and a passed-over group or expert
 def _tokens(vocab: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(0)
     return torch.randint(0, vocab, (2, 2, SEQ), generator=gen)  # [micro-batches, batch, sequence]
-
-
-def _routing_margin(router, hidden: torch.Tensor) -> float:
-    """The smallest gap, over ``hidden``'s tokens, between the last group/expert transformers' ``router`` picks and
-    the first it passes over (group scores: the sum of a group's top-2 biased scores)."""
-    scores = torch.sigmoid(hidden.reshape(-1, router.weight.shape[1]).double() @ router.weight.double().T)
-    biased = scores + router.e_score_correction_bias.double()
-    groups = biased.view(len(biased), router.num_group, -1)
-    group_scores = groups.topk(2, dim=-1).values.sum(-1).sort(dim=-1, descending=True).values
-    group_gap = group_scores[:, router.topk_group - 1] - group_scores[:, router.topk_group]
-    chosen = groups.topk(2, dim=-1).values.sum(-1).topk(router.topk_group, dim=-1).indices
-    in_chosen = groups.gather(1, chosen[..., None].expand(-1, -1, groups.shape[-1])).flatten(1)
-    ranked = in_chosen.sort(dim=-1, descending=True).values
-    expert_gap = ranked[:, router.top_k - 1] - ranked[:, router.top_k]
-    return float(torch.minimum(group_gap, expert_gap).min())
 
 
 @pytest.fixture(scope="module")
@@ -54,20 +40,13 @@ def deepseek_dirs(tmp_path_factory) -> dict[str, str]:
     }
 
 
-def _reference(hf_dir: str, tokens: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """transformers' logits ``[micro-batches, b, s, V]`` and the routing margin of these tokens."""
+def _reference(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
+    """transformers' logits ``[micro-batches, b, s, V]``."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir).float().eval()
-    routers = [m for m in model.modules() if type(m).__name__.endswith("TopkRouter")]
-    assert routers, "no DeepSeek router in the transformers model"
-    margins = []
-    hooks = [r.register_forward_hook(lambda m, args, out: margins.append(_routing_margin(m, args[0]))) for r in routers]
     with torch.no_grad():
-        logits = torch.stack([model(input_ids=t).logits.float() for t in tokens])
-    for hook in hooks:
-        hook.remove()
-    return logits, min(margins)
+        return torch.stack([model(input_ids=t).logits.float() for t in tokens])
 
 
 LAYOUTS = {  # world of two ranks: data-parallel size 2, 1, 2
@@ -165,7 +144,7 @@ def test_logits_match_transformers_at_tp1_and_tp2(deepseek_dirs):
     tokens = _tokens(1000)
     refs = {}
     for name, hf_dir in deepseek_dirs.items():
-        refs[name], margin = _reference(hf_dir, tokens)
+        refs[name], margin = _reference(hf_dir, tokens), routing_margin(hf_dir, tokens)
         assert margin >= MARGIN, f"{name}: the test tokens route within {margin:.1e} of a tie; pick other tokens"
     ranks = run_distributed(_body, 2, args=(deepseek_dirs, tokens), timeout=600)
     for key in (k for k in ranks[0] if k[0] == "logits"):

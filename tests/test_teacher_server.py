@@ -346,13 +346,14 @@ def test_teacher_topk_per_shape(shape_dirs, tmp_path):
                 _assert_hidden_gives(hidden[where, name][row, :n], shape_dirs[name], ref[row, :n], vocab, what)
 
 
-def test_moe_teacher_server_at_expert_parallelism_matches_transformers(shape_dirs, tmp_path):
-    """A Mixture-of-Experts teacher served at ``--ep 2``: its two data-parallel replicas score a batch's rows in two
-    shares (3 rows: 1 and 2; 1 row: replica 0 scores none and keeps its experts' exchanges in step), returned in
-    order, top-k, requested and hidden states against float64 transformers."""
+@pytest.mark.parametrize("name", ["qwen3_moe_dense0", "deepseek_v3_mla"])
+def test_moe_teacher_server_at_expert_parallelism_matches_transformers(name, shape_dirs, tmp_path):
+    """A Mixture-of-Experts teacher (Qwen3-MoE; DeepSeek-V3: multi-latent attention, group-limited routing with its
+    expert bias) served at ``--ep 2``: its two data-parallel replicas score a batch's rows in two shares (3 rows: 1
+    and 2; 1 row: replica 0 scores none and keeps its experts' exchanges in step), returned in order, top-k,
+    requested and hidden states against float64 transformers."""
     from megatron_opd.testing.tiny_models import make_tiny_tokenizer, routing_margin
 
-    name = "qwen3_moe_dense0"
     vocab = SHAPES[name].vocab_size
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, vocab, (3, 10), generator=g)

@@ -123,6 +123,9 @@ def routing_margin(hf_dir: str | os.PathLike, tokens: torch.Tensor) -> float:
 
     def hook(module, inputs):
         x = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
+        if arch.routing is not None:  # DeepSeek's router: sigmoid scores, expert bias, groups
+            gaps.append(deepseek_routing_margin(module, x, arch.moe.top_k, arch.routing))
+            return
         top = torch.topk(x @ module.weight.double().T, arch.moe.top_k + 1, dim=-1).values
         gaps.append((top[:, -2] - top[:, -1]).min())
 
@@ -141,4 +144,22 @@ def routing_margin(hf_dir: str | os.PathLike, tokens: torch.Tensor) -> float:
         model(input_ids=tokens.reshape(-1, tokens.shape[-1]))
     for handle in handles:
         handle.remove()
-    return min(gaps).item()
+    return float(min(gaps))
+
+
+def deepseek_routing_margin(router, hidden: torch.Tensor, top_k: int, routing) -> float:
+    """The smallest gap, over ``hidden``'s tokens (float64), between the last group or expert DeepSeek's ``router``
+    picks and the first it passes over: groups ranked by the sum of their top-2 biased sigmoid scores, experts by
+    their biased scores within the chosen groups."""
+    scores = torch.sigmoid(hidden @ router.weight.double().T)
+    biased = scores + router.e_score_correction_bias.double()
+    groups = biased.view(len(biased), routing.n_group, -1)
+    group_scores = groups.topk(2, dim=-1).values.sum(-1)
+    ranked_groups = group_scores.sort(dim=-1, descending=True).values
+    gap = torch.full((len(biased),), float("inf"), dtype=torch.float64)
+    if routing.n_group > routing.topk_group:
+        gap = ranked_groups[:, routing.topk_group - 1] - ranked_groups[:, routing.topk_group]
+    chosen = group_scores.topk(routing.topk_group, dim=-1).indices
+    in_chosen = groups.gather(1, chosen[..., None].expand(-1, -1, groups.shape[-1])).flatten(1)
+    ranked = in_chosen.sort(dim=-1, descending=True).values
+    return float(torch.minimum(gap, ranked[:, top_k - 1] - ranked[:, top_k]).min())
