@@ -21,12 +21,13 @@ Rows (``ROWS``): #35 a Qwen3-30B-A3B-shaped MoE teacher scoring (bf16, 30.5B par
 counts active parameters), with sequential experts and with grouped expert GEMMs (TransformerEngine's, else
 megatron-opd's ``GroupedExperts`` on ``torch._grouped_mm``; skipped with the reason where neither runs); #36 a
 DeepSeek-V2-Lite-sized DeepSeek-V3-architecture teacher scoring (multi-latent attention with YaRN, 64 routed experts
-top-6, 2 shared, the first layer dense; MFU against active parameters), sequential and grouped; #39 the
-Qwen3-1.7B update at CP=1 at 32k and 64k
-tokens with full recompute; #40 the Qwen3-1.7B update at 4,096 tokens (bf16, no TransformerEngine; MFU against
+top-6, 2 shared, the first layer dense; MFU against active parameters), sequential and grouped, and the same model
+as a student: a 4,096-token update with full recompute; #39 the Qwen3-1.7B update at CP=1 at 32k and 64k tokens
+with full recompute; #40 the Qwen3-1.7B update at 4,096 tokens (bf16, no TransformerEngine; MFU against
 989 TFLOP/s dense bf16, 6N FLOPs per token, attention not counted) and one end-to-end trainer run on the GPU
 defaults (bf16 parameters, Megatron's distributed optimizer; the tiny distillation fixture, three steps). Update
 and scoring rows are ``benchmarks/bench_phases_gpu.py``'s measurements (random weights in the recipes' shapes).
+``--issues 36,40`` runs those issues' rows only.
 """
 
 from __future__ import annotations
@@ -92,6 +93,16 @@ ROWS = (
         "score",
         "DeepseekV3Config",
         4096,
+        smoke_tokens=64,
+        grouped_gemm=True,
+    ),
+    Row(
+        "#36",
+        "DeepSeek-V2-Lite-sized DeepSeek-V3-architecture student, update, grouped GEMM",
+        "update",
+        "DeepseekV3Config",
+        4096,
+        "full",
         smoke_tokens=64,
         grouped_gemm=True,
     ),
@@ -303,6 +314,7 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=540, help="seconds for all rows (the device call's limit)")
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions per row after one warm-up")
     parser.add_argument("--out", help="also write the markdown table here")
+    parser.add_argument("--issues", help="only these issues' rows, comma-separated (e.g. '#36,#40')")
     parser.add_argument("--row", type=int, help=argparse.SUPPRESS)  # internal: run one row, print its result
     args = parser.parse_args()
     if args.row is not None:
@@ -314,7 +326,10 @@ def main() -> None:
         raise SystemExit("benchmarks/gpu/check.py needs a CUDA GPU (or --cpu-smoke)")
     deadline = time.monotonic() + args.budget
     results = []
+    wanted = {f"#{i.strip().lstrip('#')}" for i in args.issues.split(",")} if args.issues else None
     for i, row in enumerate(ROWS):
+        if wanted is not None and row.issue not in wanted:
+            continue
         left = deadline - time.monotonic()
         cmd = [sys.executable, __file__, "--row", str(i), "--reps", str(args.reps)] + ["--cpu-smoke"] * args.cpu_smoke
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
