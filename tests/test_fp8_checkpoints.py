@@ -236,6 +236,16 @@ def test_converter_round_trip_gives_dequantised_tensors(fp8_dirs, fp8_job, dtype
     assert line.startswith("megatron_opd.checkpoint.hf_to_mcore:") and "[4]" in line, line
 
 
+def test_verify_of_an_fp8_source(fp8_dirs, fp8_job):
+    """``convert.py --verify``: transformers cannot load the FP8 folder here (no accelerate, no GPU), so the check runs
+    it on a dequantised copy; the conversion in the source's dtype then verifies as lossless."""
+    from megatron_opd.checkpoint.verify import verify_conversion
+
+    _, root, _ = fp8_job
+    result = verify_conversion(fp8_dirs["fp8"], root / "mcore_None", num_sequences=2, seq_len=8)
+    assert result.max_rel_error <= 1e-5, result
+
+
 def _with_config(fp8_dirs, tmp_path, **quantization) -> Path:
     """A copy of the FP8 checkpoint whose ``quantization_config`` has ``quantization`` (None: drop the field)."""
     folder = tmp_path / "changed"
