@@ -246,6 +246,14 @@ def test_verify_of_an_fp8_source(fp8_dirs, fp8_job):
     assert result.max_rel_error <= 1e-5, result
 
 
+def test_vllm_rollout_engine_config_is_unquantised(fp8_dirs, tmp_path):
+    """A student loaded from an FP8 checkpoint syncs dequantised weights: its vLLM engine must not build FP8 layers."""
+    from megatron_opd.rollout.vllm_setup import engine_model_dir
+
+    config = json.loads((engine_model_dir(fp8_dirs["fp8"], tmp_path, 1000) / "config.json").read_text())
+    assert "quantization_config" not in config and config["model_type"] == "deepseek_v3"
+
+
 def _with_config(fp8_dirs, tmp_path, **quantization) -> Path:
     """A copy of the FP8 checkpoint whose ``quantization_config`` has ``quantization`` (None: drop the field)."""
     folder = tmp_path / "changed"
