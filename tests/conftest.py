@@ -66,6 +66,7 @@ LONGEST_FIRST = (
     "test_packing.py",
     "test_train_step.py",
     "test_resume_layouts.py",
+    "test_fp8_checkpoints.py",  # one process: the FP8 load and four conversions, ~25 s
 )
 
 

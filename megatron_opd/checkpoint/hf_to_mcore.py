@@ -13,6 +13,9 @@ Under ``torchrun`` each rank writes a contiguous share of the weights into its o
 coordinator merges the plans into one ``.metadata``, exactly as for a checkpoint saved in training.
 The folder is completed with Megatron's ``common.pt`` and ``metadata.json``, the source
 ``config.json`` and tokenizer files under ``hf_config/``, and ``conversion.json``.
+
+An FP8 block-quantised source (DeepSeek-V3/R1) is dequantised a tensor at a time to the output dtype, and its
+``hf_config/config.json`` loses ``quantization_config``; multi-token-prediction layers are skipped with one log line.
 """
 
 from __future__ import annotations
@@ -39,7 +42,9 @@ from megatron_opd.dtypes import parse_dtype
 from megatron_opd.model_files import HF_CONFIG_DIR, CheckpointError
 from megatron_opd.models.architecture import ModelArchitecture, check_vocab_padding, load_architecture
 from megatron_opd.models.builder import ModelBuildConfig
+from megatron_opd.models.fp8 import QUANTIZATION_CONFIG, without_quantization
 from megatron_opd.models.hf_io import HFCheckpointReader
+from megatron_opd.models.mtp import skipped_mtp_message
 from megatron_opd.models.name_mapping import Split, expand_rules, hf_shapes, hf_to_megatron
 from megatron_opd.tokenizer import TOKENIZER_JSON, needs_conversion, write_converted_tokenizer
 
@@ -204,7 +209,8 @@ def copy_hf_side_files(hf_dir: Path, dest: Path) -> list[str]:
     """Copy ``config.json``, tokenizer and generation files (everything but the weights) to ``dest``.
 
     A lone ``tokenizer.model`` gets a ``tokenizer.json`` beside it that reproduces sentencepiece / tiktoken, so
-    transformers and vLLM tokenize the copy as the trainer does (see :mod:`megatron_opd.tokenizer`).
+    transformers and vLLM tokenize the copy as the trainer does (see :mod:`megatron_opd.tokenizer`). The copied
+    ``config.json`` has no ``quantization_config``: the weights beside it are dequantised.
     """
     dest.mkdir(parents=True, exist_ok=True)
     copied = []
@@ -213,10 +219,22 @@ def copy_hf_side_files(hf_dir: Path, dest: Path) -> list[str]:
             continue
         shutil.copy2(path, dest / path.name)
         copied.append(path.name)
+    if "config.json" in copied:
+        drop_quantization_config(dest / "config.json")
     if needs_conversion(dest):
         write_converted_tokenizer(dest, dest)
         copied.append(TOKENIZER_JSON)
     return copied
+
+
+def drop_quantization_config(config_path: Path) -> None:
+    """Rewrite ``config_path`` without ``quantization_config`` if it has one (left byte for byte otherwise)."""
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    if isinstance(config, dict) and QUANTIZATION_CONFIG in config:
+        with open(config_path, "w", encoding="utf-8") as f:
+            json.dump(without_quantization(config), f, indent=2)
+            f.write("\n")
 
 
 def check_tokenizer_files(hf_dir: Path) -> None:
@@ -264,7 +282,7 @@ def convert_hf_to_mcore(
     build = ModelBuildConfig(
         dtype=parse_dtype(dtype or arch.torch_dtype), make_vocab_size_divisible_by=make_vocab_size_divisible_by
     )
-    reader = HFCheckpointReader(hf_dir)
+    reader = HFCheckpointReader(hf_dir, dequantize_dtype=build.dtype)
     preflight(reader, arch)
     check_tokenizer_files(hf_dir)
     check_destination(out_dir, force, sources=(hf_dir,))
@@ -276,6 +294,9 @@ def convert_hf_to_mcore(
         chunks = [c for s in mine for c in s]
         objects = layout.objects if workers.is_first else []
         staging = workers.broadcast(make_staging_dir(out_dir) if workers.is_first else None)
+        skipped = skipped_mtp_message(reader, arch.num_layers)
+        if skipped and workers.is_first:
+            logger.info(skipped)
         ok = False
         try:
             if progress is not None:

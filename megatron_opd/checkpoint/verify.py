@@ -2,14 +2,19 @@
 
 Both models run in float32 on a few random sequences; the reported error is
 ``max |megatron - transformers| / max |transformers|``. This loads each model whole (one after the
-other, in a fresh process), so it is meant for models that fit in memory in float32.
+other, in a fresh process), so it is meant for models that fit in memory in float32. transformers loads an FP8
+block-quantised folder only with accelerate on a GPU: such a source is first dequantised (to its ``torch_dtype``, as
+the conversion does by default) into a temporary copy, so the check covers the weight mapping, not the dequantisation
+(``tests/test_fp8_checkpoints.py`` checks that against a reference).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -65,6 +70,39 @@ def compare_logits(ours: torch.Tensor, reference: torch.Tensor) -> LogitsCompari
     return LogitsComparison(diff / scale, diff, reference.shape[0], reference.shape[1])
 
 
+def dequantised_copy(hf_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """``hf_dir``'s weights that megatron-opd loads, FP8 ones dequantised to the config's dtype, a tensor at a time,
+    with its ``config.json`` minus ``quantization_config``: a folder transformers loads without a quantizer."""
+    import json
+
+    from megatron_opd.dtypes import parse_dtype
+    from megatron_opd.models.architecture import load_architecture
+    from megatron_opd.models.fp8 import SCALE_SUFFIX, without_quantization
+    from megatron_opd.models.hf_io import HFCheckpointReader, HFCheckpointWriter
+    from megatron_opd.models.mtp import mtp_layer_tensors
+
+    arch = load_architecture(hf_dir)
+    reader = HFCheckpointReader(hf_dir, dequantize_dtype=parse_dtype(arch.torch_dtype))
+    skipped = {n for names in mtp_layer_tensors(reader, arch.num_layers).values() for n in names}
+    writer = HFCheckpointWriter(out_dir)
+    for name in reader.names():
+        if name not in skipped and not name.endswith(SCALE_SUFFIX):
+            writer.add(name, reader.get(name))
+    writer.close()
+    (Path(out_dir) / "config.json").write_text(json.dumps(without_quantization(reader.config), indent=2))
+    return Path(out_dir)
+
+
+def _reference_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
+    from megatron_opd.models.hf_io import HFCheckpointReader
+    from megatron_opd.models.reference import hf_logits
+
+    if HFCheckpointReader(hf_dir).quantization is None:
+        return hf_logits(hf_dir, tokens)
+    with tempfile.TemporaryDirectory(prefix="megatron_opd_dequantised_") as tmp:
+        return hf_logits(dequantised_copy(hf_dir, tmp), tokens)
+
+
 def _verify(hf_dir: str, ckpt_dir: str, num_sequences: int, seq_len: int, seed: int) -> LogitsComparison:
     import warnings
 
@@ -80,11 +118,10 @@ def _verify(hf_dir: str, ckpt_dir: str, num_sequences: int, seq_len: int, seed: 
     from megatron_opd.distributed.parallel import ParallelConfig, destroy_distributed, initialize_model_parallel
     from megatron_opd.models.architecture import load_architecture
     from megatron_opd.models.builder import ModelBuildConfig, build_model
-    from megatron_opd.models.reference import hf_logits
 
     arch = load_architecture(hf_dir)
     tokens = random_tokens(arch.vocab_size, num_sequences, seq_len, seed)
-    reference = hf_logits(hf_dir, tokens)  # transformers' model is freed before Megatron's is built
+    reference = _reference_logits(hf_dir, tokens)  # transformers' model is freed before Megatron's is built
 
     apply_cpu_patches()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -2,8 +2,9 @@
 
 Teachers of 70B and more never fit in one process, so nothing here loads a whole checkpoint:
 :class:`HFCheckpointReader` maps each tensor name to its shard through the index and reads a
-tensor only when asked; :class:`HFCheckpointWriter` fills shards of bounded size and writes the
-index at the end. Errors name the tensor and the file.
+tensor only when asked (dequantising an FP8 block-quantised one, :mod:`megatron_opd.models.fp8`);
+:class:`HFCheckpointWriter` fills shards of bounded size and writes the index at the end. Errors
+name the tensor and the file.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from safetensors.torch import save_file
 
 from megatron_opd.dtypes import SAFETENSORS_DTYPES
 from megatron_opd.model_files import CheckpointError
+from megatron_opd.models.fp8 import FP8_DTYPE, QUANTIZATION_CONFIG, block_fp8_of, dequantize_block_fp8, scale_name
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -85,11 +87,16 @@ class HFCheckpointReader:
     """Lazy, tensor-by-tensor access to a (possibly sharded) safetensors checkpoint folder.
 
     Tensors are read with plain file reads at the offsets of the header, not through a memory map,
-    so a read costs exactly the tensor's bytes of resident memory and nothing stays mapped.
+    so a read costs exactly the tensor's bytes of resident memory and nothing stays mapped. A tensor with a
+    ``_scale_inv`` companion is dequantised as ``config.json``'s ``quantization_config`` says, to
+    ``dequantize_dtype`` (the run's dtype); an unsupported ``quantization_config`` is refused here, before any read.
     """
 
-    def __init__(self, hf_dir: str | os.PathLike) -> None:
+    def __init__(self, hf_dir: str | os.PathLike, dequantize_dtype: torch.dtype = torch.float32) -> None:
         self.dir = Path(hf_dir)
+        self.dequantize_dtype = dequantize_dtype
+        self.config = _read_config(self.dir)
+        self.quantization = block_fp8_of(self.config, str(self.dir / "config.json"))
         index = self.dir / INDEX_FILE
         if index.is_file():
             try:
@@ -133,7 +140,27 @@ class HFCheckpointReader:
         return entry
 
     def get(self, name: str, expected_shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        """Read one tensor; check its shape when ``expected_shape`` is given."""
+        """Read one tensor (dequantised when the checkpoint holds its ``_scale_inv``); check its shape when
+        ``expected_shape`` is given."""
+        stored = self.get_stored(name, expected_shape)
+        if scale_name(name) in self.weight_map:
+            if self.quantization is None:
+                raise CheckpointError(
+                    f"tensor {name!r} has a {scale_name(name)!r} companion but {self.dir / 'config.json'} has no "
+                    f"{QUANTIZATION_CONFIG} (its weight_block_size says how to apply it); restore the field from the "
+                    "model's original config.json"
+                )
+            scale_inv = self.get_stored(scale_name(name))
+            return dequantize_block_fp8(stored, scale_inv, self.quantization.block_size, self.dequantize_dtype, name)
+        if stored.dtype == FP8_DTYPE and self.quantization is not None:
+            raise CheckpointError(
+                f"tensor {name!r} in {self.file_of(name).name} is {FP8_DTYPE} without its {scale_name(name)!r} "
+                "companion: the checkpoint is incomplete; re-download its shards"
+            )
+        return stored
+
+    def get_stored(self, name: str, expected_shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """Read one tensor as stored (float8 stays float8)."""
         entry = self.entry(name, expected_shape)
         path = self.file_of(name)
         dtype = SAFETENSORS_DTYPES[entry.dtype]
@@ -157,6 +184,18 @@ class HFCheckpointReader:
         """Size in bytes of one tensor without reading its data."""
         entry = self.entry(name)
         return entry.end - entry.start
+
+
+def _read_config(hf_dir: Path) -> dict:
+    """``hf_dir/config.json`` as a dict ({} without one: a bare safetensors folder)."""
+    path = hf_dir / "config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path} is not valid JSON ({err}); copy it again from the model") from None
+    return config if isinstance(config, dict) else {}
 
 
 class HFCheckpointWriter:

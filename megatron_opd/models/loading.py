@@ -1,7 +1,9 @@
 """Load a Hugging Face checkpoint into this rank's Megatron-Core model chunks.
 
 Each rank reads only the tensors of its own pipeline stages and keeps only its tensor-parallel
-slice, one tensor at a time, so a rank's peak memory is its shard plus one full tensor.
+slice, one tensor at a time, so a rank's peak memory is its shard plus one full tensor. FP8 block-quantised
+tensors are dequantised to the model's dtype as they are read; multi-token-prediction layers are skipped
+(:mod:`megatron_opd.models.mtp`, one log line).
 """
 
 from __future__ import annotations
@@ -10,9 +12,11 @@ import logging
 import os
 
 import torch
+import torch.distributed as dist
 
 from megatron_opd.models.architecture import ModelArchitecture
 from megatron_opd.models.hf_io import CheckpointError, HFCheckpointReader
+from megatron_opd.models.mtp import skipped_mtp_message
 from megatron_opd.models.name_mapping import (
     ExpertSplit,
     expand_rules,
@@ -51,11 +55,16 @@ def load_hf_weights(
     """Copy the Hugging Face weights in ``hf_dir`` into ``chunks`` (this rank's model chunks).
 
     Mixture-of-Experts layers: only this rank's experts are read (each expert module knows its global indices),
-    split over ``expert_tp_size`` ranks (default: the tensor-parallel ones). Raises ``CheckpointError`` naming the tensor when it is missing or has the wrong shape, and
-    when a model parameter is left without a weight. ``te=None`` detects the TransformerEngine
-    layer spec from the parameter names (its norms are fused into the linear layers).
+    split over ``expert_tp_size`` ranks (default: the tensor-parallel ones). Raises ``CheckpointError`` naming the
+    tensor when it is missing or has the wrong shape, and when a model parameter is left without a weight.
+    ``te=None`` detects the TransformerEngine layer spec from the parameter names (its norms are fused into the
+    linear layers).
     """
-    reader = HFCheckpointReader(hf_dir)
+    model_dtype = next((p.dtype for c in chunks for p in c.parameters()), torch.float32)
+    reader = HFCheckpointReader(hf_dir, dequantize_dtype=model_dtype)
+    skipped = skipped_mtp_message(reader, arch.num_layers)
+    if skipped and (not dist.is_initialized() or dist.get_rank() == 0):
+        logger.info(skipped)
     for chunk in chunks:
         layers = chunk_layer_range(chunk)
         # Rules name experts by global index; a rank's experts are numbered from 0 in the module.

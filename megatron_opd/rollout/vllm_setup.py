@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_opd.config import comma_list
+from megatron_opd.models.fp8 import without_quantization
 from megatron_opd.rollout.vllm_backend import VLLMRollout
 from megatron_opd.rollout.vllm_engine import EngineOptions
 
@@ -31,6 +32,9 @@ def engine_model_dir(student_config_dir: Path, out_dir: Path, vocab_size: int) -
         if (student_config_dir / name).is_file():
             config = json.loads((student_config_dir / name).read_text())
             if name == "config.json":
+                # The engine gets the trainer's (dequantised) weights: an FP8 source's quantization_config would
+                # make vLLM build FP8 layers for them.
+                config = without_quantization(config)
                 config["vocab_size"] = vocab_size
             (out_dir / name).write_text(json.dumps(config, indent=2))
     return out_dir
