@@ -458,12 +458,18 @@ def kv_bytes_per_token(arch: ModelArchitecture, tp: int, layers: int) -> int:
     return 2 * layers * max(arch.num_key_value_heads // tp, 1) * arch.head_dim * 2
 
 
+VLLM_REPLICATED = ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight")
+"""Multi-latent attention's down-projections, which vLLM holds whole on every TP rank (``ReplicatedLinear``; Megatron
+splits them)."""
+
+
 def vllm_teacher_memory(recipe: Recipe) -> list[DeviceMemory]:
     """One row per pipeline stage of a vLLM teacher server (``teacher.backend=vllm``): its weights as the checkpoint
     stores them (FP8 where the config says so) and the KV cache the rest of its budget holds."""
     cfg, launch, layout = recipe.train, recipe.launch, recipe.launch.teacher
     config = hf_config(cfg.teacher.path)
     arch, shards = _model(cfg.teacher.path, layout.tp, layout.pp, vocab_multiple=None)
+    shards = [replace(s, per_rank=s.numel) if s.name.endswith(VLLM_REPLICATED) else s for s in shards]
     budget = layout.gpu_memory_utilization * launch.gpu_memory_gib * GIB
     replicas = len(layout.nodes) * launch.gpus_per_node // (layout.tp * layout.pp)
     fp8 = any(fp8_quantised(config, shard) for shard in shards)
