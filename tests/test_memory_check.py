@@ -72,13 +72,21 @@ def _allocated_bytes(student_dir: str) -> dict[str, int]:
     ]
     return {
         "weights": sum(p.numel() * p.element_size() for p in params.values()),
-        "grads": sum(b.grad_data.numel() * b.grad_data.element_size() for c in student.model for b in c.buffers),
+        "grads": sum(
+            b.grad_data.numel() * b.grad_data.element_size()
+            for c in student.model
+            for b in [*c.buffers, *c.expert_parallel_buffers]  # an MoE model's experts have buffers of their own
+        ),
         "optimizer": sum(m.numel() * m.element_size() for m in moments),
     }
 
 
-def test_parameter_gradient_and_optimizer_bytes_are_the_allocated_ones(tiny_model_dirs):
-    student_dir = tiny_model_dirs["qwen3"]  # a 1,001-token vocabulary: Megatron pads it to 1,024 rows
+@pytest.mark.parametrize("shape", ["qwen3", "deepseek_v3_mla"])
+def test_parameter_gradient_and_optimizer_bytes_are_the_allocated_ones(shape, tiny_model_dirs, shape_dirs):
+    """qwen3: a 1,001-token vocabulary, which Megatron pads to 1,024 rows. deepseek_v3_mla: multi-latent attention
+    (q-LoRA, the two latent norms), a dense first layer, routed and shared experts; its expert bias is a buffer, in
+    neither count."""
+    student_dir = tiny_model_dirs[shape] if shape in tiny_model_dirs else str(shape_dirs[shape])
     allocated = run_distributed(_allocated_bytes, 1, args=(student_dir,), timeout=240)[0]
     cfg = load_config(TrainConfig, None, [f"student.path={student_dir}", "loss.kind=sft", "train.max_seq_len=64"])
     peak, _ = check_trainer_memory(cfg, 1, "cpu", None)

@@ -24,7 +24,7 @@ from megatron_opd.launch.memory import (
     student_memory,
 )
 from megatron_opd.launch.nodes import expand_nodelist, job_hosts
-from megatron_opd.launch.plan import TRAINER, Plan, Process, build_plan
+from megatron_opd.launch.plan import TRAINER, VLLM_API_SERVER, Plan, Process, build_plan
 from megatron_opd.launch.run import run_node, this_node
 from megatron_opd.teacher import serve
 from megatron_opd.trainer.config import TrainConfig
@@ -32,6 +32,8 @@ from megatron_opd.trainer.config import TrainConfig
 SCALE = Path(__file__).resolve().parents[1] / "examples" / "scale"
 QWEN = SCALE / "qwen3-32b_to_qwen3-1.7b.launch.yaml"
 LLAMA = SCALE / "llama-70b_to_llama-8b.launch.yaml"
+DEEPSEEK = SCALE / "deepseek-v3_to_llama-8b.launch.yaml"
+DEEPSEEK_VLLM = SCALE / "deepseek-v3-fp8-vllm_to_llama-8b.launch.yaml"
 
 
 # ---- recipes -----------------------------------------------------------------------------------------------------
@@ -46,6 +48,15 @@ def test_recipes_parse_with_the_trainers_loader(launch, mode, teacher_model):
     assert (cfg.loss.mode, cfg.loss.topk, cfg.optim.bf16) == ("topk", 64, True)
     assert Path(cfg.teacher.path).name == teacher_model
     assert cfg.train.prompts_per_step * cfg.rollout.n >= 256
+
+
+@pytest.mark.parametrize("launch, backend, topk", [(DEEPSEEK, "server", 64), (DEEPSEEK_VLLM, "vllm", 20)])
+def test_deepseek_recipes_distil_across_tokenizers(launch, backend, topk):
+    """No small public model shares DeepSeek-V3's tokenizer: the Llama student's loss maps the teacher's top-k."""
+    cfg = load_recipe(launch).train
+    assert (cfg.teacher.backend, cfg.rollout.backend, cfg.loss.mode, cfg.loss.topk) == (backend, "vllm", "topk", topk)
+    assert cfg.loss.cross_tokenizer == "aligned" and Path(cfg.teacher.path).name == "DeepSeek-V3"
+    assert Path(cfg.student.path).name == "Llama-3.1-8B-Instruct"
 
 
 def test_an_unknown_key_in_a_recipe_is_refused(tmp_path):
@@ -85,6 +96,14 @@ def _dry_run(recipe: Path, nodelist: str, monkeypatch, capsys) -> dict[str, list
     return blocks
 
 
+def _vllm_parser():
+    pytest.importorskip("vllm")
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser  # what vLLM's OpenAI server parses
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser())
+
+
 def _flag(argv: list[str], name: str) -> str:
     (value,) = [w.split("=", 1)[1] for w in argv if w.startswith(f"{name}=")]
     return value
@@ -96,7 +115,7 @@ def _module_args(argv: list[str], module: str) -> list[str]:
 
 def _check_wiring(blocks: dict[str, list[tuple[dict, list[str]]]]) -> tuple[TrainConfig, dict]:
     """Every address the trainer is given is where a server of the dry run binds; world sizes match layouts."""
-    teachers, vllm, trainers = {}, [], []
+    teachers, vllm, trainers, api_keys = {}, [], [], set()
     for host, commands in blocks.items():
         used = [g for env, _ in commands for g in env["CUDA_VISIBLE_DEVICES"].split(",")]
         assert len(used) == len(set(used)), f"{host} gives a GPU to two processes"
@@ -105,12 +124,22 @@ def _check_wiring(blocks: dict[str, list[tuple[dict, list[str]]]]) -> tuple[Trai
             if "megatron_opd.teacher.serve" in argv:
                 args = serve.parse_args(_module_args(argv, "megatron_opd.teacher.serve"))  # the server's real flags
                 nnodes, nproc = int(_flag(argv, "--nnodes")), int(_flag(argv, "--nproc-per-node"))
-                assert nnodes * nproc == args.tp * args.pp and nproc == gpus
+                assert nnodes * nproc == args.tp * args.pp * args.ep and nproc == gpus
                 assert args.host == "0.0.0.0" and args.token_file
                 master = _flag(argv, "--master-addr")
                 if _flag(argv, "--node-rank") == "0":  # global rank 0 runs the request loop, on this node
                     assert master == host
                     teachers[f"{host}:{args.port}"] = (args, nnodes)
+            elif VLLM_API_SERVER in argv:  # a vLLM teacher: its flags read with vLLM's own parser
+                args = _vllm_parser().parse_args(_module_args(argv, VLLM_API_SERVER))
+                assert args.tensor_parallel_size * args.pipeline_parallel_size == gpus * args.nnodes
+                assert args.host == "0.0.0.0"
+                api_keys.add(env["VLLM_API_KEY"])  # read from the token file on the node, kept off the command line
+                if args.node_rank == 0:
+                    assert not args.headless and (args.nnodes == 1 or args.master_addr == host)
+                    teachers[f"http://{host}:{args.port}"] = (args, args.nnodes)
+                else:
+                    assert args.headless
             elif "megatron_opd.rollout.vllm_server" in argv:
                 args = _module_args(argv, "megatron_opd.rollout.vllm_server")
                 assert int(args[args.index("--tensor-parallel-size") + 1]) == gpus
@@ -127,8 +156,12 @@ def _check_wiring(blocks: dict[str, list[tuple[dict, list[str]]]]) -> tuple[Trai
     assert cfg.teacher.address.split(",") == list(teachers)
     assert cfg.rollout.address.split(",") == vllm and len(set(vllm)) == len(vllm)
     assert cfg.rollout.sync_address == host0 == _flag(argv, "--master-addr")
-    assert {a.token_file for a, _ in teachers.values()} == {cfg.teacher.token_file}
-    assert {a.topk for a, _ in teachers.values()} == {cfg.loss.topk}
+    if cfg.teacher.backend == "vllm":
+        assert {a.max_logprobs for a, _ in teachers.values()} == {cfg.loss.topk}
+        assert api_keys == {f"$(cat {cfg.teacher.token_file})"}
+    else:
+        assert {a.token_file for a, _ in teachers.values()} == {cfg.teacher.token_file}
+        assert {a.topk for a, _ in teachers.values()} == {cfg.loss.topk}
     world = int(_flag(argv, "--nnodes")) * int(_flag(argv, "--nproc-per-node"))
     assert world % cfg.parallel.model_parallel_size == 0
     return cfg, teachers
@@ -151,6 +184,29 @@ def test_dry_run_spans_the_70b_teacher_over_two_nodes(monkeypatch, capsys):
     rank1 = [argv for _, argv in blocks["gpu04"]]
     assert len(rank1) == 1 and _flag(rank1[0], "--node-rank") == "1" and _flag(rank1[0], "--master-addr") == "gpu03"
     assert cfg.rollout.address.split(",") == [f"gpu02:{8000 + i}" for i in range(4)]
+
+
+def test_dry_run_spans_the_deepseek_teacher_over_four_nodes_at_expert_parallelism(monkeypatch, capsys):
+    blocks = _dry_run(DEEPSEEK, "gpu[01-06]", monkeypatch, capsys)
+    cfg, teachers = _check_wiring(blocks)
+    ((address, (args, nnodes)),) = teachers.items()
+    assert address == "gpu03:5555" and (args.tp, args.pp, args.ep, nnodes) == (8, 1, 4, 4)
+    ranks = [_flag(argv, "--node-rank") for host in ("gpu03", "gpu04", "gpu05", "gpu06") for _, argv in blocks[host]]
+    assert ranks == ["0", "1", "2", "3"]
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_dry_run_starts_the_vllm_teacher(pp, tmp_path, monkeypatch, capsys):
+    """At TP=8 on one H200 node (the recipe), and at TP=8 x PP=2 over two nodes (H100s: vLLM's multi-node mode,
+    the second node headless)."""
+    launch = tmp_path / DEEPSEEK_VLLM.name
+    text = DEEPSEEK_VLLM.read_text().replace("train_config: ", f"train_config: {SCALE}/")
+    launch.write_text(text.replace("  nodes: [2]\n  tp: 8\n  pp: 1", f"  nodes: {[2, 3][:pp]}\n  tp: 8\n  pp: {pp}"))
+    blocks = _dry_run(launch, f"gpu[01-0{2 + pp}]", monkeypatch, capsys)
+    cfg, teachers = _check_wiring(blocks)
+    ((address, (args, nnodes)),) = teachers.items()
+    assert address == cfg.teacher.address == "http://gpu03:5555" and (args.pipeline_parallel_size, nnodes) == (pp, pp)
+    assert args.max_model_len is None  # cross-tokenizer: the teacher's sequences have their own lengths
 
 
 def test_vllm_commands_parse_with_vllms_own_parser(monkeypatch, capsys):
@@ -278,3 +334,48 @@ def test_memory_table_lists_every_job(capsys):
     out = capsys.readouterr().out
     for job in ("teacher server | TP=4 PP=1 x2", "student (trainer) | TP=1 PP=1 DP=8", "vllm server | TP=1, x8"):
         assert job in out
+
+
+# DeepSeek-V3's published sizes, counted here from the config facts alone (the multi-token-prediction layer left out).
+H, LAYERS, DENSE, VOCAB, HEADS, EXPERTS = 7168, 61, 3, 129280, 128, 256
+Q_RANK, KV_RANK, NOPE, ROPE, V_DIM, FFN, EXPERT_FFN = 1536, 512, 128, 64, 128, 18432, 2048
+MLA = H * Q_RANK + Q_RANK + Q_RANK * HEADS * (NOPE + ROPE) + H * (KV_RANK + ROPE) + KV_RANK
+MLA += KV_RANK * HEADS * (NOPE + V_DIM) + HEADS * V_DIM * H  # q_a, its norm, q_b, kv_a, its norm, kv_b, o_proj
+ROUTED = (LAYERS - DENSE) * EXPERTS * 3 * H * EXPERT_FFN
+SHARED_AND_ROUTER = (LAYERS - DENSE) * (3 * H * EXPERT_FFN + EXPERTS * H)
+DENSE_PART = 2 * VOCAB * H + H + LAYERS * (MLA + 2 * H) + DENSE * 3 * H * FFN + SHARED_AND_ROUTER
+
+
+def test_deepseek_v3_counts_671b_and_a_thirty_second_of_the_experts_per_gpu():
+    model = _meta("DeepSeek-V3")
+    count = sum(p.numel() for p in model.parameters())
+    assert count == DENSE_PART + ROUTED == 671_026_404_352  # 671.0e9 (the checkpoint's 685B adds 14B of MTP)
+    shards = shard_parameters(model, tp=8, pp=1, ep=4)  # the teacher server's layout in the bf16 recipe
+    assert sum(s.per_rank * (8 if s.split else 1) for s in shards) == (  # one expert-parallel rank's TP group
+        count + 2 * (130048 - VOCAB) * H - ROUTED + ROUTED // 4  # vocabulary padded to 1,024 x 127; experts / EP
+    )
+    replicated = LAYERS * (2 * H + Q_RANK + KV_RANK) + H + (LAYERS - DENSE) * EXPERTS * H  # norms, routers
+    (per_gpu,) = stage_params(shards, 1)
+    assert per_gpu == (DENSE_PART - 2 * VOCAB * H - replicated) // 8 + 2 * 130048 * H // 8 + replicated + ROUTED // 32
+
+
+def test_deepseek_v3_memory_fits_as_a_bf16_server_and_as_an_fp8_vllm_teacher():
+    from megatron_opd.launch.memory import GIB, recipe_memory
+
+    server = {row.job: row for row in recipe_memory(load_recipe(DEEPSEEK))}["teacher server"]
+    assert server.layout == "TP=8 PP=1 EP=4 x1, stage 0" and server.weights == 2 * server.params
+    assert 40 * GIB < server.total < 79.6 * GIB
+    (teacher,) = [row for row in recipe_memory(load_recipe(DEEPSEEK_VLLM)) if row.job == "vllm teacher"]
+    # FP8: every layer's 2-D weight but the routers, 1 byte and one fp32 scale per 128 x 128 block; the rest bf16.
+    # vLLM holds the two attention down-projections whole on each TP rank.
+    down = LAYERS * H * (Q_RANK + KV_RANK + ROPE)
+    norms = LAYERS * (2 * H + Q_RANK + KV_RANK) + H
+    routers = (LAYERS - DENSE) * EXPERTS * H
+    fp8 = DENSE_PART + ROUTED - 2 * VOCAB * H - norms - routers
+    bf16 = 2 * VOCAB * H // 8 + norms + routers
+    per_gpu = (fp8 - down) / 8 + down
+    assert teacher.weights == pytest.approx(per_gpu * (1 + 4 / 128**2) + 2 * bf16, rel=1e-4)  # scales: edge blocks
+    assert teacher.params == (fp8 - down) // 8 + down + bf16
+    assert 70 * GIB < teacher.weights < 80 * GIB and teacher.total < 0.9 * 139.8 * GIB + 1
+    kv_tokens = teacher.activations / (LAYERS * (KV_RANK + ROPE) * 2)  # the latent and rotary key, every TP rank
+    assert f"KV cache holds {kv_tokens / 1e3:.0f}k tokens" in teacher.note

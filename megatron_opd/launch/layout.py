@@ -23,25 +23,34 @@ class TrainerLayout:
 
 @dataclass
 class TeacherLayout:
-    """Teacher-server jobs (``torchrun -m megatron_opd.teacher.serve``), one per replica of ``tp x pp`` GPUs."""
+    """Teacher jobs, one per replica of ``tp x pp x ep`` GPUs: teacher servers (``torchrun -m
+    megatron_opd.teacher.serve``) with ``teacher.backend=server``, vLLM's OpenAI-compatible server
+    (``python -m vllm.entrypoints.openai.api_server``) with ``teacher.backend=vllm``."""
 
     nodes: list[int] = field(default_factory=list)
     """Nodes of the teacher. Replicas smaller than a node are packed onto each node; a larger replica spans
-    ``tp x pp / gpus_per_node`` consecutive nodes (pipeline stages across nodes, TP inside one)."""
+    ``tp x pp x ep / gpus_per_node`` consecutive nodes (TP inside a node, pipeline stages or expert-parallel ranks
+    across nodes)."""
     tp: int = 1
     """Tensor-parallel size of each replica."""
     pp: int = 1
     """Pipeline-parallel size of each replica."""
+    ep: int = 1
+    """Teacher server of a Mixture-of-Experts model: expert-parallel size (the server's ``--ep``): ``ep`` copies of
+    the dense part, each scoring a share of every batch, holding the experts between them. A vLLM teacher takes
+    ``--enable-expert-parallel`` in ``extra_args`` instead (experts over its TP ranks)."""
     port: int = 5555
     """Port of a node's first replica; further replicas on the same node use the next ports."""
     master_port: int = 29600
     """torchrun's rendezvous port of a node's first replica (next ones: +1)."""
     micro_batch_size: int = 8
-    """Sequences per forward micro-batch (the server's ``--micro-batch-size``)."""
+    """Sequences per forward micro-batch (the server's ``--micro-batch-size``; teacher server only)."""
     max_batch_tokens: int = 65536
-    """Most padded positions in one forward (the server's ``--max-batch-tokens``)."""
+    """Most padded positions in one forward (the server's ``--max-batch-tokens``; teacher server only)."""
+    gpu_memory_utilization: float = 0.9
+    """vLLM teacher: fraction of each GPU vLLM takes (weights, then KV cache)."""
     extra_args: list[str] = field(default_factory=list)
-    """Further ``megatron_opd.teacher.serve`` flags."""
+    """Further flags of ``megatron_opd.teacher.serve``, or of vLLM's server for a vLLM teacher."""
 
 
 @dataclass
@@ -90,6 +99,9 @@ class LaunchConfig:
         used = [n for nodes in jobs.values() for n in nodes]
         if len(used) != len(set(used)) or min(used) < 0:
             raise ValueError(f"every job needs its own nodes (numbers >= 0, none shared), got {jobs}")
+        for name in ("tp", "pp", "ep"):
+            if getattr(self.teacher, name) < 1:
+                raise ValueError(f"teacher.{name} must be >= 1, got {getattr(self.teacher, name)}")
 
 
 @dataclass
@@ -107,8 +119,9 @@ class Recipe:
 
 
 def load_recipe(launch_path: str | Path) -> Recipe:
-    """Read a layout file and the trainer config it names; check the trainer uses a teacher server and vLLM servers
-    (the jobs the layout places). Paths inside are not checked (the models may live only on the cluster)."""
+    """Read a layout file and the trainer config it names; check the trainer uses teacher servers or a vLLM teacher,
+    and vLLM rollout servers (the jobs the layout places). Paths inside are not checked (the models may live only on
+    the cluster)."""
     launch_path = Path(launch_path)
     launch = load_config(LaunchConfig, launch_path)
     launch.validate()
@@ -116,10 +129,17 @@ def load_recipe(launch_path: str | Path) -> Recipe:
         raise ValueError(f"{launch_path}: train_config must name the trainer's YAML (relative to this file)")
     train_path = launch_path.parent / launch.train_config
     train = load_config(TrainConfig, train_path)
-    wanted = {"teacher.backend": (train.teacher.backend, "server"), "rollout.backend": (train.rollout.backend, "vllm")}
+    wanted = {"teacher.backend": (train.teacher.backend, ("server", "vllm")),
+              "rollout.backend": (train.rollout.backend, ("vllm",))}  # fmt: skip
     for key, (value, expected) in wanted.items():
-        if value != expected:
-            raise ValueError(f"{train_path}: {key}={value}, but the layout starts {expected} jobs: set {expected}")
+        if value not in expected:
+            choices = " or ".join(expected)
+            raise ValueError(f"{train_path}: {key}={value}, but the layout starts {choices} jobs: set {choices}")
+    if train.teacher.backend == "vllm" and launch.teacher.ep > 1:
+        raise ValueError(
+            f"{launch_path}: teacher.ep={launch.teacher.ep} is the teacher server's --ep; a vLLM teacher splits its "
+            "experts over its TP ranks with extra_args [--enable-expert-parallel]: set teacher.ep: 1"
+        )
     if not (train.teacher.path and train.student.path):
         raise ValueError(f"{train_path}: teacher.path and student.path are needed (the servers' --model)")
     return Recipe(launch=launch, train=train, launch_path=launch_path, train_path=train_path)

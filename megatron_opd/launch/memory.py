@@ -53,7 +53,7 @@ t / PP / DP tensor / pipeline / data-parallel sizes.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,8 +70,25 @@ GIB = 1 << 30
 VLLM_OVERHEAD_BYTES = 3 * GIB
 """vLLM's non-KV working memory assumed by the estimate (CUDA graphs, sampler, activations)."""
 
+DEEPSEEK_V3 = dict(
+    model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+    num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256,
+    routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128,
+    qk_nope_head_dim=128, topk_method="noaux_tc", n_group=8, topk_group=4, num_experts_per_tok=8,
+    first_k_dense_replace=3, norm_topk_prob=True, scoring_func="sigmoid", max_position_embeddings=163840,
+    rope_theta=10000.0, tie_word_embeddings=False, rms_norm_eps=1e-6, num_nextn_predict_layers=1,
+    rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
+                      mscale=1.0, mscale_all_dim=1.0),
+    quantization_config=dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128]),
+)  # fmt: skip
+"""DeepSeek-V3's (and R1's) published ``config.json`` sizes, FP8 block quantisation included: 671.0e9 parameters
+without the multi-token-prediction layer (the 685B of the checkpoint counts its 14B too; megatron-opd skips it).
+Kept here, not in the family's ``memory_configs``, while ``models/families/deepseek_v3.py`` is being changed."""
+
 KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
-    name: dict(fields) for family in FAMILIES.values() for name, fields in family.memory_configs.items()
+    **{name: dict(fields) for family in FAMILIES.values() for name, fields in family.memory_configs.items()},
+    "DeepSeek-V3": dict(DEEPSEEK_V3),
+    "DeepSeek-R1": dict(DEEPSEEK_V3),
 }
 """``config.json`` sizes of the recipes' models, used when a model folder is not on this machine (keyed by the
 folder's name): the estimate then runs anywhere. Each family declares its own (``ModelFamily.memory_configs``)."""
@@ -112,6 +129,8 @@ class ParamShard:
     """Split over the TP ranks of its stage (else every rank holds all of it)."""
     per_rank: int
     """Elements on one TP rank of its stage (vocabulary padding included)."""
+    shape: tuple[int, ...] = ()
+    """The tensor's checkpoint shape (where FP8 block quantisation applies: 2-D weights)."""
 
 
 def _per_rank(rule: WeightRule, name: str, numel: int, arch: ModelArchitecture, tp: int, vocab_multiple) -> int:
@@ -146,6 +165,8 @@ def shard_parameters(
     layers_per_stage = arch.num_layers // pp
     shards = []
     for rule, layer in expand_rules(arch):
+        if rule.buffer:  # DeepSeek-V3's expert bias: a buffer (E floats a layer), not a parameter
+            continue
         if layer is not None:
             stage = layer // layers_per_stage
         else:
@@ -157,7 +178,7 @@ def shard_parameters(
                 per_rank = _per_rank(rule, name, numel, arch, etp, vocab_multiple) // ep
             else:
                 per_rank = _per_rank(rule, name, numel, arch, tp, vocab_multiple)
-            shards.append(ParamShard(name, stage, numel, split, per_rank))
+            shards.append(ParamShard(name, stage, numel, split, per_rank, tuple(shape)))
     total = sum(p.numel() for p in model.parameters())
     placed = sum(s.numel for s in shards)
     if placed != total:
@@ -168,7 +189,7 @@ def shard_parameters(
         )
     if arch.tie_word_embeddings and pp > 1:
         embedding = shards[0]
-        shards.append(ParamShard(embedding.name, pp - 1, embedding.numel, True, embedding.per_rank))
+        shards.append(replace(embedding, stage=pp - 1))
     return shards
 
 
@@ -180,9 +201,50 @@ def stage_params(shards: list[ParamShard], pp: int) -> list[int]:
     return totals
 
 
-def layer_activation_elements(arch: ModelArchitecture, tp: int, sequence_parallel: bool, cp: int = 1) -> float:
-    """``A``: elements one layer keeps per token of this rank for its backward (see the module docstring)."""
-    h, d, f, s = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size, tp if sequence_parallel else 1
+def _mla_attention_elements(arch: ModelArchitecture, tp: int) -> float:
+    """Multi-latent attention's saved tensors per token: the query and key/value latents and their normalised copies
+    (replicated over TP), the up-projections' outputs, the RoPE'd q and k (every head's rotary key expanded) and a
+    contiguous v, SDPA's output and log-sum-exp, RoPE's cos and sin."""
+    mla, n = arch.mla, arch.num_attention_heads / tp
+    qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    latents = 2 * mla.kv_lora_rank + 1 + mla.kv_lora_rank + mla.qk_rope_head_dim
+    if mla.q_lora_rank is not None:
+        latents += 2 * mla.q_lora_rank + 1
+    heads = n * (qk + (mla.qk_nope_head_dim + mla.v_head_dim) + 2 * qk + mla.v_head_dim + mla.v_head_dim + 1)
+    return latents + heads + 4 * mla.qk_rope_head_dim
+
+
+def _mlp_elements(arch: ModelArchitecture, tp: int, s: int, etp: int, layer: int | None) -> float:
+    """The layer's MLP: dense SwiGLU ``5F/t``; an MoE layer's router scores (``2E + 2k``, on this rank's tokens),
+    each token's k routed copies (the permuted input and the combined output, ``2h``, and an expert's SwiGLU
+    ``5·F_e/etp``, as many copies arriving from the other expert-parallel ranks as leave: balanced load) and the
+    shared expert's SwiGLU. ``layer=None``: the larger of the two kinds."""
+    dense = 5 * arch.ffn_hidden_size / tp
+    moe = arch.moe
+    if moe is None:
+        return dense
+    k, e = moe.top_k, moe.num_experts
+    routed = (2 * e + 2 * k) / s + k * (2 * arch.hidden_size + 5 * moe.expert_ffn_hidden_size / etp)
+    routed += 5 * moe.shared_expert_ffn_hidden_size / tp
+    if layer is None:
+        return max(routed, dense) if len(moe.layers) < arch.num_layers else routed
+    return routed if layer in moe.layers else dense
+
+
+def layer_activation_elements(
+    arch: ModelArchitecture,
+    tp: int,
+    sequence_parallel: bool,
+    cp: int = 1,
+    layer: int | None = None,
+    etp: int | None = None,
+) -> float:
+    """``A``: elements one layer keeps per token of this rank for its backward (see the module docstring); ``layer``
+    picks a dense or an MoE MLP (None: the larger), ``etp`` the experts' tensor-parallel size (default ``tp``)."""
+    h, d, s = arch.hidden_size, arch.head_dim, tp if sequence_parallel else 1
+    mlp = _mlp_elements(arch, tp, s, etp or tp, layer)
+    if arch.mla is not None:  # context parallelism is not modelled for multi-latent attention
+        return 2 * (3 * h + 1) / s + _mla_attention_elements(arch, tp) + mlp
     nq, nkv = arch.num_attention_heads / tp, arch.num_key_value_heads / tp
     attention = (nq + 2 * nkv) * d + 4 * d
     if cp == 1:
@@ -191,12 +253,14 @@ def layer_activation_elements(arch: ModelArchitecture, tp: int, sequence_paralle
         attention += (cp + 1) * (2 * nq * d + nq) + 2 * cp * nkv * d + nq * d
     if arch.qk_norm:
         attention += 2 * nq * d + nq + nkv * d + nkv
-    return 2 * (3 * h + 1) / s + attention + 5 * f / tp
+    return 2 * (3 * h + 1) / s + attention + mlp
 
 
-def layer_activation_bytes(arch: ModelArchitecture, tp: int, sequence_parallel: bool, width: int = 2) -> float:
-    """``A`` in bytes at ``width`` bytes an element (2: bf16)."""
-    return width * layer_activation_elements(arch, tp, sequence_parallel)
+def layer_activation_bytes(
+    arch: ModelArchitecture, tp: int, sequence_parallel: bool, width: int = 2, etp: int | None = None
+) -> float:
+    """The largest layer's ``A`` in bytes at ``width`` bytes an element (2: bf16)."""
+    return width * layer_activation_elements(arch, tp, sequence_parallel, etp=etp)
 
 
 @dataclass(frozen=True)
@@ -260,7 +324,9 @@ def student_rows(cfg, dp: int, bf16: bool, distributed: bool) -> list[DeviceMemo
     sp = tp if cfg.parallel.sequence_parallel else 1
     cp = cfg.parallel.context_parallel_size
     local = tokens / cp  # this rank's positions of the micro-batch
-    layer = layer_activation_elements(arch, tp, cfg.parallel.sequence_parallel, cp)
+    sequence_parallel = cfg.parallel.sequence_parallel
+    layer = layer_activation_elements(arch, tp, sequence_parallel, cp, etp=etp)  # the largest layer
+    per_stage = arch.num_layers // pp
     block = cfg.build.recompute_num_layers
     full = cfg.build.recompute == "full"
     vocab = arch.padded_vocab_size(tp, multiple) // tp
@@ -268,11 +334,15 @@ def student_rows(cfg, dp: int, bf16: bool, distributed: bool) -> list[DeviceMemo
     for stage, params in enumerate(stage_params(shards, pp)):
         last = stage == pp - 1
         in_flight = min(pp - stage, max(micro_batches, 1))
-        per_layer = arch.hidden_size / sp / block if full else layer  # full: one input per block of layers
-        kept = per_layer * arch.num_layers / pp * local * in_flight
+        layers = range(stage * per_stage, (stage + 1) * per_stage)
+        if full:  # one input per block of layers
+            kept = arch.hidden_size / sp / block * per_stage * local * in_flight
+        else:
+            kept = sum(layer_activation_elements(arch, tp, sequence_parallel, cp, i, etp) for i in layers)
+            kept *= local * in_flight
         kept += (3 * arch.hidden_size + 1) / sp * local if last else 0  # the final norm
         logits = _logit_tokens(cfg, int(local), vocab) * vocab * 4 * width if last else 0  # bytes
-        recomputing = min(block, arch.num_layers // pp) * layer * local * width if full else 0
+        recomputing = min(block, per_stage) * layer * local * width if full else 0
         activations = kept * width + max(logits, recomputing)
         rows.append(
             DeviceMemory(
@@ -313,7 +383,7 @@ def _forward_rows(
     vocab = arch.padded_vocab_size(tp, multiple) // tp
     rows = []
     for stage, params in enumerate(stage_params(shards, pp)):
-        activations = layer_activation_bytes(arch, tp, False, width) * tokens
+        activations = layer_activation_bytes(arch, tp, arch.moe is not None and tp > 1, width, etp) * tokens
         activations += tokens * vocab * 6 if stage == pp - 1 else 0
         rows.append(
             DeviceMemory(
@@ -329,7 +399,8 @@ def _forward_rows(
 
 
 def teacher_memory(recipe: Recipe) -> list[DeviceMemory]:
-    """One row per pipeline stage of a teacher replica."""
+    """One row per pipeline stage of a teacher-server replica (TP x PP, and EP data-parallel copies of the dense part
+    sharing the experts)."""
     cfg, layout = recipe.train, recipe.launch.teacher
     multiple = ModelBuildConfig().make_vocab_size_divisible_by  # the server builds with the default
     seq = (
@@ -337,9 +408,89 @@ def teacher_memory(recipe: Recipe) -> list[DeviceMemory]:
         or architecture_from_hf_config(hf_config(cfg.teacher.path).to_dict()).max_position_embeddings
     )
     tokens = min(layout.micro_batch_size * seq, layout.max_batch_tokens)
-    replicas = len(layout.nodes) * recipe.launch.gpus_per_node // (layout.tp * layout.pp)
-    layout_name = f"TP={layout.tp} PP={layout.pp} x{replicas}"
-    return _forward_rows("teacher server", layout_name, cfg.teacher.path, layout.tp, layout.pp, multiple, tokens, 2)
+    replicas = len(layout.nodes) * recipe.launch.gpus_per_node // (layout.tp * layout.pp * layout.ep)
+    ep = f" EP={layout.ep}" if layout.ep > 1 else ""
+    layout_name = f"TP={layout.tp} PP={layout.pp}{ep} x{replicas}"
+    return _forward_rows("teacher server", layout_name, cfg.teacher.path, layout.tp, layout.pp, multiple, tokens, 2,
+                         layout.ep)  # fmt: skip
+
+
+FP8_BLOCK = (128, 128)
+"""DeepSeek-V3's FP8 block size (``quantization_config.weight_block_size``): one fp32 scale per block."""
+
+
+def fp8_quantised(config, shard: ParamShard) -> bool:
+    """Whether vLLM holds ``shard`` in FP8: the config declares FP8 (``quantization_config.quant_method``) and the
+    tensor is a layer's linear weight (2-D) other than the router's, as DeepSeek-V3's checkpoint stores them
+    (embedding, output layer, norms and routers stay bf16)."""
+    quant = getattr(config, "quantization_config", None) or {}
+    quant = quant if isinstance(quant, dict) else quant.to_dict()
+    if quant.get("quant_method") != "fp8":
+        return False
+    skipped = quant.get("modules_to_not_convert") or []
+    name = shard.name.removesuffix(".weight")
+    return (
+        len(shard.shape) == 2
+        and shard.name.startswith("model.layers.")
+        and not shard.name.endswith("mlp.gate.weight")
+        and not any(name == m or name.startswith(f"{m}.") for m in skipped)
+    )
+
+
+def _vllm_weight_bytes(config, shards: list[ParamShard]) -> float:
+    """Bytes of one GPU's weights in vLLM: 1 per FP8 element plus its blocks' fp32 scales, else 2 (bf16)."""
+    total = 0.0
+    for shard in shards:
+        if fp8_quantised(config, shard):
+            blocks = math.ceil(shard.shape[0] / FP8_BLOCK[0]) * math.ceil(shard.shape[1] / FP8_BLOCK[1])
+            total += shard.per_rank * (1 + 4 * blocks / shard.numel)
+        else:
+            total += 2 * shard.per_rank
+    return total
+
+
+def kv_bytes_per_token(arch: ModelArchitecture, tp: int, layers: int) -> int:
+    """vLLM's bf16 KV cache per token on one GPU for ``layers`` layers: keys and values of the GPU's KV heads, or
+    for multi-latent attention the compressed latent and the rotary key (``kv_lora_rank + qk_rope_head_dim``), which
+    every TP rank holds whole."""
+    if arch.mla is not None:
+        return layers * (arch.mla.kv_lora_rank + arch.mla.qk_rope_head_dim) * 2
+    return 2 * layers * max(arch.num_key_value_heads // tp, 1) * arch.head_dim * 2
+
+
+VLLM_REPLICATED = ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight")
+"""Multi-latent attention's down-projections, which vLLM holds whole on every TP rank (``ReplicatedLinear``; Megatron
+splits them)."""
+
+
+def vllm_teacher_memory(recipe: Recipe) -> list[DeviceMemory]:
+    """One row per pipeline stage of a vLLM teacher server (``teacher.backend=vllm``): its weights as the checkpoint
+    stores them (FP8 where the config says so) and the KV cache the rest of its budget holds."""
+    cfg, launch, layout = recipe.train, recipe.launch, recipe.launch.teacher
+    config = hf_config(cfg.teacher.path)
+    arch, shards = _model(cfg.teacher.path, layout.tp, layout.pp, vocab_multiple=None)
+    shards = [replace(s, per_rank=s.numel) if s.name.endswith(VLLM_REPLICATED) else s for s in shards]
+    budget = layout.gpu_memory_utilization * launch.gpu_memory_gib * GIB
+    replicas = len(layout.nodes) * launch.gpus_per_node // (layout.tp * layout.pp)
+    fp8 = any(fp8_quantised(config, shard) for shard in shards)
+    rows = []
+    for stage in range(layout.pp):
+        mine = [shard for shard in shards if shard.stage == stage]
+        weights = _vllm_weight_bytes(config, mine)
+        kv_cache = max(budget - weights - VLLM_OVERHEAD_BYTES, 0.0)
+        per_token = kv_bytes_per_token(arch, layout.tp, arch.num_layers // layout.pp)
+        rows.append(
+            DeviceMemory(
+                "vllm teacher",
+                f"TP={layout.tp} PP={layout.pp} x{replicas}, stage {stage}",
+                sum(shard.per_rank for shard in mine),
+                weights=weights,
+                activations=kv_cache,
+                note=f"{'FP8 block-quantised' if fp8 else 'bf16'} weights; KV cache holds "
+                f"{kv_cache / per_token / 1e3:.0f}k tokens",
+            )
+        )
+    return rows
 
 
 def vllm_memory(recipe: Recipe) -> DeviceMemory:
@@ -350,7 +501,7 @@ def vllm_memory(recipe: Recipe) -> DeviceMemory:
     (params,) = stage_params(shards, 1)
     budget = launch.rollout.gpu_memory_utilization * launch.gpu_memory_gib * GIB
     kv_cache = max(budget - 2 * params - VLLM_OVERHEAD_BYTES, 0.0)
-    kv_per_token = 2 * arch.num_layers * (arch.num_key_value_heads // tp) * arch.head_dim * 2
+    kv_per_token = kv_bytes_per_token(arch, tp, arch.num_layers)
     servers = len(launch.rollout.nodes) * launch.gpus_per_node // tp
     sequences = -(-cfg.train.prompts_per_step * cfg.rollout.n // servers)
     seq = cfg.train.max_seq_len or arch.max_position_embeddings
@@ -364,8 +515,10 @@ def vllm_memory(recipe: Recipe) -> DeviceMemory:
 
 
 def recipe_memory(recipe: Recipe) -> list[DeviceMemory]:
-    """Every job's per-device rows: teacher stages, student stages, one vLLM GPU."""
-    return [*teacher_memory(recipe), *student_memory(recipe), vllm_memory(recipe)]
+    """Every job's per-device rows: teacher stages (a teacher server's or a vLLM teacher's), student stages, one vLLM
+    GPU."""
+    teacher = vllm_teacher_memory(recipe) if recipe.train.teacher.backend == "vllm" else teacher_memory(recipe)
+    return [*teacher, *student_memory(recipe), vllm_memory(recipe)]
 
 
 def format_table(rows: list[DeviceMemory], gpu_memory_gib: float | None) -> str:

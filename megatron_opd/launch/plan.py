@@ -23,14 +23,23 @@ class Process:
     gpus: tuple[int, ...]
     """The node's GPUs it sees (``CUDA_VISIBLE_DEVICES``)."""
     argv: tuple[str, ...]
+    secret_env: tuple[tuple[str, str], ...] = ()
+    """``(variable, file)``: set from the file's contents when the process starts (a secret kept off the command
+    line, e.g. vLLM's ``VLLM_API_KEY``)."""
 
     @property
     def env(self) -> dict[str, str]:
         return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, self.gpus))}
 
+    def secrets(self) -> dict[str, str]:
+        """``secret_env`` read now (on the node, once the files exist)."""
+        return {name: Path(path).read_text().strip() for name, path in self.secret_env}
+
     def shell(self) -> str:
-        """The command as one shell line, environment first."""
-        return " ".join(f"{k}={v}" for k, v in self.env.items()) + " " + shlex.join(self.argv)
+        """The command as one shell line, environment first (secrets as ``$(cat FILE)``)."""
+        env = [f"{k}={v}" for k, v in self.env.items()]
+        env += [f'{name}="$(cat {shlex.quote(path)})"' for name, path in self.secret_env]
+        return " ".join(env) + " " + shlex.join(self.argv)
 
 
 @dataclass
@@ -40,7 +49,7 @@ class Plan:
     hosts: list[str]
     processes: list[Process] = field(default_factory=list)
     teacher_addresses: list[str] = field(default_factory=list)
-    """``host:port`` of every teacher replica (where its rank 0 binds)."""
+    """``host:port`` of every teacher replica (where its rank 0 binds); ``http://host:port`` for vLLM teachers."""
     rollout_addresses: list[str] = field(default_factory=list)
     """``host:port`` of every vLLM server."""
 
@@ -60,29 +69,35 @@ def token_file(recipe: Recipe) -> str:
     return str(Path(recipe.launch.run_dir) / "teacher.token")
 
 
+def _teacher_groups(recipe: Recipe) -> list[tuple[list[int], int]]:
+    """Each teacher replica's ``(nodes, slot)``: replicas smaller than a node packed onto every teacher node (slot:
+    its place there), larger ones over consecutive nodes."""
+    layout, gpus = recipe.launch.teacher, recipe.launch.gpus_per_node
+    size = layout.tp * layout.pp * layout.ep
+    if size <= gpus:
+        if gpus % size:
+            raise ValueError(f"teacher tp x pp x ep = {size} must divide gpus_per_node={gpus} (or be a multiple of it)")
+        return [([node], slot) for node in layout.nodes for slot in range(gpus // size)]
+    if size % gpus or len(layout.nodes) % (size // gpus):
+        raise ValueError(
+            f"a teacher replica of tp x pp x ep = {size} GPUs spans {size / gpus:g} nodes: give teacher.nodes a "
+            f"multiple of that many nodes (got {len(layout.nodes)}) and a tp x pp x ep that is a multiple of {gpus}"
+        )
+    span = size // gpus
+    return [(layout.nodes[i : i + span], 0) for i in range(0, len(layout.nodes), span)]
+
+
 def _teacher(recipe: Recipe, plan: Plan) -> None:
     layout, gpus = recipe.launch.teacher, recipe.launch.gpus_per_node
-    size = layout.tp * layout.pp
-    if size <= gpus:
-        if size < 1 or gpus % size:
-            raise ValueError(f"teacher tp x pp = {size} must divide gpus_per_node={gpus} (or be a multiple of it)")
-        groups = [([node], slot) for node in layout.nodes for slot in range(gpus // size)]
-    else:
-        if size % gpus or len(layout.nodes) % (size // gpus):
-            raise ValueError(
-                f"a teacher replica of tp x pp = {size} GPUs spans {size / gpus:g} nodes: give teacher.nodes a "
-                f"multiple of that many nodes (got {len(layout.nodes)}) and a tp x pp that is a multiple of {gpus}"
-            )
-        span = size // gpus
-        groups = [(layout.nodes[i : i + span], 0) for i in range(0, len(layout.nodes), span)]
-    per_node = min(size, gpus)
+    per_node = min(layout.tp * layout.pp * layout.ep, gpus)
     train = recipe.train
-    for replica, (nodes, slot) in enumerate(groups):
+    for replica, (nodes, slot) in enumerate(_teacher_groups(recipe)):
         master = plan.hosts[nodes[0]]
         port = layout.port + slot
         serve = [
             "-m", "megatron_opd.teacher.serve", "--model", train.teacher.path, "--tp", str(layout.tp),
-            "--pp", str(layout.pp), "--host", "0.0.0.0", "--port", str(port), "--token-file", token_file(recipe),
+            "--pp", str(layout.pp), *(["--ep", str(layout.ep)] if layout.ep > 1 else []), "--host", "0.0.0.0",
+            "--port", str(port), "--token-file", token_file(recipe),
             "--topk", str(train.loss.topk), "--micro-batch-size", str(layout.micro_batch_size),
             "--max-batch-tokens", str(layout.max_batch_tokens),
             "--ready-file", str(Path(recipe.launch.run_dir) / f"teacher-{replica}.ready"), *layout.extra_args,
@@ -92,6 +107,40 @@ def _teacher(recipe: Recipe, plan: Plan) -> None:
             devices = tuple(range(slot * per_node, (slot + 1) * per_node))
             plan.processes.append(Process(f"teacher-{replica}", node, devices, tuple(argv)))
         plan.teacher_addresses.append(f"{master}:{port}")
+
+
+VLLM_API_SERVER = "vllm.entrypoints.openai.api_server"
+
+
+def _vllm_teacher(recipe: Recipe, plan: Plan) -> None:
+    """vLLM's OpenAI-compatible server per teacher replica (``teacher.backend=vllm``): ``--max-logprobs`` of
+    ``loss.topk``, the teacher token as its API key (``VLLM_API_KEY``, read from the token file on the node); a
+    replica over several nodes runs vLLM's multi-node mode (``--nnodes``, ``--node-rank``, the others
+    ``--headless``)."""
+    layout, gpus, train = recipe.launch.teacher, recipe.launch.gpus_per_node, recipe.train
+    per_node = min(layout.tp * layout.pp, gpus)
+    for replica, (nodes, slot) in enumerate(_teacher_groups(recipe)):
+        master = plan.hosts[nodes[0]]
+        port = layout.port + slot
+        serve = [
+            "python", "-m", VLLM_API_SERVER, "--model", train.teacher.path, "--host", "0.0.0.0", "--port", str(port),
+            "--tensor-parallel-size", str(layout.tp), "--pipeline-parallel-size", str(layout.pp),
+            "--max-logprobs", str(train.loss.topk), "--gpu-memory-utilization", str(layout.gpu_memory_utilization),
+        ]  # fmt: skip
+        if train.train.max_seq_len and train.loss.cross_tokenizer == "off":  # the teacher's own tokens: no bound
+            serve += ["--max-model-len", str(train.train.max_seq_len + 1)]  # one extra token a prompt (teacher.md)
+        for rank, node in enumerate(nodes):
+            argv = list(serve)
+            if len(nodes) > 1:
+                argv += ["--nnodes", str(len(nodes)), "--node-rank", str(rank), "--master-addr", master,
+                         "--master-port", str(layout.master_port + slot)]  # fmt: skip
+                argv += ["--headless"] if rank else []
+            devices = tuple(range(slot * per_node, (slot + 1) * per_node))
+            secret = (("VLLM_API_KEY", token_file(recipe)),)
+            plan.processes.append(
+                Process(f"teacher-{replica}", node, devices, (*argv, *layout.extra_args), secret_env=secret)
+            )
+        plan.teacher_addresses.append(f"http://{master}:{port}")
 
 
 def _rollout(recipe: Recipe, plan: Plan) -> None:
@@ -147,7 +196,7 @@ def build_plan(recipe: Recipe, hosts: list[str]) -> Plan:
     if len(hosts) < nodes_needed(recipe):
         raise ValueError(f"{recipe.name} needs {nodes_needed(recipe)} nodes, the job has {len(hosts)}: {hosts}")
     plan = Plan(hosts=list(hosts))
-    _teacher(recipe, plan)
+    (_vllm_teacher if recipe.train.teacher.backend == "vllm" else _teacher)(recipe, plan)
     _rollout(recipe, plan)
     _trainer(recipe, plan)
     return plan

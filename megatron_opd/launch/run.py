@@ -1,5 +1,5 @@
 """Run this node's share of a plan: start its servers, and where the trainer runs, start it once every teacher
-server answers a health check (PING) and every vLLM server's ``/health`` says 200. Any process that stops
+server answers a health check (PING) and every vLLM server's ``/health`` (vLLM teachers' too) says 200. Any process that stops
 stops the node (Slurm's ``srun --kill-on-bad-exit`` then ends the other nodes)."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _vllm_ready(address: str) -> bool:
 
 def _start(process: Process, log_dir: Path) -> subprocess.Popen:
     logger.info("starting %s: %s", process.job, process.shell())
-    env = {**os.environ, **process.env}
+    env = {**os.environ, **process.env, **process.secrets()}
     if process.job == TRAINER:  # the trainer keeps the terminal; servers log to files (a node may run eight)
         return subprocess.Popen(process.argv, env=env, start_new_session=True)
     with open(log_dir / f"{process.node}.{process.job}.log", "ab") as log:
@@ -101,7 +101,9 @@ def run_node(plan: Plan, node: int, run_dir: Path, wait_timeout_s: float) -> int
         trainer = [p for p in processes if p.job == TRAINER]
         if trainer:
             deadline = time.monotonic() + wait_timeout_s
-            pending = [("teacher", a) for a in plan.teacher_addresses] + [("vllm", a) for a in plan.rollout_addresses]
+            teachers = [("vllm", a.removeprefix("http://")) if a.startswith("http://") else ("teacher", a)
+                        for a in plan.teacher_addresses]  # fmt: skip
+            pending = teachers + [("vllm", a) for a in plan.rollout_addresses]
             while pending:
                 if (gone := _exited(children)) is not None:
                     logger.error("%s exited with %s before the trainer started", *gone)
