@@ -354,7 +354,8 @@ def test_deepseek_v3_counts_671b_and_a_thirty_second_of_the_experts_per_gpu():
     assert sum(s.per_rank * (8 if s.split else 1) for s in shards) == (  # one expert-parallel rank's TP group
         count + 2 * (130048 - VOCAB) * H - ROUTED + ROUTED // 4  # vocabulary padded to 1,024 x 127; experts / EP
     )
-    replicated = LAYERS * (2 * H + Q_RANK + KV_RANK) + H + (LAYERS - DENSE) * EXPERTS * H  # norms, routers
+    # norms, the key/value down projection (whole on every TP rank: families/deepseek_v3.py), routers
+    replicated = LAYERS * (2 * H + Q_RANK + KV_RANK + H * (KV_RANK + ROPE)) + H + (LAYERS - DENSE) * EXPERTS * H
     (per_gpu,) = stage_params(shards, 1)
     assert per_gpu == (DENSE_PART - 2 * VOCAB * H - replicated) // 8 + 2 * 130048 * H // 8 + replicated + ROUTED // 32
 

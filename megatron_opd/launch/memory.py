@@ -70,25 +70,8 @@ GIB = 1 << 30
 VLLM_OVERHEAD_BYTES = 3 * GIB
 """vLLM's non-KV working memory assumed by the estimate (CUDA graphs, sampler, activations)."""
 
-DEEPSEEK_V3 = dict(
-    model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
-    num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256,
-    routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128,
-    qk_nope_head_dim=128, topk_method="noaux_tc", n_group=8, topk_group=4, num_experts_per_tok=8,
-    first_k_dense_replace=3, norm_topk_prob=True, scoring_func="sigmoid", max_position_embeddings=163840,
-    rope_theta=10000.0, tie_word_embeddings=False, rms_norm_eps=1e-6, num_nextn_predict_layers=1,
-    rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
-                      mscale=1.0, mscale_all_dim=1.0),
-    quantization_config=dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128]),
-)  # fmt: skip
-"""DeepSeek-V3's (and R1's) published ``config.json`` sizes, FP8 block quantisation included: 671.0e9 parameters
-without the multi-token-prediction layer (the 685B of the checkpoint counts its 14B too; megatron-opd skips it).
-Kept here, not in the family's ``memory_configs``, while ``models/families/deepseek_v3.py`` is being changed."""
-
 KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
-    **{name: dict(fields) for family in FAMILIES.values() for name, fields in family.memory_configs.items()},
-    "DeepSeek-V3": dict(DEEPSEEK_V3),
-    "DeepSeek-R1": dict(DEEPSEEK_V3),
+    name: dict(fields) for family in FAMILIES.values() for name, fields in family.memory_configs.items()
 }
 """``config.json`` sizes of the recipes' models, used when a model folder is not on this machine (keyed by the
 folder's name): the estimate then runs anywhere. Each family declares its own (``ModelFamily.memory_configs``)."""

@@ -388,6 +388,20 @@ TINY_DEEPSEEK = dict(
 """Tiny test model: 16 experts in 4 groups, top-4 of the 8 in the best 2 groups, a shared expert, layer 0 dense, q-LoRA,
 value heads narrower than query/key heads, YaRN with DeepSeek's two magnitude scales."""
 
+DEEPSEEK_V3_CONFIG = dict(
+    model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+    num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256,
+    routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128,
+    qk_nope_head_dim=128, topk_method="noaux_tc", n_group=8, topk_group=4, num_experts_per_tok=8,
+    first_k_dense_replace=3, norm_topk_prob=True, scoring_func="sigmoid", max_position_embeddings=163840,
+    rope_theta=10000.0, tie_word_embeddings=False, rms_norm_eps=1e-6, num_nextn_predict_layers=1,
+    rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
+                      mscale=1.0, mscale_all_dim=1.0),
+    quantization_config=dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128]),
+)  # fmt: skip
+"""DeepSeek-V3's (and R1's) published ``config.json`` sizes, FP8 block quantisation included: 671.0e9 parameters
+without the multi-token-prediction layer (the checkpoint's 685B counts its 14B too; megatron-opd skips it)."""
+
 FAMILY = DeepSeekV3Family(
     name="deepseek_v3",
     model_types=("deepseek_v3",),
@@ -395,6 +409,7 @@ FAMILY = DeepSeekV3Family(
     check_config=check_config,
     expert_names=replace(QWEN_MOE_NAMES, shared="model.layers.{layer}.mlp.shared_experts"),
     tiny_config=TINY_DEEPSEEK,
+    memory_configs={"DeepSeek-V3": DEEPSEEK_V3_CONFIG, "DeepSeek-R1": DEEPSEEK_V3_CONFIG},
     test_shapes={
         "deepseek_v3_mla": dict(
             tied=False, kv_heads=4, vocab_size=1000, rope="yarn", mlp="moe+shared-expert+dense-layer"
