@@ -177,3 +177,29 @@ def test_logits_match_transformers_at_tp1_and_tp2(deepseek_dirs):
             assert bias.keys() == initial.keys() and bias, layout
             for name, value in bias.items():  # the load-driven bias updates: the same tokens per expert everywhere
                 assert torch.equal(value, initial[name]), f"{layout}: expert bias {name} differs from TP=1's"
+
+
+def test_what_deepseek_v3_cannot_run_is_refused_before_any_model(tmp_path):
+    """Context parallelism (not wired for multi-latent attention) and the expert-bias update rate on a student
+    without the bias are refused by name; a negative rate is refused by the build config itself."""
+    from megatron_opd.config import parse_args
+    from megatron_opd.distributed import ParallelConfig
+    from megatron_opd.models.architecture import architecture_from_hf_config
+    from megatron_opd.models.builder import ModelBuildConfig, validate_layout
+    from megatron_opd.testing.tiny_models import make_tiny_hf_model, make_tiny_tokenizer, tiny_hf_config
+    from megatron_opd.trainer.config import TrainConfig
+    from megatron_opd.trainer.setup import check_inputs
+
+    arch = architecture_from_hf_config(tiny_hf_config("deepseek_v3").to_dict())
+    with pytest.raises(ValueError, match="context parallelism is not wired for multi-latent attention"):
+        validate_layout(arch, ParallelConfig(context_parallel_size=2))
+    with pytest.raises(ValueError, match="build.moe_router_bias_update_rate must be a number >= 0"):
+        ModelBuildConfig(moe_router_bias_update_rate=-1e-3)
+    qwen3_moe = make_tiny_hf_model("qwen3_moe", tmp_path / "student", seed=0)
+    make_tiny_tokenizer(qwen3_moe, vocab_size=1000)
+    (tmp_path / "train.jsonl").write_text('{"prompt": "a", "answer": "b"}\n')
+    cfg = parse_args(TrainConfig, [f"student.path={qwen3_moe}", "teacher.path=", "loss.kind=sft",
+                                   f"data.train_files={tmp_path / 'train.jsonl'}", "data.eval_files=",
+                                   "build.moe_router_bias_update_rate=0.001"])  # fmt: skip
+    with pytest.raises(ValueError, match="has no router with an expert bias to update"):
+        check_inputs(cfg)
