@@ -29,6 +29,7 @@ LAYOUTS = {  # the matrix's layouts: name -> (world size, layout)
     "pp2_vp2": (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
     "tp2_ep2": (4, dict(tensor_model_parallel_size=2, expert_model_parallel_size=2)),
 }
+DEEPSEEK_LAYOUT = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, expert_model_parallel_size=2)
 ROUND_TRIP_PATH = "tools/checkpoint round trip (bitwise)"
 ROUND_TRIP_CELLS = [(layout, name) for layout in MATRIX[ROUND_TRIP_PATH] for name in shapes_at(ROUND_TRIP_PATH, layout)]
 
@@ -101,6 +102,11 @@ def converted(sources, tp4_sources, shape_dirs, tmp_path_factory) -> dict[str, d
         ckpt, back = root / f"{key}_mcore", root / f"{key}_back"
         jobs.append((shape_dirs[name], str(ckpt), LAYOUTS[layout][1], str(back), 5 * 10**9, None))
         out[key] = {"hf": shape_dirs[name], "mcore": str(ckpt), "back": str(back)}
+    # DeepSeek-V3 (the expert bias buffer, multi-latent attention) also split over pipeline stages.
+    key = "deepseek_v3_mla@tp2_pp2_ep2"
+    ckpt, back = root / f"{key}_mcore", root / f"{key}_back"
+    jobs.append((shape_dirs["deepseek_v3_mla"], str(ckpt), DEEPSEEK_LAYOUT, str(back), 5 * 10**9, None))
+    out[key] = {"hf": shape_dirs["deepseek_v3_mla"], "mcore": str(ckpt), "back": str(back)}
     # The sharded llama's export is split into several safetensors files.
     ckpt, back = root / "llama_mcore", root / "llama_back"
     jobs.append((sources["llama"], str(ckpt), ROUND_TRIP, str(back), 300_000, None))
@@ -135,6 +141,12 @@ def _assert_same_hf(original_dir: str | Path, exported_dir: str | Path, what: st
 def test_round_trip_is_bitwise(layout, shape, converted):
     paths = converted[f"{shape}@{layout}"]
     _assert_same_hf(paths["hf"], paths["back"], f"round trip of {shape} at {layout}")
+
+
+def test_deepseek_v3_round_trip_at_tp2_pp2_ep2_is_bitwise(converted):
+    """Beside the matrix's TP=2xEP=2 cell: DeepSeek-V3's four layers (one dense) over two pipeline stages too."""
+    paths = converted["deepseek_v3_mla@tp2_pp2_ep2"]
+    _assert_same_hf(paths["hf"], paths["back"], "round trip of deepseek_v3_mla at TP=2 x PP=2 x EP=2")
 
 
 def _export_each(jobs: list[tuple[str, str, str]]) -> None:
