@@ -1,6 +1,6 @@
 """Run this node's share of a plan: start its servers, and where the trainer runs, start it once every teacher
-server answers a health check (PING) and every vLLM server's ``/health`` (vLLM teachers' too) says 200. Any process that stops
-stops the node (Slurm's ``srun --kill-on-bad-exit`` then ends the other nodes)."""
+server answers a health check (PING) and every vLLM server's ``/health`` (vLLM teachers' too) says 200. Any process
+that stops stops the node (Slurm's ``srun --kill-on-bad-exit`` then ends the other nodes)."""
 
 from __future__ import annotations
 

@@ -129,9 +129,9 @@ def validate_layout(arch: ModelArchitecture, parallel: ParallelConfig) -> None:
         validate_expert_layout(arch, parallel)
     if arch.mla is not None and parallel.context_parallel_size > 1:
         raise ValueError(
-            f"context_parallel_size={parallel.context_parallel_size}: context parallelism is not wired for multi-latent "
-            f"attention ({arch.family} models; its rotary key and latent are not split over context-parallel ranks); "
-            "set parallel.context_parallel_size=1"
+            f"context_parallel_size={parallel.context_parallel_size}: context parallelism is not wired for "
+            f"multi-latent attention ({arch.family} models; its rotary key and latent are not split over "
+            "context-parallel ranks); set parallel.context_parallel_size=1"
         )
     stages = parallel.pipeline_model_parallel_size * parallel.vp_size
     if arch.num_layers % stages:
