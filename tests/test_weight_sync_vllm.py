@@ -111,6 +111,7 @@ def _sync_case(hf_dir: str, weight_sync: str, parallel, accel, log_file: str) ->
     student.step([{"tokens": torch.tensor([fixed[0]])}], _loss)
     for chunk in chunks:
         chunk.eval()
+    out["bias_moved"] = _move_expert_bias(chunks, fixed, arch.vocab_size)
     rollout.sync_weights(1)
     snapshot(1)
     if builtin is not None:
@@ -118,6 +119,22 @@ def _sync_case(hf_dir: str, weight_sync: str, parallel, accel, log_file: str) ->
         out["builtin_greedy_b"] = builtin.generate(PROMPTS, greedy, 1).result()
     rollout.close()
     return out
+
+
+def _move_expert_bias(chunks, fixed: list[list[int]], vocab_size: int) -> float | None:
+    """Give every router's expert bias (DeepSeek-V3's ``e_score_correction_bias``, a buffer the optimizer step leaves
+    as it is) new values, so a sync that left it stale would fail; how far that alone moved the trainer's
+    log-probs (None off the gathering rank or without an expert bias)."""
+    biases = [b for chunk in chunks for name, b in chunk.named_buffers() if name.endswith("router.expert_bias")]
+    if not biases:
+        return None
+    before = trainer_logprobs(chunks, fixed, vocab_size)
+    gen = torch.Generator().manual_seed(7)  # the same values on every rank: the bias is replicated
+    with torch.no_grad():
+        for bias in biases:
+            bias.add_(0.1 * torch.randn(bias.shape, generator=gen).to(bias))
+    after = trainer_logprobs(chunks, fixed, vocab_size)
+    return None if before is None else _max_err(after, before)
 
 
 def _top2_gaps(chunks, seq: list[int], vocab_size: int) -> list[float] | None:
@@ -208,6 +225,8 @@ def _check(results: list[dict], with_builtin: bool) -> None:
     # The update moved the trainer, and vLLM followed it.
     moved = _max_err(trainer[1], trainer[0])
     assert moved > 100 * TOL, f"the optimizer step barely changed the model ({moved:.2e})"
+    for bias_moved in (r["bias_moved"] for r in results if r["bias_moved"] is not None):
+        assert bias_moved > 10 * TOL, f"the new expert bias barely changed the model ({bias_moved:.2e})"
     for v in (0, 1):
         rollouts, ref = [r[f"sampled{v}"] for r in results if r[f"sampled{v}"][1] is not None][0]
         assert rollouts.policy_version == v

@@ -71,6 +71,44 @@ class EngineOptions:
     """More ``vllm.LLM`` keyword arguments."""
 
 
+def _model_config(model_dir: str) -> dict[str, Any]:
+    import json
+    from pathlib import Path
+
+    path = Path(model_dir) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def check_vllm_routing_fields(model_dir: str) -> None:
+    """Refuse a DeepSeek-V3 ``config.json`` that vLLM would route differently from transformers and the trainer.
+
+    Both of those always route DeepSeek-V3 with sigmoid scores plus ``e_score_correction_bias``; vLLM 0.32 reads
+    ``scoring_func`` (default: softmax) and ``topk_method`` (the bias exists only with ``noaux_tc``) from the file.
+    Published checkpoints set both; transformers 5's ``save_pretrained`` drops them. Without ``scoring_func`` vLLM
+    samples from a silently different policy (1.4e-3 log-prob error on a tiny model)."""
+    cfg = _model_config(model_dir)
+    if cfg.get("model_type") != "deepseek_v3":
+        return
+    wrong = {k: cfg.get(k) for k, v in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")) if cfg.get(k) != v}
+    if wrong:
+        raise ValueError(
+            f"{model_dir}/config.json has {wrong}: vLLM would route this DeepSeek-V3 model differently from the "
+            'trainer; add "scoring_func": "sigmoid" and "topk_method": "noaux_tc" (as published DeepSeek-V3 '
+            "checkpoints have)"
+        )
+
+
+def cpu_attention_backend(model_dir: str, dtype: str) -> str | None:
+    """The attention kernel vLLM must use on CPU, where its own choice fails; None: vLLM's choice.
+
+    On an x86 CPU with AMX, vLLM 0.32 picks its AMX multi-latent-attention kernel for every MLA model (DeepSeek-V3),
+    but that kernel takes bf16 weights only (float32 fails at load: "expect weight to be bfloat16, float16, int8,
+    ..."); the reference kernel ``CPU_MLA`` runs any dtype."""
+    if dtype == "bfloat16" or "kv_lora_rank" not in _model_config(model_dir):
+        return None
+    return "CPU_MLA"
+
+
 def _build_llm(options: EngineOptions):
     import torch
     from vllm import LLM
@@ -101,6 +139,9 @@ def _build_llm(options: EngineOptions):
         )
     else:
         kwargs["distributed_executor_backend"] = "uni"
+        backend = cpu_attention_backend(options.model, options.dtype)
+        if backend is not None:
+            kwargs["attention_backend"] = backend
     kwargs.update(options.extra)
     return LLM(**kwargs)
 

