@@ -289,7 +289,7 @@ def test_vllm_engine_guards_deepseek_configs(tmp_path):
     multi-latent-attention model on CPU gets vLLM's reference MLA kernel (its AMX one takes bf16 only)."""
     import json
 
-    from megatron_opd.rollout.vllm_engine import check_vllm_routing_fields, cpu_attention_backend
+    from megatron_opd.rollout.vllm_engine import check_vllm_config, cpu_attention_backend
 
     def model(name: str, **cfg) -> str:
         (tmp_path / name).mkdir()
@@ -300,10 +300,10 @@ def test_vllm_engine_guards_deepseek_configs(tmp_path):
                       topk_method="noaux_tc")  # fmt: skip
     resaved = model("resaved", model_type="deepseek_v3", kv_lora_rank=512, topk_method="noaux_tc")
     qwen = model("qwen", model_type="qwen3_moe")
-    check_vllm_routing_fields(published)
-    check_vllm_routing_fields(qwen)
+    check_vllm_config(published)
+    check_vllm_config(qwen)
     with pytest.raises(ValueError, match=r"\{'scoring_func': None\}.*add \"scoring_func\": \"sigmoid\""):
-        check_vllm_routing_fields(resaved)
+        check_vllm_config(resaved)
     assert cpu_attention_backend(published, "float32") == "CPU_MLA"
     assert cpu_attention_backend(published, "bfloat16") is None
     assert cpu_attention_backend(qwen, "float32") is None

@@ -31,7 +31,7 @@ from megatron_opd.rollout.vllm_engine import (
     EngineOptions,
     EngineProcess,
     WeightsNotSynced,
-    check_vllm_routing_fields,
+    check_vllm_config,
 )
 from megatron_opd.weight_sync.buckets import DEFAULT_BUCKET_BYTES
 from megatron_opd.weight_sync.source import check_against, hf_metadata
@@ -100,7 +100,7 @@ class VLLMRollout:
                     raise ValueError("global rank 0 must be the weight source's sender (DP 0, PP stage 0, TP rank 0)")
                 # The engine's model must take exactly the tensors the student sends (names and shapes).
                 engine_arch = load_architecture(options.model)
-                check_vllm_routing_fields(options.model)
+                check_vllm_config(options.model)
                 check_against(
                     hf_metadata(source.arch, source.dtype),
                     hf_metadata(engine_arch, source.dtype),

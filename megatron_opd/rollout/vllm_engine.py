@@ -71,42 +71,30 @@ class EngineOptions:
     """More ``vllm.LLM`` keyword arguments."""
 
 
-def _model_config(model_dir: str) -> dict[str, Any]:
+def _family_and_config(model_dir: str):
+    """The model family of ``model_dir`` and its ``config.json`` (None, {} where there is none or no family)."""
     import json
     from pathlib import Path
 
+    from megatron_opd.models.families import BY_MODEL_TYPE
+
     path = Path(model_dir) / "config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
+    cfg = json.loads(path.read_text()) if path.is_file() else {}
+    return BY_MODEL_TYPE.get(cfg.get("model_type")), cfg
 
 
-def check_vllm_routing_fields(model_dir: str) -> None:
-    """Refuse a DeepSeek-V3 ``config.json`` that vLLM would route differently from transformers and the trainer.
-
-    Both of those always route DeepSeek-V3 with sigmoid scores plus ``e_score_correction_bias``; vLLM 0.32 reads
-    ``scoring_func`` (default: softmax) and ``topk_method`` (the bias exists only with ``noaux_tc``) from the file.
-    Published checkpoints set both; transformers 5's ``save_pretrained`` drops them. Without ``scoring_func`` vLLM
-    samples from a silently different policy (1.4e-3 log-prob error on a tiny model)."""
-    cfg = _model_config(model_dir)
-    if cfg.get("model_type") != "deepseek_v3":
-        return
-    wrong = {k: cfg.get(k) for k, v in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")) if cfg.get(k) != v}
-    if wrong:
-        raise ValueError(
-            f"{model_dir}/config.json has {wrong}: vLLM would route this DeepSeek-V3 model differently from the "
-            'trainer; add "scoring_func": "sigmoid" and "topk_method": "noaux_tc" (as published DeepSeek-V3 '
-            "checkpoints have)"
-        )
+def check_vllm_config(model_dir: str) -> None:
+    """Refuse a ``config.json`` vLLM would read as another model than the trainer's (``ModelFamily.check_vllm_config``:
+    DeepSeek-V3 routing fields whose vLLM defaults differ from transformers')."""
+    family, cfg = _family_and_config(model_dir)
+    if family is not None:
+        family.check_vllm_config(cfg, f"{model_dir}/config.json")
 
 
 def cpu_attention_backend(model_dir: str, dtype: str) -> str | None:
-    """The attention kernel vLLM must use on CPU, where its own choice fails; None: vLLM's choice.
-
-    On an x86 CPU with AMX, vLLM 0.32 picks its AMX multi-latent-attention kernel for every MLA model (DeepSeek-V3),
-    but that kernel takes bf16 weights only (float32 fails at load: "expect weight to be bfloat16, float16, int8,
-    ..."); the reference kernel ``CPU_MLA`` runs any dtype."""
-    if dtype == "bfloat16" or "kv_lora_rank" not in _model_config(model_dir):
-        return None
-    return "CPU_MLA"
+    """The attention kernel vLLM must use on CPU, where its own choice fails; None: vLLM's choice."""
+    family, _ = _family_and_config(model_dir)
+    return None if family is None else family.vllm_cpu_attention_backend(dtype)
 
 
 def _build_llm(options: EngineOptions):

@@ -30,6 +30,7 @@ class Shape:
     vocab_size: int
     rope: str  # "llama3", "linear", "yarn" (the deepseek_v3 family's default), "longrope" or "none" (no scaling)
     mlp: str = "dense"  # "dense", or Mixture-of-Experts: "moe", "moe+dense-layer", "moe+shared-expert"
+    overrides: tuple[tuple[str, Any], ...] = ()  # family fields beyond these (DeepSeek-V3 without a query latent)
 
     @property
     def properties(self) -> frozenset[str]:
@@ -57,6 +58,7 @@ class Shape:
             out["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
         elif self.rope == "none":
             out["rope_scaling"] = None
+        out.update(self.overrides)
         return out  # "llama3", "longrope" and "yarn" are the llama, phi3 and deepseek_v3 families' defaults
 
 
@@ -72,11 +74,12 @@ NEW_FAMILIES = ("mistral_window", "olmo2_post_norms", "phi3_fused_partial", "gem
 LOCAL = ("llama_tied", "qwen2_mha_v97", "qwen3_one_kv", *NEW_FAMILIES)  # TP=1 (and PP/VP without TP)
 SPLIT = ("llama_tied", "qwen2_mha_v97", "qwen3_tied")  # any layout with TP=2
 MOE = ("qwen3_moe_dense0", "qwen2_moe_shared", "mixtral_untied", "deepseek_v3_mla")  # every layout MoE runs
+MLA_VARIANTS = ("deepseek_v3_q_proj",)  # multi-latent attention without a query latent: where the query's path differs
 SPLIT_ALL = (*SPLIT, *NEW_FAMILIES)
 
 ALL_PROPERTIES = frozenset().union(*(s.properties for s in SHAPES.values()))
 TP1_ONLY = frozenset({"attention:one-kv-head"})
-MOE_ONLY = ALL_PROPERTIES - frozenset().union(*(s.properties for n, s in SHAPES.items() if n not in MOE))
+MOE_ONLY = ALL_PROPERTIES - frozenset().union(*(s.properties for n, s in SHAPES.items() if n not in MOE + MLA_VARIANTS))
 """Properties only the MoE shapes have: the covering conditions ask for them in the paths and at the layouts
 that run MoE shapes so far (issue #35 brings MoE to every path)."""
 EXPERT_LAYOUTS = frozenset({"ep2", "tp2_ep2"})
@@ -86,10 +89,10 @@ the covering conditions there ask for the MoE-only properties."""
 # path -> layout -> (shape names, the test that runs the cell)
 MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
     "Megatron model vs transformers logits": {
-        "tp1": (LOCAL + MOE, "test_models.py::test_logits_match_transformers"),
+        "tp1": (LOCAL + MOE + MLA_VARIANTS, "test_models.py::test_logits_match_transformers"),
         "tp2": (SPLIT_ALL, "test_models.py::test_logits_match_transformers"),
-        "tp2_sp": (SPLIT_ALL + MOE, "test_models.py::test_logits_match_transformers"),
-        "ep2": (MOE, "test_models.py::test_logits_match_transformers"),
+        "tp2_sp": (SPLIT_ALL + MOE + MLA_VARIANTS, "test_models.py::test_logits_match_transformers"),
+        "ep2": (MOE + MLA_VARIANTS, "test_models.py::test_logits_match_transformers"),
         "pp2_vp2": (LOCAL, "test_models.py::test_logits_match_transformers"),
         "tp2_pp2": (SPLIT_ALL, "test_models.py::test_logits_match_transformers"),
     },
@@ -102,16 +105,16 @@ MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
         "tp1": (LOCAL, "test_vllm_server.py::test_server_sync_and_teacher_per_shape"),
     },
     "built-in sampler greedy vs transformers": {
-        "tp1": (LOCAL + MOE, "test_sampler.py::test_greedy_matches_transformers"),
+        "tp1": (LOCAL + MOE + MLA_VARIANTS, "test_sampler.py::test_greedy_matches_transformers"),
         "tp2": (SPLIT_ALL, "test_sampler.py::test_greedy_matches_transformers"),
     },
     "tools/checkpoint round trip (bitwise)": {
         "tp2_pp2": (SPLIT_ALL, "test_checkpoint.py::test_round_trip_is_bitwise"),
         "pp2_vp2": (LOCAL, "test_checkpoint.py::test_round_trip_is_bitwise"),
-        "tp2_ep2": (MOE, "test_checkpoint.py::test_round_trip_is_bitwise"),
+        "tp2_ep2": (MOE + MLA_VARIANTS, "test_checkpoint.py::test_round_trip_is_bitwise"),
     },
     "trainer HF export (bitwise)": {
-        "tp1": (LOCAL + MOE, "test_checkpoint.py::test_trainer_export_is_bitwise"),
+        "tp1": (LOCAL + MOE + MLA_VARIANTS, "test_checkpoint.py::test_trainer_export_is_bitwise"),
         "tp2_pp2": (SPLIT, "test_checkpoint.py::test_trainer_export_is_bitwise"),
     },
     "in-process teacher top-k vs transformers": {
@@ -176,13 +179,15 @@ def markdown_table() -> str:
         tests = sorted({test for _, test in cells.values()})
         lines.append(f"| {path} | " + " | ".join(row) + " | " + "<br>".join(f"`{t}`" for t in tests) + " |")
     shapes = [
-        "| shape | family | embeddings | attention (4 query heads) | vocabulary | RoPE scaling | MLP |",
-        "|---|---|---|---|---|---|---|",
+        "| shape | family | embeddings | attention (4 query heads) | vocabulary | RoPE scaling | MLP | other fields |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, s in SHAPES.items():
         kv = {4: "MHA", 2: "GQA, 2 KV heads", 1: "1 KV head"}[s.kv_heads]
+        other = ", ".join(f"`{k}={v}`" for k, v in s.overrides)
+        embeddings = "tied" if s.tied else "untied"
         shapes.append(
-            f"| `{name}` | {s.family} | {'tied' if s.tied else 'untied'} | {kv} | {s.vocab_size} | {s.rope} | {s.mlp} |"
+            f"| `{name}` | {s.family} | {embeddings} | {kv} | {s.vocab_size} | {s.rope} | {s.mlp} | {other} |"
         )
     return "\n".join(shapes) + "\n\n" + "\n".join(lines) + "\n"
 

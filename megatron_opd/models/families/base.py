@@ -98,6 +98,15 @@ class ModelFamily:
     """Model folder name -> ``config.json`` fields (``model_type`` included) for the memory estimate of a model
     that is not on this machine (``launch.memory.KNOWN_CONFIGS``)."""
 
+    # --- vLLM ------------------------------------------------------------------------------------------------
+    def check_vllm_config(self, cfg: Mapping[str, Any], source: str) -> None:
+        """Refuse a ``config.json`` that vLLM would read as another model than the one megatron-opd builds from it
+        (vLLM and transformers default some fields differently); most families have none."""
+
+    def vllm_cpu_attention_backend(self, dtype: str) -> str | None:
+        """The attention kernel vLLM must use on CPU where its own choice fails for this family; None: vLLM's."""
+        return None
+
     # --- Megatron-Core config -------------------------------------------------------------------------------
     def transformer_config_class(self):
         """The Megatron-Core config class (MLA families need ``MLATransformerConfig``)."""

@@ -237,6 +237,26 @@ def local_mla_self_attention():
 class DeepSeekV3Family(MoEFamily):
     """MoE family with multi-latent attention and DeepSeek's sigmoid, bias-corrected, group-limited router."""
 
+    def check_vllm_config(self, cfg, source: str) -> None:
+        """Transformers and the trainer always route DeepSeek-V3 with sigmoid scores plus ``e_score_correction_bias``;
+        vLLM 0.32 reads ``scoring_func`` (default: softmax) and ``topk_method`` (the bias exists only with
+        ``noaux_tc``) from the file. Published checkpoints set both; transformers 5's ``save_pretrained`` drops them,
+        and without ``scoring_func`` vLLM samples from a silently different policy (1.4e-3 log-prob error)."""
+        wrong = {
+            k: cfg.get(k) for k, v in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")) if cfg.get(k) != v
+        }
+        if wrong:
+            raise ValueError(
+                f"{source} has {wrong}: vLLM would route this DeepSeek-V3 model differently from the trainer; add "
+                '"scoring_func": "sigmoid" and "topk_method": "noaux_tc" (as published DeepSeek-V3 checkpoints have)'
+            )
+
+    def vllm_cpu_attention_backend(self, dtype: str) -> str | None:
+        """On an x86 CPU with AMX, vLLM 0.32 picks its AMX multi-latent-attention kernel for every MLA model, but that
+        kernel takes bf16 weights only (float32 fails at load: "expect weight to be bfloat16, float16, int8, ...");
+        the reference kernel ``CPU_MLA`` runs any dtype."""
+        return None if dtype == "bfloat16" else "CPU_MLA"
+
     def transformer_config_class(self):
         from megatron.core.transformer.transformer_config import MLATransformerConfig
 
@@ -413,6 +433,14 @@ FAMILY = DeepSeekV3Family(
     test_shapes={
         "deepseek_v3_mla": dict(
             tied=False, kv_heads=4, vocab_size=1000, rope="yarn", mlp="moe+shared-expert+dense-layer"
-        )
+        ),
+        "deepseek_v3_q_proj": dict(  # as DeepSeek-V2-Lite: one q_proj, no query latent or its norm
+            tied=False,
+            kv_heads=4,
+            vocab_size=1000,
+            rope="yarn",
+            mlp="moe+shared-expert+dense-layer",
+            overrides=(("q_lora_rank", None),),
+        ),
     },
 )
