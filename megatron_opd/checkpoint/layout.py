@@ -245,9 +245,8 @@ def checkpoint_layout(
 ) -> CheckpointLayout:
     """The chunks, objects and common state Megatron saves for ``arch`` under ``parallel`` (DP=1).
 
-    Only TP, PP, VP and, for Mixture-of-Experts models, EP and ETP shape a checkpoint (context and sequence
-    parallelism do not). The local layer
-    spec is always used: its checkpoint keys are the TransformerEngine spec's (Megatron maps the
+    Only TP, PP (and its uneven stages), VP and, for Mixture-of-Experts models, EP and ETP shape a checkpoint
+    (context and sequence parallelism do not). The local layer spec is always used: its checkpoint keys are the TransformerEngine spec's (Megatron maps the
     fused-norm names), and it builds on the ``meta`` device on any machine. Runs in this process when
     ``torch.distributed`` is not initialised yet (it briefly creates fake process groups and Megatron
     parallel state, and tears them down); otherwise in a spawned child so the caller's groups are left alone.
@@ -256,6 +255,8 @@ def checkpoint_layout(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        num_layers_in_first_pipeline_stage=parallel.num_layers_in_first_pipeline_stage,
+        num_layers_in_last_pipeline_stage=parallel.num_layers_in_last_pipeline_stage,
         expert_model_parallel_size=parallel.expert_model_parallel_size,
         expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
         # MoE layers with TP need it to build; it does not shape a checkpoint.

@@ -29,6 +29,12 @@ class ParallelConfig:
     """Ranks that each hold a contiguous slice of the layers."""
     virtual_pipeline_model_parallel_size: int | None = None
     """Model chunks per pipeline rank for the interleaved schedule (None: not interleaved)."""
+    num_layers_in_first_pipeline_stage: int | None = None
+    """Layers of the first pipeline stage when the layers do not split evenly (DeepSeek-V3's 61); the other stages
+    share the rest equally. None: an even split (Megatron's option of the same name)."""
+    num_layers_in_last_pipeline_stage: int | None = None
+    """Layers of the last pipeline stage when the layers do not split evenly (e.g. fewer beside the output layer).
+    None: an even split."""
     sequence_parallel: bool = False
     """Shard activations along the sequence in the non-tensor-parallel regions (needs TP > 1)."""
     context_parallel_size: int = 1
@@ -59,6 +65,13 @@ class ParallelConfig:
             )
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("parallel.sequence_parallel needs tensor_model_parallel_size > 1")
+        for name in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
+            value = getattr(self, name)
+            if value is not None and (value < 1 or self.pipeline_model_parallel_size < 2):
+                raise ValueError(
+                    f"parallel.{name}={value}: needs a positive number of layers and pipeline_model_parallel_size >= 2 "
+                    "(null: an even split)"
+                )
 
     @property
     def model_parallel_size(self) -> int:
@@ -73,6 +86,35 @@ class ParallelConfig:
     def vp_size(self) -> int:
         """Model chunks per pipeline rank (1 when not interleaved)."""
         return self.virtual_pipeline_model_parallel_size or 1
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Layers of each pipeline stage (all its virtual chunks): the set first and last stages', the rest split
+        equally over the others (Megatron's rule); a ValueError naming the fields when they do not split."""
+        first, last = self.num_layers_in_first_pipeline_stage, self.num_layers_in_last_pipeline_stage
+        pp, vp = self.pipeline_model_parallel_size, self.vp_size
+        middle = pp - (first is not None) - (last is not None)
+        rest = num_layers - (first or 0) - (last or 0)
+        if first is None and last is None and num_layers % (pp * vp):
+            raise ValueError(
+                f"num_hidden_layers={num_layers} is not divisible by pipeline_model_parallel_size * "
+                f"virtual_pipeline_model_parallel_size = {pp * vp}; choose sizes whose product divides the layer count "
+                "(or set parallel.num_layers_in_first/last_pipeline_stage)"
+            )
+        if (
+            rest < 0
+            or (middle == 0 and rest)
+            or (middle and rest % (middle * vp))
+            or (first or 0) % vp
+            or (last or 0) % vp
+        ):
+            raise ValueError(
+                f"num_hidden_layers={num_layers} does not split as parallel.num_layers_in_first_pipeline_stage="
+                f"{first}, num_layers_in_last_pipeline_stage={last} and {middle} stage(s) between of equal layers "
+                f"(pipeline_model_parallel_size={pp}, each stage's layers divisible by virtual size {vp}); choose "
+                "others"
+            )
+        between = [rest // middle] * middle if middle else []
+        return ([first] if first is not None else []) + between + ([last] if last is not None else [])
 
 
 @dataclass(frozen=True)

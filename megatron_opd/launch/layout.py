@@ -35,6 +35,11 @@ class TeacherLayout:
     """Tensor-parallel size of each replica."""
     pp: int = 1
     """Pipeline-parallel size of each replica."""
+    first_stage_layers: int | None = None
+    """Teacher server: layers of the first pipeline stage where they do not split evenly over ``pp`` (the server's
+    ``--first-stage-layers``; DeepSeek-V3's 61 layers at pp 2: 30, the last stage 31). None: an even split."""
+    last_stage_layers: int | None = None
+    """Teacher server: layers of the last pipeline stage (``--last-stage-layers``). None: an even split."""
     ep: int = 1
     """Teacher server of a Mixture-of-Experts model: expert-parallel size (the server's ``--ep``): ``ep`` copies of
     the dense part, each scoring a share of every batch, holding the experts between them. A vLLM teacher takes

@@ -53,12 +53,14 @@ t / PP / DP tensor / pipeline / data-parallel sizes.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from megatron_opd.distributed.parallel import ParallelConfig
 from megatron_opd.launch.layout import Recipe
 from megatron_opd.model_files import HF_CONFIG_DIR
 from megatron_opd.models.architecture import ModelArchitecture, architecture_from_hf_config
@@ -133,25 +135,25 @@ def shard_parameters(
     vocab_multiple: int | None = 128,
     ep: int = 1,
     etp: int | None = None,
+    stage_layers: Sequence[int] | None = None,
 ) -> list[ParamShard]:
     """Every parameter of ``model`` placed under TP=``tp``, PP=``pp`` (and for Mixture-of-Experts models EP=``ep``
     ranks each holding experts / EP of the experts, each expert split over ``etp`` ranks, default ``tp``) by the
     name mapping's rules, the vocabulary padded to a multiple of ``vocab_multiple x tp`` rows (None: unpadded, as
-    in vLLM); raises when the rules do not account for every parameter (the mapping would not load this model).
+    in vLLM), ``stage_layers`` layers on each stage (None: an even split); raises when the rules do not account for
+    every parameter (the mapping would not load this model).
     Sizes come from the rules' checkpoint shapes: transformers' modules may fuse tensors the checkpoint keeps
     apart (transformers 5 holds a layer's experts as one tensor)."""
     arch = architecture_from_hf_config(model.config.to_dict())
     arch.validate_tensor_parallel(tp)
-    if arch.num_layers % pp:
-        raise ValueError(f"pipeline_model_parallel_size={pp} does not divide the {arch.num_layers} layers")
+    stage_of = layer_stages(arch.num_layers, pp, stage_layers)
     etp = etp or tp
-    layers_per_stage = arch.num_layers // pp
     shards = []
     for rule, layer in expand_rules(arch):
         if rule.buffer:  # DeepSeek-V3's expert bias: a buffer (E floats a layer), not a parameter
             continue
         if layer is not None:
-            stage = layer // layers_per_stage
+            stage = stage_of[layer]
         else:
             stage = 0 if rule.megatron.startswith("embedding") else pp - 1
         for name, shape in zip(rule.hf_names(layer), hf_shapes(rule, arch)):
@@ -174,6 +176,17 @@ def shard_parameters(
         embedding = shards[0]
         shards.append(replace(embedding, stage=pp - 1))
     return shards
+
+
+def layer_stages(num_layers: int, pp: int, stage_layers: Sequence[int] | None = None) -> list[int]:
+    """The pipeline stage of every layer: ``stage_layers`` layers on each stage, in order (None: an even split)."""
+    if stage_layers is None:
+        if num_layers % pp:
+            raise ValueError(f"pipeline_model_parallel_size={pp} does not divide the {num_layers} layers")
+        stage_layers = [num_layers // pp] * pp
+    if len(stage_layers) != pp or sum(stage_layers) != num_layers:
+        raise ValueError(f"stage layers {list(stage_layers)} do not place {num_layers} layers on {pp} stages")
+    return [stage for stage, count in enumerate(stage_layers) for _ in range(count)]
 
 
 def stage_params(shards: list[ParamShard], pp: int) -> list[int]:
@@ -266,10 +279,16 @@ class DeviceMemory:
 
 
 def _model(
-    path: str, tp: int, pp: int, vocab_multiple: int | None, ep: int = 1, etp: int | None = None
+    path: str,
+    tp: int,
+    pp: int,
+    vocab_multiple: int | None,
+    ep: int = 1,
+    etp: int | None = None,
+    stage_layers: Sequence[int] | None = None,
 ) -> tuple[ModelArchitecture, list[ParamShard]]:
     model = meta_model(hf_config(path))
-    shards = shard_parameters(model, tp, pp, vocab_multiple, ep, etp)
+    shards = shard_parameters(model, tp, pp, vocab_multiple, ep, etp, stage_layers)
     return architecture_from_hf_config(model.config.to_dict()), shards
 
 
@@ -298,7 +317,9 @@ def student_rows(cfg, dp: int, bf16: bool, distributed: bool) -> list[DeviceMemo
     tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
     ep, etp = cfg.parallel.expert_model_parallel_size, cfg.parallel.etp_size
     multiple = cfg.build.make_vocab_size_divisible_by
-    arch, shards = _model(cfg.student.path, tp, pp, multiple, ep, etp)
+    arch = architecture_from_hf_config(hf_config(cfg.student.path).to_dict())
+    counts = cfg.parallel.stage_layers(arch.num_layers)
+    arch, shards = _model(cfg.student.path, tp, pp, multiple, ep, etp, counts)
     seq = cfg.train.max_seq_len or arch.max_position_embeddings
     tokens = micro_batch_tokens(cfg, seq)
     shape = f"{cfg.train.micro_batch_size} x {seq}" if tokens == cfg.train.micro_batch_size * seq else str(tokens)
@@ -309,7 +330,6 @@ def student_rows(cfg, dp: int, bf16: bool, distributed: bool) -> list[DeviceMemo
     local = tokens / cp  # this rank's positions of the micro-batch
     sequence_parallel = cfg.parallel.sequence_parallel
     layer = layer_activation_elements(arch, tp, sequence_parallel, cp, etp=etp)  # the largest layer
-    per_stage = arch.num_layers // pp
     block = cfg.build.recompute_num_layers
     full = cfg.build.recompute == "full"
     vocab = arch.padded_vocab_size(tp, multiple) // tp
@@ -317,7 +337,8 @@ def student_rows(cfg, dp: int, bf16: bool, distributed: bool) -> list[DeviceMemo
     for stage, params in enumerate(stage_params(shards, pp)):
         last = stage == pp - 1
         in_flight = min(pp - stage, max(micro_batches, 1))
-        layers = range(stage * per_stage, (stage + 1) * per_stage)
+        per_stage = counts[stage]
+        layers = range(sum(counts[:stage]), sum(counts[: stage + 1]))
         if full:  # one input per block of layers
             kept = arch.hidden_size / sp / block * per_stage * local * in_flight
         else:
@@ -360,9 +381,10 @@ def _forward_rows(
     width: int,
     ep: int = 1,
     etp: int | None = None,
+    stage_layers: Sequence[int] | None = None,
 ) -> list[DeviceMemory]:
     """A forward-only model (a teacher): its weights, one layer's activations and the last stage's logits."""
-    arch, shards = _model(path, tp, pp, multiple, ep, etp)
+    arch, shards = _model(path, tp, pp, multiple, ep, etp, stage_layers)
     vocab = arch.padded_vocab_size(tp, multiple) // tp
     rows = []
     for stage, params in enumerate(stage_params(shards, pp)):
@@ -394,8 +416,13 @@ def teacher_memory(recipe: Recipe) -> list[DeviceMemory]:
     replicas = len(layout.nodes) * recipe.launch.gpus_per_node // (layout.tp * layout.pp * layout.ep)
     ep = f" EP={layout.ep}" if layout.ep > 1 else ""
     layout_name = f"TP={layout.tp} PP={layout.pp}{ep} x{replicas}"
+    stages = ParallelConfig(
+        pipeline_model_parallel_size=layout.pp,
+        num_layers_in_first_pipeline_stage=layout.first_stage_layers,
+        num_layers_in_last_pipeline_stage=layout.last_stage_layers,
+    ).stage_layers(architecture_from_hf_config(hf_config(cfg.teacher.path).to_dict()).num_layers)
     return _forward_rows("teacher server", layout_name, cfg.teacher.path, layout.tp, layout.pp, multiple, tokens, 2,
-                         layout.ep)  # fmt: skip
+                         layout.ep, stage_layers=stages)  # fmt: skip
 
 
 FP8_BLOCK = (128, 128)

@@ -96,7 +96,10 @@ def _teacher(recipe: Recipe, plan: Plan) -> None:
         port = layout.port + slot
         serve = [
             "-m", "megatron_opd.teacher.serve", "--model", train.teacher.path, "--tp", str(layout.tp),
-            "--pp", str(layout.pp), *(["--ep", str(layout.ep)] if layout.ep > 1 else []), "--host", "0.0.0.0",
+            "--pp", str(layout.pp), *(["--ep", str(layout.ep)] if layout.ep > 1 else []),
+            *(["--first-stage-layers", str(layout.first_stage_layers)] if layout.first_stage_layers else []),
+            *(["--last-stage-layers", str(layout.last_stage_layers)] if layout.last_stage_layers else []),
+            "--host", "0.0.0.0",
             "--port", str(port), "--token-file", token_file(recipe),
             "--topk", str(train.loss.topk), "--micro-batch-size", str(layout.micro_batch_size),
             "--max-batch-tokens", str(layout.max_batch_tokens),

@@ -133,12 +133,7 @@ def validate_layout(arch: ModelArchitecture, parallel: ParallelConfig) -> None:
             f"multi-latent attention ({arch.family} models; its rotary key and latent are not split over "
             "context-parallel ranks); set parallel.context_parallel_size=1"
         )
-    stages = parallel.pipeline_model_parallel_size * parallel.vp_size
-    if arch.num_layers % stages:
-        raise ValueError(
-            f"num_hidden_layers={arch.num_layers} is not divisible by pipeline_model_parallel_size * "
-            f"virtual_pipeline_model_parallel_size = {stages}; choose sizes whose product divides the layer count"
-        )
+    parallel.stage_layers(arch.num_layers)  # raises when the layers do not split over the stages
 
 
 def validate_expert_layout(arch: ModelArchitecture, parallel: ParallelConfig) -> None:
@@ -191,6 +186,8 @@ def transformer_config(arch: ModelArchitecture, parallel: ParallelConfig, build:
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=vp if vp and vp > 1 else None,
+        num_layers_in_first_pipeline_stage=parallel.num_layers_in_first_pipeline_stage,
+        num_layers_in_last_pipeline_stage=parallel.num_layers_in_last_pipeline_stage,
         context_parallel_size=parallel.context_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
         params_dtype=dtype,

@@ -204,6 +204,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the teacher")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the teacher")
     p.add_argument(
+        "--first-stage-layers",
+        type=int,
+        help="layers of the first pipeline stage when they do not split evenly (DeepSeek-V3's 61); the rest equally",
+    )
+    p.add_argument("--last-stage-layers", type=int, help="layers of the last pipeline stage (uneven split)")
+    p.add_argument(
         "--cp",
         type=int,
         default=1,
@@ -290,6 +296,8 @@ def main(argv: list[str] | None = None) -> None:
     parallel = ParallelConfig(
         tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, context_parallel_size=args.cp,
         expert_model_parallel_size=args.ep, sequence_parallel=moe and args.tp > 1,  # Megatron's MoE needs SP at TP > 1
+        num_layers_in_first_pipeline_stage=args.first_stage_layers,
+        num_layers_in_last_pipeline_stage=args.last_stage_layers,
     )  # fmt: skip
     if dist.get_world_size() != parallel.model_parallel_size * args.ep:
         raise ValueError(

@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     to_mcore.add_argument("--out", required=True, help="dist_ckpt folder to create")
     to_mcore.add_argument("--tp", type=int, default=1, help="tensor-parallel size the checkpoint is laid out for")
     to_mcore.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    to_mcore.add_argument(
+        "--first-stage-layers", type=int, help="layers of the first pipeline stage (uneven split, e.g. 61 layers)"
+    )
+    to_mcore.add_argument("--last-stage-layers", type=int, help="layers of the last pipeline stage (uneven split)")
     to_mcore.add_argument("--vp", type=int, default=1, help="virtual pipeline stages per pipeline rank (1: none)")
     to_mcore.add_argument(
         "--ep",
@@ -169,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                 virtual_pipeline_model_parallel_size=args.vp if args.vp > 1 else None,
                 expert_model_parallel_size=args.ep,
                 expert_tensor_parallel_size=args.etp,
+                num_layers_in_first_pipeline_stage=args.first_stage_layers,
+                num_layers_in_last_pipeline_stage=args.last_stage_layers,
             )
             result = convert_hf_to_mcore(
                 args.hf_dir,
