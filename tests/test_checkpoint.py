@@ -29,7 +29,12 @@ LAYOUTS = {  # the matrix's layouts: name -> (world size, layout)
     "pp2_vp2": (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
     "tp2_ep2": (4, dict(tensor_model_parallel_size=2, expert_model_parallel_size=2)),
 }
-DEEPSEEK_LAYOUT = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, expert_model_parallel_size=2)
+DEEPSEEK_LAYOUT = dict(  # uneven stages (one layer, then three), as DeepSeek-V3's 61 layers need
+    tensor_model_parallel_size=2,
+    pipeline_model_parallel_size=2,
+    expert_model_parallel_size=2,
+    num_layers_in_first_pipeline_stage=1,
+)
 ROUND_TRIP_PATH = "tools/checkpoint round trip (bitwise)"
 ROUND_TRIP_CELLS = [(layout, name) for layout in MATRIX[ROUND_TRIP_PATH] for name in shapes_at(ROUND_TRIP_PATH, layout)]
 
@@ -144,7 +149,8 @@ def test_round_trip_is_bitwise(layout, shape, converted):
 
 
 def test_deepseek_v3_round_trip_at_tp2_pp2_ep2_is_bitwise(converted):
-    """Beside the matrix's TP=2xEP=2 cell: DeepSeek-V3's four layers (one dense) over two pipeline stages too."""
+    """Beside the matrix's TP=2xEP=2 cell: DeepSeek-V3's four layers over two uneven pipeline stages too (the dense
+    layer alone on the first)."""
     paths = converted["deepseek_v3_mla@tp2_pp2_ep2"]
     _assert_same_hf(paths["hf"], paths["back"], "round trip of deepseek_v3_mla at TP=2 x PP=2 x EP=2")
 

@@ -1,7 +1,7 @@
-"""DeepSeek-V3 (multi-latent attention with YaRN, DeepSeek's routing) matches transformers at TP=1 and TP=2 (SP),
-and trains alike at TP=1, TP=2 (SP) and EP=2: the same gradients (the rotary key's, which Megatron-Core's own
-tensor-parallel key/value projection gets wrong, included), parameters and load-balancing expert biases after three
-steps.
+"""DeepSeek-V3 (multi-latent attention with YaRN, DeepSeek's routing) matches transformers at TP=1, TP=2 (SP) and
+two uneven pipeline stages, and trains alike at TP=1, TP=2 (SP), EP=2 and PP=2 (one layer, then three): the same
+gradients (the rotary key's, which Megatron-Core's own tensor-parallel key/value projection gets wrong, included),
+parameters and load-balancing expert biases after three steps.
 
 The tiny model (``families/deepseek_v3.TINY_DEEPSEEK``) routes with every DeepSeek feature: sigmoid scores plus a
 random expert bias, 16 experts in 4 groups of which each token may use the best 2, top-4 among those, a shared
@@ -53,6 +53,8 @@ LAYOUTS = {  # world of two ranks: data-parallel size 2, 1, 2
     "tp1": dict(),
     "tp2_sp": dict(tensor_model_parallel_size=2, sequence_parallel=True),  # Megatron's MoE needs SP with TP
     "ep2": dict(expert_model_parallel_size=2),
+    # two uneven stages, as DeepSeek-V3's 61 layers need: the dense layer alone, then the three MoE layers
+    "pp2_uneven": dict(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=1),
 }
 BIAS_RATE = 1e-2  # auxiliary-loss-free balancing on: the expert bias moves each step, alike at every layout
 
@@ -67,6 +69,8 @@ def _train(hf_dir: str, parallel, tokens: torch.Tensor, steps: int = 3) -> dict:
     from megatron_opd.distributed.device import detect_accelerator
     from megatron_opd.models.builder import ModelBuildConfig
     from megatron_opd.models.forward_backward import forward_backward
+    from megatron_opd.models.loading import chunk_layer_range
+    from megatron_opd.models.name_mapping import global_layer_name
     from megatron_opd.models.reference import full_tensors
     from megatron_opd.models.source import build_and_load
     from megatron_opd.trainer.config import OptimConfig
@@ -97,13 +101,16 @@ def _train(hf_dir: str, parallel, tokens: torch.Tensor, steps: int = 3) -> dict:
             out["grads"] = gathered(lambda p: p.main_grad)
         student.optimizer.step()
     out["params"] = gathered("data")
-    out["bias"] = {n: b.clone() for n, b in chunks[0].named_buffers() if n.endswith("expert_bias")}
+    out["layers"] = list(chunk_layer_range(chunks[0]))
+    offset = chunk_layer_range(chunks[0]).start  # by global layer, as the parameters
+    buffers = chunks[0].named_buffers()
+    out["bias"] = {global_layer_name(n, offset): b.clone() for n, b in buffers if n.endswith("expert_bias")}
     return out
 
 
 def _body(hf_dirs: dict[str, str], tokens: torch.Tensor):
-    """In one job of two ranks: logits at TP=1 and TP=2 (sequence-parallel); gradients and three training steps at
-    TP=1, TP=2 (sequence-parallel) and EP=2."""
+    """In one job of two ranks: logits at TP=1, TP=2 (sequence-parallel) and two uneven pipeline stages; gradients and
+    three training steps at TP=1, TP=2 (sequence-parallel), EP=2 and the two uneven stages."""
     from megatron.core import parallel_state as ps
 
     from megatron_opd.distributed import ParallelConfig, initialize_distributed, initialize_model_parallel
@@ -118,7 +125,8 @@ def _body(hf_dirs: dict[str, str], tokens: torch.Tensor):
         def full(logits, batch):
             return logits.sum() * 0, gather_vocab_shards(logits.detach(), group)[..., : arch.vocab_size].clone()
 
-        return torch.stack(forward_backward(chunks, [{"tokens": t} for t in tokens], full, forward_only=True))
+        out = forward_backward(chunks, [{"tokens": t} for t in tokens], full, forward_only=True)
+        return torch.stack(out) if out else None  # the last pipeline stage's
 
     initialize_distributed(ParallelConfig())
     results = {}
@@ -126,7 +134,9 @@ def _body(hf_dirs: dict[str, str], tokens: torch.Tensor):
         parallel = ParallelConfig(**kwargs)
         initialize_model_parallel(parallel)
         if layout != "ep2":  # EP=2's logits: the shape matrix (test_models.py)
-            results.update({("logits", layout, name): logits(hf_dir, parallel) for name, hf_dir in hf_dirs.items()})
+            for name, hf_dir in hf_dirs.items():
+                if (got := logits(hf_dir, parallel)) is not None:
+                    results["logits", layout, name] = got
         results["train", layout] = _train(hf_dirs["q_lora"], parallel, tokens.flatten(0, 1)[:, None])
     return results
 
@@ -147,9 +157,11 @@ def test_logits_match_transformers_at_tp1_and_tp2(deepseek_dirs):
         refs[name], margin = _reference(hf_dir, tokens), routing_margin(hf_dir, tokens)
         assert margin >= MARGIN, f"{name}: the test tokens route within {margin:.1e} of a tie; pick other tokens"
     ranks = run_distributed(_body, 2, args=(deepseek_dirs, tokens), timeout=600)
-    for key in (k for k in ranks[0] if k[0] == "logits"):
+    logits = {k: v for rank in reversed(ranks) for k, v in rank.items() if k[0] == "logits"}  # PP: rank 1's
+    assert {k[1] for k in logits} == set(LAYOUTS) - {"ep2"}, sorted(logits)
+    for key, got in logits.items():
         _, layout, name = key
-        got, ref = ranks[0][key], refs[name]
+        ref = refs[name]
         assert got.shape == ref.shape, (key, got.shape, ref.shape)
         assert _rel(got, ref) <= 1e-5, f"{layout}/{name}: max relative error {_rel(got, ref):.2e} vs transformers"
 
@@ -159,7 +171,8 @@ def test_logits_match_transformers_at_tp1_and_tp2(deepseek_dirs):
 
     ref_grads, ref_params = merged("tp1", "grads"), merged("tp1", "params")
     assert all(ref_grads[n].abs().max() > 0 for n in ref_grads if "router" in n or "kv_down" in n)
-    for layout in ("tp2_sp", "ep2"):
+    assert [r["train", "pp2_uneven"]["layers"] for r in ranks] == [[0], [1, 2, 3]]
+    for layout in ("tp2_sp", "ep2", "pp2_uneven"):
         grads, params = merged(layout, "grads"), merged(layout, "params")
         assert grads.keys() == ref_grads.keys(), layout
         for name, ref in ref_grads.items():
@@ -167,21 +180,21 @@ def test_logits_match_transformers_at_tp1_and_tp2(deepseek_dirs):
             assert _rel(grads[name], ref) <= 2e-6, f"{layout} gradient of {name}: {_rel(grads[name], ref):.2e}"
         for name, ref in ref_params.items():
             assert _rel(params[name], ref) <= 1e-5, f"{layout} {name} after 3 steps: {_rel(params[name], ref):.2e}"
-    initial = ranks[0]["train", "tp1"]["bias"]
+    initial = merged("tp1", "bias")
     loaded = load_file(f"{deepseek_dirs['q_lora']}/model.safetensors")
     moved = [n for n, b in initial.items() if not torch.equal(b, loaded[_hf_bias_name(n)])]
     assert moved, "the expert bias did not move in three steps at build.moe_router_bias_update_rate > 0"
     for layout in LAYOUTS:
-        for rank in ranks:
-            bias = rank["train", layout]["bias"]
-            assert bias.keys() == initial.keys() and bias, layout
-            for name, value in bias.items():  # the load-driven bias updates: the same tokens per expert everywhere
-                assert torch.equal(value, initial[name]), f"{layout}: expert bias {name} differs from TP=1's"
+        bias = merged(layout, "bias")
+        assert bias.keys() == initial.keys() and bias, layout
+        for name, value in bias.items():  # the load-driven bias updates: the same tokens per expert everywhere
+            assert torch.equal(value, initial[name]), f"{layout}: expert bias {name} differs from TP=1's"
 
 
 def test_what_deepseek_v3_cannot_run_is_refused_before_any_model(tmp_path):
-    """Context parallelism (not wired for multi-latent attention) and the expert-bias update rate on a student
-    without the bias are refused by name; a negative rate is refused by the build config itself."""
+    """Context parallelism (not wired for multi-latent attention), pipeline stages the layers do not split into and
+    the expert-bias update rate on a student without the bias are refused by name; a negative rate is refused by
+    the build config itself."""
     from megatron_opd.config import parse_args
     from megatron_opd.distributed import ParallelConfig
     from megatron_opd.models.architecture import architecture_from_hf_config
@@ -193,6 +206,17 @@ def test_what_deepseek_v3_cannot_run_is_refused_before_any_model(tmp_path):
     arch = architecture_from_hf_config(tiny_hf_config("deepseek_v3").to_dict())
     with pytest.raises(ValueError, match="context parallelism is not wired for multi-latent attention"):
         validate_layout(arch, ParallelConfig(context_parallel_size=2))
+    # uneven pipeline stages: Megatron's rule, checked before any model
+    uneven = ParallelConfig(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=30)
+    assert uneven.stage_layers(61) == [30, 31]
+    with pytest.raises(ValueError, match="does not split as parallel.num_layers_in_first_pipeline_stage=30"):
+        ParallelConfig(
+            pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=30, num_layers_in_last_pipeline_stage=30
+        ).stage_layers(61)
+    with pytest.raises(ValueError, match="or set parallel.num_layers_in_first/last_pipeline_stage"):
+        validate_layout(arch, ParallelConfig(pipeline_model_parallel_size=3))
+    with pytest.raises(ValueError, match="needs a positive number of layers and pipeline_model_parallel_size >= 2"):
+        ParallelConfig(num_layers_in_first_pipeline_stage=1)
     with pytest.raises(ValueError, match="build.moe_router_bias_update_rate must be a number >= 0"):
         ModelBuildConfig(moe_router_bias_update_rate=-1e-3)
     qwen3_moe = make_tiny_hf_model("qwen3_moe", tmp_path / "student", seed=0)
