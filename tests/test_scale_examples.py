@@ -186,11 +186,14 @@ def test_dry_run_spans_the_70b_teacher_over_two_nodes(monkeypatch, capsys):
     assert cfg.rollout.address.split(",") == [f"gpu02:{8000 + i}" for i in range(4)]
 
 
-def test_dry_run_spans_the_deepseek_teacher_over_four_nodes_at_expert_parallelism(monkeypatch, capsys):
+def test_dry_run_spans_the_deepseek_teacher_over_four_nodes_in_uneven_stages_and_expert_parallelism(
+    monkeypatch, capsys
+):
     blocks = _dry_run(DEEPSEEK, "gpu[01-06]", monkeypatch, capsys)
     cfg, teachers = _check_wiring(blocks)
     ((address, (args, nnodes)),) = teachers.items()
-    assert address == "gpu03:5555" and (args.tp, args.pp, args.ep, nnodes) == (8, 1, 4, 4)
+    assert address == "gpu03:5555" and (args.tp, args.pp, args.ep, nnodes) == (8, 2, 2, 4)
+    assert (args.first_stage_layers, args.last_stage_layers) == (32, None)  # 61 layers: 32 + 29
     ranks = [_flag(argv, "--node-rank") for host in ("gpu03", "gpu04", "gpu05", "gpu06") for _, argv in blocks[host]]
     assert ranks == ["0", "1", "2", "3"]
 
@@ -350,7 +353,7 @@ def test_deepseek_v3_counts_671b_and_a_thirty_second_of_the_experts_per_gpu():
     model = _meta("DeepSeek-V3")
     count = sum(p.numel() for p in model.parameters())
     assert count == DENSE_PART + ROUTED == 671_026_404_352  # 671.0e9 (the checkpoint's 685B adds 14B of MTP)
-    shards = shard_parameters(model, tp=8, pp=1, ep=4)  # the teacher server's layout in the bf16 recipe
+    shards = shard_parameters(model, tp=8, pp=1, ep=4)  # one stage: every layer's share on each GPU
     assert sum(s.per_rank * (8 if s.split else 1) for s in shards) == (  # one expert-parallel rank's TP group
         count + 2 * (130048 - VOCAB) * H - ROUTED + ROUTED // 4  # vocabulary padded to 1,024 x 127; experts / EP
     )
@@ -358,14 +361,23 @@ def test_deepseek_v3_counts_671b_and_a_thirty_second_of_the_experts_per_gpu():
     replicated = LAYERS * (2 * H + Q_RANK + KV_RANK + H * (KV_RANK + ROPE)) + H + (LAYERS - DENSE) * EXPERTS * H
     (per_gpu,) = stage_params(shards, 1)
     assert per_gpu == (DENSE_PART - 2 * VOCAB * H - replicated) // 8 + 2 * 130048 * H // 8 + replicated + ROUTED // 32
+    # The bf16 recipe's teacher: TP=8 x EP=2 and two uneven stages, layers 0-31 (the 3 dense ones among them) and 32-60
+    # (the output layer): 29 MoE layers each, so each stage's GPU holds the same routed experts, 1/16 of 29 layers'.
+    staged = shard_parameters(model, tp=8, pp=2, ep=2, stage_layers=[32, 29])
+    routed = [sum(s.per_rank for s in staged if s.stage == stage and ".experts." in s.name) for stage in (0, 1)]
+    assert routed == [ROUTED // (LAYERS - DENSE) * 29 // 16] * 2
+    assert {s.name.split(".")[2] for s in staged if s.stage == 1 and ".layers." in s.name} == {
+        str(layer) for layer in range(32, 61)
+    }
 
 
 def test_deepseek_v3_memory_fits_as_a_bf16_server_and_as_an_fp8_vllm_teacher():
     from megatron_opd.launch.memory import GIB, recipe_memory
 
-    server = {row.job: row for row in recipe_memory(load_recipe(DEEPSEEK))}["teacher server"]
-    assert server.layout == "TP=8 PP=1 EP=4 x1, stage 0" and server.weights == 2 * server.params
-    assert 40 * GIB < server.total < 79.6 * GIB
+    servers = [row for row in recipe_memory(load_recipe(DEEPSEEK)) if row.job == "teacher server"]
+    assert [row.layout for row in servers] == [f"TP=8 PP=2 EP=2 x1, stage {stage}" for stage in (0, 1)]
+    for server in servers:
+        assert server.weights == 2 * server.params and 40 * GIB < server.total < 79.6 * GIB
     (teacher,) = [row for row in recipe_memory(load_recipe(DEEPSEEK_VLLM)) if row.job == "vllm teacher"]
     # FP8: every layer's 2-D weight but the routers, 1 byte and one fp32 scale per 128 x 128 block; the rest bf16.
     # vLLM holds the two attention down-projections whole on each TP rank.
