@@ -9,7 +9,9 @@ that lag less than the target, keep the schedule's learning rate. The objective 
 
 The scale is applied to every parameter group's ``lr`` for the one ``optimizer.step()`` and undone right after, so
 Megatron's ``OptimizerParamScheduler`` (warm-up, decay, per-group multipliers) keeps setting the rate of each step as
-without it. Scaling the loss would not do: Adam normalises the gradient's scale away.
+without it. Scaling the loss would not do: Adam normalises the gradient's scale away. Off by default: on issue 42's
+fast-moving task it reached a target score in fewer steps but ended level with the uncorrected modes
+(``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
