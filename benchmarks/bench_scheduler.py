@@ -19,7 +19,8 @@
    ``--quality-steps`` (100) with 32 prompts per step, 16 new tokens, JSD beta=0.5 on the whole vocabulary and a
    constant ``--quality-lr`` after 10 warm-up steps. Every run of ``--quality-runs`` (the built-in sampler
    synchronously and with ``scheduler.sync_delay`` 1 and 2: staleness without the asynchronous machinery; the vLLM
-   engine in each mode; ``+prefix``: with ``loss.staleness_correction=prefix``) once per shared seed: held-out exact
+   engine in each mode; ``+prefix``: with ``loss.staleness_correction=prefix``; ``+lag_lr``: with
+   ``optim.lag_lr_target=--quality-lag-lr-target``) once per shared seed: held-out exact
    match and divergence on the teacher's answers every ``--quality-every`` steps (mean +- sd over seeds), issue
    42's done criterion (mean >= the synchronous run's mean - 2 sd, same back end) and the steps and training seconds
    to ``--quality-target``. 18 runs: ~20 minutes on 2 idle cores.
@@ -120,19 +121,38 @@ RUNS = {
     "vllm:two_step_off": ("vllm", "two_step_off", 0),
 }
 """Each run: rollout back end, scheduler.mode, scheduler.sync_delay (a zero_step_off run sampled by the weights of
-that many steps ago: staleness without the asynchronous machinery). A run named with ``+prefix`` appended runs with
-``loss.staleness_correction=prefix``."""
+that many steps ago: staleness without the asynchronous machinery). A run named with variants of ``VARIANTS``
+appended (``vllm:two_step_off+prefix``) runs with their settings."""
+
+VARIANTS = {
+    "+prefix": lambda lag_lr_target: {"loss.staleness_correction": "prefix"},
+    "+lag_lr": lambda lag_lr_target: {"optim.lag_lr_target": lag_lr_target},
+}
+"""The staleness corrections a run's name may append: the truncated prefix weights, and the staleness-aware step
+size at ``--quality-lag-lr-target``."""
+
+
+def run_settings(run: str, lag_lr_target: float = 0.1) -> tuple[tuple[str, str, int], dict]:
+    """A run name's entry of ``RUNS`` and the overrides of the variants appended to it."""
+    extra = {}
+    while (variant := next((v for v in VARIANTS if run.endswith(v)), None)) is not None:
+        run = run.removesuffix(variant)
+        extra = {**VARIANTS[variant](lag_lr_target), **extra}
+    return RUNS[run], extra
 
 
 def fast_task(workdir: Path) -> dict[str, Path]:
     """The quick start's digit task and SFT teacher, and a student warmed up by 125 SFT steps (about 10% held-out
-    exact match), each trained once (TP=1)."""
+    exact match), each trained once (TP=1); reused when ``workdir`` holds them (a kept ``--quality-workdir``)."""
     import subprocess
 
     sys.path.insert(0, str(REPO / "examples"))
     from quickstart import HERE, finish, torchrun
 
     task = workdir / "task"
+    paths = {"task": task, "teacher": workdir / "teacher" / "hf", "student": workdir / "student" / "hf"}
+    if all((paths[k] / "config.json").is_file() for k in ("teacher", "student")) and (task / "eval.jsonl").is_file():
+        return paths
     subprocess.run([sys.executable, str(REPO / "tools" / "make_quickstart_task.py"), str(task)], cwd=REPO,
                    check=True, stdout=subprocess.DEVNULL)  # fmt: skip
     data = [f"data.train_files={task / 'train.jsonl'}", f"data.eval_files={task / 'eval.jsonl'}",
@@ -142,18 +162,17 @@ def fast_task(workdir: Path) -> dict[str, Path]:
         log = workdir / f"{name}.log"
         finish(torchrun(1, HERE / "quickstart" / config, [f"student.path={task / init}", *data,
                                                            f"output_dir={workdir / name}"], log=log), log)  # fmt: skip
-    return {"task": task, "teacher": workdir / "teacher" / "hf", "student": workdir / "student" / "hf"}
+    return paths
 
 
 def fast_run(paths: dict[str, Path], out: Path, run: str, seed: int, steps: int, lr: float, every: int,
-             extra: dict) -> dict:  # fmt: skip
+             extra: dict, lag_lr_target: float = 0.1) -> dict:  # fmt: skip
     """One distillation run of the fast-moving task: its evaluations by step and its step times."""
     sys.path.insert(0, str(REPO / "examples"))
     from quickstart import finish, metric_rows, torchrun
 
-    backend, mode, delay = RUNS[run.removesuffix("+prefix")]
-    if run.endswith("+prefix"):  # the same run with the staleness correction
-        extra = {**extra, "loss.staleness_correction": "prefix"}
+    (backend, mode, delay), variant = run_settings(run, lag_lr_target)
+    extra = {**extra, **variant}  # the same run with the staleness corrections its name appends
     overrides = {**FAST, "student.path": paths["student"], "teacher.path": paths["teacher"],
                  "data.train_files": paths["task"] / "train.jsonl", "data.eval_files": paths["task"] / "eval.jsonl",
                  "output_dir": out, "rollout.backend": backend, "scheduler.mode": mode, "scheduler.sync_delay": delay,
@@ -165,21 +184,25 @@ def fast_run(paths: dict[str, Path], out: Path, run: str, seed: int, steps: int,
     rows = metric_rows(out)
     evals = {r["step"]: r for r in rows if "eval/accuracy" in r}
     step_s = {r["step"]: r["time/step"] for r in rows if "time/step" in r}
+    trained = [r for r in rows if "time/step" in r]
     return {"run": run, "seed": seed, "lr": lr, "extra": extra,
             "accuracy": {s: r["eval/accuracy"] for s, r in evals.items()},
             "divergence": {s: r["eval/divergence_teacher_samples"] for s, r in evals.items()},
-            "step_s": step_s}  # fmt: skip
+            "step_s": step_s,
+            "policy_lag": [r.get("staleness/policy_lag") for r in trained],
+            "lr_scale": [r.get("staleness/lr_scale") for r in trained]}  # fmt: skip
 
 
 def quality(workdir: Path, steps: int, seeds: list[int], runs: list[str], lr: float, every: int,
-            extra: dict | None = None, results: list | None = None) -> list[dict]:  # fmt: skip
+            extra: dict | None = None, results: list | None = None,
+            lag_lr_target: float = 0.1) -> list[dict]:  # fmt: skip
     """Every run of ``runs`` once per seed on the fast-moving task (one teacher, one warmed-up student for all)."""
     paths = fast_task(workdir)
     results = [] if results is None else results
     for seed in seeds:
         for run in runs:
             name = f"{run.replace(':', '-').replace('+', '-')}-{seed}"
-            results.append(fast_run(paths, workdir / name, run, seed, steps, lr, every, extra or {}))
+            results.append(fast_run(paths, workdir / name, run, seed, steps, lr, every, extra or {}, lag_lr_target))
             print(json.dumps(results[-1]), flush=True)
     return results
 
@@ -265,11 +288,14 @@ def main() -> None:
     p.add_argument("--quality", action="store_true", help="also distil the fast-moving digit task in each mode")
     p.add_argument("--quality-steps", type=int, default=100, help="distillation steps per run with --quality")
     p.add_argument("--quality-seeds", default="1,2,3", help="seeds shared by every run")
-    p.add_argument("--quality-runs", default=",".join(RUNS), help=f"of {', '.join(RUNS)}")
+    p.add_argument("--quality-runs", default=",".join(RUNS),
+                   help=f"of {', '.join(RUNS)}, each with variants of {', '.join(VARIANTS)} appended")  # fmt: skip
     p.add_argument("--quality-lr", type=float, default=1e-3, help="constant after 10 warm-up steps")
     p.add_argument("--quality-every", type=int, default=10, help="held-out evaluation every this many steps")
     p.add_argument("--quality-target", type=float, default=0.5, help="held-out exact match for time-to-target")
     p.add_argument("--quality-set", action="append", default=[], help="KEY=VALUE for every quality run")
+    p.add_argument("--quality-lag-lr-target", type=float, default=0.1,
+                   help="optim.lag_lr_target of the runs named with +lag_lr (nats per token)")  # fmt: skip
     p.add_argument(
         "--quality-quickstart",
         type=int,
@@ -306,7 +332,7 @@ def main() -> None:
             workdir = args.quality_workdir or Path(tmp)
             try:
                 quality(workdir.resolve(), args.quality_steps, seeds, runs, args.quality_lr, args.quality_every,
-                        extra, results["quality"])  # fmt: skip
+                        extra, results["quality"], args.quality_lag_lr_target)  # fmt: skip
             finally:
                 if args.json:
                     Path(args.json).write_text(json.dumps(results, indent=2))

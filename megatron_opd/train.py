@@ -46,6 +46,7 @@ from megatron_opd.trainer.checkpointing import (
 from megatron_opd.trainer.collapse import CollapseWatch, likely_cause
 from megatron_opd.trainer.config import TrainConfig
 from megatron_opd.trainer.evaluation import build_evaluator
+from megatron_opd.trainer.lag_lr import lag_lr_scale
 from megatron_opd.trainer.metrics import MetricsLogger
 from megatron_opd.trainer.objective import TeacherObjective, global_count, train_step
 from megatron_opd.trainer.resharding import check_optimizer_state, current_layout, saved_layout
@@ -338,6 +339,10 @@ def update(student: Student, work: StepWork, cfg: TrainConfig, vocab_size: int, 
     def fidelity_guard(stats) -> None:
         check_step(fidelity_metrics(stats.as_dict()), max_logprob_diff, work.staleness)
 
+    def lag_lr(stats) -> float:  # optim.lag_lr_target: a stale batch's step shortened by its policy lag
+        lag = fidelity_metrics(stats.as_dict()).get("rollout/logprob_diff_mean")  # = staleness/policy_lag
+        return lag_lr_scale(lag, work.staleness, cfg.optim.lag_lr_target)
+
     try:
         return train_step(
             student,
@@ -351,6 +356,7 @@ def update(student: Student, work: StepWork, cfg: TrainConfig, vocab_size: int, 
             packing=cfg.train.packing,
             micro_batch_tokens=cfg.train.micro_batch_tokens,
             teachers=teacher_objectives(cfg),
+            lr_scale=lag_lr if cfg.optim.lag_lr_target else None,
         )
     except NonFiniteLossError as err:
         raise NonFiniteLossError(
@@ -400,6 +406,8 @@ def step_row(result, work: StepWork, step: int, elapsed: float, cfg: TrainConfig
             fidelity["staleness/policy_lag"] = fidelity["rollout/logprob_diff_mean"]
     else:
         fidelity = {k: v for k, v in fidelity.items() if not k.startswith("staleness/")}
+    if cfg.optim.lag_lr_target:  # every step, 1 where the batch is fresh or lags less than the target
+        fidelity["staleness/lr_scale"] = result.lr_scale
     return {
         "loss": s.loss,
         "divergence": s.divergence_sum / max(s.tokens, 1.0),

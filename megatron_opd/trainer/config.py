@@ -349,8 +349,20 @@ class OptimConfig:
     sync, sampler, evaluation, checkpoint) finishes the gather first. None: on with the distributed optimizer and
     ``overlap_grad_reduce``."""
 
+    lag_lr_target: float | None = None
+    """The staleness-aware step size, in nats per token (0 or None: off): a stale batch's step uses
+    ``lr x min(1, lag_lr_target / lag)``, with ``lag`` its ``staleness/policy_lag`` (mean |log p_trainer -
+    log p_sampler| per sampled token, read in the same step's loss pass), logged as ``staleness/lr_scale``. It changes
+    the step size, not the objective; fresh batches keep the schedule's rate (``trainer/lag_lr.py``,
+    ``docs/training.md``)."""
+
     def __post_init__(self) -> None:
         # Checked here so a bad value names its key (torch's own errors do not) before anything is built.
+        if self.lag_lr_target is not None and not 0 <= self.lag_lr_target < math.inf:
+            raise ValueError(
+                f"optim.lag_lr_target must be a finite number of nats per token >= 0 (e.g. 0.1; 0 or null: off), "
+                f"got {self.lag_lr_target}"
+            )
         if not 0 < self.lr < math.inf:
             raise ValueError(f"optim.lr must be a finite number > 0 (e.g. 1e-5), got {self.lr}")
         if not 0 <= self.min_lr <= self.lr:
@@ -879,6 +891,12 @@ class TrainConfig:
             )
         if not self.teachers:
             self._validate_staleness_correction()
+        if self.optim.lag_lr_target and self.loss.kind == "sft":
+            raise ValueError(
+                f"optim.lag_lr_target={self.optim.lag_lr_target} shortens the steps of stale rollouts by their policy "
+                "lag, but loss.kind=sft trains on the records' responses (no rollouts, no lag); unset "
+                "optim.lag_lr_target"
+            )
         if self.scheduler.sync_delay < 0 or (
             self.scheduler.sync_delay
             and (self.scheduler.mode != "zero_step_off" or self.rollout.backend != "builtin" or self.loss.kind == "sft")

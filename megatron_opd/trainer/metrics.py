@@ -27,6 +27,7 @@ _CONSOLE = (
     ("moe/expert_load_max", "load", "{:.2f}"),
     ("staleness/policy_lag", "lag", "{:.3f}"),  # stale batches only
     ("staleness/is_weight_std", "IS sd", "{:.2f}"),
+    ("staleness/lr_scale", "lr x", "{:.2f}"),  # optim.lag_lr_target
 )
 
 

@@ -637,15 +637,18 @@ def train_step(
     packing: bool = False,
     micro_batch_tokens: int | None = None,
     teachers: dict[str, TeacherObjective] | None = None,
+    lr_scale: Callable[[StepStats], float] | None = None,
 ):
     """One optimizer step of ``student`` on ``batch`` (and the teacher's ``scores``; None for SFT); ``guard`` may
-    refuse the step before it is applied (``Student.step``). ``packing``: THD micro-batches (``train.packing``).
-    ``teachers`` (``teachers.*``, with ``scores`` a ``RoutedScores``): each teacher's objective by name."""
+    refuse the step before it is applied and ``lr_scale`` shorten it (``Student.step``). ``packing``: THD
+    micro-batches (``train.packing``). ``teachers`` (``teachers.*``, with ``scores`` a ``RoutedScores``): each
+    teacher's objective by name."""
     from megatron.core import parallel_state as ps
 
     layout = dict(micro_batch_size=micro_batch_size, packing=packing, micro_batch_tokens=micro_batch_tokens)
     if teachers is not None:
-        return _routed_step(student, batch, scores, cfg, teachers, vocab_size=vocab_size, guard=guard, **layout)
+        return _routed_step(student, batch, scores, cfg, teachers, vocab_size=vocab_size, guard=guard,
+                            lr_scale=lr_scale, **layout)  # fmt: skip
     columns = teacher_columns(scores, batch) if scores is not None else {}
     micro_batches = _micro_batches(batch, columns, **layout)
     split = ContextParallelSplit.current()
@@ -669,7 +672,7 @@ def train_step(
         context_parallel=split,
     )
     with output.active() if output is not None else contextlib.nullcontext():
-        return student.step(micro_batches, loss_fn, guard)
+        return student.step(micro_batches, loss_fn, guard, lr_scale=lr_scale)
 
 
 def _grad_hint(student, num_micro_batches: int) -> float | None:
@@ -703,7 +706,7 @@ def teacher_shares(
 
 
 def _routed_step(student, batch, routed, cfg: LossConfig, teachers: dict[str, TeacherObjective], *, vocab_size: int,
-                 guard, **layout):  # fmt: skip
+                 guard, lr_scale=None, **layout):  # fmt: skip
     """``train_step`` of a batch scored by several teachers: each teacher's samples in micro-batches of their own,
     each trained by that teacher's objective, all reduced over the whole batch (``loss.teacher_balance``)."""
     from megatron.core import parallel_state as ps
@@ -737,7 +740,7 @@ def _routed_step(student, batch, routed, cfg: LossConfig, teachers: dict[str, Te
         return loss, stats.for_teacher(index, len(names))
 
     with output.active() if output is not None else contextlib.nullcontext():
-        return student.step(micro_batches, loss_fn, guard, teachers=tuple(names))
+        return student.step(micro_batches, loss_fn, guard, teachers=tuple(names), lr_scale=lr_scale)
 
 
 def fused_output_applies(cfg: LossConfig) -> bool:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megatron_opd.distributed.device import Accelerator, collective_device
 from megatron_opd.models.forward_backward import forward_backward
 from megatron_opd.trainer.config import OptimConfig
+from megatron_opd.trainer.lag_lr import scaled_lr
 from megatron_opd.trainer.objective import MicroBatchStats, StepStats
 from megatron_opd.trainer.router import RouterMetrics, freeze_routers
 
@@ -116,6 +117,8 @@ class StepResult:
     lr: float
     router: dict[str, float] = field(default_factory=dict)
     """A Mixture-of-Experts student's router metrics (``trainer/router.py``); empty for a dense one."""
+    lr_scale: float = 1.0
+    """The factor this step's learning rate was multiplied by (``optim.lag_lr_target``; 1 without it)."""
 
 
 class NonFiniteLossError(RuntimeError):
@@ -232,10 +235,12 @@ class Student:
         loss_fn: Callable[[torch.Tensor, dict], tuple[torch.Tensor, MicroBatchStats]],
         guard: Callable[[StepStats], None] | None = None,
         teachers: tuple[str, ...] = (),
+        lr_scale: Callable[[StepStats], float] | None = None,
     ) -> StepResult:
         """Forward and backward every micro-batch, check the loss (and ``guard``, which raises to refuse the step:
         the rollout-fidelity monitor), then apply one optimizer step. ``teachers``: the names of the per-teacher
-        blocks ``loss_fn``'s statistics carry (``teachers.*``), the same on every rank."""
+        blocks ``loss_fn``'s statistics carry (``teachers.*``), the same on every rank. ``lr_scale``: the factor on
+        this step's learning rate from its statistics (``trainer.lag_lr``; identical on every rank)."""
         self.train()
         for chunk in self.model:
             chunk.zero_grad_buffer()
@@ -248,12 +253,14 @@ class Student:
             raise NonFiniteLossError(f"loss is {stats.loss}")
         if guard is not None:
             guard(stats)  # identical stats on every rank: all refuse together, before any update
-        ok, grad_norm, _ = self.optimizer.step()
+        scale = 1.0 if lr_scale is None else float(lr_scale(stats))
+        with scaled_lr(self.optimizer, scale):  # this step only: the schedule's rate is back before it moves on
+            ok, grad_norm, _ = self.optimizer.step()
         if not ok:  # only a loss-scaled fp16 optimizer skips steps; bf16/fp32 never do
             logger.warning("optimizer skipped the step (gradient overflow)")
         self.lr_schedule.step(increment=1)
         lr = self.optimizer.param_groups[0]["lr"]
-        return StepResult(stats=stats, grad_norm=float(grad_norm or 0.0), lr=float(lr), router=router)
+        return StepResult(stats=stats, grad_norm=float(grad_norm or 0.0), lr=float(lr), router=router, lr_scale=scale)
 
 
 def mark_experts_expert_parallel(chunks: list) -> None:
