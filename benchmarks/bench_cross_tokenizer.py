@@ -30,6 +30,9 @@ Rows:
 - ``ours-aligned``: the same with ``loss.mode=topk loss.kind=forward_kl loss.topk=--topk loss.cross_tokenizer=aligned``;
   ``ours-aligned-rkl`` with ``loss.kind=reverse_kl``.
 - Ours at TP=1 with padded micro-batches (``train.packing=false``, as GOLD's; ``--packing``: packed).
+- ``same-tokenizer`` (``--pair cross_space``): the control, a teacher trained like the other one but with the
+  student's tokenizer, distilled into the same student by reverse KL on its top ``--topk`` (no alignment): what the
+  task lets on-policy distillation gain in these steps.
 - ``gold``, ``gold-hybrid``: ``benchmarks/_trl_gold_worker.py`` in TRL's venv (``--trl-venv``, installed when
   missing): ``GOLDTrainer`` with ``use_uld_loss=True``, ``lmbda=1`` (fully on-policy), GOLD's defaults for the rest of
   the loss, with and without ``uld_use_hybrid_loss`` (its docstring says what else it sets and why).
@@ -69,7 +72,7 @@ from bench_train import DEFAULT_TRL_VENV, ensure_trl_venv
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "benchmarks" / "_trl_gold_worker.py"
 QUICKSTART = REPO / "examples" / "quickstart"
-ROWS = ("ours-sampled", "ours-aligned", "ours-aligned-rkl", "gold", "gold-hybrid")
+ROWS = ("ours-sampled", "ours-aligned", "ours-aligned-rkl", "gold", "gold-hybrid", "same-tokenizer")
 TEACHER_SFT = ["train.steps=200", "optim.lr_warmup_steps=20"]
 """The cross-tokenizer quick start's teacher: 200 SFT steps (examples/quickstart.py)."""
 PAIRS = ("doubles", "cross_space")
@@ -93,8 +96,12 @@ def make_spaced_task(out: Path, n_train: int = 8000, n_eval: int = 256, seed: in
     from megatron_opd.tasks import digits
     from megatron_opd.testing.real_tokenizers import synthetic_tokenizer, write_synthetic_tokenizer
 
-    for name, size, kind, s in (("teacher-init", "teacher", "cross_space", seed), ("student-init", "student", "word",
-                                                                                   seed + 1)):  # fmt: skip
+    models = (
+        ("teacher-init", "teacher", "cross_space", seed),
+        ("student-init", "student", "word", seed + 1),
+        ("teacher-word-init", "teacher", "word", seed),
+    )  # the control's teacher: the student's tokenizer
+    for name, size, kind, s in models:
         folder = write_synthetic_tokenizer(out / name, kind)
         vocab = (len(synthetic_tokenizer(kind)) + 15) // 16 * 16
         config = Qwen3Config(vocab_size=vocab, head_dim=digits.HEAD_DIM, max_position_embeddings=64,
@@ -226,6 +233,12 @@ def prepare(work: Path, args) -> tuple[Path, Path, Path]:
                                  [f"student.path={task / 'student-init'}", *data, f"output_dir={student}",
                                   *PAIR_SFT[args.pair][1]]),
     }  # fmt: skip
+    if args.pair == "cross_space" and "same-tokenizer" in args.rows:
+        jobs[work / "teacher-word"] = trainer_command(
+            QUICKSTART / "teacher_sft.yaml",
+            [f"student.path={task / 'teacher-word-init'}", *data, f"output_dir={work / 'teacher-word'}",
+             *TEACHER_SFT, *PAIR_SFT[args.pair][0]],
+        )  # fmt: skip
     print("preparing: teacher SFT and student warm-up (our trainer), side by side", file=sys.stderr)
     procs = {out: start(cmd, work / f"{out.name}.log", args.threads) for out, cmd in jobs.items()}
     for out, proc in procs.items():
@@ -377,6 +390,10 @@ def run_row(row: str, name: str, paths, settings: dict, aligned: list[str], args
     """One run of ``row`` (``ROWS``) under ``name``."""
     if row.startswith("gold"):
         return run_gold(name, row == "gold-hybrid", paths, settings, args, work)
+    if row == "same-tokenizer":  # the control: a teacher with the student's own tokenizer, no alignment at all
+        task, _, student = paths
+        same = ["loss.cross_tokenizer=off", "loss.kind=reverse_kl", "loss.mode=topk", f"loss.topk={args.topk}"]
+        return run_ours(name, same, (task, work / "teacher-word" / "hf", student), settings, args, work)
     loss = {"ours-sampled": [], "ours-aligned": [*aligned, "loss.kind=forward_kl"],
             "ours-aligned-rkl": [*aligned, "loss.kind=reverse_kl"]}[row]  # fmt: skip
     return run_ours(name, loss, paths, settings, args, work)
