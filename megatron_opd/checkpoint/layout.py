@@ -246,10 +246,11 @@ def checkpoint_layout(
     """The chunks, objects and common state Megatron saves for ``arch`` under ``parallel`` (DP=1).
 
     Only TP, PP (and its uneven stages), VP and, for Mixture-of-Experts models, EP and ETP shape a checkpoint
-    (context and sequence parallelism do not). The local layer spec is always used: its checkpoint keys are the TransformerEngine spec's (Megatron maps the
-    fused-norm names), and it builds on the ``meta`` device on any machine. Runs in this process when
-    ``torch.distributed`` is not initialised yet (it briefly creates fake process groups and Megatron
-    parallel state, and tears them down); otherwise in a spawned child so the caller's groups are left alone.
+    (context and sequence parallelism do not). The local layer spec is always used: its checkpoint keys are the
+    TransformerEngine spec's (Megatron maps the fused-norm names), and it builds on the ``meta`` device on any
+    machine. Runs in this process when ``torch.distributed`` is not initialised yet (it briefly creates fake process
+    groups and Megatron parallel state, and tears them down); otherwise in a spawned child so the caller's groups are
+    left alone.
     """
     parallel = ParallelConfig(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,

@@ -66,6 +66,7 @@ from megatron_opd.model_files import HF_CONFIG_DIR
 from megatron_opd.models.architecture import ModelArchitecture, architecture_from_hf_config
 from megatron_opd.models.builder import ModelBuildConfig
 from megatron_opd.models.families import FAMILIES
+from megatron_opd.models.fp8 import QUANTIZATION_CONFIG, block_fp8_of
 from megatron_opd.models.name_mapping import ExpertSplit, Split, WeightRule, expand_rules, hf_shapes
 
 GIB = 1 << 30
@@ -425,19 +426,28 @@ def teacher_memory(recipe: Recipe) -> list[DeviceMemory]:
                          layout.ep, stage_layers=stages)  # fmt: skip
 
 
-FP8_BLOCK = (128, 128)
-"""DeepSeek-V3's FP8 block size (``quantization_config.weight_block_size``): one fp32 scale per block."""
+def _quantization(config) -> dict:
+    """A transformers config's ``quantization_config`` as a dict (empty when none)."""
+    quant = getattr(config, QUANTIZATION_CONFIG, None) or {}
+    return quant if isinstance(quant, dict) else quant.to_dict()
+
+
+def fp8_block(config) -> tuple[int, int] | None:
+    """The FP8 block size a model's config declares (``models/fp8.py`` reads and checks it); None when it is not
+    FP8 block-quantised."""
+    quant = _quantization(config)
+    if quant.get("quant_method") != "fp8":
+        return None
+    return block_fp8_of({QUANTIZATION_CONFIG: quant}, "the teacher's config.json").block_size
 
 
 def fp8_quantised(config, shard: ParamShard) -> bool:
-    """Whether vLLM holds ``shard`` in FP8: the config declares FP8 (``quantization_config.quant_method``) and the
-    tensor is a layer's linear weight (2-D) other than the router's, as DeepSeek-V3's checkpoint stores them
-    (embedding, output layer, norms and routers stay bf16)."""
-    quant = getattr(config, "quantization_config", None) or {}
-    quant = quant if isinstance(quant, dict) else quant.to_dict()
-    if quant.get("quant_method") != "fp8":
+    """Whether vLLM holds ``shard`` in FP8: the config declares FP8 and the tensor is a layer's linear weight (2-D)
+    other than the router's, as DeepSeek-V3's checkpoint stores them (embedding, output layer, norms and routers stay
+    bf16)."""
+    if fp8_block(config) is None:
         return False
-    skipped = quant.get("modules_to_not_convert") or []
+    skipped = _quantization(config).get("modules_to_not_convert") or []
     name = shard.name.removesuffix(".weight")
     return (
         len(shard.shape) == 2
@@ -452,7 +462,8 @@ def _vllm_weight_bytes(config, shards: list[ParamShard]) -> float:
     total = 0.0
     for shard in shards:
         if fp8_quantised(config, shard):
-            blocks = math.ceil(shard.shape[0] / FP8_BLOCK[0]) * math.ceil(shard.shape[1] / FP8_BLOCK[1])
+            rows, cols = fp8_block(config)
+            blocks = math.ceil(shard.shape[0] / rows) * math.ceil(shard.shape[1] / cols)
             total += shard.per_rank * (1 + 4 * blocks / shard.numel)
         else:
             total += 2 * shard.per_rank

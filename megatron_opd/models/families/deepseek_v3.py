@@ -214,6 +214,7 @@ def local_mla_self_attention():
     class LocalMLASelfAttention(MLASelfAttention):
         def __init__(self, config, *args, **kwargs):
             super().__init__(config, *args, **kwargs)
+            # Swapped after construction: Megatron's constructor takes only its own linear classes for this slot.
             device = self.linear_kv_down_proj.weight.device
             self.linear_kv_down_proj = DuplicatedKVDownProjection(
                 config.hidden_size, config.kv_lora_rank + config.qk_pos_emb_head_dim, config
