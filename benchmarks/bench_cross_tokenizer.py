@@ -26,13 +26,19 @@ issue #41's run: 100 steps of 32 prompts, lr 2e-4 held after ``--lr-warmups`` wa
 and the response length at the end over the start.
 
 Rows:
-- ``ours-sampled``: ``distil_cross.yaml`` (sampled reverse KL per aligned byte group).
+- ``ours-sampled``: ``distil_cross.yaml`` (sampled reverse KL per aligned byte group); ``ours-sampled-fkl`` the same
+  with ``loss.kind=forward_kl`` (the sampled forward KL).
 - ``ours-aligned``: the same with ``loss.mode=topk loss.kind=forward_kl loss.topk=--topk loss.cross_tokenizer=aligned``;
   ``ours-aligned-rkl`` with ``loss.kind=reverse_kl``.
 - Ours at TP=1 with padded micro-batches (``train.packing=false``, as GOLD's; ``--packing``: packed).
 - ``same-tokenizer`` (``--pair cross_space``): the control, a teacher trained like the other one but with the
   student's tokenizer, distilled into the same student by reverse KL on its top ``--topk`` (no alignment): what the
-  task lets on-policy distillation gain in these steps.
+  task lets on-policy distillation gain in these steps. ``same-tokenizer-sampled`` / ``-sampled-fkl``: that teacher
+  with ``loss.mode=sampled`` (reverse / forward KL): what the sampled estimators gain when tokenizers are not in the
+  way.
+- ``--student-steps``: another student warm-up (issue #41's student started at 48% exact match; 327 steps give 55%),
+  in its own ``--workdir``; ``--set KEY=VALUE ...``: extra trainer overrides of our rows, ``--tag`` a suffix of their
+  names (runs of another setting side by side in one work folder).
 - ``gold``, ``gold-hybrid``: ``benchmarks/_trl_gold_worker.py`` in TRL's venv (``--trl-venv``, installed when
   missing): ``GOLDTrainer`` with ``use_uld_loss=True``, ``lmbda=1`` (fully on-policy), GOLD's defaults for the rest of
   the loss, with and without ``uld_use_hybrid_loss`` (its docstring says what else it sets and why).
@@ -72,7 +78,8 @@ from bench_train import DEFAULT_TRL_VENV, ensure_trl_venv
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "benchmarks" / "_trl_gold_worker.py"
 QUICKSTART = REPO / "examples" / "quickstart"
-ROWS = ("ours-sampled", "ours-aligned", "ours-aligned-rkl", "gold", "gold-hybrid", "same-tokenizer")
+ROWS = ("ours-sampled", "ours-sampled-fkl", "ours-aligned", "ours-aligned-rkl", "gold", "gold-hybrid",
+        "same-tokenizer", "same-tokenizer-sampled", "same-tokenizer-sampled-fkl")  # fmt: skip
 TEACHER_SFT = ["train.steps=200", "optim.lr_warmup_steps=20"]
 """The cross-tokenizer quick start's teacher: 200 SFT steps (examples/quickstart.py)."""
 PAIRS = ("doubles", "cross_space")
@@ -231,9 +238,10 @@ def prepare(work: Path, args) -> tuple[Path, Path, Path]:
                                   *TEACHER_SFT, *PAIR_SFT[args.pair][0]]),
         student: trainer_command(QUICKSTART / "student_warmup.yaml",
                                  [f"student.path={task / 'student-init'}", *data, f"output_dir={student}",
-                                  *PAIR_SFT[args.pair][1]]),
+                                  *PAIR_SFT[args.pair][1],
+                                  *([f"train.steps={args.student_steps}"] if args.student_steps else [])]),
     }  # fmt: skip
-    if args.pair == "cross_space" and "same-tokenizer" in args.rows:
+    if args.pair == "cross_space" and "same-tokenizer" in args.rows:  # either control
         jobs[work / "teacher-word"] = trainer_command(
             QUICKSTART / "teacher_sft.yaml",
             [f"student.path={task / 'teacher-word-init'}", *data, f"output_dir={work / 'teacher-word'}",
@@ -390,13 +398,17 @@ def run_row(row: str, name: str, paths, settings: dict, aligned: list[str], args
     """One run of ``row`` (``ROWS``) under ``name``."""
     if row.startswith("gold"):
         return run_gold(name, row == "gold-hybrid", paths, settings, args, work)
-    if row == "same-tokenizer":  # the control: a teacher with the student's own tokenizer, no alignment at all
+    if row.startswith("same-tokenizer"):  # the controls: a teacher with the student's own tokenizer, no alignment
         task, _, student = paths
         same = ["loss.cross_tokenizer=off", "loss.kind=reverse_kl", "loss.mode=topk", f"loss.topk={args.topk}"]
-        return run_ours(name, same, (task, work / "teacher-word" / "hf", student), settings, args, work)
-    loss = {"ours-sampled": [], "ours-aligned": [*aligned, "loss.kind=forward_kl"],
+        if row.startswith("same-tokenizer-sampled"):
+            kind = "forward_kl" if row.endswith("-fkl") else "reverse_kl"
+            same = ["loss.cross_tokenizer=off", f"loss.kind={kind}", "loss.mode=sampled"]
+        return run_ours(name, [*same, *args.set], (task, work / "teacher-word" / "hf", student), settings, args, work)
+    loss = {"ours-sampled": [], "ours-sampled-fkl": ["loss.kind=forward_kl"],
+            "ours-aligned": [*aligned, "loss.kind=forward_kl"],
             "ours-aligned-rkl": [*aligned, "loss.kind=reverse_kl"]}[row]  # fmt: skip
-    return run_ours(name, loss, paths, settings, args, work)
+    return run_ours(name, [*loss, *args.set], paths, settings, args, work)
 
 
 def summary(results: list[Row]) -> str:
@@ -445,6 +457,10 @@ def main() -> None:
                         "with a summary over them")  # fmt: skip
     parser.add_argument("--lr", type=float, help="optim.lr (and min_lr) of every row instead of the pair's")
     parser.add_argument("--lr-warmups", help="comma-separated optim.lr_warmup_steps: every row once per value")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="extra trainer overrides of our rows (e.g. loss.sampled_ratio_clip=0)")  # fmt: skip
+    parser.add_argument("--student-steps", type=int, help="SFT steps of the student's warm-up (default: the pair's)")
+    parser.add_argument("--tag", default="", help="appended to every run's name (runs of another --set side by side)")
     parser.add_argument("--trl-venv", default=str(DEFAULT_TRL_VENV), help="TRL's own venv (created when missing)")
     parser.add_argument("--json", metavar="OUT", help="also write every figure and per-step value here")
     parser.add_argument("--workdir", help="where to write (default: a temporary folder); its task, teacher and "
@@ -479,7 +495,7 @@ def main() -> None:
         for warm in warmups:
             for seed in seeds:
                 args.seed, settings = seed, {**base, "lr_warmup_steps": warm}
-                tag = f"-warmup{warm}-seed{seed}" if many else ""
+                tag = args.tag + (f"-warmup{warm}-seed{seed}" if many else "")
                 for name in rows:
                     results.append(run_row(name, name + tag, paths, settings, aligned, args, work))
                     if args.json:  # what has finished, in case the rest does not

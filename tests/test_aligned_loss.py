@@ -20,7 +20,7 @@ from megatron_opd.cross_tokenizer.retokenize import CrossTokenizer
 from megatron_opd.data.prompts import PromptEncoder
 from megatron_opd.interfaces import TeacherScores
 from megatron_opd.losses.aligned import aligned_divergence
-from megatron_opd.losses.sampled import label_logprobs, sampled_reverse_kl
+from megatron_opd.losses.sampled import SAMPLED_KINDS, label_logprobs, sampled_divergence
 from megatron_opd.losses.topk import TAILS, topk_divergence
 from megatron_opd.testing.multiprocess import run_distributed
 from megatron_opd.trainer.config import LossConfig
@@ -78,7 +78,8 @@ def _mixed():
 def _reference(logits, labels, ids, logprobs, support, group_logp, aligned, offset, kind, beta):
     """float64, from the definitions: at aligned rows the divergence between the teacher's and the student's
     distributions coarsened to the supported ids plus one bucket for the rest; at the others the surrogate
-    ``sg(log q(group) - log p(group)) * log q(label)``."""
+    ``sg(w) * log q(label)`` of the same kind, ``w`` from ``r = log q(group) - log p(group)``: ``r`` (reverse KL, and
+    for jsd), ``1 - exp(-r)`` (forward KL)."""
     x = logits.detach().double().requires_grad_()
     logq_TV = torch.log_softmax(x[:, :VOCAB], dim=-1)
     terms = []
@@ -97,7 +98,9 @@ def _reference(logits, labels, ids, logprobs, support, group_logp, aligned, offs
             first = t + int(offset[t])
             members = [u for u in range(T) if not aligned[u] and u + int(offset[u]) == first]
             logq_group = sum(logq_TV[u, labels[u]] for u in members)
-            terms.append((logq_group - group_logp[t].double()).detach() * logq_TV[t, labels[t]])
+            log_ratio = (logq_group - group_logp[t].double()).detach()
+            weight = 1 - (-log_ratio).exp() if kind == "forward_kl" else log_ratio  # jsd: the reverse KL's
+            terms.append(weight * logq_TV[t, labels[t]])
     loss = torch.stack(terms)
     (grad,) = torch.autograd.grad(loss.sum(), x)
     return loss.detach(), grad
@@ -118,8 +121,8 @@ def test_aligned_and_sampled_positions_against_float64(kind):
 
 
 def _tp2_body():
-    """At TP=2, each rank's loss and its shard of the gradient: the aligned loss, and the sampled reverse KL
-    (``losses.sampled``, every temperature of tests/test_sampled_loss.py; one spawn for both)."""
+    """At TP=2, each rank's loss and its shard of the gradient: the aligned loss, and the sampled divergences
+    (``losses.sampled``, both kinds at every temperature of tests/test_sampled_loss.py; one spawn for all)."""
     import torch.distributed as dist
 
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
@@ -134,17 +137,18 @@ def _tp2_body():
     loss.sum().backward()
     sampled = []
     s_logits, s_labels, s_teacher = sampled_inputs()
-    for temperature in TEMPERATURES:
-        z = s_logits[:, rank * (SAMPLED_V // 2) : (rank + 1) * (SAMPLED_V // 2)].clone().requires_grad_()
-        logq = label_logprobs(z, s_labels, vocab_size=SAMPLED_VOCAB, temperature=temperature)
-        surrogate, _ = sampled_reverse_kl(logq, s_teacher)
-        surrogate.sum().backward()
-        sampled.append((float(surrogate.sum()), z.grad))
+    for kind in SAMPLED_KINDS:
+        for temperature in TEMPERATURES:
+            z = s_logits[:, rank * (SAMPLED_V // 2) : (rank + 1) * (SAMPLED_V // 2)].clone().requires_grad_()
+            logq = label_logprobs(z, s_labels, vocab_size=SAMPLED_VOCAB, temperature=temperature)
+            surrogate, _ = sampled_divergence(logq, s_teacher, kind)
+            surrogate.sum().backward()
+            sampled.append((float(surrogate.sum()), z.grad))
     return (loss.detach(), x.grad), sampled
 
 
 def test_tp2_shards_give_the_tp1_loss_and_gradient():
-    """The aligned loss at TP=2 equals TP=1's; the sampled reverse KL at TP=2 equals its float64 reference."""
+    """The aligned loss at TP=2 equals TP=1's; both sampled divergences at TP=2 equal their float64 references."""
     ((loss0, grad0), sampled0), ((loss1, grad1), sampled1) = run_distributed(_tp2_body, 2)
     logits, labels, ids, logprobs, group_logp = _inputs(2)
     aligned, support, offset = _mixed()
@@ -155,9 +159,10 @@ def test_tp2_shards_give_the_tp1_loss_and_gradient():
     torch.testing.assert_close(loss0, want.detach(), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(loss1, loss0, rtol=0, atol=0)
     torch.testing.assert_close(torch.cat([grad0, grad1], dim=1), x.grad, rtol=1e-6, atol=1e-7)
-    for temperature, (s0, g0), (s1, g1) in zip(TEMPERATURES, sampled0, sampled1):
-        ref_loss, ref_grad = sampled_reference(*sampled_inputs(), temperature)
-        assert s0 == s1 == pytest.approx(ref_loss, rel=1e-12), f"temperature {temperature}"
+    cases = [(kind, temperature) for kind in SAMPLED_KINDS for temperature in TEMPERATURES]
+    for (kind, temperature), (s0, g0), (s1, g1) in zip(cases, sampled0, sampled1, strict=True):
+        ref_loss, ref_grad = sampled_reference(*sampled_inputs(), temperature, kind=kind)
+        assert s0 == s1 == pytest.approx(ref_loss, rel=1e-12), f"{kind} at temperature {temperature}"
         torch.testing.assert_close(torch.cat([g0, g1], dim=1), ref_grad, rtol=1e-10, atol=1e-12)
 
 

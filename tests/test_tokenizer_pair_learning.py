@@ -6,9 +6,10 @@ by ``CrossTokenizer``; the teacher is exact: at each of its positions 0.9 on the
 of the prompt's answer (EOS at the end), the rest spread over its vocabulary, uniform once off the answer. Pairs:
 a student with one token per digit and its space and a character-level student, both against the teacher whose
 merges cross spaces (76% and 40% of its tokens with a twin, docs/training.md). Bounds, on every prompt's greedy
-answer and the answers' log-likelihood under the student: the log-likelihood rises by more than a nat, exact match
-does not fall, and the mean greedy response length stays at least 0.8x the start, which the collapse of issue #41
-(answers shortening towards a bare EOS) fails.
+answer and the answers' log-likelihood under the student: the log-likelihood rises (by more than a nat; half a nat
+for the sampled forward KL), exact match does not fall, and the mean greedy response length stays at least 0.8x the
+start, which the collapse of issue #41 (answers shortening towards a bare EOS) fails. ``sampled`` runs with both
+sampled divergences (reverse and forward KL).
 """
 
 from __future__ import annotations
@@ -28,10 +29,17 @@ ANSWERS = ["5 1 9", "3 3 0 7", "8 2 6", "0 4 4 1", "9 7 5", "6 0 2 8", "1 8 3", 
 MAX_NEW = 9
 MODES = {
     "sampled": dict(kind="reverse_kl", mode="sampled", cross_tokenizer="sampled"),
+    "sampled-forward": dict(kind="forward_kl", mode="sampled", cross_tokenizer="sampled"),
     "aligned": dict(kind="forward_kl", mode="topk", topk=16, cross_tokenizer="aligned"),
 }
-STEPS, SAMPLES, LR = 30, 4, {"sampled": 10.0, "aligned": 30.0}
+STEPS, SAMPLES, LR = 30, 4, {"sampled": 10.0, "sampled-forward": 5.0, "aligned": 20.0}
 """Steps, samples per prompt per step, and the plain SGD step size on the table per mode."""
+SLOW = {"sampled-forward": 2}
+"""Modes given more steps: the sampled forward KL's weights are bounded (at most 1 on a token to push down, at
+least ``1 - loss.sampled_ratio_clip`` on one to push up), so a plain SGD step moves the table less; a larger step
+makes its sampled weights overshoot (answers run to the length limit), without the cap it diverges."""
+MIN_GAIN = {"sampled": 1.0, "sampled-forward": 0.5, "aligned": 1.0}
+"""The least rise of the answers' log-likelihood (nats) per mode."""
 
 
 class Teacher:
@@ -103,7 +111,7 @@ def train(student_kind: str, mode: str, seed: int = 0) -> tuple[tuple[float, ...
     prompts = [PromptEncoder(s_tok).prompt_ids(r, "test") for r in records]
     rng = torch.Generator().manual_seed(seed)
     before = student.greedy()
-    for _ in range(STEPS):
+    for _ in range(STEPS * SLOW.get(mode, 1)):
         index = [i for i in range(len(ANSWERS)) for _ in range(SAMPLES)]
         responses = [student.generate(i, rng) for i in index]
         rollouts = Rollouts(
@@ -153,5 +161,5 @@ def test_each_mode_learns_without_shortening_the_answers(student_kind, mode):
     (exact0, length0, loglik0), (exact1, length1, loglik1) = train(student_kind, mode)
     what = f"{mode} on {student_kind} <- cross_space: exact match {exact0:.3f} -> {exact1:.3f}, answers "
     what += f"{length0:.2f} -> {length1:.2f} tokens, answer log-likelihood {loglik0:.2f} -> {loglik1:.2f}"
-    assert loglik1 > loglik0 + 1.0 and exact1 >= exact0, what
+    assert loglik1 > loglik0 + MIN_GAIN[mode] and exact1 >= exact0, what
     assert length1 >= 0.8 * length0, what

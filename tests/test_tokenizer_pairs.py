@@ -23,7 +23,7 @@ from megatron_opd.cross_tokenizer.vocabulary_map import VocabularyMap
 from megatron_opd.data.prompts import PromptEncoder
 from megatron_opd.interfaces import Rollouts, TeacherScores
 from megatron_opd.losses.aligned import aligned_divergence
-from megatron_opd.losses.sampled import label_logprobs, sampled_reverse_kl
+from megatron_opd.losses.sampled import SAMPLED_KINDS, label_logprobs, sampled_divergence
 from megatron_opd.testing.real_tokenizers import MATRIX_TEXT, SYNTHETIC_KINDS, SYNTHETIC_PAIRS, synthetic_tokenizer
 from megatron_opd.trainer.batch import pack_rollouts
 from tests.test_alignment import check, split_tokens
@@ -205,10 +205,11 @@ def test_retokenization_scores_and_both_losses(toks, student_kind, teacher_kind)
     mask = batch.loss_mask != 0
     per_token[mask].sum().backward()
     logq = label_logprobs(logits.detach().reshape(-1, len(student)), batch.next_tokens().reshape(-1), vocab_size=None)
-    surrogate, estimate = sampled_reverse_kl(
-        logq, scores.requested_logprobs[..., 0].reshape(-1), scores.extras["group_offset"].reshape(-1)
-    )  # loss.cross_tokenizer=sampled on the same scores
-    assert torch.isfinite(surrogate[mask.reshape(-1)]).all() and torch.isfinite(estimate[mask.reshape(-1)]).all()
+    for kind in SAMPLED_KINDS:  # loss.cross_tokenizer=sampled on the same scores
+        surrogate, estimate = sampled_divergence(
+            logq, scores.requested_logprobs[..., 0].reshape(-1), kind, scores.extras["group_offset"].reshape(-1)
+        )
+        assert torch.isfinite(surrogate[mask.reshape(-1)]).all() and torch.isfinite(estimate[mask.reshape(-1)]).all()
     assert torch.isfinite(per_token[mask]).all() and torch.isfinite(divergence[mask]).all()
     assert torch.isfinite(logits.grad).all() and logits.grad.abs().sum() > 0
     assert 0.0 < request.metrics["cross_tokenizer/topk_share"] <= 1.0

@@ -5,7 +5,8 @@ top-k there, each teacher token mapped to the student token its bytes begin with
 ``teacher_to_first``), is a distribution over what the student writes next, minus the mass of teacher tokens that
 map to none: the exact top-k divergence (``losses.topk``, any kind and tail; the unmapped mass is in the teacher's
 tail) runs there, vocab-parallel on the student's shard (``aligned`` marks those positions; the data path leaves out
-those where too little mapped). Every other position takes the sampled group surrogate of ``losses.sampled``. With
+those where too little mapped). Every other position takes the sampled group surrogate of ``losses.sampled``, of the
+same divergence (``forward_kl`` or ``reverse_kl``; the reverse KL for ``jsd``, which has no sampled form). With
 one tokenizer every position is aligned and the loss is the top-k loss.
 
 The top-k divergence runs on a copy of the aligned rows only, in place; the sampled surrogate reads the label's
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_opd.losses.sampled import label_logprobs, sampled_reverse_kl
+from megatron_opd.losses.sampled import SAMPLED_KINDS, label_logprobs, sampled_divergence
 from megatron_opd.losses.topk import topk_divergence
 
 
@@ -35,6 +36,7 @@ def aligned_divergence(
     vocab_size: int | None,
     student_temperature: float = 1.0,
     context_parallel=None,
+    sampled_ratio_clip: float = 0.0,
     **topk_options,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token loss and divergence, the logits' leading shape: top-k where ``aligned``, sampled elsewhere.
@@ -43,6 +45,7 @@ def aligned_divergence(
     positions (``support`` False: an empty slot). ``group_logprobs`` / ``group_offset``: each position's group
     log-probability under the teacher and the offset to its group's first position (``losses.sampled``).
     ``context_parallel``: the rows are this rank's share of each sequence (``losses.sampled.group_sums``).
+    ``sampled_ratio_clip``: the sampled forward KL's cap on ``p/q`` (``losses.sampled.sampled_divergence``).
     ``topk_options``: ``topk_divergence``'s ``beta``, ``tail``, ``coverage_weight``, ``chunk_size``.
     """
     lead = logits.shape[:-1]
@@ -52,9 +55,10 @@ def aligned_divergence(
     sampled_rows = int(aligned_T.numel() - rows.numel())
     if sampled_rows:
         logq_T = label_logprobs(logits_TV, labels.reshape(-1), vocab_size=vocab_size, temperature=student_temperature)
-        per_token_T, divergence_T = sampled_reverse_kl(
-            logq_T.view(lead), group_logprobs.to(logq_T.dtype), group_offset, context_parallel
-        )
+        per_token_T, divergence_T = sampled_divergence(
+            logq_T.view(lead), group_logprobs.to(logq_T.dtype), kind if kind in SAMPLED_KINDS else "reverse_kl",
+            group_offset, context_parallel, ratio_clip=sampled_ratio_clip,
+        )  # fmt: skip
         per_token_T, divergence_T = per_token_T.reshape(-1), divergence_T.reshape(-1)
     else:  # one tokenizer: the top-k loss alone, nothing sampled to read
         per_token_T = logits_TV.new_zeros(aligned_T.shape, dtype=torch.float32)

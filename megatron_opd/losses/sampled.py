@@ -1,16 +1,27 @@
-"""The sampled reverse KL (``loss.mode=sampled``): the teacher's log-probability of each sampled token is all it needs.
+"""The sampled divergences (``loss.mode=sampled``): the teacher's log-probability of each sampled token is all
+they need.
 
-On-policy, the student's own samples ``y ~ q`` make ``log q(y) - log p(y)`` an unbiased per-token estimate of
-``KL(q || p)``, and ``E_q[(log q - log p) grad log q]`` is its gradient. Differentiating ``log q - log p`` itself
-would give ``E_q[grad log q] = 0``: the student would not learn. So the loss is the surrogate (slime's estimator)
+On-policy, the student's own samples ``y ~ q`` estimate a per-token divergence's gradient by the score function:
+``E_q[a(y) grad log q(y)]`` with a weight ``a`` read at the sampled token. Differentiating an estimate of the
+divergence itself would give ``E_q[grad log q] = 0`` (the student would not learn), so the loss is the surrogate
 
-    sum_t w_t * sg(log q(y_t) - log p(y_t)) * log q(y_t)        (sg: stop-gradient)
+    sum_t sg(a_t) * log q(y_t)        (sg: stop-gradient; a_t from the log-ratio log q(y_t) - log p(y_t))
 
-whose value is not a divergence but whose gradient is the estimate; the divergence reported is
-``log q(y_t) - log p(y_t)``. Every teacher back end can give ``log p(y_t)`` (a vLLM teacher included), and the
-teacher may use another tokenizer: with ``group_offset`` the estimate is taken per aligned group of tokens
-(``megatron_opd.cross_tokenizer``): ``sg(log q(group) - log p(group)) * log q(y_t)`` for each student token of the
-group, ``log q(group)`` the sum over its student tokens and ``log p(group)`` over its teacher tokens.
+whose value is not a divergence but whose gradient is the estimate.
+
+- ``reverse_kl`` (slime's estimator): ``a = log q - log p``, the reported divergence the same. ``a`` is unbounded
+  where the teacher rules a sampled token out (``log p`` of -20 at a wrong digit): a few such tokens carry each
+  step's gradient, and under Adam that noise outweighs the signal on small batches (docs/training.md).
+- ``forward_kl``: ``grad KL(p || q) = -E_p[grad log q] = E_q[(1 - p/q) grad log q]`` (importance weights ``p/q``,
+  and ``E_q[grad log q] = 0`` as the baseline): ``a = 1 - min(p/q, ratio_clip)``, never above 1, so a token the
+  teacher rules out weighs 1 however unlikely it is; the reported divergence is ``r log r - r + 1`` (``r = p/q``),
+  a non-negative unbiased estimate of ``KL(p || q)``. ``ratio_clip`` truncates the weights where the student gives
+  a token far less than the teacher does (rare under ``q`` but then large), as truncated importance sampling does.
+
+Every teacher back end can give ``log p(y_t)`` (a vLLM teacher included), and the teacher may use another tokenizer:
+with ``group_offset`` the log-ratio is taken per aligned group of tokens (``megatron_opd.cross_tokenizer``),
+``log q(group) - log p(group)`` with ``log q(group)`` the sum over its student tokens and ``log p(group)`` over its
+teacher tokens, and its weight multiplies ``grad log q(y_t)`` at each student token of the group.
 
 ``log q(y_t)`` comes from the shard statistics alone (two all-reduces of ``[T]``); its backward needs no
 communication. Shape legend: ``T`` tokens (any leading shape), ``V`` this rank's vocabulary columns.
@@ -74,21 +85,37 @@ def group_sums(values_T: torch.Tensor, group_offset_T: torch.Tensor | None, cont
     return totals[first_T].view(shape)
 
 
-def sampled_reverse_kl(
+SAMPLED_KINDS = ("reverse_kl", "forward_kl")
+"""The divergences ``loss.mode=sampled`` estimates."""
+_MAX_LOG_RATIO = 80.0
+"""``log(p/q)`` beyond this is taken as this: ``r log r`` stays finite in float32."""
+
+
+def sampled_divergence(
     logq_T: torch.Tensor,
     teacher_logp_T: torch.Tensor,
+    kind: str = "reverse_kl",
     group_offset_T: torch.Tensor | None = None,
     context_parallel=None,
+    ratio_clip: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(surrogate_T, divergence_T)``: the per-token loss whose gradient is the sampled estimate of
-    ``grad KL(q || p)``, and the estimate itself (a group's ``log q - log p`` spread over its student tokens in
+    """``(surrogate_T, divergence_T)``: the per-token loss whose gradient is the sampled estimate of the gradient of
+    ``kind`` (``SAMPLED_KINDS``), and the divergence's estimate (a group's spread over its student tokens in
     proportion to each token's share: they sum to the group's). ``teacher_logp_T``: ``log p`` of each token, or with
-    ``group_offset_T`` of its group (the same value at every token of a group). ``context_parallel``: see
-    ``group_sums``."""
+    ``group_offset_T`` of its group (the same value at every token of a group). ``ratio_clip``: ``forward_kl``'s cap
+    on ``p/q`` in the weight (0: none). ``context_parallel``: see ``group_sums``."""
+    if kind not in SAMPLED_KINDS:
+        raise ValueError(f"the sampled loss estimates {' or '.join(SAMPLED_KINDS)}, not {kind!r}")
     logq_group_T = group_sums(logq_T.detach(), group_offset_T, context_parallel)
-    advantage_T = logq_group_T - teacher_logp_T.to(logq_T.dtype)
-    surrogate_T = advantage_T * logq_T
+    log_ratio_T = logq_group_T - teacher_logp_T.to(logq_T.dtype)
+    if kind == "reverse_kl":
+        weight_T, divergence_T = log_ratio_T, log_ratio_T
+    else:  # in float64, the exponent capped: p/q overflows float32 where log q is far below log p
+        ratio_T = torch.exp((-log_ratio_T.double()).clamp(max=_MAX_LOG_RATIO))
+        weight_T = (1.0 - (ratio_T.clamp(max=ratio_clip) if ratio_clip > 0 else ratio_T)).to(logq_T.dtype)
+        divergence_T = (ratio_T * -log_ratio_T.double() - ratio_T + 1.0).to(logq_T.dtype)
+    surrogate_T = weight_T * logq_T
     if group_offset_T is None:
-        return surrogate_T, advantage_T
+        return surrogate_T, divergence_T
     size_T = group_sums(torch.ones_like(logq_T.detach()), group_offset_T, context_parallel)
-    return surrogate_T, advantage_T / size_T
+    return surrogate_T, divergence_T / size_T

@@ -408,7 +408,7 @@ class LossConfig:
     """Teacher weight in the JSD mixture (0: forward KL, 1: reverse KL limits)."""
     mode: Literal["dense", "topk", "sampled"] = "dense"
     """``dense``: full teacher logit shards (colocated teacher); ``topk``: the teacher's top-k ids + log-probs;
-    ``sampled``: only the teacher's log-probability of each sampled token, the sampled reverse KL
+    ``sampled``: only the teacher's log-probability of each sampled token, the sampled reverse or forward KL
     (``losses.sampled``; every teacher back end can give it, also with another tokenizer)."""
     topk: int = 64
     """k for ``mode=topk``."""
@@ -432,13 +432,19 @@ class LossConfig:
     """The output layer fused into the divergence (``losses.fused_output``): the update's logits are formed a chunk
     of tokens at a time inside the loss and never held whole. ``auto``/``on``: every distillation loss (SFT keeps
     the output layer; ``on`` refuses it); ``off``: the output layer writes the whole logit shard first."""
+    sampled_ratio_clip: float = 10.0
+    """``loss.mode=sampled`` (and ``aligned``'s sampled positions) with ``loss.kind=forward_kl``: the importance
+    weight ``p/q`` of a sampled token is capped at this (truncated importance sampling; 0: no cap). The cap bites
+    only where the student gives a token less than 1/cap of the teacher's probability (rare under the student's
+    sampling, but then one token would weigh as much as a batch)."""
     cross_tokenizer: Literal["off", "sampled", "aligned"] = "off"
     """A teacher with another tokenizer: ``sampled`` re-tokenizes each response for the teacher, aligns the two
-    tokenizations by byte offsets and trains on the sampled reverse KL per aligned group (``loss.mode=sampled``;
-    ``megatron_opd.cross_tokenizer``). ``aligned`` (``loss.mode=topk``): at each group's first position, the
-    teacher's top-k mapped to the student token each teacher token begins with, with the top-k divergence
-    (``loss.kind``, ``loss.tail``; unmapped teacher mass goes to the tail); other positions, and those where under
-    half the top-k mass mapped, the sampled one. ``off``: the vocabulary check refuses a teacher with another tokenizer."""
+    tokenizations by byte offsets and trains on the sampled divergence (``loss.kind`` reverse or forward KL) per
+    aligned group (``loss.mode=sampled``; ``megatron_opd.cross_tokenizer``). ``aligned`` (``loss.mode=topk``): at
+    each group's first position, the teacher's top-k mapped to the student token each teacher token begins with,
+    with the top-k divergence (``loss.kind``, ``loss.tail``; unmapped teacher mass goes to the tail); other
+    positions, and those where under half the top-k mass mapped, the sampled one of the same kind (reverse KL for
+    ``jsd``). ``off``: the vocabulary check refuses a teacher with another tokenizer."""
     staleness_correction: Literal["off", "prefix"] = "off"
     """``prefix``: weight each token's loss by the truncated importance weight of the sampled prefix before it,
     ``min(prod_{s<t} p_trainer(y_s) / p_sampler(y_s), loss.staleness_clip)`` (``s <= t`` for ``loss.mode=sampled``),
@@ -480,18 +486,24 @@ class LossConfig:
                 "loss.fused_output=on fuses the output layer into a distillation divergence; loss.kind=sft keeps the "
                 "logits: set loss.fused_output=auto or off"
             )
-        if self.mode == "sampled" and self.kind not in ("reverse_kl", "sft"):
+        if self.mode == "sampled" and self.kind not in ("reverse_kl", "forward_kl", "sft"):
             raise ValueError(
-                f"loss.mode=sampled estimates the reverse KL from the student's own samples; loss.kind={self.kind} "
-                "needs the teacher's distribution: set loss.kind=reverse_kl, or loss.mode=topk/dense"
+                f"loss.mode=sampled estimates the reverse or forward KL from the student's own samples; "
+                f"loss.kind={self.kind} needs the teacher's distribution: set loss.kind=forward_kl or reverse_kl, or "
+                "loss.mode=topk/dense"
+            )
+        if not 0.0 <= self.sampled_ratio_clip < float("inf"):
+            raise ValueError(
+                f"loss.sampled_ratio_clip must be a finite number >= 0 (0: no cap), got {self.sampled_ratio_clip}"
             )
         cross = self.cross_tokenizer
         if cross not in ("off", "sampled", "aligned"):
             raise ValueError(f"loss.cross_tokenizer must be off, sampled or aligned, got {cross!r}")
-        if cross == "sampled" and (self.mode != "sampled" or self.kind != "reverse_kl"):
+        if cross == "sampled" and (self.mode != "sampled" or self.kind not in ("reverse_kl", "forward_kl")):
             raise ValueError(
                 f"loss.cross_tokenizer=sampled compares aligned groups of tokens by their sampled log-probabilities: "
-                f"set loss.mode=sampled and loss.kind=reverse_kl (got loss.mode={self.mode}, loss.kind={self.kind}; "
+                f"set loss.mode=sampled and loss.kind=forward_kl or reverse_kl (got loss.mode={self.mode}, "
+                f"loss.kind={self.kind}; "
                 "for a top-k loss on the tokens both vocabularies share, loss.cross_tokenizer=aligned)"
             )
         if cross == "aligned" and (self.mode != "topk" or self.kind == "sft" or self.support != "teacher_topk"):

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megatron_opd.data.stream import PromptItem
 from megatron_opd.distributed.device import collective_device
 from megatron_opd.interfaces import RolloutBackend, SamplingParams
-from megatron_opd.losses.sampled import label_logprobs
+from megatron_opd.losses.sampled import label_logprobs, sampled_divergence
 from megatron_opd.models.context_parallel import ContextParallelSplit
 from megatron_opd.models.forward_backward import forward_backward
 from megatron_opd.trainer.batch import TrainBatch, pack_rollouts
@@ -111,8 +111,9 @@ class Evaluator:
         """Sum of per-token divergences over response tokens, and their count (on the reporting rank).
 
         ``loss.mode=sampled`` has only the teacher's log-probability of each token: the divergence is then the
-        sampled estimate, ``log q - log p`` on the student's own samples (reverse KL) and ``log p - log q`` on the
-        teacher's (forward KL), each unbiased for samples of the model it is averaged under."""
+        sampled estimate, on the student's own samples of ``loss.kind`` (``losses.sampled``: ``log q - log p`` for the
+        reverse KL, ``r log r - r + 1`` with ``r = p/q`` for the forward KL) and ``log p - log q`` on the teacher's
+        (forward KL), each unbiased for samples of the model it is averaged under."""
         sampled = self.cfg.loss.mode == "sampled"
         request_ids = batch.teacher_request_ids()[..., :1] if sampled else None
         scores = self.teacher.score(batch.tokens, request_ids, lengths=batch.lengths).result()
@@ -123,7 +124,10 @@ class Evaluator:
         def measure(logits_BSV: torch.Tensor, mb: dict):
             if sampled:
                 logq = label_logprobs(logits_BSV, mb["labels"], vocab_size=self.vocab_size)
-                d = (logq - mb["teacher_label_logprobs"]) * (1.0 if own else -1.0)
+                if own:
+                    _, d = sampled_divergence(logq, mb["teacher_label_logprobs"], self.kind)
+                else:
+                    d = mb["teacher_label_logprobs"] - logq
                 mask = mb["loss_mask"] != 0
                 return logits_BSV.new_zeros(()), (float(torch.where(mask, d, 0.0).sum()), float(mask.sum()))
             d = teacher_divergence(

@@ -32,7 +32,7 @@ import torch
 from megatron_opd.losses import dense_divergence, reduce_loss, topk_divergence, union_divergence
 from megatron_opd.losses.aligned import aligned_divergence
 from megatron_opd.losses.fused_output import chunk_tokens, fused_output_loss, reduction_coefficients
-from megatron_opd.losses.sampled import label_logprobs, sampled_reverse_kl
+from megatron_opd.losses.sampled import label_logprobs, sampled_divergence
 from megatron_opd.losses.shard_ops import chunked_logsumexp, gather_at_ids, global_argmax
 from megatron_opd.losses.vocab_parallel import make_vocab_shard
 from megatron_opd.models.context_parallel import ContextParallelSplit
@@ -369,8 +369,8 @@ class TopkObjective(DistributionObjective):
 
 
 class SampledObjective(Objective):
-    """The sampled reverse KL at the student's own tokens (``loss.mode=sampled``; across tokenizers per aligned
-    group with ``loss.cross_tokenizer=sampled``)."""
+    """The sampled reverse or forward KL at the student's own tokens (``loss.mode=sampled``; across tokenizers per
+    aligned group with ``loss.cross_tokenizer=sampled``)."""
 
     requires = ("teacher_label_logprobs",)
     reports_divergence = True
@@ -381,9 +381,10 @@ class SampledObjective(Objective):
         top1 = batch.teacher_topk_ids
         reads["target_top1"] = top1[..., 0] if top1 is not None else torch.full_like(batch.labels, -1)
         logq = label_logprobs(logits_TV, batch.labels, vocab_size=self.vocab_size, temperature=cfg.student_temperature)
-        per_token, reads["divergence"] = sampled_reverse_kl(
-            logq, batch.teacher_label_logprobs, batch.group_offset, batch.context_parallel
-        )
+        per_token, reads["divergence"] = sampled_divergence(
+            logq, batch.teacher_label_logprobs, cfg.kind, batch.group_offset, batch.context_parallel,
+            ratio_clip=cfg.sampled_ratio_clip,
+        )  # fmt: skip
         if label_logit is not None and cfg.student_temperature == 1.0:
             outputs["student_lse"] = label_logit - logq.detach()
         return per_token
@@ -407,7 +408,7 @@ class AlignedObjective(Objective):
             batch.teacher_topk_support, batch.teacher_label_logprobs, batch.group_offset, cfg.kind,
             vocab_size=self.vocab_size, beta=cfg.beta, tail=cfg.tail, coverage_weight=cfg.coverage_weight,
             student_temperature=cfg.student_temperature, chunk_size=cfg.chunk_size,
-            context_parallel=batch.context_parallel,
+            context_parallel=batch.context_parallel, sampled_ratio_clip=cfg.sampled_ratio_clip,
         )  # fmt: skip
         return per_token
 
