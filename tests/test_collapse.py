@@ -159,3 +159,9 @@ def test_warn_and_off_and_thresholds():
 def test_config_refusals(kwargs, message):
     with pytest.raises(ValueError, match=message):
         TrainLoopConfig(**kwargs)
+
+
+def test_the_cause_names_the_sampled_forward_kl_for_the_sampled_reverse_kl():
+    assert "loss.kind=forward_kl" in likely_cause(LossConfig(mode="sampled"))
+    forward = likely_cause(LossConfig(mode="sampled", kind="forward_kl"))
+    assert "loss.kind=forward_kl" not in forward and "lower optim.lr" in forward

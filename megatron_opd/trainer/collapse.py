@@ -98,5 +98,6 @@ def likely_cause(loss) -> str:
     if loss.cross_tokenizer == "sampled":
         return "a teacher with another tokenizer that judges stopping differently (the stop correction, EOS mapping)"
     if loss.mode == "sampled":
-        return "the sampled estimator's variance at this learning rate (lower optim.lr)"
+        fix = "lower optim.lr" if loss.kind == "forward_kl" else "loss.kind=forward_kl, or lower optim.lr"
+        return f"the sampled estimator's variance at this learning rate ({fix}; docs/training.md)"
     return "a teacher that puts more mass on EOS than on continuing (check its tokenizer's EOS and the data)"
