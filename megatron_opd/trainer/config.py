@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 from megatron_opd.distributed.parallel import ParallelConfig
+from megatron_opd.losses.sampled import SAMPLED_KINDS
 from megatron_opd.models.builder import ModelBuildConfig
 
 
@@ -486,7 +487,7 @@ class LossConfig:
                 "loss.fused_output=on fuses the output layer into a distillation divergence; loss.kind=sft keeps the "
                 "logits: set loss.fused_output=auto or off"
             )
-        if self.mode == "sampled" and self.kind not in ("reverse_kl", "forward_kl", "sft"):
+        if self.mode == "sampled" and self.kind not in (*SAMPLED_KINDS, "sft"):
             raise ValueError(
                 f"loss.mode=sampled estimates the reverse or forward KL from the student's own samples; "
                 f"loss.kind={self.kind} needs the teacher's distribution: set loss.kind=forward_kl or reverse_kl, or "
@@ -499,7 +500,7 @@ class LossConfig:
         cross = self.cross_tokenizer
         if cross not in ("off", "sampled", "aligned"):
             raise ValueError(f"loss.cross_tokenizer must be off, sampled or aligned, got {cross!r}")
-        if cross == "sampled" and (self.mode != "sampled" or self.kind not in ("reverse_kl", "forward_kl")):
+        if cross == "sampled" and (self.mode != "sampled" or self.kind not in SAMPLED_KINDS):
             raise ValueError(
                 f"loss.cross_tokenizer=sampled compares aligned groups of tokens by their sampled log-probabilities: "
                 f"set loss.mode=sampled and loss.kind=forward_kl or reverse_kl (got loss.mode={self.mode}, "
