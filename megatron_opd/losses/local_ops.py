@@ -21,7 +21,7 @@ def select_local_ops(backend: str, device: torch.device) -> LocalOps:
         raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
     if backend == "torch":
         return TorchLocalOps()
-    from kernels import divergence_triton
+    from megatron_opd.kernels import divergence_triton
 
     if backend == "triton":
         if not divergence_triton.triton_usable_on(device):
