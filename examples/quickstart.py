@@ -62,7 +62,8 @@ def _stop_with_this_process() -> None:
 def torchrun(
     nproc: int, config: Path, overrides: list[str], log: Path | None = None, jobs: int = 1
 ) -> subprocess.Popen:
-    """Start the trainer under torchrun; its progress and metrics go to this terminal, or to ``log``.
+    """Start the trainer under torchrun in the work folder (the one above ``output_dir``: the package runs as
+    installed, not from the checkout); its progress and metrics go to this terminal, or to ``log``.
 
     Each process gets its share of the CPU cores (``jobs`` trainer jobs side by side) unless OMP_NUM_THREADS is set.
     """
@@ -71,7 +72,9 @@ def torchrun(
     threads = max(1, len(os.sched_getaffinity(0)) // (nproc * jobs))
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
     out = None if log is None else log.open("w")
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+    cwd = Path(next(o for o in overrides if o.startswith("output_dir=")).split("=", 1)[1]).parent
+    cwd.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
                             preexec_fn=_stop_with_this_process)  # fmt: skip
 
 
@@ -233,7 +236,7 @@ def serve_teacher(model: Path, workdir: Path) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
            "-m", "megatron_opd.teacher.serve", "--model", str(model), "--port", str(port), "--ready-file", str(ready)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True, preexec_fn=_stop_with_this_process)  # fmt: skip
     while not ready.exists():
         if proc.poll() is not None:

@@ -156,17 +156,17 @@ def test_rank_jobs_start_ranks_as_torchrun_does_and_stop_them_as_it_does(tmp_pat
     )  # fmt: skip
     assert torchrun.returncode == 0, torchrun.stdout[-2000:] + torchrun.stderr[-2000:]
     env["PROBE_DIR"] = str(tmp_path / "rank_job")
-    code, out = run_module_job("tests.rank_job_probe", ["ok"], nproc=2, env=env, timeout=120)
+    code, out = run_module_job("tests.rank_job_probe", ["ok"], nproc=2, env=env, timeout=120, cwd=ROOT)
     assert code == 0, out[-3000:]
     ours, theirs = _probes(tmp_path / "rank_job"), _probes(tmp_path / "torchrun")
     assert set(theirs) == {"rank0", "rank1"}, torchrun.stdout[-2000:] + torchrun.stderr[-2000:]
     assert ours == theirs
 
     start = time.monotonic()
-    code, out = run_module_job("tests.rank_job_probe", ["rank1_fails"], nproc=2, env=env, timeout=120)
+    code, out = run_module_job("tests.rank_job_probe", ["rank1_fails"], nproc=2, env=env, timeout=120, cwd=ROOT)
     assert code == 1 and "rank 1 (tests.rank_job_probe) exited with code 3" in out, out[-3000:]
     assert "rank 0 (tests.rank_job_probe) exited with code -15" in out, "rank 0 was not stopped with SIGTERM"
     assert time.monotonic() - start < 60
 
     with pytest.raises(pytest.fail.Exception, match="did not finish within 3 s"):
-        run_module_job("tests.rank_job_probe", ["hang"], nproc=1, env=env, timeout=3)
+        run_module_job("tests.rank_job_probe", ["hang"], nproc=1, env=env, timeout=3, cwd=ROOT)

@@ -8,12 +8,9 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 from megatron_opd.testing.distill_fixture import make_distill_fixture
 from megatron_opd.testing.multiprocess import find_free_port
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_trainer_two_nodes(tmp_path):
@@ -36,7 +33,7 @@ def test_trainer_two_nodes(tmp_path):
                 "megatron_opd.train",
                 *overrides,
             ],
-            cwd=ROOT,
+            cwd=tmp_path,  # outside the repository: the package as installed
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from megatron_opd.testing.distill_fixture import make_distill_fixture
-from megatron_opd.testing.multiprocess import ROOT, run_trainer, trainer_command, trainer_env
+from megatron_opd.testing.multiprocess import run_trainer, trainer_command, trainer_env
 
 TP2 = {"parallel.tensor_model_parallel_size": 2}
 
@@ -147,7 +147,7 @@ def test_sigterm_saves_and_resumes(pair, tmp_path):
     overrides = pair.overrides(out_dir, **TP2, **{"train.steps": 200, "export_hf": False})
     proc = subprocess.Popen(
         trainer_command(overrides),
-        cwd=ROOT,
+        cwd=tmp_path,  # outside the repository: the package as installed
         env=trainer_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -266,9 +266,13 @@ def test_bad_input_is_refused_before_any_model(case, pair, tmp_path):
     assert expected in str(refused.value)
 
 
-def test_help_lists_every_key():
+def test_help_lists_every_key(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_opd.train", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "megatron_opd.train", "--help"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     keys = [

@@ -124,7 +124,16 @@ def _kill_marked(marker: str) -> None:
 
 
 ROOT = Path(__file__).resolve().parents[2]
-"""The repository root: where the trainer is launched from."""
+"""The repository root. Jobs of the package's own modules never start there (``RankJob``): an import that resolves
+only from the checkout (a top-level folder of the repository) must fail in the tests as it fails for an installed
+package."""
+
+
+def outside_folder() -> Path:
+    """A fresh empty folder outside the repository: a job's working directory, as a user's would be."""
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix="megatron-opd-job-"))
 
 
 def trainer_command(overrides: Sequence[str], nproc: int = 2) -> list[str]:
@@ -161,7 +170,13 @@ def run_trainer(
 
 
 def run_module_job(
-    module: str, argv: Sequence[str], *, nproc: int, env: dict[str, str], timeout: float, cwd: str | os.PathLike = ROOT
+    module: str,
+    argv: Sequence[str],
+    *,
+    nproc: int,
+    env: dict[str, str],
+    timeout: float,
+    cwd: str | os.PathLike | None = None,
 ) -> tuple[int, str]:
     """``RankJob`` to its end: (exit code, every rank's output). Whatever the ranks leave behind is killed, and a job
     past ``timeout`` fails the calling test with the output's tail."""
@@ -195,7 +210,11 @@ class RankJob:
     output appended to ``log_file``. As torchrun's agent does, the first rank to fail stops the others (SIGTERM,
     then SIGKILL after a grace) and the job's exit code is then 1. ``poll``/``wait``/``returncode`` as
     ``subprocess.Popen``'s; ``kill`` ends every rank and what it started. Without ``launch_env``, a process that is
-    no rank of a job (a vLLM server: torchrun's variables would make it one)."""
+    no rank of a job (a vLLM server: torchrun's variables would make it one).
+
+    Without ``cwd`` the ranks start in a fresh folder outside the repository, and a working folder outside the
+    repository also takes the repository root off ``sys.path`` (the test process has it there): the job sees what
+    an installed package sees. Paths in ``argv`` must then be absolute."""
 
     def __init__(
         self,
@@ -205,10 +224,14 @@ class RankJob:
         nproc: int,
         env: dict[str, str],
         log_file: str | os.PathLike,
-        cwd: str | os.PathLike = ROOT,
+        cwd: str | os.PathLike | None = None,
         launch_env: bool = True,
     ) -> None:
         import threading
+
+        self._own_cwd = cwd is None
+        cwd = outside_folder() if cwd is None else cwd
+        self.cwd = Path(cwd)
 
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(_PRELOAD)
@@ -267,6 +290,10 @@ class RankJob:
         for proc in self.procs:
             kill_tree(proc.pid)
         self._done.wait(30)
+        if self._own_cwd:
+            import shutil
+
+            shutil.rmtree(self.cwd, ignore_errors=True)
 
 
 def launch_variables(rank: int, world_size: int, port: int) -> dict[str, str]:
@@ -309,6 +336,17 @@ def _module_rank_main(
     import torch
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    if (
+        not Path(cwd).resolve().is_relative_to(ROOT)
+    ):  # an installed package's view: the checkout is no folder on the path
+        sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
+        # and no module the rank server found there (vLLM's import of Hugging Face's `kernels` finds the top-level
+        # kernels/ folder while the root is on the path), except the package itself, which the install maps there
+        for name, mod in list(sys.modules.items()):
+            top, origin = name.split(".")[0], getattr(mod, "__file__", None)
+            if origin and top != "megatron_opd" and Path(origin).resolve().is_relative_to(ROOT):
+                if Path(origin).resolve().relative_to(ROOT).parts[0] in (top, f"{top}.py"):
+                    del sys.modules[name]
     sys.path[0:0] = [cwd]  # ``python -m`` puts the working folder first
     sys.argv = [module, *argv]
     sys.modules.pop(module, None)  # as if never imported: runpy warns about a module run twice
