@@ -221,7 +221,9 @@ def test_bad_input_is_refused_clearly(case, pair, reference_run, tmp_path):
     assert code != 0 and "step 1: loss is nan" in out, out[-3000:]
 
 
-@pytest.mark.parametrize("case", ["layout", "pipeline_sampler", "vocab_mismatch", "missing_data", "unknown_key"])
+@pytest.mark.parametrize(
+    "case", ["layout", "pipeline_sampler", "vocab_mismatch", "missing_data", "unknown_key", "chat_without_template"]
+)
 def test_bad_input_is_refused_before_any_model(case, pair, tmp_path):
     """The refusals that need no model, in process through the trainer's own first steps (``parse_args``,
     ``validate``, ``check_inputs``: what ``train()`` runs before any process group or model exists)."""
@@ -256,6 +258,11 @@ def test_bad_input_is_refused_before_any_model(case, pair, tmp_path):
     elif case == "missing_data":
         overrides.append(f"data.train_files={tmp_path / 'nope.jsonl'}")
         expected = "nope.jsonl' does not exist; fix the path in data.train_files"
+    elif case == "chat_without_template":  # was refused only after every model was built
+        chat = tmp_path / "chat.jsonl"
+        chat.write_text(json.dumps({"messages": [{"role": "user", "content": "tensor 1"}]}) + "\n")
+        overrides.append(f"data.train_files={chat}")
+        expected = "the tokenizer has no chat template"
     else:
         overrides.append("optim.learning_rate=3")
         expected = "unknown config key(s) ['optim.learning_rate']"

@@ -77,7 +77,9 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
     # The in-process teacher (at most one) is the one the estimate places beside the student.
     check_memory(next((v for v in views.values() if v.teacher.backend == "inprocess"), cfg))
     if not cfg.teachers:
-        return load_vocabulary(cfg)
+        vocab = load_vocabulary(cfg)
+        check_first_records(cfg, vocab)
+        return vocab
     from megatron_opd.data.routing import TeacherRouter
 
     router = TeacherRouter.of(cfg)
@@ -85,7 +87,25 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
     if cfg.data.eval_files:
         router.check_files(cfg.data.eval_files, "data.eval_files")
     logger.info("training records per teacher: %s", counts)
-    return teachers_vocabulary(views)
+    vocab = teachers_vocabulary(views)
+    check_first_records(cfg, vocab)
+    return vocab
+
+
+def check_first_records(cfg: TrainConfig, vocab: Vocabulary) -> None:
+    """Each data file's first record encodes with the student's tokenizer (a chat record needs a chat template, an
+    SFT record its response): the refusal users meet otherwise only after every model is built."""
+    from megatron_opd.data.prompts import PromptEncoder
+    from megatron_opd.data.records import read_record_files
+
+    encoder = PromptEncoder.for_data(vocab.tokenizer, cfg.data)
+    for key in ("data.train_files", "data.eval_files"):
+        paths = getattr(cfg.data, key.split(".")[1])
+        for path, records in read_record_files(paths, key) if paths else ():
+            if records:
+                encoder.prompt_ids(records[0], where=f"{path} record 0")
+                if cfg.loss.kind == "sft" and key == "data.train_files":
+                    encoder.response_ids(records[0], where=f"{path} record 0")
 
 
 def teachers_vocabulary(views: dict[str, TrainConfig]) -> Vocabulary:

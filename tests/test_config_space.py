@@ -1,0 +1,126 @@
+"""Every configuration the trainer accepts works from start to finish, and everything else is refused before any model
+is built: a pairwise covering array over the dimensions users compose (``megatron_opd/testing/config_space.py``).
+
+Each row either is refused in process (``parse_args`` -> ``validate`` -> ``check_inputs``, as ``train()`` starts) or
+trains 3 steps saving at step 2, resumes from that checkpoint to step 3 (equal to the uninterrupted run at the same
+layout; at ``resume=other_layout`` on another layout), evaluates and exports a folder transformers loads. Jobs run
+from a folder outside the repository (``RankJob``), under a time limit: a hang fails the row with every rank's
+output.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from itertools import combinations
+from pathlib import Path
+
+import pytest
+
+from megatron_opd.testing import config_space as space
+from megatron_opd.testing.multiprocess import find_free_port, run_trainer
+from megatron_opd.testing.teacher_jobs import start_teacher_server, stop, train_metrics, wait_ready
+
+ROWS = space.covering_array()
+OUTCOMES: dict[str, str] = {}
+
+
+def test_the_array_covers_every_pair_that_is_not_excluded():
+    assert space.uncovered_pairs(ROWS) == []
+    names = [space.row_name(r) for r in ROWS]
+    assert len(set(names)) == len(names) or len(ROWS) == len({tuple(r.items()) for r in ROWS})
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("config_space")
+    made = space.make_space_files(root / "files")
+    if not any(r["teacher"] in ("server", "two_teachers") and not _refusal(r) for r in ROWS):
+        yield made
+        return
+    log = root / "server.log"
+    proc = start_teacher_server(made.teacher, port=find_free_port(), ready_file=root / "ready", log_file=log)
+    try:
+        yield space.SpaceFiles(**{**made.__dict__, "server": wait_ready(proc, root / "ready", str(log))})
+    finally:
+        stop(proc)
+
+
+def _refusal(row: dict[str, str]) -> space.Refusal | None:
+    held = set(row.items())
+    return next((r for r in space.REFUSED if r.first in held and r.second in held), None)
+
+
+def _refused_before_build(overrides: list[str]) -> str | None:
+    """The trainer's refusal of ``overrides`` from its first steps (no process group, no model), or None."""
+    from megatron_opd.config import parse_args
+    from megatron_opd.trainer.config import TrainConfig
+    from megatron_opd.trainer.setup import check_inputs
+
+    try:
+        cfg = parse_args(TrainConfig, overrides)
+        cfg.validate()
+        check_inputs(cfg)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("refusal", space.REFUSED, ids=lambda r: f"{r.first[1]}+{r.second[1]}")
+def test_each_refused_pair_is_refused_before_any_model(refusal, files, tmp_path):
+    """A row of the array with the pair put in (and no other excluded pair): refused in process, in those words."""
+    row = next(r for r in _rows_with(refusal))
+    message = _refused_before_build(space.command_line(space.value_overrides(row, files), tmp_path / "run"))
+    assert message is not None and refusal.message in message, (row, message)
+
+
+def _rows_with(refusal: space.Refusal):
+    excluded = space.excluded_pairs() - {frozenset((refusal.first, refusal.second))}
+    for row in ROWS:
+        candidate = {**row, refusal.first[0]: refusal.first[1], refusal.second[0]: refusal.second[1]}
+        if not any(frozenset(p) in excluded for p in combinations(candidate.items(), 2)):
+            yield candidate
+
+
+def test_no_row_is_refused(files, tmp_path):
+    """The array holds no excluded pair, so the trainer accepts every row (a refusal here is one the list lacks)."""
+    refused = {}
+    for row in ROWS:
+        message = _refused_before_build(space.command_line(space.value_overrides(row, files), tmp_path / "run"))
+        if message is not None:
+            refused[space.row_name(row)] = message
+    assert refused == {}, "\n".join(f"{k}: {v}" for k, v in refused.items())
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[f"{i:02d}-{space.row_name(r)}" for i, r in enumerate(ROWS)])
+def test_the_row_runs_resumes_evaluates_and_exports(row, files, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    overrides = space.value_overrides(row, files)
+    straight = tmp_path / "straight"
+    refused = _refused_before_build(space.command_line(overrides, straight))
+    assert refused is None, f"refused before build, but no refusal of the list names it: {refused}"
+    nproc = space.world_size(row["layout"])
+    code, out = run_trainer(space.command_line({**overrides, "export_hf": False}, straight), nproc=nproc, timeout=300)
+    assert code == 0, out[-4000:]
+    steps = {r["step"]: r for r in train_metrics(straight) if "loss" in r}
+    assert sorted(steps) == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in steps.values())
+
+    # resume from the step-2 checkpoint (a copy), at this layout or another, then evaluate and export
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(straight / "checkpoints" / "step_00000002", resumed / "checkpoints" / "step_00000002")
+    (resumed / "checkpoints" / "latest").write_text("step_00000002\n")
+    layout = row["layout"] if row["resume"] == "same_layout" else space.RESUME_AT[row["layout"]]
+    at = space.value_overrides(row, files, layout=layout)
+    code, out = run_trainer(space.command_line(at, resumed), nproc=space.world_size(layout), timeout=300)
+    assert code == 0, out[-4000:]
+    assert "(step 2)" in out, out[-3000:]
+    after = {r["step"]: r for r in train_metrics(resumed) if "loss" in r}
+    assert sorted(after) == [3] and math.isfinite(after[3]["loss"])
+    if layout == row["layout"] and row["scheduler"] == "zero_step_off":  # same samples, same weights
+        assert after[3]["loss"] == pytest.approx(steps[3]["loss"], rel=1e-5, abs=1e-7)
+    if row["eval"] != "off":
+        assert any(k.startswith("eval/") for r in train_metrics(resumed) for k in r), "no evaluation logged"
+    assert AutoModelForCausalLM.from_pretrained(resumed / "hf") is not None
+    OUTCOMES[space.row_name(row)] = "ran"
