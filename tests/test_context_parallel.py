@@ -169,6 +169,7 @@ def _cp_job(dirs: dict[str, str], tp: int = 1, sequence_parallel: bool = False, 
         batch = _fixed_batch()
         batch.tokens, batch.loss_mask = batch.tokens[lo:hi], batch.loss_mask[lo:hi]
         results[f"{layout}/eval"] = _evaluation_sums(dirs, parallel, teacher("topk", 1.0), batch)
+        results[f"{layout}/evaluator"] = _evaluator_and_startup_check(dirs, parallel, teacher("topk", 1.0))
         batch = _fixed_batch()
         batch.tokens, batch.loss_mask = batch.tokens[lo:hi], batch.loss_mask[lo:hi]
         batch.rollout_logprobs, batch.seq_weights = batch.rollout_logprobs[lo:hi], batch.seq_weights[lo:hi]
@@ -225,6 +226,47 @@ def _evaluation_sums(dirs, parallel, teacher, batch) -> tuple[float, float] | No
     return sums if evaluation._reporting_rank() else None
 
 
+def _evaluator_and_startup_check(dirs, parallel, teacher) -> dict:
+    """``Evaluator.run`` with the teacher's greedy answers sampled in-process (``eval.teacher_responses``: the
+    built-in sampler on the teacher's CP model) and the student's by the built-in sampler (standing in for vLLM), and
+    the trainer's log-probabilities of the rollout start-up check's sequence; each an error's text where it fails.
+    Every data-parallel replica evaluates all prompts (replica 0's count), so both layouts sample the same batch."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_opd.config import parse_args
+    from megatron_opd.data.stream import PromptItem
+    from megatron_opd.models.source import build_and_load
+    from megatron_opd.rollout.builtin import BuiltinSampler
+    from megatron_opd.rollout.fidelity import probe_sequence, sequence_logprobs
+    from megatron_opd.trainer.config import TrainConfig
+    from megatron_opd.trainer.evaluation import EvalSet, Evaluator
+
+    gen = torch.Generator().manual_seed(3)
+    items = [PromptItem(i, torch.randint(1, VOCAB, (n,), generator=gen).tolist(), {}) for i, n in enumerate((3, 7, 5))]
+    cfg = parse_args(
+        TrainConfig, ["loss.mode=topk", "loss.topk=16", "loss.kind=reverse_kl", "rollout.max_new_tokens=6"]
+    )
+    student = build_and_load(dirs["student"], parallel, trainable=False)[1]
+
+    def sampler(chunks):
+        return BuiltinSampler(chunks, vocab_size=VOCAB, max_seq_len=S, pad_token_id=0)
+
+    out = {}
+    try:
+        evaluator = Evaluator(cfg, EvalSet(items, [""] * len(items), counted=ps.get_data_parallel_rank() == 0),
+                              student_chunks=student, rollout=sampler(student), teacher=teacher,
+                              teacher_sampler=sampler(teacher.chunks), tokenizer=None, vocab_size=VOCAB, pad_token_id=0,
+                              stop_token_ids=(), max_len=S)  # fmt: skip
+        out["metrics"] = evaluator.run()
+    except ValueError as err:
+        out["metrics"] = str(err)
+    try:  # 13 tokens: padded to 16 at CP=2
+        out["startup_logprobs"] = sequence_logprobs(student, [probe_sequence(VOCAB, length=13)], VOCAB)
+    except ValueError as err:
+        out["startup_logprobs"] = str(err)
+    return out
+
+
 @pytest.fixture(scope="module")
 def cp_runs(tmp_path_factory):
     return run_distributed(_cp_job, 2, args=(_model_dirs(tmp_path_factory.mktemp("cp")),), timeout=600)
@@ -264,6 +306,29 @@ def test_evaluation_at_cp2_equals_cp1(cp_runs):
     (got,) = [r["cp2/eval"] for r in cp_runs if r["cp2/eval"] is not None]
     assert got[1] == sum(n for _, n in ref) == float((_fixed_batch().loss_mask != 0).sum())
     assert got[0] == pytest.approx(sum(d for d, _ in ref), rel=1e-5, abs=1e-5)  # a sum of signed terms
+
+
+def test_evaluator_with_teacher_responses_at_cp2_equals_cp1(cp_runs):
+    """The whole evaluation at CP=2 (the in-process teacher's greedy answers sampled on whole sequences by every CP
+    rank, both divergences measured on the split forward) gives CP=1's metrics."""
+    ref, got = cp_runs[0]["cp1/evaluator"]["metrics"], cp_runs[0]["cp2/evaluator"]["metrics"]
+    assert isinstance(ref, dict), ref
+    assert isinstance(got, dict), f"the evaluation failed at CP=2: {got}"
+    assert set(got) == set(ref) >= {"eval/divergence_own_samples", "eval/divergence_teacher_samples"}
+    assert got["eval/response_length"] == ref["eval/response_length"] == 6.0
+    for name, value in ref.items():
+        assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
+    assert all(r["cp2/evaluator"]["metrics"] == got for r in cp_runs), "the ranks report different metrics"
+
+
+def test_startup_check_logprobs_at_cp2_equal_cp1(cp_runs):
+    """The rollout start-up check's trainer side (``sequence_logprobs`` -> ``megatron_logits``) splits its sequence
+    over CP ranks (padded to 2 x CP chunks) and gathers the logits back on CP rank 0."""
+    ref, got = cp_runs[0]["cp1/evaluator"]["startup_logprobs"], cp_runs[0]["cp2/evaluator"]["startup_logprobs"]
+    assert not isinstance(got, str), f"the start-up check failed at CP=2: {got}"
+    assert len(got) == 1 and got[0].shape == (12,)
+    torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=0)
+    assert cp_runs[1]["cp2/evaluator"]["startup_logprobs"] is None  # one holder: CP rank 0
 
 
 def test_inprocess_teacher_at_cp2_equals_cp1(cp_runs):
