@@ -540,3 +540,42 @@ def test_teacher_server_at_cp2_matches_transformers(pp, tmp_path):
     torch.testing.assert_close(scores.topk_logprobs.double(), ref.topk(8, dim=-1).values, atol=2e-5, rtol=0)
     requested = ref.gather(-1, torch.roll(tokens, -1, dims=1)[..., None])
     torch.testing.assert_close(scores.requested_logprobs.double(), requested, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("window", [3, 15], ids=["bites", "hides_nothing"])
+def test_cp_attention_runs_a_sliding_window(window, monkeypatch):
+    """A sliding-window layer builds at CP=2 (the trainer refuses, in ``check_inputs``, only windows that can hide
+    keys of its sequences) and attends as at CP=1: a window that hides keys of a chunk (the padding after the longest
+    sequence) through its explicit mask, one that hides nothing as full causal attention. Each rank in turn, its
+    all-gather stood in by the whole sequence."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_opd.models import context_parallel
+    from megatron_opd.models.attention import SDPAttention
+    from megatron_opd.models.context_parallel import ContextParallelSplit
+
+    def config(cp):
+        return SimpleNamespace(num_attention_heads=4, num_query_groups=2, kv_channels=8, attention_dropout=0.0,
+                               context_parallel_size=cp, window_size=(window, 0), softmax_type="vanilla",
+                               sequence_parallel=False)  # fmt: skip
+
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(16, 2, 4, 8, generator=gen), *torch.randn(2, 16, 2, 2, 8, generator=gen)
+    whole = SDPAttention(
+        config(1), 1, AttnMaskType.causal, "self", pg_collection=SimpleNamespace(tp=StandInGroup(1, 0))
+    )
+    ref = whole(q, k, v, None)
+    for rank in range(2):
+        group = StandInGroup(2, rank)
+        split = ContextParallelSplit(group, 2, rank)
+        q_s, k_s, v_s = (split.split(x, 0) for x in (q, k, v))
+        # The module gathers its local K/V as [b, g, s, d] views: each stands for the whole sequence's.
+        whole_kv = {k_s.data_ptr(): k.permute(1, 2, 0, 3), v_s.data_ptr(): v.permute(1, 2, 0, 3)}
+        monkeypatch.setattr(
+            context_parallel._GatherSequence, "apply", lambda x, dim, split, kv=whole_kv: kv[x.data_ptr()]
+        )
+        attention = SDPAttention(config(2), 1, AttnMaskType.causal, "self",
+                                 pg_collection=SimpleNamespace(tp=StandInGroup(1, 0), cp=group))  # fmt: skip
+        torch.testing.assert_close(attention(q_s, k_s, v_s, None), split.split(ref, 0), rtol=1e-5, atol=1e-6)
