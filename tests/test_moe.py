@@ -136,6 +136,10 @@ STREAM_LAYOUTS = {
     "ep1 (dp2)": dict(),
     "ep2": dict(expert_model_parallel_size=2),
     "tp2 (sp)": dict(tensor_model_parallel_size=2, sequence_parallel=True),
+    # Both context-parallel ranks are in data-parallel replica 0; only the first sends (the second once waited in
+    # recv for experts sent to rank 0 only: the first sync hung).
+    "cp2": dict(context_parallel_size=2),
+    "cp2 ep2": dict(context_parallel_size=2, expert_model_parallel_size=2),
 }
 
 
@@ -144,7 +148,8 @@ STREAM_SHAPES = ("qwen3_moe_dense0", "qwen2_moe_shared", "mixtral_untied")  # th
 
 def test_weight_source_streams_every_expert_from_its_expert_parallel_rank(shape_dirs):
     """The vLLM weight sync's source at EP=2: rank 0 yields every Hugging Face tensor, each routed expert's from the
-    rank that holds it, equal to the checkpoint's; the other rank yields none (also at EP=1 and TP=2). On a dense
+    rank that holds it, equal to the checkpoint's; the other rank yields none (also at EP=1, TP=2, CP=2 and CP=2 x
+    EP=2). On a dense
     first layer, a gated shared expert (replicated over EP ranks: sent once) and Mixtral's ``w1/w2/w3`` names."""
     from safetensors.torch import load_file
 

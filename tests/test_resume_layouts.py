@@ -1,5 +1,5 @@
 """A training checkpoint resumes at another layout (issue 23): TP1 -> TP2 (from DP2), TP2 -> TP2xPP2,
-TP2 -> PP2xVP2 (DP2), DP2 -> DP1, and a Mixture-of-Experts student EP1 -> EP2 (DP2: each rank then holds half the
+TP2 -> PP2xVP2 (DP2), DP2 -> DP1, CP1 (DP2) -> CP2 and CP2 -> CP1 (DP1), and a Mixture-of-Experts student EP1 -> EP2 (DP2: each rank then holds half the
 experts, issue 35); with Megatron's distributed optimizer (issue 40: its ``fully_reshardable``
 state), fp32 and the GPU defaults (bf16 + distributed optimizer), DP2 -> TP2 and DP2 -> DP1 (fp32 also
 DP2 -> PP2xVP2); an old ``dp_reshardable`` checkpoint at its own TP/PP (DP2 -> DP1), refused at TP2. The
@@ -243,6 +243,22 @@ def _launch_world2(dirs: dict) -> dict:
     out["moe_dp2_to_ep2"] = _resume_and_continue(
         _Run({"expert_model_parallel_size": 2}, dirs["moe_student"], dirs["moe_dp2"], build=MOE_BUILD)
     )
+    out.update(_context_parallel_runs(dirs))
+    return out
+
+
+def _context_parallel_runs(dirs: dict) -> dict:
+    """CP2: step 1, save (each CP rank's RNG state under its own key; the keys once collided and the save failed),
+    step 2; CP2 resumes the DP2 run (CP1 -> CP2) and its own checkpoint (every RNG state restored exactly)."""
+    cp2 = {"context_parallel_size": 2}
+    out = {"dp2_to_cp2": _resume_and_continue(_Run(cp2, dirs["student"], dirs["dp2"]))}
+    run = _Run(cp2, dirs["student"], dirs["cp2"])
+    run.step()
+    out["cp2"] = _save_then_step(run)
+    again = _Run(cp2, dirs["student"], dirs["cp2"])
+    with _Warnings() as caught:
+        again.resume()
+    out["cp2_same_layout"] = {"rng": _rng_snapshot(), "warnings": caught.reseeded, "next": again.step()}
     return out
 
 
@@ -315,6 +331,9 @@ def _launch_world1(dirs: dict) -> dict:
         out[f"{name}_to_dp1"] = _resume_and_continue(_Run({}, dirs["student"], dirs[name], **precision))
     out["legacy_dp2_to_dp1"] = _resume_and_continue(_Run({}, dirs["student"], dirs["legacy_dp2"],
                                                          **DISTRIBUTED["do_dp2"]))  # fmt: skip
+    out["cp2_to_dp1"] = _resume_and_continue(_Run({}, dirs["student"], dirs["cp2"]))
+    cp2 = Path(dirs["cp2"]) / "step_00000001"
+    out["cp2_layout"] = layout_from_metadata(cp2, {}, dist_checkpointing.load_common_state_dict(str(cp2)))
     path = Path(dirs["dp2"]) / "step_00000001"
     common = dist_checkpointing.load_common_state_dict(str(path))
     legacy = layout_from_metadata(path, common["trainer"]["config"]["parallel"], common)  # read as for old folders
@@ -357,7 +376,9 @@ def launches(tmp_path_factory):
         "student": str(make_tiny_hf_model("qwen3", root / "student", seed=1, num_hidden_layers=4)),
         "moe_student": str(make_tiny_hf_model("qwen3_moe", root / "moe_student", seed=1, num_hidden_layers=2)),
     }
-    dirs.update({name: str(root / name) for name in ("dp2", "tp2", "legacy_dp2", "serial", "moe_dp2", *DISTRIBUTED)})
+    dirs.update(
+        {name: str(root / name) for name in ("dp2", "tp2", "legacy_dp2", "serial", "moe_dp2", "cp2", *DISTRIBUTED)}
+    )
     world2 = run_distributed(_launch_world2, 2, args=(dirs,), timeout=300)
     world4 = run_distributed(_launch_world4, 4, args=(dirs,), timeout=300)
     world1 = run_distributed(_launch_world1, 1, args=(dirs,), timeout=300)
@@ -376,6 +397,8 @@ CASES = {  # resumed case -> (its launch, the saving layout's entry in the world
     "bf16_dp2_to_dp1": ("world1", "bf16_dp2"),
     "legacy_dp2_to_dp1": ("world1", "do_dp2"),  # saved at the same step as do_dp2
     "moe_dp2_to_ep2": ("world2", "moe_dp2"),
+    "dp2_to_cp2": ("world2", "dp2"),
+    "cp2_to_dp1": ("world1", "cp2"),
 }
 
 
@@ -442,11 +465,22 @@ def test_dp_reshardable_checkpoints_load_at_their_own_model_parallel_layout_only
     assert "dp_reshardable" in message and "checkpoint.load_optimizer=false" in message, message
 
 
-def test_unchanged_layout_restores_every_rng_state(launches):
+@pytest.mark.parametrize("layout", ["tp2", "cp2"])
+def test_unchanged_layout_restores_every_rng_state(layout, launches):
     for rank in launches["world2"]:
-        saved, restored = rank["tp2"]["rng"], rank["tp2_same_layout"]["rng"]
+        saved, restored = rank[layout]["rng"], rank[f"{layout}_same_layout"]["rng"]
         assert saved.keys() == restored.keys() and all(torch.equal(saved[k], restored[k]) for k in saved)
-        assert rank["tp2_same_layout"]["warnings"] == 0
+        assert rank[f"{layout}_same_layout"]["warnings"] == 0
+    if layout == "cp2":  # and the next step is the saving run's, bitwise
+        rank0 = launches["world2"][0]
+        assert rank0["cp2_same_layout"]["next"] == rank0["cp2"]["next"]
+
+
+def test_cp2_checkpoint_layout_reads_from_its_rng_keys(launches):
+    """A CP2 checkpoint's ``rng_state`` keys carry the CP axis; the metadata reader (for checkpoints without a saved
+    layout) reads it back."""
+    layout = launches["world1"][0]["cp2_layout"]
+    assert (layout.context_parallel_size, layout.data_parallel_size) == (2, 1), layout
 
 
 def test_refused_resume_keeps_the_lock_and_legacy_layouts_read(launches):

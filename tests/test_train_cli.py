@@ -273,6 +273,37 @@ def test_bad_input_is_refused_before_any_model(case, pair, tmp_path):
     assert expected in str(refused.value)
 
 
+def test_sliding_window_at_context_parallelism_is_refused_only_where_it_can_bite(pair, tmp_path):
+    """At CP=2 a sliding window that hides no key of the run's longest sequence (``train.max_seq_len``) passes the
+    trainer's first checks; a shorter one is refused before any model, naming the model and the fixes (once refused
+    only while its attention was built, whatever its length)."""
+    from megatron_opd.config import parse_args
+    from megatron_opd.testing.tiny_models import make_tiny_hf_model, make_tiny_tokenizer
+    from megatron_opd.trainer.config import TrainConfig
+    from megatron_opd.trainer.setup import check_inputs
+
+    windowed = make_tiny_hf_model("mistral", tmp_path / "windowed", seed=1, vocab_size=1000, sliding_window=48)
+    make_tiny_tokenizer(windowed, vocab_size=1000)
+    cp2 = {"parallel.context_parallel_size": 2, "train.packing": False, "rollout.backend": "vllm"}
+
+    def check(length: int, **models):
+        cfg = parse_args(
+            TrainConfig, pair.overrides(tmp_path / "run", **cp2, **models, **{"train.max_seq_len": length})
+        )
+        cfg.validate()
+        return check_inputs(cfg)
+
+    assert check(48, **{"student.path": windowed}).vocab_size > 0  # the window hides nothing: not refused
+    assert check(48, **{"teacher.path": windowed}).vocab_size > 0
+    for field in ("student.path", "teacher.path"):
+        with pytest.raises(ValueError) as refused:
+            check(64, **{field: windowed})
+        assert str(refused.value).startswith(f"{field}: a sliding window of 48 tokens"), refused.value
+        assert "train.max_seq_len <= 48" in str(refused.value) and "context_parallel_size=1" in str(refused.value)
+    no_cp = pair.overrides(tmp_path / "run", **{"student.path": windowed, "train.max_seq_len": 64})
+    assert check_inputs(parse_args(TrainConfig, no_cp)).vocab_size > 0  # CP=1 runs the window (test_attention.py)
+
+
 def test_help_lists_every_key(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_opd.train", "--help"],

@@ -41,23 +41,34 @@ def random_tokens(vocab_size: int, num_sequences: int, seq_len: int, seed: int =
 
 
 def megatron_logits(chunks: list, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
-    """Full ``[b, s, V]`` logits of ``tokens`` ``[b, s]`` on the last pipeline stage's TP rank 0, else None.
+    """Full ``[b, s, V]`` logits of ``tokens`` ``[b, s]`` on the last pipeline stage's TP rank 0 (and CP rank 0),
+    else None.
 
-    A collective over the model's tensor- and pipeline-parallel groups: call it on every rank.
+    A collective over the model's tensor-, pipeline- and context-parallel groups: call it on every rank. With
+    context parallelism the sequence is split as the training step splits it (``models.context_parallel``) and the
+    logits are gathered back whole.
     """
     from megatron.core import parallel_state
 
     from megatron_opd.distributed.gather import gather_vocab_shards
+    from megatron_opd.models.context_parallel import ContextParallelSplit, split_micro_batch
     from megatron_opd.models.forward_backward import forward_backward
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
+    split = ContextParallelSplit.current()
+    mb = {"tokens": tokens}
+    if split is not None:
+        mb = split_micro_batch(mb, split, per_token=set(), pad_multiple=split.pad_multiple(chunks[0].config))
 
     def collect(logits, batch):
-        return logits.sum() * 0.0, gather_vocab_shards(logits.detach().float(), tp_group)[..., :vocab_size].cpu()
+        full = gather_vocab_shards(logits.detach().float(), tp_group)[..., :vocab_size]
+        if split is not None:  # this rank's positions -> the whole sequence, without the padding
+            full = split.gather(full)[:, : tokens.shape[1]]
+        return logits.sum() * 0.0, full.cpu()
 
     with torch.no_grad():
-        data = forward_backward(chunks, [{"tokens": tokens}], collect, forward_only=True)
-    if data and parallel_state.get_tensor_model_parallel_rank() == 0:
+        data = forward_backward(chunks, [mb], collect, forward_only=True)
+    if data and parallel_state.get_tensor_model_parallel_rank() == 0 and (split is None or split.rank == 0):
         return data[0]
     return None
 

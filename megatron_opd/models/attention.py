@@ -147,11 +147,6 @@ class SDPAttention(torch.nn.Module):
         self.attn_mask_type = attn_mask_type
         self.window = layer_window(config, layer_number)
         self.context_parallel = _context_parallel_split(config, pg_collection)
-        if self.window is not None and self.context_parallel is not None:
-            raise ValueError(
-                "sliding-window attention with context parallelism is not supported; set "
-                "parallel.context_parallel_size=1"
-            )
 
     def forward(
         self,
@@ -215,7 +210,12 @@ class SDPAttention(torch.nn.Module):
         from megatron_opd.models import context_parallel
 
         return context_parallel.attend(
-            q, k, v, self.context_parallel, lambda q, k, v, causal: self._sdpa(q, k, v, None, causal, dropout_p)
+            q,
+            k,
+            v,
+            self.context_parallel,
+            lambda q, k, v, mask, causal: self._sdpa(q, k, v, mask, causal, dropout_p),
+            window=self.window,
         )
 
     def _sdpa(self, q, k, v, mask, causal: bool, dropout_p: float) -> torch.Tensor:

@@ -255,6 +255,22 @@ def check_context_parallel(build: ModelBuildConfig, context_parallel_size: int) 
         )
 
 
+def check_window_context_parallel(arch: ModelArchitecture, context_parallel_size: int, longest: int, where: str):
+    """Refuse a sliding window that can hide keys at CP > 1 (``longest``: the longest sequence the run can give the
+    model). Context-parallel attention gathers every key; a window that bites would run through explicit masks over
+    the gathered sequence, which the trainer does not use. A window at least as long as every sequence hides nothing:
+    it runs as full causal attention, as at CP=1."""
+    window = arch.sliding_window
+    if context_parallel_size == 1 or window is None or window >= longest:
+        return
+    raise ValueError(
+        f"{where}: a sliding window of {window} tokens (config.json sliding_window) hides keys in sequences of up to "
+        f"{longest} tokens, and parallel.context_parallel_size={context_parallel_size} does not run sliding-window "
+        f"attention; set train.max_seq_len <= {window} (the window then hides nothing), or "
+        "parallel.context_parallel_size=1"
+    )
+
+
 def grouped_gemm_unavailable(te: bool, device_type: str, dtype: torch.dtype) -> str | None:
     """Why a grouped expert GEMM cannot run here, or None where it can: with TransformerEngine Megatron's
     ``TEGroupedMLP``; without, megatron-opd's :class:`~megatron_opd.models.grouped_experts.GroupedExperts`

@@ -16,6 +16,8 @@ query / K/V heads on this rank, ``d`` head dim.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +66,11 @@ class ContextParallelSplit:
         index = torch.tensor([self.rank, 2 * self.size - 1 - self.rank], device=x.device)
         return chunks.index_select(dim, index).flatten(dim, dim + 1)
 
+    def pad_multiple(self, config) -> int:
+        """What a sequence is padded to before the split: ``2 * CP`` chunks, each split over TP with sequence
+        parallelism (``config``: the model's ``TransformerConfig``)."""
+        return 2 * self.size * (config.tensor_model_parallel_size if config.sequence_parallel else 1)
+
     @torch.no_grad()
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """The full sequences ``[B, S, ...]`` from every rank's ``[B, S / CP, ...]`` (no gradient: statistics and
@@ -102,6 +109,46 @@ def split_micro_batch(
         out[name] = split.split(value, 1)
     out[SPLIT_MARKER] = torch.tensor(split.size)
     return out
+
+
+@contextlib.contextmanager
+def whole_sequences(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` (a ``GPTModel`` chunk) run on whole sequences on this rank, as at CP=1, restored afterwards.
+
+    For the built-in sampler's decode steps (one token each, which cannot be split into ``2 * CP`` chunks): every CP
+    rank holds the same weights, so each decodes the same rows itself. Attention stops gathering K/V over the CP
+    group and RoPE stops slicing its table (its ``lru_cache`` is cleared on the way in and out: it is keyed by the
+    length only)."""
+    config = model.config
+    if config.context_parallel_size == 1:
+        yield
+        return
+    splits = [m for m in model.modules() if isinstance(getattr(m, "context_parallel", None), ContextParallelSplit)]
+    groups = [m for m in model.modules() if getattr(m, "cp_group", None) is not None]
+    caches = {
+        forward
+        for m in groups
+        for cls in type(m).__mro__
+        if hasattr(forward := vars(cls).get("forward"), "cache_clear")
+    }
+    saved = ([m.context_parallel for m in splits], [m.cp_group for m in groups], config.context_parallel_size)
+    try:
+        for cache in caches:
+            cache.cache_clear()
+        for m in splits:
+            m.context_parallel = None
+        for m in groups:
+            m.cp_group = None
+        config.context_parallel_size = 1
+        yield
+    finally:
+        for m, split in zip(splits, saved[0]):
+            m.context_parallel = split
+        for m, group in zip(groups, saved[1]):
+            m.cp_group = group
+        config.context_parallel_size = saved[2]
+        for cache in caches:
+            cache.cache_clear()
 
 
 def _all_gather(x: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
@@ -155,23 +202,32 @@ def _rank_major(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return chunks.index_select(dim, torch.tensor(chunk_order(size), device=x.device)).flatten(dim, dim + 1)
 
 
-def attend(q, k, v, split: ContextParallelSplit, sdpa) -> torch.Tensor:
+def attend(q, k, v, split: ContextParallelSplit, sdpa, window: int | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries ``[b, h, s, d]`` over the whole sequence; ``k``/``v``
-    ``[b, g, s, d]`` are this rank's and are all-gathered. ``sdpa(q, k, v, causal)`` is the module's SDPA call
-    (scale, GQA, dropout). Returns ``[b, h, s, d]`` in the local layout.
+    ``[b, g, s, d]`` are this rank's and are all-gathered. ``sdpa(q, k, v, mask, causal)`` is the module's SDPA call
+    (scale, GQA, dropout). ``window``: keys before each query it sees (a sliding window; None: all). Returns
+    ``[b, h, s, d]`` in the local layout.
 
     Query chunk ``c`` attends to keys ``0 .. (c + 1) n``, bottom-right aligned. SDPA's ``is_causal`` is top-left
     aligned when the lengths differ and an explicit mask costs ``n x (c + 1) n`` (kept for backward; on CPU larger
     than CP saves at 8k tokens), so the chunk's queries go last in a square causal call whose first ``c n`` query
     rows are zeros and are dropped: exact, no mask, memory linear in the sequence, at up to twice the attention
-    compute of the chunk (``benchmarks/RESULTS.md``)."""
+    compute of the chunk (``benchmarks/RESULTS.md``). A chunk whose keys a ``window`` hides takes the explicit mask
+    (the trainer refuses windows that bite within its sequences, ``trainer.setup.check_inputs``; this covers the
+    padding after them)."""
+    from megatron_opd.models.attention import window_mask
+
     k_all, v_all = (_GatherSequence.apply(x, 2, split) for x in (k, v))  # [b, g, S, d] in natural order
     n = q.shape[2] // 2
     outs = []
     for i, c in enumerate((split.rank, 2 * split.size - 1 - split.rank)):
         q_c = q[:, :, i * n : (i + 1) * n]
         keys = (c + 1) * n
+        if window is not None and keys > window + 1:  # the window hides some of this chunk's keys
+            mask = window_mask(n, keys, window, q.device)
+            outs.append(sdpa(q_c, k_all[:, :, :keys], v_all[:, :, :keys], mask, False))
+            continue
         if c > 0:
             q_c = torch.cat([q_c.new_zeros(*q_c.shape[:2], c * n, q_c.shape[3]), q_c], dim=2)
-        outs.append(sdpa(q_c, k_all[:, :, :keys], v_all[:, :, :keys], n > 1)[:, :, c * n :])
+        outs.append(sdpa(q_c, k_all[:, :, :keys], v_all[:, :, :keys], None, n > 1)[:, :, c * n :])
     return torch.cat(outs, dim=2)

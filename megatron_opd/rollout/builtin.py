@@ -31,6 +31,7 @@ from megatron_opd.distributed.lockstep import agree_count, lockstep_group
 from megatron_opd.interfaces import Rollouts, SamplingParams, completed
 from megatron_opd.losses.shard_ops import global_topk
 from megatron_opd.losses.vocab_parallel import make_vocab_shard
+from megatron_opd.models.context_parallel import whole_sequences
 from megatron_opd.rollout.sampling import sample_next, token_logprobs
 
 logger = logging.getLogger(__name__)
@@ -46,10 +47,11 @@ def _keep_logits_sharded(module: torch.nn.Module, args: tuple, kwargs: dict) -> 
 
 @contextlib.contextmanager
 def _generation_mode(chunk: torch.nn.Module) -> Iterator[None]:
-    """Eval mode, no autograd, sharded logits and no sequence parallelism, all restored afterwards.
+    """Eval mode, no autograd, sharded logits, no sequence and no context parallelism, all restored afterwards.
 
-    Sequence parallelism cannot split a one-token decode step, so it is switched off as Megatron-Core's own
-    inference does; the weights are the same either way.
+    Neither can split a one-token decode step, so sequence parallelism is switched off as Megatron-Core's own
+    inference does, and each context-parallel rank decodes whole sequences itself
+    (``models.context_parallel.whole_sequences``); the weights are the same either way.
     """
     modes = [(m, m.training) for m in chunk.modules()]
     switched = [
@@ -66,7 +68,7 @@ def _generation_mode(chunk: torch.nn.Module) -> Iterator[None]:
         for m, attr in switched:
             setattr(m, attr, False)
         config.sequence_parallel = False
-        with torch.no_grad():
+        with torch.no_grad(), whole_sequences(chunk):
             yield
     finally:
         hook.remove()

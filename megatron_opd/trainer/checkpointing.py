@@ -96,21 +96,26 @@ def reseed_rng(seed: int, step: int) -> int:
 
 
 def sharded_rng_state():
-    """This rank's RNG states as a ``ShardedObject`` (one per pipeline x tensor x data-parallel rank)."""
+    """This rank's RNG states as a ``ShardedObject``: one per pipeline x tensor x data-parallel rank, and x
+    context-parallel rank at CP > 1 (a fourth axis only then, so the keys of CP=1 checkpoints stay as they were;
+    ``trainer.resharding`` reads both)."""
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    shape = (
+    shape = [
         ps.get_pipeline_model_parallel_world_size(),
         ps.get_tensor_model_parallel_world_size(),
         ps.get_data_parallel_world_size(),
-    )
-    offset = (
+    ]
+    offset = [
         ps.get_pipeline_model_parallel_rank(),
         ps.get_tensor_model_parallel_rank(),
         ps.get_data_parallel_rank(),
-    )
-    return ShardedObject("rng_state", rng_state(), shape, offset, replica_id=0)
+    ]
+    if ps.get_context_parallel_world_size() > 1:  # CP ranks draw their own dropout masks
+        shape.append(ps.get_context_parallel_world_size())
+        offset.append(ps.get_context_parallel_rank())
+    return ShardedObject("rng_state", rng_state(), tuple(shape), tuple(offset), replica_id=0)
 
 
 class CheckpointManager:

@@ -4,8 +4,9 @@ Model weights and the plain optimizer's Adam moments are ``ShardedTensor`` s key
 ``dist_checkpointing`` reshards them to any TP/PP/VP/DP. The LR schedule, step and data position are plain values.
 Two things are per rank and do not reshard:
 
-* RNG states (one per pipeline x tensor x data-parallel rank): restored when the layout is unchanged, otherwise
-  every stream is re-seeded from ``seed`` and the step (as Megatron-LM's ``--no-load-rng``).
+* RNG states (one per pipeline x tensor x data-parallel rank, and x context-parallel rank at CP > 1): restored when
+  the layout is unchanged, otherwise every stream is re-seeded from ``seed`` and the step (as Megatron-LM's
+  ``--no-load-rng``).
 
 The distributed optimizer's state is saved in Megatron's ``fully_reshardable`` format: gathered over data-parallel
 ranks into one tensor per model parameter (as the plain optimizer's), so it reshards like the model. Checkpoints
@@ -92,7 +93,9 @@ def current_layout(student) -> Layout:
     )
 
 
-_RNG_KEY = re.compile(r"^rng_state/shard_[\d.]+_(\d+)\.(\d+)\.(\d+)$")
+_RNG_KEY = re.compile(r"^rng_state/shard_[\d.]+_(\d+)\.(\d+)\.(\d+)(?:\.(\d+))?$")
+"""An ``rng_state`` object's key: ``shard_<offset>_<PP>.<TP>.<DP>``, and ``.<CP>`` where CP > 1
+(``checkpointing.sharded_rng_state``)."""
 
 
 def saved_layout(path: str | Path) -> Layout:
@@ -109,20 +112,21 @@ def saved_layout(path: str | Path) -> Layout:
 
 
 def layout_from_metadata(path: Path, parallel: dict, common: dict) -> Layout:
-    """A checkpoint from before the layout was saved: PP, TP and DP are the shape of its ``rng_state`` objects."""
+    """A checkpoint from before the layout was saved: PP, TP, DP (and CP, where keyed) are the shape of its
+    ``rng_state`` objects."""
     from torch.distributed.checkpoint import FileSystemReader
 
     keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    shapes = {tuple(int(s) for s in m.groups()) for m in map(_RNG_KEY.match, keys) if m}
+    shapes = {tuple(int(s) for s in m.groups() if s is not None) for m in map(_RNG_KEY.match, keys) if m}
     if len(shapes) != 1:
         raise CheckpointError(f"{path} holds no readable rng_state objects, so its parallel layout is unknown")
-    pp, tp, dp = shapes.pop()
+    pp, tp, dp, *cp = shapes.pop()
     distributed = "param_state_sharding_type" in repr(common.get("optimizer", {}))
     return Layout(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=parallel.get("virtual_pipeline_model_parallel_size") or 1,
-        context_parallel_size=parallel.get("context_parallel_size", 1),
+        context_parallel_size=cp[0] if cp else parallel.get("context_parallel_size", 1),
         data_parallel_size=dp,
         distributed_optimizer=distributed,
         optimizer_format=LEGACY_OPTIMIZER_FORMAT if distributed else "",

@@ -51,10 +51,12 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
     layout splits the student (and the in-process teacher, built at the same layout), the data files are there,
     and the vocabulary check (its result is returned)."""
     from megatron_opd.data.records import check_paths
-    from megatron_opd.models.builder import validate_layout
+    from megatron_opd.models.builder import check_window_context_parallel, validate_layout
 
     student = model_architecture(cfg.student.path, "student.path")
     validate_layout(student, cfg.parallel)
+    cp = cfg.parallel.context_parallel_size
+    check_window_context_parallel(student, cp, max_seq_len(cfg), "student.path")
     if cfg.train.freeze_router and student.moe is None:
         raise ValueError(
             f"train.freeze_router=true, but the student ({cfg.student.path}) has no Mixture-of-Experts layer and so "
@@ -70,7 +72,12 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
     for name, view in views.items():
         if view.loss.kind != "sft" and view.teacher.backend == "inprocess":
             where = "teacher.path" if view is cfg else f"teachers.{name}.path"
-            validate_layout(model_architecture(view.teacher.path, where), cfg.parallel)
+            teacher = model_architecture(view.teacher.path, where)
+            validate_layout(teacher, cfg.parallel)
+            # The teacher scores the student's sequences; in its own tokens (loss.cross_tokenizer), up to its context.
+            same = view.loss.cross_tokenizer == "off"
+            check_window_context_parallel(teacher, cp, max_seq_len(cfg) if same else teacher.max_position_embeddings,
+                                          where)  # fmt: skip
     check_paths(cfg.data.train_files, "data.train_files")
     if cfg.data.eval_files:
         check_paths(cfg.data.eval_files, "data.eval_files")

@@ -7,7 +7,8 @@ loader and the checkpoint converter use: QKV and gate/up are split back into ``q
 
 Every trainer rank iterates the source in lockstep (each tensor is a collective among the ranks that hold it):
 
-- only data-parallel replica 0 takes part; other replicas yield ``(name, None)`` without communicating;
+- only data-parallel replica 0 takes part, and of it context-parallel rank 0 (every CP rank holds the same weights);
+  other ranks yield ``(name, None)`` without communicating;
 - the pipeline stage that holds a tensor gathers its tensor-parallel shards onto its first TP rank
   (``dist.gather``, not an all-gather), which rebuilds the full tensor and splits it into Hugging Face tensors;
 - a stage other than the first sends them to global rank 0 (the sender) point to point;
@@ -102,10 +103,12 @@ class MegatronWeightSource(WeightSource):  # noqa: B024 - abstract only in the f
         dtype: torch.dtype | None = None,
         etp_group: dist.ProcessGroup | None = None,
         expert_dp_rank: int = 0,
+        cp_rank: int = 0,
     ) -> None:
         """``tp_group`` / ``pp_group``: Megatron's tensor- and pipeline-parallel groups of this rank; ``dtype``:
         wire dtype (default: the parameters'); ``etp_group`` / ``expert_dp_rank``: its expert-tensor-parallel group
-        (default ``tp_group``) and expert-data-parallel rank, for a Mixture-of-Experts student."""
+        (default ``tp_group``) and expert-data-parallel rank, for a Mixture-of-Experts student; ``cp_rank``: its
+        context-parallel rank (each CP rank of replica 0 would otherwise be a sender)."""
         from megatron_opd.models.loading import chunk_layer_range
 
         self.arch = arch
@@ -114,7 +117,7 @@ class MegatronWeightSource(WeightSource):  # noqa: B024 - abstract only in the f
         self.tp_rank, self.tp_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
         self.etp_rank, self.etp_size = dist.get_rank(self.etp_group), dist.get_world_size(self.etp_group)
         self.pp_rank = dist.get_rank(pp_group)
-        self.active = dp_rank == 0
+        self.active = dp_rank == 0 and cp_rank == 0
         self.expert_active = expert_dp_rank == 0
         params: dict[str, torch.Tensor] = {}
         for chunk in chunks:
@@ -256,4 +259,5 @@ def megatron_weight_source(chunks: list[torch.nn.Module], arch: ModelArchitectur
         dtype=dtype,
         etp_group=ps.get_expert_tensor_parallel_group() if arch.moe is not None else None,
         expert_dp_rank=ps.get_expert_data_parallel_rank() if arch.moe is not None else 0,
+        cp_rank=ps.get_context_parallel_rank(),
     )
