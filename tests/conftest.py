@@ -83,6 +83,18 @@ def pytest_collection_modifyitems(config, items) -> None:
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order otherwise
 
 
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The covering array's outcome per generated config (tests/test_config_space.py): ran, or refused before build."""
+    from megatron_opd.testing.config_space import outcomes_file
+
+    path = outcomes_file()
+    if path.exists():
+        terminalreporter.section("configurations (tests/test_config_space.py)")
+        for line in sorted(path.read_text().splitlines()):
+            terminalreporter.write_line(line.replace("\t", ": ", 1))
+        path.unlink()
+
+
 # family -> overrides. Together they cover llama3 RoPE scaling, QKV bias, QK-norm, tied embeddings,
 # and a vocabulary (1001) that divides by neither TP nor 128.
 TINY_MODELS = {

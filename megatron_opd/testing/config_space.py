@@ -280,3 +280,17 @@ def ci_rows(rows: list[dict[str, str]]) -> list[dict[str, str]]:
         chosen.append(best)
         missing -= set(best.items())
     return [r for r in rows if r in chosen]  # the array's order
+
+
+def outcomes_file() -> Path:
+    """Where this pytest session's rows write their outcomes (one file per session: pytest-xdist's workers are
+    children of the session's process), for the session's closing summary (tests/conftest.py)."""
+    import tempfile
+
+    session = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
+    return Path(tempfile.gettempdir()) / f"megatron-opd-config-space-{session}.tsv"
+
+
+def record_outcome(name: str, outcome: str) -> None:
+    with open(outcomes_file(), "a") as f:
+        f.write(f"{name}\t{outcome}\n")
