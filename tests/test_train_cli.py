@@ -229,7 +229,9 @@ def test_bad_input_is_refused_clearly(case, pair, reference_run, tmp_path):
     assert code != 0 and "step 1: loss is nan" in out, out[-3000:]
 
 
-@pytest.mark.parametrize("case", ["layout", "pipeline_sampler", "vocab_mismatch", "missing_data", "unknown_key"])
+@pytest.mark.parametrize(
+    "case", ["layout", "pipeline_sampler", "vocab_mismatch", "missing_data", "unknown_key", "te_local_spec_family"]
+)
 def test_bad_input_is_refused_before_any_model(case, pair, tmp_path):
     """The refusals that need no model, in process through the trainer's own first steps (``parse_args``,
     ``validate``, ``check_inputs``: what ``train()`` runs before any process group or model exists)."""
@@ -264,6 +266,23 @@ def test_bad_input_is_refused_before_any_model(case, pair, tmp_path):
     elif case == "missing_data":
         overrides.append(f"data.train_files={tmp_path / 'nope.jsonl'}")
         expected = "nope.jsonl' does not exist; fix the path in data.train_files"
+    elif case == "te_local_spec_family":
+        # OLMo-2 and Gemma 3 always build the local spec: with TE forced and local attention, packing would fail
+        # at the first forward (TE cannot be installed here: refused before anything asks whether it is usable).
+        from megatron_opd.models.families import gemma3, olmo2
+        from megatron_opd.testing.tiny_models import make_tiny_hf_model, make_tiny_tokenizer
+
+        te_local = ["build.use_transformer_engine=true", "build.attention=local", "train.packing=true"]
+        cfg = parse_args(TrainConfig, [*overrides, *te_local])
+        cfg.validate()
+        check_inputs(cfg)  # a family with TE layers: its attention is TE's, packing is fine
+        teacher = make_tiny_hf_model(gemma3.FAMILY.name, tmp_path / "gemma3", vocab_size=1000)
+        make_tiny_tokenizer(teacher, vocab_size=1000)
+        with pytest.raises(ValueError, match=f"gemma3 model of teacher.path={teacher} always runs Megatron's local"):
+            check_inputs(parse_args(TrainConfig, [*overrides, *te_local, f"teacher.path={teacher}"]))
+        student = make_tiny_hf_model(olmo2.FAMILY.name, tmp_path / "olmo2", vocab_size=1000)
+        overrides += [*te_local, f"student.path={student}"]
+        expected = f"olmo2 model of student.path={student} always runs Megatron's local layer spec"
     else:
         overrides.append("optim.learning_rate=3")
         expected = "unknown config key(s) ['optim.learning_rate']"

@@ -55,6 +55,7 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
 
     student = model_architecture(cfg.student.path, "student.path")
     validate_layout(student, cfg.parallel)
+    check_packed_attention(cfg, student, f"student.path={cfg.student.path}")
     if cfg.train.freeze_router and student.moe is None:
         raise ValueError(
             f"train.freeze_router=true, but the student ({cfg.student.path}) has no Mixture-of-Experts layer and so "
@@ -70,7 +71,9 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
     for name, view in views.items():
         if view.loss.kind != "sft" and view.teacher.backend == "inprocess":
             where = "teacher.path" if view is cfg else f"teachers.{name}.path"
-            validate_layout(model_architecture(view.teacher.path, where), cfg.parallel)
+            arch = model_architecture(view.teacher.path, where)
+            validate_layout(arch, cfg.parallel)
+            check_packed_attention(cfg, arch, f"{where}={view.teacher.path}")
     check_paths(cfg.data.train_files, "data.train_files")
     if cfg.data.eval_files:
         check_paths(cfg.data.eval_files, "data.eval_files")
@@ -86,6 +89,20 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
         router.check_files(cfg.data.eval_files, "data.eval_files")
     logger.info("training records per teacher: %s", counts)
     return teachers_vocabulary(views)
+
+
+def check_packed_attention(cfg: TrainConfig, arch, where: str) -> None:
+    """Refuse packed sequences on Megatron's local attention for a family that always builds the local layer spec:
+    ``validate`` lets ``build.attention=local`` pack with ``build.use_transformer_engine=true`` (TE's attention
+    separates the sequences), but such a family keeps the local spec, whose attention fails at the first forward."""
+    b = cfg.build
+    if cfg.train.packing and b.attention == "local" and b.use_transformer_engine and arch.model_family.local_spec_only:
+        raise ValueError(
+            f"train.packing=true with build.use_transformer_engine=true and build.attention=local: the "
+            f"{arch.family} model of {where} always runs Megatron's local layer spec (TransformerEngine's layers do "
+            "not apply to it), whose local attention cannot separate packed sequences; set build.attention=sdpa "
+            "(or train.packing=false)"
+        )
 
 
 def teachers_vocabulary(views: dict[str, TrainConfig]) -> Vocabulary:
