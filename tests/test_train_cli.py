@@ -230,7 +230,16 @@ def test_bad_input_is_refused_clearly(case, pair, reference_run, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "case", ["layout", "pipeline_sampler", "vocab_mismatch", "missing_data", "unknown_key", "te_local_spec_family"]
+    "case",
+    [
+        "layout",
+        "pipeline_sampler",
+        "vocab_mismatch",
+        "missing_data",
+        "unknown_key",
+        "te_local_spec_family",
+        "micro_batch_tokens",
+    ],
 )
 def test_bad_input_is_refused_before_any_model(case, pair, tmp_path):
     """The refusals that need no model, in process through the trainer's own first steps (``parse_args``,
@@ -283,6 +292,20 @@ def test_bad_input_is_refused_before_any_model(case, pair, tmp_path):
         student = make_tiny_hf_model(olmo2.FAMILY.name, tmp_path / "olmo2", vocab_size=1000)
         overrides += [*te_local, f"student.path={student}"]
         expected = f"olmo2 model of student.path={student} always runs Megatron's local layer spec"
+    elif case == "micro_batch_tokens":
+        # A packed micro-batch of a pipeline holds whole samples: a sample of max_seq_len tokens (prompt room 58 +
+        # 6 new tokens) would stop the run mid-way where the packer meets it.
+        from megatron_opd.models.packing import group_sequences
+
+        with pytest.raises(ValueError, match="a sequence of 64 tokens does not fit train.micro_batch_tokens=48"):
+            group_sequences([10, 64], per_group=2, token_budget=48, field="train.micro_batch_tokens")
+        pp2 = ["parallel.pipeline_model_parallel_size=2", "rollout.backend=vllm", "train.max_seq_len=64"]
+        check_inputs(parse_args(TrainConfig, [*overrides, *pp2, "train.micro_batch_tokens=64"]))
+        overrides += [*pp2, "train.micro_batch_tokens=48"]
+        expected = (
+            "train.micro_batch_tokens=48 is shorter than the longest sample this run can produce: 64 tokens "
+            "(train.max_seq_len=64: prompt room 58 + rollout.max_new_tokens=6)"
+        )
     else:
         overrides.append("optim.learning_rate=3")
         expected = "unknown config key(s) ['optim.learning_rate']"

@@ -74,6 +74,7 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
             arch = model_architecture(view.teacher.path, where)
             validate_layout(arch, cfg.parallel)
             check_packed_attention(cfg, arch, f"{where}={view.teacher.path}")
+    check_micro_batch_tokens(cfg)
     check_paths(cfg.data.train_files, "data.train_files")
     if cfg.data.eval_files:
         check_paths(cfg.data.eval_files, "data.eval_files")
@@ -89,6 +90,30 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
         router.check_files(cfg.data.eval_files, "data.eval_files")
     logger.info("training records per teacher: %s", counts)
     return teachers_vocabulary(views)
+
+
+def check_micro_batch_tokens(cfg: TrainConfig) -> None:
+    """Refuse a ``train.micro_batch_tokens`` shorter than the longest sample the run can produce: a packed
+    micro-batch holds whole samples, so the first such sample would stop the run mid-way. The budget applies with
+    packing at pipeline parallelism only; the longest sample is ``max_seq_len`` (the prompt room plus
+    ``rollout.max_new_tokens``; for SFT the prompt plus its response), which every sample and the in-process
+    teacher's view of it (same tokenizer) fit."""
+    tokens = cfg.train.micro_batch_tokens
+    if tokens is None or not cfg.train.packing or cfg.parallel.pipeline_model_parallel_size == 1:
+        return
+    longest = max_seq_len(cfg)
+    if tokens < longest:
+        tp = cfg.parallel.tensor_model_parallel_size
+        source = f"train.max_seq_len={cfg.train.max_seq_len}" if cfg.train.max_seq_len else "the student's context"
+        what = "prompt and response" if cfg.loss.kind == "sft" else (
+            f"prompt room {longest - cfg.rollout.max_new_tokens} + rollout.max_new_tokens={cfg.rollout.max_new_tokens}"
+        )  # fmt: skip
+        raise ValueError(
+            f"train.micro_batch_tokens={tokens} is shorter than the longest sample this run can produce: {longest} "
+            f"tokens ({source}: {what}), which would stop the run at the first such sample; raise it to at least "
+            f"{-(-longest // tp) * tp}, lower train.max_seq_len, or unset it (null: micro_batch_size x the step's "
+            "longest sample)"
+        )
 
 
 def check_packed_attention(cfg: TrainConfig, arch, where: str) -> None:
