@@ -76,11 +76,13 @@ def training_state(
     rng: bool = True,
     optimizer: bool = True,
     optimizer_format: str = "",
+    collapse: CollapseWatch | None = None,
 ) -> dict:
     """Everything a resume needs, as one dist_checkpointing state dict (``data_state``: the prompt stream's
     position before the first batch not yet trained). ``rng`` / ``optimizer``: include those (a resume leaves out
     what the layout or ``checkpoint.load_optimizer`` cannot take; ``optimizer_format``: the distributed optimizer's
-    format in the checkpoint being loaded); the layout is saved for the next resume."""
+    format in the checkpoint being loaded); the layout is saved for the next resume, and ``collapse``'s state so that
+    a resumed run's watch can stop it as soon as the uninterrupted run's would."""
     if not loading:
         student.finish_param_sync()  # the checkpoint (and the export read from it) holds the updated weights
     state = chunks_sharded_state_dict(student.chunks)
@@ -95,12 +97,16 @@ def training_state(
     if rng:
         state["rng_state"] = sharded_rng_state()
     state["trainer"] = {"step": step, "data": data_state, "config": to_dict(cfg), "layout": layout.to_dict()}
+    if collapse is not None:
+        state["trainer"]["collapse"] = collapse.state_dict()
     return state
 
 
-def resume(ckpt: CheckpointManager, student: Student, data: PromptStream, cfg: TrainConfig) -> int:
-    """Load the latest checkpoint into the student, optimizer, schedule, RNG and data stream, at this run's layout
-    whatever the checkpoint's; its step (0: fresh). A refused resume leaves the run folder's lock as it was."""
+def resume(ckpt: CheckpointManager, student: Student, data: PromptStream, cfg: TrainConfig,
+           collapse: CollapseWatch | None = None) -> int:  # fmt: skip
+    """Load the latest checkpoint into the student, optimizer, schedule, RNG, data stream and collapse watch, at this
+    run's layout whatever the checkpoint's; its step (0: fresh). A refused resume leaves the run folder's lock as it
+    was. A checkpoint saved before the watch's state was (no ``trainer.collapse``) starts the watch afresh."""
     path = ckpt.latest() if cfg.checkpoint.resume else None
     if path is None:
         return 0
@@ -119,6 +125,8 @@ def resume(ckpt: CheckpointManager, student: Student, data: PromptStream, cfg: T
             student.load_optimizer_state(state["optimizer"])
         student.lr_schedule.load_state_dict(state["opt_param_scheduler"])
         data.load_state_dict(state["trainer"]["data"])
+        if collapse is not None and "collapse" in state["trainer"]:
+            collapse.load_state_dict(state["trainer"]["collapse"])
     step = int(state["trainer"]["step"])
     if same_ranks:
         set_rng_state(state["rng_state"])
@@ -195,7 +203,10 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     evaluator = build_evaluator(cfg, vocab, encoder, student, teacher, rollout, prompt_room, seq_len)
     reward_fn = import_function(cfg.loss.reward_fn, "loss.reward_fn") if cfg.loss.weighting == "reward" else None
 
-    start_step = resume(ckpt, student, data, cfg)
+    t = cfg.train
+    collapse = CollapseWatch(t.collapse_check, t.collapse_length_ratio, t.collapse_min_improvement,
+                             t.collapse_window, t.collapse_patience, likely_cause(cfg.loss))  # fmt: skip
+    start_step = resume(ckpt, student, data, cfg, collapse)
     student.finish_param_sync()  # before any reader of the weights (a no-op unless a step left a gather pending)
     rollout.sync_weights(start_step)
     max_logprob_diff = max_logprob_diff_for(cfg, student)
@@ -206,9 +217,6 @@ def train(cfg: TrainConfig) -> dict[str, float]:
                             start_step=start_step, run_config=to_dict(cfg))  # fmt: skip
     audit = open(Path(cfg.output_dir) / "batches.jsonl", "a") if rank == 0 and not sft else None
     guard = PreemptionGuard()
-    t = cfg.train
-    collapse = CollapseWatch(t.collapse_check, t.collapse_length_ratio, t.collapse_min_improvement,
-                             t.collapse_window, t.collapse_patience, likely_cause(cfg.loss))  # fmt: skip
     last_eval = evaluate(evaluator, metrics, 0) if start_step == 0 else {}
 
     # ---- the loop ----------------------------------------------------------------------------------------------
@@ -244,7 +252,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             stop = guard.should_stop()
             if step == cfg.train.steps or stop or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
                 data_state = data.state_dict() if sft else scheduler.data_state()  # rollouts in flight are redone
-                state = training_state(student, data_state, step, cfg, loading=False)
+                state = training_state(student, data_state, step, cfg, loading=False, collapse=collapse)
                 ckpt.save(step, state, {"config": to_dict(cfg)})
                 saved_step = step
             if step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0):

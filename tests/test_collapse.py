@@ -165,3 +165,35 @@ def test_the_cause_names_the_sampled_forward_kl_for_the_sampled_reverse_kl():
     assert "loss.kind=forward_kl" in likely_cause(LossConfig(mode="sampled"))
     forward = likely_cause(LossConfig(mode="sampled", kind="forward_kl"))
     assert "loss.kind=forward_kl" not in forward and "lower optim.lr" in forward
+
+
+@pytest.mark.parametrize("split", [3, 12, 25, 30, 38])
+def test_a_resumed_watch_stops_where_the_uninterrupted_one_does(split):
+    """The watch's state goes into the training checkpoint: a run resumed after step ``split`` (its state through
+    ``state_dict`` -> JSON-like values -> ``load_state_dict`` of a new watch) warns and stops at the steps of the
+    uninterrupted run (20 and 39), not 39 steps after the resume."""
+    import json
+
+    rows = list(
+        enumerate(({"response_length": n, "divergence": d} for n, d in zip(COLLAPSED_LENGTH, COLLAPSED_DIVERGENCE)), 1)
+    )
+    before = CollapseWatch("stop")
+    warnings, stopped = feed(before, rows[:split])
+    assert stopped is None
+    state = json.loads(json.dumps(before.state_dict()))  # what the checkpoint's common state holds
+    assert len(state["lengths"]) == min(split, 20)  # the first and the last window only
+    after = CollapseWatch("stop")
+    after.load_state_dict(state)
+    more, stopped = feed(after, rows[split:])
+    assert [s for s, _ in warnings + more] == [20] and stopped == 39
+
+
+def test_a_watch_with_another_window_starts_afresh():
+    old = CollapseWatch("stop", window=5)
+    feed(old, trace(30, (9.3, 2.2), (1.90, 1.96)))
+    fresh = CollapseWatch("stop", window=10)
+    fresh.load_state_dict(old.state_dict())
+    assert fresh.lengths == [] and fresh.flagged == 0
+    same = CollapseWatch("stop", window=5)
+    same.load_state_dict(old.state_dict())
+    assert same.flagged == old.flagged > 0 and same.lengths == old.lengths[:5] + old.lengths[-5:]

@@ -214,8 +214,9 @@ def test_megatron_model_from_fp8_matches_transformers_on_dequantised_weights(fp8
 
 @pytest.mark.parametrize("dtype", [None, "bf16"])
 def test_converter_round_trip_gives_dequantised_tensors(fp8_dirs, fp8_job, dtype):
-    """HF (FP8) -> dist_ckpt -> HF: the dequantised tensors (float32, or cast to bf16) bitwise, no MTP layer, no
-    ``quantization_config`` in either config.json; the MTP line once per conversion."""
+    """HF (FP8) -> dist_ckpt -> HF: the dequantised tensors (float32, or cast to bf16) bitwise, no MTP layer (and
+    ``num_nextn_predict_layers`` 0 in the exported config.json), no ``quantization_config`` in either config.json;
+    the MTP line once per conversion."""
     _, root, (_, lines) = fp8_job
     back, want = HFCheckpointReader(root / f"back_{dtype}"), HFCheckpointReader(fp8_dirs["dequantised"])
     assert sorted(back.names()) == sorted(want.names())
@@ -231,7 +232,10 @@ def test_converter_round_trip_gives_dequantised_tensors(fp8_dirs, fp8_job, dtype
     assert "quantization_config" not in exported and "quantization_config" not in stored
     source.pop("quantization_config")
     assert stored == source
-    assert exported == {**source, "dtype": "bfloat16" if dtype else "float32"}
+    # The MTP layer is not exported (no model.layers.4.* above): config.json declares none either.
+    assert source["num_nextn_predict_layers"] == 1
+    assert not any(name.startswith("model.layers.4.") for name in back.names())
+    assert exported == {**source, "dtype": "bfloat16" if dtype else "float32", "num_nextn_predict_layers": 0}
     (line,) = lines[f"hf-to-mcore {dtype}"]
     assert line.startswith("megatron_opd.checkpoint.hf_to_mcore:") and "[4]" in line, line
 

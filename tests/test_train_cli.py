@@ -66,6 +66,14 @@ def test_resume_after_kill_is_bitwise(pair, reference_run, tmp_path):
     assert code == 0, out[-3000:]
     assert "resumed from" in out and "step 2" in out
     assert losses(killed) == straight, "a resumed run must reproduce the uninterrupted losses bitwise"
+    # The collapse watch's state is in the checkpoint and resumed with it: after step 4 it holds every step's
+    # figures as the metrics logged them, in the resumed run as in the uninterrupted one.
+    rows = [json.loads(line) for line in (reference_run / "metrics.jsonl").read_text().splitlines()]
+    logged = [[r[k] for r in rows if "loss" in r] for k in ("response_length", "divergence")]
+    for run_dir in (reference_run, killed):
+        common_pt = run_dir / "checkpoints" / "step_00000004" / "common.pt"
+        watch = torch.load(common_pt, weights_only=False)["trainer"]["collapse"]
+        assert [watch["lengths"], watch["divergences"]] == logged and watch["flagged"] == 0, run_dir.name
 
     # Killed while writing the checkpoint of step 3: step 2 stays the latest and the run resumes from it.
     torn = tmp_path / "torn"
@@ -222,7 +230,17 @@ def test_bad_input_is_refused_clearly(case, pair, reference_run, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "case", ["layout", "pipeline_sampler", "vocab_mismatch", "missing_data", "unknown_key", "chat_without_template"]
+    "case",
+    [
+        "layout",
+        "pipeline_sampler",
+        "vocab_mismatch",
+        "missing_data",
+        "unknown_key",
+        "te_local_spec_family",
+        "micro_batch_tokens",
+        "chat_without_template",
+    ],
 )
 def test_bad_input_is_refused_before_any_model(case, pair, tmp_path):
     """The refusals that need no model, in process through the trainer's own first steps (``parse_args``,
@@ -263,6 +281,37 @@ def test_bad_input_is_refused_before_any_model(case, pair, tmp_path):
         chat.write_text(json.dumps({"messages": [{"role": "user", "content": "tensor 1"}]}) + "\n")
         overrides.append(f"data.train_files={chat}")
         expected = "the tokenizer has no chat template"
+    elif case == "te_local_spec_family":
+        # OLMo-2 and Gemma 3 always build the local spec: with TE forced and local attention, packing would fail
+        # at the first forward (TE cannot be installed here: refused before anything asks whether it is usable).
+        from megatron_opd.models.families import gemma3, olmo2
+        from megatron_opd.testing.tiny_models import make_tiny_hf_model, make_tiny_tokenizer
+
+        te_local = ["build.use_transformer_engine=true", "build.attention=local", "train.packing=true"]
+        cfg = parse_args(TrainConfig, [*overrides, *te_local])
+        cfg.validate()
+        check_inputs(cfg)  # a family with TE layers: its attention is TE's, packing is fine
+        teacher = make_tiny_hf_model(gemma3.FAMILY.name, tmp_path / "gemma3", vocab_size=1000)
+        make_tiny_tokenizer(teacher, vocab_size=1000)
+        with pytest.raises(ValueError, match=f"gemma3 model of teacher.path={teacher} always runs Megatron's local"):
+            check_inputs(parse_args(TrainConfig, [*overrides, *te_local, f"teacher.path={teacher}"]))
+        student = make_tiny_hf_model(olmo2.FAMILY.name, tmp_path / "olmo2", vocab_size=1000)
+        overrides += [*te_local, f"student.path={student}"]
+        expected = f"olmo2 model of student.path={student} always runs Megatron's local layer spec"
+    elif case == "micro_batch_tokens":
+        # A packed micro-batch of a pipeline holds whole samples: a sample of max_seq_len tokens (prompt room 58 +
+        # 6 new tokens) would stop the run mid-way where the packer meets it.
+        from megatron_opd.models.packing import group_sequences
+
+        with pytest.raises(ValueError, match="a sequence of 64 tokens does not fit train.micro_batch_tokens=48"):
+            group_sequences([10, 64], per_group=2, token_budget=48, field="train.micro_batch_tokens")
+        pp2 = ["parallel.pipeline_model_parallel_size=2", "rollout.backend=vllm", "train.max_seq_len=64"]
+        check_inputs(parse_args(TrainConfig, [*overrides, *pp2, "train.micro_batch_tokens=64"]))
+        overrides += [*pp2, "train.micro_batch_tokens=48"]
+        expected = (
+            "train.micro_batch_tokens=48 is shorter than the longest sample this run can produce: 64 tokens "
+            "(train.max_seq_len=64: prompt room 58 + rollout.max_new_tokens=6)"
+        )
     else:
         overrides.append("optim.learning_rate=3")
         expected = "unknown config key(s) ['optim.learning_rate']"

@@ -40,6 +40,7 @@ from megatron_opd.dtypes import TensorMeta, dtype_name, parse_dtype
 from megatron_opd.model_files import HF_CONFIG_DIR, CheckpointError
 from megatron_opd.models.architecture import ModelArchitecture, load_architecture
 from megatron_opd.models.fp8 import without_quantization
+from megatron_opd.models.mtp import without_mtp
 from megatron_opd.models.name_mapping import Split, WeightRule, hf_shapes, megatron_to_hf
 
 logger = logging.getLogger(__name__)
@@ -175,10 +176,11 @@ def _export_group(
 
 
 def _write_config(cfg_dir: Path, staging: Path, dtype: torch.dtype) -> None:
-    """``config.json`` as it was, with ``torch_dtype`` (and ``dtype``) naming the exported dtype and without
-    ``quantization_config`` (an FP8 source was dequantised when it was loaded or converted)."""
+    """``config.json`` as it was, with ``torch_dtype`` (and ``dtype``) naming the exported dtype, without
+    ``quantization_config`` (an FP8 source was dequantised when it was loaded or converted) and with no
+    multi-token-prediction layer (``num_nextn_predict_layers`` 0: they are never exported, ``models.mtp``)."""
     with open(cfg_dir / "config.json") as f:
-        config = without_quantization(json.load(f))
+        config = without_mtp(without_quantization(json.load(f)))
     if dtype in (torch.float32, torch.bfloat16, torch.float16):
         name = dtype_name(dtype)
         for key in ("torch_dtype", "dtype"):

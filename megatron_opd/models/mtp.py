@@ -4,14 +4,18 @@ DeepSeek-V3/R1 publish ``num_nextn_predict_layers`` extra layers after the ``num
 (``model.layers.61.*`` of the 61-layer V3: its own attention, experts, ``eh_proj``, norms, embedding and head),
 used in pre-training and for speculative decoding. Megatron-opd scores and trains next-token prediction only, so
 the loader and the converter skip them, and say so once, rather than silently. Any other tensor no weight rule
-names is left unread as before.
+names is left unread as before. An exported folder has none, so its ``config.json`` declares none either
+(:func:`without_mtp`): a loader that reads the count (vLLM's speculative decoding) would look for missing tensors.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from megatron_opd.models.hf_io import HFCheckpointReader
+
+MTP_LAYERS_KEY = "num_nextn_predict_layers"
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -43,3 +47,9 @@ def skipped_mtp_message(reader: HFCheckpointReader, num_layers: int) -> str | No
         f"(config.json num_nextn_predict_layers={reader.config.get('num_nextn_predict_layers')}): megatron-opd "
         "scores and trains next-token prediction only, so they are neither loaded nor exported"
     )
+
+
+def without_mtp(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` (a ``config.json`` dict) declaring no MTP layer: ``num_nextn_predict_layers`` 0 where it was set,
+    for a folder megatron-opd writes (its weights never include them)."""
+    return {**config, MTP_LAYERS_KEY: 0} if config.get(MTP_LAYERS_KEY) else config

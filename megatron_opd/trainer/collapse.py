@@ -44,6 +44,31 @@ class CollapseWatch:
         self.flagged = 0
         """Consecutive steps the collapse held."""
 
+    def state_dict(self) -> dict:
+        """What a resume needs to go on where the run stopped (saved in the training checkpoint): the first window
+        and the last window of figures (the only ones :meth:`update` reads) and the flagged count."""
+        w = self.window
+        keep = slice(max(w, len(self.lengths) - w), None)  # the first w, then the last w after them
+        return {
+            "lengths": self.lengths[:w] + self.lengths[keep],
+            "divergences": self.divergences[:w] + self.divergences[keep],
+            "flagged": self.flagged,
+            "window": w,
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Go on from :meth:`state_dict`. A checkpoint saved with another ``train.collapse_window`` starts the
+        watch afresh (its windows mean other steps), with a log line."""
+        if int(state.get("window", -1)) != self.window:
+            logger.info(
+                "collapse watch: the checkpoint's window (%s steps) is not train.collapse_window=%d; watching afresh",
+                state.get("window"), self.window,
+            )  # fmt: skip
+            return
+        self.lengths = [float(x) for x in state["lengths"]]
+        self.divergences = [float(x) for x in state["divergences"]]
+        self.flagged = int(state["flagged"])
+
     def update(self, step: int, metrics: Mapping[str, float]) -> str | None:
         """Take one step's row; returns a warning the first step a collapse is seen, raises
         :class:`ResponseCollapseError` after ``patience`` steps of it (``action="stop"``)."""

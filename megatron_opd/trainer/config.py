@@ -265,7 +265,8 @@ class TrainLoopConfig:
     student update; false pads each micro-batch to its longest sequence. Needs build.attention=sdpa or TE."""
     micro_batch_tokens: int | None = None
     """With packing and pipeline parallelism: tokens per packed micro-batch (each filled with whole sequences, then
-    padded to it: stages exchange one shape); None: micro_batch_size x the step's longest sequence."""
+    padded to it: stages exchange one shape); None: micro_batch_size x the step's longest sequence. At least the
+    longest sample (``train.max_seq_len`` or the student's context), refused at start-up otherwise."""
     collapse_check: Literal["stop", "warn", "off"] = "stop"
     """Watch for responses that collapse while the per-token divergence does not improve
     (``megatron_opd.trainer.collapse``): stop the run with an error naming the likely cause, only warn, or off."""

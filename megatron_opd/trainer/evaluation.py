@@ -205,6 +205,24 @@ class Evaluator:
         return out
 
 
+def teacher_responses_skipped(cfg: TrainConfig, teacher) -> str | None:
+    """Why ``eval.teacher_responses`` cannot run with this teacher (the one line logged instead), or None.
+
+    The teacher's responses come from the built-in sampler on the teacher's own chunks: a remote teacher has none
+    here, and the sampler decodes neither across pipeline stages nor over a context-parallel split (the rollouts
+    of such a run come from vLLM, which holds the student only)."""
+    if not hasattr(teacher, "chunks"):
+        return "eval.teacher_responses needs the teacher's weights in this job: skipped with a remote teacher"
+    pp, cp = cfg.parallel.pipeline_model_parallel_size, cfg.parallel.context_parallel_size
+    if pp > 1 or cp > 1:
+        return (
+            f"eval.teacher_responses samples the in-process teacher with the built-in sampler, which needs "
+            f"pipeline_model_parallel_size=1 and context_parallel_size=1 (got {pp} and {cp}): skipped; the divergence "
+            "on the student's own samples is still measured"
+        )
+    return None
+
+
 def build_evaluator(cfg: TrainConfig, vocab, encoder, student, teacher, rollout, prompt_room: int, seq_len: int):
     """The evaluator of ``data.eval_files`` (None without them); this data-parallel rank's share of the prompts."""
     from megatron.core import parallel_state as ps
@@ -232,12 +250,13 @@ def build_evaluator(cfg: TrainConfig, vocab, encoder, student, teacher, rollout,
     elif cfg.loss.cross_tokenizer != "off":  # the teacher scores its own tokens: no per-token divergence here
         logger.info("evaluation with loss.cross_tokenizer: accuracy only (see cross_tokenizer/* in the step metrics)")
         teacher = None
-    if teacher is not None and not hasattr(teacher, "chunks") and cfg.eval.teacher_responses:
-        logger.info("eval.teacher_responses needs the teacher's weights in this job: skipped with a remote teacher")
-    elif teacher is not None:
-        teacher_sampler = BuiltinSampler(
-            teacher.chunks, vocab_size=vocab.vocab_size, max_seq_len=seq_len, pad_token_id=vocab.pad_token_id
-        )
+    if teacher is not None and cfg.eval.teacher_responses:
+        if skipped := teacher_responses_skipped(cfg, teacher):
+            logger.info("%s", skipped)
+        else:
+            teacher_sampler = BuiltinSampler(
+                teacher.chunks, vocab_size=vocab.vocab_size, max_seq_len=seq_len, pad_token_id=vocab.pad_token_id
+            )
     return Evaluator(
         cfg,
         EvalSet(mine, [encoder.prompt_text(it.record) for it in mine], counted),

@@ -57,6 +57,7 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
     validate_layout(student, cfg.parallel)
     cp = cfg.parallel.context_parallel_size
     check_window_context_parallel(student, cp, max_seq_len(cfg), "student.path")
+    check_packed_attention(cfg, student, f"student.path={cfg.student.path}")
     if cfg.train.freeze_router and student.moe is None:
         raise ValueError(
             f"train.freeze_router=true, but the student ({cfg.student.path}) has no Mixture-of-Experts layer and so "
@@ -74,10 +75,12 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
             where = "teacher.path" if view is cfg else f"teachers.{name}.path"
             teacher = model_architecture(view.teacher.path, where)
             validate_layout(teacher, cfg.parallel)
+            check_packed_attention(cfg, teacher, f"{where}={view.teacher.path}")
             # The teacher scores the student's sequences; in its own tokens (loss.cross_tokenizer), up to its context.
             same = view.loss.cross_tokenizer == "off"
             check_window_context_parallel(teacher, cp, max_seq_len(cfg) if same else teacher.max_position_embeddings,
                                           where)  # fmt: skip
+    check_micro_batch_tokens(cfg)
     check_paths(cfg.data.train_files, "data.train_files")
     if cfg.data.eval_files:
         check_paths(cfg.data.eval_files, "data.eval_files")
@@ -113,6 +116,44 @@ def check_first_records(cfg: TrainConfig, vocab: Vocabulary) -> None:
                 encoder.prompt_ids(records[0], where=f"{path} record 0")
                 if cfg.loss.kind == "sft" and key == "data.train_files":
                     encoder.response_ids(records[0], where=f"{path} record 0")
+
+
+def check_micro_batch_tokens(cfg: TrainConfig) -> None:
+    """Refuse a ``train.micro_batch_tokens`` shorter than the longest sample the run can produce: a packed
+    micro-batch holds whole samples, so the first such sample would stop the run mid-way. The budget applies with
+    packing at pipeline parallelism only; the longest sample is ``max_seq_len`` (the prompt room plus
+    ``rollout.max_new_tokens``; for SFT the prompt plus its response), which every sample and the in-process
+    teacher's view of it (same tokenizer) fit."""
+    tokens = cfg.train.micro_batch_tokens
+    if tokens is None or not cfg.train.packing or cfg.parallel.pipeline_model_parallel_size == 1:
+        return
+    longest = max_seq_len(cfg)
+    if tokens < longest:
+        tp = cfg.parallel.tensor_model_parallel_size
+        source = f"train.max_seq_len={cfg.train.max_seq_len}" if cfg.train.max_seq_len else "the student's context"
+        what = "prompt and response" if cfg.loss.kind == "sft" else (
+            f"prompt room {longest - cfg.rollout.max_new_tokens} + rollout.max_new_tokens={cfg.rollout.max_new_tokens}"
+        )  # fmt: skip
+        raise ValueError(
+            f"train.micro_batch_tokens={tokens} is shorter than the longest sample this run can produce: {longest} "
+            f"tokens ({source}: {what}), which would stop the run at the first such sample; raise it to at least "
+            f"{-(-longest // tp) * tp}, lower train.max_seq_len, or unset it (null: micro_batch_size x the step's "
+            "longest sample)"
+        )
+
+
+def check_packed_attention(cfg: TrainConfig, arch, where: str) -> None:
+    """Refuse packed sequences on Megatron's local attention for a family that always builds the local layer spec:
+    ``validate`` lets ``build.attention=local`` pack with ``build.use_transformer_engine=true`` (TE's attention
+    separates the sequences), but such a family keeps the local spec, whose attention fails at the first forward."""
+    b = cfg.build
+    if cfg.train.packing and b.attention == "local" and b.use_transformer_engine and arch.model_family.local_spec_only:
+        raise ValueError(
+            f"train.packing=true with build.use_transformer_engine=true and build.attention=local: the "
+            f"{arch.family} model of {where} always runs Megatron's local layer spec (TransformerEngine's layers do "
+            "not apply to it), whose local attention cannot separate packed sequences; set build.attention=sdpa "
+            "(or train.packing=false)"
+        )
 
 
 def teachers_vocabulary(views: dict[str, TrainConfig]) -> Vocabulary:

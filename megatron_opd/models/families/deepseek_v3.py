@@ -425,6 +425,7 @@ without the multi-token-prediction layer (the checkpoint's 685B counts its 14B t
 
 FAMILY = DeepSeekV3Family(
     name="deepseek_v3",
+    local_spec_only=True,
     model_types=("deepseek_v3",),
     read_config=read_config,
     check_config=check_config,

@@ -144,6 +144,7 @@ class Gemma3Family(ModelFamily):
 
 FAMILY = Gemma3Family(
     name="gemma3",
+    local_spec_only=True,
     model_types=("gemma3_text",),
     read_config=read_config,
     check_config=check_config,

@@ -100,6 +100,7 @@ class Olmo2Family(ModelFamily):
 
 FAMILY = Olmo2Family(
     name="olmo2",
+    local_spec_only=True,
     model_types=("olmo2",),
     read_config=read_config,
     # OLMo-2 derives the head dim from hidden / heads in vLLM: 128 / 4 = the common 32.
