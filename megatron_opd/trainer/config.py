@@ -757,11 +757,12 @@ class TrainConfig:
         """What runs at expert parallelism: the built-in sampler, in-process teachers, training, evaluation, each
         keeping the expert-parallel ranks in step (``distributed.lockstep``)."""
         ep = self.parallel.expert_model_parallel_size
-        if self.build.moe_token_dispatcher == "allgather":
+        if self.build.token_dispatcher(ep) == "allgather":
             raise ValueError(
                 f"build.moe_token_dispatcher=allgather with parallel.expert_model_parallel_size={ep}: the allgather "
                 "dispatcher needs the same number of tokens on every expert-parallel rank at every forward, but "
-                "data-parallel ranks hold prompts of their own lengths; set build.moe_token_dispatcher=alltoall"
+                "data-parallel ranks hold prompts of their own lengths; set build.moe_token_dispatcher=alltoall "
+                "(or auto, the default)"
             )
         router_losses = self.build.moe_aux_loss_coeff > 0 or self.build.moe_z_loss_coeff > 0
         if router_losses and self.build.recompute == "full":
