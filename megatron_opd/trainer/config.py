@@ -282,7 +282,8 @@ class TrainLoopConfig:
     freeze_router: bool = False
     """Mixture-of-Experts students: keep every router's weights as loaded (no gradient, no optimizer state), so that
     distillation moves the experts and the rest but not which experts a token goes to (NeMo-RL's
-    ``freeze_moe_router``); refused for a dense student."""
+    ``freeze_moe_router``); refused for a dense student and with ``build.moe_router_bias_update_rate > 0`` (the
+    expert bias is part of the routing too)."""
     device_memory_gib: float | None = None
     """Memory of one device for the start-up memory check (GiB); None: ask the device (on CPU: none, the check only
     logs its estimate). Set it to check a layout for another GPU from a dry run."""
@@ -886,6 +887,13 @@ class TrainConfig:
             raise ValueError(
                 "train.packing=true needs build.attention=sdpa (Megatron's local attention cannot separate packed "
                 "sequences) or TransformerEngine; set train.packing=false to keep build.attention=local"
+            )
+        rate = self.build.moe_router_bias_update_rate
+        if self.train.freeze_router and rate > 0:
+            raise ValueError(
+                f"train.freeze_router=true with build.moe_router_bias_update_rate={rate}: the expert bias update would "
+                "still move every expert's bias after each step, and with it which experts a token goes to; set "
+                "build.moe_router_bias_update_rate=0 to freeze the routing, or train.freeze_router=false"
             )
         if self.parallel.context_parallel_size > 1:
             self._validate_context_parallel()
