@@ -288,6 +288,10 @@ def test_vllm_rollouts_of_an_moe_student_at_expert_parallelism_are_exact(moe_run
             },
             "build.moe_aux_loss_coeff / build.moe_z_loss_coeff with build.recompute_granularity=full",
         ),
+        (
+            {"build.moe_router_bias_update_rate": 1e-3, "build.recompute_granularity": "full"},
+            "build.moe_router_bias_update_rate=0.001 with build.recompute_granularity=full",
+        ),
     ],
 )
 def test_the_trainer_refuses_what_expert_parallelism_cannot_run_before_any_model(extra, message):

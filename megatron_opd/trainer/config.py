@@ -773,6 +773,13 @@ class TrainConfig:
                 "backward, where the lockstep's dummy micro-batches cannot be left out of them; use "
                 "recompute_granularity=selective (or null), or no router loss"
             )
+        if self.build.moe_router_bias_update_rate > 0 and self.build.recompute == "full":
+            raise ValueError(
+                f"build.moe_router_bias_update_rate={self.build.moe_router_bias_update_rate} with "
+                f"build.recompute_granularity=full at parallel.expert_model_parallel_size={ep}: a recomputed layer "
+                "counts its tokens per expert in the backward, where the lockstep's dummy micro-batches cannot be "
+                "left out of the expert-bias update; use recompute_granularity=selective (or null), or rate 0"
+            )
 
     def _validate_teacher(self) -> None:
         """The checks of ``teacher.*`` against ``loss.*`` (run for each teacher's view with ``teachers.*``)."""
