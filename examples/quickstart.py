@@ -32,7 +32,7 @@ the dense forward KL, the sorting teacher's top-k from the server). The bar: eac
 
 ``--moe``: the student is a Qwen3-MoE upcycled from the dense one (``megatron_opd.models.upcycle``: 4 experts per
 layer, each the layer's MLP, top-2 routing, a random router) and distils at expert parallelism (EP = ``--nproc``,
-TP=1, the alltoall dispatcher, the built-in sampler) with the load-balancing loss on; same bar.
+TP=1, the alltoall dispatcher (``auto`` at EP > 1), the built-in sampler) with the load-balancing loss on; same bar.
 """
 
 from __future__ import annotations
@@ -161,8 +161,7 @@ def main() -> None:
         student_init = upcycle_to_moe(student_init, task / "student-init-moe", experts=4, top_k=2)
         # EP ranks are data-parallel ones: the step's 64 prompts are split over them
         student_layout = ["parallel.tensor_model_parallel_size=1", f"parallel.expert_model_parallel_size={args.nproc}",
-                          "build.moe_token_dispatcher=alltoall", "build.moe_aux_loss_coeff=1e-3",
-                          f"train.micro_batch_size={64 // args.nproc}"]  # fmt: skip
+                          "build.moe_aux_loss_coeff=1e-3", f"train.micro_batch_size={64 // args.nproc}"]  # fmt: skip
     warmup = None
     if args.cross_tokenizer:  # step 2 needs no teacher: it runs beside step 1, its output in a log file
         warmup_log = work / "student-warmup.log"

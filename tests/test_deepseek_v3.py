@@ -1,7 +1,8 @@
 """DeepSeek-V3 (multi-latent attention with YaRN, DeepSeek's routing) matches transformers at TP=1, TP=2 (SP) and
 two uneven pipeline stages, and trains alike at TP=1, TP=2 (SP), EP=2 and PP=2 (one layer, then three): the same
 gradients (the rotary key's, which Megatron-Core's own tensor-parallel key/value projection gets wrong, included),
-parameters and load-balancing expert biases after three steps.
+parameters and load-balancing expert biases after three steps; and the expert bias at EP=2 equals EP=1's when the
+ranks hold different numbers of micro-batches (the lockstep's dummies are not counted).
 
 The tiny model (``families/deepseek_v3.TINY_DEEPSEEK``) routes with every DeepSeek feature: sigmoid scores plus a
 random expert bias, 16 experts in 4 groups of which each token may use the best 2, top-4 among those, a shared
@@ -59,10 +60,11 @@ LAYOUTS = {  # world of two ranks: data-parallel size 2, 1, 2
 BIAS_RATE = 1e-2  # auxiliary-loss-free balancing on: the expert bias moves each step, alike at every layout
 
 
-def _train(hf_dir: str, parallel, tokens: torch.Tensor, steps: int = 3) -> dict:
+def _train(hf_dir: str, parallel, tokens: torch.Tensor, steps: int = 3, counts: tuple[int, ...] | None = None) -> dict:
     """Gradients of the first step (finalised as the trainer does: Megatron's DDP and ``finalize_model_grads``) and
     the parameters and expert biases after ``steps`` Adam steps. Each data-parallel rank takes its share of
-    ``tokens``' micro-batches, so every layout sees the same global batch."""
+    ``tokens``' micro-batches (every ``dp``-th, or ``counts[rank]`` of them in order), so every layout sees the
+    same global batch."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -81,7 +83,7 @@ def _train(hf_dir: str, parallel, tokens: torch.Tensor, steps: int = 3) -> dict:
     optim = OptimConfig(lr=1e-3, adam_eps=1e-4)  # epsilon above float32 noise: see test_context_parallel.py
     student = Student(chunks, optim, precision_plan(optim, detect_accelerator("cpu")), 10)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    mine = tokens[dp_rank::dp]
+    mine = tokens[dp_rank::dp] if counts is None else tokens[sum(counts[:dp_rank]) : sum(counts[: dp_rank + 1])]
 
     def ce(logits, batch):
         return vocab_parallel_cross_entropy(logits.float(), torch.roll(batch["tokens"], -1, dims=1)).mean(), None
@@ -139,6 +141,38 @@ def _body(hf_dirs: dict[str, str], tokens: torch.Tensor):
                     results["logits", layout, name] = got
         results["train", layout] = _train(hf_dirs["q_lora"], parallel, tokens.flatten(0, 1)[:, None])
     return results
+
+
+def _uneven_bias(hf_dir: str, tokens: torch.Tensor, counts: tuple[int, int]) -> dict:
+    """Expert biases after one step at EP=1 (DP=2) and EP=2 when the ranks hold ``counts`` micro-batches: at EP=2 the
+    rank with fewer runs the lockstep's dummies (``distributed.lockstep``), at EP=1 nothing needs them."""
+    from megatron_opd.distributed import ParallelConfig, initialize_distributed, initialize_model_parallel
+
+    initialize_distributed(ParallelConfig())
+    out = {}
+    for layout, kwargs in {"ep1": {}, "ep2": dict(expert_model_parallel_size=2)}.items():
+        parallel = ParallelConfig(**kwargs)
+        initialize_model_parallel(parallel)
+        out[layout] = _train(hf_dir, parallel, tokens, steps=1, counts=counts)["bias"]
+    return out
+
+
+def test_lockstep_dummies_leave_the_expert_bias_update_alone(deepseek_dirs):
+    """Rank 0 trains one micro-batch, rank 1 three: at EP=2 rank 0 runs two lockstep dummies (copies of its one) to
+    keep the token exchange in step. Their tokens do not exist, so the expert bias after the step (driven by the
+    tokens each expert got over all ranks) equals EP=1's, which runs no dummies. The three-step matrix above splits
+    its micro-batches evenly (no dummies), so it could not see this. Rank 0's micro-batch is the one whose doubled
+    count turns an expert's load from below the mean to above it (layer 3; each of the others, or rank 1 with
+    fewer, moves no bias the other way: its load is far from the mean)."""
+    tokens = _tokens(1000).flatten(0, 1)[[2, 0, 1, 3], None]  # the matrix's 4 micro-batches (routed clear of ties)
+    ranks = run_distributed(_uneven_bias, 2, args=(deepseek_dirs["q_lora"], tokens, (1, 3)), timeout=300)
+    ep1 = {**ranks[1]["ep1"], **ranks[0]["ep1"]}
+    ep2 = {**ranks[1]["ep2"], **ranks[0]["ep2"]}
+    loaded = load_file(f"{deepseek_dirs['q_lora']}/model.safetensors")
+    assert ep1 and ep2.keys() == ep1.keys()
+    assert any(not torch.equal(b, loaded[_hf_bias_name(n)]) for n, b in ep1.items()), "the bias did not move"
+    for name, value in ep2.items():
+        assert torch.equal(value, ep1[name]), f"EP=2 expert bias {name} differs from EP=1's: {value - ep1[name]}"
 
 
 def _hf_bias_name(megatron: str) -> str:

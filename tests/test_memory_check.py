@@ -191,3 +191,52 @@ def test_activation_estimate_is_within_a_quarter_of_the_live_tensor_peak(tiny_mo
         (row,) = check_trainer_memory(load_config(TrainConfig, None, overrides), 1, "cpu", None)[0].rows
         ratios[(family, tokens, recompute)] = row.activations / peak  # 0.92-0.98 measured
     assert all(0.75 <= r <= 1.25 for r in ratios.values()), ratios
+
+
+def _qwen3_counts(h, layers, nq, nkv, d, vocab, tied, ffn=0, experts=0, expert_ffn=0):
+    """(dense, routed-expert) parameter counts of a Qwen3(-MoE) from its config.json sizes, by hand: per layer
+    q/k/v/o, QK-norm, two norms and a SwiGLU MLP (or a router and ``experts`` SwiGLU experts); the embedding, an
+    untied output layer and the final norm."""
+    attention = h * nq * d + 2 * h * nkv * d + nq * d * h + 2 * d + 2 * h
+    mlp = experts * h if experts else 3 * h * ffn
+    dense = layers * (attention + mlp) + vocab * h * (1 if tied else 2) + h
+    return dense, layers * experts * 3 * h * expert_ffn
+
+
+QWEN3_30B_A3B = dict(h=2048, layers=48, nq=32, nkv=4, d=128, vocab=151936, tied=False, experts=128, expert_ffn=768)
+QWEN3_1_7B = dict(h=2048, layers=28, nq=16, nkv=8, d=128, vocab=151936, tied=True, ffn=6144)
+"""``KNOWN_CONFIGS``' sizes (151,936 rows need no vocabulary padding at TP=1)."""
+
+
+def test_distributed_optimizer_state_is_sharded_over_megatron_s_groups():
+    """Megatron's distributed optimizer shards the dense parameters' state (fp32 master copy and Adam's moments, 12
+    bytes a parameter) over the data-parallel group with the context-parallel ranks (world / (TP·PP)), a routed
+    expert's over the expert data-parallel group (world / (ETP·EP·PP)). Qwen3-30B-A3B at EP=8 on 8 GPUs keeps its
+    experts' whole state on each GPU (EDP = 1): about 112 GiB, refused on 80 GiB (was 77 GiB, counted over DP=8:
+    it passed and ran out of memory at the first step); at CP=2 the dense model's state is shared by 8 ranks."""
+    dense, experts = _qwen3_counts(**QWEN3_30B_A3B)
+    assert 30.4e9 < dense + experts < 30.6e9 and experts > 0.9 * (dense + experts)
+    base = ["loss.kind=sft", "train.max_seq_len=4096", "train.micro_batch_size=1", "train.prompts_per_step=64"]
+    moe, dense_model = (
+        ["student.path=/models/Qwen3-30B-A3B", "parallel.expert_model_parallel_size=8"],
+        ["student.path=/models/Qwen3-1.7B"],
+    )
+    cp2 = ["parallel.context_parallel_size=2"]
+    layouts = {  # name: (overrides, world, dense shards = world / (TP·PP), expert shards = world / (ETP·EP·PP))
+        "moe ep8": (moe, 8, 8, 1),
+        "moe ep8 cp2": ([*moe, *cp2], 16, 16, 2),
+        "dense cp2": ([*dense_model, *cp2], 8, 8, None),
+    }
+    for name, (overrides, world, dense_shards, expert_shards) in layouts.items():
+        dense, experts = _qwen3_counts(**(QWEN3_30B_A3B if name.startswith("moe") else QWEN3_1_7B))
+        cfg = load_config(TrainConfig, None, [*base, *overrides])
+        peak, _ = check_trainer_memory(cfg, world, "cuda", None)  # bf16 and the distributed optimizer on a GPU
+        (row,) = peak.rows
+        per_device = dense + experts // 8
+        assert row.params == per_device and row.weights == 2 * per_device and row.grads == 4 * per_device, name
+        expected = 12 * dense / dense_shards + (12 * experts / 8 / expert_shards if experts else 0)
+        assert row.optimizer == pytest.approx(expected, rel=1e-12), name
+        if name == "moe ep8":
+            assert 105 * GIB < peak.total < 120 * GIB, peak.total / GIB
+            with pytest.raises(MemoryCheckError, match="has 80 GiB"):
+                check_trainer_memory(cfg, world, "cuda", 80)

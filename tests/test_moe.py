@@ -232,11 +232,13 @@ def test_trainer_at_expert_parallelism_equals_ep1(moe_run_files, tmp_path):
             out, **{"student.path": student, "data.train_files": train_file, "data.shuffle": False,
                     "train.steps": 2, "train.prompts_per_step": 4, "rollout.max_new_tokens": 5,
                     "eval.max_prompts": 1, "export_hf": False, "checkpoint.every": 0,
-                    "parallel.expert_model_parallel_size": ep, "build.moe_token_dispatcher": "alltoall",
+                    "parallel.expert_model_parallel_size": ep,
                     "build.moe_aux_loss_coeff": 0.01, "build.moe_z_loss_coeff": 0.001},
         )  # fmt: skip
         code, log = run_trainer(overrides, timeout=240)
         assert code == 0, log[-3000:]
+        # build.moe_token_dispatcher unset (auto): alltoall at EP > 1, allgather at EP = 1
+        assert f"{'alltoall' if ep > 1 else 'allgather'} token dispatcher" in log, log[-3000:]
         runs[ep] = train_metrics(out)
     steps = {ep: [r for r in rows if "loss" in r] for ep, rows in runs.items()}
     assert len(steps[1]) == len(steps[2]) == 2
@@ -267,8 +269,7 @@ def test_vllm_rollouts_of_an_moe_student_at_expert_parallelism_are_exact(moe_run
     overrides = pair.overrides(
         out, **{"student.path": student, "data.train_files": train_file, "train.steps": 2,
                 "train.prompts_per_step": 4, "rollout.max_new_tokens": 5, "data.eval_files": "", "export_hf": False,
-                "checkpoint.every": 0, "parallel.expert_model_parallel_size": 2,
-                "build.moe_token_dispatcher": "alltoall", "rollout.backend": "vllm"},
+                "checkpoint.every": 0, "parallel.expert_model_parallel_size": 2, "rollout.backend": "vllm"},
     )  # fmt: skip
     code, log = run_trainer(overrides, timeout=400)
     assert code == 0, log[-3000:]
@@ -281,14 +282,20 @@ def test_vllm_rollouts_of_an_moe_student_at_expert_parallelism_are_exact(moe_run
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (dict(), "build.moe_token_dispatcher=allgather with parallel.expert_model_parallel_size=2"),
+        (
+            {"build.moe_token_dispatcher": "allgather"},  # set: kept, and refused
+            "build.moe_token_dispatcher=allgather with parallel.expert_model_parallel_size=2",
+        ),
         (
             {
-                "build.moe_token_dispatcher": "alltoall",
                 "build.moe_z_loss_coeff": 1e-3,
                 "build.recompute_granularity": "full",
             },
             "build.moe_aux_loss_coeff / build.moe_z_loss_coeff with build.recompute_granularity=full",
+        ),
+        (
+            {"build.moe_router_bias_update_rate": 1e-3, "build.recompute_granularity": "full"},
+            "build.moe_router_bias_update_rate=0.001 with build.recompute_granularity=full",
         ),
     ],
 )
@@ -297,6 +304,10 @@ def test_the_trainer_refuses_what_expert_parallelism_cannot_run_before_any_model
     from megatron_opd.trainer.config import TrainConfig
 
     base = ["student.path=s", "teacher.path=t", "data.train_files=x.jsonl", "parallel.expert_model_parallel_size=2"]
+    cfg = parse_args(TrainConfig, base)
+    cfg.validate()  # no dispatcher set: auto, which is alltoall at EP > 1
+    assert cfg.build.moe_token_dispatcher == "auto" and cfg.build.token_dispatcher(2) == "alltoall"
+    assert cfg.build.token_dispatcher(1) == "allgather"
     parse_args(TrainConfig, [*base, "build.moe_token_dispatcher=alltoall"]).validate()
     cfg = parse_args(TrainConfig, [*base, *(f"{k}={v}" for k, v in extra.items())])
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -1,7 +1,8 @@
 """An MoE student's routers: ``build.moe_aux_loss_coeff`` and ``build.moe_z_loss_coeff`` reach Megatron's router,
 whose gradients are exactly the Switch load-balancing loss's and the z-loss's (float64, from the router's own
 inputs) and added once; the per-step router metrics equal the same losses and expert counts computed by hand;
-``train.freeze_router`` keeps the routers as loaded while the rest trains; and it is refused for a dense student.
+``train.freeze_router`` keeps the routers as loaded while the rest trains; and it is refused for a dense student
+and beside an expert-bias update.
 The metrics in a real run, at EP=1 and EP=2: tests/test_moe.py."""
 
 from __future__ import annotations
@@ -170,6 +171,21 @@ def test_freeze_router_is_refused_for_a_dense_student(tiny_model_dirs, tmp_path)
     cfg.validate()
     with pytest.raises(ValueError, match="train.freeze_router=true, but the student .* has no Mixture-of-Experts"):
         check_inputs(cfg)
+
+
+def test_freeze_router_with_an_expert_bias_update_is_refused():
+    """The expert bias is part of the routing (Megatron moves it after each step at a rate > 0): a frozen router with
+    a moving bias would still send tokens elsewhere, so the pair is refused; either alone is accepted."""
+    from megatron_opd.config import parse_args
+    from megatron_opd.trainer.config import TrainConfig
+
+    base = ["student.path=s", "teacher.path=t", "data.train_files=x.jsonl"]
+    parse_args(TrainConfig, [*base, "train.freeze_router=true"]).validate()
+    parse_args(TrainConfig, [*base, "build.moe_router_bias_update_rate=0.001"]).validate()
+    cfg = parse_args(TrainConfig, [*base, "train.freeze_router=true", "build.moe_router_bias_update_rate=0.001"])
+    with pytest.raises(ValueError, match=r"train.freeze_router=true with build.moe_router_bias_update_rate=0.001.*"
+                                         r"set build.moe_router_bias_update_rate=0"):  # fmt: skip
+        cfg.validate()
 
 
 @pytest.mark.parametrize("key", ["build.moe_aux_loss_coeff", "build.moe_z_loss_coeff"])

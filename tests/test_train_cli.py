@@ -394,6 +394,7 @@ def test_help_lists_every_key(tmp_path):
     ]
     for key in keys:
         assert f"  {key} = " in proc.stdout, f"--help does not list {key}"
+    assert "  build.moe_token_dispatcher = 'auto'" in proc.stdout, "the MoE dispatcher's default is auto"
 
 
 def test_dist_ckpt_models_match_hugging_face_folders(pair, reference_run, tmp_path):

@@ -9,8 +9,10 @@ copy of the embedding there when PP > 1, as in Megatron).
 Bytes per parameter on a device:
 
 - teacher server (forward only): 2 (bf16 weights);
-- student: 2 (bf16 weights) + 4 (fp32 gradient buffer) + 12 / DP (fp32 master copy and Adam's two moments,
-  sharded over the data-parallel ranks by the distributed optimizer); in fp32 (CPU) 4 + 4 + 8 (no master copy);
+- student: 2 (bf16 weights) + 4 (fp32 gradient buffer) + 12 / DP·CP (fp32 master copy and Adam's two moments,
+  sharded by the distributed optimizer over Megatron's data-parallel group, which includes the context-parallel
+  ranks), an expert's 12 / EDP instead (sharded over the expert data-parallel group, EDP = world / (ETP·EP·PP));
+  in fp32 (CPU) 4 + 4 + 8 (no master copy);
 - in-process teacher (the trainer's start-up check): 2 or 4 (its weights, at the student's dtype and layout);
 - vLLM server: 2 (bf16 weights); what ``gpu_memory_utilization`` leaves is KV cache.
 
@@ -47,7 +49,8 @@ peak of live tensor bytes of one update on CPU: 0.92-0.98x (``tests/test_memory_
   graphs, sampler and activations; vLLM measures the real figure at start-up).
 
 Legend: h hidden, F ffn hidden, D head dim, Nq / Nkv query / key-value heads, L layers, Vp padded vocabulary,
-t / PP / DP tensor / pipeline / data-parallel sizes.
+t / PP / DP / CP tensor / pipeline / data- / context-parallel sizes, ETP / EP / EDP the experts' tensor / expert /
+data-parallel sizes.
 """
 
 from __future__ import annotations
@@ -117,6 +120,8 @@ class ParamShard:
     """Elements on one TP rank of its stage (vocabulary padding included)."""
     shape: tuple[int, ...] = ()
     """The tensor's checkpoint shape (where FP8 block quantisation applies: 2-D weights)."""
+    expert: bool = False
+    """A routed expert's tensor (split over the EP ranks; its optimizer state over the expert data-parallel group)."""
 
 
 def _per_rank(rule: WeightRule, name: str, numel: int, arch: ModelArchitecture, tp: int, vocab_multiple) -> int:
@@ -164,7 +169,8 @@ def shard_parameters(
                 per_rank = _per_rank(rule, name, numel, arch, etp, vocab_multiple) // ep
             else:
                 per_rank = _per_rank(rule, name, numel, arch, tp, vocab_multiple)
-            shards.append(ParamShard(name, stage, numel, split, per_rank, tuple(shape)))
+            expert = rule.experts is ExpertSplit.PER_EXPERT
+            shards.append(ParamShard(name, stage, numel, split, per_rank, tuple(shape), expert))
     total = sum(p.numel() for p in model.parameters())
     placed = sum(s.numel for s in shards)
     if placed != total:
@@ -190,11 +196,13 @@ def layer_stages(num_layers: int, pp: int, stage_layers: Sequence[int] | None = 
     return [stage for stage, count in enumerate(stage_layers) for _ in range(count)]
 
 
-def stage_params(shards: list[ParamShard], pp: int) -> list[int]:
-    """Elements on one device of each pipeline stage."""
+def stage_params(shards: list[ParamShard], pp: int, experts: bool | None = None) -> list[int]:
+    """Elements on one device of each pipeline stage: all, or only the routed experts' (``experts=True``) or only the
+    rest (``False``), which the distributed optimizer shards over different groups."""
     totals = [0] * pp
     for shard in shards:
-        totals[shard.stage] += shard.per_rank
+        if experts is None or shard.expert == experts:
+            totals[shard.stage] += shard.per_rank
     return totals
 
 
@@ -311,10 +319,13 @@ def _logit_tokens(cfg, tokens: int, vocab: int) -> int:
 
 
 def student_rows(cfg, dp: int, bf16: bool, distributed: bool) -> list[DeviceMemory]:
-    """One row per pipeline stage of the trainer's student under ``cfg`` at ``dp`` data-parallel replicas.
+    """One row per pipeline stage of the trainer's student under ``cfg`` at ``dp`` data-parallel replicas (world /
+    (TP·PP·CP)).
 
     Bytes per parameter: the weights (2 in bf16, 4 in fp32), the fp32 gradient buffer (4), and Adam's two fp32
-    moments plus, in bf16, the fp32 master copy (8 or 12), divided by DP under the distributed optimizer."""
+    moments plus, in bf16, the fp32 master copy (8 or 12), which the distributed optimizer shards as Megatron does:
+    over DP·CP ranks (``get_data_parallel_group(with_context_parallel=True)``), a routed expert's over the expert
+    data-parallel group of world / (ETP·EP·PP) ranks."""
     tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
     ep, etp = cfg.parallel.expert_model_parallel_size, cfg.parallel.etp_size
     multiple = cfg.build.make_vocab_size_divisible_by
@@ -334,7 +345,11 @@ def student_rows(cfg, dp: int, bf16: bool, distributed: bool) -> list[DeviceMemo
     block = cfg.build.recompute_num_layers
     full = cfg.build.recompute == "full"
     vocab = arch.padded_vocab_size(tp, multiple) // tp
+    world = dp * tp * pp * cp
+    dense_shards, expert_shards = (dp * cp, max(world // (etp * ep * pp), 1)) if distributed else (1, 1)
+    state = 12 if bf16 else 8  # bytes of optimizer state per parameter
     rows = []
+    dense_params, expert_params = stage_params(shards, pp, experts=False), stage_params(shards, pp, experts=True)
     for stage, params in enumerate(stage_params(shards, pp)):
         last = stage == pp - 1
         in_flight = min(pp - stage, max(micro_batches, 1))
@@ -352,11 +367,11 @@ def student_rows(cfg, dp: int, bf16: bool, distributed: bool) -> list[DeviceMemo
         rows.append(
             DeviceMemory(
                 "student (trainer)",
-                f"TP={tp} PP={pp} DP={dp}{f' EP={ep}' if ep > 1 else ''}, stage {stage}",
+                f"TP={tp} PP={pp} DP={dp}{f' CP={cp}' if cp > 1 else ''}{f' EP={ep}' if ep > 1 else ''}, stage {stage}",
                 params,
                 weights=width * params,
                 grads=4 * params,
-                optimizer=(12 if bf16 else 8) * params / (dp if distributed else 1),
+                optimizer=state * (dense_params[stage] / dense_shards + expert_params[stage] / expert_shards),
                 activations=activations,
                 note=f"{in_flight} micro-batch(es) of {shape} tokens in flight",
             )

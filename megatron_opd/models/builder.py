@@ -64,11 +64,12 @@ class ModelBuildConfig:
     """With ``full``: layers recomputed as one block (Megatron's ``uniform`` method); more saves more memory."""
     recompute_activations: bool = False
     """Alias of ``recompute_granularity=full`` (older configs)."""
-    moe_token_dispatcher: Literal["allgather", "alltoall"] = "allgather"
+    moe_token_dispatcher: Literal["auto", "allgather", "alltoall"] = "auto"
     """Mixture-of-Experts models: how tokens reach the experts of other expert-parallel ranks. ``allgather``
     gathers every token on every rank (simple; best at small EP); ``alltoall`` sends each token only where its
     experts are (less traffic at larger EP). Results are identical. ``allgather`` needs the same token count on
-    every EP rank at every forward: the trainer at EP > 1 (ranks with prompts of their own) needs ``alltoall``."""
+    every EP rank at every forward, so the trainer at EP > 1 (ranks with prompts of their own) needs ``alltoall``.
+    ``auto``: ``alltoall`` at expert parallelism > 1, ``allgather`` at EP = 1 (:meth:`token_dispatcher`)."""
     moe_grouped_gemm: bool = True
     """Mixture-of-Experts models: run a layer's experts as grouped GEMMs (TransformerEngine's ``TEGroupedMLP``, else
     megatron-opd's ``GroupedExperts`` on ``torch._grouped_mm``: 6.6x the sequential experts' scoring rate for a
@@ -105,9 +106,9 @@ class ModelBuildConfig:
                 "build.recompute_activations=true means recompute_granularity=full, but build.recompute_granularity="
                 "selective was also set; keep one of them"
             )
-        if self.moe_token_dispatcher not in ("allgather", "alltoall"):
+        if self.moe_token_dispatcher not in ("auto", "allgather", "alltoall"):
             raise ValueError(
-                f"build.moe_token_dispatcher must be 'allgather' or 'alltoall', got {self.moe_token_dispatcher!r}"
+                f"build.moe_token_dispatcher must be 'auto', 'allgather' or 'alltoall', got {self.moe_token_dispatcher!r}"
             )
         for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"):
             value = getattr(self, name)
@@ -115,6 +116,13 @@ class ModelBuildConfig:
                 raise ValueError(f"build.{name} must be a number >= 0 (0: off), got {value!r}")
         if self.recompute_num_layers < 1:
             raise ValueError(f"build.recompute_num_layers must be >= 1, got {self.recompute_num_layers}")
+
+    def token_dispatcher(self, expert_model_parallel_size: int) -> str:
+        """The MoE token dispatcher in effect at this EP size: the one place ``auto`` is resolved (a set value is
+        kept; ``TrainConfig.validate`` refuses ``allgather`` at EP > 1)."""
+        if self.moe_token_dispatcher != "auto":
+            return self.moe_token_dispatcher
+        return "alltoall" if expert_model_parallel_size > 1 else "allgather"
 
     @property
     def recompute(self) -> str | None:
@@ -200,7 +208,7 @@ def transformer_config(arch: ModelArchitecture, parallel: ParallelConfig, build:
         kwargs.update(
             expert_model_parallel_size=parallel.expert_model_parallel_size,
             expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
-            moe_token_dispatcher_type=build.moe_token_dispatcher,
+            moe_token_dispatcher_type=build.token_dispatcher(parallel.expert_model_parallel_size),
             # Megatron's flag picks TEGroupedMLP; without TE the local spec carries GroupedExperts (families/base.py).
             moe_grouped_gemm=build.moe_grouped_gemm and use_te_spec(build, parallel),
         )
@@ -390,7 +398,7 @@ def build_chunks(arch: ModelArchitecture, parallel: ParallelConfig, build: Model
             arch.moe.num_experts,
             arch.moe.top_k,
             experts_kernel(grouped, te),
-            build.moe_token_dispatcher,
+            build.token_dispatcher(parallel.expert_model_parallel_size),
         )
     padded_vocab = arch.padded_vocab_size(parallel.tensor_model_parallel_size, build.make_vocab_size_divisible_by)
     vp_size = parallel.vp_size

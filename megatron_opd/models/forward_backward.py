@@ -41,7 +41,8 @@ def forward_backward(
     many micro-batches as the busiest: the others repeat their first micro-batch with a zero loss and discard it
     (its backward still joins the exchanges), and scale their real losses so the division stays by their own count.
     Megatron's router losses (``build.moe_aux_loss_coeff``, ``moe_z_loss_coeff``) are scaled alike: none for a
-    dummy, and a real micro-batch's compensated as its loss is (:func:`router_losses_scaled`).
+    dummy, and a real micro-batch's compensated as its loss is (:func:`router_losses_scaled`); a dummy's tokens are
+    not counted in the expert loads that drive the expert-bias update either (:func:`expert_loads_kept`).
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -86,7 +87,8 @@ def forward_backward(
         position_ids = batch.get("position_ids")
         if position_ids is None:
             position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-        with router_losses_scaled(model.config, 0.0 if batch.get(_DUMMY_KEY) else compensate or 1.0):
+        dummy = bool(batch.get(_DUMMY_KEY))
+        with router_losses_scaled(model.config, 0.0 if dummy else compensate or 1.0), expert_loads_kept(model, dummy):
             output = model(tokens, position_ids, None, **packed_seq_params(batch))
 
         def reduce(output_tensor: torch.Tensor):
@@ -134,6 +136,25 @@ def router_losses_scaled(config, factor: float):
         yield
     finally:
         config.moe_aux_loss_coeff, config.moe_z_loss_coeff, _IN_DUMMY = aux, z, False
+
+
+@contextlib.contextmanager
+def expert_loads_kept(model, keep: bool = True):
+    """With ``keep``, the routers' per-expert token counts of ``model`` as they were before the forward inside.
+    Megatron's routers add every training forward's routed tokens to ``local_tokens_per_expert``, which the
+    auxiliary-loss-free expert-bias update (``build.moe_router_bias_update_rate``) all-reduces after the step; a
+    lockstep dummy's tokens do not exist, so a rank with fewer micro-batches would add load no other layout sees.
+    A layer recomputed in the backward (``build.recompute_granularity=full``) counts there, outside this scope,
+    which the trainer refuses at expert parallelism."""
+    counts = (
+        [c for m in model.modules() if (c := getattr(m, "local_tokens_per_expert", None)) is not None] if keep else []
+    )
+    saved = [c.clone() for c in counts]
+    try:
+        yield
+    finally:
+        for count, before in zip(counts, saved):
+            count.copy_(before)
 
 
 def in_lockstep_dummy() -> bool:

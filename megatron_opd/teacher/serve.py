@@ -307,8 +307,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     initialize_model_parallel(parallel)
     dtype = args.dtype if args.dtype != "auto" else ("fp32" if accel.type == "cpu" else "bf16")
-    # The replicas score row shares of their own sizes: alltoall exchanges tokens in the counts each rank holds.
-    build = ModelBuildConfig(dtype=dtype, moe_token_dispatcher="alltoall" if args.ep > 1 else "allgather")
+    # The replicas score row shares of their own sizes: the default dispatcher (auto) is alltoall at EP > 1, which
+    # exchanges tokens in the counts each rank holds.
+    build = ModelBuildConfig(dtype=dtype)
     arch, chunks = build_and_load(args.model, parallel, build, trainable=False, field="--model")
     # Megatron allocates its parallel layers on the current device, but norms (local spec) start on the CPU.
     device = accel.device(LaunchEnv.from_environ().local_rank)

@@ -283,7 +283,8 @@ class TrainLoopConfig:
     freeze_router: bool = False
     """Mixture-of-Experts students: keep every router's weights as loaded (no gradient, no optimizer state), so that
     distillation moves the experts and the rest but not which experts a token goes to (NeMo-RL's
-    ``freeze_moe_router``); refused for a dense student."""
+    ``freeze_moe_router``); refused for a dense student and with ``build.moe_router_bias_update_rate > 0`` (the
+    expert bias is part of the routing too)."""
     device_memory_gib: float | None = None
     """Memory of one device for the start-up memory check (GiB); None: ask the device (on CPU: none, the check only
     logs its estimate). Set it to check a layout for another GPU from a dry run."""
@@ -758,11 +759,12 @@ class TrainConfig:
         """What runs at expert parallelism: the built-in sampler, in-process teachers, training, evaluation, each
         keeping the expert-parallel ranks in step (``distributed.lockstep``)."""
         ep = self.parallel.expert_model_parallel_size
-        if self.build.moe_token_dispatcher == "allgather":
+        if self.build.token_dispatcher(ep) == "allgather":
             raise ValueError(
                 f"build.moe_token_dispatcher=allgather with parallel.expert_model_parallel_size={ep}: the allgather "
                 "dispatcher needs the same number of tokens on every expert-parallel rank at every forward, but "
-                "data-parallel ranks hold prompts of their own lengths; set build.moe_token_dispatcher=alltoall"
+                "data-parallel ranks hold prompts of their own lengths; set build.moe_token_dispatcher=alltoall "
+                "(or auto, the default)"
             )
         router_losses = self.build.moe_aux_loss_coeff > 0 or self.build.moe_z_loss_coeff > 0
         if router_losses and self.build.recompute == "full":
@@ -771,6 +773,13 @@ class TrainConfig:
                 f"parallel.expert_model_parallel_size={ep}: a recomputed layer forms its router losses in the "
                 "backward, where the lockstep's dummy micro-batches cannot be left out of them; use "
                 "recompute_granularity=selective (or null), or no router loss"
+            )
+        if self.build.moe_router_bias_update_rate > 0 and self.build.recompute == "full":
+            raise ValueError(
+                f"build.moe_router_bias_update_rate={self.build.moe_router_bias_update_rate} with "
+                f"build.recompute_granularity=full at parallel.expert_model_parallel_size={ep}: a recomputed layer "
+                "counts its tokens per expert in the backward, where the lockstep's dummy micro-batches cannot be "
+                "left out of the expert-bias update; use recompute_granularity=selective (or null), or rate 0"
             )
 
     def _validate_teacher(self) -> None:
@@ -886,6 +895,13 @@ class TrainConfig:
             raise ValueError(
                 "train.packing=true needs build.attention=sdpa (Megatron's local attention cannot separate packed "
                 "sequences) or TransformerEngine; set train.packing=false to keep build.attention=local"
+            )
+        rate = self.build.moe_router_bias_update_rate
+        if self.train.freeze_router and rate > 0:
+            raise ValueError(
+                f"train.freeze_router=true with build.moe_router_bias_update_rate={rate}: the expert bias update would "
+                "still move every expert's bias after each step, and with it which experts a token goes to; set "
+                "build.moe_router_bias_update_rate=0 to freeze the routing, or train.freeze_router=false"
             )
         if self.parallel.context_parallel_size > 1:
             self._validate_context_parallel()
