@@ -14,6 +14,7 @@ import math
 import os
 import shutil
 from itertools import combinations
+from pathlib import Path
 
 import pytest
 
@@ -129,3 +130,23 @@ def test_the_row_runs_resumes_evaluates_and_exports(row, files, tmp_path):
         assert any(k.startswith("eval/") for r in train_metrics(resumed) for k in r), "no evaluation logged"
     assert AutoModelForCausalLM.from_pretrained(resumed / "hf") is not None
     space.record_outcome(space.row_name(row), "ran, resumed, evaluated, exported")
+
+
+def test_chat_records_need_the_template_of_each_tokenizer_that_encodes_them(files, tmp_path):
+    """A cross-tokenizer teacher re-tokenizes each chat prompt with its own template: one without is refused before
+    any model (it stopped the run at its first batch)."""
+    import json
+
+    row = next(r for r in ROWS if r["teacher"] == "other_tokenizer" and r["loss"] != "sft")
+    bare = tmp_path / "bare_teacher"
+    shutil.copytree(files.other_teacher, bare)
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    (bare / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "chat_template"}))
+    overrides = {**space.value_overrides({**row, "records": "messages"}, files), "teacher.path": str(bare)}
+    message = _refused_before_build(space.command_line(overrides, tmp_path / "run"))
+    assert message is not None and "(the tokenizer of teacher.tokenizer)" in message and "no chat template" in message
+
+
+def test_the_docs_show_the_dimensions_refusals_and_rows():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "configurations.md").read_text()
+    assert space.markdown() in text, "docs/configurations.md is out of date: paste config_space.markdown()"

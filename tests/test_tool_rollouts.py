@@ -62,11 +62,13 @@ class ScriptedPolicy:
                 finish_reasons=["stop" if t.endswith("<|endoftext|>") else "length" for t in texts],
                 prompt_index=list(range(len(prompts))),
                 policy_version=self.policy_version,
+                # loss.support=union: "top-k" rows that name their own token, then the next id
+                topk_ids=[torch.stack([r, r + 1], -1) for r in responses] if sampling.return_topk else None,
             )
         )
 
 
-def _tool_rollouts(tmp_path, max_turns=3, max_new_tokens=64):
+def _tool_rollouts(tmp_path, max_turns=3, max_new_tokens=64, return_topk=0):
     tok = make_tiny_tokenizer(tmp_path / "tok")
     from transformers import AutoTokenizer
 
@@ -87,7 +89,8 @@ def _tool_rollouts(tmp_path, max_turns=3, max_new_tokens=64):
         tokenizer.encode("teacher", add_special_tokens=False),
         tokenizer.encode("student", add_special_tokens=False),
     ]
-    out = rollout.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, seed=1), 1).result()
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, seed=1, return_topk=return_topk)
+    out = rollout.generate(prompts, sampling, 1).result()
     return tokenizer, inner, calls, prompts, out
 
 
@@ -110,6 +113,17 @@ def test_tool_turns_have_mask_zero_and_no_logprobs(tmp_path):
     # Row 1 never called the tool: one turn, all mask 1.
     assert bool((out.response_mask[1] == 1).all()) and out.finish_reasons == ["stop", "stop"]
     assert out.policy_version == 5 and out.prompt_index == [0, 1]
+
+
+def test_the_sampler_top_k_rows_stay_with_the_model_tokens(tmp_path):
+    """``loss.support=union`` reads the sampler's top-k ids of each model token: they follow their tokens through
+    the cut at the stop string and the tool's answer (which gets rows that are never read)."""
+    _, _, _, _, out = _tool_rollouts(tmp_path, return_topk=2)
+    assert out.topk_ids is not None
+    for ids, mask, topk in zip(out.response_ids, out.response_mask, out.topk_ids):
+        assert topk.shape == (len(ids), 2)
+        assert torch.equal(topk[mask == 1, 0], ids[mask == 1]) and torch.equal(topk[mask == 1, 1], ids[mask == 1] + 1)
+    assert _tool_rollouts(tmp_path / "none")[-1].topk_ids is None
 
 
 def test_over_an_asynchronous_back_end_later_turns_run_at_collection_and_the_oldest_version_tags(tmp_path):

@@ -73,6 +73,8 @@ def forward_backward(
 
     real = sum(not mb.get(_DUMMY_KEY) for mb in micro_batches)
     total = agree_count(len(micro_batches), group) if group is not None else real
+    if len(chunks) > 1:  # Megatron's interleaved schedule needs at least PP micro-batches: the others run as dummies
+        total = max(total, parallel_state.get_pipeline_model_parallel_world_size())
     micro_batches = [*micro_batches, *[{**micro_batches[0], _DUMMY_KEY: True}] * (total - len(micro_batches))]
     # The schedule divides each loss by `total`; a real one is scaled back to a division by `real`.
     compensate = total / real if real and total != real and not forward_only else None

@@ -38,6 +38,7 @@ class _Row:
     tokens: list[int] = dataclasses.field(default_factory=list)
     mask: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    topk_ids: list[torch.Tensor] = dataclasses.field(default_factory=list)  # ``[len, k]`` per turn and tool answer
     finish: str = "length"
     calling: bool = False
 
@@ -111,6 +112,8 @@ class ToolRollout:
         row.tokens += ids
         row.mask += [1] * len(ids)
         row.logprobs += lps
+        if out.topk_ids is not None:  # loss.support=union: the sampler's top-k of each model token
+            row.topk_ids.append(out.topk_ids[i][: len(ids)])
         row.finish, row.calling = out.finish_reasons[i], False
         if cut is None:
             return
@@ -123,6 +126,8 @@ class ToolRollout:
         row.tokens += answer
         row.mask += [0] * len(answer)
         row.logprobs += [0.0] * len(answer)
+        if out.topk_ids is not None:  # a tool token's rows are never read (response mask 0)
+            row.topk_ids.append(out.topk_ids[i].new_zeros(len(answer), out.topk_ids[i].shape[-1]))
         row.calling = True
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams, n: int) -> Future[Rollouts]:
@@ -162,4 +167,5 @@ class ToolRollout:
             finish_reasons=[r.finish for r in rows],
             prompt_index=[r.prompt_index for r in rows],
             policy_version=version,  # the oldest turn's: staleness is counted from it
+            topk_ids=[torch.cat(r.topk_ids) for r in rows] if first.topk_ids is not None else None,
         )

@@ -250,6 +250,8 @@ def make_space_files(root: str | os.PathLike) -> SpaceFiles:
         (Path(dirs[name]) / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
     other = make_tiny_hf_model("qwen3", root / "other_teacher", seed=5, vocab_size=1000, **four)
     make_tiny_tokenizer(other, vocab_size=700)  # other merges: the pair's tokens differ
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
     words = ("tensor", "pipeline", "teacher", "student", "vocabulary", "divergence", "sample", "token")
     records = []
     for i in range(16):
@@ -294,3 +296,17 @@ def outcomes_file() -> Path:
 def record_outcome(name: str, outcome: str) -> None:
     with open(outcomes_file(), "a") as f:
         f.write(f"{name}\t{outcome}\n")
+
+
+def markdown() -> str:
+    """The dimensions, the refusal list and the rows as docs/configurations.md shows them (a test keeps it equal)."""
+    lines = ["| dimension | values |", "| --- | --- |"]
+    lines += [f"| {d} | {', '.join(f'`{v}`' for v in vs)} |" for d, vs in DIMENSIONS.items()]
+    lines += ["", "| refused together | the trainer's message says |", "| --- | --- |"]
+    lines += [f"| `{r.first[0]}={r.first[1]}` + `{r.second[0]}={r.second[1]}` | {r.message}... |" for r in REFUSED]
+    lines += ["", "| not composed (one side would be ignored) |", "| --- |"]
+    lines += [f"| `{a[0]}={a[1]}` + `{b[0]}={b[1]}` |" for a, b in NOT_APPLICABLE]
+    rows, ci = covering_array(), ci_rows(covering_array())
+    lines += ["", f"| # | {' | '.join(DIMENSIONS)} | CI |", "| " + " | ".join(["---"] * (len(DIMENSIONS) + 2)) + " |"]
+    lines += [f"| {i} | {' | '.join(r.values())} | {'runs' if r in ci else 'all'} |" for i, r in enumerate(rows)]
+    return "\n".join(lines)

@@ -104,18 +104,26 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
 
 def check_first_records(cfg: TrainConfig, vocab: Vocabulary) -> None:
     """Each data file's first record encodes with the student's tokenizer (a chat record needs a chat template, an
-    SFT record its response): the refusal users meet otherwise only after every model is built."""
+    SFT record its response), and with each cross-tokenizer teacher's, which re-tokenizes the prompts: the refusals
+    users otherwise meet only after every model is built."""
     from megatron_opd.data.prompts import PromptEncoder
     from megatron_opd.data.records import read_record_files
 
-    encoder = PromptEncoder.for_data(vocab.tokenizer, cfg.data)
+    encoders = {"student.path": PromptEncoder.for_data(vocab.tokenizer, cfg.data)}
+    views = cfg.teacher_views() if cfg.teachers else {"teacher": cfg}
+    for name, view in views.items():
+        v = vocab.teachers[name] if cfg.teachers else vocab
+        if view.loss.cross_tokenizer != "off" and view.loss.kind != "sft" and v.teacher_tokenizer is not None:
+            where = "teacher.tokenizer" if view is cfg else f"teachers.{name}.tokenizer"
+            encoders[where] = PromptEncoder.for_data(v.teacher_tokenizer, cfg.data)
     for key in ("data.train_files", "data.eval_files"):
         paths = getattr(cfg.data, key.split(".")[1])
         for path, records in read_record_files(paths, key) if paths else ():
-            if records:
-                encoder.prompt_ids(records[0], where=f"{path} record 0")
+            for model, encoder in encoders.items() if records else ():
+                where = f"{path} record 0 (the tokenizer of {model})"
+                encoder.prompt_ids(records[0], where=where)
                 if cfg.loss.kind == "sft" and key == "data.train_files":
-                    encoder.response_ids(records[0], where=f"{path} record 0")
+                    encoder.response_ids(records[0], where=where)
 
 
 def check_micro_batch_tokens(cfg: TrainConfig) -> None:
