@@ -126,6 +126,8 @@ def test_the_row_runs_resumes_evaluates_and_exports(row, files, tmp_path):
     assert sorted(after) == [3] and math.isfinite(after[3]["loss"])
     if layout == row["layout"] and row["scheduler"] == "zero_step_off":  # same samples, same weights
         assert after[3]["loss"] == pytest.approx(steps[3]["loss"], rel=1e-5, abs=1e-7)
+        evals = [_last_eval(straight), _last_eval(resumed)]
+        assert evals[1] == pytest.approx(evals[0], rel=1e-5, abs=1e-7), "the resumed run evaluates otherwise"
     if row["eval"] != "off":
         assert any(k.startswith("eval/") for r in train_metrics(resumed) for k in r), "no evaluation logged"
     assert AutoModelForCausalLM.from_pretrained(resumed / "hf") is not None
@@ -145,6 +147,11 @@ def test_chat_records_need_the_template_of_each_tokenizer_that_encodes_them(file
     overrides = {**space.value_overrides({**row, "records": "messages"}, files), "teacher.path": str(bare)}
     message = _refused_before_build(space.command_line(overrides, tmp_path / "run"))
     assert message is not None and "(the tokenizer of teacher.tokenizer)" in message and "no chat template" in message
+
+
+def _last_eval(run) -> dict[str, float]:
+    rows = [r for r in train_metrics(run) if any(k.startswith("eval/") for k in r)]
+    return {k: v for k, v in rows[-1].items() if k.startswith("eval/")} if rows else {}
 
 
 def test_the_docs_show_the_dimensions_refusals_and_rows():

@@ -295,3 +295,23 @@ def test_packed_equals_padded(layout, tmp_path):
         assert ref.abs().max() > 0, f"{name}: zero gradient, the comparison would be vacuous"
         rel = float((grads["packed"][name] - ref).abs().max() / ref.abs().max())
         assert rel <= 1e-6, f"{layout}: gradient of {name} differs by {rel:.2e} (relative to its largest entry)"
+
+
+def test_a_teacher_sample_longer_than_the_token_budget_gets_a_micro_batch_of_its_length(monkeypatch):
+    """A cross-tokenizer teacher's rows follow its own tokenization: one longer than ``train.micro_batch_tokens``
+    (which bounds the student's samples) is scored in micro-batches of its length, not refused mid-run."""
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state as ps
+
+    from megatron_opd.teacher.inprocess import InProcessTeacher
+
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(ps, "get_pipeline_model_parallel_world_size", lambda: 2)
+    teacher = SimpleNamespace(micro_batch_tokens=16, micro_batch_size=2)
+    lengths = [5, 21, 9]
+    tokens = torch.arange(3 * 21).reshape(3, 21)
+    micro_batches = InProcessTeacher._packed(teacher, tokens, None, lengths)
+    assert {mb["tokens"].shape[-1] for mb in micro_batches} == {22}  # 21 rounded up to TP: one shape per call
+    assert sorted(int(n) for mb in micro_batches for n in mb["sequence_lengths"]) == sorted(lengths)
+    assert InProcessTeacher._packed(teacher, tokens[:, :9], None, [5, 9, 9])[0]["tokens"].shape[-1] == 16

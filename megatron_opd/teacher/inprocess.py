@@ -160,6 +160,11 @@ class InProcessTeacher:
 
         tp = ps.get_tensor_model_parallel_world_size()
         budget = packing.pipeline_token_budget(self.micro_batch_tokens, self.micro_batch_size, tokens.shape[1])
+        longest = -(-max(lengths) // tp) * tp
+        if budget is not None and longest > budget:
+            # A teacher with another tokenizer (loss.cross_tokenizer) may see a sample longer than the student's
+            # budget: this call's micro-batches take its length (every stage packs the same rows: one shape still).
+            budget = longest
         groups = packing.group_sequences(
             lengths,
             per_group=self.micro_batch_size,
