@@ -1,6 +1,6 @@
 """The quick start's distillation at context parallelism, CP=2 against CP=1 on the same 2 ranks, whole runs as composed.
 
-    python benchmarks/bench_cp_quickstart.py                      # teacher + 7 runs of 300 steps, ~1 hour on 2 cores
+    python benchmarks/bench_cp_quickstart.py                      # teacher + 7 runs of 300 steps, ~20 min on 2 cores
     python benchmarks/bench_cp_quickstart.py --teacher-run /tmp/qs/teacher --task /tmp/qs/task --steps 150
     python benchmarks/bench_cp_quickstart.py --seeds 1 --no-resume --json out.json
 
