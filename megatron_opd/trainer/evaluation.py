@@ -209,16 +209,16 @@ def teacher_responses_skipped(cfg: TrainConfig, teacher) -> str | None:
     """Why ``eval.teacher_responses`` cannot run with this teacher (the one line logged instead), or None.
 
     The teacher's responses come from the built-in sampler on the teacher's own chunks: a remote teacher has none
-    here, and the sampler decodes neither across pipeline stages nor over a context-parallel split (the rollouts
-    of such a run come from vLLM, which holds the student only)."""
+    here, and the sampler does not decode across pipeline stages (at context parallelism each rank decodes whole
+    sequences: ``models.context_parallel.whole_sequences``)."""
     if not hasattr(teacher, "chunks"):
         return "eval.teacher_responses needs the teacher's weights in this job: skipped with a remote teacher"
-    pp, cp = cfg.parallel.pipeline_model_parallel_size, cfg.parallel.context_parallel_size
-    if pp > 1 or cp > 1:
+    pp = cfg.parallel.pipeline_model_parallel_size
+    if pp > 1:
         return (
             f"eval.teacher_responses samples the in-process teacher with the built-in sampler, which needs "
-            f"pipeline_model_parallel_size=1 and context_parallel_size=1 (got {pp} and {cp}): skipped; the divergence "
-            "on the student's own samples is still measured"
+            f"pipeline_model_parallel_size=1 (got {pp}): skipped; the divergence on the student's own samples is "
+            "still measured"
         )
     return None
 
