@@ -168,5 +168,6 @@ def test_rank_jobs_start_ranks_as_torchrun_does_and_stop_them_as_it_does(tmp_pat
     assert "rank 0 (tests.rank_job_probe) exited with code -15" in out, "rank 0 was not stopped with SIGTERM"
     assert time.monotonic() - start < 60
 
-    with pytest.raises(pytest.fail.Exception, match="did not finish within 3 s"):
+    with pytest.raises(pytest.fail.Exception, match="did not finish within 3 s") as hung:
         run_module_job("tests.rank_job_probe", ["hang"], nproc=1, env=env, timeout=3, cwd=ROOT)
+    assert "(most recent call first)" in str(hung.value), "no stack of the hung rank in the failure"

@@ -190,6 +190,7 @@ def run_module_job(
             code = job.wait(timeout)
         except TimeoutError:
             code = None
+            job.dump_stacks()  # where every rank hangs, into the log
         finally:
             job.kill()  # what the ranks started and left behind (all of it, past the timeout)
         out = log_path.read_text(errors="replace")
@@ -286,6 +287,19 @@ class RankJob:
             raise TimeoutError(f"python -m {self.module} still running after {timeout} s")
         return self.returncode
 
+    def dump_stacks(self, wait_s: float = 3.0) -> None:
+        """Every running rank writes the stack of each of its threads to the job's log (``faulthandler`` on
+        SIGUSR1): what a hung job was waiting on."""
+        import signal
+
+        for proc in self.procs:
+            if proc.exitcode is None and proc.pid is not None:
+                try:
+                    os.kill(proc.pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+        time.sleep(wait_s)
+
     def kill(self) -> None:
         for proc in self.procs:
             kill_tree(proc.pid)
@@ -333,12 +347,14 @@ def _module_rank_main(
     os.environ.update(env)
     if launch_env:
         os.environ.update(launch_variables(rank, world_size, port))
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # RankJob.dump_stacks
     import torch
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
-    if (
-        not Path(cwd).resolve().is_relative_to(ROOT)
-    ):  # an installed package's view: the checkout is no folder on the path
+    if not Path(cwd).resolve().is_relative_to(ROOT):  # an installed package's view: the checkout is not on the path
         sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
         # and no module the rank server found there (vLLM's import of Hugging Face's `kernels` finds the top-level
         # kernels/ folder while the root is on the path), except the package itself, which the install maps there
