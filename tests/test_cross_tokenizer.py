@@ -176,3 +176,13 @@ def test_a_stop_is_judged_on_eos_not_on_the_last_token_the_teacher_chose_knowing
     assert torch.allclose(got[s_first : s_first + 4].double(), lp0[t_first : t_first + 4], atol=1e-6)
     request = cross.request(cut, cut_rollouts, records)
     assert request.stop_prefixes == [None]
+
+
+def test_a_pipeline_stage_without_teacher_scores_passes_them_through():
+    """An in-process teacher at PP > 1 scores on its last stage only; the other stages' (empty) scores pass the
+    re-tokenizer unmapped (they compute no loss) instead of stopping the run at its first step."""
+    from megatron_opd.cross_tokenizer.retokenize import CrossTokenizer
+    from megatron_opd.interfaces import TeacherScores
+
+    empty = TeacherScores()
+    assert CrossTokenizer.scores(object(), empty, request=None, batch=None) is empty

@@ -198,6 +198,8 @@ class CrossTokenizer:
         """The teacher's scores on the student's positions: at each position predicting a response token, the log-
         probability of that token's group under the teacher (``requested_logprobs[..., 0]``), and in
         ``extras["group_offset"]`` the offset back to the group's first position (0 for a 1:1 group)."""
+        if teacher.requested_logprobs is None and teacher.topk_ids is None:
+            return teacher  # an in-process teacher's pipeline stage before the last: no scores, no loss here
         n, s = batch.tokens.shape
         group_logp = torch.zeros(n, s, 1)
         offset = torch.zeros(n, s, dtype=torch.int64)
