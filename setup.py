@@ -55,6 +55,8 @@ setup(
             "triton",
             "mistral_common",
             "llama-models",
+            # the pairwise covering array of tests/test_config_space.py
+            "covertable>=3.2",
         ],
     },
     entry_points={

@@ -139,7 +139,10 @@ def _assert_same_hf(original_dir: str | Path, exported_dir: str | Path, what: st
         assert a.dtype == b.dtype and a.shape == b.shape, (what, name, a.dtype, b.dtype, a.shape, b.shape)
         assert torch.equal(a, b), f"{what}: {name} changed"
     with open(Path(original_dir) / "config.json") as f, open(Path(exported_dir) / "config.json") as g:
-        assert json.load(f) == json.load(g), what
+        config = json.load(f)
+        if "num_nextn_predict_layers" in config:  # DeepSeek-V3's MTP layers are never exported, nor declared
+            config["num_nextn_predict_layers"] = 0
+        assert config == json.load(g), what
 
 
 @pytest.mark.parametrize("layout, shape", ROUND_TRIP_CELLS, ids=[f"{lay}-{n}" for lay, n in ROUND_TRIP_CELLS])

@@ -230,25 +230,26 @@ def make_space_files(root: str | os.PathLike) -> SpaceFiles:
     as text and as chat messages (half of them naming teacher ``b``), held-out prompts."""
     import json
 
+    from megatron_opd.models.families import llama, mistral, qwen3, qwen3_moe
     from megatron_opd.testing.tiny_models import make_tiny_hf_model, make_tiny_tokenizer
 
     root = Path(root)
     four = {"num_hidden_layers": 4}  # PP=2 x VP=2: a layer per model chunk
     specs = {
-        "teacher": ("qwen3", 0, {**four, "tie_word_embeddings": False}),  # the in-process one: the student's layout
-        "dense_tied": ("qwen3", 1, {**four, "tie_word_embeddings": True}),
-        "dense_untied": ("llama", 2, {**four, "tie_word_embeddings": False}),
-        "moe": ("qwen3_moe", 3, four),
+        "teacher": (qwen3, 0, {**four, "tie_word_embeddings": False}),  # the in-process one: the student's layout
+        "dense_tied": (qwen3, 1, {**four, "tie_word_embeddings": True}),
+        "dense_untied": (llama, 2, {**four, "tie_word_embeddings": False}),
+        "moe": (qwen3_moe, 3, four),
         # a window longer than any sequence the rows make: it cannot bite, so no layout may refuse it
-        "windowed": ("mistral", 4, {**four, "sliding_window": 4096}),
+        "windowed": (mistral, 4, {**four, "sliding_window": 4096}),
     }
     dirs = {}
     for name, (family, seed, overrides) in specs.items():
-        dirs[name] = str(make_tiny_hf_model(family, root / name, seed=seed, vocab_size=1000, **overrides))
+        dirs[name] = str(make_tiny_hf_model(family.FAMILY.name, root / name, seed=seed, vocab_size=1000, **overrides))
         make_tiny_tokenizer(dirs[name], vocab_size=1000)
         config = json.loads((Path(dirs[name]) / "tokenizer_config.json").read_text())
         (Path(dirs[name]) / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
-    other = make_tiny_hf_model("qwen3", root / "other_teacher", seed=5, vocab_size=1000, **four)
+    other = make_tiny_hf_model(qwen3.FAMILY.name, root / "other_teacher", seed=5, vocab_size=1000, **four)
     make_tiny_tokenizer(other, vocab_size=700)  # other merges: the pair's tokens differ
     config = json.loads((other / "tokenizer_config.json").read_text())
     (other / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
@@ -271,16 +272,13 @@ def make_space_files(root: str | os.PathLike) -> SpaceFiles:
 
 
 def ci_rows(rows: list[dict[str, str]]) -> list[dict[str, str]]:
-    """The rows CI runs from start to finish: each built-in-sampler row, and the fewest vLLM rows (greedy) in which
-    every value of every dimension meets vLLM rollouts at least once. A vLLM row starts two engines (~20 s each on a
-    CI core), so all of them would more than double CI's time; ``MEGATRON_OPD_ARRAY=all`` runs every row."""
+    """The rows CI runs from start to finish: each built-in-sampler row, and a pipeline-parallel (PP x VP) vLLM row
+    that distils and evaluates. A vLLM row starts two engines (~20 s each on a CI core): all 20 would add ~12
+    CPU-minutes to CI (CP's whole run with vLLM, evaluation and resume is tests/test_context_parallel.py's);
+    ``MEGATRON_OPD_ARRAY=all`` runs every row."""
     chosen = [r for r in rows if r["rollout"] != "vllm"]
-    vllm = [r for r in rows if r["rollout"] == "vllm"]
-    missing = {(d, v) for r in vllm for d, v in r.items()}
-    while missing:
-        best = max(vllm, key=lambda r: len(missing & set(r.items())))
-        chosen.append(best)
-        missing -= set(best.items())
+    pipeline = [r for r in rows if r["rollout"] == "vllm" and r["layout"] == "pp2_vp2"]
+    chosen.append(next((r for r in pipeline if r["loss"] != "sft" and r["eval"] != "off"), pipeline[0]))
     return [r for r in rows if r in chosen]  # the array's order
 
 
