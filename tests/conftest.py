@@ -87,6 +87,8 @@ def pytest_terminal_summary(terminalreporter) -> None:
     """The covering array's outcome per generated config (tests/test_config_space.py): ran, or refused before build."""
     from megatron_opd.testing.config_space import outcomes_file
 
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # the session's process prints it, once every worker has written its rows
     path = outcomes_file()
     if path.exists():
         terminalreporter.section("configurations (tests/test_config_space.py)")
