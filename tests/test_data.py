@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatron_opd.data import DataError, PromptEncoder, PromptStream, load_prompts, read_records
+from megatron_opd.data.records import first_records
 from megatron_opd.testing.tiny_models import make_tiny_tokenizer
 
 CHAT_TEMPLATE = (
@@ -67,6 +68,9 @@ def test_read_jsonl_and_parquet(tmp_path):
     assert records[:2] == rows
     assert [r["prompt"] for r in records[2:]] == ["c", "d", "e"]
     assert read_records(str(jsonl)) == rows  # one path as a string
+    # the start-up check's sample: each file's first record, read no further
+    firsts = first_records([str(jsonl), str(parquet), str(array)])
+    assert firsts == [(str(f), read_records(str(f))[0]) for f in (jsonl, parquet, array)]
 
 
 def test_a_byte_order_mark_is_accepted(tmp_path):

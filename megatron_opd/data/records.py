@@ -49,14 +49,18 @@ def _read_json_lines(path: Path) -> list[dict[str, Any]]:
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{path}:{lineno}: malformed JSON line ({err.msg} at column {err.colno})") from err
-        if not isinstance(row, dict):
-            raise DataError(f"{path}:{lineno}: a record must be a JSON object, got a {type(row).__name__}")
-        records.append(row)
+        records.append(_read_json_line(line, path, lineno))
     return records
+
+
+def _read_json_line(line: str, path: Path, lineno: int) -> dict[str, Any]:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}:{lineno}: malformed JSON line ({err.msg} at column {err.colno})") from err
+    if not isinstance(row, dict):
+        raise DataError(f"{path}:{lineno}: a record must be a JSON object, got a {type(row).__name__}")
+    return row
 
 
 def _read_parquet(path: Path) -> list[dict[str, Any]]:
@@ -93,6 +97,29 @@ def read_record_files(paths: list[str] | str, key: str = "data.train_files") -> 
         if not records:
             raise DataError(f"{key}: {str(path)!r} holds no records; remove it from {key} or fill it")
         out.append((str(path), records))
+    return out
+
+
+def first_records(paths: list[str] | str, key: str = "data.train_files") -> list[tuple[str, dict[str, Any]]]:
+    """Each file's first record (a start-up check's sample): JSON lines and Parquet are read no further."""
+    out = []
+    for path, p in zip(_as_list(paths), check_paths(paths, key)):
+        if p.suffix.lower() in PARQUET_SUFFIXES:
+            import pyarrow.parquet as pq
+
+            try:
+                batch = next(pq.ParquetFile(p).iter_batches(batch_size=1), None)
+            except Exception as err:  # pyarrow raises several unrelated types for a bad file
+                raise DataError(f"{path}: not a readable Parquet file ({err})") from err
+            record = batch.to_pylist()[0] if batch is not None and batch.num_rows else None
+        elif p.suffix.lower() == ".json":  # may be one array of objects: read whole
+            record = next(iter(_read_json_lines(p)), None)
+        else:
+            with open(p, encoding="utf-8-sig") as f:
+                line = next((line for line in f if line.strip()), None)
+            record = None if line is None else _read_json_line(line, p, 1)
+        if record is not None:
+            out.append((str(path), record))
     return out
 
 

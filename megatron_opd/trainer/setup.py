@@ -107,7 +107,7 @@ def check_first_records(cfg: TrainConfig, vocab: Vocabulary) -> None:
     SFT record its response), and with each cross-tokenizer teacher's, which re-tokenizes the prompts: the refusals
     users otherwise meet only after every model is built."""
     from megatron_opd.data.prompts import PromptEncoder
-    from megatron_opd.data.records import read_record_files
+    from megatron_opd.data.records import first_records
 
     encoders = {"student.path": PromptEncoder.for_data(vocab.tokenizer, cfg.data)}
     views = cfg.teacher_views() if cfg.teachers else {"teacher": cfg}
@@ -118,12 +118,12 @@ def check_first_records(cfg: TrainConfig, vocab: Vocabulary) -> None:
             encoders[where] = PromptEncoder.for_data(v.teacher_tokenizer, cfg.data)
     for key in ("data.train_files", "data.eval_files"):
         paths = getattr(cfg.data, key.split(".")[1])
-        for path, records in read_record_files(paths, key) if paths else ():
-            for model, encoder in encoders.items() if records else ():
+        for path, record in first_records(paths, key) if paths else ():
+            for model, encoder in encoders.items():
                 where = f"{path} record 0 (the tokenizer of {model})"
-                encoder.prompt_ids(records[0], where=where)
+                encoder.prompt_ids(record, where=where)
                 if cfg.loss.kind == "sft" and key == "data.train_files":
-                    encoder.response_ids(records[0], where=where)
+                    encoder.response_ids(record, where=where)
 
 
 def check_micro_batch_tokens(cfg: TrainConfig) -> None:
