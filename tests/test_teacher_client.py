@@ -25,7 +25,7 @@ from megatron_opd.teacher.client import TeacherClient
 from megatron_opd.teacher.server import ServerLimits
 from megatron_opd.teacher.transport import RequestRefusedError, ScoreReply, ScoreRequest, TeacherUnavailableError
 from megatron_opd.teacher.vocabulary import fingerprint
-from megatron_opd.teacher.zmq_transport import ZmqTransportFactory
+from megatron_opd.teacher.zmq_transport import ZmqTransport, ZmqTransportFactory
 from megatron_opd.testing.multiprocess import find_free_port, run_distributed
 from megatron_opd.testing.teacher_fakes import (
     RawServer,
@@ -75,29 +75,55 @@ def _assert_matches(scores, scorer: ToyScorer, tokens, request_ids, k: int, temp
     torch.testing.assert_close(scores.requested_logprobs.double(), ref.gather(-1, request_ids), atol=atol, rtol=1e-6)
 
 
-def test_concurrent_clients_are_batched_and_answered_exactly(servers):
-    """4 clients at once, different shapes, k, temperatures and wire dtypes: each gets its own slice back."""
-    # The batch window lets 4 threads on a loaded machine arrive together.
-    limits = ServerLimits(max_topk=16, max_seq_len=64, max_batch_tokens=400, batch_wait_s=0.5)
-    server = ThreadServer(limits=limits)
-    servers.append(server)
+class _HeldScorer(ToyScorer):
+    """A toy scorer whose first forward waits for ``release``: what arrives meanwhile queues at the server."""
+
+    def __init__(self, release: threading.Event) -> None:
+        super().__init__()
+        self.release = release
+
+    def score(self, *args, **kwargs):
+        if self.batches == 0:
+            assert self.release.wait(60), "the clients never sent their requests"
+        return super().score(*args, **kwargs)
+
+
+def test_concurrent_clients_are_batched_and_answered_exactly(servers, monkeypatch):
+    """4 clients at once, different shapes, k, temperatures and wire dtypes: each gets its own slice back.
+
+    Ordered by events, not a race: the clients connect first, the server holds its first forward until all four
+    requests are on the wire, so the other three wait in its queue and the same-temperature ones share a forward.
+    """
     cases = [(4, 10, 8, 1.0, "fp32"), (3, 17, 16, 1.0, "fp32"), (5, 6, 3, 1.0, "bf16"), (2, 12, 5, 2.0, "fp16")]
+    sent, all_sent = [], threading.Event()
+    send = ZmqTransport.score
+
+    def counted_send(transport, request, timeout_s):
+        sent.append(request)
+        if len(sent) == len(cases):  # the last request goes out right after this line
+            threading.Timer(0.2, all_sent.set).start()
+        return send(transport, request, timeout_s)
+
+    monkeypatch.setattr(ZmqTransport, "score", counted_send)
+    limits = ServerLimits(max_topk=16, max_seq_len=64, max_batch_tokens=400, batch_wait_s=0.2)
+    server = ThreadServer(_HeldScorer(all_sent), limits=limits)
+    servers.append(server)
+    clients = [
+        _client([server.address], topk=k, temperature=t, wire_dtype=dtype, timeout_s=60.0)
+        for _, _, k, t, dtype in cases
+    ]
     results: dict[int, object] = {}
 
     def one(i: int) -> None:
-        n, s, k, temperature, dtype = cases[i]
-        client = _client([server.address], topk=k, temperature=temperature, wire_dtype=dtype)
+        n, s = cases[i][:2]
         tokens, request_ids = _batch(i, n, s)
-        try:
-            results[i] = (client.score(tokens, request_ids).result(timeout=30), tokens, request_ids)
-        finally:
-            client.close()
+        results[i] = (clients[i].score(tokens, request_ids).result(timeout=60), tokens, request_ids)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(cases))]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(60)
+        t.join(90)
     assert sorted(results) == [0, 1, 2, 3]
     for i, (n, s, k, temperature, dtype) in enumerate(cases):
         scores, tokens, request_ids = results[i]
@@ -110,7 +136,7 @@ def test_concurrent_clients_are_batched_and_answered_exactly(servers):
             assert torch.equal(scores.topk_ids, ids)
             rel = 2**-8 if dtype == "bf16" else 2**-11
             assert ((scores.topk_logprobs.double() - values).abs() <= rel * values.abs() + 1e-6).all()
-    # The two temperature-1 fp32/bf16 requests that arrived together were scored in one forward.
+    # Whatever came first, the queued temperature-1 requests were scored together, in fewer forwards than requests.
     assert server.scorer.batches < len(cases), "no dynamic batching happened"
 
 
