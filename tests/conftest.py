@@ -12,7 +12,7 @@ import pytest
 # One thread per process, in the test workers and in everything they start (which inherits the variable): the
 # suite runs on three workers sharing the cores, and a process with more OpenMP threads than its share spins
 # them against the other workers (the cross-tokenizer quick start, TP=1 with two threads: 67 s alone, 428 s beside
-# one busy core; one thread: 81 s; benchmarks/RESULTS.md, "The test suite's time").
+# one busy core; one thread: 81 s; benchmarks/CI_LOG.md, "The test suite's time").
 os.environ["OMP_NUM_THREADS"] = "1"
 
 import torch  # noqa: E402
@@ -40,7 +40,7 @@ MCORE_SMOKE = (
 # The README's command runs the suite on three pytest-xdist workers (``-n 3 --dist loadfile``): a file's tests run on
 # one worker, so its module-scoped fixtures (a shared run, a server, a model pair) are built once; tests sharing a run
 # live in one file (tests/test_quickstart.py). Files start longest first, the rest in file order, so that no long
-# file is left for the end (the seconds each took on 2 cores: benchmarks/RESULTS.md, "The test suite's time").
+# file is left for the end (the seconds each took on 2 cores: benchmarks/CI_LOG.md, "The test suite's time").
 LONGEST_FIRST = (
     "test_quickstart.py",
     "test_quickstart_cross_tokenizer.py",  # one test of ~290 s: it cannot be split across workers
