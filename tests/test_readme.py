@@ -106,14 +106,14 @@ def test_every_relative_link_and_anchor_resolves():
     assert not broken, "\n".join(broken)
 
 
-# The README's console commands (setup.py's console_scripts once declared there) and the file or module each one
-# runs today; `python -m X` and `python FILE` name theirs directly.
+# The README's console commands: setup.py's console_scripts (``module:function``) once declared there, else what
+# each runs today (``-m module`` or a file run as a script). `python -m X` and `python FILE` name theirs directly.
 _COMMANDS = {
-    "opd-train": "megatron_opd.train:main",
-    "opd-launch": "megatron_opd.launch.cli:main",
-    "opd-check-vocab": "megatron_opd.check_vocab:main",
-    "opd-convert": "tools/checkpoint/convert.py:main",
-    "opd-quickstart": "examples/quickstart.py:main",
+    "opd-train": "-m megatron_opd.train",
+    "opd-launch": "-m megatron_opd.launch",
+    "opd-check-vocab": "-m megatron_opd.check_vocab",
+    "opd-convert": "tools/checkpoint/convert.py",
+    "opd-quickstart": "examples/quickstart.py",
 }
 # What the README may show besides those: the set-up steps of its first two commands.
 _SET_UP = (("python", "-m", "venv"), (".",), ("pip",), ("python", "-m", "pytest"))
@@ -148,7 +148,7 @@ def _readme_commands() -> list[list[str]]:
 
 
 def _entry_point(words: list[str]) -> tuple[str, list[str]] | None:
-    """``(module:function or file:function, its arguments)`` of a command; None for a set-up step."""
+    """``(what runs, its arguments)`` of a command; None for a set-up step."""
     if words[0] == "torchrun":  # torchrun's own options, then the program: -m MODULE, --no-python COMMAND, or FILE
         i = 1
         while words[i].startswith("-") and words[i] not in ("-m", "--no-python", "--no_python"):
@@ -159,9 +159,9 @@ def _entry_point(words: list[str]) -> tuple[str, list[str]] | None:
     if words[0] in _COMMANDS:
         return _declared_console_scripts().get(words[0], _COMMANDS[words[0]]), words[1:]
     if words[0] == "python" and words[1] == "-m":
-        return f"{words[2]}:main", words[3:]
+        return f"-m {words[2]}", words[3:]
     if words[0] == "python" and words[1].endswith(".py"):
-        return f"{words[1]}:main", words[2:]
+        return words[1], words[2:]
     raise AssertionError(f"the README shows a command this test does not know: {' '.join(words)}")
 
 
@@ -170,20 +170,22 @@ class _Parsed(Exception):
 
 
 def _parse_without_running(target: str, args: list[str]) -> None:
-    """Import the command's entry point and run it up to its argument parser: parsing succeeds (or ``--help`` exits 0)
-    or the test fails; nothing past the parser runs."""
+    """Run the command (``module:function``, ``-m module`` or a script file) up to its argument parser: parsing
+    succeeds (or ``--help`` exits 0) or the test fails; nothing past the parser runs."""
     import argparse
     import importlib
-    import importlib.util
+    import runpy
     from unittest import mock
 
-    where, function = target.rsplit(":", 1)
-    if where.endswith(".py"):
-        spec = importlib.util.spec_from_file_location(Path(where).stem, ROOT / where)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+    if target.startswith("-m "):
+        where = target[3:]
+        run = lambda: runpy.run_module(where, run_name="__main__", alter_sys=True)  # noqa: E731
+    elif target.endswith(".py"):
+        where = target
+        run = lambda: runpy.run_path(str(ROOT / where), run_name="__main__")  # noqa: E731
     else:
-        module = importlib.import_module(where)
+        where, function = target.split(":")
+        run = getattr(importlib.import_module(where), function)
     real = {name: getattr(argparse.ArgumentParser, name) for name in ("parse_args", "parse_known_args")}
     depth = [0]
 
@@ -204,7 +206,7 @@ def _parse_without_running(target: str, args: list[str]) -> None:
             mock.patch.object(argparse.ArgumentParser, "parse_known_args", parse_then_stop("parse_known_args")), \
             mock.patch("sys.argv", [where, *args]):  # fmt: skip
         try:
-            getattr(module, function)()
+            run()
         except SystemExit as stop:
             assert stop.code in (0, None), f"{target} {args}: exit {stop.code}"
             return
@@ -212,7 +214,9 @@ def _parse_without_running(target: str, args: list[str]) -> None:
             namespace = parsed.args[0]
         else:
             raise AssertionError(f"{target} ran without parsing its arguments")
-    if where == "megatron_opd.train":  # the config keys and values of the overrides, against the config classes
+    if where.startswith(
+        "megatron_opd.train"
+    ):  # the config keys and values of the overrides, against the config classes
         from megatron_opd.config import load_config
         from megatron_opd.trainer.config import TrainConfig
 
@@ -224,7 +228,7 @@ def _parse_without_running(target: str, args: list[str]) -> None:
 
 def test_every_command_the_readme_shows_parses():
     commands = [entry for words in _readme_commands() if (entry := _entry_point(words)) is not None]
-    assert {target.split(":")[0] for target, _ in commands} >= {"examples/quickstart.py", "megatron_opd.train"}
+    assert {target.split(":")[0] for target, _ in commands} >= {"examples/quickstart.py", "-m megatron_opd.train"}
     for target, args in commands:
         _parse_without_running(target, args)
 
@@ -234,6 +238,6 @@ def test_the_command_parser_fails_on_a_wrong_argument():
     import pytest
 
     with pytest.raises(AssertionError):
-        _parse_without_running("megatron_opd.check_vocab:main", ["teacher", "student", "--no-such-option"])
+        _parse_without_running("-m megatron_opd.check_vocab", ["teacher", "student", "--no-such-option"])
     with pytest.raises(Exception, match="no_such_key"):
         _parse_without_running("megatron_opd.train:main", ["train.no_such_key=1"])
