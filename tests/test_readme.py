@@ -1,4 +1,5 @@
-"""CI runs exactly the test command the README gives newcomers."""
+"""The README: CI runs its test command verbatim, its loss example runs where the package is installed, and it stays a
+front page (its size, every link of README, docs/ and benchmarks/, every command it shows)."""
 
 from __future__ import annotations
 
