@@ -43,7 +43,7 @@ setup(
         "npu": ["torch_npu", "mindspeed"],
         "triton": ["triton"],
         "wandb": ["wandb"],
-        # pytest-xdist runs the suite on three workers (README); coverage measures it across processes (pyproject.toml).
+        # pytest-xdist runs the suite on three workers (docs/testing.md); coverage measures it across processes (pyproject.toml).
         # triton is in dev so the fused kernels are tested on CPU too (TRITON_INTERPRET=1). mistral_common and
         # llama-models are there for the real tokenizer files they ship (SentencePiece; Llama 3's tiktoken model).
         "dev": [
