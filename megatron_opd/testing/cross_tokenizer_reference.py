@@ -30,7 +30,6 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any
 
 import torch
@@ -42,8 +41,9 @@ EOS = "<eos>"
 """Every tiny tokenizer's EOS (id 0)."""
 _BYTE_CHARS = bytes_to_unicode()
 _CHAR_BYTES = {char: byte for byte, char in _BYTE_CHARS.items()}
-_RULED_OUT = -1e4
-"""The student's logit of a token it never writes (its probability underflows to exactly 0 in float64)."""
+_RULED_OUT = -30.0
+"""The student's logit of a token it never writes (a lone byte of "é"): a probability under 1e-12 that the
+enumeration leaves out, as a trained student gives such a token little but not nothing (a loss's tail sees it)."""
 
 
 def _chars(text: str | bytes) -> str:
@@ -98,6 +98,7 @@ class TinyPair:
 def pair_matrix() -> dict[str, TinyPair]:
     """The tiny pairs, by name:
 
+    - ``same``: one tokenizer (the control: every group one token, every sample its own canonical tokenization).
     - ``cross_space``: a word-level student against a teacher whose merges cross spaces (" 1 2", "1 2"), with merges
       across the prompt/answer boundary ("= 1") that tokenizing the two apart never uses; answers with and without
       a leading space.
@@ -107,22 +108,25 @@ def pair_matrix() -> dict[str, TinyPair]:
     - ``student_longer``: the student's tokens span digits and spaces ("12", " 21"), the teacher is per character.
     """
     digits = "12 ="
+    word = tiny_tokenizer(digits, [(" ", "1"), (" ", "2")], split_words=True)
     return {
+        "same": TinyPair("same", word, word, "2 1 =", ("1", "2", " 1", " 2"), max_tokens=4),
         "cross_space": TinyPair(
             "cross_space",
             tiny_tokenizer(digits, [(" ", "1"), (" ", "2")], split_words=True),
             tiny_tokenizer(digits, [(" ", "1"), (" ", "2"), (" 1", " 2"), ("1", " 2"), ("=", " 1")], split_words=False),
             "2 1 =",
-            ("1", "2", " 1", " 2", " "),
+            ("1", "2", " 1", " 2", " ", "="),
             max_tokens=4,
+            teacher_seed=4,
         ),
         "space_answer": TinyPair(
             "space_answer",
             tiny_tokenizer(digits, [(" ", "1"), (" ", "2")], split_words=True),
             tiny_tokenizer(digits, [("1", "1"), ("2", "1")], split_words=False),
             "1 2 =",
-            (" 1", " 2", "1"),
-            max_tokens=5,
+            (" 1", " 2", "1", "2", " ", "="),
+            max_tokens=3,
             teacher_seed=1,
         ),
         "multibyte": TinyPair(
@@ -130,8 +134,8 @@ def pair_matrix() -> dict[str, TinyPair]:
             tiny_tokenizer("1é =", [(b"\xc3", b"\xa9"), (" ", "1"), (" ", "é")], split_words=True),
             tiny_tokenizer("1é =", [(b"\xa9", "1"), (" ", "1")], split_words=False),
             "é 1 =",
-            ("é", "1", " 1", " é"),
-            max_tokens=4,
+            ("é", "1", " 1", " é", " ", "="),
+            max_tokens=3,
             teacher_seed=2,
         ),
         "student_longer": TinyPair(
@@ -139,8 +143,8 @@ def pair_matrix() -> dict[str, TinyPair]:
             tiny_tokenizer(digits, [("1", "2"), (" ", "2"), (" 2", "1"), (" ", "1")], split_words=False),
             tiny_tokenizer(digits, [], split_words=False),
             "2 1 =",
-            ("1", "2", "12", " 21", " 1", " "),
-            max_tokens=4,
+            ("1", "2", "12", " 21", " 1", " 2", " ", "="),
+            max_tokens=3,
             teacher_seed=3,
         ),
     }
@@ -251,8 +255,13 @@ class Reference:
 
     def sequence_divergence(self, kind: str, teacher: str = "boundary") -> torch.Tensor:
         """(a): the divergence between the student's and the teacher's distributions over texts (``teacher``:
-        ``boundary`` sums both boundary variants of each answer, ``canonical`` scores the text as written)."""
-        keys = self.view.answer_key if teacher == "boundary" else self.view.text_key
+        ``boundary`` sums both boundary variants of each answer, ``canonical`` scores the text as written;
+        ``tokens``: over the student's token sequences instead of texts, the canonical teacher, as if each
+        tokenization were a text of its own)."""
+        if teacher == "tokens":
+            keys = list(range(len(self.responses.ids)))
+        else:
+            keys = self.view.answer_key if teacher == "boundary" else self.view.text_key
         logp = self.view.boundary_logp if teacher == "boundary" else self.view.canonical_logp
         index, first = {}, []
         for i, key in enumerate(keys):
@@ -361,59 +370,133 @@ def _teacher_view(pair: TinyPair, responses: Responses, scorer: ToyScorer) -> Te
     return TeacherView(group_NL, group_logp, as_tensor(canonical), as_tensor(boundary), texts, answers)
 
 
-def through_the_code(
-    ref: Reference, mode: str, kind: str, *, ratio_clip: float = 0.0, stop_prefix_ids: int = 16
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same expectation through the trainer's data path and loss: every response as one batch of rollouts,
-    ``CrossTokenizer.request``, the teacher's scores of its own tokens (float32, as the wire carries them),
-    ``CrossTokenizer.scores``, then ``losses.sampled.sampled_divergence`` (``mode="sampled"``) or
-    ``losses.aligned.aligned_divergence`` (``"aligned"``, the teacher's whole distribution as its top-k). Returns
-    the expected reported divergence and the expected loss (whose gradient is the expected gradient)."""
-    from megatron_opd.cross_tokenizer.retokenize import CrossTokenizer
-    from megatron_opd.data.prompts import PromptEncoder
-    from megatron_opd.interfaces import Rollouts
-    from megatron_opd.losses.aligned import aligned_divergence
-    from megatron_opd.losses.sampled import label_logprobs, sampled_divergence
-    from megatron_opd.trainer.batch import pack_rollouts
+@dataclass
+class CodePath:
+    """The trainer's data path on every response at once: the batch and the teacher's scores mapped back to it."""
 
-    pair, responses = ref.pair, ref.responses
-    student, teacher = pair.student, pair.teacher
-    record = {"prompt": pair.prompt}
-    prompt = PromptEncoder(student).prompt_ids(record, "reference")
-    n = len(responses.ids)
-    rollouts = Rollouts(
-        prompt_ids=[torch.tensor(prompt)] * n,
-        response_ids=[torch.tensor(r) for r in responses.ids],
-        response_mask=[torch.ones(len(r)) for r in responses.ids],
-        logprobs=[torch.zeros(len(r)) for r in responses.ids],
-        finish_reasons=["stop" if s else "length" for s in responses.stopped],
-        prompt_index=[0] * n,
-    )
-    batch = pack_rollouts(rollouts, pad_token_id=student.eos_token_id)
-    cross = CrossTokenizer(student, teacher, PromptEncoder(teacher), (student.eos_token_id,), stop_prefix_ids,
-                           topk=mode == "aligned")  # fmt: skip
-    request = cross.request(batch, rollouts, [record])
-    k = len(teacher.get_vocab())
-    scores = cross.scores(
-        ref.teacher.score(request.tokens, request.request_ids, k, pair.teacher_temperature), request, batch
-    )
-    first, width = len(prompt) - 1, responses.nodes_NL.shape[1]
-    nodes_NS = torch.zeros(batch.tokens.shape, dtype=torch.int64)
-    nodes_NS[:, first : first + width] = responses.nodes_NL
-    logits_NSV = ref.student.logits()[nodes_NS]
-    labels_NS = torch.cat([batch.tokens[:, 1:], batch.tokens[:, -1:]], 1)
-    group_logp_NS, offset_NS = scores.requested_logprobs[..., 0], scores.extras["group_offset"]
-    vocab = logits_NSV.shape[-1]
-    if mode == "sampled":
-        logq_NS = label_logprobs(logits_NSV, labels_NS, vocab_size=vocab)
-        per_token_NS, divergence_NS = sampled_divergence(logq_NS, group_logp_NS, kind, offset_NS, ratio_clip=ratio_clip)
-    else:
-        per_token_NS, divergence_NS = aligned_divergence(
-            logits_NSV, labels_NS, scores.extras["aligned_mask"], scores.topk_ids, scores.topk_logprobs,
-            scores.extras["teacher_topk_support"], group_logp_NS, offset_NS, kind, vocab_size=vocab,
-            sampled_ratio_clip=ratio_clip,
-        )  # fmt: skip
-    q_N = ref.probabilities().detach()
-    mask_NS = batch.loss_mask.double()
-    value = (q_N * (divergence_NS.double() * mask_NS).sum(-1)).sum()
-    return value, (q_N * (per_token_NS.double() * mask_NS).sum(-1)).sum()
+    ref: Reference
+    mode: str
+    batch: Any
+    scores: Any
+
+    @classmethod
+    def run(cls, ref: Reference, mode: str, stop_prefix_ids: int = 16) -> CodePath:
+        """Every response as one batch of rollouts, ``CrossTokenizer.request``, the teacher's scores of its own
+        tokens (float32, as the wire carries them; its top-k all but its least likely token), ``CrossTokenizer.scores``."""
+        from megatron_opd.cross_tokenizer.retokenize import CrossTokenizer
+        from megatron_opd.data.prompts import PromptEncoder
+        from megatron_opd.interfaces import Rollouts
+        from megatron_opd.trainer.batch import pack_rollouts
+
+        pair, responses = ref.pair, ref.responses
+        student, teacher = pair.student, pair.teacher
+        record = {"prompt": pair.prompt}
+        prompt = PromptEncoder(student).prompt_ids(record, "reference")
+        n = len(responses.ids)
+        rollouts = Rollouts(
+            prompt_ids=[torch.tensor(prompt)] * n,
+            response_ids=[torch.tensor(r) for r in responses.ids],
+            response_mask=[torch.ones(len(r)) for r in responses.ids],
+            logprobs=[torch.zeros(len(r)) for r in responses.ids],
+            finish_reasons=["stop" if s else "length" for s in responses.stopped],
+            prompt_index=[0] * n,
+        )
+        batch = pack_rollouts(rollouts, pad_token_id=student.eos_token_id)
+        if batch.prompt_lengths != [len(prompt)] * n:
+            raise AssertionError("every response shares the prompt")
+        cross = CrossTokenizer(student, teacher, PromptEncoder(teacher), (student.eos_token_id,), stop_prefix_ids,
+                               topk=mode == "aligned")  # fmt: skip
+        request = cross.request(batch, rollouts, [record])
+        # The top-k one short of the vocabulary: the tail bucket holds a token of each side, not float32 rounding.
+        k = len(teacher.get_vocab()) - 1
+        teacher_scores = ref.teacher.score(request.tokens, request.request_ids, k, pair.teacher_temperature)
+        return cls(ref, mode, batch, cross.scores(teacher_scores, request, batch))
+
+    def objective(self, kind: str, ratio_clip: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The expected reported divergence and the expected loss (its gradient: the expected gradient) of
+        ``losses.sampled.sampled_divergence`` (``mode="sampled"``) or ``losses.aligned.aligned_divergence``
+        (``"aligned"``), each response's per-token values summed over its trained positions."""
+        from megatron_opd.losses.aligned import aligned_divergence
+        from megatron_opd.losses.sampled import label_logprobs, sampled_divergence
+
+        ref, batch, scores = self.ref, self.batch, self.scores
+        first, width = batch.prompt_lengths[0] - 1, ref.responses.nodes_NL.shape[1]
+        nodes_NS = torch.zeros(batch.tokens.shape, dtype=torch.int64)
+        nodes_NS[:, first : first + width] = ref.responses.nodes_NL
+        logits_NSV = ref.student.logits()[nodes_NS]
+        labels_NS = torch.cat([batch.tokens[:, 1:], batch.tokens[:, -1:]], 1)
+        group_logp_NS, offset_NS = scores.requested_logprobs[..., 0], scores.extras["group_offset"]
+        vocab = logits_NSV.shape[-1]
+        if self.mode == "sampled":
+            logq_NS = label_logprobs(logits_NSV, labels_NS, vocab_size=vocab)
+            per_token_NS, divergence_NS = sampled_divergence(
+                logq_NS, group_logp_NS, kind, offset_NS, ratio_clip=ratio_clip
+            )
+        else:
+            per_token_NS, divergence_NS = aligned_divergence(
+                logits_NSV, labels_NS, scores.extras["aligned_mask"], scores.topk_ids, scores.topk_logprobs,
+                scores.extras["teacher_topk_support"], group_logp_NS, offset_NS, kind, vocab_size=vocab,
+                sampled_ratio_clip=ratio_clip,
+            )  # fmt: skip
+        q_N = ref.probabilities().detach()
+        mask_NS = batch.loss_mask.double()
+        value = (q_N * (divergence_NS.double() * mask_NS).sum(-1)).sum()
+        return value, (q_N * (per_token_NS.double() * mask_NS).sum(-1)).sum()
+
+
+def _relative(g: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((g - reference).norm() / reference.norm())
+
+
+def _cosine(g: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((g * reference).sum() / (g.norm() * reference.norm()))
+
+
+def gap_row(ref: Reference, sampled: CodePath, aligned: CodePath, kind: str) -> dict[str, float]:
+    """The values of (a) (boundary sum, canonical), (b), ``sampled`` and ``aligned``, and how far each gradient is
+    from the reference's: ``rel_*`` = ``|g - g_ref| / |g_ref|``, ``cos_*`` the cosine, ``err_sampled_b`` the largest
+    difference from (b)'s gradient relative to its largest entry."""
+    a_boundary = ref.sequence_divergence(kind, "boundary")
+    a_canonical = ref.sequence_divergence(kind, "canonical")
+    b_value, b_surrogate = ref.fixed_prefix(kind)
+    s_value, s_surrogate = sampled.objective(kind)
+    al_value, al_surrogate = aligned.objective(kind)
+    g_a, g_can, g_b = ref.gradient(a_boundary), ref.gradient(a_canonical), ref.gradient(b_surrogate)
+    g_tok = ref.gradient(ref.sequence_divergence(kind, "tokens"))
+    g_s, g_al = ref.gradient(s_surrogate), ref.gradient(al_surrogate)
+    return {
+        "responses": float(len(ref.responses.ids)),
+        "a_boundary": float(a_boundary),
+        "a_canonical": float(a_canonical),
+        "b": float(b_value),
+        "sampled": float(s_value),
+        "aligned": float(al_value),
+        "err_sampled_b": float((g_s - g_b).abs().max() / g_b.abs().max()),
+        "rel_b_a": _relative(g_b, g_a),
+        "cos_b_a": _cosine(g_b, g_a),
+        "rel_b_canonical": _relative(g_b, g_can),
+        "cos_b_canonical": _cosine(g_b, g_can),
+        "rel_b_tokens": _relative(g_b, g_tok),
+        "cos_b_tokens": _cosine(g_b, g_tok),
+        "rel_aligned_b": _relative(g_al, g_b),
+        "cos_aligned_b": _cosine(g_al, g_b),
+        "rel_aligned_a": _relative(g_al, g_a),
+        "cos_aligned_a": _cosine(g_al, g_a),
+    }
+
+
+def main() -> None:
+    """Print the gap table (docs/losses.md)."""
+    names = ("responses", "a_boundary", "a_canonical", "b", "sampled", "aligned", "cos_b_tokens", "cos_b_canonical",
+             "rel_b_a", "cos_b_a", "rel_aligned_b", "cos_aligned_b", "rel_aligned_a", "cos_aligned_a")  # fmt: skip
+    print("| pair | kind | " + " | ".join(names) + " |")
+    for name, pair in pair_matrix().items():
+        ref = Reference.build(pair)
+        sampled, aligned = CodePath.run(ref, "sampled"), CodePath.run(ref, "aligned")
+        for kind in ("reverse_kl", "forward_kl"):
+            row = gap_row(ref, sampled, aligned, kind)
+            print(f"| {name} | {kind} | " + " | ".join(f"{row[k]:.3g}" for k in names) + " |")
+
+
+if __name__ == "__main__":
+    main()
