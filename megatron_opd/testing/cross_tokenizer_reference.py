@@ -466,8 +466,8 @@ def gap_row(ref: Reference, sampled: CodePath, aligned: CodePath, kind: str) -> 
     g_s, g_al = ref.gradient(s_surrogate), ref.gradient(al_surrogate)
     return {
         "responses": float(len(ref.responses.ids)),
-        "a_boundary": float(a_boundary),
-        "a_canonical": float(a_canonical),
+        "a_boundary": float(a_boundary.detach()),
+        "a_canonical": float(a_canonical.detach()),
         "b": float(b_value),
         "sampled": float(s_value),
         "aligned": float(al_value),
