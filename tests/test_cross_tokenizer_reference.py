@@ -52,13 +52,13 @@ def code_paths(references) -> dict[tuple[str, str], CodePath]:
 
 
 def largest_error(code: CodePath, ref: Reference, kind: str, ratio_clip: float = 0.0) -> float:
-    """The largest difference between ``sampled``'s expected gradient and (b)'s, relative to (b)'s largest entry;
-    asserts the expected values agree too (to float32 scores)."""
+    """The check: how far ``sampled``'s expected value and gradient are from (b)'s, the larger of the value's
+    relative error and the largest gradient difference relative to (b)'s largest entry."""
     value, surrogate = code.objective(kind, ratio_clip)
     b_value, b_surrogate = ref.fixed_prefix(kind, ratio_clip)
-    assert float(value) == pytest.approx(float(b_value), rel=FLOAT32_SCORES)
     g_code, g_b = ref.gradient(surrogate), ref.gradient(b_surrogate)
-    return float((g_code - g_b).abs().max() / g_b.abs().max())
+    value_error = abs(float(value) - float(b_value)) / abs(float(b_value))
+    return max(value_error, float((g_code - g_b).abs().max() / g_b.abs().max()))
 
 
 def test_the_reference_enumerates_a_distribution_and_its_groups_sum_to_the_canonical_text(references):
@@ -148,13 +148,24 @@ def test_the_check_fails_on_a_shifted_alignment(references, monkeypatch, pair):
 
     monkeypatch.setattr(retokenize, "align", _shifted(retokenize.align))
     code = CodePath.run(references[pair], "sampled")
-    with pytest.raises(AssertionError):
-        assert largest_error(code, references[pair], "reverse_kl") < FLOAT32_SCORES
+    assert largest_error(code, references[pair], "reverse_kl") > 0.1
 
 
-def test_the_check_fails_without_the_stop_correction(references):
-    """A teacher asked for the next token only (``stop_prefix_ids=1``, as a vLLM teacher is) scores the last text
-    token as the token it is, not as a prefix: the check sees it (a teacher token " 1 2" extends " 1")."""
-    code = CodePath.run(references["cross_space"], "sampled", stop_prefix_ids=1)
-    with pytest.raises(AssertionError):
-        assert largest_error(code, references["cross_space"], "reverse_kl") < FLOAT32_SCORES
+def test_the_check_fails_without_the_stop_correction(references, monkeypatch):
+    """Where the student stopped, its last text token is scored as the token the teacher wrote knowing the text
+    ends (a lone " 1", where the teacher would write " 1 2" had the text gone on), not as a prefix: the check sees
+    it, with the correction dropped for the stopped samples only and with a teacher asked for the next token only
+    (``stop_prefix_ids=1``, as a vLLM teacher is; the cut samples lose theirs too)."""
+    from megatron_opd.cross_tokenizer.retokenize import CrossTokenizer
+
+    ref = references["cross_space"]
+    assert largest_error(CodePath.run(ref, "sampled", stop_prefix_ids=1), ref, "reverse_kl") > 0.1
+    request = CrossTokenizer.request
+
+    def without_the_stop_correction(self, batch, rollouts, records):
+        out = request(self, batch, rollouts, records)
+        out.stop_prefixes = [None if stopped else p for p, stopped in zip(out.stop_prefixes, out.stopped)]
+        return out
+
+    monkeypatch.setattr(CrossTokenizer, "request", without_the_stop_correction)
+    assert largest_error(CodePath.run(ref, "sampled"), ref, "reverse_kl") > 0.01
