@@ -41,6 +41,8 @@ EOS = "<eos>"
 """Every tiny tokenizer's EOS (id 0)."""
 _BYTE_CHARS = bytes_to_unicode()
 _CHAR_BYTES = {char: byte for byte, char in _BYTE_CHARS.items()}
+_SPACE = "\u2581"
+"""SentencePiece's space."""
 _RULED_OUT = -30.0
 """The student's logit of a token it never writes (a lone byte of "é"): a probability under 1e-12 that the
 enumeration leaves out, as a trained student gives such a token little but not nothing (a loss's tail sees it)."""
@@ -71,11 +73,32 @@ def tiny_tokenizer(alphabet: str, merges: list[tuple[str | bytes, str | bytes]],
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, pad_token=EOS)
 
 
+def sentencepiece_tokenizer(alphabet: str, merges: list[tuple[str, str]]):
+    """A SentencePiece-style BPE ("▁" for a space, a dummy prefix "▁" put before every text, stripped when decoding)
+    of the characters of ``alphabet``, EOS and one token per merge (texts)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {EOS: 0}
+    for char in alphabet.replace(" ", _SPACE):
+        vocab.setdefault(char, len(vocab))
+    pairs = [(a.replace(" ", _SPACE), b.replace(" ", _SPACE)) for a, b in merges]
+    for a, b in pairs:
+        vocab.setdefault(a + b, len(vocab))
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE), normalizers.Replace(" ", _SPACE)])
+    tokenizer.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tokenizer.add_special_tokens([EOS])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, pad_token=EOS)
+
+
 def byte_table(tokenizer) -> list[bytes]:
-    """Each id's bytes, read off its vocabulary string (EOS: none)."""
+    """Each id's bytes, read off its vocabulary string (byte-level characters, or "▁" for a space; EOS: none)."""
+    byte_level = _SPACE not in "".join(tokenizer.get_vocab())
     table = [b""] * len(tokenizer.get_vocab())
     for token, i in tokenizer.get_vocab().items():
-        table[i] = b"" if token == EOS else bytes(_CHAR_BYTES[c] for c in token)
+        if token != EOS:
+            table[i] = bytes(_CHAR_BYTES[c] for c in token) if byte_level else token.replace(_SPACE, " ").encode()
     return table
 
 
@@ -106,6 +129,8 @@ def pair_matrix() -> dict[str, TinyPair]:
       leading space but a doubled digit ("11"): the stop lands on a lone "1" the teacher writes only last.
     - ``multibyte``: "é" one student token, two bytes for the teacher, one of them merged with a digit ("\\xa91").
     - ``student_longer``: the student's tokens span digits and spaces ("12", " 21"), the teacher is per character.
+    - ``sentencepiece``: a SentencePiece-style teacher (a dummy-prefix space before every answer, "▁1▁2" across
+      spaces) for the word-level student.
     """
     digits = "12 ="
     word = tiny_tokenizer(digits, [(" ", "1"), (" ", "2")], split_words=True)
@@ -146,6 +171,15 @@ def pair_matrix() -> dict[str, TinyPair]:
             ("1", "2", "12", " 21", " 1", " 2", " ", "="),
             max_tokens=3,
             teacher_seed=3,
+        ),
+        "sentencepiece": TinyPair(
+            "sentencepiece",
+            word,
+            sentencepiece_tokenizer(digits, [(" ", "1"), (" ", "2"), (" 1", " 2"), ("2", " 1")]),
+            "2 1 =",
+            ("1", "2", " 1", " 2", " ", "="),
+            max_tokens=3,
+            teacher_seed=5,
         ),
     }
 
@@ -351,7 +385,8 @@ def _teacher_view(pair: TinyPair, responses: Responses, scorer: ToyScorer) -> Te
         answer_ids, terms, total = scored[texts[i]]
         # Groups: cut at the byte offsets both sides end a token at; EOS is a group of its own.
         s_ends = list(itertools.accumulate(len(student_bytes[t]) for t in body))
-        t_ends = list(itertools.accumulate(len(teacher_bytes[t]) for t in answer_ids))
+        dummy = b"".join(teacher_bytes[t] for t in answer_ids) == b" " + texts[i][0]  # SentencePiece's prefix
+        t_ends = [max(end - dummy, 0) for end in itertools.accumulate(len(teacher_bytes[t]) for t in answer_ids)]
         cuts = sorted(set(s_ends) & set(t_ends))
         logp_G = [0.0] * (len(cuts) + stop)
         for j, end in enumerate(t_ends):
