@@ -1,8 +1,11 @@
 """An exact float64 reference for the cross-tokenizer objective, by enumerating every response of a tiny student.
 
-A tiny pair: two byte-level BPE tokenizers of tens of tokens (:func:`tiny_tokenizer`), a student that is a table of
-float64 logits, one row per response prefix (:class:`TinyStudent`, the parameters the gradients are taken against),
-and a teacher that is ``teacher_fakes.ToyScorer`` over its own tokens. Every student response of at most
+A tiny pair (:func:`pair_matrix`): two tokenizers of tens of tokens (byte-level BPE, :func:`tiny_tokenizer`, or
+SentencePiece-style, :func:`sentencepiece_tokenizer`), a student that is a table of float64 logits, one row per
+response prefix (:class:`TinyStudent`, the parameters the gradients are taken against), and a teacher that is
+``teacher_fakes.ToyScorer`` over its own tokens. :class:`CodePath` runs the same responses through the trainer's
+data path and losses, for the tests (tests/test_cross_tokenizer_reference.py) to compare; ``python -m
+megatron_opd.testing.cross_tokenizer_reference`` prints the gap table of docs/losses.md. Every student response of at most
 ``max_tokens`` tokens (ending in EOS, or cut at the bound) is listed with its probability, so expectations are sums.
 
 What is computed here, from the tokenizers and the two models alone (none of ``megatron_opd.cross_tokenizer``):
