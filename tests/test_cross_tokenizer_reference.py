@@ -65,7 +65,8 @@ def largest_error(code: CodePath, ref: Reference, kind: str, ratio_clip: float =
 
 def test_the_reference_enumerates_a_distribution_and_its_groups_sum_to_the_canonical_text(references):
     """The responses' probabilities sum to 1 (less the ruled-out tokens' 1e-12); (b)'s reverse value is the
-    token-level sequence divergence (the groups' log-probabilities sum to the text's); on one tokenizer (the control
+    token-level sequence divergence (the groups' log-probabilities sum to the text's), whose gradient autograd and
+    the score function with each response's whole log-ratio give alike; on one tokenizer (the control
     pair: one tokenization per text) the text-level and token-level divergences are the same, on ``cross_space``
     (" 1" " 2" and " " "1" " 2" are one text) they are not."""
     for name, ref in references.items():
@@ -75,6 +76,12 @@ def test_the_reference_enumerates_a_distribution_and_its_groups_sum_to_the_canon
         assert float(b_value) == pytest.approx(float(tokens.detach()), rel=1e-12), name
         sums = [sum(g) for g in ref.view.group_logp]
         assert torch.allclose(torch.tensor(sums, dtype=torch.float64), ref.view.canonical_logp, atol=1e-12), name
+    for ref in references.values():  # the score function with the whole sequence's weight: (a)'s gradient
+        logq_NL = ref.student.token_logprobs(ref.responses)
+        weight_N = logq_NL.detach().sum(-1) - ref.view.canonical_logp
+        score_function = (logq_NL.detach().sum(-1).exp() * weight_N * logq_NL.sum(-1)).sum()
+        g_tokens = ref.gradient(ref.sequence_divergence("reverse_kl", "tokens"))
+        torch.testing.assert_close(ref.gradient(score_function), g_tokens, rtol=0, atol=1e-12)
     for name, equal in (("same", True), ("cross_space", False)):
         texts, tokens = (
             float(references[name].sequence_divergence("reverse_kl", t).detach()) for t in ("canonical", "tokens")
