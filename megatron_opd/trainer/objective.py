@@ -400,6 +400,10 @@ class SftObjective(Objective):
     keeps_output_layer = True
 
     @property
+    def cross_tokenizer(self) -> bool:
+        return False
+
+    @property
     def teacher_request(self) -> None:
         return None
 
