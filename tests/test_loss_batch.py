@@ -96,3 +96,23 @@ def test_flatten_and_select_keep_each_tokens_fields_together():
     torch.testing.assert_close(chunk.teacher_topk_ids, mb["teacher_topk_ids"][b, s], rtol=0, atol=0)
     torch.testing.assert_close(chunk.labels, mb["labels"][b, s], rtol=0, atol=0)
     torch.testing.assert_close(chunk.weights, batch.weights[b, s], rtol=0, atol=0)
+
+
+def test_only_the_objectives_and_the_config_compare_loss_settings():
+    """The loss is chosen in one place: ``loss.kind``/``mode``/``cross_tokenizer``/``support`` are compared only in
+    the objectives' module and the config's cross-checks (the rest of the package asks the objective: ``samples``,
+    ``needs_teacher``, ``teacher_request``, ...). The issue's grep, over every file of the package."""
+    import re
+    from pathlib import Path
+
+    import megatron_opd
+
+    pattern = re.compile(r"(loss|cfg)\.(kind|mode|cross_tokenizer|support) *(==|!=|in )")
+    package = Path(megatron_opd.__file__).parent
+    matching = {
+        path.relative_to(package.parent).as_posix()
+        for path in package.rglob("*")
+        if path.is_file() and "__pycache__" not in path.parts and pattern.search(path.read_text(errors="ignore"))
+    }
+    assert matching <= {"megatron_opd/trainer/objective.py", "megatron_opd/trainer/config.py"}, sorted(matching)
+    assert "megatron_opd/trainer/objective.py" in matching  # the pattern finds what it looks for
