@@ -14,7 +14,10 @@ hands it to one ``Objective`` per kind of teacher signal, chosen once from the c
 dense (logits, or the in-process teacher's hidden states and output weight), top-k (with ``loss.support=union``
 also the student's own top-k ids and the teacher's log-probabilities at them, see ``teacher_columns``), sampled,
 and the aligned cross-tokenizer loss. Whether the output layer is fused into the loss is decided by
-``make_loss_fn``, around whichever objective runs.
+``make_loss_fn``, around whichever objective runs. The objective is also what the rest of the trainer asks about the
+loss (``needs_teacher``, ``samples``, ``teacher_request``, ``fuses_output``) and what the evaluation measures with
+(``Objective.measure``): ``loss.kind``/``mode``/``cross_tokenizer``/``support`` are read here and in the config's
+cross-checks only.
 
 Shape legend: ``B`` samples in the micro-batch, ``S`` positions, ``V`` vocab shard, ``K`` teacher top-k, ``R`` the
 student's top-k.
