@@ -72,13 +72,14 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
         )
     views = cfg.teacher_views() if cfg.teachers else {"teacher": cfg}
     for name, view in views.items():
-        if objective_for(view.loss).needs_teacher and view.teacher.backend == "inprocess":
+        objective = objective_for(view.loss)
+        if objective.needs_teacher and view.teacher.backend == "inprocess":
             where = "teacher.path" if view is cfg else f"teachers.{name}.path"
             teacher = model_architecture(view.teacher.path, where)
             validate_layout(teacher, cfg.parallel)
             check_packed_attention(cfg, teacher, f"{where}={view.teacher.path}")
             # The teacher scores the student's sequences; in its own tokens (loss.cross_tokenizer), up to its context.
-            own = objective_for(view.loss).cross_tokenizer
+            own = objective.cross_tokenizer
             check_window_context_parallel(teacher, cp, teacher.max_position_embeddings if own else max_seq_len(cfg),
                                           where)  # fmt: skip
     check_micro_batch_tokens(cfg)
