@@ -10,15 +10,14 @@ import math
 import pytest
 import torch
 
+from megatron_opd.losses.importance import importance_weights, prefix_log_ratios
 from megatron_opd.rollout.fidelity import (
     RolloutMismatchError,
     check_step,
     default_max_logprob_diff,
     fidelity_metrics,
     fidelity_sums,
-    importance_weights,
     policy_lag_warning,
-    prefix_log_ratios,
 )
 from megatron_opd.trainer.batch import pack
 from megatron_opd.trainer.config import LossConfig, RolloutConfig
