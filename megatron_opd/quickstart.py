@@ -1,12 +1,15 @@
 """Quick start: distil a tiny teacher into a smaller student on CPU, in a few minutes, with megatron-opd's trainer.
 
-    python examples/quickstart.py [--workdir runs/quickstart] [--nproc 2] [--rollout-backend vllm]
-    python examples/quickstart.py --cross-tokenizer     # a teacher with another tokenizer
-    python examples/quickstart.py --multi-teacher       # two tasks, a teacher for each, one student
-    python examples/quickstart.py --student-family gemma3   # a Gemma-3-shaped student
-    python examples/quickstart.py --moe                 # a Mixture-of-Experts student at expert parallelism
+    opd-quickstart [--workdir runs/quickstart] [--nproc 2] [--rollout-backend vllm]
+    opd-quickstart --cross-tokenizer     # a teacher with another tokenizer
+    opd-quickstart --multi-teacher       # two tasks, a teacher for each, one student
+    opd-quickstart --student-family gemma3   # a Gemma-3-shaped student
+    opd-quickstart --moe                 # a Mixture-of-Experts student at expert parallelism
 
-1. ``tools/make_quickstart_task.py`` writes a digit-reversal task ("reverse 40912 =" -> "21904"), a tokenizer and
+(``python examples/quickstart.py`` in a checkout is the same command.) It runs from any folder: the recipes
+(``examples/quickstart/*.yaml``) ship inside the package.
+
+1. ``megatron_opd.tasks.quickstart_task`` writes a digit-reversal task ("reverse 40912 =" -> "21904"), a tokenizer and
    two randomly initialised Qwen3 models: a teacher and a 6.6x smaller student (tied embeddings).
 2. The teacher learns the task with the trainer's own supervised mode (``loss.kind=sft``), TP=2 under torchrun.
 3. The student distils from it on-policy: it samples its own answers, the teacher scores every token, and the
@@ -45,8 +48,16 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+
+def recipes_dir() -> Path:
+    """The quick start's recipes: ``examples/quickstart/`` of a checkout, which the wheel ships as
+    ``megatron_opd/recipes/quickstart/`` (setup.py), so that an installed package runs it from any folder."""
+    package = Path(__file__).resolve().parent
+    installed = package / "recipes" / "quickstart"
+    return installed if installed.is_dir() else package.parent / "examples" / "quickstart"
+
+
+RECIPES = recipes_dir()
 
 
 def _stop_with_this_process() -> None:
@@ -101,9 +112,19 @@ def first_and_last(output_dir: Path, key: str, n: int = 10) -> tuple[float, floa
     return sum(values[:n]) / n, sum(values[-n:]) / n
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workdir", type=Path, default=ROOT / "runs" / "quickstart", help="where everything goes")
+def make_task(task: Path, *options: str) -> None:
+    """The quick start's task (``megatron_opd.tasks.quickstart_task``) in ``task``; its one line of output here."""
+    task.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "megatron_opd.tasks.quickstart_task", str(task), *options], cwd=task.parent,
+                   check=True)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=f"The recipes it runs: {RECIPES}")
+    parser.add_argument(
+        "--workdir", type=Path, default=Path("runs", "quickstart"),
+        help="where everything goes, replaced on every run (default: runs/quickstart under the current folder)",
+    )  # fmt: skip
     parser.add_argument("--nproc", type=int, default=2, help="processes (= tensor-parallel size here)")
     parser.add_argument(
         "--rollout-backend", choices=("builtin", "vllm"), default="builtin",
@@ -136,7 +157,7 @@ def main() -> None:
         "--student-family", metavar="FAMILY",
         help="the student's model family (e.g. gemma3; default: qwen3, like the teacher)",
     )  # fmt: skip
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.multi_teacher:
         raise SystemExit(multi_teacher(args))
     start = time.perf_counter()
@@ -148,12 +169,11 @@ def main() -> None:
     task = work / "task"
     merges = ["--teacher-digit-merges", "doubles"] if args.cross_tokenizer else []
     merges += ["--student-family", args.student_family] if args.student_family else []
-    subprocess.run([sys.executable, str(ROOT / "tools" / "make_quickstart_task.py"), str(task), *merges], cwd=ROOT,
-                   check=True)  # fmt: skip
+    make_task(task, *merges)
     data = [f"data.train_files={task / 'train.jsonl'}", f"data.eval_files={task / 'eval.jsonl'}"]
     tp = f"parallel.tensor_model_parallel_size={args.nproc}"
 
-    student_init, config, student_run = task / "student-init", HERE / "quickstart" / "distil.yaml", work / "student"
+    student_init, config, student_run = task / "student-init", RECIPES / "distil.yaml", work / "student"
     student_layout = [tp]
     if args.moe:
         from megatron_opd.models.upcycle import upcycle_to_moe
@@ -165,10 +185,10 @@ def main() -> None:
     warmup = None
     if args.cross_tokenizer:  # step 2 needs no teacher: it runs beside step 1, its output in a log file
         warmup_log = work / "student-warmup.log"
-        warmup = torchrun(args.nproc, HERE / "quickstart" / "student_warmup.yaml",
+        warmup = torchrun(args.nproc, RECIPES / "student_warmup.yaml",
                           [f"student.path={student_init}", *data, f"output_dir={work / 'student-warmup'}", tp],
                           log=warmup_log, jobs=2)  # fmt: skip
-        student_init, config = work / "student-warmup" / "hf", HERE / "quickstart" / "distil_cross.yaml"
+        student_init, config = work / "student-warmup" / "hf", RECIPES / "distil_cross.yaml"
 
     teacher_run, n = work / "teacher", 3 if args.cross_tokenizer else 2
     if args.teacher_run is not None:  # the task is the same: make_quickstart_task is seeded
@@ -182,7 +202,7 @@ def main() -> None:
     if args.teacher_run is None:
         # The doubled-digit teacher needs fewer steps (96% held-out accuracy after 200).
         shorter = ["train.steps=200", "optim.lr_warmup_steps=20", "train.packing=false"] if args.cross_tokenizer else []
-        finish(torchrun(args.nproc, HERE / "quickstart" / "teacher_sft.yaml",
+        finish(torchrun(args.nproc, RECIPES / "teacher_sft.yaml",
                         [f"student.path={task / 'teacher-init'}", *data, f"output_dir={teacher_run}", tp, *shorter],
                         jobs=1 if warmup is None else 2))  # fmt: skip
     _, teacher_eval = evals(teacher_run)
@@ -265,8 +285,7 @@ def multi_teacher(args) -> int:
 
         shutil.rmtree(work)
     task = work / "task"
-    subprocess.run([sys.executable, str(ROOT / "tools" / "make_quickstart_task.py"), str(task), "--multi-teacher"],
-                   cwd=ROOT, check=True)  # fmt: skip
+    make_task(task, "--multi-teacher")
     tp = f"parallel.tensor_model_parallel_size={args.nproc}"
     print("\n== 1/2 teachers: supervised fine-tuning, one per task, side by side ==", flush=True)
     jobs = {}
@@ -274,7 +293,7 @@ def multi_teacher(args) -> int:
         data = [f"data.train_files={task / name / 'train.jsonl'}", f"data.eval_files={task / name / 'eval.jsonl'}"]
         log = work / f"teacher-{name}.log"
         work.mkdir(parents=True, exist_ok=True)
-        jobs[name] = (torchrun(args.nproc, HERE / "quickstart" / "teacher_sft.yaml",
+        jobs[name] = (torchrun(args.nproc, RECIPES / "teacher_sft.yaml",
                                [f"student.path={task / init}", *data, f"output_dir={work / f'teacher-{name}'}", tp],
                                log=log, jobs=2), log)  # fmt: skip
     for proc, log in jobs.values():
@@ -285,7 +304,7 @@ def multi_teacher(args) -> int:
     server, address = serve_teacher(work / "teacher-sort" / "hf", work)
     student_run = work / "student"
     try:
-        finish(torchrun(args.nproc, HERE / "quickstart" / "distil_multi.yaml",
+        finish(torchrun(args.nproc, RECIPES / "distil_multi.yaml",
                         [f"student.path={task / 'student-init'}", f"teachers.reverse.path={work / 'teacher-reverse' / 'hf'}",
                          f"teachers.sort.address={address}", f"data.train_files={task / 'train.jsonl'}",
                          f"data.eval_files={task / 'eval.jsonl'}", f"output_dir={student_run}", tp,

@@ -1,10 +1,13 @@
-"""Shared fixtures: tiny Hugging Face checkpoints built once per test session, and the quick start's run."""
+"""Shared fixtures: tiny Hugging Face checkpoints built once per test session, the quick start's run, and the package
+installed from its wheel."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -145,11 +148,17 @@ def shape_dirs(tmp_path_factory):
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_quickstart(workdir: Path, *args: str, timeout: float = 900) -> tuple[subprocess.CompletedProcess, str]:
-    """``examples/quickstart.py --workdir workdir args``; asserts it passed its bar with no library warnings."""
+def run_quickstart(
+    workdir: Path, *args: str, timeout: float = 900, installed: InstalledPackage | None = None
+) -> tuple[subprocess.CompletedProcess, str]:
+    """``examples/quickstart.py --workdir workdir args`` in the checkout, or ``installed``'s ``opd-quickstart`` from
+    its empty folder; asserts it passed its bar with no library warnings."""
     # OMP_NUM_THREADS=1 (above): the quick start's own share of the cores assumes the machine is its alone.
-    proc = subprocess.run([sys.executable, "examples/quickstart.py", "--workdir", str(workdir), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    command, cwd, env = [sys.executable, "examples/quickstart.py"], ROOT, None
+    if installed is not None:
+        command, cwd, env = [str(installed.script("opd-quickstart"))], installed.empty_dir, installed.env
+    proc = subprocess.run([*command, "--workdir", str(workdir), *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "PASS: divergence at least halved, accuracy up 10+ points" in proc.stdout
@@ -157,3 +166,94 @@ def run_quickstart(workdir: Path, *args: str, timeout: float = 900) -> tuple[sub
     noise = [line for line in out.splitlines() if "Warning" in line or "warnings.warn" in line]
     assert not noise, "unfiltered library warnings:\n" + "\n".join(noise[:20])
     return proc, out
+
+
+@dataclass(frozen=True)
+class InstalledPackage:
+    """This checkout's wheel installed by pip into ``site`` (``pip install --target``), apart from the source tree,
+    and an empty folder to run it from."""
+
+    site: Path
+    empty_dir: Path
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment of a process that imports megatron_opd from ``site``: first on the path, before the
+        editable install's finder (which answers only what the path does not). Coverage is off there: it would
+        record files of ``site``, which is gone by the time the report is made."""
+        env = {k: v for k, v in os.environ.items() if k not in ("COVERAGE_PROCESS_START", "COVERAGE_PROCESS_CONFIG")}
+        env["PYTHONPATH"] = os.pathsep.join([str(self.site), *filter(None, [os.environ.get("PYTHONPATH")])])
+        return env
+
+    def script(self, name: str) -> Path:
+        """A console command as pip wrote it (``site/bin``)."""
+        return self.site / "bin" / name
+
+    def run(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        """``args`` (a console command or ``python ...``) in the empty folder; stdout and stderr as text."""
+        return subprocess.run(list(args), cwd=self.empty_dir, env=self.env, capture_output=True, text=True,
+                              timeout=timeout)  # fmt: skip
+
+
+# What the wheel is built from: setup.py's inputs (README.md is its long description), nothing else of the checkout.
+_WHEEL_SOURCES = ("setup.py", "pyproject.toml", "README.md", "megatron_opd", "kernels", "examples/quickstart")
+
+
+def install_wheel(root: Path) -> InstalledPackage:
+    """Build this checkout's wheel (``pip wheel``, no build isolation: setuptools and wheel are the venv's) from a
+    copy of its sources, so that no earlier ``build/`` folder leaks into it, and install it into ``root/site``."""
+    source, wheels = root / "source", root / "wheels"
+    for name in _WHEEL_SOURCES:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
+    pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
+    for step in (["wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(source)], None):
+        if step is None:
+            (wheel,) = wheels.glob("megatron_opd-*.whl")
+            step = ["install", "--no-deps", "--target", str(root / "site"), str(wheel)]
+        proc = subprocess.run([*pip, *step], cwd=root, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    (root / "empty").mkdir()
+    return InstalledPackage(root / "site", root / "empty")
+
+
+# Imports every module that reads the kernels, with another top-level `kernels` package first on the path.
+KERNELS_SIDE_BY_SIDE = """
+import os, sys
+hf_dir, project_dir = sys.argv[1], sys.argv[2]
+sys.path[:0] = [hf_dir, project_dir]
+# Only the layout under test: an editable install's finder (of this or another checkout) would answer what it misses.
+sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
+import kernels
+import megatron_opd.kernels.divergence_triton, megatron_opd.kernels.rmsnorm_triton
+import megatron_opd.losses.local_ops, megatron_opd.losses.vocab_parallel, megatron_opd.models.norms
+assert kernels.__file__.startswith(hf_dir), kernels.__file__
+for module in (megatron_opd, megatron_opd.kernels, megatron_opd.kernels.rmsnorm_triton):
+    assert module.__file__.startswith(project_dir), module.__file__
+print("side by side:", kernels.__file__, megatron_opd.kernels.__file__)
+"""
+
+
+def other_kernels_package(tmp_path: Path) -> Path:
+    """Hugging Face's `kernels` where it is installed (transformers' hub kernels), else a stand-in of the same
+    import name: either must not shadow the project's kernels, nor be shadowed by them."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("kernels")
+    if spec is not None and spec.origin and not Path(spec.origin).resolve().is_relative_to(ROOT):
+        return Path(spec.origin).parents[1]
+    (tmp_path / "hf" / "kernels").mkdir(parents=True)
+    (tmp_path / "hf" / "kernels" / "__init__.py").write_text('"""Stand-in for Hugging Face\'s kernels package."""\n')
+    return tmp_path / "hf"
+
+
+def run_kernels_side_by_side(project_dir: Path, tmp_path: Path) -> None:
+    """``KERNELS_SIDE_BY_SIDE`` for the package in ``project_dir`` (a checkout, or an installed wheel's folder)."""
+    # -I: neither PYTHONPATH nor the working directory (a checkout's root holds kernels/) joins the path.
+    out = subprocess.run([sys.executable, "-I", "-c", KERNELS_SIDE_BY_SIDE, str(other_kernels_package(tmp_path)),
+                          str(project_dir)], cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "side by side:" in out.stdout

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ import pytest
 import torch
 
 from megatron_opd.distributed import LaunchEnv, ParallelConfig, detect_accelerator
+from tests.conftest import ROOT, run_kernels_side_by_side
 
 
 def test_cpu_machine_uses_gloo():
@@ -74,63 +74,11 @@ def test_package_imports_without_optional_accelerator_packages():
     assert "imported" in out.stdout
 
 
-ROOT = Path(__file__).resolve().parents[1]
-
-# Imports every module that reads the kernels, with another top-level `kernels` package first on the path.
-_SIDE_BY_SIDE = """
-import os, sys
-hf_dir, project_dir = sys.argv[1], sys.argv[2]
-sys.path[:0] = [hf_dir, project_dir]
-# Only the layout under test: an editable install's finder (of this or another checkout) would answer what it misses.
-sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
-import kernels
-import megatron_opd.kernels.divergence_triton, megatron_opd.kernels.rmsnorm_triton
-import megatron_opd.losses.local_ops, megatron_opd.losses.vocab_parallel, megatron_opd.models.norms
-assert kernels.__file__.startswith(hf_dir), kernels.__file__
-for module in (megatron_opd, megatron_opd.kernels, megatron_opd.kernels.rmsnorm_triton):
-    assert module.__file__.startswith(project_dir), module.__file__
-print("side by side:", kernels.__file__, megatron_opd.kernels.__file__)
-"""
-
-
-def _other_kernels_package(tmp_path: Path) -> Path:
-    """Hugging Face's `kernels` where it is installed (transformers' hub kernels), else a stand-in of the same
-    import name: either must not shadow the project's kernels, nor be shadowed by them."""
-    spec = importlib.util.find_spec("kernels")
-    if spec is not None and spec.origin and not Path(spec.origin).resolve().is_relative_to(ROOT):
-        return Path(spec.origin).parents[1]
-    (tmp_path / "hf" / "kernels").mkdir(parents=True)
-    (tmp_path / "hf" / "kernels" / "__init__.py").write_text('"""Stand-in for Hugging Face\'s kernels package."""\n')
-    return tmp_path / "hf"
-
-
 def test_kernels_import_beside_hugging_face_kernels(tmp_path):
-    """The repository's kernels/ folder installs as megatron_opd.kernels (setup.py's package_dir), not as a
-    top-level `kernels`; installed (setup.py's own build of the packages) and from the source checkout (the
-    megatron_opd/__init__ mapping), both this project and another `kernels` first on the path import."""
-    build = tmp_path / "build"
-    out = subprocess.run(
-        [sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(build)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert sorted(p.name for p in build.iterdir()) == ["megatron_opd"]
-    assert (build / "megatron_opd" / "kernels" / "divergence_torch.py").is_file()
-    hf = _other_kernels_package(tmp_path)
-    for project_dir in (build, ROOT):
-        # -I: neither PYTHONPATH nor the working directory (a checkout's root holds kernels/) joins the path.
-        out = subprocess.run(
-            [sys.executable, "-I", "-c", _SIDE_BY_SIDE, str(hf), str(project_dir)],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert out.returncode == 0, out.stderr[-3000:]
-        assert "side by side:" in out.stdout
+    """The repository's kernels/ folder is megatron_opd.kernels, not a top-level `kernels`: from the source checkout
+    (the megatron_opd/__init__ mapping), this project and another `kernels` first on the path both import. The
+    installed wheel's layout (setup.py's package_dir): tests/test_quickstart.py."""
+    run_kernels_side_by_side(ROOT, tmp_path)
 
 
 def _probes(probe_dir) -> dict[str, dict]:

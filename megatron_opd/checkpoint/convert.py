@@ -1,11 +1,12 @@
-"""Convert checkpoints between Hugging Face safetensors and Megatron-Core dist_ckpt (torch_dist).
+"""The converter's command line (``opd-convert``): Hugging Face safetensors <-> Megatron-Core dist_ckpt (torch_dist).
 
-    python tools/checkpoint/convert.py hf-to-mcore --hf-dir Qwen3-8B --out ckpt/qwen3-8b --tp 2 --pp 2
-    python tools/checkpoint/convert.py mcore-to-hf --ckpt ckpt/qwen3-8b --out export/qwen3-8b
-    torchrun --nproc-per-node 8 tools/checkpoint/convert.py hf-to-mcore ...   # 8 processes share the work
+    opd-convert hf-to-mcore --hf-dir Qwen3-8B --out ckpt/qwen3-8b --tp 2 --pp 2
+    opd-convert mcore-to-hf --ckpt ckpt/qwen3-8b --out export/qwen3-8b
+    torchrun --nproc-per-node 8 -m megatron_opd.checkpoint.convert hf-to-mcore ...   # 8 processes share the work
 
-Both directions stream tensor by tensor (see docs/checkpoint.md): peak memory is a few tensors,
-not the model. The logic lives in ``megatron_opd.checkpoint``; this file only parses arguments.
+(``python tools/checkpoint/convert.py`` in a checkout is the same command.) Both directions stream tensor by tensor
+(see docs/checkpoint.md): peak memory is a few tensors, not the model. The logic lives in the rest of
+``megatron_opd.checkpoint``; this module only parses arguments.
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ def positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="convert.py",
         description="Convert between Hugging Face safetensors and Megatron-Core dist_ckpt, streaming tensor by tensor.",
     )
     sub = parser.add_subparsers(dest="command", required=True)

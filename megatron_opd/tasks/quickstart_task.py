@@ -1,6 +1,6 @@
 """Write the quick start's task: a tokenizer, a teacher and a student to initialise from, and the data.
 
-    python tools/make_quickstart_task.py OUT_DIR
+    python -m megatron_opd.tasks.quickstart_task OUT_DIR     # a checkout: python tools/make_quickstart_task.py
 
 OUT_DIR/tokenizer, OUT_DIR/teacher-init and OUT_DIR/student-init (Hugging Face folders with the tokenizer
 files), OUT_DIR/train.jsonl and OUT_DIR/eval.jsonl (held out: no digit string in both). The same seed writes
@@ -21,7 +21,7 @@ from pathlib import Path
 from megatron_opd.models.families import FAMILIES
 from megatron_opd.tasks import digits
 
-logger = logging.getLogger("make_quickstart_task")
+logger = logging.getLogger(__name__)
 
 
 def write_jsonl(path: Path, records: list[dict]) -> None:
