@@ -220,23 +220,6 @@ def install_wheel(root: Path) -> InstalledPackage:
     return InstalledPackage(root / "site", root / "empty")
 
 
-# Imports every module that reads the kernels, with another top-level `kernels` package first on the path.
-KERNELS_SIDE_BY_SIDE = """
-import os, sys
-hf_dir, project_dir = sys.argv[1], sys.argv[2]
-sys.path[:0] = [hf_dir, project_dir]
-# Only the layout under test: an editable install's finder (of this or another checkout) would answer what it misses.
-sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
-import kernels
-import megatron_opd.kernels.divergence_triton, megatron_opd.kernels.rmsnorm_triton
-import megatron_opd.losses.local_ops, megatron_opd.losses.vocab_parallel, megatron_opd.models.norms
-assert kernels.__file__.startswith(hf_dir), kernels.__file__
-for module in (megatron_opd, megatron_opd.kernels, megatron_opd.kernels.rmsnorm_triton):
-    assert module.__file__.startswith(project_dir), module.__file__
-print("side by side:", kernels.__file__, megatron_opd.kernels.__file__)
-"""
-
-
 def other_kernels_package(tmp_path: Path) -> Path:
     """Hugging Face's `kernels` where it is installed (transformers' hub kernels), else a stand-in of the same
     import name: either must not shadow the project's kernels, nor be shadowed by them."""
@@ -248,12 +231,3 @@ def other_kernels_package(tmp_path: Path) -> Path:
     (tmp_path / "hf" / "kernels").mkdir(parents=True)
     (tmp_path / "hf" / "kernels" / "__init__.py").write_text('"""Stand-in for Hugging Face\'s kernels package."""\n')
     return tmp_path / "hf"
-
-
-def run_kernels_side_by_side(project_dir: Path, tmp_path: Path) -> None:
-    """``KERNELS_SIDE_BY_SIDE`` for the package in ``project_dir`` (a checkout, or an installed wheel's folder)."""
-    # -I: neither PYTHONPATH nor the working directory (a checkout's root holds kernels/) joins the path.
-    out = subprocess.run([sys.executable, "-I", "-c", KERNELS_SIDE_BY_SIDE, str(other_kernels_package(tmp_path)),
-                          str(project_dir)], cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "side by side:" in out.stdout

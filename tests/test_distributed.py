@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_opd.distributed import LaunchEnv, ParallelConfig, detect_accelerator
-from tests.conftest import ROOT, run_kernels_side_by_side
+from tests.conftest import ROOT, other_kernels_package
 
 
 def test_cpu_machine_uses_gloo():
@@ -74,11 +74,37 @@ def test_package_imports_without_optional_accelerator_packages():
     assert "imported" in out.stdout
 
 
+# Imports every module that reads the kernels, with another top-level `kernels` package first on the path.
+_SIDE_BY_SIDE = """
+import os, sys
+hf_dir, project_dir = sys.argv[1], sys.argv[2]
+sys.path[:0] = [hf_dir, project_dir]
+# Only the layout under test: an editable install's finder (of this or another checkout) would answer what it misses.
+sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
+import kernels
+import megatron_opd.kernels.divergence_triton, megatron_opd.kernels.rmsnorm_triton
+import megatron_opd.losses.local_ops, megatron_opd.losses.vocab_parallel, megatron_opd.models.norms
+assert kernels.__file__.startswith(hf_dir), kernels.__file__
+for module in (megatron_opd, megatron_opd.kernels, megatron_opd.kernels.rmsnorm_triton):
+    assert module.__file__.startswith(project_dir), module.__file__
+print("side by side:", kernels.__file__, megatron_opd.kernels.__file__)
+"""
+
+
 def test_kernels_import_beside_hugging_face_kernels(tmp_path):
     """The repository's kernels/ folder is megatron_opd.kernels, not a top-level `kernels`: from the source checkout
     (the megatron_opd/__init__ mapping), this project and another `kernels` first on the path both import. The
     installed wheel's layout (setup.py's package_dir): tests/test_quickstart.py."""
-    run_kernels_side_by_side(ROOT, tmp_path)
+    # -I: neither PYTHONPATH nor the working directory (a checkout's root holds kernels/) joins the path.
+    out = subprocess.run(
+        [sys.executable, "-I", "-c", _SIDE_BY_SIDE, str(other_kernels_package(tmp_path)), str(ROOT)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "side by side:" in out.stdout
 
 
 def _probes(probe_dir) -> dict[str, dict]:

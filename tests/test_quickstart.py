@@ -37,7 +37,7 @@ import yaml
 
 from megatron_opd.testing.multiprocess import ROOT, run_trainer
 from megatron_opd.testing.teacher_jobs import train_metrics
-from tests.conftest import InstalledPackage, install_wheel, run_kernels_side_by_side, run_quickstart
+from tests.conftest import InstalledPackage, install_wheel, other_kernels_package, run_quickstart
 from tests.test_readme import loss_example_program
 
 # The largest |log p_trainer - log p_vLLM| of a sampled token a faithful fp32 sampler gives on the quick start's
@@ -86,51 +86,36 @@ def test_quickstart_distils(quickstart_run):
 
 CONSOLE_COMMANDS = ("opd-check-vocab", "opd-convert", "opd-launch", "opd-quickstart", "opd-train")
 
-# Every console command of the installed distribution, called as its script calls it, with --help (the converter's
-# subcommands too), in one process; an option added without a help text is recorded as it is added.
-_HELP_OF_EVERY_COMMAND = """
-import argparse, contextlib, io, json, sys
-from importlib.metadata import distribution
 
-undescribed, add_argument = [], argparse._ActionsContainer.add_argument
-
-def add_described_argument(self, *args, **kwargs):
-    action = add_argument(self, *args, **kwargs)
-    if not (action.help or "").strip():
-        undescribed.append(" ".join(sys.argv[:-1]) + ": " + ("/".join(action.option_strings) or action.dest))
-    return action
-
-argparse._ActionsContainer.add_argument = add_described_argument
-dist = distribution("megatron-opd")
-commands = {ep.name: ep for ep in dist.entry_points if ep.group == "console_scripts"}
-helps = {}
-for argv in [[name] for name in sorted(commands)] + [["opd-convert", "hf-to-mcore"], ["opd-convert", "mcore-to-hf"]]:
-    sys.argv, out = [*argv, "--help"], io.StringIO()
-    with contextlib.redirect_stdout(out):
-        try:
-            commands[argv[0]].load()()
-            code = "returned"
-        except SystemExit as exit_:
-            code = exit_.code
-    helps[" ".join(argv)] = [code, out.getvalue()]
-import megatron_opd
-print(json.dumps({"package": megatron_opd.__file__, "distribution": str(dist.locate_file("")), "helps": helps,
-                  "undescribed": undescribed}))
-"""
+@pytest.fixture(scope="module")
+def user_session(installed, quickstart_run, tmp_path_factory) -> dict:
+    """tests/installed_session.py from the empty folder, on the quick start's student: every command's --help, the
+    converter's round trip into ``work``, the README's loss example, with another ``kernels`` package first on the
+    path; its report by part, ``work`` and that package's folder (``hf_kernels``)."""
+    work = tmp_path_factory.mktemp("session")
+    (work / "loss_example.py").write_text(loss_example_program())
+    program = (ROOT / "tests" / "installed_session.py").read_text()
+    hf_kernels = other_kernels_package(work)
+    args = [hf_kernels, quickstart_run / "student" / "hf", work, work / "loss_example.py"]
+    proc = installed.run(sys.executable, "-c", program, *map(str, args))
+    assert proc.returncode == 0 and proc.stdout.strip(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {**json.loads(proc.stdout.splitlines()[-1]), "work": work, "hf_kernels": hf_kernels}
 
 
-def test_installed_commands_describe_every_option(installed):
-    proc = installed.run(sys.executable, "-c", _HELP_OF_EVERY_COMMAND)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.splitlines()[-1])
-    assert Path(report["package"]).is_relative_to(installed.site), report["package"]
+def _result(user_session: dict, part: str):
+    assert "error" not in user_session[part], user_session[part].get("error")
+    return user_session[part]["result"]
+
+
+def test_installed_commands_describe_every_option(installed, user_session):
+    report = _result(user_session, "commands_help")
     assert Path(report["distribution"]) == installed.site
     assert sorted(report["helps"]) == sorted([*CONSOLE_COMMANDS, "opd-convert hf-to-mcore", "opd-convert mcore-to-hf"])
     for command, (code, text) in report["helps"].items():
         assert code == 0 and text.startswith(f"usage: {command} "), f"{command} --help: {code}\n{text[:500]}"
     assert report["undescribed"] == [], "options without a help text"
     assert "Config keys" in report["helps"]["opd-train"][1]  # the trainer lists every config key
-    for command in CONSOLE_COMMANDS:
+    for command in CONSOLE_COMMANDS:  # the quick start ran through its script (quickstart_run)
         assert installed.script(command).is_file(), f"pip wrote no {command} script"
     # The quick start's recipes are the checkout's examples/quickstart/*.yaml, shipped in the wheel.
     recipes = installed.site / "megatron_opd" / "recipes" / "quickstart"
@@ -139,33 +124,30 @@ def test_installed_commands_describe_every_option(installed):
     assert shipped == {p.name: p.read_bytes() for p in (ROOT / "examples" / "quickstart").glob("*.yaml")}
 
 
-def test_installed_converter_round_trip_is_bitwise(installed, quickstart_run, tmp_path):
+def test_installed_converter_round_trip_is_bitwise(quickstart_run, user_session):
     """The quick start's student (Hugging Face) -> dist_ckpt -> Hugging Face with ``opd-convert``: the same tensors."""
     from safetensors.torch import load_file
 
-    student, ckpt, back = quickstart_run / "student" / "hf", tmp_path / "mcore", tmp_path / "hf"
-    for args in (["hf-to-mcore", "--hf-dir", str(student), "--out", str(ckpt)],
-                 ["mcore-to-hf", "--ckpt", str(ckpt), "--out", str(back)]):  # fmt: skip
-        proc = installed.run(str(installed.script("opd-convert")), *args, "--no-progress")
-        assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert _result(user_session, "converter_round_trip") == [0, 0]
+    student, back = quickstart_run / "student" / "hf", user_session["work"] / "hf"
     original, exported = load_file(student / "model.safetensors"), load_file(back / "model.safetensors")
     assert sorted(exported) == sorted(original)
     different = [name for name in original if not torch.equal(original[name], exported[name])]
     assert not different, different
 
 
-def test_installed_readme_loss_example(installed):
-    check = f"\nimport megatron_opd\nassert megatron_opd.__file__.startswith({str(installed.site)!r})\n"
-    proc = installed.run(sys.executable, "-c", loss_example_program() + check)
-    assert proc.returncode == 0 and "ran" in proc.stdout, proc.stderr[-3000:]
+def test_installed_readme_loss_example(user_session):
+    assert _result(user_session, "loss_example") == "ran\n"
 
 
-def test_installed_kernels_import_beside_hugging_face_kernels(installed, tmp_path):
+def test_installed_kernels_import_beside_hugging_face_kernels(installed, user_session):
     """The repository's kernels/ folder installs as megatron_opd.kernels (setup.py's package_dir), not as a
     top-level ``kernels``: the wheel's only package is megatron_opd, and it imports beside another ``kernels``."""
     assert [p.name for p in installed.site.iterdir() if (p / "__init__.py").is_file()] == ["megatron_opd"]
-    assert (installed.site / "megatron_opd" / "kernels" / "divergence_torch.py").is_file()
-    run_kernels_side_by_side(installed.site, tmp_path)
+    files = _result(user_session, "kernels_side_by_side")
+    assert Path(files["kernels"]).is_relative_to(user_session["hf_kernels"]), files  # the other one
+    for name in ("megatron_opd", "megatron_opd.kernels", "megatron_opd.kernels.rmsnorm_triton"):
+        assert Path(files[name]).is_relative_to(installed.site), files
 
 
 @needs_vllm
