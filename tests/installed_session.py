@@ -6,8 +6,8 @@ runs it as ``python -c``, so nothing of the checkout is on the path; one start-u
 Another top-level ``kernels`` package (Hugging Face's) goes first on the path, as where transformers' hub kernels are
 installed. Then: every console command of the installed distribution called as its script calls it with ``--help``
 (an option added without a help text is recorded as it is added), the converter's round trip of STUDENT_DIR into
-WORK_DIR (``opd-convert``'s entry point: hf-to-mcore, then mcore-to-hf), and the README's loss example. Prints one
-JSON line: each part's result, or the traceback it raised.
+WORK_DIR/mcore and back into WORK_DIR/exported (``opd-convert``'s entry point), and the README's loss example.
+Prints one JSON line: each part's result, or the traceback it raised.
 """
 
 import argparse
@@ -79,7 +79,7 @@ def converter_round_trip() -> list[int]:
     """``opd-convert hf-to-mcore`` then ``mcore-to-hf``: their exit codes (the test compares the tensors)."""
     _, commands = console_scripts()
     convert = commands["opd-convert"].load()
-    ckpt, back = f"{WORK_DIR}/mcore", f"{WORK_DIR}/hf"
+    ckpt, back = f"{WORK_DIR}/mcore", f"{WORK_DIR}/exported"
     return [
         convert(["hf-to-mcore", "--hf-dir", STUDENT_DIR, "--out", ckpt, "--no-progress"]),
         convert(["mcore-to-hf", "--ckpt", ckpt, "--out", back, "--no-progress"]),

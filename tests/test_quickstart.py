@@ -99,7 +99,7 @@ def user_session(installed, quickstart_run, tmp_path_factory) -> dict:
     args = [hf_kernels, quickstart_run / "student" / "hf", work, work / "loss_example.py"]
     proc = installed.run(sys.executable, "-c", program, *map(str, args))
     assert proc.returncode == 0 and proc.stdout.strip(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    return {**json.loads(proc.stdout.splitlines()[-1]), "work": work, "hf_kernels": hf_kernels}
+    return {**json.loads(proc.stdout.splitlines()[-1]), "work": work, "hf_kernels": hf_kernels, "stderr": proc.stderr}
 
 
 def _result(user_session: dict, part: str):
@@ -128,8 +128,8 @@ def test_installed_converter_round_trip_is_bitwise(quickstart_run, user_session)
     """The quick start's student (Hugging Face) -> dist_ckpt -> Hugging Face with ``opd-convert``: the same tensors."""
     from safetensors.torch import load_file
 
-    assert _result(user_session, "converter_round_trip") == [0, 0]
-    student, back = quickstart_run / "student" / "hf", user_session["work"] / "hf"
+    assert _result(user_session, "converter_round_trip") == [0, 0], user_session["stderr"][-3000:]
+    student, back = quickstart_run / "student" / "hf", user_session["work"] / "exported"
     original, exported = load_file(student / "model.safetensors"), load_file(back / "model.safetensors")
     assert sorted(exported) == sorted(original)
     different = [name for name in original if not torch.equal(original[name], exported[name])]
