@@ -168,6 +168,11 @@ def run_quickstart(
     return proc, out
 
 
+def _without_coverage() -> dict[str, str]:
+    """This process's environment without what starts coverage in a child (README's coverage command)."""
+    return {k: v for k, v in os.environ.items() if k not in ("COVERAGE_PROCESS_START", "COVERAGE_PROCESS_CONFIG")}
+
+
 @dataclass(frozen=True)
 class InstalledPackage:
     """This checkout's wheel installed by pip into ``site`` (``pip install --target``), apart from the source tree,
@@ -181,7 +186,7 @@ class InstalledPackage:
         """The environment of a process that imports megatron_opd from ``site``: first on the path, before the
         editable install's finder (which answers only what the path does not). Coverage is off there: it would
         record files of ``site``, which is gone by the time the report is made."""
-        env = {k: v for k, v in os.environ.items() if k not in ("COVERAGE_PROCESS_START", "COVERAGE_PROCESS_CONFIG")}
+        env = _without_coverage()
         env["PYTHONPATH"] = os.pathsep.join([str(self.site), *filter(None, [os.environ.get("PYTHONPATH")])])
         return env
 
@@ -199,6 +204,12 @@ class InstalledPackage:
 _WHEEL_SOURCES = ("setup.py", "pyproject.toml", "README.md", "megatron_opd", "kernels", "examples/quickstart")
 
 
+def _pip(*args: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "pip", "-q", "--disable-pip-version-check", *args],
+                          env=_without_coverage(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 def install_wheel(root: Path) -> InstalledPackage:
     """Build this checkout's wheel (``pip wheel``, no build isolation: setuptools and wheel are the venv's) from a
     copy of its sources, so that no earlier ``build/`` folder leaks into it, and install it into ``root/site``."""
@@ -209,13 +220,9 @@ def install_wheel(root: Path) -> InstalledPackage:
         else:
             (source / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, source / name)
-    pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
-    for step in (["wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(source)], None):
-        if step is None:
-            (wheel,) = wheels.glob("megatron_opd-*.whl")
-            step = ["install", "--no-deps", "--target", str(root / "site"), str(wheel)]
-        proc = subprocess.run([*pip, *step], cwd=root, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
+    _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(source))
+    (wheel,) = wheels.glob("megatron_opd-*.whl")
+    _pip("install", "--no-deps", "--target", str(root / "site"), str(wheel))
     (root / "empty").mkdir()
     return InstalledPackage(root / "site", root / "empty")
 
