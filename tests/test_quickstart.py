@@ -61,7 +61,7 @@ needs_vllm = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> InstalledPackage:
-    """This checkout's wheel, installed apart from the source tree (2 s to build and install)."""
+    """This checkout's wheel, installed apart from the source tree (about 2 CPU-s to build and install)."""
     return install_wheel(tmp_path_factory.mktemp("installed"))
 
 
