@@ -450,10 +450,11 @@ class CodePath:
         teacher_scores = ref.teacher.score(request.tokens, request.request_ids, k, pair.teacher_temperature)
         return cls(ref, mode, batch, cross.scores(teacher_scores, request, batch))
 
-    def objective(self, kind: str, ratio_clip: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    def objective(self, kind: str, ratio_clip: float = 0.0, credit: str = "token") -> tuple[torch.Tensor, torch.Tensor]:
         """The expected reported divergence and the expected loss (its gradient: the expected gradient) of
-        ``losses.sampled.sampled_divergence`` (``mode="sampled"``) or ``losses.aligned.aligned_divergence``
-        (``"aligned"``), each response's per-token values summed over its trained positions."""
+        ``losses.sampled.sampled_divergence`` (``mode="sampled"``, ``credit`` as ``loss.sampled_credit``) or
+        ``losses.aligned.aligned_divergence`` (``"aligned"``), each response's per-token values summed over its
+        trained positions."""
         from megatron_opd.losses.aligned import aligned_divergence
         from megatron_opd.losses.sampled import label_logprobs, sampled_divergence
 
@@ -468,8 +469,9 @@ class CodePath:
         if self.mode == "sampled":
             logq_NS = label_logprobs(logits_NSV, labels_NS, vocab_size=vocab)
             per_token_NS, divergence_NS = sampled_divergence(
-                logq_NS, group_logp_NS, kind, offset_NS, ratio_clip=ratio_clip
-            )
+                logq_NS, group_logp_NS, kind, offset_NS, ratio_clip=ratio_clip, credit=credit,
+                loss_mask_T=batch.loss_mask,
+            )  # fmt: skip
         else:
             per_token_NS, divergence_NS = aligned_divergence(
                 logits_NSV, labels_NS, scores.extras["aligned_mask"], scores.topk_ids, scores.topk_logprobs,

@@ -383,7 +383,8 @@ class SampledObjective(Objective):
         logq = label_logprobs(logits_TV, batch.labels, vocab_size=self.vocab_size, temperature=cfg.student_temperature)
         per_token, reads["divergence"] = sampled_divergence(
             logq, batch.teacher_label_logprobs, cfg.kind, batch.group_offset, batch.context_parallel,
-            ratio_clip=cfg.sampled_ratio_clip,
+            ratio_clip=cfg.sampled_ratio_clip, credit=cfg.sampled_credit, loss_mask_T=batch.loss_mask,
+            segment_ids_T=batch.segment_ids,
         )  # fmt: skip
         if label_logit is not None and cfg.student_temperature == 1.0:
             outputs["student_lse"] = label_logit - logq.detach()
@@ -746,10 +747,12 @@ def _routed_step(student, batch, routed, cfg: LossConfig, teachers: dict[str, Te
 
 def fused_output_applies(cfg: LossConfig) -> bool:
     """Whether the update forms its logits inside the loss (``loss.fused_output``; SFT keeps the output layer, and
-    so does a cross-tokenizer loss, whose groups must not be split over chunks, and the staleness correction)."""
+    so do a cross-tokenizer loss, whose groups must not be split over chunks, the staleness correction and the
+    sampled reward to go)."""
     return (
         cfg.kind != "sft"
         and cfg.fused_output != "off"
         and cfg.cross_tokenizer == "off"
         and cfg.staleness_correction == "off"  # its weights need the pass's log-probabilities before the reduction
+        and cfg.sampled_credit == "token"  # the reward to go reads the whole sample
     )
