@@ -25,6 +25,13 @@ teacher tokens, and its weight multiplies ``grad log q(y_t)`` at each student to
 is exactly the fixed-prefix (per-group) part of the sequence-level divergence over texts (checked by enumeration,
 ``testing.cross_tokenizer_reference``; docs/losses.md gives the gap to the sequence-level one).
 
+That per-token (per-group) weight leaves out how the teacher judges the rest of the sample: a token that leads to a
+wrong digit later is not blamed for it. ``credit="to_go"`` (``loss.sampled_credit``, reverse KL) weighs each token
+by the sum of its group's and every later group's log-ratio in its sample instead (the reward to go): the earlier
+groups' log-ratios, which it leaves out, have zero-mean products with ``grad log q(y_t)`` when they are fixed by the
+prefix, so its expectation is the sequence-level reverse KL's gradient (exactly on one tokenizer; across tokenizers
+a group's extent can depend on the text after it, cos 0.976-1.000 on the reference's pairs).
+
 ``log q(y_t)`` comes from the shard statistics alone (two all-reduces of ``[T]``); its backward needs no
 communication. Shape legend: ``T`` tokens (any leading shape), ``V`` this rank's vocabulary columns.
 """
