@@ -145,12 +145,12 @@ def sampled_divergence(
     segment_ids_T: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(surrogate_T, divergence_T)``: the per-token loss whose gradient is the sampled estimate of the gradient of
-        ``kind`` (``SAMPLED_KINDS``), and the divergence's estimate (a group's spread over its student tokens in
-        proportion to each token's share: they sum to the group's). ``teacher_logp_T``: ``log p`` of each token, or with
-        ``group_offset_T`` of its group (the same value at every token of a group). ``ratio_clip``: ``forward_kl``'s cap
-        on ``p/q`` in the weight (0: none). ``context_parallel``: see ``group_sums``. ``credit``: ``SAMPLED_CREDITS``;
-    ``to_go`` (reverse KL) weighs each token by ``reward_to_go`` of the groups' log-ratios over the trained positions
-    of ``loss_mask_T`` (and ``segment_ids_T``'s samples of a packed row)."""
+    ``kind`` (``SAMPLED_KINDS``), and the divergence's estimate (a group's spread over its student tokens in
+    proportion to each token's share: they sum to the group's). ``teacher_logp_T``: ``log p`` of each token, or with
+    ``group_offset_T`` of its group (the same value at every token of a group). ``ratio_clip``: ``forward_kl``'s cap
+    on ``p/q`` in the weight (0: none). ``context_parallel``: see ``group_sums``. ``credit`` (``SAMPLED_CREDITS``):
+    ``to_go`` (reverse KL) weighs each token by ``reward_to_go`` of those shares over the trained positions of
+    ``loss_mask_T`` (each of ``segment_ids_T``'s samples of a packed row apart)."""
     if kind not in SAMPLED_KINDS:
         raise ValueError(f"the sampled loss estimates {' or '.join(SAMPLED_KINDS)}, not {kind!r}")
     if credit not in SAMPLED_CREDITS or (credit == "to_go" and (kind != "reverse_kl" or loss_mask_T is None)):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 from megatron_opd.distributed.parallel import ParallelConfig
-from megatron_opd.losses.sampled import SAMPLED_KINDS
+from megatron_opd.losses.sampled import SAMPLED_CREDITS, SAMPLED_KINDS
 from megatron_opd.models.builder import ModelBuildConfig
 
 
@@ -508,7 +508,7 @@ class LossConfig:
             raise ValueError(
                 f"loss.sampled_ratio_clip must be a finite number >= 0 (0: no cap), got {self.sampled_ratio_clip}"
             )
-        if self.sampled_credit not in ("token", "to_go"):
+        if self.sampled_credit not in SAMPLED_CREDITS:
             raise ValueError(f"loss.sampled_credit must be token or to_go, got {self.sampled_credit!r}")
         if self.sampled_credit == "to_go" and (self.mode != "sampled" or self.kind != "reverse_kl"):
             raise ValueError(
