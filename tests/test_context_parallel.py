@@ -1,7 +1,8 @@
 """Context parallelism without TransformerEngine: CP=2 equals CP=1.
 
 One spawned job of two ranks runs every loss kind/mode (dense, top-k with each tail, sampled with the prefix
-staleness weights, the sampled forward KL, the aligned cross-tokenizer loss) first at CP=1 (DP=2) and then at CP=2 (DP=1): per-token losses,
+staleness weights, the sampled forward KL, the sampled reverse KL per group with the reward to go, the aligned
+cross-tokenizer loss) first at CP=1 (DP=2) and then at CP=2 (DP=1): per-token losses,
 the first step's gradients and three training steps agree, and so do the in-process teacher's scores taken at each
 layout. The batch split itself is checked against Megatron's ``get_batch_on_this_cp_rank``, without spawning.
 """
@@ -33,6 +34,7 @@ CASES = {
     "topk_ignore": dict(kind="jsd", mode="topk", topk=16, tail="ignore", beta=0.3, fused_output="off"),
     "sampled": dict(kind="reverse_kl", mode="sampled", staleness_correction="prefix"),
     "sampled_forward": dict(kind="forward_kl", mode="sampled"),
+    "sampled_to_go": dict(kind="reverse_kl", mode="sampled", cross_tokenizer="sampled", sampled_credit="to_go"),
     "aligned": dict(kind="reverse_kl", mode="topk", topk=16, cross_tokenizer="aligned"),
 }
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megatron_opd.cross_tokenizer import Alignment, Group
-from megatron_opd.testing.cross_tokenizer_reference import CodePath, Reference, gap_row, pair_matrix
+from megatron_opd.testing.cross_tokenizer_reference import CodePath, Reference, gap_row, gradient_variance, pair_matrix
 
 KINDS = ("reverse_kl", "forward_kl")
 PAIRS = tuple(pair_matrix())
@@ -178,3 +178,59 @@ def test_the_check_fails_without_the_stop_correction(references, monkeypatch):
 
     monkeypatch.setattr(CrossTokenizer, "request", without_the_stop_correction)
     assert largest_error(CodePath.run(ref, "sampled"), ref, "reverse_kl") > 0.01
+
+
+TO_GO = {
+    # pair: cos(g_to_go, g_a) against the canonical teacher and the boundary-summed one (reverse KL), and the
+    # one-sample gradient's variance over token's
+    "same": (1.0000, 0.8441, 5.49),
+    "cross_space": (0.9767, 0.6997, 4.16),
+    "space_answer": (0.9960, 0.7586, 3.71),
+    "multibyte": (0.9974, 0.8413, 3.68),
+    "student_longer": (0.9998, 0.9603, 4.10),
+    "sentencepiece": (0.9762, 0.4436, 2.62),
+}
+"""``loss.sampled_credit=to_go``'s measured cosines and variance (docs/losses.md)."""
+CAUSAL_GROUPS = ("same", "student_longer")
+"""The pairs whose groups never depend on the text after them (every group one student token)."""
+
+
+def _gradient_error(g: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((g - reference).abs().max() / reference.abs().max())
+
+
+def _cosine(g: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((g * reference).sum() / (g.norm() * reference.norm()))
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+def test_reward_to_go_estimates_the_sequence_level_reverse_kl(references, code_paths, pair):
+    """``loss.sampled_credit=to_go`` through the real data path: each token weighted by its group's and every later
+    group's log-ratio. Where every group is one student token (one tokenizer, a per-character teacher) the earlier
+    groups' log-ratios are fixed by the prefix, so its expected gradient is exactly the token-level sequence
+    divergence's (on one tokenizer: (a) against the canonical teacher), and neither (b)'s nor what ``token`` gives;
+    elsewhere a group's extent depends on the text after it, and the cosines to (a) are the documented ones (``token``:
+    0.14-0.94), its one-sample gradient's variance 2.6-5.5 times ``token``'s. The reported divergence is ``token``'s."""
+    ref, code = references[pair], code_paths[pair, "sampled"]
+    value, surrogate = code.objective("reverse_kl", credit="to_go")
+    token_value, token_surrogate = code.objective("reverse_kl")
+    assert float(value) == float(token_value)
+    g_to_go, g_token = ref.gradient(surrogate), ref.gradient(token_surrogate)
+    g_tokens = ref.gradient(ref.sequence_divergence("reverse_kl", "tokens"))
+    g_canonical = ref.gradient(ref.sequence_divergence("reverse_kl", "canonical"))
+    g_boundary = ref.gradient(ref.sequence_divergence("reverse_kl", "boundary"))
+    g_b = ref.gradient(ref.fixed_prefix("reverse_kl")[1])
+    assert _gradient_error(g_to_go, g_b) > 0.3  # not (b): the check can tell them apart
+    assert _gradient_error(g_token, g_tokens) > 0.3  # and token is not (a)
+    if pair in CAUSAL_GROUPS:
+        assert _gradient_error(g_to_go, g_tokens) < FLOAT32_SCORES
+    if pair == "same":
+        assert _gradient_error(g_to_go, g_canonical) < FLOAT32_SCORES
+    cos_canonical, cos_boundary, variance_ratio = TO_GO[pair]
+    assert _cosine(g_to_go, g_canonical) == pytest.approx(cos_canonical, abs=1e-3)
+    assert _cosine(g_to_go, g_boundary) == pytest.approx(cos_boundary, abs=1e-3)
+    assert _cosine(g_to_go, g_canonical) > _cosine(g_token, g_canonical) + 0.05
+    # The price: a noisier one-sample gradient (its mean the expected gradient above).
+    (variance, mean_sq), (token_variance, _) = (gradient_variance(code, "reverse_kl", c) for c in ("to_go", "token"))
+    assert mean_sq == pytest.approx(float(g_to_go.pow(2).sum()), rel=1e-9)
+    assert variance / token_variance == pytest.approx(variance_ratio, abs=0.01)

@@ -160,6 +160,10 @@ def _packed_vs_padded_body(layout: dict, dirs: dict[str, str]):
     groups = _groups_of_two(batch)
     for packing in (False, True):
         losses["sampled", packing] = step_losses(dirs["student"], parallel, batch, groups, cfg, 1000, packing, 3)
+    # The same weighted by the reward to go (each sample's later groups: packed rows hold several samples).
+    cfg = LossConfig(kind="reverse_kl", mode="sampled", cross_tokenizer="sampled", sampled_credit="to_go")
+    for packing in (False, True):
+        losses["to_go", packing] = step_losses(dirs["student"], parallel, batch, groups, cfg, 1000, packing, 3)
     # The aligned loss: the mapped top-k where a group is one token on both sides, the sampled loss elsewhere.
     cfg = LossConfig(kind="jsd", mode="topk", topk=8, cross_tokenizer="aligned")
     aligned = _aligned_scores(batch, groups)
@@ -253,7 +257,7 @@ def _assert_scores_equal_at_real_positions(scored: dict, layout: str) -> None:
 
 
 _CROSS_LOSSES: dict[tuple[str, str], list[float]] = {}
-"""The cross-tokenizer losses (sampled, aligned) per layout: every layout's must equal TP=1's (run first)."""
+"""The cross-tokenizer losses (sampled, aligned, sampled with the reward to go) per layout: every layout's must equal TP=1's (run first)."""
 LAYOUTS = {
     "tp1": (1, dict()),
     "tp2_sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
@@ -283,7 +287,8 @@ def test_packed_equals_padded(layout, tmp_path):
             _assert_scores_equal_at_real_positions(scored, layout)
         assert losses[True] == pytest.approx(losses[False], rel=1e-5), f"{layout}: {losses}"
         assert losses["aligned", False][0] != pytest.approx(losses["sampled", False][0]), "no top-k position taken"
-        for cross in ("sampled", "aligned"):
+        assert losses["to_go", False][0] != pytest.approx(losses["sampled", False][0]), "to_go weighs as token"
+        for cross in ("sampled", "aligned", "to_go"):
             steps = losses[cross, True]
             assert steps == pytest.approx(losses[cross, False], rel=1e-5), f"{layout} {cross}: {losses}"
             _CROSS_LOSSES.setdefault((cross, layout), steps)

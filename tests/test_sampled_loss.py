@@ -16,9 +16,9 @@ import math
 import pytest
 import torch
 
-from megatron_opd.losses.sampled import SAMPLED_KINDS, group_sums, label_logprobs, sampled_divergence
+from megatron_opd.losses.sampled import SAMPLED_KINDS, group_sums, label_logprobs, reward_to_go, sampled_divergence
 from megatron_opd.trainer.config import LossConfig
-from megatron_opd.trainer.objective import make_loss_fn
+from megatron_opd.trainer.objective import fused_output_applies, make_loss_fn
 
 T, V, VOCAB = 11, 24, 21  # V - VOCAB padded columns never enter
 TEMPERATURES = (1.0, 1.7)
@@ -195,3 +195,74 @@ def test_config_refusals():
         LossConfig(mode="sampled", cross_tokenizer="sampled", weighting="teacher_confidence")
     cfg = LossConfig(mode="sampled")
     assert (cfg.teacher_mode, cfg.teacher_topk) == ("topk", 1)
+
+
+def _to_go_loop(values, mask, offset=None, segments=None):
+    """Per token, the sum of ``values`` over its sample's trained positions from its group's first one (a loop)."""
+    out = torch.zeros(values.shape, dtype=torch.float64)
+    for row in range(values.shape[0]):
+        for t in range(values.shape[1]):
+            first = t + (0 if offset is None else int(offset[row, t]))
+            same = [
+                s for s in range(first, values.shape[1]) if segments is None or segments[row, s] == segments[row, t]
+            ]
+            out[row, t] = sum(float(values[row, s]) for s in same if mask[row, s] != 0)
+    return out
+
+
+def test_reward_to_go_stays_in_its_sample_and_starts_at_its_group():
+    g = torch.Generator().manual_seed(3)
+    values = torch.randn(2, 9, generator=g)
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 0, 1, 1, 1, 1]], dtype=torch.float32)
+    offset = torch.tensor([[0, 0, -1, 0, 0, -1, -2, 0, 0], [0, 0, 0, -1, 0, 0, 0, -1, 0]])
+    segments = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 2, 2], [0, 0, 0, 0, 1, 1, 1, 1, 1]])
+    for kwargs in ({}, {"group_offset_T": offset}, {"segment_ids_T": segments},
+                   {"group_offset_T": offset, "segment_ids_T": segments}):  # fmt: skip
+        want = _to_go_loop(values, mask, kwargs.get("group_offset_T"), kwargs.get("segment_ids_T"))
+        torch.testing.assert_close(reward_to_go(values, mask, **kwargs), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("cross", ["off", "sampled"])
+def test_the_trainers_loss_with_the_reward_to_go(cross):
+    """``loss.sampled_credit=to_go`` through ``make_loss_fn`` (the output layer kept: ``fused_output=auto``)
+    against the float64 formula: each trained token weighted by the sum of its sample's later trained log-ratios
+    (with 1:1 groups the same); the reported divergence is ``token``'s."""
+    g = torch.Generator().manual_seed(7)
+    b, s, h = 2, 6, 8
+    hidden = torch.randn(b, s, h, generator=g, requires_grad=True)
+    weight = torch.randn(V, h, generator=g)
+    mask = torch.ones(b, s)
+    mask[1, :2] = 0
+    mask[0, 5] = 0
+    mb = {"loss_mask": mask, "labels": torch.randint(0, VOCAB, (b, s), generator=g), "seq_weights": torch.ones(b),
+          "teacher_label_logprobs": -torch.rand(b, s, generator=g) * 3}  # fmt: skip
+    if cross == "sampled":
+        mb["group_offset"] = torch.zeros(b, s, dtype=torch.int64)
+    common = dict(vocab_size=VOCAB, teacher_temperature=1.0, normalizer=float(mask.sum()), scale=1.0)
+    cfg = LossConfig(mode="sampled", cross_tokenizer=cross, sampled_credit="to_go")
+    loss, stats = make_loss_fn(cfg, output=None, **common)(hidden @ weight.t(), mb)
+    loss.backward()
+    h64 = hidden.detach().double().requires_grad_()
+    logq = torch.log_softmax((h64 @ weight.double().t())[..., :VOCAB], -1).gather(-1, mb["labels"][..., None])[..., 0]
+    log_ratio = (logq - mb["teacher_label_logprobs"].double()).detach() * mask
+    to_go = log_ratio.flip(-1).cumsum(-1).flip(-1)
+    ref = (to_go * logq * mask).sum() / mask.sum()
+    ref.backward()
+    assert float(loss.detach()) == pytest.approx(float(ref.detach()), rel=1e-5)
+    torch.testing.assert_close(hidden.grad.double(), h64.grad, rtol=1e-4, atol=1e-6)
+    assert stats.divergence_sum == pytest.approx(float(log_ratio.sum()), rel=1e-5)
+
+
+def test_reward_to_go_refusals():
+    for kwargs in (dict(mode="sampled", kind="forward_kl"), dict(mode="topk"),
+                   dict(mode="topk", cross_tokenizer="aligned")):  # fmt: skip
+        with pytest.raises(ValueError, match="loss.sampled_credit=to_go weighs each sampled token"):
+            LossConfig(sampled_credit="to_go", **kwargs)
+    with pytest.raises(ValueError, match="loss.fused_output=on cannot be used with loss.sampled_credit=to_go"):
+        LossConfig(mode="sampled", sampled_credit="to_go", fused_output="on")
+    with pytest.raises(ValueError, match="loss.sampled_credit must be token or to_go"):
+        LossConfig(mode="sampled", sampled_credit="sequence")
+    with pytest.raises(ValueError, match="to_go is the reverse KL's and needs the loss mask"):
+        sampled_divergence(torch.zeros(2), torch.zeros(2), "forward_kl", credit="to_go", loss_mask_T=torch.ones(2))
+    assert not fused_output_applies(LossConfig(mode="sampled", sampled_credit="to_go"))
+    assert fused_output_applies(LossConfig(mode="sampled"))

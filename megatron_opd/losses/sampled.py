@@ -25,6 +25,13 @@ teacher tokens, and its weight multiplies ``grad log q(y_t)`` at each student to
 is exactly the fixed-prefix (per-group) part of the sequence-level divergence over texts (checked by enumeration,
 ``testing.cross_tokenizer_reference``; docs/losses.md gives the gap to the sequence-level one).
 
+That per-token (per-group) weight leaves out how the teacher judges the rest of the sample: a token that leads to a
+wrong digit later is not blamed for it. ``credit="to_go"`` (``loss.sampled_credit``, reverse KL) weighs each token
+by the sum of its group's and every later group's log-ratio in its sample instead (the reward to go): the earlier
+groups' log-ratios, which it leaves out, have zero-mean products with ``grad log q(y_t)`` when they are fixed by the
+prefix, so its expectation is the sequence-level reverse KL's gradient (exactly on one tokenizer; across tokenizers
+a group's extent can depend on the text after it, cos 0.976-1.000 on the reference's pairs).
+
 ``log q(y_t)`` comes from the shard statistics alone (two all-reduces of ``[T]``); its backward needs no
 communication. Shape legend: ``T`` tokens (any leading shape), ``V`` this rank's vocabulary columns.
 """
@@ -87,8 +94,41 @@ def group_sums(values_T: torch.Tensor, group_offset_T: torch.Tensor | None, cont
     return totals[first_T].view(shape)
 
 
+def reward_to_go(
+    values_T: torch.Tensor,
+    loss_mask_T: torch.Tensor,
+    group_offset_T: torch.Tensor | None = None,
+    segment_ids_T: torch.Tensor | None = None,
+    context_parallel=None,
+) -> torch.Tensor:
+    """Float64, each token's sum of ``values`` over its sample's trained positions from its group's first position
+    on (the last axis is a sample's positions: a row, or with ``segment_ids_T`` each segment of a packed row;
+    ``group_offset_T`` as in ``group_sums``, ``None``: from the token itself). No gradient. ``context_parallel``:
+    the sums run along the gathered sequences."""
+    if context_parallel is not None:
+        cp = context_parallel
+        offset = None if group_offset_T is None else cp.gather(group_offset_T)
+        return cp.split(reward_to_go(cp.gather(values_T), cp.gather(loss_mask_T), offset), 1)
+    v_T = torch.where(loss_mask_T != 0, values_T.detach().double(), 0.0)
+    to_go_T = v_T.flip(-1).cumsum(-1).flip(-1)
+    if segment_ids_T is not None:  # subtract what the row's later segments sum to
+        last_T = torch.ones_like(segment_ids_T, dtype=torch.bool)
+        last_T[..., :-1] = segment_ids_T[..., :-1] != segment_ids_T[..., 1:]
+        positions_T = torch.arange(v_T.shape[-1], device=v_T.device).expand_as(v_T)
+        end_T = torch.where(last_T, positions_T, v_T.shape[-1] - 1).flip(-1).cummin(-1).values.flip(-1)
+        to_go_T = to_go_T - to_go_T.gather(-1, end_T) + v_T.gather(-1, end_T)
+    if group_offset_T is None:
+        return to_go_T
+    flat_T = to_go_T.reshape(-1)
+    first_T = torch.arange(flat_T.numel(), device=flat_T.device) + group_offset_T.reshape(-1).to(torch.int64)
+    return flat_T[first_T].view(to_go_T.shape)
+
+
 SAMPLED_KINDS = ("reverse_kl", "forward_kl")
 """The divergences ``loss.mode=sampled`` estimates."""
+SAMPLED_CREDITS = ("token", "to_go")
+"""What weighs ``grad log q(y_t)`` (``loss.sampled_credit``): its own group's log-ratio, or (reverse KL) its group's
+and every later group's of the sample (the reward to go)."""
 _MAX_LOG_RATIO = 80.0
 """``log(p/q)`` beyond this is taken as this: ``r log r`` stays finite in float32."""
 
@@ -100,14 +140,23 @@ def sampled_divergence(
     group_offset_T: torch.Tensor | None = None,
     context_parallel=None,
     ratio_clip: float = 0.0,
+    credit: str = "token",
+    loss_mask_T: torch.Tensor | None = None,
+    segment_ids_T: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(surrogate_T, divergence_T)``: the per-token loss whose gradient is the sampled estimate of the gradient of
     ``kind`` (``SAMPLED_KINDS``), and the divergence's estimate (a group's spread over its student tokens in
     proportion to each token's share: they sum to the group's). ``teacher_logp_T``: ``log p`` of each token, or with
     ``group_offset_T`` of its group (the same value at every token of a group). ``ratio_clip``: ``forward_kl``'s cap
-    on ``p/q`` in the weight (0: none). ``context_parallel``: see ``group_sums``."""
+    on ``p/q`` in the weight (0: none). ``context_parallel``: see ``group_sums``. ``credit`` (``SAMPLED_CREDITS``):
+    ``to_go`` (reverse KL) weighs each token by ``reward_to_go`` of those shares over the trained positions of
+    ``loss_mask_T`` (each of ``segment_ids_T``'s samples of a packed row apart)."""
     if kind not in SAMPLED_KINDS:
         raise ValueError(f"the sampled loss estimates {' or '.join(SAMPLED_KINDS)}, not {kind!r}")
+    if credit not in SAMPLED_CREDITS or (credit == "to_go" and (kind != "reverse_kl" or loss_mask_T is None)):
+        raise ValueError(
+            f"credit={credit!r}: one of {SAMPLED_CREDITS}; to_go is the reverse KL's and needs the loss mask"
+        )
     logq_group_T = group_sums(logq_T.detach(), group_offset_T, context_parallel)
     log_ratio_T = logq_group_T - teacher_logp_T.to(logq_T.dtype)
     if kind == "reverse_kl":
@@ -116,8 +165,9 @@ def sampled_divergence(
         ratio_T = torch.exp((-log_ratio_T.double()).clamp(max=_MAX_LOG_RATIO))
         weight_T = (1.0 - (ratio_T.clamp(max=ratio_clip) if ratio_clip > 0 else ratio_T)).to(logq_T.dtype)
         divergence_T = (ratio_T * -log_ratio_T.double() - ratio_T + 1.0).to(logq_T.dtype)
-    surrogate_T = weight_T * logq_T
-    if group_offset_T is None:
-        return surrogate_T, divergence_T
-    size_T = group_sums(torch.ones_like(logq_T.detach()), group_offset_T, context_parallel)
-    return surrogate_T, divergence_T / size_T
+    if group_offset_T is not None:  # a group's divergence spread over its tokens
+        divergence_T = divergence_T / group_sums(torch.ones_like(logq_T.detach()), group_offset_T, context_parallel)
+    if credit == "to_go":  # the shares sum to each group's log-ratio
+        to_go_T = reward_to_go(divergence_T, loss_mask_T, group_offset_T, segment_ids_T, context_parallel)
+        weight_T = to_go_T.to(logq_T.dtype)
+    return weight_T * logq_T, divergence_T

@@ -450,10 +450,11 @@ class CodePath:
         teacher_scores = ref.teacher.score(request.tokens, request.request_ids, k, pair.teacher_temperature)
         return cls(ref, mode, batch, cross.scores(teacher_scores, request, batch))
 
-    def objective(self, kind: str, ratio_clip: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    def objective(self, kind: str, ratio_clip: float = 0.0, credit: str = "token") -> tuple[torch.Tensor, torch.Tensor]:
         """The expected reported divergence and the expected loss (its gradient: the expected gradient) of
-        ``losses.sampled.sampled_divergence`` (``mode="sampled"``) or ``losses.aligned.aligned_divergence``
-        (``"aligned"``), each response's per-token values summed over its trained positions."""
+        ``losses.sampled.sampled_divergence`` (``mode="sampled"``, ``credit`` as ``loss.sampled_credit``) or
+        ``losses.aligned.aligned_divergence`` (``"aligned"``), each response's per-token values summed over its
+        trained positions."""
         from megatron_opd.losses.aligned import aligned_divergence
         from megatron_opd.losses.sampled import label_logprobs, sampled_divergence
 
@@ -468,8 +469,9 @@ class CodePath:
         if self.mode == "sampled":
             logq_NS = label_logprobs(logits_NSV, labels_NS, vocab_size=vocab)
             per_token_NS, divergence_NS = sampled_divergence(
-                logq_NS, group_logp_NS, kind, offset_NS, ratio_clip=ratio_clip
-            )
+                logq_NS, group_logp_NS, kind, offset_NS, ratio_clip=ratio_clip, credit=credit,
+                loss_mask_T=batch.loss_mask,
+            )  # fmt: skip
         else:
             per_token_NS, divergence_NS = aligned_divergence(
                 logits_NSV, labels_NS, scores.extras["aligned_mask"], scores.topk_ids, scores.topk_logprobs,
@@ -480,6 +482,36 @@ class CodePath:
         mask_NS = batch.loss_mask.double()
         value = (q_N * (divergence_NS.double() * mask_NS).sum(-1)).sum()
         return value, (q_N * (per_token_NS.double() * mask_NS).sum(-1)).sum()
+
+
+def gradient_variance(code: CodePath, kind: str, credit: str = "token") -> tuple[float, float]:
+    """``(E_q |g_y - E g|^2, |E g|^2)`` of ``sampled``'s one-sample gradient ``g_y = sum_t w_t grad log q(y_t)``
+    with respect to the student's table, exactly over the enumeration (a response's positions predict from distinct
+    prefixes, distinct rows of the table: ``|g_y|^2 = sum_t w_t^2 |e_{y_t} - pi_t|^2``)."""
+    from megatron_opd.losses.sampled import sampled_divergence
+
+    ref, batch, scores = code.ref, code.batch, code.scores
+    responses = ref.responses
+    first, width = batch.prompt_lengths[0] - 1, responses.nodes_NL.shape[1]
+    logq_NL = ref.student.token_logprobs(responses).detach()
+    logq_NS = torch.zeros(batch.tokens.shape, dtype=torch.float64)
+    logq_NS[:, first : first + width] = logq_NL
+    logq_NS.requires_grad_()
+    surrogate_NS, _ = sampled_divergence(
+        logq_NS, scores.requested_logprobs[..., 0].double(), kind, scores.extras["group_offset"], credit=credit,
+        loss_mask_T=batch.loss_mask,
+    )  # fmt: skip
+    (weight_NS,) = torch.autograd.grad((surrogate_NS * batch.loss_mask).sum(), logq_NS)
+    weight_NL = weight_NS[:, first : first + width] * responses.mask_NL
+    pi_NLV = torch.softmax(ref.student.logits().detach(), -1)[responses.nodes_NL] * ref.student.allowed_V
+    score_NLV = torch.nn.functional.one_hot(responses.labels_NL, pi_NLV.shape[-1]) * ref.student.allowed_V - pi_NLV
+    q_N = logq_NL.sum(-1).exp()
+    second_moment = (q_N * (weight_NL**2 * score_NLV.pow(2).sum(-1)).sum(-1)).sum()
+    mean = torch.zeros_like(ref.student.table).index_add(
+        0, responses.nodes_NL.reshape(-1), (q_N[:, None, None] * weight_NL[..., None] * score_NLV).flatten(0, 1)
+    )
+    mean_sq = float(mean.pow(2).sum())
+    return float(second_moment) - mean_sq, mean_sq
 
 
 def _relative(g: torch.Tensor, reference: torch.Tensor) -> float:

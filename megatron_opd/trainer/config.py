@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 from megatron_opd.distributed.parallel import ParallelConfig
-from megatron_opd.losses.sampled import SAMPLED_KINDS
+from megatron_opd.losses.sampled import SAMPLED_CREDITS, SAMPLED_KINDS
 from megatron_opd.models.builder import ModelBuildConfig
 
 
@@ -440,6 +440,15 @@ class LossConfig:
     weight ``p/q`` of a sampled token is capped at this (truncated importance sampling; 0: no cap). The cap bites
     only where the student gives a token less than 1/cap of the teacher's probability (rare under the student's
     sampling, but then one token would weigh as much as a batch)."""
+    sampled_credit: Literal["token", "to_go"] = "token"
+    """``loss.mode=sampled`` with ``loss.kind=reverse_kl`` (one tokenizer, or ``cross_tokenizer=sampled``): what
+    weighs ``grad log q`` at each sampled token. ``token``: its own token's (group's) log-ratio ``log q - log p``, the
+    fixed-prefix part of the sequence's divergence (the teacher's view of the later tokens is left out). ``to_go``:
+    the sum of the log-ratios of its group and every later group of its sample (the reward to go), whose expected
+    gradient is the whole sequence-level reverse KL's (docs/losses.md); choose it where the teacher's judgment of a
+    token shows only later (across tokenizers, long answers), at the cost of a noisier weight. The logged divergence
+    is the same either way. Not for ``forward_kl`` (a sequence-level forward KL needs the prefix's importance
+    weights); keeps the output layer unfused (a sample's tokens must be in one pass)."""
     cross_tokenizer: Literal["off", "sampled", "aligned"] = "off"
     """A teacher with another tokenizer: ``sampled`` re-tokenizes each response for the teacher, aligns the two
     tokenizations by byte offsets and trains on the sampled divergence (``loss.kind`` reverse or forward KL) per
@@ -498,6 +507,20 @@ class LossConfig:
         if not 0.0 <= self.sampled_ratio_clip < float("inf"):
             raise ValueError(
                 f"loss.sampled_ratio_clip must be a finite number >= 0 (0: no cap), got {self.sampled_ratio_clip}"
+            )
+        if self.sampled_credit not in SAMPLED_CREDITS:
+            raise ValueError(f"loss.sampled_credit must be token or to_go, got {self.sampled_credit!r}")
+        if self.sampled_credit == "to_go" and (self.mode != "sampled" or self.kind != "reverse_kl"):
+            raise ValueError(
+                f"loss.sampled_credit=to_go weighs each sampled token by the reverse KL's log-ratios of the rest of "
+                f"its sample: set loss.mode=sampled and loss.kind=reverse_kl (got loss.mode={self.mode}, loss.kind="
+                f"{self.kind}; the forward KL's sequence-level form would need the prefix's importance weights "
+                "p(y_<=t)/q(y_<=t): keep loss.sampled_credit=token)"
+            )
+        if self.sampled_credit == "to_go" and self.fused_output == "on":
+            raise ValueError(
+                "loss.fused_output=on cannot be used with loss.sampled_credit=to_go (a sample's tokens must be in one "
+                "chunk): set loss.fused_output=auto or off"
             )
         cross = self.cross_tokenizer
         if cross not in ("off", "sampled", "aligned"):

@@ -341,13 +341,15 @@ class Objective:
     @property
     def fuses_output(self) -> bool:
         """Whether the update forms its logits inside the loss (``loss.fused_output``; SFT keeps the output layer, and
-        so does a cross-tokenizer loss, whose groups must not be split over chunks, and the staleness correction)."""
+        so do a cross-tokenizer loss, whose groups must not be split over chunks, the staleness correction, whose
+        weights need the pass's log-probabilities before the reduction, and the sampled reward to go, which reads the
+        whole sample)."""
         return (
             not self.keeps_output_layer
             and self.cfg.fused_output != "off"
             and not self.cross_tokenizer
-            and self.cfg.staleness_correction
-            == "off"  # its weights need the pass's log-probabilities before the reduction
+            and self.cfg.staleness_correction == "off"
+            and self.cfg.sampled_credit == "token"
         )
 
     def check(self, batch: LossBatch) -> None:
@@ -489,7 +491,8 @@ class SampledObjective(Objective):
         logq = label_logprobs(logits_TV, batch.labels, vocab_size=self.vocab_size, temperature=cfg.student_temperature)
         per_token, divergence = sampled_divergence(
             logq, batch.teacher_label_logprobs, cfg.kind, batch.group_offset, batch.context_parallel,
-            ratio_clip=cfg.sampled_ratio_clip,
+            ratio_clip=cfg.sampled_ratio_clip, credit=cfg.sampled_credit, loss_mask_T=batch.loss_mask,
+            segment_ids_T=batch.segment_ids,
         )  # fmt: skip
         lse = label_logit - logq.detach() if label_logit is not None and cfg.student_temperature == 1.0 else None
         return TokenLoss(per_token, target_top1, divergence, student_lse=lse)
