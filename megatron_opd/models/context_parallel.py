@@ -33,12 +33,6 @@ def chunk_order(cp_size: int) -> list[int]:
     return [c for rank in range(cp_size) for c in (rank, 2 * cp_size - 1 - rank)]
 
 
-def local_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """``[S / CP]`` the global positions rank ``cp_rank`` holds (Megatron's layout)."""
-    n = seq_len // (2 * cp_size)
-    return torch.cat([torch.arange(c * n, (c + 1) * n) for c in (cp_rank, 2 * cp_size - 1 - cp_rank)])
-
-
 @dataclass(frozen=True)
 class ContextParallelSplit:
     """The CP group and this rank's place in it: slices full sequences to this rank and gathers them back."""
