@@ -105,8 +105,8 @@ def bench(
 ) -> list[dict]:
     from megatron_opd.distributed import ParallelConfig
     from megatron_opd.launch.memory import hf_config
-    from megatron_opd.models.architecture import architecture_from_hf_config
     from megatron_opd.models.builder import ModelBuildConfig, build_model
+    from megatron_opd.models.hf_config import architecture_from_hf_config
 
     arch = architecture_from_hf_config(hf_config(name).to_dict(), name)
     build = ModelBuildConfig(dtype="bf16", attention=attention, recompute_granularity=recompute, norm=norm)

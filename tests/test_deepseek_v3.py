@@ -231,8 +231,8 @@ def test_what_deepseek_v3_cannot_run_is_refused_before_any_model(tmp_path):
     the build config itself."""
     from megatron_opd.config import parse_args
     from megatron_opd.distributed import ParallelConfig
-    from megatron_opd.models.architecture import architecture_from_hf_config
     from megatron_opd.models.builder import ModelBuildConfig, validate_layout
+    from megatron_opd.models.hf_config import architecture_from_hf_config
     from megatron_opd.testing.tiny_models import make_tiny_hf_model, make_tiny_tokenizer, tiny_hf_config
     from megatron_opd.trainer.config import TrainConfig
     from megatron_opd.trainer.setup import check_inputs

@@ -64,8 +64,8 @@ def test_loader_fills_a_buffer_a_rule_names(monkeypatch, tmp_path):
     from safetensors.torch import save_file
 
     from megatron_opd.models import families, loading
-    from megatron_opd.models.architecture import architecture_from_hf_config
     from megatron_opd.models.families.base import ModelFamily
+    from megatron_opd.models.hf_config import architecture_from_hf_config
     from megatron_opd.models.name_mapping import Split, WeightRule
 
     class WithBuffer(ModelFamily):
@@ -108,8 +108,8 @@ def _per_layer_body(layout: dict):
 
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
     from megatron_opd.models import families
-    from megatron_opd.models.architecture import architecture_from_hf_config
     from megatron_opd.models.builder import build_model
+    from megatron_opd.models.hf_config import architecture_from_hf_config
 
     base = next(iter(FAMILIES.values()))
     families.FAMILIES["local_first"] = _LocalFirstLayer("local_first", ("local_first",), base.read_config)

@@ -75,7 +75,7 @@ def _switch_and_z(x: torch.Tensor, weight: torch.Tensor, top_k: int):
 
 
 def test_router_losses_are_megatron_s_added_once_and_logged(shape_dirs):
-    from megatron_opd.models.architecture import load_architecture
+    from megatron_opd.models.hf_config import load_architecture
 
     hf_dir = shape_dirs[SHAPE]
     margin = routing_margin(hf_dir, _tokens(SHAPES[SHAPE].vocab_size).flatten(0, 1))

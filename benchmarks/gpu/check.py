@@ -151,7 +151,7 @@ def architecture(row: Row, smoke: bool):
     import transformers
 
     from megatron_opd.launch.memory import hf_config
-    from megatron_opd.models.architecture import architecture_from_hf_config
+    from megatron_opd.models.hf_config import architecture_from_hf_config
     from megatron_opd.testing.tiny_models import tiny_hf_config
 
     if row.model == "DeepseekV3Config":
@@ -260,7 +260,7 @@ def train(row: Row, smoke: bool, limit_s: float) -> dict:
 
 def run_row(index: int, smoke: bool, reps: int, limit_s: float) -> dict:
     """The row's result (in this process); ``skipped`` where its model family does not build yet."""
-    from megatron_opd.models.architecture import UnsupportedArchitectureError
+    from megatron_opd.model_files import UnsupportedArchitectureError
 
     row = ROWS[index]
     if row.kind == "train":

@@ -66,10 +66,11 @@ import torch
 from megatron_opd.distributed.parallel import ParallelConfig
 from megatron_opd.launch.layout import Recipe
 from megatron_opd.model_files import HF_CONFIG_DIR
-from megatron_opd.models.architecture import ModelArchitecture, architecture_from_hf_config
+from megatron_opd.models.architecture import ModelArchitecture
 from megatron_opd.models.builder import ModelBuildConfig
 from megatron_opd.models.families import FAMILIES
 from megatron_opd.models.fp8 import QUANTIZATION_CONFIG, block_fp8_of
+from megatron_opd.models.hf_config import architecture_from_hf_config
 from megatron_opd.models.name_mapping import ExpertSplit, Split, WeightRule, expand_rules, hf_shapes
 
 GIB = 1 << 30

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_opd.models.sliding_window import window_mask
+
 SPLIT_MARKER = "context_parallel_split"
 """The micro-batch key that says its columns are in this layout (``trainer.loss_batch.split_for_context_parallel``;
 ``forward_backward`` refuses a CP micro-batch without it)."""
@@ -209,8 +211,6 @@ def attend(q, k, v, split: ContextParallelSplit, sdpa, window: int | None = None
     compute of the chunk (``benchmarks/RESULTS.md``). A chunk whose keys a ``window`` hides takes the explicit mask
     (the trainer refuses windows that bite within its sequences, ``trainer.setup.check_inputs``; this covers the
     padding after them)."""
-    from megatron_opd.models.attention import window_mask
-
     k_all, v_all = (_GatherSequence.apply(x, 2, split) for x in (k, v))  # [b, g, S, d] in natural order
     n = q.shape[2] // 2
     outs = []

@@ -15,6 +15,7 @@ import torch
 from megatron_opd.distributed.device import Accelerator
 from megatron_opd.interfaces import SamplingParams
 from megatron_opd.models import rope
+from megatron_opd.models.families import family_named
 from megatron_opd.models.source import build_and_load, config_dir, load_output_weight, model_architecture
 from megatron_opd.trainer.config import TrainConfig
 from megatron_opd.trainer.student import PrecisionPlan, Student, precision_plan
@@ -155,7 +156,12 @@ def check_packed_attention(cfg: TrainConfig, arch, where: str) -> None:
     ``validate`` lets ``build.attention=local`` pack with ``build.use_transformer_engine=true`` (TE's attention
     separates the sequences), but such a family keeps the local spec, whose attention fails at the first forward."""
     b = cfg.build
-    if cfg.train.packing and b.attention == "local" and b.use_transformer_engine and arch.model_family.local_spec_only:
+    if (
+        cfg.train.packing
+        and b.attention == "local"
+        and b.use_transformer_engine
+        and family_named(arch.family).local_spec_only
+    ):
         raise ValueError(
             f"train.packing=true with build.use_transformer_engine=true and build.attention=local: the "
             f"{arch.family} model of {where} always runs Megatron's local layer spec (TransformerEngine's layers do "

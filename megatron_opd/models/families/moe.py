@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_opd.model_files import UnsupportedArchitectureError
 from megatron_opd.models.families.base import ModelFamily, SpecOptions, check_dense_mlp
-from megatron_opd.models.name_mapping import ExpertSplit, Split, WeightRule
+from megatron_opd.models.weight_rule import ExpertSplit, Split, WeightRule
 
 if TYPE_CHECKING:
     from megatron_opd.models.architecture import ModelArchitecture
