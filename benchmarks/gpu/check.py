@@ -53,7 +53,7 @@ class Row:
     issue: str
     what: str
     kind: str  # "update" | "score" | "train"
-    model: str = ""  # a launch.memory.KNOWN_CONFIGS name, or a transformers config class for families to come
+    model: str = ""  # a trainer.memory.KNOWN_CONFIGS name, or a transformers config class for families to come
     tokens: int = 0
     recompute: str | None = None
     limit_s: int = 240
@@ -150,9 +150,9 @@ def architecture(row: Row, smoke: bool):
     """The row's architecture; raises ``UnsupportedArchitectureError`` while its family does not build."""
     import transformers
 
-    from megatron_opd.launch.memory import hf_config
     from megatron_opd.models.hf_config import architecture_from_hf_config
     from megatron_opd.testing.tiny_models import tiny_hf_config
+    from megatron_opd.trainer.memory import hf_config
 
     if row.model == "DeepseekV3Config":
         full = transformers.DeepseekV3Config(**DEEPSEEK_V2_LITE_SIZE)

@@ -114,7 +114,7 @@ class ModelFamily:
     family's cells of the shape matrix."""
     memory_configs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """Model folder name -> ``config.json`` fields (``model_type`` included) for the memory estimate of a model
-    that is not on this machine (``launch.memory.KNOWN_CONFIGS``)."""
+    that is not on this machine (``trainer.memory.KNOWN_CONFIGS``)."""
     local_spec_only: bool = False
     """Its layers are always Megatron's local spec, TransformerEngine or not (layers TE has no fused form of): the
     core attention is then ``build.attention``'s even with ``build.use_transformer_engine=true``, which
