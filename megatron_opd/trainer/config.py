@@ -131,7 +131,7 @@ class TrainLoopConfig:
     logs its estimate). Set it to check a layout for another GPU from a dry run."""
     skip_memory_check: bool = False
     """Start even when the estimated peak of a device (student, in-process teacher, colocated vLLM;
-    ``launch/memory.py``) exceeds its memory; the estimate is still logged."""
+    ``trainer/memory.py``) exceeds its memory; the estimate is still logged."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "micro_batch_size", "collapse_window", "collapse_patience"):
