@@ -15,16 +15,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from megatron_opd.model_files import UnsupportedArchitectureError
+from megatron_opd.models.architecture import ModelArchitecture
 from megatron_opd.models.weight_rule import Split, WeightRule
-
-if TYPE_CHECKING:
-    from megatron_opd.models.architecture import ModelArchitecture
 
 
 @dataclass(frozen=True)
@@ -49,7 +47,7 @@ def mlp_submodules(layer_spec):
 
 
 def use_grouped_experts(layer_spec) -> None:
-    """Swap ``SequentialMLP`` for :class:`GroupedExperts` in an MoE layer spec of Megatron-Core's local layers
+    """Swap ``SequentialMLP`` for :class:`~megatron_opd.models.grouped_experts.GroupedExperts` in an MoE layer spec of Megatron-Core's local layers
     (a ``ModuleSpec`` tree in 0.16, ``functools.partial`` s in 0.19)."""
     from megatron.core.transformer.moe.experts import SequentialMLP
 

@@ -19,18 +19,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from megatron_opd.model_files import UnsupportedArchitectureError
-from megatron_opd.models.architecture import DeepSeekRouting, MLAArchitecture, MoEArchitecture, RopeConfig
+from megatron_opd.models.architecture import (
+    DeepSeekRouting,
+    MLAArchitecture,
+    ModelArchitecture,
+    MoEArchitecture,
+    RopeConfig,
+)
 from megatron_opd.models.families.base import SpecOptions, use_grouped_experts
 from megatron_opd.models.families.moe import QWEN_MOE_NAMES, MoEFamily, check_moe_config
 from megatron_opd.models.weight_rule import Split, WeightRule
-
-if TYPE_CHECKING:
-    from megatron_opd.models.architecture import ModelArchitecture
 
 
 def _int(cfg: dict[str, Any], name: str, source: str, *, optional: bool = False) -> int | None:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_opd.model_files import UnsupportedArchitectureError
+from megatron_opd.models.architecture import RopeConfig
 from megatron_opd.models.families.base import ModelFamily, SpecOptions, read_sliding_window
 from megatron_opd.models.weight_rule import Split, WeightRule
 
@@ -43,7 +44,6 @@ def check_config(cfg: dict[str, Any]) -> None:
 
 def read_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     from megatron_opd.models import rope as rope_lib
-    from megatron_opd.models.architecture import RopeConfig
 
     layers = cfg.get("num_hidden_layers") or 0
     layer_types = cfg.get("layer_types")
