@@ -11,8 +11,12 @@ setup(
     python_requires=">=3.10",
     # The repository's kernels/ folder installs as megatron_opd.kernels: a top-level `kernels` would collide with
     # Hugging Face's package of that import name (transformers loads hub kernels through it).
-    packages=find_packages(include=["megatron_opd", "megatron_opd.*"]) + ["megatron_opd.kernels"],
-    package_dir={"megatron_opd.kernels": "kernels"},
+    # The quick start's recipes, examples/quickstart/*.yaml (the files users read), ship as
+    # megatron_opd/recipes/quickstart/ so that an installed package runs the quick start from any folder.
+    packages=find_packages(include=["megatron_opd", "megatron_opd.*"])
+    + ["megatron_opd.kernels", "megatron_opd.recipes.quickstart"],
+    package_dir={"megatron_opd.kernels": "kernels", "megatron_opd.recipes.quickstart": "examples/quickstart"},
+    package_data={"megatron_opd.recipes.quickstart": ["*.yaml"]},
     install_requires=[
         # torch is deliberately unpinned here: install the build for your accelerator first
         # (CPU machines: `pip install torch==2.13.0`), so pip never swaps it for another build.
@@ -43,7 +47,7 @@ setup(
         "npu": ["torch_npu", "mindspeed"],
         "triton": ["triton"],
         "wandb": ["wandb"],
-        # pytest-xdist runs the suite on three workers (README); coverage measures it across processes (pyproject.toml).
+        # pytest-xdist runs the suite on three workers (docs/testing.md); coverage measures it across processes (pyproject.toml).
         # triton is in dev so the fused kernels are tested on CPU too (TRITON_INTERPRET=1). mistral_common and
         # llama-models are there for the real tokenizer files they ship (SentencePiece; Llama 3's tiktoken model).
         "dev": [
@@ -60,7 +64,13 @@ setup(
         ],
     },
     entry_points={
-        "console_scripts": [],
+        "console_scripts": [
+            "opd-train = megatron_opd.train:main",
+            "opd-launch = megatron_opd.launch.cli:main",
+            "opd-convert = megatron_opd.checkpoint.convert:main",
+            "opd-check-vocab = megatron_opd.check_vocab:main",
+            "opd-quickstart = megatron_opd.quickstart:main",
+        ],
         # vLLM loads these in every process it starts: registers the gloo weight-transfer back end (idempotent).
         "vllm.general_plugins": ["megatron_opd_weight_sync = megatron_opd.weight_sync.plugin:register"],
     },

@@ -48,7 +48,6 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "examples"))
 
 CONFIG = REPO / "examples" / "quickstart" / "distil.yaml"
 ACCURACY, OWN, FIXED = "eval/accuracy", "eval/divergence_own_samples", "eval/divergence_teacher_samples"
@@ -61,8 +60,7 @@ LAYOUTS = {
 def launch(config: Path, overrides: list[str], log: Path, fault: str | None = None) -> int:
     """One trainer job under torchrun (two ranks, one OpenMP thread each, this checkout's code) in the folder above
     its ``output_dir``; its exit code."""
-    from quickstart import _stop_with_this_process
-
+    from megatron_opd.quickstart import _stop_with_this_process
     from megatron_opd.testing.multiprocess import find_free_port
 
     out_dir = Path(next(o for o in overrides if o.startswith("output_dir=")).split("=", 1)[1])

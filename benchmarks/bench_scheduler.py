@@ -146,8 +146,7 @@ def fast_task(workdir: Path) -> dict[str, Path]:
     exact match), each trained once (TP=1); reused when ``workdir`` holds them (a kept ``--quality-workdir``)."""
     import subprocess
 
-    sys.path.insert(0, str(REPO / "examples"))
-    from quickstart import HERE, finish, torchrun
+    from megatron_opd.quickstart import RECIPES, finish, torchrun
 
     task = workdir / "task"
     paths = {"task": task, "teacher": workdir / "teacher" / "hf", "student": workdir / "student" / "hf"}
@@ -160,7 +159,7 @@ def fast_task(workdir: Path) -> dict[str, Path]:
     for name, config, init in (("teacher", "teacher_sft.yaml", "teacher-init"),
                                ("student", "student_warmup.yaml", "student-init")):  # fmt: skip
         log = workdir / f"{name}.log"
-        finish(torchrun(1, HERE / "quickstart" / config, [f"student.path={task / init}", *data,
+        finish(torchrun(1, RECIPES / config, [f"student.path={task / init}", *data,
                                                            f"output_dir={workdir / name}"], log=log), log)  # fmt: skip
     return paths
 
@@ -168,8 +167,7 @@ def fast_task(workdir: Path) -> dict[str, Path]:
 def fast_run(paths: dict[str, Path], out: Path, run: str, seed: int, steps: int, lr: float, every: int,
              extra: dict, lag_lr_target: float = 0.1) -> dict:  # fmt: skip
     """One distillation run of the fast-moving task: its evaluations by step and its step times."""
-    sys.path.insert(0, str(REPO / "examples"))
-    from quickstart import finish, metric_rows, torchrun
+    from megatron_opd.quickstart import finish, metric_rows, torchrun
 
     (backend, mode, delay), variant = run_settings(run, lag_lr_target)
     extra = {**extra, **variant}  # the same run with the staleness corrections its name appends
@@ -254,16 +252,15 @@ def quickstart_quality(workdir: Path, steps: int) -> list[dict]:
     sampling seeds, so the spread between runs of one mode stands beside the gaps between modes."""
     import subprocess
 
-    sys.path.insert(0, str(REPO / "examples"))
-    from quickstart import HERE, evals, torchrun
+    from megatron_opd.quickstart import RECIPES, evals, torchrun
 
-    subprocess.run([sys.executable, str(HERE / "quickstart.py"), "--workdir", str(workdir), "--rollout-backend",
+    subprocess.run([sys.executable, str(REPO / "examples" / "quickstart.py"), "--workdir", str(workdir), "--rollout-backend",
                     "vllm"], cwd=REPO, check=True, stdout=subprocess.DEVNULL)  # fmt: skip
     task, rows = workdir / "task", []
     runs = [(mode, 0) for mode in MODES] + [("zero_step_off", 1), ("zero_step_off", 2)]
     for mode, seed_offset in runs:
         run = workdir / f"{mode}_{seed_offset}"
-        torchrun(2, HERE / "quickstart" / "distil.yaml", [
+        torchrun(2, RECIPES / "distil.yaml", [
             f"student.path={task / 'student-init'}", f"teacher.path={workdir / 'teacher' / 'hf'}",
             f"data.train_files={task / 'train.jsonl'}", f"data.eval_files={task / 'eval.jsonl'}",
             f"output_dir={run}", "rollout.backend=vllm", f"scheduler.mode={mode}", "logging.progress_bar=false",

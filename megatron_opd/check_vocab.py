@@ -1,8 +1,9 @@
-"""Check a teacher/student pair before a long run: ``python -m megatron_opd.check_vocab TEACHER STUDENT``.
+"""Check a teacher/student pair before a long run: ``opd-check-vocab TEACHER STUDENT``.
 
 Runs the trainer's own start-up check (:func:`megatron_opd.trainer.setup.load_vocabulary`: tokenizers in any
 format, the one vocabulary check, stop ids) on two model folders, Hugging Face or dist_ckpt, without building
-either model. Exit status 0 when the trainer would accept the pair, 1 with the reason when it would refuse it.
+either model (``python -m megatron_opd.check_vocab`` is the same command). Exit status 0 when the trainer would
+accept the pair, 1 with the reason when it would refuse it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from megatron_opd import quiet
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv``, run the check, print its verdict; the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m megatron_opd.check_vocab", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="opd-check-vocab", description=__doc__.split("\n\n")[0])
     parser.add_argument("teacher", help="teacher folder (teacher.path): Hugging Face or dist_ckpt")
     parser.add_argument("student", help="student folder (student.path): Hugging Face or dist_ckpt")
     parser.add_argument("--teacher-tokenizer", help="teacher.tokenizer: folder with the teacher's tokenizer files")

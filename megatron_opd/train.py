@@ -48,7 +48,7 @@ from megatron_opd.trainer.config import TrainConfig
 from megatron_opd.trainer.evaluation import build_evaluator
 from megatron_opd.trainer.lag_lr import lag_lr_scale
 from megatron_opd.trainer.metrics import MetricsLogger
-from megatron_opd.trainer.objective import TeacherObjective, global_count, train_step
+from megatron_opd.trainer.objective import TeacherObjective, global_count, objective_for, train_step
 from megatron_opd.trainer.resharding import check_optimizer_state, current_layout, saved_layout
 from megatron_opd.trainer.sequence_weights import import_function, sequence_weights
 from megatron_opd.trainer.setup import (
@@ -147,7 +147,7 @@ def build_data(cfg: TrainConfig, encoder: PromptEncoder, files: list[str], key: 
     from megatron.core import parallel_state as ps
 
     records, prompt_ids = load_prompts(files, encoder, key)
-    if cfg.loss.kind == "sft":
+    if not objective_for(cfg.loss).samples:  # SFT trains on the records' responses
         fits = [
             len(ids) + len(encoder.response_ids(rec, where=f"{key} record {i}")) <= max_prompt_len + 1
             for i, (ids, rec) in enumerate(zip(prompt_ids, records))
@@ -178,23 +178,14 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     vocab = check_inputs(cfg)  # before any process group or model
     accel = initialize_distributed(cfg.parallel, None if cfg.device == "auto" else cfg.device, seed=cfg.seed)
     log_fused_libraries(cfg.build.use_transformer_engine, attention=cfg.build.attention)
-    rank, sft = dist.get_rank(), cfg.loss.kind == "sft"
+    sft = not objective_for(cfg.loss).samples  # loss.kind=sft: the records' responses, no rollout, no teacher
     ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep_last)
     ckpt.acquire_lock()
 
     # ---- the pieces: models, back ends, data -------------------------------------------------------------------
     student = build_student(cfg, accel)
-    teacher, teachers = None, None
-    if cfg.teachers:  # several teachers by name; each record's samples go to the one it names
-        teachers = build_teachers(cfg, accel, vocab, student)
-    else:
-        teacher = build_teacher(cfg, accel, vocab.teacher_vocab_size, student, vocab.teacher_fingerprint)
-    rollout = build_rollout(cfg, student, vocab)
-    if cfg.scheduler.sync_delay:  # debug: sample with the weights of sync_delay steps ago
-        from megatron_opd.scheduler import DelayedSync
-
-        params = [p for chunk in student.chunks for p in chunk.parameters()]
-        rollout = DelayedSync(rollout, params, cfg.scheduler.sync_delay)
+    teacher, teachers = build_teacher_backends(cfg, accel, vocab, student)
+    rollout = build_sampler(cfg, student, vocab)
     seq_len = max_seq_len(cfg)
     encoder = PromptEncoder.for_data(vocab.tokenizer, cfg.data)
     prompt_room = seq_len - 1 if sft else seq_len - cfg.rollout.max_new_tokens
@@ -211,16 +202,14 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     rollout.sync_weights(start_step)
     max_logprob_diff = max_logprob_diff_for(cfg, student)
     if not sft and cfg.rollout.backend == "vllm" and cfg.rollout.startup_check:
-        diffs = startup_check(rollout, student.chunks, vocab.vocab_size, max_logprob_diff, seq_len)
-        logger.info("rollout start-up check passed: %s", ", ".join(f"{k} {v:.2g}" for k, v in diffs.items()))
-    metrics = MetricsLogger(cfg.logging, cfg.output_dir, rank=rank, total_steps=cfg.train.steps,
-                            start_step=start_step, run_config=to_dict(cfg))  # fmt: skip
-    audit = open(Path(cfg.output_dir) / "batches.jsonl", "a") if rank == 0 and not sft else None
+        check_sampler_at_start(rollout, student, vocab.vocab_size, max_logprob_diff, seq_len)
+    log = StepLog.open(cfg, start_step, collapse, sft)
     guard = PreemptionGuard()
-    last_eval = evaluate(evaluator, metrics, 0) if start_step == 0 else {}
+    last_eval = evaluate(evaluator, log.metrics, 0) if start_step == 0 else {}
 
-    # ---- the loop ----------------------------------------------------------------------------------------------
-    step, saved_step, warned_at = start_step, start_step, -cfg.logging.log_every
+    # ---- the loop: rollout -> teacher -> update -> sync, then what each step leaves ------------------------------
+    step, saved_step = start_step, start_step
+    data_state = data.state_dict if sft else scheduler.data_state  # a resume redoes the rollouts in flight
     try:
         while step < cfg.train.steps:
             t_start = time.perf_counter()
@@ -233,40 +222,21 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             step += 1
             t_sync = time.perf_counter()
             work.timings["update"] = t_sync - t_update
-            student.finish_param_sync()  # optim.overlap_param_gather: the weights the sync and the sampler read
-            rollout.sync_weights(step)  # policy version = optimizer steps applied (waits for rollouts in flight)
+            sync_weights(student, rollout, step)
             work.timings["weight_sync"] = time.perf_counter() - t_sync
-            row = step_row(result, work, step, time.perf_counter() - t_start, cfg)
-            metrics.log(step, row)
-            lag_warning = policy_lag_warning(row, work.staleness, cfg.scheduler.warn_policy_lag)
-            if lag_warning and step - warned_at >= cfg.logging.log_every:  # at most once per log_every steps
-                metrics.write(f"WARNING step {step}: {lag_warning}")
-                warned_at = step
-            if not sft and (warning := collapse.update(step, row)):  # raises once the collapse has held long enough
-                metrics.write(warning)
-            if audit is not None:  # the audit trail of the data order and staleness (rank 0's prompts)
-                audit.write(json.dumps({"step": step, "prompts": [it.index for it in work.items],
-                                        "sampled_by": float(step - 1 - work.staleness)}) + "\n")  # fmt: skip
-                audit.flush()
+            log.record(step, result, work, time.perf_counter() - t_start)
 
-            stop = guard.should_stop()
+            stop = guard.should_stop()  # SIGTERM: save this step, then leave
             if step == cfg.train.steps or stop or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-                data_state = data.state_dict() if sft else scheduler.data_state()  # rollouts in flight are redone
-                state = training_state(student, data_state, step, cfg, loading=False, collapse=collapse)
-                ckpt.save(step, state, {"config": to_dict(cfg)})
-                saved_step = step
+                saved_step = save_checkpoint(ckpt, student, data_state(), step, cfg, collapse)
             if step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0):
-                student.finish_param_sync()
-                last_eval = evaluate(evaluator, metrics, step) or last_eval
-            fault_point("kill_after_step", step)
-            hold_point(step)
+                last_eval = evaluate(evaluator, log.metrics, step, student) or last_eval
+            fault_points(step)
             if stop:
-                metrics.write(f"SIGTERM: saved step {step}; resume by starting the same command again")
+                log.metrics.write(f"SIGTERM: saved step {step}; resume by starting the same command again")
                 break
     finally:
-        metrics.close()
-        if audit is not None:
-            audit.close()
+        log.close()
         rollout.close()  # the vLLM back end's engine process
         guard.restore()
     if cfg.export_hf and step == cfg.train.steps and saved_step == step:
@@ -274,6 +244,92 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     ckpt.release_lock()
     destroy_distributed()
     return last_eval
+
+
+def build_teacher_backends(cfg: TrainConfig, accel, vocab, student: Student) -> tuple:
+    """``(teacher, teachers)``: the teacher back end (None for SFT), or with ``teachers.*`` each one's by name (each
+    record's samples go to the one it names; ``teacher`` is then None)."""
+    if cfg.teachers:
+        return None, build_teachers(cfg, accel, vocab, student)
+    return build_teacher(cfg, accel, vocab.teacher_vocab_size, student, vocab.teacher_fingerprint), None
+
+
+def build_sampler(cfg: TrainConfig, student: Student, vocab):
+    """The rollout back end; with ``scheduler.sync_delay`` (debug) it samples with the weights of that many steps
+    ago."""
+    rollout = build_rollout(cfg, student, vocab)
+    if not cfg.scheduler.sync_delay:
+        return rollout
+    from megatron_opd.scheduler import DelayedSync
+
+    params = [p for chunk in student.chunks for p in chunk.parameters()]
+    return DelayedSync(rollout, params, cfg.scheduler.sync_delay)
+
+
+def check_sampler_at_start(rollout, student: Student, vocab_size: int, max_logprob_diff: float, seq_len: int) -> None:
+    """``rollout.startup_check``: the sampler scores a fixed sequence as the trainer does, or the run stops."""
+    diffs = startup_check(rollout, student.chunks, vocab_size, max_logprob_diff, seq_len)
+    logger.info("rollout start-up check passed: %s", ", ".join(f"{k} {v:.2g}" for k, v in diffs.items()))
+
+
+def sync_weights(student: Student, rollout, step: int) -> None:
+    """The sampler takes the updated weights: policy version ``step`` = optimizer steps applied (waits for the
+    rollouts in flight)."""
+    student.finish_param_sync()  # optim.overlap_param_gather: the weights the sync and the sampler read
+    rollout.sync_weights(step)
+
+
+def save_checkpoint(ckpt: CheckpointManager, student: Student, data_state: dict, step: int, cfg: TrainConfig,
+                    collapse: CollapseWatch) -> int:  # fmt: skip
+    """Save everything a resume at ``step`` needs (``training_state``); the step saved."""
+    state = training_state(student, data_state, step, cfg, loading=False, collapse=collapse)
+    ckpt.save(step, state, {"config": to_dict(cfg)})
+    return step
+
+
+def fault_points(step: int) -> None:
+    """The fault-injection tests' points after a step (``megatron_opd.faults``; nothing unless armed)."""
+    fault_point("kill_after_step", step)
+    hold_point(step)
+
+
+class StepLog:
+    """What each step leaves besides the weights: its metrics row, the policy-lag warning (at most once per
+    ``logging.log_every`` steps), the collapse watch (distillation) and, on rank 0, the audit trail of the data order
+    and staleness (``batches.jsonl``; not for SFT)."""
+
+    def __init__(self, cfg: TrainConfig, metrics: MetricsLogger, collapse: CollapseWatch, audit, sft: bool) -> None:
+        self.cfg, self.metrics, self.collapse, self.audit, self.sft = cfg, metrics, collapse, audit, sft
+        self.warned_at = -cfg.logging.log_every
+
+    @classmethod
+    def open(cls, cfg: TrainConfig, start_step: int, collapse: CollapseWatch, sft: bool) -> StepLog:
+        rank = dist.get_rank()
+        metrics = MetricsLogger(cfg.logging, cfg.output_dir, rank=rank, total_steps=cfg.train.steps,
+                                start_step=start_step, run_config=to_dict(cfg))  # fmt: skip
+        audit = open(Path(cfg.output_dir) / "batches.jsonl", "a") if rank == 0 and not sft else None
+        return cls(cfg, metrics, collapse, audit, sft)
+
+    def record(self, step: int, result, work: StepWork, elapsed: float) -> None:
+        """Log finished step ``step``; the collapse watch raises once a collapse has held long enough."""
+        row = step_row(result, work, step, elapsed, self.cfg)
+        metrics, collapse, sft = self.metrics, self.collapse, self.sft
+        metrics.log(step, row)
+        lag_warning = policy_lag_warning(row, work.staleness, self.cfg.scheduler.warn_policy_lag)
+        if lag_warning and step - self.warned_at >= self.cfg.logging.log_every:  # at most once per log_every steps
+            metrics.write(f"WARNING step {step}: {lag_warning}")
+            self.warned_at = step
+        if not sft and (warning := collapse.update(step, row)):  # raises once the collapse has held long enough
+            metrics.write(warning)
+        if self.audit is not None:  # the audit trail of the data order and staleness (rank 0's prompts)
+            self.audit.write(json.dumps({"step": step, "prompts": [it.index for it in work.items],
+                                         "sampled_by": float(step - 1 - work.staleness)}) + "\n")  # fmt: skip
+            self.audit.flush()
+
+    def close(self) -> None:
+        self.metrics.close()
+        if self.audit is not None:
+            self.audit.close()
 
 
 def rollout_scheduler(cfg: TrainConfig, vocab, rollout, teacher, data: PromptStream, seq_len: int, teachers=None):
@@ -436,8 +492,11 @@ def step_row(result, work: StepWork, step: int, elapsed: float, cfg: TrainConfig
     }
 
 
-def evaluate(evaluator, metrics: MetricsLogger, step: int) -> dict[str, float]:
-    """Run the held-out evaluation (if configured) and log it at ``step``; its metrics ({} without one)."""
+def evaluate(evaluator, metrics: MetricsLogger, step: int, student: Student | None = None) -> dict[str, float]:
+    """Run the held-out evaluation (if configured) and log it at ``step``; its metrics ({} without one). ``student``:
+    its pending parameter gather is finished first (after a step)."""
+    if student is not None:
+        student.finish_param_sync()
     if evaluator is None:
         return {}
     out = evaluator.run()

@@ -1,10 +1,13 @@
-"""Shared fixtures: tiny Hugging Face checkpoints built once per test session, and the quick start's run."""
+"""Shared fixtures: tiny Hugging Face checkpoints built once per test session, the quick start's run, and the package
+installed from its wheel."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -12,7 +15,7 @@ import pytest
 # One thread per process, in the test workers and in everything they start (which inherits the variable): the
 # suite runs on three workers sharing the cores, and a process with more OpenMP threads than its share spins
 # them against the other workers (the cross-tokenizer quick start, TP=1 with two threads: 67 s alone, 428 s beside
-# one busy core; one thread: 81 s; benchmarks/RESULTS.md, "The test suite's time").
+# one busy core; one thread: 81 s; benchmarks/CI_LOG.md, "The test suite's time").
 os.environ["OMP_NUM_THREADS"] = "1"
 
 import torch  # noqa: E402
@@ -40,7 +43,7 @@ MCORE_SMOKE = (
 # The README's command runs the suite on three pytest-xdist workers (``-n 3 --dist loadfile``): a file's tests run on
 # one worker, so its module-scoped fixtures (a shared run, a server, a model pair) are built once; tests sharing a run
 # live in one file (tests/test_quickstart.py). Files start longest first, the rest in file order, so that no long
-# file is left for the end (the seconds each took on 2 cores: benchmarks/RESULTS.md, "The test suite's time").
+# file is left for the end (the seconds each took on 2 cores: benchmarks/CI_LOG.md, "The test suite's time").
 LONGEST_FIRST = (
     "test_quickstart.py",
     "test_quickstart_cross_tokenizer.py",  # one test of ~290 s: it cannot be split across workers
@@ -145,11 +148,17 @@ def shape_dirs(tmp_path_factory):
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_quickstart(workdir: Path, *args: str, timeout: float = 900) -> tuple[subprocess.CompletedProcess, str]:
-    """``examples/quickstart.py --workdir workdir args``; asserts it passed its bar with no library warnings."""
+def run_quickstart(
+    workdir: Path, *args: str, timeout: float = 900, installed: InstalledPackage | None = None
+) -> tuple[subprocess.CompletedProcess, str]:
+    """``examples/quickstart.py --workdir workdir args`` in the checkout, or ``installed``'s ``opd-quickstart`` from
+    its empty folder; asserts it passed its bar with no library warnings."""
     # OMP_NUM_THREADS=1 (above): the quick start's own share of the cores assumes the machine is its alone.
-    proc = subprocess.run([sys.executable, "examples/quickstart.py", "--workdir", str(workdir), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    command, cwd, env = [sys.executable, "examples/quickstart.py"], ROOT, None
+    if installed is not None:
+        command, cwd, env = [str(installed.script("opd-quickstart"))], installed.empty_dir, installed.env
+    proc = subprocess.run([*command, "--workdir", str(workdir), *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "PASS: divergence at least halved, accuracy up 10+ points" in proc.stdout
@@ -157,3 +166,75 @@ def run_quickstart(workdir: Path, *args: str, timeout: float = 900) -> tuple[sub
     noise = [line for line in out.splitlines() if "Warning" in line or "warnings.warn" in line]
     assert not noise, "unfiltered library warnings:\n" + "\n".join(noise[:20])
     return proc, out
+
+
+def _without_coverage() -> dict[str, str]:
+    """This process's environment without what starts coverage in a child (README's coverage command)."""
+    return {k: v for k, v in os.environ.items() if k not in ("COVERAGE_PROCESS_START", "COVERAGE_PROCESS_CONFIG")}
+
+
+@dataclass(frozen=True)
+class InstalledPackage:
+    """This checkout's wheel installed by pip into ``site`` (``pip install --target``), apart from the source tree,
+    and an empty folder to run it from."""
+
+    site: Path
+    empty_dir: Path
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment of a process that imports megatron_opd from ``site``: first on the path, before the
+        editable install's finder (which answers only what the path does not). Coverage is off there: it would
+        record files of ``site``, which is gone by the time the report is made."""
+        env = _without_coverage()
+        env["PYTHONPATH"] = os.pathsep.join([str(self.site), *filter(None, [os.environ.get("PYTHONPATH")])])
+        return env
+
+    def script(self, name: str) -> Path:
+        """A console command as pip wrote it (``site/bin``)."""
+        return self.site / "bin" / name
+
+    def run(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        """``args`` (a console command or ``python ...``) in the empty folder; stdout and stderr as text."""
+        return subprocess.run(list(args), cwd=self.empty_dir, env=self.env, capture_output=True, text=True,
+                              timeout=timeout)  # fmt: skip
+
+
+# What the wheel is built from: setup.py's inputs (README.md is its long description), nothing else of the checkout.
+_WHEEL_SOURCES = ("setup.py", "pyproject.toml", "README.md", "megatron_opd", "kernels", "examples/quickstart")
+
+
+def _pip(*args: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "pip", "-q", "--disable-pip-version-check", *args],
+                          env=_without_coverage(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def install_wheel(root: Path) -> InstalledPackage:
+    """Build this checkout's wheel (``pip wheel``, no build isolation: setuptools and wheel are the venv's) from a
+    copy of its sources, so that no earlier ``build/`` folder leaks into it, and install it into ``root/site``."""
+    source, wheels = root / "source", root / "wheels"
+    for name in _WHEEL_SOURCES:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
+    _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(source))
+    (wheel,) = wheels.glob("megatron_opd-*.whl")
+    _pip("install", "--no-deps", "--target", str(root / "site"), str(wheel))
+    (root / "empty").mkdir()
+    return InstalledPackage(root / "site", root / "empty")
+
+
+def other_kernels_package(tmp_path: Path) -> Path:
+    """Hugging Face's `kernels` where it is installed (transformers' hub kernels), else a stand-in of the same
+    import name: either must not shadow the project's kernels, nor be shadowed by them."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("kernels")
+    if spec is not None and spec.origin and not Path(spec.origin).resolve().is_relative_to(ROOT):
+        return Path(spec.origin).parents[1]
+    (tmp_path / "hf" / "kernels").mkdir(parents=True)
+    (tmp_path / "hf" / "kernels" / "__init__.py").write_text('"""Stand-in for Hugging Face\'s kernels package."""\n')
+    return tmp_path / "hf"

@@ -1,12 +1,17 @@
-"""The ``tools/checkpoint/convert.py`` command line: both directions with ``--verify``, exit codes, messages."""
+"""The converter's command line (``opd-convert``; ``tools/checkpoint/convert.py`` in a checkout): both directions with
+``--verify``, exit codes, messages."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from megatron_opd.checkpoint.convert import main as convert_main
+from megatron_opd.checkpoint.convert import parse_size
 
 REPO = Path(__file__).resolve().parents[1]
 CONVERT = REPO / "tools" / "checkpoint" / "convert.py"
@@ -14,6 +19,18 @@ CONVERT = REPO / "tools" / "checkpoint" / "convert.py"
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(CONVERT), *args], capture_output=True, text=True, timeout=600, cwd=REPO)
+
+
+def refused(args: list[str]) -> int:
+    """The command's ``main(args)`` in this process, for an input it refuses before any work; the log levels it sets
+    for its own output are put back after."""
+    loggers = [logging.getLogger(name) for name in ("megatron_opd.checkpoint", "megatron_opd.checkpoint.verify")]
+    levels = [logger.level for logger in loggers]
+    try:
+        return convert_main(args)
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 @pytest.fixture(scope="module")
@@ -24,22 +41,23 @@ def qwen2_ckpt(tiny_model_dirs, tmp_path_factory) -> tuple[subprocess.CompletedP
     return cli("hf-to-mcore", *args, "--verify"), ckpt
 
 
-def test_hf_to_mcore_with_verify(qwen2_ckpt, tiny_model_dirs):
+def test_hf_to_mcore_with_verify(qwen2_ckpt, tiny_model_dirs, capsys):
     done, ckpt = qwen2_ckpt
     assert done.returncode == 0, done.stdout + done.stderr
     assert "verify: max relative error of logits" in done.stdout and ": OK" in done.stdout, done.stdout
     assert "tensors" in done.stderr  # the progress bar counts tensors as well as bytes
-    again = cli("hf-to-mcore", "--hf-dir", tiny_model_dirs["qwen2"], "--out", str(ckpt))
-    assert again.returncode == 2 and "already exists; pass --force" in again.stderr, again.stderr
+    # Refused before any work (the command's exit status is main's): in this process, not another start-up.
+    assert refused(["hf-to-mcore", "--hf-dir", tiny_model_dirs["qwen2"], "--out", str(ckpt)]) == 2
+    assert "already exists; pass --force" in capsys.readouterr().err
 
 
-def test_mcore_to_hf_with_verify(qwen2_ckpt, tmp_path):
+def test_mcore_to_hf_with_verify(qwen2_ckpt, tmp_path, capsys):
     _, ckpt = qwen2_ckpt
     done = cli("mcore-to-hf", "--ckpt", str(ckpt), "--out", str(tmp_path / "back"), "--verify", "--no-progress")
     assert done.returncode == 0, done.stdout + done.stderr
     assert ": OK" in done.stdout and (tmp_path / "back" / "config.json").is_file()
-    missing = cli("mcore-to-hf", "--ckpt", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x"))
-    assert missing.returncode == 2 and "is not a folder" in missing.stderr
+    assert refused(["mcore-to-hf", "--ckpt", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")]) == 2
+    assert "is not a folder" in capsys.readouterr().err
 
 
 def test_verify_detects_a_wrong_checkpoint(qwen2_ckpt, tiny_model_dirs, tmp_path):
@@ -64,9 +82,4 @@ def test_verify_detects_a_wrong_checkpoint(qwen2_ckpt, tiny_model_dirs, tmp_path
     ("text", "size"), [("5GB", 5 * 10**9), ("2GiB", 2 * 2**30), ("1000", 1000), ("1.5MB", 1_500_000)]
 )
 def test_max_shard_size_parsing(text, size):
-    sys.path.insert(0, str(CONVERT.parent))
-    try:
-        from convert import parse_size
-    finally:
-        sys.path.pop(0)
     assert parse_size(text) == size

@@ -149,7 +149,9 @@ def test_a_stop_is_judged_on_eos_not_on_the_last_token_the_teacher_chose_knowing
     """A student (one token per digit) stops after "213"; the teacher writes "33" as one token, so its lone "3" is a
     token it writes only last. The last text token is scored as a prefix (log of p("3") + p("33"), both asked for at
     its position) and EOS takes the rest: the total is the teacher's log p of the text either way. Without
-    the other ids (a vLLM teacher: stop_prefix_ids=1) and for a sample cut by the length limit, nothing moves."""
+    the other ids (a vLLM teacher: stop_prefix_ids=1) nothing moves. A sample cut by the length limit goes on, so
+    its last "3" is a prefix too and nothing takes the rest (its total is the teacher's log p of a text that
+    begins so)."""
     student, teacher = tokenizers[0], doubles
     three, three_three = teacher.convert_tokens_to_ids("3"), teacher.convert_tokens_to_ids("33")
     cross = CrossTokenizer(student, teacher, PromptEncoder(teacher), (student.eos_token_id,))
@@ -175,7 +177,11 @@ def test_a_stop_is_judged_on_eos_not_on_the_last_token_the_teacher_chose_knowing
     got = plain.scores(TeacherScores(requested_logprobs=lp[..., :1]), request, batch).requested_logprobs[0, :, 0]
     assert torch.allclose(got[s_first : s_first + 4].double(), lp0[t_first : t_first + 4], atol=1e-6)
     request = cross.request(cut, cut_rollouts, records)
-    assert request.stop_prefixes == [None]
+    assert request.stop_prefixes == [(2, 2)] and request.stopped == [False]
+    assert request.tokens[0, request.teacher_prompt_lengths[0] : request.lengths[0]].tolist()[-1] == three
+    got = cross.scores(TeacherScores(requested_logprobs=lp), request, cut).requested_logprobs[0, :, 0].double()
+    assert torch.allclose(got[s_first : s_first + 3], torch.tensor(want[:3], dtype=torch.float64), atol=1e-6)
+    assert cut.loss_mask[0, s_first + 3] == 0  # nothing after the cut is trained
 
 
 def test_a_pipeline_stage_without_teacher_scores_passes_them_through():

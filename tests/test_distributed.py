@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ import pytest
 import torch
 
 from megatron_opd.distributed import LaunchEnv, ParallelConfig, detect_accelerator
+from tests.conftest import ROOT, other_kernels_package
 
 
 def test_cpu_machine_uses_gloo():
@@ -74,8 +74,6 @@ def test_package_imports_without_optional_accelerator_packages():
     assert "imported" in out.stdout
 
 
-ROOT = Path(__file__).resolve().parents[1]
-
 # Imports every module that reads the kernels, with another top-level `kernels` package first on the path.
 _SIDE_BY_SIDE = """
 import os, sys
@@ -93,44 +91,20 @@ print("side by side:", kernels.__file__, megatron_opd.kernels.__file__)
 """
 
 
-def _other_kernels_package(tmp_path: Path) -> Path:
-    """Hugging Face's `kernels` where it is installed (transformers' hub kernels), else a stand-in of the same
-    import name: either must not shadow the project's kernels, nor be shadowed by them."""
-    spec = importlib.util.find_spec("kernels")
-    if spec is not None and spec.origin and not Path(spec.origin).resolve().is_relative_to(ROOT):
-        return Path(spec.origin).parents[1]
-    (tmp_path / "hf" / "kernels").mkdir(parents=True)
-    (tmp_path / "hf" / "kernels" / "__init__.py").write_text('"""Stand-in for Hugging Face\'s kernels package."""\n')
-    return tmp_path / "hf"
-
-
 def test_kernels_import_beside_hugging_face_kernels(tmp_path):
-    """The repository's kernels/ folder installs as megatron_opd.kernels (setup.py's package_dir), not as a
-    top-level `kernels`; installed (setup.py's own build of the packages) and from the source checkout (the
-    megatron_opd/__init__ mapping), both this project and another `kernels` first on the path import."""
-    build = tmp_path / "build"
+    """The repository's kernels/ folder is megatron_opd.kernels, not a top-level `kernels`: from the source checkout
+    (the megatron_opd/__init__ mapping), this project and another `kernels` first on the path both import. The
+    installed wheel's layout (setup.py's package_dir): tests/test_quickstart.py."""
+    # -I: neither PYTHONPATH nor the working directory (a checkout's root holds kernels/) joins the path.
     out = subprocess.run(
-        [sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(build)],
-        cwd=ROOT,
+        [sys.executable, "-I", "-c", _SIDE_BY_SIDE, str(other_kernels_package(tmp_path)), str(ROOT)],
+        cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert sorted(p.name for p in build.iterdir()) == ["megatron_opd"]
-    assert (build / "megatron_opd" / "kernels" / "divergence_torch.py").is_file()
-    hf = _other_kernels_package(tmp_path)
-    for project_dir in (build, ROOT):
-        # -I: neither PYTHONPATH nor the working directory (a checkout's root holds kernels/) joins the path.
-        out = subprocess.run(
-            [sys.executable, "-I", "-c", _SIDE_BY_SIDE, str(hf), str(project_dir)],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert out.returncode == 0, out.stderr[-3000:]
-        assert "side by side:" in out.stdout
+    assert "side by side:" in out.stdout
 
 
 def _probes(probe_dir) -> dict[str, dict]:

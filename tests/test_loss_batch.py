@@ -96,3 +96,46 @@ def test_flatten_and_select_keep_each_tokens_fields_together():
     torch.testing.assert_close(chunk.teacher_topk_ids, mb["teacher_topk_ids"][b, s], rtol=0, atol=0)
     torch.testing.assert_close(chunk.labels, mb["labels"][b, s], rtol=0, atol=0)
     torch.testing.assert_close(chunk.weights, batch.weights[b, s], rtol=0, atol=0)
+
+
+def test_only_the_objectives_and_the_config_compare_loss_settings():
+    """The loss is chosen in one place: ``loss.kind``/``mode``/``cross_tokenizer``/``support`` are compared only in
+    the objectives' module and the config's cross-checks (the rest of the package asks the objective: ``samples``,
+    ``needs_teacher``, ``teacher_request``, ...). The issue's grep, over every file of the package."""
+    import re
+    from pathlib import Path
+
+    import megatron_opd
+
+    pattern = re.compile(r"(loss|cfg)\.(kind|mode|cross_tokenizer|support) *(==|!=|in )")
+    package = Path(megatron_opd.__file__).parent
+    matching = {
+        path.relative_to(package.parent).as_posix()
+        for path in package.rglob("*")
+        if path.is_file() and "__pycache__" not in path.parts and pattern.search(path.read_text(errors="ignore"))
+    }
+    assert matching <= {"megatron_opd/trainer/objective.py", "megatron_opd/trainer/config.py"}, sorted(matching)
+    assert "megatron_opd/trainer/objective.py" in matching  # the pattern finds what it looks for
+
+
+@pytest.mark.parametrize(
+    "cfg, teacher, samples, asked",
+    [
+        (LossConfig(kind="sft"), False, False, None),
+        (LossConfig(mode="dense", topk=8), True, True, ("dense", 8, 0, False, False)),
+        (LossConfig(mode="topk", topk=8), True, True, ("topk", 8, 0, False, False)),
+        (LossConfig(mode="topk", topk=8, support="union", student_topk=4), True, True, ("topk", 8, 4, False, False)),
+        (LossConfig(mode="sampled", topk=8), True, True, ("topk", 1, 0, True, False)),
+        (LossConfig(mode="topk", topk=8, cross_tokenizer="aligned"), True, True, ("topk", 8, 0, True, True)),
+    ],
+)
+def test_the_objective_declares_what_the_trainer_asks_of_the_loss(cfg, teacher, samples, asked):
+    """Whether a teacher scores the batch, whether the student samples it and what the teacher must return are the
+    objective's to say (``setup``, ``train``, the evaluator and the launcher ask it, not the config's keys)."""
+    objective = objective_for(cfg)
+    assert (objective.needs_teacher, objective.samples) == (teacher, samples)
+    got = objective.teacher_request
+    if asked is None:
+        assert got is None
+    else:
+        assert (got.mode, got.topk, got.student_topk, got.label_logprobs, got.mapped_topk) == asked

@@ -744,3 +744,26 @@ def test_in_place_path_allocates_nothing_the_size_of_the_logits(mode: str) -> No
                 assert seen.largest <= chunk * width * 4, (kind, seen.largest)
             else:  # the default returns a fresh gradient: the one logits-sized allocation
                 assert seen.largest == shard_bytes, (kind, seen.largest)
+
+
+def test_an_options_object_and_keywords_are_the_same_call():
+    """The losses take ``DivergenceOptions`` or its fields as keywords (keywords override the object's): the same
+    loss bit for bit; a keyword that is no field, or one the loss does not take, is refused as Python would."""
+    from megatron_opd.losses import DivergenceOptions, PassStatistics, topk_divergence
+
+    gen = torch.Generator().manual_seed(5)
+    student, teacher = torch.randn(4, 11, generator=gen), torch.randn(4, 11, generator=gen)
+    top = torch.log_softmax(teacher, -1).topk(3, dim=-1)
+    by_keywords = dense_divergence(student, teacher, "jsd", beta=0.3, teacher_temperature=2.0, vocab_size=10)
+    options = DivergenceOptions(beta=0.9, teacher_temperature=2.0, vocab_size=10)
+    assert torch.equal(dense_divergence(student, teacher, "jsd", options=options, beta=0.3), by_keywords)
+    assert not torch.equal(dense_divergence(student, teacher, "jsd", options=options), by_keywords)
+    stats = PassStatistics()
+    renorm = topk_divergence(student, top.indices, top.values, "forward_kl", options=DivergenceOptions(tail="renorm",
+                             outputs=stats))  # fmt: skip
+    assert torch.equal(renorm, topk_divergence(student, top.indices, top.values, "forward_kl", tail="renorm"))
+    torch.testing.assert_close(stats.student_lse, torch.logsumexp(student, -1))
+    with pytest.raises(TypeError, match="dense_divergence.*'tail'"):
+        dense_divergence(student, teacher, "jsd", tail="renorm")
+    with pytest.raises(TypeError, match="topk_divergence.*'teacher_temperature'"):
+        topk_divergence(student, top.indices, top.values, "forward_kl", teacher_temperature=2.0)

@@ -1,5 +1,10 @@
 """The README's first command and the runs held to it, in one file so that one worker runs the quick start once
-(``quickstart_run``) for all of them.
+(``quickstart_run``) for all of them; and the package as a user installs it.
+
+The package where it is installed: this checkout's wheel, built and installed by pip into a folder of its own
+(``installed``), run from an empty folder. The quick start runs as ``opd-quickstart`` from it; every console command
+describes every option in its ``--help``; the converter's round trip (``opd-convert``) gives back the quick start's
+student bit for bit; the README's loss example runs; its kernels import beside Hugging Face's ``kernels`` package.
 
 The quick start (at ``--nproc 1``) distils a tiny teacher into a smaller student and passes its bar; and again with
 ``--rollout-backend vllm --nproc 1`` (rollout.backend=vllm, TP=1), reusing that run's teacher: the student's
@@ -23,14 +28,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from megatron_opd.testing.multiprocess import ROOT, run_trainer
 from megatron_opd.testing.teacher_jobs import train_metrics
-from tests.conftest import run_quickstart
+from tests.conftest import InstalledPackage, install_wheel, other_kernels_package, run_quickstart
+from tests.test_readme import loss_example_program
 
 # The largest |log p_trainer - log p_vLLM| of a sampled token a faithful fp32 sampler gives on the quick start's
 # student, on x86 CPUs (AVX2, AVX-512; AMX does no fp32 arithmetic): vLLM-CPU and torch run the same network with
@@ -52,18 +60,94 @@ needs_vllm = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def quickstart_run(tmp_path_factory) -> Path:
-    """The README's first command (built-in rollouts), run once: its task, its teacher and its student run (the
-    reference the vLLM and asynchronous runs are held to). At TP=1 (``--nproc 1``: half the CPU time of TP=2 for
-    models this small; the trainer at TP=2 runs in the asynchronous run below and in test_train_cli.py)."""
+def installed(tmp_path_factory) -> InstalledPackage:
+    """This checkout's wheel, installed apart from the source tree (about 2 CPU-s to build and install)."""
+    return install_wheel(tmp_path_factory.mktemp("installed"))
+
+
+@pytest.fixture(scope="module")
+def quickstart_run(installed, tmp_path_factory) -> Path:
+    """The README's first command (built-in rollouts) as the installed package runs it (``opd-quickstart``, from an
+    empty folder), once: its task, its teacher and its student run (the reference the vLLM and asynchronous runs are
+    held to). At TP=1 (``--nproc 1``: half the CPU time of TP=2 for models this small; the trainer at TP=2 runs in
+    the asynchronous run below and in test_train_cli.py). ``examples/quickstart.py`` from the checkout:
+    tests/test_quickstart_cross_tokenizer.py and the vLLM run below."""
     workdir = tmp_path_factory.mktemp("quickstart") / "qs"
-    run_quickstart(workdir, "--nproc", "1")
+    run_quickstart(workdir, "--nproc", "1", installed=installed)
     return workdir
 
 
 def test_quickstart_distils(quickstart_run):
     assert (quickstart_run / "student" / "hf" / "model.safetensors").is_file()
     assert (quickstart_run / "teacher" / "hf" / "model.safetensors").is_file()
+
+
+# ---- the package where it is installed ----
+
+CONSOLE_COMMANDS = ("opd-check-vocab", "opd-convert", "opd-launch", "opd-quickstart", "opd-train")
+
+
+@pytest.fixture(scope="module")
+def user_session(installed, quickstart_run, tmp_path_factory) -> dict:
+    """tests/installed_session.py from the empty folder, on the quick start's student: every command's --help, the
+    converter's round trip into ``work``, the README's loss example, with another ``kernels`` package first on the
+    path; its report by part, ``work`` and that package's folder (``hf_kernels``)."""
+    work = tmp_path_factory.mktemp("session")
+    (work / "loss_example.py").write_text(loss_example_program())
+    program = (ROOT / "tests" / "installed_session.py").read_text()
+    hf_kernels = other_kernels_package(work)
+    args = [hf_kernels, quickstart_run / "student" / "hf", work, work / "loss_example.py"]
+    proc = installed.run(sys.executable, "-c", program, *map(str, args))
+    assert proc.returncode == 0 and proc.stdout.strip(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {**json.loads(proc.stdout.splitlines()[-1]), "work": work, "hf_kernels": hf_kernels, "stderr": proc.stderr}
+
+
+def _result(user_session: dict, part: str):
+    assert "error" not in user_session[part], user_session[part].get("error")
+    return user_session[part]["result"]
+
+
+def test_installed_commands_describe_every_option(installed, user_session):
+    report = _result(user_session, "commands_help")
+    assert Path(report["distribution"]) == installed.site
+    assert sorted(report["helps"]) == sorted([*CONSOLE_COMMANDS, "opd-convert hf-to-mcore", "opd-convert mcore-to-hf"])
+    for command, (code, text) in report["helps"].items():
+        assert code == 0 and text.startswith(f"usage: {command} "), f"{command} --help: {code}\n{text[:500]}"
+    assert report["undescribed"] == [], "options without a help text"
+    assert "Config keys" in report["helps"]["opd-train"][1]  # the trainer lists every config key
+    for command in CONSOLE_COMMANDS:  # the quick start ran through its script (quickstart_run)
+        assert installed.script(command).is_file(), f"pip wrote no {command} script"
+    # The quick start's recipes are the checkout's examples/quickstart/*.yaml, shipped in the wheel.
+    recipes = installed.site / "megatron_opd" / "recipes" / "quickstart"
+    assert str(recipes) in report["helps"]["opd-quickstart"][1].replace("\n", "")  # argparse wraps at hyphens
+    shipped = {p.name: p.read_bytes() for p in recipes.glob("*.yaml")}
+    assert shipped == {p.name: p.read_bytes() for p in (ROOT / "examples" / "quickstart").glob("*.yaml")}
+
+
+def test_installed_converter_round_trip_is_bitwise(quickstart_run, user_session):
+    """The quick start's student (Hugging Face) -> dist_ckpt -> Hugging Face with ``opd-convert``: the same tensors."""
+    from safetensors.torch import load_file
+
+    assert _result(user_session, "converter_round_trip") == [0, 0], user_session["stderr"][-3000:]
+    student, back = quickstart_run / "student" / "hf", user_session["work"] / "exported"
+    original, exported = load_file(student / "model.safetensors"), load_file(back / "model.safetensors")
+    assert sorted(exported) == sorted(original)
+    different = [name for name in original if not torch.equal(original[name], exported[name])]
+    assert not different, different
+
+
+def test_installed_readme_loss_example(user_session):
+    assert _result(user_session, "loss_example") == "ran\n"
+
+
+def test_installed_kernels_import_beside_hugging_face_kernels(installed, user_session):
+    """The repository's kernels/ folder installs as megatron_opd.kernels (setup.py's package_dir), not as a
+    top-level ``kernels``: the wheel's only package is megatron_opd, and it imports beside another ``kernels``."""
+    assert [p.name for p in installed.site.iterdir() if (p / "__init__.py").is_file()] == ["megatron_opd"]
+    files = _result(user_session, "kernels_side_by_side")
+    assert Path(files["kernels"]).is_relative_to(user_session["hf_kernels"]), files  # the other one
+    for name in ("megatron_opd", "megatron_opd.kernels", "megatron_opd.kernels.rmsnorm_triton"):
+        assert Path(files[name]).is_relative_to(installed.site), files
 
 
 @needs_vllm

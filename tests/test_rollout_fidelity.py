@@ -11,15 +11,14 @@ import pytest
 import torch
 
 from megatron_opd.data.batch import pack
+from megatron_opd.losses.importance import importance_weights, prefix_log_ratios
 from megatron_opd.rollout.fidelity import (
     RolloutMismatchError,
     check_step,
     default_max_logprob_diff,
     fidelity_metrics,
     fidelity_sums,
-    importance_weights,
     policy_lag_warning,
-    prefix_log_ratios,
 )
 from megatron_opd.trainer.config import LossConfig, RolloutConfig
 from megatron_opd.trainer.objective import StepStats, make_loss_fn

@@ -456,3 +456,14 @@ def test_resume_on_gpu_with_the_distributed_optimizer_is_bitwise(pair, tmp_path)
     code, out = run(pair.overrides(killed, **common), nproc=1)
     assert code == 0 and "resumed from" in out, out[-3000:]
     assert losses(killed) == straight, "a resumed GPU run must reproduce the uninterrupted losses bitwise"
+
+
+def test_train_reads_on_one_screen():
+    """``train()`` is what a newcomer reads first: the loop reads rollout -> teacher -> update -> sync, its side
+    concerns (metrics, warnings, collapse watch, audit trail, checkpoint, evaluation, faults, SIGTERM) behind named
+    steps, the whole function on one screen."""
+    import inspect
+
+    from megatron_opd.train import train
+
+    assert len(inspect.getsource(train).splitlines()) <= 80

@@ -183,8 +183,9 @@ class TokenBytes:
         return pieces  # type: ignore[return-value]
 
     def extensions(self, token_id: int, limit: int) -> list[int]:
-        """``token_id`` first, then up to ``limit - 1`` other tokens whose bytes begin with its bytes (shortest
-        first): what the tokenizer could have written at that place had the text gone on."""
+        """``token_id`` first, then up to ``limit - 1`` other tokens whose bytes begin with its bytes (in the order
+        of their bytes, not by length: past ``limit`` the prefix's probability is short of those left out): what the
+        tokenizer could have written at that place had the text gone on."""
         if self._by_bytes is None:  # every token sorted by its bytes: a prefix's extensions are one run
             ordered = sorted((b, i) for i, b in enumerate(self._table) if b)
             self._by_bytes = ([b for b, _ in ordered], [i for _, i in ordered])

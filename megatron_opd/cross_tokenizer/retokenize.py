@@ -18,7 +18,10 @@ Where the student stopped, the teacher's last token was chosen knowing that the 
 token for "33" writes a lone "3" only last, so the cost of stopping one digit early would land on the "3" and none
 on EOS. So the last text token is scored as the prefix it is (the teacher's probability of any of its tokens that
 begin with those bytes, ``TokenBytes.extensions``, asked for at that position) and EOS takes the rest: the
-sequence's total is unchanged, the stop is judged on EOS. A teacher that scores only the next token (vLLM) skips it.
+sequence's total is unchanged, the stop is judged on EOS. Where the response was cut (the length limit) the text
+goes on, so its last text token is scored as a prefix the same way and nothing takes the rest: the teacher's
+probability of a text that continues (the enumerated reference, ``testing.cross_tokenizer_reference``, scores both
+so). A teacher that scores only the next token (vLLM) skips it.
 ``aligned`` does the same on its rows: the row predicting the last text token credits every teacher token that
 begins with its bytes (the map does), and the EOS row's EOS slot loses the same shift (the rest is left to the
 loss's tail: what would have followed is not known there).
@@ -69,8 +72,11 @@ class TeacherRequest:
     """Per sample; None where the texts could not be aligned."""
     teacher_prompt_lengths: list[int]
     stop_prefixes: list[tuple[int, int] | None] = field(default_factory=list)
-    """Per sample that stopped: (index in the teacher response of its last text token, how many of
-    ``request_ids[i, position predicting it]`` are that token's extensions); else None."""
+    """Per sample whose last text token is scored as a prefix (it stopped, or was cut): (index in the teacher
+    response of its last text token, how many of ``request_ids[i, position predicting it]`` are that token's
+    extensions); else None."""
+    stopped: list[bool] = field(default_factory=list)
+    """Per sample: the teacher's EOS follows its text (the stop correction's rest goes there)."""
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -121,7 +127,7 @@ class CrossTokenizer:
         """The teacher's sequences for ``batch`` (``records``: each prompt's record, by ``rollouts.prompt_index``).
 
         Clears ``batch.loss_mask`` where a student token cannot be compared (see the module docstring)."""
-        sequences, alignments, prompt_lengths, stop_prefixes = [], [], [], []
+        sequences, alignments, prompt_lengths, stop_prefixes, stopped = [], [], [], [], []
         responses = [
             batch.tokens[i, batch.prompt_lengths[i] : batch.lengths[i]].tolist() for i in range(len(batch.lengths))
         ]
@@ -136,11 +142,13 @@ class CrossTokenizer:
             t_prompt = self.teacher_encoder.prompt_ids(record, where=f"sample {i}'s record (teacher tokenizer)")
             stop_prefix = None
             t_response = list(retokenized[i])
+            ends = False
             if not self.same_vocabulary:
+                if t_response and self.stop_prefix_ids > 1:  # stopped or cut: the last text token is a prefix
+                    stop_prefix = len(t_response) - 1
                 if student_ids and student_ids[-1] in self.student_stop_ids and self.teacher_eos is not None:
-                    if t_response and self.stop_prefix_ids > 1:
-                        stop_prefix = len(t_response) - 1
                     t_response.append(int(self.teacher_eos))
+                    ends = True
             try:
                 alignment = (
                     Alignment([Group((k, k + 1), (k, k + 1)) for k in range(len(student_ids))])
@@ -151,6 +159,7 @@ class CrossTokenizer:
                 alignment = None
             sequences.append(t_prompt + t_response)
             stop_prefixes.append(stop_prefix if alignment is not None else None)
+            stopped.append(ends)
             alignments.append(alignment)
             prompt_lengths.append(len(t_prompt))
             self._mask_uncompared(batch.loss_mask[i], p, alignment)
@@ -180,7 +189,7 @@ class CrossTokenizer:
             "cross_tokenizer/one_to_one_share": stats.one_to_one_share if stats else 0.0,
         }
         lengths = [len(s) for s in sequences]
-        return TeacherRequest(tokens, next_ids, lengths, alignments, prompt_lengths, stop_prefixes, metrics)
+        return TeacherRequest(tokens, next_ids, lengths, alignments, prompt_lengths, stop_prefixes, stopped, metrics)
 
     @staticmethod
     def _mask_uncompared(mask_S: torch.Tensor, prompt_length: int, alignment: Alignment | None) -> None:
@@ -216,8 +225,9 @@ class CrossTokenizer:
                 at = first_t + last
                 shift = float(torch.logsumexp(logp_NStR[i, at, :count], 0) - logp_NStR[i, at, 0])
                 logp_NSt[i, at] += shift
-                logp_NSt[i, at + 1] -= shift
-                stop_shifts[i] = shift
+                if request.stopped[i]:  # cut: the text goes on, nothing takes the rest
+                    logp_NSt[i, at + 1] -= shift
+                    stop_shifts[i] = shift
             # Per group: the sum of its teacher tokens' log-probabilities, put at each of its student tokens.
             student_G, teacher_G = alignment.student_group_index(), alignment.teacher_group_index()
             two_sided_G = torch.tensor([not g.one_sided for g in alignment.groups])

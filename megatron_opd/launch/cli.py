@@ -1,4 +1,8 @@
-"""``python -m megatron_opd.launch RECIPE.launch.yaml [--dry-run | --memory] [--nodes a,b,c] [--node-rank N]``."""
+"""``opd-launch RECIPE.launch.yaml [--dry-run | --memory] [--nodes a,b,c] [--node-rank N]``.
+
+Plans a recipe's jobs (trainer, teacher servers, vLLM servers) over the nodes and starts this node's share;
+``python -m megatron_opd.launch`` is the same command.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from megatron_opd.launch.plan import build_plan, describe, nodes_needed, token_f
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m megatron_opd.launch", description=__doc__)
+    p = argparse.ArgumentParser(prog="opd-launch", description=__doc__.split("\n\n")[1])
     p.add_argument("recipe", help="layout file, e.g. examples/scale/qwen3-32b_to_qwen3-1.7b.launch.yaml")
     p.add_argument("--nodes", help="host names (Slurm host-list syntax allowed); default: SLURM_JOB_NODELIST")
     p.add_argument("--node-rank", type=int, help="this node's index in the list; default: SLURM_NODEID, else hostname")

@@ -120,7 +120,10 @@ def _vllm_teacher(recipe: Recipe, plan: Plan) -> None:
     ``loss.topk``, the teacher token as its API key (``VLLM_API_KEY``, read from the token file on the node); a
     replica over several nodes runs vLLM's multi-node mode (``--nnodes``, ``--node-rank``, the others
     ``--headless``)."""
+    from megatron_opd.trainer.objective import objective_for
+
     layout, gpus, train = recipe.launch.teacher, recipe.launch.gpus_per_node, recipe.train
+    own_tokens = objective_for(train.loss).cross_tokenizer  # the teacher scores its own tokenization
     per_node = min(layout.tp * layout.pp, gpus)
     for replica, (nodes, slot) in enumerate(_teacher_groups(recipe)):
         master = plan.hosts[nodes[0]]
@@ -130,7 +133,7 @@ def _vllm_teacher(recipe: Recipe, plan: Plan) -> None:
             "--tensor-parallel-size", str(layout.tp), "--pipeline-parallel-size", str(layout.pp),
             "--max-logprobs", str(train.loss.topk), "--gpu-memory-utilization", str(layout.gpu_memory_utilization),
         ]  # fmt: skip
-        if train.train.max_seq_len and train.loss.cross_tokenizer == "off":  # the teacher's own tokens: no bound
+        if train.train.max_seq_len and not own_tokens:  # the teacher's own tokens: no bound
             serve += ["--max-model-len", str(train.train.max_seq_len + 1)]  # one extra token a prompt (teacher.md)
         for rank, node in enumerate(nodes):
             argv = list(serve)

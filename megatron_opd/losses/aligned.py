@@ -9,6 +9,15 @@ those where too little mapped). Every other position takes the sampled group sur
 same divergence (``forward_kl`` or ``reverse_kl``; the reverse KL for ``jsd``, which has no sampled form). With
 one tokenizer every position is aligned and the loss is the top-k loss.
 
+What it estimates (docs/losses.md, "What the cross-tokenizer losses estimate", measured by enumeration in
+``testing.cross_tokenizer_reference``): at a kept group start, the exact per-position divergence between the
+student's next-token distribution and the teacher's pushed onto student tokens by first bytes, where teacher mass
+that maps to no student token (a token a longer student token extends) is compared, in the tail bucket, with the
+student's mass outside the mapped ids; elsewhere the sampled estimate of the fixed-prefix (per-group) divergence.
+Where every teacher token maps to the student token that follows it, it has the sampled loss's expectation; where
+teacher mass goes to the tail it does not (gradient 37-85% off on the enumerated pairs whose teacher merges across
+spaces or splits a character).
+
 The top-k divergence runs on a copy of the aligned rows only, in place; the sampled surrogate reads the label's
 log-probability from the logits as they are (neither overwrites what the other needs). Shape legend: ``T`` tokens
 (any leading shape, flattened), ``V`` this rank's vocabulary columns, ``K`` top-k slots.

@@ -23,10 +23,10 @@ Shape legend: ``T`` tokens (leading dims flattened), ``V`` local shard columns, 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from megatron_opd.losses.divergences import DivergenceKind, resolve_kind
 from megatron_opd.losses.local_ops import LocalOps, compute_dtype, select_local_ops
+from megatron_opd.losses.options import DivergenceOptions, PassStatistics
 from megatron_opd.losses.vocab_parallel import (
     VocabShard,
     all_reduce_max_,
@@ -125,7 +125,7 @@ class _DenseDivergence(torch.autograd.Function):
         inplace_backward: bool,
         validate: bool,
         leading_shape: torch.Size,
-        outputs: dict | None,
+        outputs: PassStatistics | None,
     ) -> torch.Tensor:
         n_tokens, n_valid = student_TV.shape[0], shard.valid_width
         cd = compute_dtype(student_TV.dtype)
@@ -165,7 +165,7 @@ class _DenseDivergence(torch.autograd.Function):
         lse_T2 = finite_or_zero(global_max_T2) + log_sums_T2
         lse_s_T, lse_t_T = lse_T2[:, 0].contiguous(), lse_T2[:, 1].contiguous()
         if outputs is not None:
-            outputs["student_lse"] = lse_s_T.clone()
+            outputs.student_lse = lse_s_T.clone()
         if kind == "forward_kl":
             loss_T = sums_T3[:, 2] / sums_T3[:, 1] - log_sums_T2[:, 1] + log_sums_T2[:, 0]
             coef_T = torch.zeros_like(loss_T)
@@ -230,52 +230,25 @@ def dense_divergence(
     teacher_logits: torch.Tensor,
     kind: DivergenceKind,
     *,
-    beta: float = 0.5,
-    student_temperature: float = 1.0,
-    teacher_temperature: float = 1.0,
-    chunk_size: int | None = None,
-    group: dist.ProcessGroup | None = None,
-    vocab_size: int | None = None,
-    validate: bool = True,
-    inplace_backward: bool = False,
-    backend: str = "auto",
-    outputs: dict | None = None,
+    options: DivergenceOptions | None = None,
+    **keywords,
 ) -> torch.Tensor:
-    """Per-token divergence between a student and a colocated teacher, both vocab-sharded over ``group``.
+    """Per-token divergence between a student and a colocated teacher, both vocab-sharded over ``options.group``.
 
     Args:
         student_logits: ``[tokens, V/TP]`` or ``[batch, seq, V/TP]``; this rank's shard of the student's logits.
         teacher_logits: the teacher's logits, same shape and sharding; treated as constant (no gradient).
         kind: ``"forward_kl"`` KL(teacher || student), ``"reverse_kl"`` KL(student || teacher) or ``"jsd"``
             (generalized JSD, mixture ``beta * teacher + (1 - beta) * student``; beta 0 / 1 give the two KLs).
-        beta: the teacher's weight in the JSD mixture, in [0, 1]; ignored by the KLs.
-        student_temperature: the student's logits are divided by it.
-        teacher_temperature: the teacher's logits are divided by it.
-        chunk_size: tokens per chunk (peak extra memory grows with it, not with the sequence); ``None`` picks
-            about 1M shard elements per chunk on CPU, 64M with torch on GPU, and one chunk with the Triton kernels.
-        group: the tensor-parallel group the vocabulary is split over; ``None`` means Megatron-Core's
-            tensor-parallel group if ``parallel_state`` is initialised, else a single process.
-        vocab_size: the true vocabulary size when the shards include Megatron's padding columns; those columns
-            are excluded from both distributions and get zero gradient. Defaults to the full padded width.
-        validate: raise a ``ValueError`` naming the first token whose student or teacher logits hold a NaN or
-            ``+inf`` or no finite value (``-inf`` alone is fine: a masked token). Read from the per-token statistics
-            the loss computes anyway: one reduction over the tokens and a host sync. With ``False`` such tokens
-            give NaN (for ``jsd`` possibly finite, meaningless) losses; a trainer with its own NaN check passes it.
-        inplace_backward: reuse ``student_logits``' storage, as Megatron's vocab-parallel cross entropy does: no
-            ``tokens x V/TP`` gradient is allocated, and on the torch path the forward leaves the student's
-            exponentials there for backward (``forward_kl``), so backward takes one multiply per element instead
-            of an exponential. From the call on, the logits hold intermediates and then the gradient: use it only
-            when nothing reads them after the loss (true for the output layer's logits in training).
-        backend: ``"auto"`` (Triton kernels on CUDA when available), ``"torch"`` or ``"triton"``.
-        outputs: optional dict; the forward puts per-token statistics it computes anyway there, no extra pass:
-            ``"student_lse"``, the student's log-normaliser at ``student_temperature`` over the whole vocabulary
-            (leading shape). With the logits gathered at a label before the call (an in-place call overwrites
-            them), it gives the label's log-probability: the rollout-fidelity monitor reads it that way.
+        options: ``DivergenceOptions`` (all but the top-k losses' ``tail`` and ``coverage_weight``), or its fields
+            as keyword arguments.
 
     Returns:
         Per-token losses with the logits' leading shape, float32 (float64 for float64 logits). Every rank of
         ``group`` returns the same values. Mask and reduce them with ``reduce_loss``.
     """
+    o = DivergenceOptions.of(options, keywords, loss="dense_divergence", unused=("tail", "coverage_weight"))
+    beta, chunk_size, inplace_backward, outputs = o.beta, o.chunk_size, o.inplace_backward, o.outputs
     kind, beta = resolve_kind(kind, beta)
     if student_logits.shape != teacher_logits.shape:
         raise ValueError(
@@ -284,17 +257,17 @@ def dense_divergence(
         )
     if student_logits.device != teacher_logits.device:
         raise ValueError(f"teacher_logits is on {teacher_logits.device}, student_logits on {student_logits.device}")
-    inv_ts = 1.0 / check_temperature("student_temperature", student_temperature)
-    inv_tt = 1.0 / check_temperature("teacher_temperature", teacher_temperature)
+    inv_ts = 1.0 / check_temperature("student_temperature", o.student_temperature)
+    inv_tt = 1.0 / check_temperature("teacher_temperature", o.teacher_temperature)
     check_inplace(student_logits, inplace_backward)
     student_TV = as_rows(student_logits, "student_logits")
     teacher_TV = as_rows(teacher_logits.detach(), "teacher_logits")
-    shard = make_vocab_shard(student_TV.shape[1], group, vocab_size)
-    ops = select_local_ops(backend, student_TV.device)
+    shard = make_vocab_shard(student_TV.shape[1], o.group, o.vocab_size)
+    ops = select_local_ops(o.backend, student_TV.device)
     rows = chunk_rows(chunk_size, student_TV.shape[0], shard.valid_width, ops, student_TV.device)
     lead = student_logits.shape[:-1]
-    args = (kind, beta, inv_ts, inv_tt, rows, shard, ops, inplace_backward, validate, lead, outputs)
+    args = (kind, beta, inv_ts, inv_tt, rows, shard, ops, inplace_backward, o.validate, lead, outputs)
     loss_T = _DenseDivergence.apply(student_TV, teacher_TV, *args)
     if outputs is not None:
-        outputs["student_lse"] = outputs["student_lse"].reshape(lead)
+        outputs.student_lse = outputs.student_lse.reshape(lead)
     return loss_T.reshape(lead)

@@ -21,7 +21,9 @@ whose value is not a divergence but whose gradient is the estimate.
 Every teacher back end can give ``log p(y_t)`` (a vLLM teacher included), and the teacher may use another tokenizer:
 with ``group_offset`` the log-ratio is taken per aligned group of tokens (``megatron_opd.cross_tokenizer``),
 ``log q(group) - log p(group)`` with ``log q(group)`` the sum over its student tokens and ``log p(group)`` over its
-teacher tokens, and its weight multiplies ``grad log q(y_t)`` at each student token of the group.
+teacher tokens, and its weight multiplies ``grad log q(y_t)`` at each student token of the group. Its expectation
+is exactly the fixed-prefix (per-group) part of the sequence-level divergence over texts (checked by enumeration,
+``testing.cross_tokenizer_reference``; docs/losses.md gives the gap to the sequence-level one).
 
 ``log q(y_t)`` comes from the shard statistics alone (two all-reduces of ``[T]``); its backward needs no
 communication. Shape legend: ``T`` tokens (any leading shape), ``V`` this rank's vocabulary columns.

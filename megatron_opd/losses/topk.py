@@ -41,11 +41,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
 from megatron_opd.losses.dense import as_rows, check_inplace, check_temperature, chunk_rows, where_token
 from megatron_opd.losses.divergences import DivergenceKind, elementwise_divergence, resolve_kind
 from megatron_opd.losses.local_ops import LocalOps, compute_dtype, select_local_ops
+from megatron_opd.losses.options import DivergenceOptions, PassStatistics
 from megatron_opd.losses.vocab_parallel import (
     VocabShard,
     all_reduce_max_,
@@ -243,7 +243,7 @@ class _TopkDivergence(torch.autograd.Function):
         shard: VocabShard,
         ops: LocalOps,
         inplace_backward: bool,
-        outputs: dict | None,
+        outputs: PassStatistics | None,
     ) -> torch.Tensor:
         n_tokens, n_valid = student_TV.shape[0], shard.valid_width
         k = ids_TK.shape[1]
@@ -278,7 +278,7 @@ class _TopkDivergence(torch.autograd.Function):
         log_total_T = torch.log(payload_TN[:, 0])
         lse_s_T = (finite_or_zero(global_max_T) + log_total_T).contiguous()
         if outputs is not None:
-            outputs["student_lse"] = lse_s_T.clone()
+            outputs.student_lse = lse_s_T.clone()
         logq_TK = payload_TN[:, 2:].sub_(lse_s_T[:, None])  # in the payload's storage
         if support_TK is not None:
             logq_TK.masked_fill_(~support_TK, float("-inf"))  # absent: zero mass on both sides
@@ -356,18 +356,9 @@ def topk_divergence(
     teacher_topk_logprobs: torch.Tensor,
     kind: DivergenceKind,
     *,
-    beta: float = 0.5,
-    tail: str = "bucket",
     support_mask: torch.Tensor | None = None,
-    coverage_weight: float = 0.0,
-    student_temperature: float = 1.0,
-    chunk_size: int | None = None,
-    group: dist.ProcessGroup | None = None,
-    vocab_size: int | None = None,
-    validate: bool = True,
-    inplace_backward: bool = False,
-    backend: str = "auto",
-    outputs: dict | None = None,
+    options: DivergenceOptions | None = None,
+    **keywords,
 ) -> torch.Tensor:
     """Per-token divergence between a vocab-sharded student and a teacher's top-k log-probabilities.
 
@@ -378,30 +369,18 @@ def topk_divergence(
             full vocabulary and already at the teacher's temperature. ``-inf`` means zero mass (not allowed with
             ``reverse_kl``). Treated as constant.
         kind: ``"forward_kl"``, ``"reverse_kl"`` or ``"jsd"`` (see ``dense_divergence``).
-        beta: the teacher's weight in the JSD mixture, in [0, 1].
-        tail: ``"bucket"`` (k ids plus one bucket for the remaining mass; exact), ``"renorm"`` (both
-            renormalised over the k ids) or ``"ignore"`` (k ids' terms with masses as they are, as verl does).
         support_mask: optional ``[..., k]`` bool; ``False`` marks a slot holding no id (its id and
             log-probability are ignored, it gets no gradient). Lets a fixed shape carry a varying number of ids
             per token (the union support of ``union_divergence``). Every token needs at least one id.
-        coverage_weight: adds ``coverage_weight * -log(sum of the student's q over the support)`` per token
-            (TCAD's coverage term), with its exact gradient.
-        student_temperature: the student's logits are divided by it.
-        chunk_size: tokens per chunk; ``None`` chooses automatically (see ``dense_divergence``).
-        group: the tensor-parallel group; ``None`` means Megatron-Core's when initialised, else one process.
-        vocab_size: the true vocabulary size when shards include padding columns; ids must be below it.
-        validate: check the teacher's ids and log-probabilities (a few reductions and host syncs); with
-            ``False``, invalid inputs (duplicates above all) give undefined results.
-        inplace_backward: reuse ``student_logits``' storage for the loss's intermediates and then the gradient
-            (see ``dense_divergence``).
-        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
-        outputs: optional dict; the forward puts the per-token statistics it computes anyway there (see
-            ``dense_divergence``).
+        options: ``DivergenceOptions`` (all but the dense teacher's ``teacher_temperature``), or its fields as
+            keyword arguments.
 
     Returns:
         Per-token losses with the logits' leading shape, float32 (float64 for float64 logits), equal on every
         rank of ``group``.
     """
+    o = DivergenceOptions.of(options, keywords, loss="topk_divergence", unused=("teacher_temperature",))
+    beta, tail, chunk_size, inplace_backward, outputs = o.beta, o.tail, o.chunk_size, o.inplace_backward, o.outputs
     kind, beta = resolve_kind(kind, beta)
     if tail not in TAILS:
         raise ValueError(f"tail must be one of {TAILS}, got {tail!r}")
@@ -414,27 +393,27 @@ def topk_divergence(
             f"support_mask must be a bool tensor of the ids' shape {tuple(teacher_topk_ids.shape)}, got "
             f"{support_mask.dtype} {tuple(support_mask.shape)}"
         )
-    coverage_weight = float(coverage_weight)
+    coverage_weight = float(o.coverage_weight)
     if not coverage_weight >= 0.0 or math.isinf(coverage_weight):
         raise ValueError(f"coverage_weight must be a finite number >= 0, got {coverage_weight}")
-    inv_ts = 1.0 / check_temperature("student_temperature", student_temperature)
+    inv_ts = 1.0 / check_temperature("student_temperature", o.student_temperature)
     check_inplace(student_logits, inplace_backward)
     student_TV = as_rows(student_logits, "student_logits")
     ids_TK = teacher_topk_ids.reshape(-1, teacher_topk_ids.shape[-1]).to(student_TV.device)
     logprobs_TK = teacher_topk_logprobs.detach().reshape(ids_TK.shape).to(student_TV.device)
-    shard = make_vocab_shard(student_TV.shape[1], group, vocab_size)
+    shard = make_vocab_shard(student_TV.shape[1], o.group, o.vocab_size)
     k = ids_TK.shape[1]
     support_TK = None if support_mask is None else support_mask.reshape(ids_TK.shape).to(student_TV.device)
     if k > shard.vocab_size and support_TK is None:  # with a mask, validation counts the ids actually present
         raise ValueError(
             f"teacher top-k has k={k} ids per token, more than vocab_size={shard.vocab_size}; send at most that many"
         )
-    if validate:
-        guessed = shard.group is None and vocab_size is None
+    if o.validate:
+        guessed = shard.group is None and o.vocab_size is None
         validate_topk(
             ids_TK, logprobs_TK, shard.vocab_size, kind, tail, lead, unsharded_guess=guessed, support_TK=support_TK
         )
-    ops = select_local_ops(backend, student_TV.device)
+    ops = select_local_ops(o.backend, student_TV.device)
     rows = chunk_rows(chunk_size, student_TV.shape[0], shard.valid_width, ops, student_TV.device)
     if chunk_size is None:  # also bound the per-chunk [rows, k] temporaries (one chunk on the Triton path)
         rows = min(rows, max(1, TOPK_CHUNK_ELEMENTS // max(1, ids_TK.shape[1])))
@@ -443,5 +422,5 @@ def topk_divergence(
         inplace_backward, outputs,
     )  # fmt: skip
     if outputs is not None:
-        outputs["student_lse"] = outputs["student_lse"].reshape(lead)
+        outputs.student_lse = outputs.student_lse.reshape(lead)
     return loss_T.reshape(lead)

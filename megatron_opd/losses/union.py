@@ -16,11 +16,13 @@ Shape legend: ``T`` tokens (leading dims flattened), ``K`` teacher top-k, ``R`` 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
-import torch.distributed as dist
 
 from megatron_opd.losses.dense import as_rows
 from megatron_opd.losses.divergences import DivergenceKind, resolve_kind
+from megatron_opd.losses.options import DivergenceOptions
 from megatron_opd.losses.topk import TAILS, check_id_columns, topk_divergence, validate_topk
 from megatron_opd.losses.vocab_parallel import make_vocab_shard
 
@@ -54,17 +56,8 @@ def union_divergence(
     teacher_logprobs_at_student_ids: torch.Tensor,
     kind: DivergenceKind,
     *,
-    beta: float = 0.5,
-    tail: str = "bucket",
-    coverage_weight: float = 0.0,
-    student_temperature: float = 1.0,
-    chunk_size: int | None = None,
-    group: dist.ProcessGroup | None = None,
-    vocab_size: int | None = None,
-    validate: bool = True,
-    inplace_backward: bool = False,
-    backend: str = "auto",
-    outputs: dict | None = None,
+    options: DivergenceOptions | None = None,
+    **keywords,
 ) -> torch.Tensor:
     """Per-token divergence over the union of the teacher's top-k and the student's top-k ids (TCAD).
 
@@ -75,18 +68,18 @@ def union_divergence(
             teacher's list already has are counted once (the teacher's slot).
         teacher_logprobs_at_student_ids: ``[..., R]`` the teacher's log-probabilities at ``student_topk_ids``
             (normalised over the full vocabulary, at the teacher's temperature); ignored where no id is held.
-        kind, beta, tail, student_temperature, chunk_size, group, vocab_size, inplace_backward, backend, outputs: as
-            for ``topk_divergence``; ``tail`` applies to the mass outside the union.
-        coverage_weight: adds ``coverage_weight * -log(student mass on the union)`` per token (TCAD's coverage
-            term), with its exact gradient.
-        validate: also checks the student's ids (in range, distinct) and the teacher's log-probabilities at them.
+        kind: as for ``topk_divergence``.
+        options: as for ``topk_divergence`` (or its fields as keyword arguments); ``tail`` applies to the mass
+            outside the union, ``coverage_weight`` to the student's mass on it, and ``validate`` also checks the
+            student's ids (in range, distinct) and the teacher's log-probabilities at them.
 
     Returns:
         Per-token losses with the logits' leading shape, equal on every rank of ``group``.
     """
-    kind, beta = resolve_kind(kind, beta)
-    if tail not in TAILS:
-        raise ValueError(f"tail must be one of {TAILS}, got {tail!r}")
+    o = DivergenceOptions.of(options, keywords, loss="union_divergence", unused=("teacher_temperature",))
+    kind, beta = resolve_kind(kind, o.beta)
+    if o.tail not in TAILS:
+        raise ValueError(f"tail must be one of {TAILS}, got {o.tail!r}")
     lead = student_logits.shape[:-1]
     check_id_columns("student_topk_ids", student_topk_ids, "teacher_logprobs_at_student_ids",
                      teacher_logprobs_at_student_ids, lead, "R", signed=True)  # fmt: skip
@@ -104,11 +97,11 @@ def union_divergence(
         ],
         dim=1,
     )
-    if validate:  # here, so that errors name the student's or the teacher's list
-        shard = make_vocab_shard(as_rows(student_logits, "student_logits").shape[1], group, vocab_size)
-        guessed = shard.group is None and vocab_size is None
+    if o.validate:  # here, so that errors name the student's or the teacher's list
+        shard = make_vocab_shard(as_rows(student_logits, "student_logits").shape[1], o.group, o.vocab_size)
+        guessed = shard.group is None and o.vocab_size is None
         validate_topk(
-            ids_TN, logprobs_TN, shard.vocab_size, kind, tail, lead, unsharded_guess=guessed, support_TK=present_TN,
+            ids_TN, logprobs_TN, shard.vocab_size, kind, o.tail, lead, unsharded_guess=guessed, support_TK=present_TN,
             student_slots_from=k,
         )  # fmt: skip
     n = k + r
@@ -117,16 +110,6 @@ def union_divergence(
         ids_TN.reshape(*lead, n),
         logprobs_TN.reshape(*lead, n),
         kind,
-        beta=beta,
-        tail=tail,
         support_mask=present_TN.reshape(*lead, n),
-        coverage_weight=coverage_weight,
-        student_temperature=student_temperature,
-        chunk_size=chunk_size,
-        group=group,
-        vocab_size=vocab_size,
-        validate=False,
-        inplace_backward=inplace_backward,
-        backend=backend,
-        outputs=outputs,
+        options=replace(o, beta=beta, validate=False),
     )

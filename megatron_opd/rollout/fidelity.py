@@ -15,7 +15,7 @@ log-probability of a token with the trainer's at temperature 1, which is what vL
 A stale batch (sampled by weights ``staleness`` steps older than the trained ones) was drawn from another policy
 ``mu``; its effect on the objective shows in the importance weights over each response's prefix,
 ``w_t = exp(sum_{s<t} d_s)`` (``s <= t`` for ``loss.mode=sampled``, whose estimator also samples the token at
-``t``), clipped at ``loss.staleness_clip`` (``prefix_log_ratios``, ``importance_weights``). They are logged every
+``t``), clipped at ``loss.staleness_clip`` (``losses.importance``). They are logged every
 step (``staleness/is_weight_mean``, ``_std``, ``staleness/is_truncated``: the share of tokens clipped) and applied to
 the loss with ``loss.staleness_correction=prefix`` (``docs/training.md``).
 
@@ -76,36 +76,6 @@ FIDELITY_SUMS = (  # the summed entries; logprob_diff_max is a maximum
 )
 
 
-def prefix_log_ratios(
-    trainer_lp_BS: torch.Tensor,
-    sampler_lp_BS: torch.Tensor,
-    mask_BS: torch.Tensor,
-    segment_ids_BS: torch.Tensor | None = None,
-    *,
-    inclusive: bool = False,
-) -> torch.Tensor:
-    """``[B, S]`` float64: the sum of ``d = log p_trainer - log p_sampler`` over the trained tokens of a sample
-    predicted before position ``s`` (and at ``s`` too when ``inclusive``), i.e. the log-ratio of the probabilities
-    of the sampled prefix. Each row is one sample, or with ``segment_ids_BS`` (packed rows) each segment."""
-    d_BS = torch.where(mask_BS != 0, trainer_lp_BS.double() - sampler_lp_BS.double(), 0.0)
-    through_BS = d_BS.cumsum(dim=-1)
-    before_BS = through_BS - d_BS
-    if segment_ids_BS is not None:  # subtract what the row's earlier segments summed to
-        starts_BS = torch.ones_like(segment_ids_BS, dtype=torch.bool)
-        starts_BS[..., 1:] = segment_ids_BS[..., 1:] != segment_ids_BS[..., :-1]
-        positions_BS = torch.arange(d_BS.shape[-1], device=d_BS.device).expand_as(d_BS)
-        first_BS = torch.where(starts_BS, positions_BS, 0).cummax(dim=-1).values
-        offset_BS = before_BS.gather(-1, first_BS)
-        through_BS, before_BS = through_BS - offset_BS, before_BS - offset_BS
-    return through_BS if inclusive else before_BS
-
-
-def importance_weights(log_ratio_BS: torch.Tensor, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Truncated importance weights ``min(exp(log_ratio), clip)`` (float32) and where the clip applied."""
-    truncated_BS = log_ratio_BS > math.log(clip)
-    return torch.exp(log_ratio_BS.clamp(max=math.log(clip))).float(), truncated_BS
-
-
 def fidelity_sums(
     trainer_lp_BS: torch.Tensor,
     sampler_lp_BS: torch.Tensor,
@@ -113,7 +83,7 @@ def fidelity_sums(
     weights: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """Sums (and the maximum) over the trained tokens of ``mask_BS`` that ``fidelity_metrics`` turns into metrics;
-    ``weights``: ``importance_weights`` of the batch's prefixes."""
+    ``weights``: ``losses.importance.prefix_weights`` of the batch's tokens."""
     sums = fidelity_sum_tensors(trainer_lp_BS, sampler_lp_BS, mask_BS, weights)
     return {name: float(value) for name, value in sums.items()}
 

@@ -67,6 +67,8 @@ class InProcessTeacher:
         self.chunks = chunks
         self.vocab_size = vocab_size
         self.mode = mode
+        self.dense = mode == "dense"
+        """It returns the whole distribution (logit shards, or hidden states and the output weight), not its top-k."""
         self.topk = topk
         self.temperature = temperature
         self.micro_batch_size = micro_batch_size
@@ -101,7 +103,7 @@ class InProcessTeacher:
         if self.offload:
             self._move(self.device)
         packed = self.packing and lengths is not None
-        hidden = self.mode == "topk" or not self.offload  # the model returns hidden states, not logits
+        hidden = not self.dense or not self.offload  # the model returns hidden states, not logits
         if not tokens.shape[0]:  # no rows: only the lockstep dummies of the MoE layers' exchange (``lockstep``)
             micro_batches = []
         elif packed:
@@ -120,9 +122,9 @@ class InProcessTeacher:
 
         def collect(output: torch.Tensor, mb: dict):
             if hidden:  # output: hidden states [b, s, H]
-                needs_logits = self.mode == "topk" or "request_ids" in mb
+                needs_logits = not self.dense or "request_ids" in mb
                 scores = self._chunked(output, mb.get("request_ids")) if needs_logits else TeacherScores()
-                if self.mode == "dense":
+                if self.dense:
                     scores.dense_hidden = output.detach().clone()
             else:  # output: logit shards [b, s, V]
                 scores = self._scores_of(output, mb.get("request_ids"))
@@ -136,7 +138,7 @@ class InProcessTeacher:
         with self.output.active() if hidden else contextlib.nullcontext():
             outputs = forward_backward(self.chunks, micro_batches, collect, forward_only=True)
         result = self._concat(outputs)
-        if hidden and self.mode == "dense" and outputs:
+        if hidden and self.dense and outputs:
             result.output_weight = self.output.weight
         if self.offload:
             self._move("cpu")
@@ -200,7 +202,7 @@ class InProcessTeacher:
         shard = make_vocab_shard(logits_BSV.shape[-1], None, self.vocab_size)
         scores = TeacherScores()
         lse_BS = None
-        if self.mode == "dense":
+        if self.dense:
             if keep_dense:
                 scores.dense_logits = logits_BSV.detach().clone()
         else:

@@ -26,7 +26,7 @@ def start_vllm_server(
 
     The model runs in the engine process (vLLM's ``uni`` executor, what a one-GPU server runs) unless
     ``worker_process``: vLLM's CPU default, a worker process of its own, costs another vLLM import (a start took
-    20-22 s and 16-17 s of CPU instead of 31-32 s and 23-28 s; benchmarks/RESULTS.md, "The test suite's time")."""
+    20-22 s and 16-17 s of CPU instead of 31-32 s and 23-28 s; benchmarks/CI_LOG.md, "The test suite's time")."""
     import requests
 
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}

@@ -1,6 +1,7 @@
 """Held-out evaluation: task accuracy and the per-token divergence to the teacher.
 
-Two divergences are measured with the configured kind (``loss.kind``; forward KL for ``sft``):
+Two divergences are measured with the training objective (``trainer.objective``; none for ``loss.kind=sft``, which has
+no teacher):
 - on the student's own (greedy by default) samples of the eval prompts: what on-policy distillation minimises;
 - on a fixed set of teacher-generated greedy responses (made once): comparable across checkpoints and runs.
 Accuracy is the mean of ``eval.scorer(prompt, response, record)`` over the eval prompts, where configured.
@@ -22,12 +23,11 @@ from megatron_opd.data.batch import TrainBatch, pack_rollouts
 from megatron_opd.data.stream import PromptItem
 from megatron_opd.distributed.device import collective_device
 from megatron_opd.interfaces import RolloutBackend, SamplingParams
-from megatron_opd.losses.sampled import label_logprobs, sampled_divergence
 from megatron_opd.models.context_parallel import ContextParallelSplit
 from megatron_opd.models.forward_backward import forward_backward
 from megatron_opd.trainer.config import TrainConfig
 from megatron_opd.trainer.loss_batch import LossBatch, split_for_context_parallel
-from megatron_opd.trainer.objective import teacher_columns, teacher_divergence
+from megatron_opd.trainer.objective import objective_for, teacher_columns
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,6 @@ class Evaluator:
         self.scorer = scorer
         self.router = router
         """``teachers.*``: the accuracy is also reported per teacher (``eval/NAME/accuracy``) by the records' field."""
-        self.kind = "forward_kl" if cfg.loss.kind == "sft" else cfg.loss.kind
         self.sampling = SamplingParams(
             max_new_tokens=cfg.rollout.max_new_tokens,
             temperature=cfg.eval.temperature,
@@ -108,38 +107,21 @@ class Evaluator:
 
     @torch.no_grad()
     def _divergence_sums(self, batch: TrainBatch, own: bool = True) -> tuple[float, float]:
-        """Sum of per-token divergences over response tokens, and their count (on the reporting rank).
-
-        ``loss.mode=sampled`` has only the teacher's log-probability of each token: the divergence is then the
-        sampled estimate, on the student's own samples of ``loss.kind`` (``losses.sampled``: ``log q - log p`` for the
-        reverse KL, ``r log r - r + 1`` with ``r = p/q`` for the forward KL) and ``log p - log q`` on the teacher's
-        (forward KL), each unbiased for samples of the model it is averaged under."""
-        sampled = self.cfg.loss.mode == "sampled"
-        request_ids = batch.teacher_request_ids()[..., :1] if sampled else None
+        """Sum of per-token divergences over response tokens, and their count (on the reporting rank): the training
+        objective's measure (``Objective.measure``) on the student's own samples, or on the teacher's (``own``)."""
+        request = objective_for(self.cfg.loss).teacher_request
+        # The sampled estimators read the teacher's log-probability of each token: ask for it.
+        request_ids = batch.teacher_request_ids()[..., :1] if request.label_logprobs else None
         scores = self.teacher.score(batch.tokens, request_ids, lengths=batch.lengths).result()
+        objective = objective_for(self.cfg.loss, vocab_size=self.vocab_size,
+                                  teacher_temperature=self.cfg.teacher.temperature,
+                                  teacher_weight=scores.output_weight)  # fmt: skip
         mbs = batch.num_samples
         extra = teacher_columns(scores)
         split = ContextParallelSplit.current()
 
         def measure(logits_BSV: torch.Tensor, mb: dict):
-            if sampled:
-                logq = label_logprobs(logits_BSV, mb["labels"], vocab_size=self.vocab_size)
-                if own:
-                    _, d = sampled_divergence(logq, mb["teacher_label_logprobs"], self.kind)
-                else:
-                    d = mb["teacher_label_logprobs"] - logq
-                mask = mb["loss_mask"] != 0
-                return logits_BSV.new_zeros(()), (float(torch.where(mask, d, 0.0).sum()), float(mask.sum()))
-            d = teacher_divergence(
-                logits_BSV,
-                LossBatch.of(mb, split),
-                self.cfg.loss,
-                self.kind,
-                vocab_size=self.vocab_size,
-                teacher_temperature=self.cfg.teacher.temperature,
-                inplace_backward=False,
-                teacher_weight=scores.output_weight,
-            )
+            d = objective.measure(logits_BSV, LossBatch.of(mb, split), teacher_samples=not own)
             mask = mb["loss_mask"] != 0
             return logits_BSV.new_zeros(()), (float(torch.where(mask, d, 0.0).sum()), float(mask.sum()))
 
@@ -247,7 +229,7 @@ def build_evaluator(cfg: TrainConfig, vocab, encoder, student, teacher, rollout,
     if router is not None:
         logger.info("evaluation with teachers.*: accuracy, overall and per teacher (eval/NAME/accuracy)")
         teacher = None
-    elif cfg.loss.cross_tokenizer != "off":  # the teacher scores its own tokens: no per-token divergence here
+    elif objective_for(cfg.loss).cross_tokenizer:  # the teacher scores its own tokens: no per-token divergence here
         logger.info("evaluation with loss.cross_tokenizer: accuracy only (see cross_tokenizer/* in the step metrics)")
         teacher = None
     if teacher is not None and cfg.eval.teacher_responses:

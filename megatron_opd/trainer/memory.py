@@ -442,6 +442,7 @@ def trainer_memory(cfg, world_size: int, accel_type: str, device_bytes: float | 
     from dataclasses import replace
 
     from megatron_opd.distributed.device import Accelerator
+    from megatron_opd.trainer.objective import objective_for
     from megatron_opd.trainer.student import precision_plan
 
     optim = cfg.optim
@@ -451,7 +452,8 @@ def trainer_memory(cfg, world_size: int, accel_type: str, device_bytes: float | 
     dp = max(world_size // cfg.parallel.model_parallel_size, 1)
     tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
     stages = [[row] for row in student_rows(cfg, dp, plan.bf16, plan.use_distributed_optimizer)]
-    if cfg.loss.kind != "sft" and cfg.teacher.backend == "inprocess":
+    objective = objective_for(cfg.loss)
+    if objective.needs_teacher and cfg.teacher.backend == "inprocess":
         arch = architecture_from_hf_config(hf_config(cfg.student.path).to_dict())
         tokens = micro_batch_tokens(cfg, cfg.train.max_seq_len or arch.max_position_embeddings)
         width = 2 if plan.bf16 else 4
@@ -465,7 +467,7 @@ def trainer_memory(cfg, world_size: int, accel_type: str, device_bytes: float | 
                 row = replace(row, weights=max(row.total - (student.activations), 0.0), activations=0.0,
                               note="teacher.offload: its weights leave the device while the student trains")  # fmt: skip
             rows.append(row)
-    if cfg.rollout.backend == "vllm" and not cfg.rollout.address and accel_type != "cpu" and cfg.loss.kind != "sft":
+    if cfg.rollout.backend == "vllm" and not cfg.rollout.address and accel_type != "cpu" and objective.samples:
         arch, shards = model_shards(cfg.student.path, 1, 1, None)
         (params,) = stage_params(shards, 1)
         budget = cfg.rollout.vllm_gpu_memory_utilization * device_bytes if device_bytes else 2 * params
@@ -496,9 +498,10 @@ def _advice(cfg, peak: GpuPeak) -> list[str]:
     )
     if cfg.build.recompute != "full":
         advice.append("build.recompute_granularity=full (each layer keeps only its input for the backward)")
-    from megatron_opd.trainer.objective import fused_output_applies
+    from megatron_opd.trainer.objective import objective_for
 
-    if not fused_output_applies(cfg.loss) and cfg.loss.kind != "sft":
+    objective = objective_for(cfg.loss)
+    if not objective.fuses_output and not objective.keeps_output_layer:
         advice.append("loss.fused_output=auto (logits formed a chunk of tokens at a time, never held whole)")
     advice.append("a smaller train.micro_batch_size or train.max_seq_len")
     if "vllm (colocated)" in jobs and not cfg.rollout.vllm_sleep:

@@ -14,7 +14,10 @@ hands it to one ``Objective`` per kind of teacher signal, chosen once from the c
 dense (logits, or the in-process teacher's hidden states and output weight), top-k (with ``loss.support=union``
 also the student's own top-k ids and the teacher's log-probabilities at them, see ``teacher_columns``), sampled,
 and the aligned cross-tokenizer loss. Whether the output layer is fused into the loss is decided by
-``make_loss_fn``, around whichever objective runs.
+``make_loss_fn``, around whichever objective runs. The objective is also what the rest of the trainer asks about the
+loss (``needs_teacher``, ``samples``, ``teacher_request``, ``fuses_output``) and what the evaluation measures with
+(``Objective.measure``): ``loss.kind``/``mode``/``cross_tokenizer``/``support`` are read here and in the config's
+cross-checks only.
 
 Shape legend: ``B`` samples in the micro-batch, ``S`` positions, ``V`` vocab shard, ``K`` teacher top-k, ``R`` the
 student's top-k.
@@ -25,20 +28,28 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
-from megatron_opd.losses import dense_divergence, reduce_loss, topk_divergence, union_divergence
+from megatron_opd.losses import (
+    DivergenceOptions,
+    PassStatistics,
+    dense_divergence,
+    reduce_loss,
+    topk_divergence,
+    union_divergence,
+)
 from megatron_opd.losses.aligned import aligned_divergence
 from megatron_opd.losses.fused_output import chunk_tokens, fused_output_loss, reduction_coefficients
+from megatron_opd.losses.importance import prefix_weights
 from megatron_opd.losses.sampled import label_logprobs, sampled_divergence
 from megatron_opd.losses.shard_ops import chunked_logsumexp, gather_at_ids, global_argmax
 from megatron_opd.losses.vocab_parallel import make_vocab_shard
 from megatron_opd.models.context_parallel import ContextParallelSplit
 from megatron_opd.models.output import HiddenStateOutput
 from megatron_opd.models.packing import pipeline_token_budget
-from megatron_opd.rollout.fidelity import fidelity_sum_tensors, importance_weights, prefix_log_ratios
+from megatron_opd.rollout.fidelity import fidelity_sum_tensors
 from megatron_opd.trainer.config import LossConfig
 from megatron_opd.trainer.loss_batch import LossBatch, split_for_context_parallel
 
@@ -99,7 +110,7 @@ class StepStats:
     kl_k3_sum: float = 0.0
     """Sum of the k3 terms exp(d) - 1 - d of KL(sampler || trainer)."""
     is_weight_sum: float = 0.0
-    """Sum of the prefix importance weights (``rollout.fidelity.importance_weights``)."""
+    """Sum of the prefix importance weights (``losses.importance.prefix_weights``)."""
     is_weight_sq_sum: float = 0.0
     """Sum of their squares."""
     is_truncated_sum: float = 0.0
@@ -176,7 +187,7 @@ class MicroBatchStats:
         return getattr(self.read(), name)
 
 
-def sft_per_token(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def sft_per_token(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
     """Cross-entropy of the next token with Megatron's vocab-parallel cross entropy, padding columns excluded."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -185,44 +196,6 @@ def sft_per_token(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, vocab_size:
     if shard.valid_width < logits.shape[-1]:
         logits = logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) >= shard.valid_width, -1e30)
     return vocab_parallel_cross_entropy(logits, labels_BS)
-
-
-def teacher_divergence(
-    logits_BSV: torch.Tensor,
-    batch: LossBatch,
-    cfg: LossConfig,
-    kind: str,
-    *,
-    vocab_size: int,
-    teacher_temperature: float,
-    inplace_backward: bool,
-    outputs: dict | None = None,
-    teacher_weight: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Per-token divergence ``[B, S]`` of the student's shard to the teacher's scores in ``batch``: top-k for
-    ``loss.mode=topk``, else dense (the teacher computes ``cfg.teacher_mode``).
-
-    ``loss.support=union`` uses the union support where ``batch`` holds the student's ids; without them (evaluation,
-    whose teacher request carries none) the support is the teacher's top-k. ``loss.coverage_weight`` adds TCAD's
-    coverage term in either case. No input validation: the in-process teacher's top-k is valid by construction, and
-    a NaN/inf loss shows in the step statistics the loss function reads anyway (``StepStats.nonfinite``), on which
-    the trainer stops the step and names it. ``outputs``: receives the loss pass's per-token statistics (``dense_divergence``).
-    ``teacher_weight``: the in-process teacher's output-weight shard, when ``batch`` holds its hidden states
-    (``teacher_hidden``) rather than its logits.
-    """
-    common = dict(beta=cfg.beta, student_temperature=cfg.student_temperature, chunk_size=cfg.chunk_size,
-                  vocab_size=vocab_size, validate=False, inplace_backward=inplace_backward,
-                  outputs=outputs)  # fmt: skip
-    if cfg.mode == "topk":
-        teacher = (batch.teacher_topk_ids, batch.teacher_topk_logprobs)
-        if cfg.support == "union" and batch.student_topk_ids is not None:
-            student = (batch.student_topk_ids, batch.teacher_logprobs_at_student_ids)
-            return union_divergence(
-                logits_BSV, *teacher, *student, kind, tail=cfg.tail, coverage_weight=cfg.coverage_weight, **common
-            )
-        return topk_divergence(logits_BSV, *teacher, kind, tail=cfg.tail, coverage_weight=cfg.coverage_weight, **common)
-    teacher_logits = dense_teacher_logits(batch, teacher_weight)
-    return dense_divergence(logits_BSV, teacher_logits, kind, teacher_temperature=teacher_temperature, **common)
 
 
 NO_DENSE_SCORES = "loss.mode=dense: the micro-batch holds neither the teacher's logits nor its hidden states"
@@ -245,28 +218,137 @@ def teacher_logits_of(hidden: torch.Tensor, teacher_weight: torch.Tensor | None)
     return hidden.to(teacher_weight.dtype) @ teacher_weight.t()
 
 
+@dataclass(frozen=True)
+class TeacherRequest:
+    """What an objective asks of the teacher for every scored sequence."""
+
+    mode: Literal["dense", "topk"]
+    """What the teacher computes: its logits (or hidden states) over the vocabulary, or its top-k."""
+    topk: int
+    """The teacher's k (``topk`` mode)."""
+    student_topk: int
+    """The student's own ids per token the rollout records, whose teacher log-probabilities the loss reads (the
+    union support; 0: none)."""
+    label_logprobs: bool
+    """Whether the loss reads the teacher's log-probability of each sampled token (the sampled estimators)."""
+    mapped_topk: bool
+    """Across tokenizers: the teacher's top-k mapped to the student's ids (``loss.cross_tokenizer=aligned``)."""
+
+    @property
+    def dense(self) -> bool:
+        return self.mode == "dense"
+
+
+@dataclass
+class TokenLoss:
+    """An objective's per-token loss and what it read on the way."""
+
+    per_token: torch.Tensor
+    target_top1: torch.Tensor
+    """The target's most likely token (the teacher's top-1, SFT's label; -1 where it has none in the student's
+    vocabulary), for the agreement statistic."""
+    divergence: torch.Tensor | None = None
+    """The divergence's estimate where the per-token loss is a surrogate for it (the sampled estimators)."""
+    student_lse: torch.Tensor | None = None
+    """The student's log-normaliser at ``loss.student_temperature``, where the loss's forward computed it."""
+
+
+@dataclass
+class TokenReads:
+    """What a loss pass reads per token beside the loss (the logits' leading shape): the step statistics' inputs."""
+
+    student_top1: torch.Tensor
+    target_top1: torch.Tensor
+    label_lp: torch.Tensor | None = None
+    """The sampled token's log-probability at temperature 1 (the rollout-fidelity monitor; only with the sampler's)."""
+    divergence: torch.Tensor | None = None
+    """As ``TokenLoss.divergence``; None: the per-token loss is the divergence."""
+
+    def placed(self, whole: TokenReads | None, index_C: torch.Tensor, n: int) -> TokenReads:
+        """These reads of a chunk of tokens placed at ``index_C`` of ``n``-token reads (``whole``; None: zeros)."""
+        values = {}
+        for f in fields(self):
+            value, into = getattr(self, f.name), getattr(whole, f.name) if whole is not None else None
+            if value is not None:
+                into = (into if into is not None else value.new_zeros(n)).index_copy_(0, index_C, value)
+            values[f.name] = into
+        return TokenReads(**values)
+
+    def viewed(self, *shape: int) -> TokenReads:
+        """Every read viewed as ``shape`` (flat ``[B * S]`` reads as ``[B, S]``)."""
+        return TokenReads(
+            **{f.name: None if (v := getattr(self, f.name)) is None else v.view(*shape) for f in fields(self)}
+        )
+
+
 class Objective:
-    """The per-token loss for one kind of teacher signal (``objective_for`` picks it once from the config).
+    """The per-token loss for one kind of teacher signal (``objective_for`` picks it once from the config), and what
+    the rest of the trainer asks of it: whether a teacher scores the batch, whether the student samples it, what the
+    teacher must return (``teacher_request``), whether the output layer is fused into the loss.
 
     ``per_token_pass`` takes logits of any leading shape (a micro-batch ``[B, S, V]`` or a chunk of the fused output
     layer ``[C, V]``; they may be overwritten: in-place backward) and the matching ``LossBatch``, and returns the
     per-token loss and the statistics read from the logits, computed first: the student's and the target's top-1
     and, for the rollout-fidelity monitor, the label's log-probability at temperature 1. Subclasses fill
-    ``divergence``; fused vs unfused output layer is the caller's (``make_loss_fn``) concern.
+    ``divergence`` (the training loss) and ``measure`` (the evaluation's divergence); fused vs unfused output layer
+    is the caller's (``make_loss_fn``) concern.
     """
 
     requires: ClassVar[tuple[str, ...]] = ()
     """``LossBatch`` fields this signal needs."""
-    reports_divergence: ClassVar[bool] = False
-    """Whether the divergence statistic differs from the per-token loss (a surrogate: reads["divergence"])."""
     keeps_logits: ClassVar[bool] = False
     """Whether the loss leaves the logits intact (the monitor may then take its logsumexp after it)."""
+    needs_teacher: ClassVar[bool] = True
+    """Whether a teacher scores the batches (SFT: none)."""
+    samples: ClassVar[bool] = True
+    """Whether the student samples the responses it trains on; SFT trains on the records' own responses, with no
+    rollout (``loss.kind=sft``: a mode of the trainer)."""
+    keeps_output_layer: ClassVar[bool] = False
+    """Whether the output layer must write the whole logit shard (SFT: Megatron's vocab-parallel cross entropy)."""
 
     def __init__(
-        self, cfg: LossConfig, *, vocab_size: int, teacher_temperature: float, teacher_weight: torch.Tensor | None
+        self,
+        cfg: LossConfig,
+        *,
+        vocab_size: int | None = None,
+        teacher_temperature: float = 1.0,
+        teacher_weight: torch.Tensor | None = None,
     ) -> None:
         self.cfg, self.vocab_size = cfg, vocab_size
         self.teacher_temperature, self.teacher_weight = teacher_temperature, teacher_weight
+        self.options = DivergenceOptions(
+            beta=cfg.beta, tail=cfg.tail, coverage_weight=cfg.coverage_weight,
+            student_temperature=cfg.student_temperature, teacher_temperature=teacher_temperature,
+            chunk_size=cfg.chunk_size, vocab_size=vocab_size, validate=False,
+        )  # fmt: skip
+        """The divergence's settings (not in place: ``divergence`` runs it in place). No input validation: the
+        in-process teacher's top-k is valid by construction, and a NaN/inf loss shows in the step statistics the
+        loss function reads anyway (``StepStats.nonfinite``), on which the trainer stops the step and names it."""
+
+    @property
+    def cross_tokenizer(self) -> bool:
+        """Whether the teacher scores its own tokenization of each sample (``loss.cross_tokenizer``)."""
+        return self.cfg.cross_tokenizer != "off"
+
+    @property
+    def teacher_request(self) -> TeacherRequest | None:
+        """What the teacher must return (None: no teacher)."""
+        cfg = self.cfg
+        return TeacherRequest(mode=cfg.teacher_mode, topk=cfg.teacher_topk, student_topk=cfg.union_student_topk,
+                              label_logprobs="teacher_label_logprobs" in self.requires,
+                              mapped_topk=cfg.cross_tokenizer == "aligned")  # fmt: skip
+
+    @property
+    def fuses_output(self) -> bool:
+        """Whether the update forms its logits inside the loss (``loss.fused_output``; SFT keeps the output layer, and
+        so does a cross-tokenizer loss, whose groups must not be split over chunks, and the staleness correction)."""
+        return (
+            not self.keeps_output_layer
+            and self.cfg.fused_output != "off"
+            and not self.cross_tokenizer
+            and self.cfg.staleness_correction
+            == "off"  # its weights need the pass's log-probabilities before the reduction
+        )
 
     def check(self, batch: LossBatch) -> None:
         """Refuse a micro-batch without the fields this signal needs (a wiring error, named)."""
@@ -277,95 +359,120 @@ class Objective:
                 f"{self.cfg.cross_tokenizer}): the micro-batch has no {', '.join(missing)}"
             )
 
-    def divergence(
-        self, logits_TV: torch.Tensor, batch: LossBatch, shard, reads: dict, outputs: dict, label_logit
-    ) -> torch.Tensor:
-        """The per-token loss; sets ``reads["target_top1"]`` (and ``reads["divergence"]`` where it differs)."""
+    def divergence(self, logits_TV: torch.Tensor, batch: LossBatch, shard, label_logit) -> TokenLoss:
+        """The per-token training loss, in place where the objective allows it (``label_logit``: the sampled token's
+        logit, read before the loss when the monitor runs)."""
         raise NotImplementedError
 
-    def per_token_pass(self, logits_TV: torch.Tensor, batch: LossBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def measure(self, logits_BSV: torch.Tensor, batch: LossBatch, *, teacher_samples: bool = False) -> torch.Tensor:
+        """The evaluation's per-token divergence (no gradient; the logits stay intact) on the student's own samples,
+        or with ``teacher_samples`` on the teacher's."""
+        raise ValueError(f"{type(self).__name__} has no held-out divergence to the teacher")
+
+    def label_logprob(self, logits_TV, loss: TokenLoss, shard, label_logit, lse_t1) -> torch.Tensor:
+        """The sampled token's log-probability at temperature 1, from its logit and a log-normaliser: the one at
+        temperature 1 (``lse_t1``) or the loss pass's at ``loss.student_temperature`` = 1."""
+        if lse_t1 is None and self.keeps_logits:  # the loss overwrote only a copy: one logsumexp pass
+            lse_t1 = chunked_logsumexp(logits_TV.detach(), shard)
+        return label_logit - (lse_t1 if lse_t1 is not None else loss.student_lse)
+
+    def per_token_pass(self, logits_TV: torch.Tensor, batch: LossBatch) -> tuple[torch.Tensor, TokenReads]:
         cfg = self.cfg
         shard = make_vocab_shard(logits_TV.shape[-1], None, self.vocab_size)
         monitor = batch.rollout_logprobs is not None
-        outputs: dict = {}
-        reads = {}
         label_logit = lse_t1 = None
         with torch.no_grad():
-            reads["student_top1"] = global_argmax(logits_TV.detach(), shard)
+            student_top1 = global_argmax(logits_TV.detach(), shard)
             if monitor:  # read before the in-place loss overwrites the logits: a gather, no vocabulary pass
                 label_logit = gather_at_ids(logits_TV.detach(), batch.labels[..., None], shard)[..., 0]
                 # The loss pass normalises at loss.student_temperature: at another one, one logsumexp pass at 1.
                 lse_t1 = None if cfg.student_temperature == 1.0 else chunked_logsumexp(logits_TV.detach(), shard)
-        per_token = self.divergence(logits_TV, batch, shard, reads, outputs, label_logit)
+        loss = self.divergence(logits_TV, batch, shard, label_logit)
+        label_lp = None
         if monitor:
             with torch.no_grad():
-                if cfg.kind == "sft":  # cross-entropy is minus the label's log-probability (temperature 1)
-                    reads["label_lp"] = -per_token.detach()
-                else:
-                    if lse_t1 is None and self.keeps_logits:  # the loss overwrote only a copy: one logsumexp pass
-                        lse_t1 = chunked_logsumexp(logits_TV.detach(), shard)
-                    reads["label_lp"] = label_logit - (lse_t1 if lse_t1 is not None else outputs["student_lse"])
-        return per_token, reads
+                label_lp = self.label_logprob(logits_TV, loss, shard, label_logit, lse_t1)
+        return loss.per_token, TokenReads(student_top1, loss.target_top1, label_lp, loss.divergence)
 
 
 class SftObjective(Objective):
-    """Cross-entropy of the sampled (target) token; no teacher."""
+    """Cross-entropy of the sampled (target) token; no teacher, no rollout."""
 
-    def divergence(self, logits_TV, batch, shard, reads, outputs, label_logit):
-        reads["target_top1"] = batch.labels
-        return sft_per_token(logits_TV, batch.labels, self.vocab_size)
+    needs_teacher = False
+    samples = False
+    keeps_output_layer = True
 
+    @property
+    def cross_tokenizer(self) -> bool:
+        return False
 
-class DistributionObjective(Objective):
-    """A divergence between the student's and the teacher's distributions (dense or top-k), in place: the output
-    layer's logits are not needed after the loss."""
+    @property
+    def teacher_request(self) -> None:
+        return None
 
-    def _teacher_divergence(self, logits_TV, batch, outputs):
-        return teacher_divergence(
-            logits_TV,
-            batch,
-            self.cfg,
-            self.cfg.kind,
-            vocab_size=self.vocab_size,
-            teacher_temperature=self.teacher_temperature,
-            inplace_backward=True,
-            outputs=outputs,
-            teacher_weight=self.teacher_weight,
-        )
+    def divergence(self, logits_TV, batch, shard, label_logit):
+        return TokenLoss(sft_per_token(logits_TV, batch.labels, self.vocab_size), target_top1=batch.labels)
+
+    def label_logprob(self, logits_TV, loss, shard, label_logit, lse_t1):
+        return -loss.per_token.detach()  # cross-entropy is minus the label's log-probability (temperature 1)
 
 
-class DenseObjective(DistributionObjective):
+class DenseObjective(Objective):
     """The divergence over the full vocabulary to a dense teacher: its logits, or the in-process teacher's hidden
-    states and output weight (formed here, for this chunk's or micro-batch's rows only)."""
+    states and output weight (formed here, for this chunk's or micro-batch's rows only), in place: the output
+    layer's logits are not needed after the loss."""
 
     def check(self, batch: LossBatch) -> None:
         if batch.teacher_logits is None and batch.teacher_hidden is None:
             raise ValueError(NO_DENSE_SCORES)
 
-    def divergence(self, logits_TV, batch, shard, reads, outputs, label_logit):
+    def divergence(self, logits_TV, batch, shard, label_logit):
         with torch.no_grad():
-            if batch.teacher_logits is None:
-                batch = replace(batch, teacher_logits=dense_teacher_logits(batch, self.teacher_weight))
-            reads["target_top1"] = global_argmax(batch.teacher_logits, shard)
-        return self._teacher_divergence(logits_TV, batch, outputs)
+            teacher_logits = dense_teacher_logits(batch, self.teacher_weight)
+            target_top1 = global_argmax(teacher_logits, shard)
+        stats = PassStatistics()
+        options = replace(self.options, inplace_backward=True, outputs=stats)
+        per_token = dense_divergence(logits_TV, teacher_logits, self.cfg.kind, options=options)
+        return TokenLoss(per_token, target_top1, student_lse=stats.student_lse)
+
+    def measure(self, logits_BSV, batch, *, teacher_samples=False):
+        teacher_logits = dense_teacher_logits(batch, self.teacher_weight)
+        return dense_divergence(logits_BSV, teacher_logits, self.cfg.kind, options=self.options)
 
 
-class TopkObjective(DistributionObjective):
-    """The divergence over the teacher's top-k (``loss.support=union``: plus the student's own top-k) and a tail."""
+class TopkObjective(Objective):
+    """The divergence over the teacher's top-k and a tail, in place (the output layer's logits are not needed after
+    the loss); with ``loss.support=union`` over the union with the student's own top-k ids in training (``losses.
+    union``), while the evaluation, whose teacher request carries no student ids, measures the teacher's top-k."""
 
     requires = ("teacher_topk_ids", "teacher_topk_logprobs")
 
+    def __init__(self, cfg: LossConfig, **kwargs) -> None:
+        super().__init__(cfg, **kwargs)
+        self.union = cfg.support == "union"
+
     def check(self, batch: LossBatch) -> None:
         super().check(batch)
-        if self.cfg.support == "union" and batch.student_topk_ids is None:
+        if self.union and batch.student_topk_ids is None:
             raise ValueError(
                 "loss.support=union: the micro-batch has no student top-k ids; pass the batch to teacher_columns "
                 "and score it with TrainBatch.teacher_request_ids()"
             )
 
-    def divergence(self, logits_TV, batch, shard, reads, outputs, label_logit):
-        reads["target_top1"] = batch.teacher_topk_ids[..., 0]
-        return self._teacher_divergence(logits_TV, batch, outputs)
+    def divergence(self, logits_TV, batch, shard, label_logit):
+        stats = PassStatistics()
+        options = replace(self.options, inplace_backward=True, outputs=stats)
+        teacher = (batch.teacher_topk_ids, batch.teacher_topk_logprobs)
+        if self.union:
+            student = (batch.student_topk_ids, batch.teacher_logprobs_at_student_ids)
+            per_token = union_divergence(logits_TV, *teacher, *student, self.cfg.kind, options=options)
+        else:
+            per_token = topk_divergence(logits_TV, *teacher, self.cfg.kind, options=options)
+        return TokenLoss(per_token, batch.teacher_topk_ids[..., 0], student_lse=stats.student_lse)
+
+    def measure(self, logits_BSV, batch, *, teacher_samples=False):
+        teacher = (batch.teacher_topk_ids, batch.teacher_topk_logprobs)
+        return topk_divergence(logits_BSV, *teacher, self.cfg.kind, options=self.options)
 
 
 class SampledObjective(Objective):
@@ -373,21 +480,29 @@ class SampledObjective(Objective):
     aligned group with ``loss.cross_tokenizer=sampled``)."""
 
     requires = ("teacher_label_logprobs",)
-    reports_divergence = True
 
-    def divergence(self, logits_TV, batch, shard, reads, outputs, label_logit):
+    def divergence(self, logits_TV, batch, shard, label_logit):
         cfg = self.cfg
         # The teacher's top-1, where it has one in the student's vocabulary (not across tokenizers).
         top1 = batch.teacher_topk_ids
-        reads["target_top1"] = top1[..., 0] if top1 is not None else torch.full_like(batch.labels, -1)
+        target_top1 = top1[..., 0] if top1 is not None else torch.full_like(batch.labels, -1)
         logq = label_logprobs(logits_TV, batch.labels, vocab_size=self.vocab_size, temperature=cfg.student_temperature)
-        per_token, reads["divergence"] = sampled_divergence(
+        per_token, divergence = sampled_divergence(
             logq, batch.teacher_label_logprobs, cfg.kind, batch.group_offset, batch.context_parallel,
             ratio_clip=cfg.sampled_ratio_clip,
         )  # fmt: skip
-        if label_logit is not None and cfg.student_temperature == 1.0:
-            outputs["student_lse"] = label_logit - logq.detach()
-        return per_token
+        lse = label_logit - logq.detach() if label_logit is not None and cfg.student_temperature == 1.0 else None
+        return TokenLoss(per_token, target_top1, divergence, student_lse=lse)
+
+    def measure(self, logits_BSV, batch, *, teacher_samples=False):
+        """The sampled estimate (only the teacher's log-probability of each token is known): of ``loss.kind`` on the
+        student's samples (``log q - log p`` for the reverse KL, ``r log r - r + 1`` with ``r = p/q`` for the forward
+        KL), ``log p - log q`` (the forward KL) on the teacher's; each unbiased under the model that sampled."""
+        logq = label_logprobs(logits_BSV, batch.labels, vocab_size=self.vocab_size)
+        if teacher_samples:
+            return batch.teacher_label_logprobs - logq
+        _, divergence = sampled_divergence(logq, batch.teacher_label_logprobs, self.cfg.kind)
+        return divergence
 
 
 class AlignedObjective(Objective):
@@ -396,28 +511,33 @@ class AlignedObjective(Objective):
 
     requires = ("aligned_mask", "teacher_topk_ids", "teacher_topk_logprobs", "teacher_topk_support",
                 "teacher_label_logprobs", "group_offset")  # fmt: skip
-    reports_divergence = True
     keeps_logits = True
 
-    def divergence(self, logits_TV, batch, shard, reads, outputs, label_logit):
+    def divergence(self, logits_TV, batch, shard, label_logit):
         cfg, aligned = self.cfg, batch.aligned_mask
         first = torch.where(batch.teacher_topk_support[..., 0], batch.teacher_topk_ids[..., 0], -1)
-        reads["target_top1"] = torch.where(aligned, first, -1)  # the teacher's top-1, where it has a twin
-        per_token, reads["divergence"] = aligned_divergence(
+        target_top1 = torch.where(aligned, first, -1)  # the teacher's top-1, where it has a twin
+        per_token, divergence = aligned_divergence(
             logits_TV, batch.labels, aligned, batch.teacher_topk_ids, batch.teacher_topk_logprobs,
             batch.teacher_topk_support, batch.teacher_label_logprobs, batch.group_offset, cfg.kind,
             vocab_size=self.vocab_size, beta=cfg.beta, tail=cfg.tail, coverage_weight=cfg.coverage_weight,
             student_temperature=cfg.student_temperature, chunk_size=cfg.chunk_size,
             context_parallel=batch.context_parallel, sampled_ratio_clip=cfg.sampled_ratio_clip,
         )  # fmt: skip
-        return per_token
+        return TokenLoss(per_token, target_top1, divergence)
 
 
 def objective_for(
-    cfg: LossConfig, *, vocab_size: int, teacher_temperature: float, teacher_weight: torch.Tensor | None = None
+    cfg: LossConfig,
+    *,
+    vocab_size: int | None = None,
+    teacher_temperature: float = 1.0,
+    teacher_weight: torch.Tensor | None = None,
 ) -> Objective:
     """The objective of the teacher signal ``cfg`` asks for (the config's validation keeps the combinations
-    consistent: ``cross_tokenizer=aligned`` is a top-k loss, ``cross_tokenizer=sampled`` a sampled one)."""
+    consistent: ``cross_tokenizer=aligned`` is a top-k loss, ``cross_tokenizer=sampled`` a sampled one). The loss
+    needs ``vocab_size`` (None: the logits' full width) and the teacher's temperature and output weight; what the
+    objective declares (``needs_teacher``, ``teacher_request``, ...) does not."""
     if cfg.kind == "sft":
         cls = SftObjective
     elif cfg.cross_tokenizer == "aligned":
@@ -476,35 +596,31 @@ def make_loss_fn(
         else:
             loss, per_token_BS, reads = _fused_pass(output_tensor, output.weight, batch, kwargs)
             staleness = staleness_weights(reads, batch)
+        divergence_BS = reads.divergence if reads.divergence is not None else per_token_BS
         with torch.no_grad():  # on the device: one host read per step, after the last micro-batch (sum_stats)
             valid_BS = mask_BS != 0
             values = {
                 "loss": loss.detach().double(),
-                "divergence_sum": torch.where(valid_BS, reads.get("divergence", per_token_BS).detach(), 0.0).sum(),
-                "agree_sum": ((reads["student_top1"] == reads["target_top1"]) & valid_BS).sum(),
-                "top1_tokens": ((reads["target_top1"] >= 0) & valid_BS).sum(),
+                "divergence_sum": torch.where(valid_BS, divergence_BS.detach(), 0.0).sum(),
+                "agree_sum": ((reads.student_top1 == reads.target_top1) & valid_BS).sum(),
+                "top1_tokens": ((reads.target_top1 >= 0) & valid_BS).sum(),
                 "tokens": valid_BS.sum(),
                 "nonfinite": ~torch.isfinite(loss.detach()),
             }
             if batch.rollout_logprobs is not None:
-                values.update(fidelity_sum_tensors(reads["label_lp"], batch.rollout_logprobs, mask_BS, staleness))
+                values.update(fidelity_sum_tensors(reads.label_lp, batch.rollout_logprobs, mask_BS, staleness))
             stats = MicroBatchStats.of(values, loss.device)
         return loss * scale, stats
 
-    def staleness_weights(reads: dict, batch: LossBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def staleness_weights(reads: TokenReads, batch: LossBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The prefix importance weights of the micro-batch's sampled tokens and where they were clipped (None
         without the sampler's log-probabilities)."""
         if batch.rollout_logprobs is None:
             return None
         with torch.no_grad():
-            columns = (reads["label_lp"], batch.rollout_logprobs, batch.loss_mask)
-            cp = batch.context_parallel
-            if cp is not None:  # a prefix spans the ranks' chunks: read along the gathered sequences
-                columns = tuple(cp.gather(c) for c in columns)
-            log_ratio_BS = prefix_log_ratios(*columns, batch.segment_ids, inclusive=cfg.mode == "sampled")
-            if cp is not None:
-                log_ratio_BS = cp.split(log_ratio_BS, 1)
-            return importance_weights(log_ratio_BS, cfg.staleness_clip)
+            return prefix_weights(reads.label_lp, batch.rollout_logprobs, batch.loss_mask, batch.segment_ids,
+                                  inclusive=cfg.mode == "sampled", clip=cfg.staleness_clip,
+                                  context_parallel=batch.context_parallel)  # fmt: skip
 
     def _fused_pass(hidden_BSH: torch.Tensor, weight_VH: torch.Tensor, batch: LossBatch, kwargs: dict):
         """The objective's ``per_token_pass`` a chunk of trained tokens at a time on logits formed from the hidden
@@ -512,12 +628,11 @@ def make_loss_fn(
         mask_BS = batch.loss_mask
         (b, s), n = mask_BS.shape, mask_BS.numel()
         flat = batch.flatten()
-        reads_T: dict[str, torch.Tensor] = {}
+        placed: list[TokenReads | None] = [None]  # the chunks' reads at their tokens (None: no chunk yet)
 
         def token_pass(logits_CV: torch.Tensor, index_C: torch.Tensor) -> torch.Tensor:
             per_token_C, reads = objective.per_token_pass(logits_CV, flat.select(index_C))
-            for name, value in reads.items():
-                reads_T.setdefault(name, value.new_zeros(n)).index_copy_(0, index_C, value)
+            placed[0] = reads.placed(placed[0], index_C, n)
             return per_token_C
 
         coeff = reduction_coefficients(mask_BS, batch.weights, cfg.reduction, **kwargs)
@@ -533,9 +648,10 @@ def make_loss_fn(
             index_N=batch.trained_index,
         )
         per_token_BS = per_token_N.new_zeros(n).index_copy(0, index_N, per_token_N).view(b, s)
-        needed = ("student_top1", "target_top1") + (("label_lp",) if batch.rollout_logprobs is not None else ())
-        needed += ("divergence",) if objective.reports_divergence else ()
-        reads = {name: reads_T.get(name, mask_BS.new_zeros(n)).view(b, s) for name in needed}  # none: nothing trained
+        if placed[0] is None:  # nothing trained
+            zeros = mask_BS.new_zeros(n)
+            placed[0] = TokenReads(zeros, zeros, zeros if batch.rollout_logprobs is not None else None)
+        reads = placed[0].viewed(b, s)
         return loss, per_token_BS, reads
 
     return loss_fn
@@ -745,11 +861,5 @@ def _routed_step(student, batch, routed, cfg: LossConfig, teachers: dict[str, Te
 
 
 def fused_output_applies(cfg: LossConfig) -> bool:
-    """Whether the update forms its logits inside the loss (``loss.fused_output``; SFT keeps the output layer, and
-    so does a cross-tokenizer loss, whose groups must not be split over chunks, and the staleness correction)."""
-    return (
-        cfg.kind != "sft"
-        and cfg.fused_output != "off"
-        and cfg.cross_tokenizer == "off"
-        and cfg.staleness_correction == "off"  # its weights need the pass's log-probabilities before the reduction
-    )
+    """Whether the update forms its logits inside the loss (``Objective.fuses_output``)."""
+    return objective_for(cfg).fuses_output

@@ -18,6 +18,7 @@ from megatron_opd.interfaces import SamplingParams
 from megatron_opd.models import rope
 from megatron_opd.models.families import family_named
 from megatron_opd.trainer.config import TrainConfig
+from megatron_opd.trainer.objective import objective_for
 from megatron_opd.trainer.student import PrecisionPlan, Student, precision_plan
 
 logger = logging.getLogger(__name__)
@@ -72,14 +73,15 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
         )
     views = cfg.teacher_views() if cfg.teachers else {"teacher": cfg}
     for name, view in views.items():
-        if view.loss.kind != "sft" and view.teacher.backend == "inprocess":
+        objective = objective_for(view.loss)
+        if objective.needs_teacher and view.teacher.backend == "inprocess":
             where = "teacher.path" if view is cfg else f"teachers.{name}.path"
             teacher = model_architecture(view.teacher.path, where)
             validate_layout(teacher, cfg.parallel)
             check_packed_attention(cfg, teacher, f"{where}={view.teacher.path}")
             # The teacher scores the student's sequences; in its own tokens (loss.cross_tokenizer), up to its context.
-            same = view.loss.cross_tokenizer == "off"
-            check_window_context_parallel(teacher, cp, max_seq_len(cfg) if same else teacher.max_position_embeddings,
+            own = objective.cross_tokenizer
+            check_window_context_parallel(teacher, cp, teacher.max_position_embeddings if own else max_seq_len(cfg),
                                           where)  # fmt: skip
     check_micro_batch_tokens(cfg)
     check_paths(cfg.data.train_files, "data.train_files")
@@ -114,16 +116,17 @@ def check_first_records(cfg: TrainConfig, vocab: Vocabulary) -> None:
     views = cfg.teacher_views() if cfg.teachers else {"teacher": cfg}
     for name, view in views.items():
         v = vocab.teachers[name] if cfg.teachers else vocab
-        if view.loss.cross_tokenizer != "off" and view.loss.kind != "sft" and v.teacher_tokenizer is not None:
+        if objective_for(view.loss).cross_tokenizer and v.teacher_tokenizer is not None:
             where = "teacher.tokenizer" if view is cfg else f"teachers.{name}.tokenizer"
             encoders[where] = PromptEncoder.for_data(v.teacher_tokenizer, cfg.data)
+    on_records = not objective_for(cfg.loss).samples  # SFT trains on the records' responses
     for key in ("data.train_files", "data.eval_files"):
         paths = getattr(cfg.data, key.split(".")[1])
         for path, record in first_records(paths, key) if paths else ():
             for model, encoder in encoders.items():
                 where = f"{path} record 0 (the tokenizer of {model})"
                 encoder.prompt_ids(record, where=where)
-                if cfg.loss.kind == "sft" and key == "data.train_files":
+                if on_records and key == "data.train_files":
                     encoder.response_ids(record, where=where)
 
 
@@ -140,7 +143,7 @@ def check_micro_batch_tokens(cfg: TrainConfig) -> None:
     if tokens < longest:
         tp = cfg.parallel.tensor_model_parallel_size
         source = f"train.max_seq_len={cfg.train.max_seq_len}" if cfg.train.max_seq_len else "the student's context"
-        what = "prompt and response" if cfg.loss.kind == "sft" else (
+        what = "prompt and response" if not objective_for(cfg.loss).samples else (
             f"prompt room {longest - cfg.rollout.max_new_tokens} + rollout.max_new_tokens={cfg.rollout.max_new_tokens}"
         )  # fmt: skip
         raise ValueError(
@@ -248,7 +251,8 @@ def load_vocabulary(cfg: TrainConfig) -> Vocabulary:
             f"(student.path={cfg.student.path}) only {student_rows} rows; they do not belong together"
         )
     teacher_fingerprint, teacher_own = None, None
-    cross = cfg.loss.cross_tokenizer != "off"
+    objective = objective_for(cfg.loss)
+    cross = objective.cross_tokenizer
     if cross and cfg.teacher.backend in ("vllm", "server"):
         # The trainer tokenizes for the teacher with its files: they must be the tokenizer the server runs (vLLM's
         # transport confirms them against its /tokenize; a teacher server's summary must have their fingerprint).
@@ -272,7 +276,7 @@ def load_vocabulary(cfg: TrainConfig) -> Vocabulary:
         teacher_own = _teacher_tokenizer(cfg)
         rows = model_architecture(cfg.teacher.path, "teacher.path").vocab_size
         check_rows(len(teacher_own), rows, "teacher", f"teacher.path={cfg.teacher.path}")
-    elif cfg.loss.kind != "sft" and cfg.teacher.backend in ("server", "vllm"):
+    elif objective.needs_teacher and cfg.teacher.backend in ("server", "vllm"):
         # A teacher server sends its tokenizer summary at connect; a vLLM server's is read from teacher.tokenizer
         # and confirmed against its /tokenize. The same check runs on it.
         client = remote_client(cfg)
@@ -289,7 +293,7 @@ def load_vocabulary(cfg: TrainConfig) -> Vocabulary:
             student_embedding_rows=student_rows,
         )
         teacher_fingerprint = info.vocab_fingerprint
-    elif cfg.loss.kind != "sft":
+    elif objective.needs_teacher:
         teacher_tok_dir = (
             Path(cfg.teacher.tokenizer) if cfg.teacher.tokenizer else tokenizer_dir(cfg.teacher.path, "teacher.path")
         )
@@ -343,7 +347,8 @@ def build_teacher(
     cfg: TrainConfig, accel: Accelerator, vocab_size: int, student: Student, teacher_fingerprint: str | None = None
 ):
     """The teacher back end of ``teacher.backend`` (None for ``loss.kind=sft``)."""
-    if cfg.loss.kind == "sft":
+    request = objective_for(cfg.loss).teacher_request
+    if request is None:
         return None
     if cfg.teacher.backend in ("server", "vllm"):
         return build_remote_teacher(cfg, teacher_fingerprint, student, vocab_size)
@@ -351,7 +356,7 @@ def build_teacher(
 
     _, chunks = build_and_load(cfg.teacher.path, cfg.parallel, cfg.build, trainable=False, field="teacher.path")
     student_width, teacher_width = student.chunks[-1].vocab_size, chunks[-1].vocab_size
-    if cfg.loss.mode == "dense" and student_width != teacher_width:
+    if request.dense and student_width != teacher_width:
         raise ValueError(
             f"loss.mode=dense needs the student's and teacher's logit shards to line up, but their padded "
             f"vocabularies differ ({student_width} vs {teacher_width} columns); use loss.mode=topk"
@@ -359,8 +364,8 @@ def build_teacher(
     teacher = InProcessTeacher(
         chunks,
         vocab_size=vocab_size,
-        mode=cfg.loss.teacher_mode,
-        topk=cfg.loss.teacher_topk,
+        mode=request.mode,
+        topk=request.topk,
         temperature=cfg.teacher.temperature,
         micro_batch_size=cfg.train.micro_batch_size,
         offload=cfg.teacher.offload,
@@ -514,7 +519,8 @@ def check_output_weight(full_VH: torch.Tensor, info, vocab_size: int, path: str)
 
 def build_retokenizer(cfg: TrainConfig, vocab: Vocabulary):
     """``loss.cross_tokenizer``: the teacher's view of each batch (None without one)."""
-    if cfg.loss.cross_tokenizer == "off" or cfg.loss.kind == "sft":
+    objective = objective_for(cfg.loss)
+    if not objective.cross_tokenizer:
         return None
     from megatron_opd.cross_tokenizer.retokenize import CrossTokenizer
     from megatron_opd.data.prompts import PromptEncoder
@@ -522,9 +528,8 @@ def build_retokenizer(cfg: TrainConfig, vocab: Vocabulary):
     encoder = PromptEncoder.for_data(vocab.teacher_tokenizer, cfg.data)
     # A vLLM teacher scores the next token only: the stop's prefix correction needs other ids at one position.
     stop_prefix_ids = 1 if cfg.teacher.backend == "vllm" else 16
-    aligned = cfg.loss.cross_tokenizer == "aligned"
     return CrossTokenizer(vocab.tokenizer, vocab.teacher_tokenizer, encoder, vocab.stop_token_ids, stop_prefix_ids,
-                          topk=aligned)  # fmt: skip
+                          topk=objective.teacher_request.mapped_topk)  # fmt: skip
 
 
 def build_teachers(cfg: TrainConfig, accel: Accelerator, vocab: Vocabulary, student: Student) -> dict:

