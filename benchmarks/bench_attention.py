@@ -42,11 +42,11 @@ def _worker(model_dir: str, attention: str, job: str, lengths: list[int], repeat
     import torch
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
+    from megatron_opd.checkpoint.source import build_and_load
+    from megatron_opd.data.batch import pack
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
     from megatron_opd.models.builder import ModelBuildConfig
     from megatron_opd.models.forward_backward import forward_backward
-    from megatron_opd.models.source import build_and_load
-    from megatron_opd.trainer.batch import pack
 
     torch.set_num_threads(2)
     initialize_distributed(ParallelConfig())

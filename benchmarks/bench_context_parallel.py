@@ -63,11 +63,11 @@ class LiveTensorBytes(TorchDispatchMode):
 def _update(student_dir: str, length: int, cp: int, tp: int) -> dict:
     from megatron.core import parallel_state as ps
 
+    from megatron_opd.checkpoint.source import build_and_load
+    from megatron_opd.data.batch import pack
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
     from megatron_opd.distributed.device import detect_accelerator
     from megatron_opd.interfaces import TeacherScores
-    from megatron_opd.models.source import build_and_load
-    from megatron_opd.trainer.batch import pack
     from megatron_opd.trainer.config import LossConfig, OptimConfig
     from megatron_opd.trainer.objective import train_step
     from megatron_opd.trainer.student import Student, precision_plan

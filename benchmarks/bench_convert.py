@@ -54,8 +54,8 @@ def naive_hf_to_mcore(hf_dir: str, out: str) -> None:
 
     from megatron_opd.distributed.cpu_compat import apply_cpu_patches
     from megatron_opd.distributed.parallel import ParallelConfig, initialize_model_parallel
-    from megatron_opd.models.architecture import load_architecture
     from megatron_opd.models.builder import ModelBuildConfig, build_model_chunk, transformer_config
+    from megatron_opd.models.hf_config import load_architecture
     from megatron_opd.models.name_mapping import expand_rules, hf_to_megatron
 
     apply_cpu_patches()

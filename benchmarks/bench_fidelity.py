@@ -31,10 +31,10 @@ sys.path.insert(0, str(REPO))
 
 
 def _cost_body(model_dir: str, samples: int, seq: int, rounds: int) -> dict:
+    from megatron_opd.checkpoint.source import build_and_load
+    from megatron_opd.data.batch import pack
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
     from megatron_opd.interfaces import TeacherScores
-    from megatron_opd.models.source import build_and_load
-    from megatron_opd.trainer.batch import pack
     from megatron_opd.trainer.config import LossConfig, OptimConfig
     from megatron_opd.trainer.objective import train_step
     from megatron_opd.trainer.student import Student, precision_plan
@@ -66,12 +66,12 @@ def _cost_body(model_dir: str, samples: int, seq: int, rounds: int) -> dict:
 
 
 def _healthy_body(model_dir: str, steps: int, with_vllm: bool, log_file: str) -> dict:
+    from megatron_opd.checkpoint.source import build_and_load
+    from megatron_opd.data.batch import pack_rollouts
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
     from megatron_opd.interfaces import SamplingParams
-    from megatron_opd.models.source import build_and_load
     from megatron_opd.rollout import BuiltinSampler
     from megatron_opd.rollout.fidelity import fidelity_metrics
-    from megatron_opd.trainer.batch import pack_rollouts
     from megatron_opd.trainer.config import LossConfig, OptimConfig
     from megatron_opd.trainer.objective import train_step
     from megatron_opd.trainer.student import Student, precision_plan

@@ -35,11 +35,11 @@ MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, mlp_
 def _updates(student_dir: str, ep: int, grouped: bool, steps: int) -> dict:
     from megatron.core import parallel_state as ps
 
+    from megatron_opd.checkpoint.source import build_and_load
+    from megatron_opd.data.batch import pack_sft
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
     from megatron_opd.distributed.device import detect_accelerator
     from megatron_opd.models.builder import ModelBuildConfig
-    from megatron_opd.models.source import build_and_load
-    from megatron_opd.trainer.batch import pack_sft
     from megatron_opd.trainer.config import LossConfig, OptimConfig
     from megatron_opd.trainer.objective import train_step
     from megatron_opd.trainer.student import Student, precision_plan

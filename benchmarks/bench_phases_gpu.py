@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node 1 benchmarks/bench_phases_gpu.py            # needs CUDA (one GPU)
     torchrun --standalone --nproc-per-node 1 benchmarks/bench_phases_gpu.py --only update
 
-Random weights in the recipes' shapes (``megatron_opd.launch.memory.KNOWN_CONFIGS``), built by our ``build_model``
+Random weights in the recipes' shapes (``megatron_opd.trainer.memory.KNOWN_CONFIGS``), built by our ``build_model``
 in bf16 at TP=1, without TransformerEngine. Each row names its core attention (``local``: Megatron's
 ``DotProductAttention``, which keeps every ``s x s`` score matrix, the baseline; ``sdpa``: ours) and its loss:
 
@@ -104,9 +104,9 @@ def bench(
     norm: str = "torch",
 ) -> list[dict]:
     from megatron_opd.distributed import ParallelConfig
-    from megatron_opd.launch.memory import hf_config
-    from megatron_opd.models.architecture import architecture_from_hf_config
     from megatron_opd.models.builder import ModelBuildConfig, build_model
+    from megatron_opd.models.hf_config import architecture_from_hf_config
+    from megatron_opd.trainer.memory import hf_config
 
     arch = architecture_from_hf_config(hf_config(name).to_dict(), name)
     build = ModelBuildConfig(dtype="bf16", attention=attention, recompute_granularity=recompute, norm=norm)

@@ -47,9 +47,9 @@ def run(args) -> dict:
     import torch.distributed as dist
 
     from megatron_opd import quiet
+    from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
     from megatron_opd.interfaces import SamplingParams
-    from megatron_opd.models.source import build_and_load
     from megatron_opd.rollout import BuiltinSampler
     from megatron_opd.rollout.vllm_backend import VLLMRollout
     from megatron_opd.rollout.vllm_engine import EngineOptions

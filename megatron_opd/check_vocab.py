@@ -25,8 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     quiet.install(rank=0, level=logging.WARNING)  # the chat-template warning still shows
 
+    from megatron_opd.checkpoint.source import model_architecture
     from megatron_opd.models.hf_io import CheckpointError
-    from megatron_opd.models.source import model_architecture
     from megatron_opd.trainer.config import StudentConfig, TeacherConfig, TrainConfig
     from megatron_opd.trainer.setup import load_vocabulary
     from megatron_opd.vocab import TokenizerError

@@ -129,7 +129,7 @@ class Rollouts:
 
 @dataclass
 class TeacherScores:
-    """The teacher's view of a packed batch ``[N, S]`` of token sequences (see ``trainer.batch.TrainBatch``).
+    """The teacher's view of a packed batch ``[N, S]`` of token sequences (see ``data.batch.TrainBatch``).
 
     Position ``s`` holds the teacher's distribution of the token at ``s + 1`` (next-token, like logits).
     Exactly one of ``dense_logits`` / ``dense_hidden`` / ``topk_ids`` is set. Log-probabilities are at the teacher

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megatron_opd import quiet
 from megatron_opd.checkpoint.mcore_io import chunks_sharded_state_dict
 from megatron_opd.config import parse_args, to_dict
+from megatron_opd.data.batch import pack_sft
 from megatron_opd.data.prompts import PromptEncoder, load_prompts
 from megatron_opd.data.routing import TeacherRouter
 from megatron_opd.data.stream import PromptStream
@@ -35,7 +36,6 @@ from megatron_opd.rollout.fidelity import (
     policy_lag_warning,
     startup_check,
 )
-from megatron_opd.trainer.batch import pack_sft
 from megatron_opd.trainer.checkpointing import (
     CheckpointManager,
     PreemptionGuard,
@@ -507,8 +507,8 @@ def evaluate(evaluator, metrics: MetricsLogger, step: int, student: Student | No
 
 def export_student(cfg: TrainConfig, ckpt_dir: Path) -> None:
     """Write the final student as a Hugging Face folder ``output_dir/hf`` with the converter's library."""
+    from megatron_opd.checkpoint.source import config_dir
     from megatron_opd.checkpoint.workers import run_in_fresh_process
-    from megatron_opd.models.source import config_dir
 
     if dist.get_rank() == 0:
         out = Path(cfg.output_dir) / "hf"

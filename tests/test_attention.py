@@ -189,10 +189,10 @@ def test_refuses_what_it_cannot_run(extra, message):
 def _recompute_body(model_dir: str):
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
+    from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
     from megatron_opd.models.builder import ModelBuildConfig
     from megatron_opd.models.forward_backward import forward_backward
-    from megatron_opd.models.source import build_and_load
 
     initialize_distributed(ParallelConfig())
     tokens = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(0))

@@ -172,10 +172,10 @@ def _trainer_export_body(layout: dict, shapes: dict[str, str], root: str) -> Non
     to ``output_dir/hf`` as ``train.export_student`` does (rank 0, in a fresh process: one for all the shapes)."""
     import torch.distributed as dist
 
+    from megatron_opd.checkpoint.source import config_dir
     from megatron_opd.checkpoint.workers import run_in_fresh_process
     from megatron_opd.config import to_dict
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
-    from megatron_opd.models.source import config_dir
     from megatron_opd.train import training_state
     from megatron_opd.trainer.checkpointing import CheckpointManager
     from megatron_opd.trainer.config import CheckpointConfig, StudentConfig, TrainConfig

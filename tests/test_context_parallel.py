@@ -41,7 +41,7 @@ CASES = {
 
 def _fixed_batch():
     """Four samples of different lengths with the sampler's log-probabilities (fixed seed), padded to S."""
-    from megatron_opd.trainer.batch import pack
+    from megatron_opd.data.batch import pack
 
     gen = torch.Generator().manual_seed(0)
     prompts, responses = [], []
@@ -123,13 +123,13 @@ def _per_token(student, batch, scores, cfg, split) -> tuple[torch.Tensor, torch.
 def _cp_job(dirs: dict[str, str], tp: int = 1, sequence_parallel: bool = False, pp: int = 1) -> dict:
     from megatron.core import parallel_state as ps
 
+    from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
     from megatron_opd.distributed.device import detect_accelerator
     from megatron_opd.models import load_architecture
     from megatron_opd.models.context_parallel import ContextParallelSplit
     from megatron_opd.models.forward_backward import forward_backward
     from megatron_opd.models.reference import full_tensors
-    from megatron_opd.models.source import build_and_load
     from megatron_opd.teacher.inprocess import InProcessTeacher
     from megatron_opd.trainer.config import LossConfig, OptimConfig
     from megatron_opd.trainer.objective import train_step
@@ -218,8 +218,8 @@ def _cp_job(dirs: dict[str, str], tp: int = 1, sequence_parallel: bool = False, 
 
 def _evaluation_sums(dirs, parallel, teacher, batch) -> tuple[float, float] | None:
     """The evaluation's divergence sums over ``batch`` (on its reporting rank; None elsewhere)."""
+    from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.config import parse_args
-    from megatron_opd.models.source import build_and_load
     from megatron_opd.trainer import evaluation
     from megatron_opd.trainer.config import TrainConfig
 
@@ -238,9 +238,9 @@ def _evaluator_and_startup_check(dirs, parallel, teacher) -> dict:
     Every data-parallel replica evaluates all prompts (replica 0's count), so both layouts sample the same batch."""
     from megatron.core import parallel_state as ps
 
+    from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.config import parse_args
     from megatron_opd.data.stream import PromptItem
-    from megatron_opd.models.source import build_and_load
     from megatron_opd.rollout.builtin import BuiltinSampler
     from megatron_opd.rollout.fidelity import probe_sequence, sequence_logprobs
     from megatron_opd.trainer.config import TrainConfig

@@ -260,9 +260,9 @@ def _moe_patch_outcomes(hf_dir: str):
     from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as Alltoall
 
+    from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.distributed import ParallelConfig, cpu_compat, initialize_distributed
     from megatron_opd.models.builder import ModelBuildConfig
-    from megatron_opd.models.source import build_and_load
 
     out = {"te_general_gemm unbound": not hasattr(moe_utils, "te_general_gemm")}
     x, w = torch.randn(5, 8), torch.randn(3, 8)

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from megatron_opd.cross_tokenizer.retokenize import CrossTokenizer
+from megatron_opd.data.batch import pack_rollouts
 from megatron_opd.data.prompts import PromptEncoder
 from megatron_opd.interfaces import Rollouts, TeacherScores
-from megatron_opd.trainer.batch import pack_rollouts
 
 
 @pytest.fixture(scope="module")

@@ -68,13 +68,13 @@ def _train(hf_dir: str, parallel, tokens: torch.Tensor, steps: int = 3, counts: 
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
+    from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.distributed.device import detect_accelerator
     from megatron_opd.models.builder import ModelBuildConfig
     from megatron_opd.models.forward_backward import forward_backward
     from megatron_opd.models.loading import chunk_layer_range
     from megatron_opd.models.name_mapping import global_layer_name
     from megatron_opd.models.reference import full_tensors
-    from megatron_opd.models.source import build_and_load
     from megatron_opd.trainer.config import OptimConfig
     from megatron_opd.trainer.student import Student, precision_plan
 
@@ -115,10 +115,10 @@ def _body(hf_dirs: dict[str, str], tokens: torch.Tensor):
     three training steps at TP=1, TP=2 (sequence-parallel), EP=2 and the two uneven stages."""
     from megatron.core import parallel_state as ps
 
+    from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.distributed import ParallelConfig, initialize_distributed, initialize_model_parallel
     from megatron_opd.distributed.gather import gather_vocab_shards
     from megatron_opd.models.forward_backward import forward_backward
-    from megatron_opd.models.source import build_and_load
 
     def logits(hf_dir: str, parallel: ParallelConfig):
         arch, chunks = build_and_load(hf_dir, parallel, trainable=False)
@@ -231,8 +231,8 @@ def test_what_deepseek_v3_cannot_run_is_refused_before_any_model(tmp_path):
     the build config itself."""
     from megatron_opd.config import parse_args
     from megatron_opd.distributed import ParallelConfig
-    from megatron_opd.models.architecture import architecture_from_hf_config
     from megatron_opd.models.builder import ModelBuildConfig, validate_layout
+    from megatron_opd.models.hf_config import architecture_from_hf_config
     from megatron_opd.testing.tiny_models import make_tiny_hf_model, make_tiny_tokenizer, tiny_hf_config
     from megatron_opd.trainer.config import TrainConfig
     from megatron_opd.trainer.setup import check_inputs

@@ -26,10 +26,10 @@ def _evaluate_body(overrides: list[str]):
     and the evaluation's log lines."""
     from types import SimpleNamespace
 
+    from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.config import parse_args
     from megatron_opd.data.prompts import PromptEncoder
     from megatron_opd.distributed import initialize_distributed
-    from megatron_opd.models.source import build_and_load
     from megatron_opd.testing.scheduler_fakes import RecordingRollout
     from megatron_opd.trainer.config import TrainConfig
     from megatron_opd.trainer.evaluation import build_evaluator

@@ -168,9 +168,9 @@ def _fp8_job(fp8_dir: str, root: str, tokens: torch.Tensor):
     """One process: the Megatron model loaded from the FP8 checkpoint (its logits), then the converter's round trips
     in the checkpoint's dtype (float32) and in bf16; the MTP lines each step logged."""
     from megatron_opd.checkpoint import convert_hf_to_mcore, convert_mcore_to_hf
+    from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
     from megatron_opd.models.forward_backward import forward_backward
-    from megatron_opd.models.source import build_and_load
 
     records: list[str] = []
     _capture_lines(records)

@@ -212,11 +212,11 @@ def _switch_body(layout: dict, dirs: dict[str, str], packed: bool):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
     from megatron_opd.interfaces import TeacherScores
     from megatron_opd.models.forward_backward import forward_backward
     from megatron_opd.models.output import HiddenStateOutput
-    from megatron_opd.models.source import build_and_load
     from megatron_opd.testing.shapes import SHAPES
     from tests.test_packing import _batch, step_losses
 

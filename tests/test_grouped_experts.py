@@ -12,9 +12,9 @@ def _body(families: tuple[str, ...]):
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
-    from megatron_opd.models.architecture import architecture_from_hf_config
     from megatron_opd.models.builder import ModelBuildConfig, build_model
     from megatron_opd.models.grouped_experts import GroupedExperts
+    from megatron_opd.models.hf_config import architecture_from_hf_config
     from megatron_opd.testing.tiny_models import tiny_hf_config
 
     parallel = ParallelConfig()

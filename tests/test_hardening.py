@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_opd.losses import dense_divergence, topk_divergence
-from megatron_opd.models import architecture
+from megatron_opd.models import hf_config
 from megatron_opd.testing.multiprocess import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -136,23 +136,23 @@ def _config_dir(tiny_model_dirs, tmp_path: Path, text: str | None = None, **chan
 
 def test_malformed_config_json_names_the_file(tiny_model_dirs, tmp_path):
     hf_dir = _config_dir(tiny_model_dirs, tmp_path, text='{"model_type": "qwen3", "hidden_size": 64,')
-    with pytest.raises(architecture.ConfigFileError, match=rf"{tmp_path / 'config.json'} is not valid JSON"):
-        architecture.load_architecture(hf_dir)
+    with pytest.raises(hf_config.ConfigFileError, match=rf"{tmp_path / 'config.json'} is not valid JSON"):
+        hf_config.load_architecture(hf_dir)
 
 
 def test_config_json_missing_a_field_names_the_file_and_field(tiny_model_dirs, tmp_path):
     hf_dir = _config_dir(tiny_model_dirs, tmp_path, num_attention_heads=None)
-    with pytest.raises(architecture.ConfigFileError, match=rf"{tmp_path / 'config.json'} has no 'num_attention_heads'"):
-        architecture.load_architecture(hf_dir)
+    with pytest.raises(hf_config.ConfigFileError, match=rf"{tmp_path / 'config.json'} has no 'num_attention_heads'"):
+        hf_config.load_architecture(hf_dir)
     cfg = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "num_attention_heads": 4}
     with pytest.raises(ValueError, match="config.json has no 'num_hidden_layers'"):
-        architecture.architecture_from_hf_config(cfg)
+        hf_config.architecture_from_hf_config(cfg)
 
 
 def test_config_json_mistyped_field_names_the_file_and_field(tiny_model_dirs, tmp_path):
     hf_dir = _config_dir(tiny_model_dirs, tmp_path, num_hidden_layers="four")
-    with pytest.raises(architecture.ConfigFileError, match="field 'num_hidden_layers' must be a positive integer"):
-        architecture.load_architecture(hf_dir)
+    with pytest.raises(hf_config.ConfigFileError, match="field 'num_hidden_layers' must be a positive integer"):
+        hf_config.load_architecture(hf_dir)
 
 
 # --- 3. --make-vocab-size-divisible-by 0 ----------------------------------------------------------------------
@@ -177,7 +177,7 @@ def test_cli_refuses_a_non_positive_vocab_padding_multiple(value, capsys, tmp_pa
 
 @pytest.mark.parametrize("multiple", [0, -1])
 def test_padded_vocab_size_refuses_a_non_positive_multiple(multiple, tiny_model_dirs, tmp_path):
-    arch = architecture.load_architecture(tiny_model_dirs["qwen3"])
+    arch = hf_config.load_architecture(tiny_model_dirs["qwen3"])
     with pytest.raises(ValueError, match="make_vocab_size_divisible_by .* must be a positive integer"):
         arch.padded_vocab_size(2, multiple)
     from megatron_opd.checkpoint import convert_hf_to_mcore

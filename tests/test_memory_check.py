@@ -1,4 +1,4 @@
-"""The trainer's start-up memory check (``launch/memory.py``, wired in ``trainer/setup.py:check_inputs``): it refuses
+"""The trainer's start-up memory check (``trainer/memory.py``, wired in ``trainer/setup.py:check_inputs``): it refuses
 a layout that cannot fit before any weight is loaded, and its parameter, gradient and optimizer bytes are those
 Megatron allocates (a CPU student, counted tensor by tensor)."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from megatron_opd.config import load_config
-from megatron_opd.launch.memory import GIB, MemoryCheckError, check_trainer_memory
 from megatron_opd.testing.multiprocess import run_distributed
 from megatron_opd.trainer.config import TrainConfig
+from megatron_opd.trainer.memory import GIB, MemoryCheckError, check_trainer_memory
 
 QWEN_32B_TO_1_7B = [
     "student.path=/models/Qwen3-1.7B",  # no folder here: the sizes come from KNOWN_CONFIGS
@@ -52,9 +52,9 @@ def test_a_32b_in_process_teacher_is_refused_and_fits_as_a_server():
 def _allocated_bytes(student_dir: str) -> dict[str, int]:
     """A CPU student as the trainer builds it, after one optimizer step: bytes of its parameters, of its DDP
     gradient buffers and of Adam's moments."""
+    from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
     from megatron_opd.distributed.device import detect_accelerator
-    from megatron_opd.models.source import build_and_load
     from megatron_opd.trainer.config import OptimConfig
     from megatron_opd.trainer.student import Student, precision_plan
 
@@ -137,11 +137,11 @@ def _measured_activation_bytes(cases: list[tuple[str, int, str | None, int]]) ->
     """Per ``(model folder, tokens, recompute granularity, loss chunk)``: the peak of live tensor bytes over one
     update of a CPU student (fp32) as the trainer runs it: forward to the final hidden states, the fused output
     layer's loss a chunk of tokens at a time, backward."""
+    from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
     from megatron_opd.losses.fused_output import fused_output_loss
     from megatron_opd.models.builder import ModelBuildConfig
     from megatron_opd.models.output import HiddenStateOutput
-    from megatron_opd.models.source import build_and_load
 
     initialize_distributed(ParallelConfig())
     peaks = []

@@ -31,8 +31,8 @@ def _tokens(num_micro_batches: int = 2, batch: int = 2, vocab: int = 1000) -> to
 
 
 def _load(parallel: ParallelConfig, hf_dir: str, trainable: bool, build: dict | None = None):
+    from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.models.builder import ModelBuildConfig
-    from megatron_opd.models.source import build_and_load
 
     return build_and_load(hf_dir, parallel, ModelBuildConfig(**(build or {})), trainable=trainable)
 

@@ -39,11 +39,11 @@ def _losses_and_grads(models: dict[str, str]):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
+    from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.distributed import initialize_distributed
     from megatron_opd.models.builder import ModelBuildConfig
     from megatron_opd.models.forward_backward import forward_backward
     from megatron_opd.models.reference import full_tensors
-    from megatron_opd.models.source import build_and_load
     from megatron_opd.teacher.inprocess import InProcessTeacher
 
     def ce(logits, batch):
@@ -114,9 +114,9 @@ def test_expert_parallel_losses_and_gradients_equal_ep1(shape_dirs):
 
 def _weight_streams(hf_dirs: dict[str, str]) -> dict:
     """Per shape and layout: the Hugging Face tensors this rank's weight source yields (vLLM's sync), by name."""
+    from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.distributed import initialize_distributed
     from megatron_opd.models.builder import ModelBuildConfig
-    from megatron_opd.models.source import build_and_load
     from megatron_opd.weight_sync.source import megatron_weight_source
 
     out = {}
@@ -186,9 +186,9 @@ def test_bad_expert_layouts_are_refused(overrides, parallel, message):
 
 
 def test_memory_estimate_counts_experts_per_expert_parallel_rank():
-    """Qwen3-30B-A3B's sizes (``launch.memory.KNOWN_CONFIGS``): at EP=8 a device holds an eighth of the routed
+    """Qwen3-30B-A3B's sizes (``trainer.memory.KNOWN_CONFIGS``): at EP=8 a device holds an eighth of the routed
     experts and all the rest, counted against transformers' own parameters."""
-    from megatron_opd.launch.memory import hf_config, meta_model, shard_parameters, stage_params
+    from megatron_opd.trainer.memory import hf_config, meta_model, shard_parameters, stage_params
 
     model = meta_model(hf_config("Qwen3-30B-A3B"))
     total = sum(p.numel() for p in model.parameters())

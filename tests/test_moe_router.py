@@ -27,10 +27,10 @@ def _router_runs(hf_dir: str):
     """Per coefficient setting: router gradients, the routers' inputs per micro-batch, their weights, the metrics."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
+    from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
     from megatron_opd.models.builder import ModelBuildConfig
     from megatron_opd.models.forward_backward import forward_backward
-    from megatron_opd.models.source import build_and_load
     from megatron_opd.trainer.router import RouterMetrics, routers
 
     def ce(logits, batch):
@@ -75,7 +75,7 @@ def _switch_and_z(x: torch.Tensor, weight: torch.Tensor, top_k: int):
 
 
 def test_router_losses_are_megatron_s_added_once_and_logged(shape_dirs):
-    from megatron_opd.models.architecture import load_architecture
+    from megatron_opd.models.hf_config import load_architecture
 
     hf_dir = shape_dirs[SHAPE]
     margin = routing_margin(hf_dir, _tokens(SHAPES[SHAPE].vocab_size).flatten(0, 1))
@@ -117,10 +117,10 @@ def test_router_losses_are_megatron_s_added_once_and_logged(shape_dirs):
 def _frozen_step(hf_dir: str):
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
+    from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
     from megatron_opd.distributed.device import detect_accelerator
     from megatron_opd.models.forward_backward import forward_backward
-    from megatron_opd.models.source import build_and_load
     from megatron_opd.trainer.config import OptimConfig
     from megatron_opd.trainer.router import routers
     from megatron_opd.trainer.student import Student, precision_plan

@@ -163,12 +163,12 @@ def test_a_cross_tokenizer_teacher_scores_its_part_of_a_routed_batch_as_it_score
     """The re-tokenizer runs on the cross-tokenizer teacher's part only: its scores, groups and the tokens it cannot
     compare (cleared from the loss mask of the whole batch) equal the one-teacher scheduler's for those samples."""
     from megatron_opd.cross_tokenizer.retokenize import CrossTokenizer
+    from megatron_opd.data.batch import pack_rollouts
     from megatron_opd.data.prompts import PromptEncoder
     from megatron_opd.data.stream import PromptStream
     from megatron_opd.interfaces import SamplingParams
     from megatron_opd.scheduler.batch_schedule import RoutedTeacher, Scheduler
     from megatron_opd.testing.scheduler_fakes import PolicyRollout, TokenTeacher
-    from megatron_opd.trainer.batch import pack_rollouts
 
     student, teacher = digit_tokenizers["none"], digit_tokenizers["pairs"]
     records = [{"prompt": f"reverse {40912 + 7 * i} =", **({"teacher": "cross"} if i % 2 else {})} for i in range(8)]
@@ -215,7 +215,7 @@ def test_a_cross_tokenizer_teacher_scores_its_part_of_a_routed_batch_as_it_score
 
 # ---- the routed training step ---------------------------------------------------------------------------------------
 def _fixed_batch():
-    from megatron_opd.trainer.batch import pack
+    from megatron_opd.data.batch import pack
 
     gen = torch.Generator().manual_seed(0)
     prompts, responses = [], []
@@ -229,10 +229,10 @@ def _fixed_batch():
 def _routed_body(dirs: dict[str, str]):
     import dataclasses
 
+    from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
     from megatron_opd.distributed.device import detect_accelerator
     from megatron_opd.interfaces import RoutedScores, TeacherPart
-    from megatron_opd.models.source import build_and_load
     from megatron_opd.teacher.inprocess import InProcessTeacher
     from megatron_opd.trainer.config import LossConfig, OptimConfig
     from megatron_opd.trainer.objective import TeacherObjective, train_step
@@ -287,10 +287,10 @@ def _mixed_tokenizers(dirs: dict[str, str], teacher, step) -> dict:
     the student's one token per digit; its scripted log-probabilities go through the real re-tokenizer) in one batch,
     the routed step on the unfused path (a cross-tokenizer loss keeps the output layer), and each part alone."""
     from megatron_opd.cross_tokenizer.retokenize import CrossTokenizer
+    from megatron_opd.data.batch import pack_rollouts
     from megatron_opd.data.prompts import PromptEncoder
     from megatron_opd.interfaces import Rollouts, RoutedScores, TeacherPart, TeacherScores
     from megatron_opd.tokenizer import load_tokenizer
-    from megatron_opd.trainer.batch import pack_rollouts
     from megatron_opd.trainer.config import LossConfig
     from megatron_opd.trainer.objective import TeacherObjective
 

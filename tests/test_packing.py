@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_opd.data.batch import pack
 from megatron_opd.losses import reduce_loss
 from megatron_opd.testing.multiprocess import run_distributed
-from megatron_opd.trainer.batch import pack
 
 LENGTHS = [(3, 57), (2, 5), (4, 1), (1, 30)]  # (prompt, response): 60, 7, 5 and 31 tokens
 
@@ -83,11 +83,11 @@ def _packed_vs_padded_body(layout: dict, dirs: dict[str, str]):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
+    from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
     from megatron_opd.models import load_architecture
     from megatron_opd.models.forward_backward import forward_backward
     from megatron_opd.models.reference import full_tensors
-    from megatron_opd.models.source import build_and_load
     from megatron_opd.teacher.inprocess import InProcessTeacher
     from megatron_opd.trainer.config import LossConfig
 
@@ -208,8 +208,8 @@ def step_losses(hf_dir: str, parallel, batch, scores, cfg, vocab: int, packing: 
     samples; with PP, packed ones of 68 tokens)."""
     from megatron.core import parallel_state as ps
 
+    from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.distributed.device import detect_accelerator
-    from megatron_opd.models.source import build_and_load
     from megatron_opd.trainer.config import OptimConfig
     from megatron_opd.trainer.objective import train_step
     from megatron_opd.trainer.student import Student, precision_plan

@@ -32,7 +32,7 @@ def _rank_batch(dp_rank: int, dp_size: int):
     """This data-parallel rank's share of a fixed SFT batch of GLOBAL_BATCH sequences of different lengths."""
     from dataclasses import replace
 
-    from megatron_opd.trainer.batch import pack_sft
+    from megatron_opd.data.batch import pack_sft
 
     gen = torch.Generator().manual_seed(11)
     lengths = [(4, 7), (2, 10), (6, 3), (3, 8)]
@@ -58,11 +58,11 @@ class _Run:
     ) -> None:
         from megatron.core import parallel_state as ps
 
+        from megatron_opd.checkpoint.source import build_and_load
         from megatron_opd.data.stream import PromptStream
         from megatron_opd.distributed import ParallelConfig, initialize_distributed
         from megatron_opd.distributed.device import detect_accelerator
         from megatron_opd.models.builder import ModelBuildConfig
-        from megatron_opd.models.source import build_and_load
         from megatron_opd.trainer.checkpointing import CheckpointManager
         from megatron_opd.trainer.config import OptimConfig, StudentConfig, TrainConfig
         from megatron_opd.trainer.student import Student, precision_plan

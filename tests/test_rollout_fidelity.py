@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from megatron_opd.data.batch import pack
 from megatron_opd.losses.importance import importance_weights, prefix_log_ratios
 from megatron_opd.rollout.fidelity import (
     RolloutMismatchError,
@@ -19,7 +20,6 @@ from megatron_opd.rollout.fidelity import (
     fidelity_sums,
     policy_lag_warning,
 )
-from megatron_opd.trainer.batch import pack
 from megatron_opd.trainer.config import LossConfig, RolloutConfig
 from megatron_opd.trainer.objective import StepStats, make_loss_fn
 

@@ -8,7 +8,7 @@ import torch
 
 from megatron_opd.models import UnsupportedArchitectureError, architecture_from_hf_config
 from megatron_opd.models import rope as rope_lib
-from megatron_opd.models.architecture import rope_from_hf
+from megatron_opd.models.rope import rope_from_hf
 
 ORIGINAL = 32
 LENGTH = 3 * ORIGINAL  # past the original context: where the scaling types differ

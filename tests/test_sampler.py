@@ -35,7 +35,7 @@ MAX_NEW = 10
 
 def _build_sampler(hf_dir: str, parallel, **sampler_kwargs):
     """Load ``hf_dir`` as a trainable student under ``parallel`` (groups already initialised) and wrap it."""
-    from megatron_opd.models.source import build_and_load
+    from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.rollout import BuiltinSampler
 
     arch, chunks = build_and_load(hf_dir, parallel, trainable=True)

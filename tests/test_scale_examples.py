@@ -15,19 +15,13 @@ import torch
 from megatron_opd.config import ConfigError, load_config
 from megatron_opd.launch import cli
 from megatron_opd.launch.layout import load_recipe
-from megatron_opd.launch.memory import (
-    KNOWN_CONFIGS,
-    hf_config,
-    meta_model,
-    shard_parameters,
-    stage_params,
-    student_memory,
-)
 from megatron_opd.launch.nodes import expand_nodelist, job_hosts
 from megatron_opd.launch.plan import TRAINER, VLLM_API_SERVER, Plan, Process, build_plan
+from megatron_opd.launch.recipe_memory import student_memory
 from megatron_opd.launch.run import run_node, this_node
 from megatron_opd.teacher import serve
 from megatron_opd.trainer.config import TrainConfig
+from megatron_opd.trainer.memory import KNOWN_CONFIGS, hf_config, meta_model, shard_parameters, stage_params
 
 SCALE = Path(__file__).resolve().parents[1] / "examples" / "scale"
 QWEN = SCALE / "qwen3-32b_to_qwen3-1.7b.launch.yaml"
@@ -372,7 +366,8 @@ def test_deepseek_v3_counts_671b_and_a_thirty_second_of_the_experts_per_gpu():
 
 
 def test_deepseek_v3_memory_fits_as_a_bf16_server_and_as_an_fp8_vllm_teacher():
-    from megatron_opd.launch.memory import GIB, recipe_memory
+    from megatron_opd.launch.recipe_memory import recipe_memory
+    from megatron_opd.trainer.memory import GIB
 
     servers = [row for row in recipe_memory(load_recipe(DEEPSEEK)) if row.job == "teacher server"]
     assert [row.layout for row in servers] == [f"TP=8 PP=2 EP=2 x1, stage {stage}" for stage in (0, 1)]

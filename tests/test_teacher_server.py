@@ -71,7 +71,7 @@ def _assert_topk_close(ids, logprobs, ref: torch.Tensor, atol: float, rtol: floa
 def _assert_hidden_gives(hidden, teacher_dir: str, ref: torch.Tensor, vocab: int, what: str = "") -> None:
     """Hidden states from a server (``teacher.transfer=hidden``) times the output layer of ``teacher_dir`` give the
     reference log-probabilities (what the trainer's loss forms from them)."""
-    from megatron_opd.models.source import load_output_weight
+    from megatron_opd.checkpoint.source import load_output_weight
 
     weight = load_output_weight(teacher_dir)[:vocab].double()
     got = torch.log_softmax(hidden.double() @ weight.t(), dim=-1)
@@ -79,8 +79,8 @@ def _assert_hidden_gives(hidden, teacher_dir: str, ref: torch.Tensor, vocab: int
 
 
 def _inprocess_body(teacher_dir: str, tokens, request_ids, temperatures, vocab: int):
+    from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
-    from megatron_opd.models.source import build_and_load
     from megatron_opd.teacher.inprocess import InProcessTeacher
 
     initialize_distributed(ParallelConfig())
@@ -303,8 +303,8 @@ def _reference64(hf_dir: str, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
 def _inprocess_layouts_body(cells: dict[str, dict[str, str]]):
     """The in-process teacher's top-k (mode="topk") of every shape of every layout, re-initialised in one job; rows
     of ``LENGTHS`` tokens packed two to a micro-batch, the logits formed 5 tokens at a time."""
+    from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.distributed import ParallelConfig, initialize_distributed, initialize_model_parallel
-    from megatron_opd.models.source import build_and_load
     from megatron_opd.teacher.inprocess import InProcessTeacher
 
     out = {}

@@ -169,8 +169,8 @@ def vllm_teacher(pair, tmp_path_factory):
 
 
 def _inprocess_body(teacher_dir: str, tokens, vocab: int):
+    from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
-    from megatron_opd.models.source import build_and_load
     from megatron_opd.teacher.inprocess import InProcessTeacher
 
     initialize_distributed(ParallelConfig())

@@ -294,8 +294,8 @@ def test_config_of_the_hidden_state_transfer(overrides, message):
 
 
 def _output_weight_body(path: str) -> torch.Tensor:
+    from megatron_opd.checkpoint.source import load_output_weight
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
-    from megatron_opd.models.source import load_output_weight
 
     initialize_distributed(ParallelConfig())
     return load_output_weight(path)
@@ -306,8 +306,8 @@ def test_output_weight_of_a_teacher_folder_in_either_format(family, tiny_model_d
     """``teacher.transfer=hidden`` loads the teacher's output layer from ``teacher.path``: the same rows from a
     Hugging Face folder and from its ``dist_ckpt`` (padded vocabulary rows there), and the server's check of it."""
     from megatron_opd.checkpoint.hf_to_mcore import convert_hf_to_mcore
+    from megatron_opd.checkpoint.source import load_output_weight, model_architecture
     from megatron_opd.models.hf_io import HFCheckpointReader
-    from megatron_opd.models.source import load_output_weight, model_architecture
     from megatron_opd.teacher.transport import ServerInfo
     from megatron_opd.trainer.setup import check_output_weight
 

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from megatron_opd.cross_tokenizer.retokenize import CrossTokenizer
+from megatron_opd.data.batch import pack_rollouts
 from megatron_opd.data.prompts import PromptEncoder
 from megatron_opd.interfaces import Rollouts, TeacherScores
 from megatron_opd.testing.real_tokenizers import synthetic_tokenizer
-from megatron_opd.trainer.batch import pack_rollouts
 from megatron_opd.trainer.config import LossConfig
 from megatron_opd.trainer.objective import make_loss_fn, teacher_columns
 

@@ -20,12 +20,12 @@ import torch
 from megatron_opd.cross_tokenizer.alignment import TokenBytes
 from megatron_opd.cross_tokenizer.retokenize import MIN_MAPPED_SHARE, CrossTokenizer
 from megatron_opd.cross_tokenizer.vocabulary_map import VocabularyMap
+from megatron_opd.data.batch import pack_rollouts
 from megatron_opd.data.prompts import PromptEncoder
 from megatron_opd.interfaces import Rollouts, TeacherScores
 from megatron_opd.losses.aligned import aligned_divergence
 from megatron_opd.losses.sampled import SAMPLED_KINDS, label_logprobs, sampled_divergence
 from megatron_opd.testing.real_tokenizers import MATRIX_TEXT, SYNTHETIC_KINDS, SYNTHETIC_PAIRS, synthetic_tokenizer
-from megatron_opd.trainer.batch import pack_rollouts
 from tests.test_alignment import check, split_tokens
 
 ROOT = Path(__file__).resolve().parents[1]

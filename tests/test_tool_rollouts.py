@@ -160,8 +160,8 @@ def test_cut_at_stop_string(tmp_path):
 
 
 def test_loss_ignores_tool_tokens(tmp_path):
+    from megatron_opd.data.batch import pack_rollouts
     from megatron_opd.losses import dense_divergence, reduce_loss
-    from megatron_opd.trainer.batch import pack_rollouts
 
     _, _, _, _, out = _tool_rollouts(tmp_path)
     batch = pack_rollouts(out, pad_token_id=0)

@@ -9,6 +9,7 @@ not by timers).
 
 from __future__ import annotations
 
+import difflib
 import fcntl
 import json
 import os
@@ -353,15 +354,28 @@ def test_sliding_window_at_context_parallelism_is_refused_only_where_it_can_bite
     assert check_inputs(parse_args(TrainConfig, no_cp)).vocab_size > 0  # CP=1 runs the window (test_attention.py)
 
 
+HELP_SNAPSHOT = Path(__file__).resolve().parent / "data" / "train_help.txt"
+"""``COLUMNS=120 python -m megatron_opd.train --help`` as it was before the config sections moved beside their
+packages. A new key or a changed default or doc line is a deliberate change: write the file again with that command
+and review its diff."""
+
+
 def test_help_lists_every_key(tmp_path):
+    """``--help`` lists every key with its default and doc line, exactly as the snapshot has them (after the usage
+    line, which names the program as it was started)."""
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_opd.train", "--help"],
         cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=120,
+        env={**os.environ, "COLUMNS": "120"},
     )
     assert proc.returncode == 0, proc.stderr
+    want = HELP_SNAPSHOT.read_text(encoding="utf-8").split("\n\n", 1)[1]
+    got = proc.stdout.split("\n\n", 1)[1]
+    diff = "\n".join(difflib.unified_diff(want.splitlines(), got.splitlines(), "snapshot", "--help", lineterm=""))
+    assert got == want, f"--help differs from {HELP_SNAPSHOT.name}:\n{diff}"
     keys = [
         "student.path",
         "teacher.path",

@@ -20,7 +20,7 @@ N, S = 4, 16
 
 def _fixed_batch():
     """Four samples with different prompt and response lengths (fixed seed), padded to S."""
-    from megatron_opd.trainer.batch import pack
+    from megatron_opd.data.batch import pack
 
     gen = torch.Generator().manual_seed(0)
     prompts, responses = [], []
@@ -77,11 +77,11 @@ def _counting_forward_backward(reads: list[str]):
 def _step_body(layout: dict, dirs: dict[str, str]):
     from megatron.core import parallel_state as ps
 
+    from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.distributed import initialize_distributed
     from megatron_opd.distributed.device import detect_accelerator
     from megatron_opd.models import load_architecture
     from megatron_opd.models.reference import full_tensors
-    from megatron_opd.models.source import build_and_load
     from megatron_opd.teacher.inprocess import InProcessTeacher
     from megatron_opd.trainer.config import LossConfig, OptimConfig
     from megatron_opd.trainer.objective import train_step
@@ -224,8 +224,8 @@ def test_step_changes_parameters(student_teacher, tp1_reference):
 def _topk_body(layout: dict, teacher_dir: str, tokens: torch.Tensor, temperature: float):
     from megatron.core import parallel_state as ps
 
+    from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.distributed import initialize_distributed
-    from megatron_opd.models.source import build_and_load
     from megatron_opd.teacher.inprocess import InProcessTeacher
 
     parallel = ParallelConfig(**layout)

@@ -13,9 +13,9 @@ import math
 import pytest
 import torch
 
+from megatron_opd.data.batch import pack, pack_rollouts
 from megatron_opd.interfaces import Rollouts, SamplingParams
 from megatron_opd.testing.multiprocess import run_distributed
-from megatron_opd.trainer.batch import pack, pack_rollouts
 from megatron_opd.trainer.config import LossConfig
 from tests.test_losses import reference_union
 
@@ -41,10 +41,10 @@ def _full_logits(chunks, tokens_NS: torch.Tensor) -> torch.Tensor:
 
 
 def _union_run_body(dirs: dict[str, str], loss_cfg: LossConfig, teacher_temperature: float):
+    from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.data.stream import PromptStream
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
     from megatron_opd.distributed.device import detect_accelerator
-    from megatron_opd.models.source import build_and_load
     from megatron_opd.rollout.builtin import BuiltinSampler
     from megatron_opd.scheduler import Scheduler
     from megatron_opd.teacher.inprocess import InProcessTeacher

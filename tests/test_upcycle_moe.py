@@ -11,9 +11,9 @@ from megatron_opd.testing.multiprocess import run_distributed
 
 
 def _megatron_logits(hf_dir: str, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.checkpoint.verify import megatron_logits
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
-    from megatron_opd.models.source import build_and_load
 
     initialize_distributed(ParallelConfig())
     return megatron_logits(build_and_load(hf_dir, ParallelConfig())[1], tokens, vocab)

@@ -25,8 +25,8 @@ PROMPTS = [[5, 6, 7], [11, 12, 13, 14]]
 
 
 def _faults_body(hf_dir: str, other_dir: str, missing_dir: str, log_file: str) -> dict:
+    from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
-    from megatron_opd.models.source import build_and_load
     from megatron_opd.rollout.fidelity import sequence_logprobs as trainer_logprobs
     from megatron_opd.rollout.vllm_backend import VLLMRollout
     from megatron_opd.rollout.vllm_engine import EngineError, EngineOptions, WeightsNotSynced
@@ -205,8 +205,8 @@ def test_engine_process_exit_leaves_no_semaphore_for_the_trainer_to_report(tmp_p
 def _padded_body(student_dir: str, vocab: int, out_dir: str) -> dict:
     from dataclasses import replace
 
+    from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
-    from megatron_opd.models.source import build_and_load
     from megatron_opd.rollout.fidelity import sequence_logprobs as trainer_logprobs
     from megatron_opd.rollout.vllm_backend import VLLMRollout
     from megatron_opd.rollout.vllm_engine import EngineOptions

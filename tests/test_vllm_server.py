@@ -36,8 +36,8 @@ def start_server(model: str, port: int, log: str, worker_process: bool = False) 
 
 
 def _server_body(model: str, log: str) -> dict:
+    from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
-    from megatron_opd.models.source import build_and_load
     from megatron_opd.rollout.fidelity import sequence_logprobs as trainer_logprobs
     from megatron_opd.rollout.fidelity import startup_check
     from megatron_opd.rollout.vllm_backend import VLLMRollout
@@ -125,8 +125,8 @@ def _shape_case(model: str, address: str, accel) -> dict:
     trainer's, one optimizer step, a sync, the same comparisons."""
     from transformers import AutoTokenizer
 
+    from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.distributed import ParallelConfig
-    from megatron_opd.models.source import build_and_load
     from megatron_opd.rollout.fidelity import sequence_logprobs as trainer_logprobs
     from megatron_opd.rollout.vllm_backend import VLLMRollout
     from megatron_opd.rollout.vllm_engine import EngineOptions

@@ -57,7 +57,7 @@ def _sync_case(hf_dir: str, weight_sync: str, parallel, accel, log_file: str) ->
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_opd.models.source import build_and_load
+    from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.rollout.vllm_backend import VLLMRollout
     from megatron_opd.rollout.vllm_engine import EngineOptions
     from megatron_opd.trainer.config import OptimConfig
@@ -153,11 +153,11 @@ def _broken_sync(hf_dir: str, parallel, accel, log_file: str) -> dict:
     stopped by the fidelity monitor before the update (the parameters stay as they were)."""
     import os
 
-    from megatron_opd.models.source import build_and_load
+    from megatron_opd.checkpoint.source import build_and_load
+    from megatron_opd.data.batch import pack_rollouts
     from megatron_opd.rollout.fidelity import RolloutMismatchError, check_step, fidelity_metrics, startup_check
     from megatron_opd.rollout.vllm_backend import VLLMRollout
     from megatron_opd.rollout.vllm_engine import EngineOptions
-    from megatron_opd.trainer.batch import pack_rollouts
     from megatron_opd.trainer.config import LossConfig, OptimConfig
     from megatron_opd.trainer.objective import train_step
     from megatron_opd.trainer.student import Student, precision_plan

@@ -53,7 +53,7 @@ class Row:
     issue: str
     what: str
     kind: str  # "update" | "score" | "train"
-    model: str = ""  # a launch.memory.KNOWN_CONFIGS name, or a transformers config class for families to come
+    model: str = ""  # a trainer.memory.KNOWN_CONFIGS name, or a transformers config class for families to come
     tokens: int = 0
     recompute: str | None = None
     limit_s: int = 240
@@ -150,9 +150,9 @@ def architecture(row: Row, smoke: bool):
     """The row's architecture; raises ``UnsupportedArchitectureError`` while its family does not build."""
     import transformers
 
-    from megatron_opd.launch.memory import hf_config
-    from megatron_opd.models.architecture import architecture_from_hf_config
+    from megatron_opd.models.hf_config import architecture_from_hf_config
     from megatron_opd.testing.tiny_models import tiny_hf_config
+    from megatron_opd.trainer.memory import hf_config
 
     if row.model == "DeepseekV3Config":
         full = transformers.DeepseekV3Config(**DEEPSEEK_V2_LITE_SIZE)
@@ -260,7 +260,7 @@ def train(row: Row, smoke: bool, limit_s: float) -> dict:
 
 def run_row(index: int, smoke: bool, reps: int, limit_s: float) -> dict:
     """The row's result (in this process); ``skipped`` where its model family does not build yet."""
-    from megatron_opd.models.architecture import UnsupportedArchitectureError
+    from megatron_opd.model_files import UnsupportedArchitectureError
 
     row = ROWS[index]
     if row.kind == "train":

@@ -143,7 +143,7 @@ def _verify(args: argparse.Namespace, hf_dir: str, ckpt_dir: str, lossless: bool
 
 def _source_dtype(config_dir: str) -> str:
     from megatron_opd.dtypes import parse_dtype
-    from megatron_opd.models.architecture import load_architecture
+    from megatron_opd.models.hf_config import load_architecture
 
     return str(parse_dtype(load_architecture(config_dir).torch_dtype))
 

@@ -40,9 +40,10 @@ from megatron_opd.checkpoint.workers import Workers, conversion_workers, split_c
 from megatron_opd.distributed.parallel import ParallelConfig
 from megatron_opd.dtypes import parse_dtype
 from megatron_opd.model_files import HF_CONFIG_DIR, CheckpointError
-from megatron_opd.models.architecture import ModelArchitecture, check_vocab_padding, load_architecture
+from megatron_opd.models.architecture import ModelArchitecture, check_vocab_padding
 from megatron_opd.models.builder import ModelBuildConfig
 from megatron_opd.models.fp8 import QUANTIZATION_CONFIG, without_quantization
+from megatron_opd.models.hf_config import load_architecture
 from megatron_opd.models.hf_io import HFCheckpointReader
 from megatron_opd.models.mtp import skipped_mtp_message
 from megatron_opd.models.name_mapping import Split, expand_rules, hf_shapes, hf_to_megatron

@@ -38,8 +38,9 @@ from megatron_opd.checkpoint.workers import conversion_workers, split_contiguous
 from megatron_opd.distributed.parallel import ParallelConfig
 from megatron_opd.dtypes import TensorMeta, dtype_name, parse_dtype
 from megatron_opd.model_files import HF_CONFIG_DIR, CheckpointError
-from megatron_opd.models.architecture import ModelArchitecture, load_architecture
+from megatron_opd.models.architecture import ModelArchitecture
 from megatron_opd.models.fp8 import without_quantization
+from megatron_opd.models.hf_config import load_architecture
 from megatron_opd.models.mtp import without_mtp
 from megatron_opd.models.name_mapping import Split, WeightRule, hf_shapes, megatron_to_hf
 

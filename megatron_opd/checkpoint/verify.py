@@ -87,8 +87,8 @@ def dequantised_copy(hf_dir: str | os.PathLike, out_dir: str | os.PathLike) -> P
     import json
 
     from megatron_opd.dtypes import parse_dtype
-    from megatron_opd.models.architecture import load_architecture
     from megatron_opd.models.fp8 import SCALE_SUFFIX, without_quantization
+    from megatron_opd.models.hf_config import load_architecture
     from megatron_opd.models.hf_io import HFCheckpointReader, HFCheckpointWriter
     from megatron_opd.models.mtp import mtp_layer_tensors
 
@@ -127,8 +127,8 @@ def _verify(hf_dir: str, ckpt_dir: str, num_sequences: int, seq_len: int, seed: 
     from megatron_opd.checkpoint.mcore_io import load_model_checkpoint
     from megatron_opd.distributed.cpu_compat import apply_cpu_patches
     from megatron_opd.distributed.parallel import ParallelConfig, destroy_distributed, initialize_model_parallel
-    from megatron_opd.models.architecture import load_architecture
     from megatron_opd.models.builder import ModelBuildConfig, build_model
+    from megatron_opd.models.hf_config import load_architecture
 
     arch = load_architecture(hf_dir)
     tokens = random_tokens(arch.vocab_size, num_sequences, seq_len, seed)

@@ -1,4 +1,5 @@
-"""Prompt data: records from JSONL/Parquet files, their token ids, and the per-rank prompt stream."""
+"""Prompt data: records from JSONL/Parquet files, their token ids, the per-rank prompt stream, and the packed batch
+of a step (``data.batch``)."""
 
 from megatron_opd.data.prompts import PromptEncoder, load_prompts
 from megatron_opd.data.records import DataError, read_record_files, read_records

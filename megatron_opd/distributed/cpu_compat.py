@@ -301,7 +301,7 @@ _MODULES_WITH_CP_POS_EMB = (
 def pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
     """Megatron's ``get_pos_emb_on_this_cp_rank`` without pinned memory: this CP rank's two chunks along
     ``seq_dim``."""
-    from megatron_opd.models.context_parallel import ContextParallelSplit
+    from megatron_opd.distributed.sequence_split import ContextParallelSplit
 
     if cp_group is None:
         raise ValueError("cp_group must be provided to get positional embedding per CP rank")

@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     recipe = load_recipe(args.recipe)
     if args.memory:
-        from megatron_opd.launch.memory import format_table, recipe_memory
+        from megatron_opd.launch.recipe_memory import recipe_memory
+        from megatron_opd.trainer.memory import format_table
 
         print(format_table(recipe_memory(recipe), recipe.launch.gpu_memory_gib))
         return 0

@@ -1,25 +1,13 @@
-"""The architecture facts megatron-opd needs from a Hugging Face ``config.json``.
-
-Parsed from the plain JSON dict (not ``transformers`` classes) so the checkpoint converter and
-the teacher server read configs the same way, and so both the transformers 4.x keys
-(``rope_theta``/``rope_scaling``) and the 5.x key (``rope_parameters``) are understood.
+"""The architecture facts megatron-opd needs about a model, as frozen dataclasses (read from a Hugging Face
+``config.json`` by :mod:`megatron_opd.models.hf_config`; each family's layers and weights by
+:mod:`megatron_opd.models.families`). Imports nothing of the package: every other part may read it.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
-
-from megatron_opd.model_files import ConfigFileError, UnsupportedArchitectureError
-from megatron_opd.models.families import BY_MODEL_TYPE, DEFERRED, FAMILIES, ModelFamily, family_named
-from megatron_opd.models.families.deepseek_v3 import DeepSeekRouting, MLAArchitecture
-from megatron_opd.models.rope import ROPE_TYPES
-
-SUPPORTED_MODEL_TYPES = {model_type: family.name for model_type, family in BY_MODEL_TYPE.items()}
-"""model_type -> family name, from the registry in :mod:`megatron_opd.models.families`."""
 
 
 def check_vocab_padding(tensor_parallel_size: int, make_vocab_size_divisible_by: int) -> None:
@@ -90,6 +78,43 @@ class MoEArchitecture:
 
 
 @dataclass(frozen=True)
+class MLAArchitecture:
+    """Multi-latent attention and its rotary embedding (``ModelArchitecture.mla``; None for other attention)."""
+
+    q_lora_rank: int | None
+    """Width of the query's low-rank bottleneck (``q_a_proj`` -> norm -> ``q_b_proj``); None: one ``q_proj``."""
+    kv_lora_rank: int
+    """Width of the key/value latent (``kv_a_proj_with_mqa`` -> norm -> ``kv_b_proj``)."""
+    qk_nope_head_dim: int
+    """Per-head query/key width without rotary embedding."""
+    qk_rope_head_dim: int
+    """Per-head query/key width with rotary embedding (the rotary key is shared by all heads)."""
+    v_head_dim: int
+    """Per-head value width."""
+    yarn_factor: float = 1.0
+    """YaRN scaling factor (``rope_scaling.factor``); 1.0: plain RoPE."""
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    """YaRN's ``mscale`` (cos/sin scale ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)``)."""
+    yarn_mscale_all_dim: float = 0.0
+    """YaRN's ``mscale_all_dim`` (the softmax scale is multiplied by ``mscale(factor, mscale_all_dim)`` squared)."""
+
+
+@dataclass(frozen=True)
+class DeepSeekRouting:
+    """DeepSeek's router on top of ``ModelArchitecture.moe`` (``ModelArchitecture.routing``)."""
+
+    n_group: int = 1
+    """Expert groups (group-limited routing); 1: none."""
+    topk_group: int = 1
+    """Groups each token may use, picked by the sum of each group's top-2 biased scores."""
+    routed_scaling_factor: float = 1.0
+    """The routed experts' combined output is scaled by this."""
+
+
+@dataclass(frozen=True)
 class ModelArchitecture:
     """A decoder-only transformer of a registered model family (``megatron_opd.models.families``)."""
 
@@ -151,129 +176,5 @@ class ModelArchitecture:
                     f"choose a TP size that divides {value}"
                 )
 
-    @property
-    def model_family(self) -> ModelFamily:
-        """The family's declarations: config fields, layer specs, weight rules."""
-        return family_named(self.family)
-
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
-    """The rotary embedding of a Hugging Face ``config.json`` dict (``rope_scaling``, 5.x ``rope_parameters``)."""
-    params = cfg.get("rope_parameters") or {}
-    if isinstance(params.get("full_attention"), dict):  # 5.x per layer type (Gemma 3): the global layers' RoPE
-        params = params["full_attention"]
-    scaling = cfg.get("rope_scaling") or {}
-    merged = {**params, **scaling}  # an explicit 4.x rope_scaling wins over 5.x defaults
-    theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
-    if rope_type not in ROPE_TYPES:
-        hint = " (it rescales with the sequence length at run time)" if rope_type == "dynamic" else ""
-        raise UnsupportedArchitectureError(
-            f"rope scaling type {rope_type!r} (config.json rope_scaling/rope_parameters) is not supported{hint}; "
-            f"supported: {', '.join(ROPE_TYPES)}"
-        )
-    original = merged.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
-    if original is None:
-        # llama3 has always defaulted to 8192 here; YaRN and LongRoPE without it scale from the model's context.
-        original = 8192 if rope_type in ("default", "linear", "llama3") else cfg.get("max_position_embeddings")
-    factor = merged.get("factor")
-    if factor is None and rope_type in ("yarn", "longrope") and original:
-        factor = cfg.get("max_position_embeddings", original) / original
-    short_factor = merged.get("short_factor")
-    if rope_type == "longrope" and not short_factor:
-        raise UnsupportedArchitectureError("config.json rope_scaling.short_factor is missing for rope_type longrope")
-    optional = {k: merged.get(k) for k in ("attention_factor", "mscale", "mscale_all_dim")}
-    return RopeConfig(
-        theta=float(theta),
-        type=rope_type,
-        factor=float(1.0 if factor is None else factor),
-        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(original or 8192),
-        partial_rotary_factor=float(merged.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0),
-        attention_factor=None if optional["attention_factor"] is None else float(optional["attention_factor"]),
-        beta_fast=float(merged.get("beta_fast") or 32.0),
-        beta_slow=float(merged.get("beta_slow") or 1.0),
-        mscale=None if optional["mscale"] is None else float(optional["mscale"]),
-        mscale_all_dim=None if optional["mscale_all_dim"] is None else float(optional["mscale_all_dim"]),
-        truncate=bool(merged.get("truncate", True)),
-        short_factor=tuple(float(x) for x in short_factor) if short_factor else None,
-    )
-
-
-def _positive_int(cfg: dict[str, Any], name: str, source: str, default: int | None = None) -> int:
-    """``cfg[name]`` as a positive int, else a ``ConfigFileError`` naming the file and the field."""
-    value = cfg.get(name)
-    if not value and default is not None:  # a null or 0 optional field means "use the default"
-        value = default
-    if value is None:
-        raise ConfigFileError(
-            f"{source} has no {name!r}, which every {'/'.join(FAMILIES)} config sets; point at the model's own "
-            "config.json (not a generation or adapter config) or add the field"
-        )
-    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not number or value != int(value) or value < 1:
-        raise ConfigFileError(f"{source} field {name!r} must be a positive integer, got {value!r}; fix the file")
-    return int(value)
-
-
-def architecture_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelArchitecture:
-    """Read a Hugging Face ``config.json`` dict (``source`` names it in errors); raise
-    ``UnsupportedArchitectureError`` for other families and ``ConfigFileError`` for missing or mistyped fields."""
-    if not isinstance(cfg, dict):
-        raise ConfigFileError(f"{source} must hold a JSON object, got {type(cfg).__name__}; fix or replace the file")
-    model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        archs = cfg.get("architectures")
-        reason = f" ({DEFERRED[model_type]})" if model_type in DEFERRED else ""
-        raise UnsupportedArchitectureError(
-            f"{source} model_type={model_type!r} (architectures={archs}) is not supported{reason}; "
-            f"supported model types: {sorted(SUPPORTED_MODEL_TYPES)}"
-        )
-    family = BY_MODEL_TYPE[model_type]
-    family.check_config(cfg)
-    heads = _positive_int(cfg, "num_attention_heads", source)
-    hidden = _positive_int(cfg, "hidden_size", source)
-    head_dim = _positive_int(cfg, "head_dim", source, default=hidden // heads or None)
-    try:
-        rms_norm_eps = float(cfg.get("rms_norm_eps", 1e-6))
-    except (TypeError, ValueError):
-        raise ConfigFileError(
-            f"{source} field 'rms_norm_eps' must be a number, got {cfg['rms_norm_eps']!r}; fix the file"
-        ) from None
-    own_fields = family.read_config(cfg, source)
-    rope = own_fields.pop("rope", None) or rope_from_hf(cfg)  # a family with its own rotary embedding reads it
-    return ModelArchitecture(
-        family=family.name,
-        vocab_size=_positive_int(cfg, "vocab_size", source),
-        hidden_size=hidden,
-        num_layers=_positive_int(cfg, "num_hidden_layers", source),
-        num_attention_heads=heads,
-        num_key_value_heads=_positive_int(cfg, "num_key_value_heads", source, default=heads),
-        head_dim=head_dim,
-        ffn_hidden_size=_positive_int(cfg, "intermediate_size", source),
-        max_position_embeddings=_positive_int(cfg, "max_position_embeddings", source, default=4096),
-        rms_norm_eps=rms_norm_eps,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        **own_fields,
-        rope=rope,
-        torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
-    )
-
-
-def load_architecture(hf_dir: str | Path) -> ModelArchitecture:
-    """Read ``hf_dir/config.json``; a ``ConfigFileError`` names the file when it is not valid JSON."""
-    path = Path(hf_dir) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: point --hf-dir/hf_dir at a Hugging Face model folder")
-    try:
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ConfigFileError(
-            f"{path} is not valid JSON ({err}); it is damaged or not a config.json: copy it again from the model"
-        ) from None
-    return architecture_from_hf_config(cfg, source=str(path))

@@ -36,6 +36,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from megatron_opd.models.sliding_window import window_mask
+
 # Without a varlen kernel, packed sequences go through SDPA as one padded batch when padding every sequence to the
 # longest costs at most this many times their own attention; else one call per sequence. On CPU, 64 sequences of
 # 10-20 tokens: 1.4 ms forward and backward against 7.6 ms for the per-sequence loop.
@@ -51,14 +53,6 @@ def _tp_size(pg_collection) -> int:
     from megatron.core import parallel_state
 
     return parallel_state.get_tensor_model_parallel_world_size()
-
-
-def window_mask(queries: int, keys: int, window: int, device) -> torch.Tensor:
-    """``[queries, keys]`` boolean mask (True = attends), bottom-right aligned: query ``i`` sits at key position
-    ``keys - queries + i`` and sees itself and the ``window`` keys before it."""
-    position = torch.arange(queries, device=device)[:, None] + (keys - queries)
-    key = torch.arange(keys, device=device)[None, :]
-    return (key <= position) & (key >= position - window)
 
 
 def _varlen_causal_attn(window: int | None = None):

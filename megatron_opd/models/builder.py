@@ -19,6 +19,7 @@ from megatron_opd.distributed.parallel import ParallelConfig
 from megatron_opd.dtypes import parse_dtype
 from megatron_opd.models import rope
 from megatron_opd.models.architecture import ModelArchitecture
+from megatron_opd.models.families import family_named
 from megatron_opd.models.families.base import SpecOptions, llama3_inv_freq
 
 __all__ = [
@@ -176,7 +177,7 @@ def validate_expert_layout(arch: ModelArchitecture, parallel: ParallelConfig) ->
 def transformer_config(arch: ModelArchitecture, parallel: ParallelConfig, build: ModelBuildConfig):
     """The Megatron-Core ``TransformerConfig`` equivalent to ``arch`` under ``parallel``."""
     validate_layout(arch, parallel)
-    family = arch.model_family
+    family = family_named(arch.family)
     dtype = parse_dtype(build.dtype)
     vp = parallel.virtual_pipeline_model_parallel_size
     kwargs = dict(
@@ -311,7 +312,7 @@ def layer_spec(
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    family = arch.model_family
+    family = family_named(arch.family)
     options = SpecOptions(te=te, attention=attention, norm=norm, moe_grouped_gemm=moe_grouped_gemm)
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     layers = range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage))
@@ -335,7 +336,7 @@ def build_model_chunk(
     moe_grouped_gemm: bool = False,
 ):
     """One ``GPTModel`` chunk: the layers of one (virtual) pipeline stage, built by the family's hook."""
-    return arch.model_family.build_chunk(
+    return family_named(arch.family).build_chunk(
         arch,
         config,
         layer_spec(arch, te, config, vp_stage, attention, norm, moe_grouped_gemm),

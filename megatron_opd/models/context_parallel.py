@@ -2,8 +2,9 @@
 
 Megatron's layout (``megatron.core.utils.get_batch_on_this_cp_rank``): a sequence of ``S`` positions is cut into
 ``2 * CP`` equal chunks and rank ``r`` holds chunks ``r`` and ``2 * CP - 1 - r`` (one early, one late: the causal work
-is balanced). Everything per token lives in that layout on each rank; RoPE is sliced the same way by Megatron
-(``rope_utils.get_pos_emb_on_this_cp_rank``), and DDP reduces gradients over data x context-parallel ranks.
+is balanced; :mod:`megatron_opd.distributed.sequence_split`). Everything per token lives in that layout on each
+rank; RoPE is sliced the same way by Megatron (``rope_utils.get_pos_emb_on_this_cp_rank``), and DDP reduces
+gradients over data x context-parallel ranks.
 
 Core attention (:func:`attend`): every rank all-gathers K/V over the CP group (backward: the key/value gradients
 are summed back to their owners, a reduce-scatter), puts the ``2 * CP`` chunks back in order and runs SDPA for each
@@ -18,64 +19,21 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from megatron_opd.distributed.sequence_split import (
+    ContextParallelSplit,
+    all_gather_sequence,
+    chunk_order,
+    natural_order,
+)
+from megatron_opd.models.sliding_window import window_mask
+
 SPLIT_MARKER = "context_parallel_split"
 """The micro-batch key that says its columns are in this layout (``trainer.loss_batch.split_for_context_parallel``;
 ``forward_backward`` refuses a CP micro-batch without it)."""
-
-
-def chunk_order(cp_size: int) -> list[int]:
-    """The global chunk index of each chunk in the all-gathered (rank-major) order."""
-    return [c for rank in range(cp_size) for c in (rank, 2 * cp_size - 1 - rank)]
-
-
-def local_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """``[S / CP]`` the global positions rank ``cp_rank`` holds (Megatron's layout)."""
-    n = seq_len // (2 * cp_size)
-    return torch.cat([torch.arange(c * n, (c + 1) * n) for c in (cp_rank, 2 * cp_size - 1 - cp_rank)])
-
-
-@dataclass(frozen=True)
-class ContextParallelSplit:
-    """The CP group and this rank's place in it: slices full sequences to this rank and gathers them back."""
-
-    group: object
-    size: int
-    rank: int
-
-    @classmethod
-    def current(cls) -> ContextParallelSplit | None:
-        """The split of Megatron's initialised layout; None without context parallelism."""
-        from megatron.core import parallel_state as ps
-
-        size = ps.get_context_parallel_world_size()
-        if size == 1:
-            return None
-        return cls(ps.get_context_parallel_group(), size, ps.get_context_parallel_rank())
-
-    def split(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """This rank's two chunks of ``x`` along ``dim`` (whose length divides by ``2 * CP``)."""
-        length = x.shape[dim]
-        if length % (2 * self.size):
-            raise ValueError(f"a sequence of {length} positions does not split into {2 * self.size} equal chunks")
-        chunks = x.unflatten(dim, (2 * self.size, length // (2 * self.size)))
-        index = torch.tensor([self.rank, 2 * self.size - 1 - self.rank], device=x.device)
-        return chunks.index_select(dim, index).flatten(dim, dim + 1)
-
-    def pad_multiple(self, config) -> int:
-        """What a sequence is padded to before the split: ``2 * CP`` chunks, each split over TP with sequence
-        parallelism (``config``: the model's ``TransformerConfig``)."""
-        return 2 * self.size * (config.tensor_model_parallel_size if config.sequence_parallel else 1)
-
-    @torch.no_grad()
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """The full sequences ``[B, S, ...]`` from every rank's ``[B, S / CP, ...]`` (no gradient: statistics and
-        weights read along whole sequences)."""
-        return _in_order(_all_gather(x.contiguous(), 1, self.group, self.size), 1, self.size)
 
 
 def split_micro_batch(
@@ -151,30 +109,13 @@ def whole_sequences(model: torch.nn.Module) -> Iterator[None]:
             cache.cache_clear()
 
 
-def _all_gather(x: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
-    """Every rank's ``x`` concatenated along ``dim`` in rank order."""
-    from megatron_opd.distributed.device import collective_device
-
-    device = collective_device()
-    parts = [torch.empty_like(x, device=device) for _ in range(size)]
-    dist.all_gather(parts, x.to(device), group=group)
-    return torch.cat(parts, dim=dim).to(x.device)
-
-
-def _in_order(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    """Rank-major chunks (each rank's two) along ``dim`` -> the sequence's natural order."""
-    chunks = x.unflatten(dim, (2 * size, x.shape[dim] // (2 * size)))
-    inverse = torch.argsort(torch.tensor(chunk_order(size), device=x.device))
-    return chunks.index_select(dim, inverse).flatten(dim, dim + 1)
-
-
 class _GatherSequence(torch.autograd.Function):
     """All-gather along the sequence in natural order; backward: each rank's slice of the summed gradients."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int, split: ContextParallelSplit) -> torch.Tensor:
         ctx.dim, ctx.split = dim, split
-        return _in_order(_all_gather(x.contiguous(), dim, split.group, split.size), dim, split.size)
+        return natural_order(all_gather_sequence(x.contiguous(), dim, split.group, split.size), dim, split.size)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -197,7 +138,7 @@ class _GatherSequence(torch.autograd.Function):
 
 
 def _rank_major(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    """The natural order along ``dim`` -> rank-major chunks (the inverse of ``_in_order``)."""
+    """The natural order along ``dim`` -> rank-major chunks (the inverse of ``natural_order``)."""
     chunks = x.unflatten(dim, (2 * size, x.shape[dim] // (2 * size)))
     return chunks.index_select(dim, torch.tensor(chunk_order(size), device=x.device)).flatten(dim, dim + 1)
 
@@ -215,8 +156,6 @@ def attend(q, k, v, split: ContextParallelSplit, sdpa, window: int | None = None
     compute of the chunk (``benchmarks/RESULTS.md``). A chunk whose keys a ``window`` hides takes the explicit mask
     (the trainer refuses windows that bite within its sequences, ``trainer.setup.check_inputs``; this covers the
     padding after them)."""
-    from megatron_opd.models.attention import window_mask
-
     k_all, v_all = (_GatherSequence.apply(x, 2, split) for x in (k, v))  # [b, g, S, d] in natural order
     n = q.shape[2] // 2
     outs = []

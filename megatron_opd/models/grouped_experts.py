@@ -63,18 +63,3 @@ class GroupedExperts(SequentialMLP):
             intermediate = self.config.activation_func(intermediate)
         intermediate = (intermediate * permuted_probs.unsqueeze(-1)).to(intermediate.dtype)
         return torch._grouped_mm(intermediate, fc2.transpose(1, 2), offs=offs), None
-
-
-def use_grouped_experts(layer_spec) -> None:
-    """Swap ``SequentialMLP`` for :class:`GroupedExperts` in an MoE layer spec of Megatron-Core's local layers
-    (a ``ModuleSpec`` tree in 0.16, ``functools.partial`` s in 0.19)."""
-    from megatron_opd.models.families.base import mlp_submodules
-
-    moe_submodules = mlp_submodules(layer_spec)
-    experts = moe_submodules.experts
-    if isinstance(experts, functools.partial):
-        assert experts.func is SequentialMLP, f"expected SequentialMLP experts, got {experts.func}"
-        moe_submodules.experts = functools.partial(GroupedExperts, *experts.args, **experts.keywords)
-    else:
-        assert experts.module is SequentialMLP, f"expected SequentialMLP experts, got {experts.module}"
-        experts.module = GroupedExperts

@@ -1,6 +1,6 @@
 """The one place that knows how Hugging Face weights become Megatron-Core weights and back.
 
-A :class:`WeightRule` ties one Megatron parameter to the Hugging Face tensors it is made of, how
+A :class:`~megatron_opd.models.weight_rule.WeightRule` ties one Megatron parameter to the Hugging Face tensors it is made of, how
 they are fused (QKV interleaved by key/value group, gate and up stacked), and how the fused tensor
 is split across tensor-parallel ranks. The model loader, the checkpoint converter and the vLLM
 weight sync all go through these rules, so there is one definition of every layout.
@@ -15,75 +15,19 @@ V vocabulary, Vp padded vocabulary.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
-from enum import Enum
-from typing import TYPE_CHECKING
+from dataclasses import replace
 
 import torch
 
-if TYPE_CHECKING:  # architecture imports the families, which import this module
-    from megatron_opd.models.architecture import ModelArchitecture
-
-
-class Split(str, Enum):
-    """How a full Megatron tensor is split across tensor-parallel ranks."""
-
-    REPLICATED = "replicated"  # every rank holds all of it (norms)
-    COLUMN = "column"  # dim 0 (ColumnParallelLinear output features)
-    ROW = "row"  # dim 1 (RowParallelLinear input features)
-    VOCAB = "vocab"  # dim 0 of a vocabulary-padded embedding / output layer
-    QKV = "qkv"  # dim 0, whole key/value groups per rank
-    GATE_UP = "gate_up"  # gate and up each split on dim 0, then stacked per rank
-
-
-class ExpertSplit(str, Enum):
-    """How a Mixture-of-Experts tensor is split across expert-parallel ranks (declared for MoE families)."""
-
-    NONE = "none"  # not an expert tensor: every expert-parallel rank holds it (dense layers, router, norms)
-    PER_EXPERT = "per_expert"  # one tensor per expert ({expert} in the names); each EP rank holds E/EP experts
-    # expand_rules() yields one rule per expert with {expert} filled by the GLOBAL expert index (as {layer} is the
-    # global layer); Megatron numbers a rank's experts locally (local_experts.0..E/EP-1): see global_expert_names().
-
-
-@dataclass(frozen=True)
-class WeightRule:
-    """One Megatron parameter and the Hugging Face tensors it is built from."""
-
-    megatron: str
-    """Local-spec Megatron name, ``{layer}`` for the global layer index."""
-    hf: tuple[str, ...]
-    """Hugging Face names, in fusion order (q, k, v / gate, up), or one name where the checkpoint fuses them
-    (Phi-3's ``qkv_proj``: all q rows, then k, then v; ``gate_up_proj``: gate, then up)."""
-    split: Split
-    te_megatron: str | None = None
-    """Name under the TransformerEngine spec, where it differs (norms fused into linears)."""
-    experts: ExpertSplit = ExpertSplit.NONE
-    """The split across expert-parallel ranks, on top of ``split`` (tensor parallelism within an expert)."""
-    layers: tuple[int, ...] | None = None
-    """The global layers that hold this per-layer tensor (None: every layer); MoE and dense layers differ."""
-    buffer: bool = False
-    """The Megatron tensor is a registered buffer, not a parameter (e.g. DeepSeek-V3's expert bias): it is
-    loaded, converted and synced like a parameter but never trained."""
-    hf_shape: tuple[tuple[int, ...], ...] | None = None
-    """Each Hugging Face tensor's shape, where :func:`hf_shapes` cannot tell it from the name (multi-latent
-    attention's projections)."""
-
-    def megatron_name(self, layer: int | None = None, te: bool = False) -> str:
-        name = self.te_megatron if (te and self.te_megatron) else self.megatron
-        return name.format(layer=layer) if layer is not None else name
-
-    def hf_names(self, layer: int | None = None) -> tuple[str, ...]:
-        return tuple(n.format(layer=layer) for n in self.hf) if layer is not None else self.hf
-
-    @property
-    def per_layer(self) -> bool:
-        return "{layer}" in self.megatron
+from megatron_opd.models.architecture import ModelArchitecture
+from megatron_opd.models.families import family_named
+from megatron_opd.models.weight_rule import ExpertSplit, Split, WeightRule
 
 
 def weight_rules(arch: ModelArchitecture) -> list[WeightRule]:
     """All rules for ``arch``, as its family declares them: embedding, per-layer rules (with ``{layer}``),
     final norm, output layer."""
-    return arch.model_family.weight_rules(arch)
+    return family_named(arch.family).weight_rules(arch)
 
 
 def named_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:

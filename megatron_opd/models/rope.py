@@ -4,7 +4,8 @@ Megatron-Core computes plain RoPE frequencies (and Llama 3.1's with fixed consta
 ``rope_type`` ``linear``, ``llama3``, ``yarn`` and ``longrope``, a ``partial_rotary_factor`` (only the first
 fraction of each head is rotated) and an ``attention_factor`` that multiplies cos and sin. This module computes the
 inverse frequencies and the attention factor with transformers' formulas (``modeling_rope_utils``), so the numbers
-are the checkpoint's, and :class:`HFRotaryEmbedding` carries them into Megatron's attention.
+are the checkpoint's, and :class:`HFRotaryEmbedding` carries them into Megatron's attention. :func:`rope_from_hf`
+reads the rotary fields of a ``config.json`` (also for the families with their own rotary embedding).
 
 ``longrope`` switches from its short to its long factors once a sequence passes
 ``original_max_position_embeddings``; transformers decides per sequence and vLLM per batch, so the trainer and
@@ -16,12 +17,12 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from megatron_opd.models.architecture import RopeConfig
+from megatron_opd.model_files import UnsupportedArchitectureError
+from megatron_opd.models.architecture import RopeConfig
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 """Hugging Face ``rope_type`` values megatron-opd builds (``dynamic`` is refused: it changes with the length)."""
@@ -172,3 +173,47 @@ def install(model, rope: RopeConfig, head_dim: int, local: RopeConfig | None = N
         model.rotary_pos_emb = rotary_embedding_class()(rope, head_dim, cpu, cp_group=cp_group)
     else:
         model.rotary_pos_emb = rotary_embedding_class().PerLayer(rope, local, head_dim, cpu, cp_group=cp_group)
+
+
+def rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
+    """The rotary embedding of a Hugging Face ``config.json`` dict (``rope_scaling``, 5.x ``rope_parameters``)."""
+    params = cfg.get("rope_parameters") or {}
+    if isinstance(params.get("full_attention"), dict):  # 5.x per layer type (Gemma 3): the global layers' RoPE
+        params = params["full_attention"]
+    scaling = cfg.get("rope_scaling") or {}
+    merged = {**params, **scaling}  # an explicit 4.x rope_scaling wins over 5.x defaults
+    theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if rope_type not in ROPE_TYPES:
+        hint = " (it rescales with the sequence length at run time)" if rope_type == "dynamic" else ""
+        raise UnsupportedArchitectureError(
+            f"rope scaling type {rope_type!r} (config.json rope_scaling/rope_parameters) is not supported{hint}; "
+            f"supported: {', '.join(ROPE_TYPES)}"
+        )
+    original = merged.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    if original is None:
+        # llama3 has always defaulted to 8192 here; YaRN and LongRoPE without it scale from the model's context.
+        original = 8192 if rope_type in ("default", "linear", "llama3") else cfg.get("max_position_embeddings")
+    factor = merged.get("factor")
+    if factor is None and rope_type in ("yarn", "longrope") and original:
+        factor = cfg.get("max_position_embeddings", original) / original
+    short_factor = merged.get("short_factor")
+    if rope_type == "longrope" and not short_factor:
+        raise UnsupportedArchitectureError("config.json rope_scaling.short_factor is missing for rope_type longrope")
+    optional = {k: merged.get(k) for k in ("attention_factor", "mscale", "mscale_all_dim")}
+    return RopeConfig(
+        theta=float(theta),
+        type=rope_type,
+        factor=float(1.0 if factor is None else factor),
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(original or 8192),
+        partial_rotary_factor=float(merged.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0),
+        attention_factor=None if optional["attention_factor"] is None else float(optional["attention_factor"]),
+        beta_fast=float(merged.get("beta_fast") or 32.0),
+        beta_slow=float(merged.get("beta_slow") or 1.0),
+        mscale=None if optional["mscale"] is None else float(optional["mscale"]),
+        mscale_all_dim=None if optional["mscale_all_dim"] is None else float(optional["mscale_all_dim"]),
+        truncate=bool(merged.get("truncate", True)),
+        short_factor=tuple(float(x) for x in short_factor) if short_factor else None,
+    )

@@ -41,7 +41,7 @@ def upcycle_to_moe(
     ``out_dir``, with the dense folder's tokenizer and generation files."""
     from safetensors.torch import load_file, save_file
 
-    from megatron_opd.models.architecture import load_architecture
+    from megatron_opd.models.hf_config import load_architecture
     from megatron_opd.models.name_mapping import expand_rules
 
     if not 1 <= top_k <= experts:

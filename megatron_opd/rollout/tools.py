@@ -4,7 +4,7 @@
 the model's text reaches the tool-call stop string (``</calc>``), the turn is cut right after it (tokens sampled
 past the call are dropped: the policy continues from the tool's answer instead), the user function
 ``module:function(call_text) -> str`` answers, and its text is tokenized and appended with response mask 0 and
-log-probability 0. So the loss never sees tool tokens (``trainer.batch`` turns mask 0 into loss mask 0) while the
+log-probability 0. So the loss never sees tool tokens (``data.batch`` turns mask 0 into loss mask 0) while the
 student and teacher still read them as context. Up to ``max_turns`` model turns; a call in the last turn gets no
 answer. The whole response (model and tool tokens) stays within ``sampling.max_new_tokens``.
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_opd.interfaces import DeferredFuture, Rollouts, SamplingParams
-from megatron_opd.models.architecture import load_architecture
+from megatron_opd.models.hf_config import load_architecture
 from megatron_opd.rollout.sleep import SleepCycle
 from megatron_opd.rollout.vllm_engine import (
     EngineGone,

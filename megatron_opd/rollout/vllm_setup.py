@@ -68,7 +68,7 @@ def build_vllm_rollout(cfg, chunks: list, seq_len: int, vocab_size: int | None =
 
     from megatron.core import parallel_state as ps
 
-    from megatron_opd.models.source import config_dir, model_architecture
+    from megatron_opd.checkpoint.source import config_dir, model_architecture
     from megatron_opd.weight_sync.plugin import has_weight_transfer_api
     from megatron_opd.weight_sync.source import megatron_weight_source
 

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
+from megatron_opd.data.batch import TrainBatch, pack_rollouts
 from megatron_opd.interfaces import (
     RolloutBackend,
     Rollouts,
@@ -41,7 +42,6 @@ from megatron_opd.interfaces import (
     TeacherPart,
     TeacherScores,
 )
-from megatron_opd.trainer.batch import TrainBatch, pack_rollouts
 
 DEPTH = {"zero_step_off": 0, "one_step_off": 1, "two_step_off": 2}
 """Batches sampled ahead of the update in each ``scheduler.mode`` (= the staleness bound)."""

@@ -280,11 +280,11 @@ def main(argv: list[str] | None = None) -> None:
     quiet.install(level=getattr(logging, args.log_level.upper()))
     token = read_token(args.token_file)
 
+    from megatron_opd.checkpoint.source import build_and_load, model_architecture
     from megatron_opd.distributed import LaunchEnv, ParallelConfig, destroy_distributed, init_process_group
     from megatron_opd.distributed.device import collective_device
     from megatron_opd.distributed.parallel import initialize_model_parallel
     from megatron_opd.models.builder import ModelBuildConfig
-    from megatron_opd.models.source import build_and_load, model_architecture
     from megatron_opd.teacher.inprocess import InProcessTeacher
     from megatron_opd.tokenizer import load_tokenizer
     from megatron_opd.vocab import tokenizer_dir

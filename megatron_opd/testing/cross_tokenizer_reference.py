@@ -422,9 +422,9 @@ class CodePath:
         """Every response as one batch of rollouts, ``CrossTokenizer.request``, the teacher's scores of its own
         tokens (float32, as the wire carries them; its top-k all but its least likely token), ``CrossTokenizer.scores``."""
         from megatron_opd.cross_tokenizer.retokenize import CrossTokenizer
+        from megatron_opd.data.batch import pack_rollouts
         from megatron_opd.data.prompts import PromptEncoder
         from megatron_opd.interfaces import Rollouts
-        from megatron_opd.trainer.batch import pack_rollouts
 
         pair, responses = ref.pair, ref.responses
         student, teacher = pair.student, pair.teacher

@@ -113,7 +113,7 @@ def routing_margin(hf_dir: str | os.PathLike, tokens: torch.Tensor) -> float:
     the router's input: at a near-tie, summation order alone may route a token to another expert."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_opd.models.architecture import load_architecture
+    from megatron_opd.models.hf_config import load_architecture
 
     arch = load_architecture(hf_dir)
     if arch.moe is None:

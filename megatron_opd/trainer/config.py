@@ -1,5 +1,10 @@
 """The distillation trainer's configuration: one dataclass per section, every field with a default and a doc line.
 
+Each section lives beside the package it configures (``teacher.config``, ``data.config``, ``rollout.config``,
+``losses.config``, ``scheduler.config``, ``checkpoint.config``, ``distributed.parallel``, ``models.builder``); the
+trainer's own sections, the multi-teacher map and :class:`TrainConfig` with its checks between sections are here,
+and every section is importable from here.
+
 ``python -m megatron_opd.train --help`` prints every key. Values come from ``--config FILE.yaml`` and then
 ``section.key=value`` overrides; unknown keys are errors naming the valid ones.
 """
@@ -9,11 +14,35 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Literal
+from typing import Literal
 
+from megatron_opd.checkpoint.config import CheckpointConfig
+from megatron_opd.data.config import DataConfig
 from megatron_opd.distributed.parallel import ParallelConfig
-from megatron_opd.losses.sampled import SAMPLED_CREDITS, SAMPLED_KINDS
+from megatron_opd.losses.config import LossConfig
 from megatron_opd.models.builder import ModelBuildConfig
+from megatron_opd.rollout.config import RolloutConfig
+from megatron_opd.scheduler.config import SchedulerConfig
+from megatron_opd.teacher.config import TeacherConfig
+
+__all__ = [
+    "CheckpointConfig",
+    "DataConfig",
+    "EvalConfig",
+    "LoggingConfig",
+    "LossConfig",
+    "ModelBuildConfig",
+    "NamedTeacherConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "RolloutConfig",
+    "SchedulerConfig",
+    "StudentConfig",
+    "TeacherConfig",
+    "TeacherLossConfig",
+    "TrainConfig",
+    "TrainLoopConfig",
+]
 
 
 @dataclass
@@ -24,65 +53,6 @@ class StudentConfig:
     """Hugging Face folder (config.json + safetensors) or a dist_ckpt folder written by tools/checkpoint."""
     tokenizer: str | None = None
     """Folder with the tokenizer files; default: ``path`` (or ``path/hf_config`` for a dist_ckpt)."""
-
-
-@dataclass
-class TeacherConfig:
-    """The frozen model that scores the student's samples."""
-
-    path: str = ""
-    """Hugging Face or dist_ckpt folder of the teacher (not needed with ``loss.kind=sft`` or a teacher server)."""
-    backend: Literal["inprocess", "server", "vllm"] = "inprocess"
-    """``inprocess``: a frozen GPTModel in this job, same parallel layout as the student. ``server``: a teacher
-    server in its own job and layout (``torchrun -m megatron_opd.teacher.serve``) at ``teacher.address``.
-    ``vllm``: a vLLM OpenAI-compatible server at ``teacher.address`` (top-k from its prompt log-probabilities)."""
-    address: str = ""
-    """``backend=server``: ``host:port`` of the teacher server, or of several replicas ``host:port,host:port``.
-    ``backend=vllm``: the server's base URL (``http://host:port``; replicas comma-separated)."""
-    token_file: str | None = None
-    """``backend=server``: file holding the server's ``--token-file`` secret (needed when it is not on loopback).
-    ``backend=vllm``: file holding the server's ``--api-key``, if it has one."""
-    timeout_s: float = 300.0
-    """``backend=server``: seconds to wait for one reply before the request is retried (elsewhere if possible)."""
-    retries: int = 8
-    """``backend=server``: retries of a request before the run stops with an error naming the servers and batch."""
-    backoff_s: float = 1.0
-    """``backend=server``: wait after a server fails, doubled at each further failure of that server."""
-    backoff_max_s: float = 30.0
-    """``backend=server``: the longest wait before a failed server is tried again (how soon a restart is noticed)."""
-    connect_timeout_s: float = 600.0
-    """``backend=server``: how long start-up waits for a server to answer (it may still be loading)."""
-    wire_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """``backend=server``: dtype of the log-probabilities (or hidden states) on the wire (ids are int32); bf16/fp16
-    halve them."""
-    transfer: Literal["topk", "hidden"] = "topk"
-    """``backend=server``: what the server sends. ``topk``: its top-k log-probabilities (``loss.mode=topk``).
-    ``hidden``: its final hidden states; the trainer loads the teacher's output layer from ``teacher.path``, sharded
-    like the student's, and forms the teacher's logits chunk by chunk inside the loss: exact ``loss.mode=dense``
-    from a teacher of another layout, at ``H`` values per token on the wire."""
-    max_message_bytes: int = 256 << 20
-    """``backend=server``: largest reply accepted; batches are split so every reply fits (and the server's limits).
-    ``backend=vllm``: largest JSON reply accepted (bound the batches with ``teacher.max_batch_tokens``)."""
-    max_batch_tokens: int = 16384
-    """``backend=vllm``: most positions (sequences x length) in one HTTP request; larger batches are split."""
-    temperature: float = 1.0
-    """The teacher's logits are divided by this before its log-probabilities or top-k are taken."""
-    offload: bool = False
-    """Two-phase memory mode: the teacher scores the whole step, its scores are cached in host memory and its
-    weights leave the accelerator while the student trains (a no-op on CPU)."""
-    tokenizer: str | None = None
-    """Folder with the teacher's tokenizer files (for the vocabulary check); default as for the student."""
-
-    def __post_init__(self) -> None:
-        if not self.temperature > 0:
-            raise ValueError(f"teacher.temperature must be > 0, got {self.temperature}")
-        for name in ("timeout_s", "connect_timeout_s", "max_message_bytes", "max_batch_tokens"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"teacher.{name} must be > 0, got {getattr(self, name)}")
-        if self.retries < 0 or self.backoff_s < 0:
-            raise ValueError(
-                f"teacher.retries and teacher.backoff_s must be >= 0, got {self.retries}, {self.backoff_s}"
-            )
 
 
 @dataclass
@@ -117,135 +87,6 @@ class NamedTeacherConfig(TeacherConfig):
     def teacher(self) -> TeacherConfig:
         """The ``teacher.*`` section this entry stands for."""
         return TeacherConfig(**{f.name: getattr(self, f.name) for f in fields(TeacherConfig)})
-
-
-_CHAT_TEMPLATE_ARGUMENTS = frozenset(
-    ("conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
-     "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "tokenizer_kwargs",
-     "return_assistant_tokens_mask")
-)  # fmt: skip
-"""Arguments of ``apply_chat_template`` itself, which ``data.chat_template_kwargs`` may not name."""
-
-
-@dataclass
-class DataConfig:
-    """Prompts: JSONL or Parquet records with ``prompt`` (text) or ``messages`` (chat)."""
-
-    train_files: list[str] | str = field(default_factory=list)
-    """One path or a list of paths (.jsonl, .json lines, .parquet)."""
-    eval_files: list[str] | str = field(default_factory=list)
-    """Held-out prompts for periodic evaluation (optional)."""
-    prompt_key: str = "prompt"
-    """Record field holding the prompt text."""
-    messages_key: str = "messages"
-    """Record field holding a chat (list of {role, content}); rendered with the tokenizer's chat template."""
-    answer_key: str = "answer"
-    """Record field with the reference answer (evaluation scorers receive the whole record)."""
-    response_key: str = "response"
-    """Record field with the target response (``loss.kind=sft``)."""
-    shuffle: bool = True
-    """Shuffle the prompts every epoch (deterministically from ``seed`` and the epoch)."""
-    teacher_key: str = "teacher"
-    """With ``teachers.*``: record field naming the teacher that scores the record's samples."""
-    default_teacher: str | None = None
-    """With ``teachers.*``: the teacher of records without ``data.teacher_key`` (unset: such records are refused)."""
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra variables of the chat template, the same for rollout, evaluation and the teacher's re-tokenization,
-    e.g. ``{enable_thinking: false}`` for Qwen3 (CLI: ``data.chat_template_kwargs.enable_thinking=false``)."""
-
-    def __post_init__(self) -> None:
-        reserved = sorted(set(map(str, self.chat_template_kwargs)) & _CHAT_TEMPLATE_ARGUMENTS)
-        if reserved or not all(isinstance(k, str) for k in self.chat_template_kwargs):
-            raise ValueError(
-                f"data.chat_template_kwargs must map template variable names to values; {reserved or 'non-string keys'}"
-                " are set by the trainer itself (it renders each prompt with add_generation_prompt=true)"
-            )
-        if isinstance(self.train_files, str):
-            self.train_files = [self.train_files] if self.train_files else []
-        if isinstance(self.eval_files, str):
-            self.eval_files = [self.eval_files] if self.eval_files else []
-
-
-@dataclass
-class RolloutConfig:
-    """How the student samples its responses."""
-
-    backend: Literal["builtin", "vllm"] = "builtin"
-    """``builtin``: the tensor-parallel sampler on the student's own GPTModel (KV cache, no vocabulary gather).
-    ``vllm``: a vLLM engine in a process started by rank 0, weights synced after every step (needs vLLM)."""
-    n: int = 1
-    """Samples per prompt."""
-    max_new_tokens: int = 64
-    """Longest response."""
-    temperature: float = 1.0
-    """Sampling temperature (0: greedy)."""
-    top_p: float = 1.0
-    """Nucleus sampling mass (1.0: off)."""
-    top_k: int = 0
-    """Sample among the k most probable tokens (0: off)."""
-    stop_token_ids: list[int] = field(default_factory=list)
-    """Extra stop ids, beside the tokenizer's EOS and every EOS id of generation_config.json."""
-    weight_sync: Literal["transfer_api", "reload"] = "transfer_api"
-    """``backend=vllm``: vLLM's weight-transfer API (gloo engine on CPU), or ``reload``: collective_rpc +
-    reload_weights (used automatically where vLLM lacks that API; set it to run the fallback anyway)."""
-    weight_transfer_backend: Literal["auto", "nccl", "gloo"] = "auto"
-    """``backend=vllm``, ``weight_sync=transfer_api``: vLLM's NCCL engine (GPU) or our gloo engine (CPU; also
-    GPU, through host memory); auto: NCCL when the student is on CUDA. Servers must be started with the same."""
-    sync_bucket_mb: float = 512.0
-    """``backend=vllm``: size of the packed buckets the weights travel in (MiB); the sender holds one at a time."""
-    address: str = ""
-    """``backend=vllm``: ``host:port[,host:port]`` of separate vLLM servers (``python -m
-    megatron_opd.rollout.vllm_server``) instead of an engine process started by rank 0."""
-    server_wait_s: float = 60.0
-    """``backend=vllm`` with ``address``: seconds to wait for a server to answer, at the start (servers still
-    loading) and whenever every server is down; servers that do not answer are left out until they are back."""
-    sync_address: str = "127.0.0.1"
-    """``backend=vllm``: address of this job's rank 0 that the vLLM workers join for weight syncs."""
-    sync_timeout_s: float = 600.0
-    """``backend=vllm``: seconds a sync, or the engine's start, may take before it is an error."""
-    vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """``backend=vllm``: dtype of vLLM's weights and of the sync (auto: the student's parameter dtype)."""
-    vllm_cpu_kv_cache_gib: int = 1
-    """``backend=vllm`` on CPU: KV cache size of the engine (GiB)."""
-    vllm_gpu_memory_utilization: float = 0.3
-    """``backend=vllm`` on GPU: fraction of the GPU vLLM may take (colocated with training)."""
-    vllm_sleep: bool = False
-    """``backend=vllm`` on GPU: the engine sleeps (frees weights and KV cache) while the trainer trains."""
-    vllm_threads: int = 1
-    """``backend=vllm`` on CPU: torch threads of the engine process."""
-    tool_fn: str | None = None
-    """Multi-turn tool rollouts: ``module:function(call_text) -> str`` answering a tool call (e.g.
-    ``megatron_opd.tasks.calculator:calculate``); its tokens get response mask 0 and are never trained on."""
-    tool_stop: str = "</calc>"
-    """With ``tool_fn``: the text that ends a tool call (the model's turn is cut right after it)."""
-    max_turns: int = 4
-    """With ``tool_fn``: model turns per sample (a call in the last turn gets no answer)."""
-    startup_check: bool = True
-    """``backend=vllm``: after the first weight sync, score a fixed sequence in the engine (and in every server) and
-    in the trainer, and refuse to start when they differ by more than ``max_logprob_diff`` (``rollout.fidelity``)."""
-    max_logprob_diff: float | None = None
-    """Largest mean |log p_trainer - log p_sampler| per sampled token before a step is refused (the run stops before
-    the update; asynchronous modes check batches of staleness 0 only). Default: 1e-3 when trainer and sampler are
-    fp32, 0.1 otherwise (see ``rollout.fidelity.MAX_LOGPROB_DIFF_DEFAULTS``); ``inf`` logs without stopping."""
-
-    def __post_init__(self) -> None:
-        if self.n < 1:
-            raise ValueError(f"rollout.n must be >= 1, got {self.n}")
-        if self.max_logprob_diff is not None and not self.max_logprob_diff > 0:
-            raise ValueError(
-                f"rollout.max_logprob_diff must be > 0 (inf: never stop), got {self.max_logprob_diff}; leave it unset "
-                "for the per-dtype default"
-            )
-        if not self.sync_bucket_mb > 0:
-            raise ValueError(f"rollout.sync_bucket_mb must be > 0, got {self.sync_bucket_mb}")
-        if not self.sync_timeout_s > 0:
-            raise ValueError(f"rollout.sync_timeout_s must be > 0, got {self.sync_timeout_s}")
-        if self.max_turns < 1:
-            raise ValueError(f"rollout.max_turns must be >= 1, got {self.max_turns}")
-        if self.address and self.backend != "vllm":
-            raise ValueError("rollout.address names vLLM servers: set rollout.backend=vllm (or drop rollout.address)")
-        if self.tool_fn is not None and not self.tool_stop:
-            raise ValueError("rollout.tool_stop must be the non-empty text that ends a tool call (e.g. </calc>)")
 
 
 @dataclass
@@ -290,7 +131,7 @@ class TrainLoopConfig:
     logs its estimate). Set it to check a layout for another GPU from a dry run."""
     skip_memory_check: bool = False
     """Start even when the estimated peak of a device (student, in-process teacher, colocated vLLM;
-    ``launch/memory.py``) exceeds its memory; the estimate is still logged."""
+    ``trainer/memory.py``) exceeds its memory; the estimate is still logged."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "micro_batch_size", "collapse_window", "collapse_patience"):
@@ -399,220 +240,6 @@ class OptimConfig:
                 "parameters on every rank: nothing to gather); set optim.use_distributed_optimizer=true or unset "
                 "optim.overlap_param_gather"
             )
-
-
-@dataclass
-class LossConfig:
-    """The per-token objective."""
-
-    kind: Literal["forward_kl", "reverse_kl", "jsd", "sft"] = "reverse_kl"
-    """Divergence to the teacher, or ``sft``: cross-entropy on the records' ``response`` (no rollout, no teacher)."""
-    beta: float = 0.5
-    """Teacher weight in the JSD mixture (0: forward KL, 1: reverse KL limits)."""
-    mode: Literal["dense", "topk", "sampled"] = "dense"
-    """``dense``: full teacher logit shards (colocated teacher); ``topk``: the teacher's top-k ids + log-probs;
-    ``sampled``: only the teacher's log-probability of each sampled token, the sampled reverse or forward KL
-    (``losses.sampled``; every teacher back end can give it, also with another tokenizer)."""
-    topk: int = 64
-    """k for ``mode=topk``."""
-    tail: Literal["bucket", "renorm", "ignore"] = "bucket"
-    """Mass outside the support: one bucket (exact), renormalised away, or ignored (verl)."""
-    support: Literal["teacher_topk", "union"] = "teacher_topk"
-    """Ids the ``mode=topk`` loss is computed over: the teacher's top-k, or its union with the student's own top-k
-    (TCAD; the rollout records the student's ids, the teacher request returns its log-probabilities at them)."""
-    student_topk: int = 0
-    """``support=union``: how many of the student's most probable ids join the support (0: ``loss.topk``)."""
-    coverage_weight: float = 0.0
-    """``mode=topk``: adds this times -log(student's mass on the support) per token (TCAD's coverage term; 0: off)."""
-    reduction: Literal["token_mean", "sequence_mean", "sum"] = "token_mean"
-    """How per-token losses become the step's loss (over the whole global batch)."""
-    student_temperature: float = 1.0
-    """The student's logits are divided by this inside the loss."""
-    chunk_size: int | None = None
-    """Tokens per loss chunk (memory bound; with the fused output layer also its logit block, where smaller costs
-    time); None: automatic."""
-    fused_output: Literal["auto", "on", "off"] = "auto"
-    """The output layer fused into the divergence (``losses.fused_output``): the update's logits are formed a chunk
-    of tokens at a time inside the loss and never held whole. ``auto``/``on``: every distillation loss (SFT keeps
-    the output layer; ``on`` refuses it); ``off``: the output layer writes the whole logit shard first."""
-    sampled_ratio_clip: float = 10.0
-    """``loss.mode=sampled`` (and ``aligned``'s sampled positions) with ``loss.kind=forward_kl``: the importance
-    weight ``p/q`` of a sampled token is capped at this (truncated importance sampling; 0: no cap). The cap bites
-    only where the student gives a token less than 1/cap of the teacher's probability (rare under the student's
-    sampling, but then one token would weigh as much as a batch)."""
-    sampled_credit: Literal["token", "to_go"] = "token"
-    """``loss.mode=sampled`` with ``loss.kind=reverse_kl`` (one tokenizer, or ``cross_tokenizer=sampled``): what
-    weighs ``grad log q`` at each sampled token. ``token``: its own token's (group's) log-ratio ``log q - log p``, the
-    fixed-prefix part of the sequence's divergence (the teacher's view of the later tokens is left out). ``to_go``:
-    the sum of the log-ratios of its group and every later group of its sample (the reward to go), whose expected
-    gradient is the whole sequence-level reverse KL's (docs/losses.md); choose it where the teacher's judgment of a
-    token shows only later (across tokenizers, long answers), at the cost of a noisier weight. The logged divergence
-    is the same either way. Not for ``forward_kl`` (a sequence-level forward KL needs the prefix's importance
-    weights); keeps the output layer unfused (a sample's tokens must be in one pass)."""
-    cross_tokenizer: Literal["off", "sampled", "aligned"] = "off"
-    """A teacher with another tokenizer: ``sampled`` re-tokenizes each response for the teacher, aligns the two
-    tokenizations by byte offsets and trains on the sampled divergence (``loss.kind`` reverse or forward KL) per
-    aligned group (``loss.mode=sampled``; ``megatron_opd.cross_tokenizer``). ``aligned`` (``loss.mode=topk``): at
-    each group's first position, the teacher's top-k mapped to the student token each teacher token begins with,
-    with the top-k divergence (``loss.kind``, ``loss.tail``; unmapped teacher mass goes to the tail); other
-    positions, and those where under half the top-k mass mapped, the sampled one of the same kind (reverse KL for
-    ``jsd``). ``off``: the vocabulary check refuses a teacher with another tokenizer."""
-    staleness_correction: Literal["off", "prefix"] = "off"
-    """``prefix``: weight each token's loss by the truncated importance weight of the sampled prefix before it,
-    ``min(prod_{s<t} p_trainer(y_s) / p_sampler(y_s), loss.staleness_clip)`` (``s <= t`` for ``loss.mode=sampled``),
-    correcting the state distribution of batches sampled by older weights (``scheduler.mode`` one/two_step_off);
-    1 for fresh batches. Needs rollout.temperature=1 without top_k/top_p (the recorded log-probabilities are then the
-    sampling policy's) and no fused output layer. See docs/training.md."""
-    staleness_clip: float = 2.0
-    """Upper clip of the prefix importance weights (logged as ``staleness/*`` either way)."""
-    weighting: Literal["none", "reward", "teacher_confidence"] = "none"
-    """Per-sequence weights: none, reward-weighted distillation, or TCAD teacher-confidence weights."""
-    reward_fn: str | None = None
-    """``module:function`` scoring (prompt, response, record) -> float, for ``weighting=reward``."""
-    reward_transform: Literal["identity", "exp", "group_softmax"] = "group_softmax"
-    """Reward -> weight: r itself, exp(r / T), or n * softmax(r / T) over the samples of each prompt."""
-    weight_temperature: float = 1.0
-    """T of the reward transform and of the teacher-confidence softmax."""
-    teacher_balance: Literal["tokens", "per_teacher"] = "tokens"
-    """With ``teachers.*``: ``tokens``: ``loss.reduction`` over the whole batch (each token counts the same, whichever
-    teacher scored it); ``per_teacher``: each teacher's part of the batch weighs the same, however many tokens it
-    has (each teacher's reduction, averaged over the teachers in the step; times ``teachers.NAME.loss.weight``)."""
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.beta <= 1.0:
-            raise ValueError(f"loss.beta must be in [0, 1], got {self.beta}")
-        if self.topk < 1:
-            raise ValueError(f"loss.topk must be >= 1, got {self.topk}")
-        if self.weighting == "reward" and not self.reward_fn:
-            raise ValueError("loss.weighting=reward needs loss.reward_fn=module:function")
-        if not self.weight_temperature > 0:
-            raise ValueError(f"loss.weight_temperature must be > 0, got {self.weight_temperature}")
-        if self.student_topk < 0:
-            raise ValueError(f"loss.student_topk must be >= 0 (0: loss.topk), got {self.student_topk}")
-        if not 0.0 <= self.coverage_weight < float("inf"):
-            raise ValueError(f"loss.coverage_weight must be a finite number >= 0, got {self.coverage_weight}")
-        if self.fused_output not in ("auto", "on", "off"):
-            raise ValueError(f"loss.fused_output must be auto, on or off, got {self.fused_output!r}")
-        if self.fused_output == "on" and self.kind == "sft":
-            raise ValueError(
-                "loss.fused_output=on fuses the output layer into a distillation divergence; loss.kind=sft keeps the "
-                "logits: set loss.fused_output=auto or off"
-            )
-        if self.mode == "sampled" and self.kind not in (*SAMPLED_KINDS, "sft"):
-            raise ValueError(
-                f"loss.mode=sampled estimates the reverse or forward KL from the student's own samples; "
-                f"loss.kind={self.kind} needs the teacher's distribution: set loss.kind=forward_kl or reverse_kl, or "
-                "loss.mode=topk/dense"
-            )
-        if not 0.0 <= self.sampled_ratio_clip < float("inf"):
-            raise ValueError(
-                f"loss.sampled_ratio_clip must be a finite number >= 0 (0: no cap), got {self.sampled_ratio_clip}"
-            )
-        if self.sampled_credit not in SAMPLED_CREDITS:
-            raise ValueError(f"loss.sampled_credit must be token or to_go, got {self.sampled_credit!r}")
-        if self.sampled_credit == "to_go" and (self.mode != "sampled" or self.kind != "reverse_kl"):
-            raise ValueError(
-                f"loss.sampled_credit=to_go weighs each sampled token by the reverse KL's log-ratios of the rest of "
-                f"its sample: set loss.mode=sampled and loss.kind=reverse_kl (got loss.mode={self.mode}, loss.kind="
-                f"{self.kind}; the forward KL's sequence-level form would need the prefix's importance weights "
-                "p(y_<=t)/q(y_<=t): keep loss.sampled_credit=token)"
-            )
-        if self.sampled_credit == "to_go" and self.fused_output == "on":
-            raise ValueError(
-                "loss.fused_output=on cannot be used with loss.sampled_credit=to_go (a sample's tokens must be in one "
-                "chunk): set loss.fused_output=auto or off"
-            )
-        cross = self.cross_tokenizer
-        if cross not in ("off", "sampled", "aligned"):
-            raise ValueError(f"loss.cross_tokenizer must be off, sampled or aligned, got {cross!r}")
-        if cross == "sampled" and (self.mode != "sampled" or self.kind not in SAMPLED_KINDS):
-            raise ValueError(
-                f"loss.cross_tokenizer=sampled compares aligned groups of tokens by their sampled log-probabilities: "
-                f"set loss.mode=sampled and loss.kind=forward_kl or reverse_kl (got loss.mode={self.mode}, "
-                f"loss.kind={self.kind}; "
-                "for a top-k loss on the tokens both vocabularies share, loss.cross_tokenizer=aligned)"
-            )
-        if cross == "aligned" and (self.mode != "topk" or self.kind == "sft" or self.support != "teacher_topk"):
-            raise ValueError(
-                f"loss.cross_tokenizer=aligned maps the teacher's top-k to the student's ids: set loss.mode=topk, a "
-                f"divergence loss.kind and loss.support=teacher_topk (got loss.mode={self.mode}, loss.kind={self.kind},"
-                f" loss.support={self.support})"
-            )
-        if cross != "off" and self.weighting == "teacher_confidence":
-            raise ValueError(
-                "loss.weighting=teacher_confidence averages the teacher's per-token log-probabilities, which a "
-                "teacher with another tokenizer gives per aligned group: use loss.weighting=none or reward"
-            )
-        if cross != "off" and self.fused_output == "on":
-            raise ValueError(
-                f"loss.fused_output=on cannot be used with loss.cross_tokenizer={cross} yet (a group's tokens must "
-                "be in one chunk): set loss.fused_output=auto or off"
-            )
-        distilling_topk = self.kind != "sft" and self.mode == "topk"
-        if self.support == "union" and not distilling_topk:
-            raise ValueError(
-                f"loss.support=union is a top-k distillation loss (got loss.kind={self.kind}, loss.mode={self.mode}): "
-                "set loss.mode=topk with a divergence loss.kind, or loss.support=teacher_topk"
-            )
-        if self.coverage_weight and not distilling_topk:
-            raise ValueError(
-                f"loss.coverage_weight applies to top-k distillation (got loss.kind={self.kind}, loss.mode="
-                f"{self.mode}; over the dense vocabulary it is 0): set loss.mode=topk or loss.coverage_weight=0"
-            )
-
-    @property
-    def teacher_mode(self) -> Literal["dense", "topk"]:
-        """What the teacher computes: ``mode``, except ``sampled``, which needs only the log-probability at each
-        sampled token (the requested ids every teacher request carries; a top-1 comes along)."""
-        return "topk" if self.mode == "sampled" else self.mode
-
-    @property
-    def teacher_topk(self) -> int:
-        """The teacher's k: ``topk``, or 1 for ``mode=sampled``."""
-        return 1 if self.mode == "sampled" else self.topk
-
-    @property
-    def union_student_topk(self) -> int:
-        """The student's ids per token the rollout must record: ``student_topk or topk`` for the union, else 0."""
-        return (self.student_topk or self.topk) if self.support == "union" else 0
-
-
-@dataclass
-class SchedulerConfig:
-    """How rollout, teacher scoring and updates are ordered."""
-
-    mode: Literal["zero_step_off", "one_step_off", "two_step_off"] = "zero_step_off"
-    """``zero_step_off``: rollout -> teacher -> update in sequence (on-policy). ``one_step_off``: batch i+1 is
-    sampled (by the weights one update older) while batch i is scored and trained; ``two_step_off``: sampling,
-    scoring and training of three consecutive batches overlap. Staleness is at most 0, 1 or 2 optimizer steps;
-    the asynchronous modes need ``rollout.backend=vllm``."""
-    sync_delay: int = 0
-    """Debug and benchmarks: with ``zero_step_off`` and the built-in sampler, sample each batch with the weights of
-    this many optimizer steps before the ones it trains (a copy of the student kept per step), so staleness 1 or 2
-    is measured without the asynchronous machinery (``scheduler/delayed_sync.py``). 0: off."""
-    warn_policy_lag: float = 0.1
-    """Warn when a stale batch's policy lag (``staleness/policy_lag``: mean |log p_trainer - log p_sampler| per
-    sampled token, the trainer's drift from the weights that sampled it) exceeds this many nats; at most once per
-    ``logging.log_every`` steps. 0: never."""
-
-
-@dataclass
-class CheckpointConfig:
-    """Resumable training checkpoints (Megatron dist_checkpointing)."""
-
-    dir: str | None = None
-    """Folder of ``step_N`` checkpoints and the ``latest`` pointer; default ``output_dir/checkpoints``. A run
-    started on a folder with checkpoints resumes from the latest."""
-    every: int = 0
-    """Save every this many steps (0: only at the end and on SIGTERM)."""
-    keep_last: int = 2
-    """Checkpoints kept; older ones are deleted after a successful save."""
-    resume: bool = True
-    """Resume from ``dir``'s latest checkpoint when there is one (at any parallel layout: see
-    ``trainer/resharding.py``)."""
-    load_optimizer: bool = True
-    """Resume the optimizer state too; false starts Adam's moments afresh (the model, LR schedule and data position
-    still carry over), for a distributed-optimizer checkpoint resumed at another TP/PP/VP."""
 
 
 @dataclass

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_opd.data.batch import TrainBatch, pack_rollouts
 from megatron_opd.data.stream import PromptItem
 from megatron_opd.distributed.device import collective_device
 from megatron_opd.interfaces import RolloutBackend, SamplingParams
 from megatron_opd.models.context_parallel import ContextParallelSplit
 from megatron_opd.models.forward_backward import forward_backward
-from megatron_opd.trainer.batch import TrainBatch, pack_rollouts
 from megatron_opd.trainer.config import TrainConfig
 from megatron_opd.trainer.loss_batch import LossBatch, split_for_context_parallel
 from megatron_opd.trainer.objective import objective_for, teacher_columns

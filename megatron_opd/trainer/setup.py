@@ -12,10 +12,11 @@ from pathlib import Path
 
 import torch
 
+from megatron_opd.checkpoint.source import build_and_load, config_dir, load_output_weight, model_architecture
 from megatron_opd.distributed.device import Accelerator
 from megatron_opd.interfaces import SamplingParams
 from megatron_opd.models import rope
-from megatron_opd.models.source import build_and_load, config_dir, load_output_weight, model_architecture
+from megatron_opd.models.families import family_named
 from megatron_opd.trainer.config import TrainConfig
 from megatron_opd.trainer.objective import objective_for
 from megatron_opd.trainer.student import PrecisionPlan, Student, precision_plan
@@ -158,7 +159,12 @@ def check_packed_attention(cfg: TrainConfig, arch, where: str) -> None:
     ``validate`` lets ``build.attention=local`` pack with ``build.use_transformer_engine=true`` (TE's attention
     separates the sequences), but such a family keeps the local spec, whose attention fails at the first forward."""
     b = cfg.build
-    if cfg.train.packing and b.attention == "local" and b.use_transformer_engine and arch.model_family.local_spec_only:
+    if (
+        cfg.train.packing
+        and b.attention == "local"
+        and b.use_transformer_engine
+        and family_named(arch.family).local_spec_only
+    ):
         raise ValueError(
             f"train.packing=true with build.use_transformer_engine=true and build.attention=local: the "
             f"{arch.family} model of {where} always runs Megatron's local layer spec (TransformerEngine's layers do "
@@ -200,9 +206,9 @@ def _device_type(cfg: TrainConfig) -> str:
 
 
 def check_memory(cfg: TrainConfig) -> None:
-    """The start-up memory check (``launch/memory.py``) before any weight is loaded: log each device's estimated
+    """The start-up memory check (``trainer/memory.py``) before any weight is loaded: log each device's estimated
     peak, and refuse a run whose fullest device exceeds its memory unless ``train.skip_memory_check``."""
-    from megatron_opd.launch.memory import MemoryCheckError, check_trainer_memory
+    from megatron_opd.trainer.memory import MemoryCheckError, check_trainer_memory
 
     accel_type = _device_type(cfg)
     device_gib = cfg.train.device_memory_gib or device_memory_gib(accel_type)

@@ -241,10 +241,6 @@ class MegatronWeightSource(WeightSource):  # noqa: B024 - abstract only in the f
             with torch.no_grad():
                 yield from zip(hf_names, self._stage_tensors(rule, layer, name))
 
-    def held_names(self) -> list[str] | None:
-        """The sender holds every tensor when it yields it; other ranks hold none (they only help gather)."""
-        return None if self.is_sender else []
-
 
 def megatron_weight_source(chunks: list[torch.nn.Module], arch: ModelArchitecture, dtype: torch.dtype | None = None):
     """:class:`MegatronWeightSource` over Megatron-Core's groups of this rank (set-up code only)."""

@@ -12,18 +12,17 @@ overrides them. ``docs/models.md`` has the guide to adding a family.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from megatron_opd.model_files import UnsupportedArchitectureError
-from megatron_opd.models.name_mapping import Split, WeightRule
-
-if TYPE_CHECKING:
-    from megatron_opd.models.architecture import ModelArchitecture
+from megatron_opd.models.architecture import ModelArchitecture
+from megatron_opd.models.weight_rule import Split, WeightRule
 
 
 @dataclass(frozen=True)
@@ -45,6 +44,23 @@ def mlp_submodules(layer_spec):
     0.16, a ``functools.partial`` carrying them as its ``submodules`` keyword in 0.19."""
     mlp = layer_spec.submodules.mlp
     return mlp.submodules if hasattr(mlp, "submodules") else mlp.keywords["submodules"]
+
+
+def use_grouped_experts(layer_spec) -> None:
+    """Swap ``SequentialMLP`` for :class:`~megatron_opd.models.grouped_experts.GroupedExperts` in an MoE layer spec of Megatron-Core's local layers
+    (a ``ModuleSpec`` tree in 0.16, ``functools.partial`` s in 0.19)."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from megatron_opd.models.grouped_experts import GroupedExperts
+
+    moe_submodules = mlp_submodules(layer_spec)
+    experts = moe_submodules.experts
+    if isinstance(experts, functools.partial):
+        assert experts.func is SequentialMLP, f"expected SequentialMLP experts, got {experts.func}"
+        moe_submodules.experts = functools.partial(GroupedExperts, *experts.args, **experts.keywords)
+    else:
+        assert experts.module is SequentialMLP, f"expected SequentialMLP experts, got {experts.module}"
+        experts.module = GroupedExperts
 
 
 def llama3_inv_freq(arch: ModelArchitecture) -> torch.Tensor:
@@ -96,7 +112,7 @@ class ModelFamily:
     family's cells of the shape matrix."""
     memory_configs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """Model folder name -> ``config.json`` fields (``model_type`` included) for the memory estimate of a model
-    that is not on this machine (``launch.memory.KNOWN_CONFIGS``)."""
+    that is not on this machine (``trainer.memory.KNOWN_CONFIGS``)."""
     local_spec_only: bool = False
     """Its layers are always Megatron's local spec, TransformerEngine or not (layers TE has no fused form of): the
     core attention is then ``build.attention``'s even with ``build.use_transformer_engine=true``, which
@@ -162,8 +178,6 @@ class ModelFamily:
         norm = self.local_norm(options)
         spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm", **moe)
         if num_experts and options.moe_grouped_gemm:
-            from megatron_opd.models.grouped_experts import use_grouped_experts
-
             use_grouped_experts(spec)
         spec.submodules.input_layernorm = norm
         spec.submodules.pre_mlp_layernorm = norm

@@ -19,54 +19,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from megatron_opd.model_files import UnsupportedArchitectureError
-from megatron_opd.models.families.base import SpecOptions
+from megatron_opd.models.architecture import (
+    DeepSeekRouting,
+    MLAArchitecture,
+    ModelArchitecture,
+    MoEArchitecture,
+    RopeConfig,
+)
+from megatron_opd.models.families.base import SpecOptions, use_grouped_experts
 from megatron_opd.models.families.moe import QWEN_MOE_NAMES, MoEFamily, check_moe_config
-from megatron_opd.models.name_mapping import Split, WeightRule
-
-if TYPE_CHECKING:
-    from megatron_opd.models.architecture import ModelArchitecture
-
-
-@dataclass(frozen=True)
-class MLAArchitecture:
-    """Multi-latent attention and its rotary embedding (``ModelArchitecture.mla``; None for other attention)."""
-
-    q_lora_rank: int | None
-    """Width of the query's low-rank bottleneck (``q_a_proj`` -> norm -> ``q_b_proj``); None: one ``q_proj``."""
-    kv_lora_rank: int
-    """Width of the key/value latent (``kv_a_proj_with_mqa`` -> norm -> ``kv_b_proj``)."""
-    qk_nope_head_dim: int
-    """Per-head query/key width without rotary embedding."""
-    qk_rope_head_dim: int
-    """Per-head query/key width with rotary embedding (the rotary key is shared by all heads)."""
-    v_head_dim: int
-    """Per-head value width."""
-    yarn_factor: float = 1.0
-    """YaRN scaling factor (``rope_scaling.factor``); 1.0: plain RoPE."""
-    yarn_original_max_position_embeddings: int = 4096
-    yarn_beta_fast: float = 32.0
-    yarn_beta_slow: float = 1.0
-    yarn_mscale: float = 1.0
-    """YaRN's ``mscale`` (cos/sin scale ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)``)."""
-    yarn_mscale_all_dim: float = 0.0
-    """YaRN's ``mscale_all_dim`` (the softmax scale is multiplied by ``mscale(factor, mscale_all_dim)`` squared)."""
-
-
-@dataclass(frozen=True)
-class DeepSeekRouting:
-    """DeepSeek's router on top of ``ModelArchitecture.moe`` (``ModelArchitecture.routing``)."""
-
-    n_group: int = 1
-    """Expert groups (group-limited routing); 1: none."""
-    topk_group: int = 1
-    """Groups each token may use, picked by the sum of each group's top-2 biased scores."""
-    routed_scaling_factor: float = 1.0
-    """The routed experts' combined output is scaled by this."""
+from megatron_opd.models.weight_rule import Split, WeightRule
 
 
 def _int(cfg: dict[str, Any], name: str, source: str, *, optional: bool = False) -> int | None:
@@ -127,8 +94,6 @@ def check_config(cfg: dict[str, Any]) -> None:
 
 
 def read_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
-    from megatron_opd.models.architecture import MoEArchitecture, RopeConfig
-
     layers = _int(cfg, "num_hidden_layers", source)
     experts = _int(cfg, "n_routed_experts", source)
     top_k = _int(cfg, "num_experts_per_tok", source)
@@ -311,8 +276,6 @@ class DeepSeekV3Family(MoEFamily):
             num_experts=num_experts, qk_layernorm=True, multi_latent_attention=True, normalization="RMSNorm"
         )
         if num_experts and options.moe_grouped_gemm:
-            from megatron_opd.models.grouped_experts import use_grouped_experts
-
             use_grouped_experts(spec)
         norm = self.local_norm(options)
         spec.submodules.input_layernorm = norm

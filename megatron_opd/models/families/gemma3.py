@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron_opd.model_files import UnsupportedArchitectureError
+from megatron_opd.models.architecture import RopeConfig
 from megatron_opd.models.families.base import ModelFamily, SpecOptions, read_sliding_window
-from megatron_opd.models.name_mapping import Split, WeightRule
+from megatron_opd.models.weight_rule import Split, WeightRule
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -43,7 +44,6 @@ def check_config(cfg: dict[str, Any]) -> None:
 
 def read_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     from megatron_opd.models import rope as rope_lib
-    from megatron_opd.models.architecture import RopeConfig, rope_from_hf
 
     layers = cfg.get("num_hidden_layers") or 0
     layer_types = cfg.get("layer_types")
@@ -57,10 +57,10 @@ def read_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
         )
     params = cfg.get("rope_parameters") or {}
     if isinstance(params.get("sliding_attention"), dict):
-        local = rope_from_hf({"rope_parameters": params["sliding_attention"]})
+        local = rope_lib.rope_from_hf({"rope_parameters": params["sliding_attention"]})
     else:
         local = RopeConfig(theta=float(cfg.get("rope_local_base_freq", 10000.0)))
-    if rope_lib.attention_factor(local) != rope_lib.attention_factor(rope_from_hf(cfg)):
+    if rope_lib.attention_factor(local) != rope_lib.attention_factor(rope_lib.rope_from_hf(cfg)):
         raise UnsupportedArchitectureError(f"{source}: sliding and global layers' RoPE attention factors differ")
     window = read_sliding_window(cfg, source)
     return dict(

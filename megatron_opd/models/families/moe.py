@@ -13,14 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from megatron_opd.model_files import UnsupportedArchitectureError
+from megatron_opd.models.architecture import ModelArchitecture, MoEArchitecture
 from megatron_opd.models.families.base import ModelFamily, SpecOptions, check_dense_mlp
-from megatron_opd.models.name_mapping import ExpertSplit, Split, WeightRule
-
-if TYPE_CHECKING:
-    from megatron_opd.models.architecture import ModelArchitecture
+from megatron_opd.models.weight_rule import ExpertSplit, Split, WeightRule
 
 
 @dataclass(frozen=True)
@@ -49,8 +47,6 @@ def moe_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int, ...]:
 
 def read_moe(cfg: dict[str, Any], source: str, *, expert_ffn_key: str, shared: bool):
     """The :class:`MoEArchitecture` of a Qwen-MoE or Mixtral ``config.json``."""
-    from megatron_opd.models.architecture import MoEArchitecture
-
     experts = cfg.get("num_experts") or cfg.get("num_local_experts")
     top_k = cfg.get("num_experts_per_tok")
     ffn = cfg.get(expert_ffn_key)

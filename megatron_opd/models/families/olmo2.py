@@ -14,7 +14,7 @@ from typing import Any
 
 from megatron_opd.model_files import UnsupportedArchitectureError
 from megatron_opd.models.families.base import ModelFamily, SpecOptions, mlp_submodules
-from megatron_opd.models.name_mapping import Split, WeightRule
+from megatron_opd.models.weight_rule import Split, WeightRule
 
 
 def read_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from typing import Any
 
 from megatron_opd.model_files import UnsupportedArchitectureError
 from megatron_opd.models.families.base import ModelFamily, read_sliding_window
-from megatron_opd.models.name_mapping import WeightRule
+from megatron_opd.models.weight_rule import WeightRule
 
 
 def read_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:

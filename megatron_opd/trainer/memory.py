@@ -1,4 +1,5 @@
-"""Memory per device of each job of a recipe, from the models' parameters counted on the meta device.
+"""Memory per device of the trainer and the models beside it, from the models' parameters counted on the meta device:
+the trainer's start-up check here, a recipe's whole table (teacher and vLLM servers) in ``launch/recipe_memory.py``.
 
 Placement: the Hugging Face model is built on the meta device (no memory) and each tensor is placed by the one
 name mapping (:mod:`megatron_opd.models.name_mapping`): split over the TP ranks unless its rule is replicated
@@ -63,18 +64,13 @@ from typing import Any
 
 import torch
 
-from megatron_opd.distributed.parallel import ParallelConfig
-from megatron_opd.launch.layout import Recipe
 from megatron_opd.model_files import HF_CONFIG_DIR
-from megatron_opd.models.architecture import ModelArchitecture, architecture_from_hf_config
-from megatron_opd.models.builder import ModelBuildConfig
+from megatron_opd.models.architecture import ModelArchitecture
 from megatron_opd.models.families import FAMILIES
-from megatron_opd.models.fp8 import QUANTIZATION_CONFIG, block_fp8_of
+from megatron_opd.models.hf_config import architecture_from_hf_config
 from megatron_opd.models.name_mapping import ExpertSplit, Split, WeightRule, expand_rules, hf_shapes
 
 GIB = 1 << 30
-VLLM_OVERHEAD_BYTES = 3 * GIB
-"""vLLM's non-KV working memory assumed by the estimate (CUDA graphs, sampler, activations)."""
 
 KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
     name: dict(fields) for family in FAMILIES.values() for name, fields in family.memory_configs.items()
@@ -287,7 +283,7 @@ class DeviceMemory:
         return self.weights + self.grads + self.optimizer + self.activations
 
 
-def _model(
+def model_shards(
     path: str,
     tp: int,
     pp: int,
@@ -331,7 +327,7 @@ def student_rows(cfg, dp: int, bf16: bool, distributed: bool) -> list[DeviceMemo
     multiple = cfg.build.make_vocab_size_divisible_by
     arch = architecture_from_hf_config(hf_config(cfg.student.path).to_dict())
     counts = cfg.parallel.stage_layers(arch.num_layers)
-    arch, shards = _model(cfg.student.path, tp, pp, multiple, ep, etp, counts)
+    arch, shards = model_shards(cfg.student.path, tp, pp, multiple, ep, etp, counts)
     seq = cfg.train.max_seq_len or arch.max_position_embeddings
     tokens = micro_batch_tokens(cfg, seq)
     shape = f"{cfg.train.micro_batch_size} x {seq}" if tokens == cfg.train.micro_batch_size * seq else str(tokens)
@@ -379,14 +375,7 @@ def student_rows(cfg, dp: int, bf16: bool, distributed: bool) -> list[DeviceMemo
     return rows
 
 
-def student_memory(recipe: Recipe) -> list[DeviceMemory]:
-    """One row per pipeline stage of the trainer (bf16; the distributed optimizer unless switched off)."""
-    cfg, launch = recipe.train, recipe.launch
-    dp = len(launch.trainer.nodes) * launch.gpus_per_node // cfg.parallel.model_parallel_size
-    return student_rows(cfg, dp, bf16=True, distributed=cfg.optim.use_distributed_optimizer is not False)
-
-
-def _forward_rows(
+def forward_rows(
     job: str,
     layout: str,
     path: str,
@@ -400,7 +389,7 @@ def _forward_rows(
     stage_layers: Sequence[int] | None = None,
 ) -> list[DeviceMemory]:
     """A forward-only model (a teacher): its weights, one layer's activations and the last stage's logits."""
-    arch, shards = _model(path, tp, pp, multiple, ep, etp, stage_layers)
+    arch, shards = model_shards(path, tp, pp, multiple, ep, etp, stage_layers)
     vocab = arch.padded_vocab_size(tp, multiple) // tp
     rows = []
     for stage, params in enumerate(stage_params(shards, pp)):
@@ -417,144 +406,6 @@ def _forward_rows(
             )
         )
     return rows
-
-
-def teacher_memory(recipe: Recipe) -> list[DeviceMemory]:
-    """One row per pipeline stage of a teacher-server replica (TP x PP, and EP data-parallel copies of the dense part
-    sharing the experts)."""
-    cfg, layout = recipe.train, recipe.launch.teacher
-    multiple = ModelBuildConfig().make_vocab_size_divisible_by  # the server builds with the default
-    seq = (
-        cfg.train.max_seq_len
-        or architecture_from_hf_config(hf_config(cfg.teacher.path).to_dict()).max_position_embeddings
-    )
-    tokens = min(layout.micro_batch_size * seq, layout.max_batch_tokens)
-    replicas = len(layout.nodes) * recipe.launch.gpus_per_node // (layout.tp * layout.pp * layout.ep)
-    ep = f" EP={layout.ep}" if layout.ep > 1 else ""
-    layout_name = f"TP={layout.tp} PP={layout.pp}{ep} x{replicas}"
-    stages = ParallelConfig(
-        pipeline_model_parallel_size=layout.pp,
-        num_layers_in_first_pipeline_stage=layout.first_stage_layers,
-        num_layers_in_last_pipeline_stage=layout.last_stage_layers,
-    ).stage_layers(architecture_from_hf_config(hf_config(cfg.teacher.path).to_dict()).num_layers)
-    return _forward_rows("teacher server", layout_name, cfg.teacher.path, layout.tp, layout.pp, multiple, tokens, 2,
-                         layout.ep, stage_layers=stages)  # fmt: skip
-
-
-def _quantization(config) -> dict:
-    """A transformers config's ``quantization_config`` as a dict (empty when none)."""
-    quant = getattr(config, QUANTIZATION_CONFIG, None) or {}
-    return quant if isinstance(quant, dict) else quant.to_dict()
-
-
-def fp8_block(config) -> tuple[int, int] | None:
-    """The FP8 block size a model's config declares (``models/fp8.py`` reads and checks it); None when it is not
-    FP8 block-quantised."""
-    quant = _quantization(config)
-    if quant.get("quant_method") != "fp8":
-        return None
-    return block_fp8_of({QUANTIZATION_CONFIG: quant}, "the teacher's config.json").block_size
-
-
-def fp8_quantised(config, shard: ParamShard) -> bool:
-    """Whether vLLM holds ``shard`` in FP8: the config declares FP8 and the tensor is a layer's linear weight (2-D)
-    other than the router's, as DeepSeek-V3's checkpoint stores them (embedding, output layer, norms and routers stay
-    bf16)."""
-    if fp8_block(config) is None:
-        return False
-    skipped = _quantization(config).get("modules_to_not_convert") or []
-    name = shard.name.removesuffix(".weight")
-    return (
-        len(shard.shape) == 2
-        and shard.name.startswith("model.layers.")
-        and not shard.name.endswith("mlp.gate.weight")
-        and not any(name == m or name.startswith(f"{m}.") for m in skipped)
-    )
-
-
-def _vllm_weight_bytes(config, shards: list[ParamShard]) -> float:
-    """Bytes of one GPU's weights in vLLM: 1 per FP8 element plus its blocks' fp32 scales, else 2 (bf16)."""
-    total = 0.0
-    for shard in shards:
-        if fp8_quantised(config, shard):
-            rows, cols = fp8_block(config)
-            blocks = math.ceil(shard.shape[0] / rows) * math.ceil(shard.shape[1] / cols)
-            total += shard.per_rank * (1 + 4 * blocks / shard.numel)
-        else:
-            total += 2 * shard.per_rank
-    return total
-
-
-def kv_bytes_per_token(arch: ModelArchitecture, tp: int, layers: int) -> int:
-    """vLLM's bf16 KV cache per token on one GPU for ``layers`` layers: keys and values of the GPU's KV heads, or
-    for multi-latent attention the compressed latent and the rotary key (``kv_lora_rank + qk_rope_head_dim``), which
-    every TP rank holds whole."""
-    if arch.mla is not None:
-        return layers * (arch.mla.kv_lora_rank + arch.mla.qk_rope_head_dim) * 2
-    return 2 * layers * max(arch.num_key_value_heads // tp, 1) * arch.head_dim * 2
-
-
-VLLM_REPLICATED = ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight")
-"""Multi-latent attention's down-projections, which vLLM holds whole on every TP rank (``ReplicatedLinear``; Megatron
-splits them)."""
-
-
-def vllm_teacher_memory(recipe: Recipe) -> list[DeviceMemory]:
-    """One row per pipeline stage of a vLLM teacher server (``teacher.backend=vllm``): its weights as the checkpoint
-    stores them (FP8 where the config says so) and the KV cache the rest of its budget holds."""
-    cfg, launch, layout = recipe.train, recipe.launch, recipe.launch.teacher
-    config = hf_config(cfg.teacher.path)
-    arch, shards = _model(cfg.teacher.path, layout.tp, layout.pp, vocab_multiple=None)
-    shards = [replace(s, per_rank=s.numel) if s.name.endswith(VLLM_REPLICATED) else s for s in shards]
-    budget = layout.gpu_memory_utilization * launch.gpu_memory_gib * GIB
-    replicas = len(layout.nodes) * launch.gpus_per_node // (layout.tp * layout.pp)
-    fp8 = any(fp8_quantised(config, shard) for shard in shards)
-    rows = []
-    for stage in range(layout.pp):
-        mine = [shard for shard in shards if shard.stage == stage]
-        weights = _vllm_weight_bytes(config, mine)
-        kv_cache = max(budget - weights - VLLM_OVERHEAD_BYTES, 0.0)
-        per_token = kv_bytes_per_token(arch, layout.tp, arch.num_layers // layout.pp)
-        rows.append(
-            DeviceMemory(
-                "vllm teacher",
-                f"TP={layout.tp} PP={layout.pp} x{replicas}, stage {stage}",
-                sum(shard.per_rank for shard in mine),
-                weights=weights,
-                activations=kv_cache,
-                note=f"{'FP8 block-quantised' if fp8 else 'bf16'} weights; KV cache holds "
-                f"{kv_cache / per_token / 1e3:.0f}k tokens",
-            )
-        )
-    return rows
-
-
-def vllm_memory(recipe: Recipe) -> DeviceMemory:
-    """One GPU of a vLLM server: weights, and the KV cache the rest of its budget holds."""
-    cfg, launch = recipe.train, recipe.launch
-    tp = launch.rollout.tensor_parallel_size
-    arch, shards = _model(cfg.student.path, tp, 1, vocab_multiple=None)
-    (params,) = stage_params(shards, 1)
-    budget = launch.rollout.gpu_memory_utilization * launch.gpu_memory_gib * GIB
-    kv_cache = max(budget - 2 * params - VLLM_OVERHEAD_BYTES, 0.0)
-    kv_per_token = kv_bytes_per_token(arch, tp, arch.num_layers)
-    servers = len(launch.rollout.nodes) * launch.gpus_per_node // tp
-    sequences = -(-cfg.train.prompts_per_step * cfg.rollout.n // servers)
-    seq = cfg.train.max_seq_len or arch.max_position_embeddings
-    note = (
-        f"KV cache holds {kv_cache / kv_per_token / 1e3:.0f}k tokens; {sequences} sequences per server x {seq} "
-        f"= {sequences * seq / 1e3:.0f}k at most"
-    )
-    return DeviceMemory(
-        "vllm server", f"TP={tp}, x{servers} servers", params, weights=2 * params, activations=kv_cache, note=note
-    )
-
-
-def recipe_memory(recipe: Recipe) -> list[DeviceMemory]:
-    """Every job's per-device rows: teacher stages (a teacher server's or a vLLM teacher's), student stages, one vLLM
-    GPU."""
-    teacher = vllm_teacher_memory(recipe) if recipe.train.teacher.backend == "vllm" else teacher_memory(recipe)
-    return [*teacher, *student_memory(recipe), vllm_memory(recipe)]
 
 
 def format_table(rows: list[DeviceMemory], gpu_memory_gib: float | None) -> str:
@@ -608,7 +459,7 @@ def trainer_memory(cfg, world_size: int, accel_type: str, device_bytes: float | 
         width = 2 if plan.bf16 else 4
         multiple = cfg.build.make_vocab_size_divisible_by
         ep, etp = cfg.parallel.expert_model_parallel_size, cfg.parallel.etp_size
-        teacher = _forward_rows("teacher (in-process)", f"TP={tp} PP={pp}", cfg.teacher.path, tp, pp, multiple,
+        teacher = forward_rows("teacher (in-process)", f"TP={tp} PP={pp}", cfg.teacher.path, tp, pp, multiple,
                                 tokens, width, ep, etp)  # fmt: skip
         for rows, row in zip(stages, teacher):
             if cfg.teacher.offload:  # its weights leave while the student trains: count the larger phase
@@ -617,7 +468,7 @@ def trainer_memory(cfg, world_size: int, accel_type: str, device_bytes: float | 
                               note="teacher.offload: its weights leave the device while the student trains")  # fmt: skip
             rows.append(row)
     if cfg.rollout.backend == "vllm" and not cfg.rollout.address and accel_type != "cpu" and objective.samples:
-        arch, shards = _model(cfg.student.path, 1, 1, None)
+        arch, shards = model_shards(cfg.student.path, 1, 1, None)
         (params,) = stage_params(shards, 1)
         budget = cfg.rollout.vllm_gpu_memory_utilization * device_bytes if device_bytes else 2 * params
         if cfg.rollout.vllm_sleep:

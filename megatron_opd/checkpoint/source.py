@@ -15,7 +15,8 @@ from typing import Literal
 import torch
 
 from megatron_opd.model_files import HF_CONFIG_DIR, CheckpointError
-from megatron_opd.models.architecture import ModelArchitecture, load_architecture
+from megatron_opd.models.architecture import ModelArchitecture
+from megatron_opd.models.hf_config import load_architecture
 
 
 def model_format(path: str | os.PathLike, field: str = "path") -> Literal["hf", "dist_ckpt"]:
