@@ -1,0 +1,144 @@
+"""Pairs like users' pairs for ``bench_cross_tokenizer.py`` (issue #51 item 3): the task folder of each.
+
+``boundary``: the pair of issue #51's "Why", rebuilt. Digit sorting with spaced digits ("sort : 3 1 0 3 =" ->
+"0 1 3 3"). The teacher's byte-level BPE is trained on whole prompt-and-answer texts with no word split, so its
+merges cross spaces and the prompt/answer boundary (" 0 0", " = 0", "sort : 1"), yet it is fine-tuned with prompt and
+answer tokenized apart, the answer with or without a leading space at random (``teacher_response``), as a chat
+template's boundary makes it. The student's byte-level BPE is split at spaces, one token per word ("sort", " :",
+" 3"), and its template is ``prompt + " " + answer + EOS`` (``response``). The control's teacher: the student's
+tokenizer, fine-tuned on the same ``teacher_response``.
+
+``llama3_mistral`` / ``mistral_llama3``: real vocabularies (Llama 3's tiktoken file, 128,256 ids, and Mistral's v3
+SentencePiece, 32,768), tiny Qwen3 bodies, records as chats (``messages``) rendered by each tokenizer's own chat
+template, so the boundary is each family's: Llama 3 "...<|end_header_id|>\\n\\n" + answer, Mistral "[/INST]" + " " +
+answer. The task: sort unspaced digits ("sort 31030" -> "00133"); Llama 3 writes up to three digits a token, Mistral
+one. The control's teacher: the student's tokenizer.
+
+Every pair writes ``teacher-init``, ``student-init``, ``teacher-word-init`` (the control's teacher, named as in
+``--pair cross_space``), ``train.jsonl`` and ``eval.jsonl`` (no digit string in both).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+SORT_PROMPT = "sort : {digits} ="
+BOUNDARY_TEACHER_VOCAB = 320
+"""The ``boundary`` teacher's BPE: 257 byte-level ids and EOS, the rest merges learnt on whole texts."""
+REAL_SIZES = {
+    "teacher": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
+                    num_key_value_heads=2),
+    "student": dict(hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                    num_key_value_heads=2),
+}  # fmt: skip
+"""Real-vocabulary pairs: the embeddings (128,256 or 32,768 rows) dominate, so the bodies are narrow."""
+PAIRS = ("boundary", "llama3_mistral", "mistral_llama3")
+
+
+def _spaced_sort_records(n_train: int, n_eval: int, seed: int) -> tuple[list[dict], list[dict]]:
+    from megatron_opd.tasks import digits
+
+    eval_records = digits.make_records(n_eval, seed=seed + 1, task="sort")
+    train_records = digits.make_records(n_train, seed=seed + 2, exclude=[r["prompt"] for r in eval_records],
+                                        task="sort")  # fmt: skip
+    rng = random.Random(seed + 3)
+
+    def spaced(records: list[dict]) -> list[dict]:
+        out = []
+        for r in records:
+            digits_in = "".join(c for c in r["prompt"] if c.isdigit())
+            answer = " ".join(r["answer"])
+            out.append({"prompt": SORT_PROMPT.format(digits=" ".join(digits_in)), "answer": answer,
+                        "response": " " + answer, "teacher_response": rng.choice(["", " "]) + answer})  # fmt: skip
+        return out
+
+    return spaced(train_records), spaced(eval_records)
+
+
+def boundary_teacher_tokenizer(texts: list[str]):
+    """A byte-level BPE trained on ``texts`` whole (no split at spaces): merges cross spaces and the boundary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from megatron_opd.testing.real_tokenizers import SYNTHETIC_EOS
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=BOUNDARY_TEACHER_VOCAB, special_tokens=[SYNTHETIC_EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)  # fmt: skip
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=SYNTHETIC_EOS, pad_token=SYNTHETIC_EOS)
+
+
+def boundary_student_tokenizer():
+    """Byte-level BPE split at spaces (GPT-2's pre-tokenizer): "sort", " :", " =", " 0" ... " 9", one a word."""
+    from megatron_opd.testing.real_tokenizers import byte_level_tokenizer
+
+    sort = [("s", "o"), ("so", "r"), ("sor", "t")]
+    return byte_level_tokenizer(sort + [("Ġ", ":"), ("Ġ", "=")] + [("Ġ", str(d)) for d in range(10)], split_words=True)
+
+
+def _save_model(folder: Path, vocab: int, size: dict, seed: int, tied: bool, ids: dict[str, int | list[int]]) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
+
+    from megatron_opd.tasks import digits
+
+    config = Qwen3Config(vocab_size=(vocab + 15) // 16 * 16, head_dim=digits.HEAD_DIM, max_position_embeddings=64,
+                         rms_norm_eps=1e-6, tie_word_embeddings=tied, **ids, **size)  # fmt: skip
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).float()
+    model.generation_config = GenerationConfig(**ids)
+    model.save_pretrained(folder, safe_serialization=True)
+
+
+def make_boundary_task(out: Path, n_train: int = 8000, n_eval: int = 256, seed: int = 0) -> None:
+    """Issue #51's pair (module docstring): tokenizers, initial models, and data with both response fields."""
+    from megatron_opd.tasks import digits
+
+    train, held_out = _spaced_sort_records(n_train, n_eval, seed)
+    teacher_tok = boundary_teacher_tokenizer([r["prompt"] + " " + r["answer"] for r in train])
+    student_tok = boundary_student_tokenizer()
+    ids = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+    for name, tok, size, s in (("teacher-init", teacher_tok, "teacher", seed), ("student-init", student_tok, "student",
+                               seed + 1), ("teacher-word-init", student_tok, "teacher", seed)):  # fmt: skip
+        tok.save_pretrained(out / name)
+        _save_model(out / name, len(tok), digits.MODEL_SIZES[size], s, size == "student", ids)
+    for name, records in (("train.jsonl", train), ("eval.jsonl", held_out)):
+        (out / name).write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def make_real_task(out: Path, teacher: str, student: str, n_train: int = 8000, n_eval: int = 256, seed: int = 0):
+    """A pair of real vocabularies (``llama3`` / ``mistral``): chats of the unspaced sort task."""
+    from megatron_opd.tasks import digits
+    from megatron_opd.testing import real_tokenizers as rt
+    from megatron_opd.tokenizer import load_tokenizer
+
+    writers = {"llama3": rt.write_llama3_tokenizer, "mistral": rt.write_mistral_tokenizer}
+    for name, kind, size, s in (("teacher-init", teacher, "teacher", seed), ("student-init", student, "student",
+                                seed + 1), ("teacher-word-init", student, "teacher", seed)):  # fmt: skip
+        folder = writers[kind](out / name)
+        tok = load_tokenizer(folder)
+        gen = json.loads((folder / "generation_config.json").read_text())
+        ids = {"bos_token_id": gen["bos_token_id"], "eos_token_id": gen["eos_token_id"],
+               "pad_token_id": tok.eos_token_id}  # fmt: skip
+        _save_model(folder, len(tok), REAL_SIZES[size], s, size == "student", ids)
+        (folder / "generation_config.json").write_text(json.dumps(gen))  # the family's own, not transformers'
+    eval_records = digits.make_records(n_eval, seed=seed + 1, task="sort")
+    train_records = digits.make_records(n_train, seed=seed + 2, exclude=[r["prompt"] for r in eval_records],
+                                        task="sort")  # fmt: skip
+    for name, records in (("train.jsonl", train_records), ("eval.jsonl", eval_records)):
+        chats = [{"messages": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"],
+                  "response": r["answer"]} for r in records]  # fmt: skip
+        (out / name).write_text("".join(json.dumps(r) + "\n" for r in chats))
+
+
+def make_pair_task(pair: str, out: Path) -> None:
+    if pair == "boundary":
+        make_boundary_task(out)
+    else:
+        teacher, student = pair.split("_")
+        make_real_task(out, teacher, student)
