@@ -90,7 +90,7 @@ PAIR_SFT = {
     "cross_space": (["train.steps=700", "rollout.max_new_tokens=10"],
                     ["train.steps=350", "rollout.max_new_tokens=10"]),
     "boundary": (["train.steps=700", "rollout.max_new_tokens=10", "data.response_key=teacher_response"],
-                 ["train.steps=350", "rollout.max_new_tokens=10"]),
+                 ["train.steps=100", "rollout.max_new_tokens=10"]),  # teacher 97.7%, student 55.5% (issue: 91%, 48%)
     **{pair: (["train.steps=700", "rollout.max_new_tokens=10"], ["train.steps=350", "rollout.max_new_tokens=10"])
        for pair in USER_PAIRS if pair != "boundary"},
 }  # fmt: skip
