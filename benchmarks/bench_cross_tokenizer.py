@@ -91,7 +91,8 @@ PAIR_SFT = {
                     ["train.steps=350", "rollout.max_new_tokens=10"]),
     "boundary": (["train.steps=700", "rollout.max_new_tokens=10", "data.response_key=teacher_response"],
                  ["train.steps=100", "rollout.max_new_tokens=10"]),  # teacher 97.7%, student 55.5% (issue: 91%, 48%)
-    **{pair: (["train.steps=700", "rollout.max_new_tokens=10"], ["train.steps=350", "rollout.max_new_tokens=10"])
+    **{pair: (["train.steps=700", "rollout.max_new_tokens=10"],
+              ["train.steps=150", "rollout.max_new_tokens=10", "eval.every=50"])
        for pair in USER_PAIRS if pair != "boundary"},
 }  # fmt: skip
 """Extra overrides of the teacher's SFT and the student's warm-up per ``--pair``."""
