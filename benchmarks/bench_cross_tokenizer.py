@@ -26,8 +26,8 @@ issue #41's run: 100 steps of 32 prompts, lr 2e-4 held after ``--lr-warmups`` wa
 and the response length at the end over the start.
 
 Rows:
-- ``ours-sampled``: ``distil_cross.yaml`` (sampled reverse KL per aligned byte group); ``ours-sampled-fkl`` the same
-  with ``loss.kind=forward_kl`` (the sampled forward KL).
+- ``ours-sampled``: ``loss.mode=sampled loss.cross_tokenizer=sampled loss.kind=reverse_kl`` (sampled reverse KL per
+  aligned byte group); ``ours-sampled-fkl`` the same with ``loss.kind=forward_kl`` (the sampled forward KL).
 - ``ours-aligned``: the same with ``loss.mode=topk loss.kind=forward_kl loss.topk=--topk loss.cross_tokenizer=aligned``;
   ``ours-aligned-rkl`` with ``loss.kind=reverse_kl``.
 - Ours at TP=1 with padded micro-batches (``train.packing=false``, as GOLD's; ``--packing``: packed).
@@ -418,7 +418,8 @@ def run_row(row: str, name: str, paths, settings: dict, aligned: list[str], args
             kind = "forward_kl" if row.endswith("-fkl") else "reverse_kl"
             same = ["loss.cross_tokenizer=off", f"loss.kind={kind}", "loss.mode=sampled"]
         return run_ours(name, [*same, *args.set], (task, work / "teacher-word" / "hf", student), settings, args, work)
-    loss = {"ours-sampled": [], "ours-sampled-fkl": ["loss.kind=forward_kl"],
+    sampled = ["loss.mode=sampled", "loss.cross_tokenizer=sampled"]  # named: distil_cross.yaml's setting may change
+    loss = {"ours-sampled": [*sampled, "loss.kind=reverse_kl"], "ours-sampled-fkl": [*sampled, "loss.kind=forward_kl"],
             "ours-aligned": [*aligned, "loss.kind=forward_kl"],
             "ours-aligned-rkl": [*aligned, "loss.kind=reverse_kl"]}[row]  # fmt: skip
     return run_ours(name, [*loss, *args.set], paths, settings, args, work)
