@@ -25,6 +25,11 @@ issue #41's run: 100 steps of 32 prompts, lr 2e-4 held after ``--lr-warmups`` wa
 ``--lr-warmups`` every row runs once per combination and a summary gives the mean held-out accuracy before and after
 and the response length at the end over the start.
 
+``--pair boundary`` (issue #51's "Why", rebuilt), ``--pair llama3_mistral`` / ``mistral_llama3`` (real vocabularies,
+the held-out check): ``benchmarks/cross_tokenizer_pairs.py`` says what each is. The same run as ``cross_space``
+(100 steps of 32 prompts, lr 2e-4); ``boundary``'s teacher learns ``teacher_response`` (a random leading space),
+``--no-worker-eval`` leaves TRL's venv out (the trainer's own held-out exact match only).
+
 Rows:
 - ``ours-sampled``: ``loss.mode=sampled loss.cross_tokenizer=sampled loss.kind=reverse_kl`` (sampled reverse KL per
   aligned byte group); ``ours-sampled-fkl`` the same with ``loss.kind=forward_kl`` (the sampled forward KL).
