@@ -96,8 +96,8 @@ PAIR_SFT = {
                     ["train.steps=350", "rollout.max_new_tokens=10"]),
     "boundary": (["train.steps=700", "rollout.max_new_tokens=10", "data.response_key=teacher_response"],
                  ["train.steps=100", "rollout.max_new_tokens=10"]),  # teacher 97.7%, student 55.5% (issue: 91%, 48%)
-    **{pair: (["train.steps=700", "rollout.max_new_tokens=10"],
-              ["train.steps=150", "rollout.max_new_tokens=10", "eval.every=50"])
+    **{pair: (["train.steps=400", "rollout.max_new_tokens=16"],
+              ["train.steps=100", "rollout.max_new_tokens=16", "eval.every=25"])
        for pair in USER_PAIRS if pair != "boundary"},
 }  # fmt: skip
 """Extra overrides of the teacher's SFT and the student's warm-up per ``--pair``."""
@@ -504,6 +504,8 @@ def main() -> None:
     load_before = os.getloadavg()
     try:
         base = {**distil_settings(), **(SPACED_DISTIL if args.pair != "doubles" else {})}
+        if args.pair in USER_PAIRS and args.pair != "boundary":  # answers of up to 5 words, 2-3 Mistral tokens each
+            base["max_new_tokens"] = 16
         if args.lr is not None:
             base.update(lr=args.lr, min_lr=args.lr)
         paths = prepare(work, args)

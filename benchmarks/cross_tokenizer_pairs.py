@@ -11,8 +11,12 @@ tokenizer, fine-tuned on the same ``teacher_response``.
 ``llama3_mistral`` / ``mistral_llama3``: real vocabularies (Llama 3's tiktoken file, 128,256 ids, and Mistral's v3
 SentencePiece, 32,768), tiny Qwen3 bodies, records as chats (``messages``) rendered by each tokenizer's own chat
 template, so the boundary is each family's: Llama 3 "...<|end_header_id|>\\n\\n" + answer, Mistral "[/INST]" + " " +
-answer. The task: sort unspaced digits ("sort 31030" -> "00133"); Llama 3 writes up to three digits a token, Mistral
-one. The control's teacher: the student's tokenizer.
+answer. The task: reverse a list of 3-5 words from :data:`WORDS` ("reverse walnut ember canyon" -> "canyon ember
+walnut"), words Llama 3 mostly writes as one token (" canyon") and Mistral as two or three ("▁can", "y", "on"); at
+the boundary Llama 3's answer starts without a space ("c", "any", "on"), so the text a Mistral student writes after
+its "[/INST] " re-tokenizes for the teacher as it never saw in fine-tuning. (Digits were tried first: Llama 3 writes
+them three a token, which a teacher this small does not learn to sort in the CPU time a benchmark has.) The
+control's teacher: the student's tokenizer.
 
 Every pair writes ``teacher-init``, ``student-init``, ``teacher-word-init`` (the control's teacher, named as in
 ``--pair cross_space``), ``train.jsonl`` and ``eval.jsonl`` (no digit string in both).
@@ -28,13 +32,14 @@ SORT_PROMPT = "sort : {digits} ="
 BOUNDARY_TEACHER_VOCAB = 320
 """The ``boundary`` teacher's BPE: 257 byte-level ids and EOS, the rest merges learnt on whole texts."""
 REAL_SIZES = {
-    "teacher": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
-                    num_key_value_heads=2),
-    "student": dict(hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                    num_key_value_heads=2),
+    "teacher": dict(hidden_size=32, intermediate_size=128, num_hidden_layers=4, num_attention_heads=1,
+                    num_key_value_heads=1),
+    "student": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=1,
+                    num_key_value_heads=1),
 }  # fmt: skip
 """Real-vocabulary pairs: the embeddings (128,256 or 32,768 rows) dominate, so the bodies are narrow."""
 PAIRS = ("boundary", "llama3_mistral", "mistral_llama3")
+WORDS = ("apricot", "walnut", "lantern", "meadow", "pebble", "harbor", "violet", "canyon", "falcon", "ember")
 
 
 def _spaced_sort_records(n_train: int, n_eval: int, seed: int) -> tuple[list[dict], list[dict]]:
@@ -112,8 +117,7 @@ def make_boundary_task(out: Path, n_train: int = 8000, n_eval: int = 256, seed: 
 
 
 def make_real_task(out: Path, teacher: str, student: str, n_train: int = 8000, n_eval: int = 256, seed: int = 0):
-    """A pair of real vocabularies (``llama3`` / ``mistral``): chats of the unspaced sort task."""
-    from megatron_opd.tasks import digits
+    """A pair of real vocabularies (``llama3`` / ``mistral``): chats of the word-reversal task."""
     from megatron_opd.testing import real_tokenizers as rt
     from megatron_opd.tokenizer import load_tokenizer
 
@@ -127,13 +131,16 @@ def make_real_task(out: Path, teacher: str, student: str, n_train: int = 8000, n
                "pad_token_id": tok.eos_token_id}  # fmt: skip
         _save_model(folder, len(tok), REAL_SIZES[size], s, size == "student", ids)
         (folder / "generation_config.json").write_text(json.dumps(gen))  # the family's own, not transformers'
-    eval_records = digits.make_records(n_eval, seed=seed + 1, task="sort")
-    train_records = digits.make_records(n_train, seed=seed + 2, exclude=[r["prompt"] for r in eval_records],
-                                        task="sort")  # fmt: skip
-    for name, records in (("train.jsonl", train_records), ("eval.jsonl", eval_records)):
-        chats = [{"messages": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"],
-                  "response": r["answer"]} for r in records]  # fmt: skip
-        (out / name).write_text("".join(json.dumps(r) + "\n" for r in chats))
+    rng, seen, chats = random.Random(seed + 2), set(), []
+    while len(chats) < n_train + n_eval:
+        words = tuple(rng.choice(WORDS) for _ in range(rng.randint(3, 5)))
+        if words not in seen:
+            seen.add(words)
+            answer = " ".join(reversed(words))
+            chats.append({"messages": [{"role": "user", "content": "reverse " + " ".join(words)}], "answer": answer,
+                          "response": answer})  # fmt: skip
+    for name, records in (("train.jsonl", chats[n_eval:]), ("eval.jsonl", chats[:n_eval])):
+        (out / name).write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
 def make_pair_task(pair: str, out: Path) -> None:
