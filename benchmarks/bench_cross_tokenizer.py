@@ -98,7 +98,9 @@ PAIR_SFT = {
                  ["train.steps=100", "rollout.max_new_tokens=10"]),  # teacher 97.7%, student 55.5% (issue: 91%, 48%)
     **{pair: (["train.steps=400", "rollout.max_new_tokens=16"],
               ["train.steps=100", "rollout.max_new_tokens=16", "eval.every=25"])
-       for pair in USER_PAIRS if pair != "boundary"},
+       for pair in USER_PAIRS if pair not in ("boundary", "mistral_word")},
+    "mistral_word": (["train.steps=400", "rollout.max_new_tokens=16", "data.response_key=teacher_response"],
+                     ["train.steps=100", "rollout.max_new_tokens=16", "eval.every=25"]),
 }  # fmt: skip
 """Extra overrides of the teacher's SFT and the student's warm-up per ``--pair``."""
 SPACED_DISTIL = {"prompts_per_step": 32, "max_new_tokens": 10, "lr": 2e-4, "min_lr": 2e-4}
@@ -258,10 +260,12 @@ def prepare(work: Path, args) -> tuple[Path, Path, Path]:
                                   *([f"train.steps={args.student_steps}"] if args.student_steps else [])]),
     }  # fmt: skip
     if args.pair != "doubles" and "same-tokenizer" in args.rows:  # either control
+        # mistral_word's control learns the student's own template (``response``); boundary's the teacher's
+        control = [o for o in PAIR_SFT[args.pair][0] if args.pair != "mistral_word" or "response_key" not in o]
         jobs[work / "teacher-word"] = trainer_command(
             QUICKSTART / "teacher_sft.yaml",
             [f"student.path={task / 'teacher-word-init'}", *data, f"output_dir={work / 'teacher-word'}",
-             *TEACHER_SFT, *PAIR_SFT[args.pair][0]],
+             *TEACHER_SFT, *control],
         )  # fmt: skip
     print("preparing: teacher SFT and student warm-up (our trainer), side by side", file=sys.stderr)
     procs = {out: start(cmd, work / f"{out.name}.log", args.threads) for out, cmd in jobs.items()}

@@ -18,6 +18,13 @@ its "[/INST] " re-tokenizes for the teacher as it never saw in fine-tuning. (Dig
 them three a token, which a teacher this small does not learn to sort in the CPU time a benchmark has.) The
 control's teacher: the student's tokenizer.
 
+``mistral_word``: Mistral's real SentencePiece teacher (its chat template, the answer after "[/INST]" with the
+dummy prefix's space) and a byte-level student split at spaces with one token per word (" walnut"), template
+``prompt + " " + answer + EOS`` (``response``; the teacher learns ``teacher_response``, the answer alone, as its
+template's boundary writes it). The student's side is cheap, so this is the real-vocabulary pair a 2-core machine
+runs: Llama 3's 128,256-row output layer made the teacher's SFT 2.6 s a step there (``llama3_mistral`` is written
+but was not measured).
+
 Every pair writes ``teacher-init``, ``student-init``, ``teacher-word-init`` (the control's teacher, named as in
 ``--pair cross_space``), ``train.jsonl`` and ``eval.jsonl`` (no digit string in both).
 """
@@ -38,7 +45,7 @@ REAL_SIZES = {
                     num_key_value_heads=1),
 }  # fmt: skip
 """Real-vocabulary pairs: the embeddings (128,256 or 32,768 rows) dominate, so the bodies are narrow."""
-PAIRS = ("boundary", "llama3_mistral", "mistral_llama3")
+PAIRS = ("boundary", "mistral_word", "llama3_mistral", "mistral_llama3")
 WORDS = ("apricot", "walnut", "lantern", "meadow", "pebble", "harbor", "violet", "canyon", "falcon", "ember")
 
 
@@ -143,9 +150,52 @@ def make_real_task(out: Path, teacher: str, student: str, n_train: int = 8000, n
         (out / name).write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
+WORD_CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+"""The word-level student's chat: the user's text as is; its answers start with a space (``response``)."""
+
+
+def word_student_tokenizer():
+    """Byte-level BPE split at spaces with a token for "reverse" and each of :data:`WORDS`, with and without a space."""
+    from megatron_opd.testing.real_tokenizers import byte_level_tokenizer
+
+    merges = [(word[:i], word[i]) for word in ("reverse", *WORDS) for i in range(1, len(word))]
+    merges += [("Ġ", word) for word in WORDS]
+    tokenizer = byte_level_tokenizer(list(dict.fromkeys(merges)), split_words=True)
+    tokenizer.chat_template = WORD_CHAT_TEMPLATE
+    return tokenizer
+
+
+def make_mistral_word_task(out: Path, n_train: int = 8000, n_eval: int = 256, seed: int = 0) -> None:
+    """``mistral_word`` (module docstring)."""
+    from megatron_opd.testing import real_tokenizers as rt
+    from megatron_opd.tokenizer import load_tokenizer
+
+    teacher = load_tokenizer(rt.write_mistral_tokenizer(out / "teacher-init"))
+    student = word_student_tokenizer()
+    for name, tok, size, s in (("teacher-init", teacher, "teacher", seed), ("student-init", student, "student",
+                               seed + 1), ("teacher-word-init", student, "teacher", seed)):  # fmt: skip
+        if name != "teacher-init":
+            tok.save_pretrained(out / name)
+        eos = tok.eos_token_id
+        ids = {"bos_token_id": getattr(tok, "bos_token_id", None) or eos, "eos_token_id": eos, "pad_token_id": eos}
+        _save_model(out / name, len(tok), REAL_SIZES[size], s, size == "student", ids)
+    rng, seen, records = random.Random(seed + 2), set(), []
+    while len(records) < n_train + n_eval:
+        words = tuple(rng.choice(WORDS) for _ in range(rng.randint(3, 5)))
+        if words not in seen:
+            seen.add(words)
+            answer = " ".join(reversed(words))
+            records.append({"messages": [{"role": "user", "content": "reverse " + " ".join(words)}],
+                            "answer": answer, "response": " " + answer, "teacher_response": answer})  # fmt: skip
+    for name, part in (("train.jsonl", records[n_eval:]), ("eval.jsonl", records[:n_eval])):
+        (out / name).write_text("".join(json.dumps(r) + "\n" for r in part))
+
+
 def make_pair_task(pair: str, out: Path) -> None:
     if pair == "boundary":
         make_boundary_task(out)
+    elif pair == "mistral_word":
+        make_mistral_word_task(out)
     else:
         teacher, student = pair.split("_")
         make_real_task(out, teacher, student)
