@@ -39,12 +39,12 @@ SORT_PROMPT = "sort : {digits} ="
 BOUNDARY_TEACHER_VOCAB = 320
 """The ``boundary`` teacher's BPE: 257 byte-level ids and EOS, the rest merges learnt on whole texts."""
 REAL_SIZES = {
-    "teacher": dict(hidden_size=32, intermediate_size=128, num_hidden_layers=4, num_attention_heads=1,
-                    num_key_value_heads=1),
-    "student": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=1,
-                    num_key_value_heads=1),
+    "teacher": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2),
+    "student": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                    num_key_value_heads=2),
 }  # fmt: skip
-"""Real-vocabulary pairs: the embeddings (128,256 or 32,768 rows) dominate, so the bodies are narrow."""
+"""The word-reversal pairs' bodies: ``tasks.digits``' sizes (hidden 32 with one head learnt 12.5% in 400 SFT steps)."""
 PAIRS = ("boundary", "mistral_word", "llama3_mistral", "mistral_llama3")
 WORDS = ("apricot", "walnut", "lantern", "meadow", "pebble", "harbor", "violet", "canyon", "falcon", "ember")
 
