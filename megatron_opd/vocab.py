@@ -34,8 +34,9 @@ class VocabularyMismatchError(TokenizerError):
 _SAME_FAMILY = (
     "distillation compares the two distributions token by token, so teacher and student need the same "
     "tokenizer: pick models of one family, point teacher.tokenizer / student.tokenizer at the right folders, or "
-    "distil across tokenizers with loss.mode=sampled loss.cross_tokenizer=sampled (or loss.mode=topk "
-    "loss.cross_tokenizer=aligned)"
+    "distil across tokenizers with loss.mode=topk loss.cross_tokenizer=aligned loss.kind=forward_kl loss.topk=16 "
+    "(the recommended setting, examples/quickstart/distil_cross.yaml; docs/training.md says on which pairs each mode "
+    "gains) or loss.mode=sampled loss.cross_tokenizer=sampled"
 )
 
 

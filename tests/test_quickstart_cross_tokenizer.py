@@ -10,9 +10,9 @@ from tests.conftest import run_quickstart
 
 def test_quickstart_distils_across_tokenizers(tmp_path):
     """``--cross-tokenizer``: the teacher tokenizes doubled digits as one token, the student one token per digit; a
-    125-step SFT warm-up, then the sampled reverse KL over byte-aligned groups must raise held-out accuracy by 10
-    points and halve the sequence log-ratio (this run, TP=1, seed 1234, padded micro-batches, since 55266e5: 9.8% ->
-    59.4%, -14.35 -> -7.15, a pass by 0.03 on the log-ratio; docs/training.md has the other seeds and layouts). TP=1
+    125-step SFT warm-up, then ``distil_cross.yaml``'s loss (``aligned`` forward KL, top 16, since issue #51; the
+    sampled reverse KL before, which gave 9.8% -> 59.4%, -14.35 -> -7.15 here, a pass by 0.03 on the log-ratio) must
+    raise held-out accuracy by 10 points and halve the sequence log-ratio. TP=1
     here (``--nproc 1``, twice as fast on 2 cores); TP=2 is the README command's and tests/test_packing.py's (the
     group loss at TP=1, TP=2 and TP=2xPP=2)."""
     proc, _ = run_quickstart(tmp_path / "qs", "--cross-tokenizer", "--nproc", "1", timeout=1200)
