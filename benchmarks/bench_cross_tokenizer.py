@@ -25,9 +25,14 @@ issue #41's run: 100 steps of 32 prompts, lr 2e-4 held after ``--lr-warmups`` wa
 ``--lr-warmups`` every row runs once per combination and a summary gives the mean held-out accuracy before and after
 and the response length at the end over the start.
 
+``--pair boundary`` (issue #51's "Why", rebuilt), ``--pair llama3_mistral`` / ``mistral_llama3`` (real vocabularies,
+the held-out check): ``benchmarks/cross_tokenizer_pairs.py`` says what each is. The same run as ``cross_space``
+(100 steps of 32 prompts, lr 2e-4); ``boundary``'s teacher learns ``teacher_response`` (a random leading space),
+``--no-worker-eval`` leaves TRL's venv out (the trainer's own held-out exact match only).
+
 Rows:
-- ``ours-sampled``: ``distil_cross.yaml`` (sampled reverse KL per aligned byte group); ``ours-sampled-fkl`` the same
-  with ``loss.kind=forward_kl`` (the sampled forward KL).
+- ``ours-sampled``: ``loss.mode=sampled loss.cross_tokenizer=sampled loss.kind=reverse_kl`` (sampled reverse KL per
+  aligned byte group); ``ours-sampled-fkl`` the same with ``loss.kind=forward_kl`` (the sampled forward KL).
 - ``ours-aligned``: the same with ``loss.mode=topk loss.kind=forward_kl loss.topk=--topk loss.cross_tokenizer=aligned``;
   ``ours-aligned-rkl`` with ``loss.kind=reverse_kl``.
 - Ours at TP=1 with padded micro-batches (``train.packing=false``, as GOLD's; ``--packing``: packed).
@@ -74,6 +79,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench_train import DEFAULT_TRL_VENV, ensure_trl_venv
+from cross_tokenizer_pairs import PAIRS as USER_PAIRS
+from cross_tokenizer_pairs import make_pair_task
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "benchmarks" / "_trl_gold_worker.py"
@@ -82,15 +89,23 @@ ROWS = ("ours-sampled", "ours-sampled-fkl", "ours-aligned", "ours-aligned-rkl", 
         "same-tokenizer", "same-tokenizer-sampled", "same-tokenizer-sampled-fkl")  # fmt: skip
 TEACHER_SFT = ["train.steps=200", "optim.lr_warmup_steps=20"]
 """The cross-tokenizer quick start's teacher: 200 SFT steps (examples/quickstart.py)."""
-PAIRS = ("doubles", "cross_space")
+PAIRS = ("doubles", "cross_space", *USER_PAIRS)
 PAIR_SFT = {
     "doubles": ([], []),
     "cross_space": (["train.steps=700", "rollout.max_new_tokens=10"],
                     ["train.steps=350", "rollout.max_new_tokens=10"]),
+    "boundary": (["train.steps=700", "rollout.max_new_tokens=10", "data.response_key=teacher_response"],
+                 ["train.steps=100", "rollout.max_new_tokens=10"]),  # teacher 97.7%, student 55.5% (issue: 91%, 48%)
+    **{pair: (["train.steps=400", "rollout.max_new_tokens=16"],
+              ["train.steps=100", "rollout.max_new_tokens=16", "eval.every=25"])
+       for pair in USER_PAIRS if pair not in ("boundary", "mistral_word")},
+    "mistral_word": (["train.steps=400", "rollout.max_new_tokens=16", "data.response_key=teacher_response"],
+                     ["train.steps=600", "rollout.max_new_tokens=16", "eval.every=100"]),  # student 34%
 }  # fmt: skip
 """Extra overrides of the teacher's SFT and the student's warm-up per ``--pair``."""
 SPACED_DISTIL = {"prompts_per_step": 32, "max_new_tokens": 10, "lr": 2e-4, "min_lr": 2e-4}
-"""``--pair cross_space``: issue #41's run (32 prompts per step, lr 2e-4 held, answers up to 6 digits + EOS)."""
+"""``--pair cross_space`` and issue #51's pairs: issue #41's run (32 prompts per step, lr 2e-4 held, answers up to 6
+digits + EOS)."""
 
 
 def make_spaced_task(out: Path, n_train: int = 8000, n_eval: int = 256, seed: int = 0) -> None:
@@ -225,11 +240,14 @@ def prepare(work: Path, args) -> tuple[Path, Path, Path]:
     shutil.rmtree(task, ignore_errors=True)
     if args.pair == "cross_space":
         make_spaced_task(task)
+    elif args.pair in USER_PAIRS:
+        make_pair_task(args.pair, task)
     else:
         subprocess.run([sys.executable, str(REPO / "tools" / "make_quickstart_task.py"), str(task),
                         "--teacher-digit-merges", "doubles"], cwd=REPO, check=True)  # fmt: skip
-    for folder in (task / "teacher-init", task / "student-init"):
-        check_byte_level(folder)
+    if any(row.startswith("gold") for row in args.rows.split(",")):
+        for folder in (task / "teacher-init", task / "student-init"):
+            check_byte_level(folder)
     data = [f"data.train_files={task / 'train.jsonl'}", f"data.eval_files={task / 'eval.jsonl'}",
             "parallel.tensor_model_parallel_size=1", "logging.tensorboard=false"]  # fmt: skip
     jobs = {
@@ -241,11 +259,13 @@ def prepare(work: Path, args) -> tuple[Path, Path, Path]:
                                   *PAIR_SFT[args.pair][1],
                                   *([f"train.steps={args.student_steps}"] if args.student_steps else [])]),
     }  # fmt: skip
-    if args.pair == "cross_space" and "same-tokenizer" in args.rows:  # either control
+    if args.pair != "doubles" and "same-tokenizer" in args.rows:  # either control
+        # mistral_word's control learns the student's own template (``response``); boundary's the teacher's
+        control = [o for o in PAIR_SFT[args.pair][0] if args.pair != "mistral_word" or "response_key" not in o]
         jobs[work / "teacher-word"] = trainer_command(
             QUICKSTART / "teacher_sft.yaml",
             [f"student.path={task / 'teacher-word-init'}", *data, f"output_dir={work / 'teacher-word'}",
-             *TEACHER_SFT, *PAIR_SFT[args.pair][0]],
+             *TEACHER_SFT, *control],
         )  # fmt: skip
     print("preparing: teacher SFT and student warm-up (our trainer), side by side", file=sys.stderr)
     procs = {out: start(cmd, work / f"{out.name}.log", args.threads) for out, cmd in jobs.items()}
@@ -296,6 +316,8 @@ def run_ours(name: str, loss: list[str], paths: tuple[Path, Path, Path], setting
         teacher_s=[r.get("time/teacher") for r in steps],
         update_s=[r.get("time/update") for r in steps],
     )
+    if not args.worker_eval:
+        return row
     held_out = worker_eval(out / "hf", teacher, task, settings, args, work / f"{name}-eval")
     row.heldout_after = held_out.get("eval")
     if "error" in held_out:
@@ -405,7 +427,8 @@ def run_row(row: str, name: str, paths, settings: dict, aligned: list[str], args
             kind = "forward_kl" if row.endswith("-fkl") else "reverse_kl"
             same = ["loss.cross_tokenizer=off", f"loss.kind={kind}", "loss.mode=sampled"]
         return run_ours(name, [*same, *args.set], (task, work / "teacher-word" / "hf", student), settings, args, work)
-    loss = {"ours-sampled": [], "ours-sampled-fkl": ["loss.kind=forward_kl"],
+    sampled = ["loss.mode=sampled", "loss.cross_tokenizer=sampled"]  # named: distil_cross.yaml's setting may change
+    loss = {"ours-sampled": [*sampled, "loss.kind=reverse_kl"], "ours-sampled-fkl": [*sampled, "loss.kind=forward_kl"],
             "ours-aligned": [*aligned, "loss.kind=forward_kl"],
             "ours-aligned-rkl": [*aligned, "loss.kind=reverse_kl"]}[row]  # fmt: skip
     return run_ours(name, [*loss, *args.set], paths, settings, args, work)
@@ -461,6 +484,9 @@ def main() -> None:
                         help="extra trainer overrides of our rows (e.g. loss.sampled_ratio_clip=0)")  # fmt: skip
     parser.add_argument("--student-steps", type=int, help="SFT steps of the student's warm-up (default: the pair's)")
     parser.add_argument("--tag", default="", help="appended to every run's name (runs of another --set side by side)")
+    parser.add_argument("--no-worker-eval", dest="worker_eval", action="store_false",
+                        help="no held-out evaluation by the GOLD worker (TRL's venv) of our rows: the trainer's own "
+                        "eval/accuracy only")  # fmt: skip
     parser.add_argument("--trl-venv", default=str(DEFAULT_TRL_VENV), help="TRL's own venv (created when missing)")
     parser.add_argument("--json", metavar="OUT", help="also write every figure and per-step value here")
     parser.add_argument("--workdir", help="where to write (default: a temporary folder); its task, teacher and "
@@ -468,7 +494,7 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
     args = parser.parse_args()
     if args.steps is None:
-        args.steps = 100 if args.pair == "cross_space" else 500
+        args.steps = 500 if args.pair == "doubles" else 100
     rows = [r for r in args.rows.split(",") if r]
     unknown = sorted(set(rows) - set(ROWS))
     if unknown:
@@ -481,12 +507,14 @@ def main() -> None:
     started = time.perf_counter()
     load_before = os.getloadavg()
     try:
-        base = {**distil_settings(), **(SPACED_DISTIL if args.pair == "cross_space" else {})}
+        base = {**distil_settings(), **(SPACED_DISTIL if args.pair != "doubles" else {})}
+        if args.pair in USER_PAIRS and args.pair != "boundary":  # answers of up to 5 words, 2-3 Mistral tokens each
+            base["max_new_tokens"] = 16
         if args.lr is not None:
             base.update(lr=args.lr, min_lr=args.lr)
         paths = prepare(work, args)
         task, teacher, student = paths
-        before = worker_eval(student, teacher, task, base, args, work / "warmup-eval")
+        before = worker_eval(student, teacher, task, base, args, work / "warmup-eval") if args.worker_eval else {}
         aligned = [f"loss.topk={args.topk}", "loss.mode=topk", "loss.cross_tokenizer=aligned"]
         seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
         warmups = [int(x) for x in args.lr_warmups.split(",")] if args.lr_warmups else [base["lr_warmup_steps"]]
@@ -504,9 +532,10 @@ def main() -> None:
         load_after = os.getloadavg()
         machine = (f"{platform.machine()}, {os.cpu_count()} CPUs, {args.threads} thread(s) per run; load average "
                    f"{load_before[0]:.1f} before, {load_after[0]:.1f} after")  # fmt: skip
-        pair = ("student one token per digit, teacher a token per doubled digit" if args.pair == "doubles" else
-                "spaced digits, student one token per digit and its space, teacher merges across spaces "
-                "(testing.real_tokenizers word <- cross_space)")  # fmt: skip
+        pair = {"doubles": "student one token per digit, teacher a token per doubled digit",
+                "cross_space": "spaced digits, student one token per digit and its space, teacher merges across "
+                "spaces (testing.real_tokenizers word <- cross_space)"}.get(args.pair, f"pair {args.pair} "
+                "(benchmarks/cross_tokenizer_pairs.py)")  # fmt: skip
         print(
             f"\nDigit reversal, {pair} (both byte-level BPE); teacher SFT, student warm-up (our trainer); then "
             f"{args.steps} steps of {base['prompts_per_step']} prompts, <= {base['max_new_tokens']} new tokens, "

@@ -35,7 +35,7 @@ _SAME_FAMILY = (
     "distillation compares the two distributions token by token, so teacher and student need the same "
     "tokenizer: pick models of one family, point teacher.tokenizer / student.tokenizer at the right folders, or "
     "distil across tokenizers with loss.mode=sampled loss.cross_tokenizer=sampled (or loss.mode=topk "
-    "loss.cross_tokenizer=aligned)"
+    "loss.cross_tokenizer=aligned; docs/training.md, 'Which cross-tokenizer mode', says on which pairs each gains)"
 )
 
 

@@ -195,7 +195,7 @@ MATRIX_TEXT = "\n".join(" ".join(_RNG.choices("0123456789", k=_RNG.randint(3, 6)
 responses), a few unspaced digits and words."""
 
 
-def _byte_level_tokenizer(merges: list[tuple[str, str]], split_words: bool):
+def byte_level_tokenizer(merges: list[tuple[str, str]], split_words: bool):
     """A byte-level BPE ``PreTrainedTokenizerFast`` from explicit merges (strings in the byte-level alphabet)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -223,15 +223,15 @@ def _word_merges() -> list[tuple[str, str]]:
 def synthetic_tokenizer(kind: str):
     """The synthetic tokenizer ``kind`` (:data:`SYNTHETIC_KINDS`), loaded (not saved)."""
     if kind == "word":
-        return _byte_level_tokenizer(_word_merges(), split_words=True)
+        return byte_level_tokenizer(_word_merges(), split_words=True)
     if kind == "char":
-        return _byte_level_tokenizer([], split_words=True)
+        return byte_level_tokenizer([], split_words=True)
     if kind == "cross_space":
         pairs = [(f"Ġ{a}", f"Ġ{b}") for a, b in SPACED_PAIRS] + [(f"{a}", f"Ġ{b}") for a, b in SPACED_PAIRS]
-        return _byte_level_tokenizer(_word_merges() + pairs, split_words=False)
+        return byte_level_tokenizer(_word_merges() + pairs, split_words=False)
     if kind == "cross_digit":
         pairs = [(f"{a}", f"{b}") for a, b in SPACED_PAIRS] + [(f"Ġ{a}", f"{b}") for a, b in SPACED_PAIRS]
-        return _byte_level_tokenizer(_word_merges() + pairs, split_words=True)
+        return byte_level_tokenizer(_word_merges() + pairs, split_words=True)
     if kind == "byte_fallback":
         import tempfile
 
