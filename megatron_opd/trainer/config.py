@@ -285,14 +285,15 @@ class TrainLoopConfig:
     """Watch for a student that moves away from its teacher (``megatron_opd.trainer.collapse``): the per-token
     divergence rising past ``drift_divergence_ratio`` times its first window's, or top-1 agreement falling more than
     ``drift_agreement_drop`` below it; stop the run with an error naming the likely cause, only warn, or off."""
-    drift_divergence_ratio: float = 2.0
+    drift_divergence_ratio: float = 1.5
     """The per-token divergence counts as moving away once its mean over the last ``collapse_window`` steps is above
     this many times the first window's (by its size: a sampled estimate can be negative)."""
-    drift_agreement_drop: float = 0.1
+    drift_agreement_drop: float = 0.05
     """Top-1 agreement with the teacher (where logged) counts as moving away once its mean over the last
     ``collapse_window`` steps is more than this below the first window's."""
-    drift_patience: int = 10
-    """Steps in a row the drift must hold before the run stops (it warns at the first)."""
+    drift_patience: int = 14
+    """Steps in a row the drift must hold before the run stops (it warns at the first); keep it above
+    ``collapse_window``, so that one outlier step, which stays in the window that many steps, cannot stop a run."""
     freeze_router: bool = False
     """Mixture-of-Experts students: keep every router's weights as loaded (no gradient, no optimizer state), so that
     distillation moves the experts and the rest but not which experts a token goes to (NeMo-RL's
