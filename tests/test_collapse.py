@@ -241,7 +241,8 @@ def test_the_trace_folders_hold_every_variant():
     kinds: with top-1 agreement and without (``cross_tokenizer=sampled``)."""
     names = {p.stem for p in HEALTHY}
     variants = {"quickstart", "quickstart_cross_tokenizer", "quickstart_multi_teacher", "quickstart_moe",
-                "quickstart_gemma3", "bench_scheduler_quality_builtin"}  # fmt: skip
+                "quickstart_gemma3", "quickstart_vllm_two_step_off", "bench_scheduler_quality_builtin",
+                "bench_scheduler_quality_vllm_two_step_off"}  # fmt: skip
     assert variants <= names, variants - names
     with_agreement = {all("top1_agreement" in row for _, row in recorded(p)) for p in FAILING}
     assert with_agreement == {True, False}

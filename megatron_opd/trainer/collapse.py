@@ -23,13 +23,13 @@ does not count it (answers that shorten raise the per-token divergence too; the 
 
 The defaults (ratio 1.5, drop 0.05, patience 14) were chosen on recorded traces (``tests/data/metric_traces/``) by
 one rule: stop every failing trace and none of the healthy ones, each value near the middle of the range that does
-with the other two at their defaults (ratio 1.15-2.1, drop 0.03-0.08, patience 11-17). Healthy runs (every quick-start
-variant, ``bench_scheduler.py --quality``, the same-tokenizer controls of issue #51's pair) reach at most 1.11 times
-their first window's divergence and 0.027 below its agreement. The failing ones: issue #51's pair with ``aligned``
-(forward and reverse KL) and the sampled forward KL, the quick start's cross-tokenizer pair with ``aligned`` at lr
-1e-2 and 2e-2. The forward KL's divergence is spiky (single steps of 1e3 nats): a window's mean carries the spikes,
-which is what stops those runs, and a patience longer than the window keeps one outlier step (in the window for
-``collapse_window`` steps) from stopping a run alone.
+with the other two at their defaults (ratio 1.15-2.1, drop 0.03-0.08, patience 11-17). Healthy runs (every
+quick-start variant, ``bench_scheduler.py --quality`` synchronous and two steps off, the same-tokenizer controls of
+issue #51's pair) reach at most 1.11 times their first window's divergence and 0.027 below its agreement. The
+failing ones: issue #51's pair with ``aligned`` (forward and reverse KL) and the sampled forward KL, the quick
+start's cross-tokenizer pair with ``aligned`` at lr 1e-2 and 2e-2. The forward KL's divergence is spiky (single
+steps of 1e3 nats): a window's mean carries the spikes, which is what stops those runs, and a patience longer than
+the window keeps one outlier step (in the window for ``collapse_window`` steps) from stopping a run alone.
 
 Every loss is watched; SFT (no sampled responses) is not. The watch is a pure function of the rows it is fed; its
 state goes into the training checkpoint (:meth:`CollapseWatch.state_dict`).
