@@ -277,7 +277,7 @@ def feed_raising(watch: CollapseWatch, rows) -> None:
         watch.update(step, row)
 
 
-def test_the_divergence_alone_stops_a_run_without_top1_agreement():
+def test_the_thresholds_on_the_divergence_alone_and_on_the_agreement():
     """``cross_tokenizer=sampled`` logs no top-1 agreement: a rise of the divergence by 1.5x (the default) stops
     it, a rise by less does not; with agreement logged, a fall of 0.05 alone (divergence flat) stops it, a fall of
     less does not."""
