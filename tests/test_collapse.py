@@ -373,3 +373,15 @@ def test_a_collapse_is_named_as_a_collapse_not_as_a_drift():
         feed_raising(default_watch(), rows)
     with pytest.raises(TeacherDriftError):
         feed_raising(CollapseWatch("off"), rows)
+
+
+def test_one_outlier_step_warns_but_does_not_stop_a_run():
+    """A forward KL can log one step of 1e3 nats in a run that learns: it stays in the last window for
+    ``collapse_window`` steps, fewer than the default patience, so the run warns and goes on; two outliers a few
+    steps apart keep the window high past the patience and stop it."""
+    steady = list(trace(100, (6.0, 6.0), (2.0, 1.5)))
+    one = [(s, {**r, "divergence": 1000.0} if s == 50 else r) for s, r in steady]
+    warnings, stopped = feed(default_watch(), one)
+    assert [s for s, _ in warnings] == [50] and stopped is None
+    two = [(s, {**r, "divergence": 1000.0} if s in (50, 55) else r) for s, r in steady]
+    assert feed(default_watch(), two)[1] == 50 + TrainLoopConfig().drift_patience - 1
