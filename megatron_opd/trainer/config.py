@@ -288,10 +288,10 @@ class TrainLoopConfig:
     drift_divergence_ratio: float = 1.5
     """The per-token divergence counts as moving away once its mean over the last ``collapse_window`` steps is above
     this many times the first window's (by its size: a sampled estimate can be negative)."""
-    drift_agreement_drop: float = 0.05
+    drift_agreement_drop: float = 0.04
     """Top-1 agreement with the teacher (where logged) counts as moving away once its mean over the last
     ``collapse_window`` steps is more than this below the first window's."""
-    drift_patience: int = 14
+    drift_patience: int = 13
     """Steps in a row the drift must hold before the run stops (it warns at the first); keep it above
     ``collapse_window``, so that one outlier step, which stays in the window that many steps, cannot stop a run."""
     freeze_router: bool = False
