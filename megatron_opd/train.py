@@ -43,7 +43,7 @@ from megatron_opd.trainer.checkpointing import (
     set_rng_state,
     sharded_rng_state,
 )
-from megatron_opd.trainer.collapse import CollapseWatch, likely_cause
+from megatron_opd.trainer.collapse import CollapseWatch
 from megatron_opd.trainer.config import TrainConfig
 from megatron_opd.trainer.evaluation import build_evaluator
 from megatron_opd.trainer.lag_lr import lag_lr_scale
@@ -194,9 +194,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     evaluator = build_evaluator(cfg, vocab, encoder, student, teacher, rollout, prompt_room, seq_len)
     reward_fn = import_function(cfg.loss.reward_fn, "loss.reward_fn") if cfg.loss.weighting == "reward" else None
 
-    t = cfg.train
-    collapse = CollapseWatch(t.collapse_check, t.collapse_length_ratio, t.collapse_min_improvement,
-                             t.collapse_window, t.collapse_patience, likely_cause(cfg.loss))  # fmt: skip
+    collapse = CollapseWatch.for_run(cfg.train, cfg.loss)
     start_step = resume(ckpt, student, data, cfg, collapse)
     student.finish_param_sync()  # before any reader of the weights (a no-op unless a step left a gather pending)
     rollout.sync_weights(start_step)

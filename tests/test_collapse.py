@@ -1,12 +1,27 @@
-"""The trainer's watch for collapsing responses (``megatron_opd.trainer.collapse``, issue #41) on synthetic metric
-traces: the collapse the issue reported stops the run, a run that learns (shorter answers with a better divergence,
-or a steady length) does not, and the modes and thresholds do what the config says."""
+"""The trainer's watch (``megatron_opd.trainer.collapse``) on metric traces, so that CI runs no training for it.
+
+Collapsing responses (issue #41), on synthetic traces and one measured collapse: the collapse the issue reported
+stops the run, a run that learns (shorter answers with a better divergence, or a steady length) does not, and the
+modes and thresholds do what the config says. A student that moves away from its teacher (issue #51), on recorded
+``metrics.jsonl`` traces (``tests/data/metric_traces/``, whose README says which run made each): with the default
+settings every failing trace stops and no healthy one (every quick-start variant, ``bench_scheduler.py --quality``)
+warns or stops; its state goes through the checkpoint; bad settings are refused."""
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import pytest
 
-from megatron_opd.trainer.collapse import CollapseWatch, ResponseCollapseError, likely_cause
+from megatron_opd.trainer.collapse import (
+    CollapseWatch,
+    ResponseCollapseError,
+    TeacherDriftError,
+    drift_cause,
+    likely_cause,
+)
 from megatron_opd.trainer.config import LossConfig, TrainLoopConfig
 
 
@@ -30,7 +45,7 @@ def feed(watch: CollapseWatch, rows) -> tuple[list[tuple[int, str]], int | None]
     for step, row in rows:
         try:
             message = watch.update(step, row)
-        except ResponseCollapseError:
+        except (ResponseCollapseError, TeacherDriftError):
             return warnings, step
         if message:
             warnings.append((step, message))
@@ -154,6 +169,12 @@ def test_warn_and_off_and_thresholds():
         (dict(collapse_length_ratio=1.5), "train.collapse_length_ratio must be in"),
         (dict(collapse_min_improvement=-0.1), "train.collapse_min_improvement must be in"),
         (dict(collapse_window=0), "train.collapse_window must be >= 1"),
+        (dict(drift_check="stopp"), "train.drift_check must be stop, warn or off"),
+        (dict(drift_divergence_ratio=1.0), "train.drift_divergence_ratio must be > 1"),
+        (dict(drift_divergence_ratio=float("nan")), "train.drift_divergence_ratio must be > 1"),
+        (dict(drift_agreement_drop=0.0), "train.drift_agreement_drop must be in"),
+        (dict(drift_agreement_drop=1.5), "train.drift_agreement_drop must be in"),
+        (dict(drift_patience=0), "train.drift_patience must be >= 1"),
     ],
 )
 def test_config_refusals(kwargs, message):
@@ -172,8 +193,6 @@ def test_a_resumed_watch_stops_where_the_uninterrupted_one_does(split):
     """The watch's state goes into the training checkpoint: a run resumed after step ``split`` (its state through
     ``state_dict`` -> JSON-like values -> ``load_state_dict`` of a new watch) warns and stops at the steps of the
     uninterrupted run (20 and 39), not 39 steps after the resume."""
-    import json
-
     rows = list(
         enumerate(({"response_length": n, "divergence": d} for n, d in zip(COLLAPSED_LENGTH, COLLAPSED_DIVERGENCE)), 1)
     )
@@ -197,3 +216,172 @@ def test_a_watch_with_another_window_starts_afresh():
     same = CollapseWatch("stop", window=5)
     same.load_state_dict(old.state_dict())
     assert same.flagged == old.flagged > 0 and same.lengths == old.lengths[:5] + old.lengths[-5:]
+
+
+# ---- a student that moves away from its teacher (issue #51), on recorded traces ------------------------------------
+
+TRACES = Path(__file__).resolve().parent / "data" / "metric_traces"
+HEALTHY = sorted((TRACES / "healthy").glob("*.jsonl"))
+FAILING = sorted((TRACES / "failing").glob("*.jsonl"))
+
+
+def recorded(path: Path) -> list[tuple[int, dict]]:
+    """A trimmed ``metrics.jsonl``: (step, row) of every training step."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [(row.pop("step"), row) for row in rows]
+
+
+def default_watch(loss: LossConfig | None = None) -> CollapseWatch:
+    """The watch a run gets with the default ``train.*`` settings."""
+    return CollapseWatch.for_run(TrainLoopConfig(), loss or LossConfig())
+
+
+def test_the_trace_folders_hold_every_variant():
+    """Each quick-start variant and the quality benchmark have a healthy trace, and there are failing ones of both
+    kinds: with top-1 agreement and without (``cross_tokenizer=sampled``)."""
+    names = {p.stem for p in HEALTHY}
+    variants = {"quickstart", "quickstart_cross_tokenizer", "quickstart_multi_teacher", "quickstart_moe",
+                "quickstart_gemma3", "quickstart_vllm_two_step_off", "bench_scheduler_quality_builtin",
+                "bench_scheduler_quality_vllm_two_step_off"}  # fmt: skip
+    assert variants <= names, variants - names
+    with_agreement = {all("top1_agreement" in row for _, row in recorded(p)) for p in FAILING}
+    assert with_agreement == {True, False}
+
+
+@pytest.mark.parametrize("path", HEALTHY, ids=lambda p: p.stem)
+def test_healthy_runs_are_not_stopped(path):
+    assert feed(default_watch(), recorded(path)) == ([], None)
+
+
+@pytest.mark.parametrize("path", FAILING, ids=lambda p: p.stem)
+def test_runs_that_move_away_from_the_teacher_warn_then_stop(path):
+    rows = recorded(path)
+    watch = default_watch(LossConfig(mode="topk", kind="forward_kl", cross_tokenizer="aligned"))
+    warnings, stopped = feed(watch, rows)
+    assert stopped is not None and len(warnings) >= 1
+    assert "train.drift_" in warnings[0][1]
+    assert stopped == warnings[-1][0] + TrainLoopConfig().drift_patience - 1
+    with pytest.raises(
+        TeacherDriftError, match="moving away from its teacher.*loss.cross_tokenizer=sampled.*drift_check"
+    ):
+        feed_raising(default_watch(LossConfig(mode="topk", kind="forward_kl", cross_tokenizer="aligned")), rows)
+    # The thresholds decide: a run allowed a rise past the trace's highest and no agreement drop is not stopped.
+    start = abs(sum(row["divergence"] for _, row in rows[:10]) / 10)
+    above_all = 1 + 2 * (max(abs(row["divergence"]) for _, row in rows) + start) / start
+    lenient = CollapseWatch("off", drift_action="stop", divergence_ratio=above_all, agreement_drop=1.0)
+    assert feed(lenient, rows) == ([], None)
+
+
+def feed_raising(watch: CollapseWatch, rows) -> None:
+    for step, row in rows:
+        watch.update(step, row)
+
+
+def test_the_thresholds_on_the_divergence_alone_and_on_the_agreement():
+    """``cross_tokenizer=sampled`` logs no top-1 agreement: a rise of the divergence by 1.5x (the default) stops
+    it, a rise by less does not; with agreement logged, a fall of 0.04 alone (divergence flat) stops it, a fall of
+    less does not."""
+    assert feed(default_watch(), trace(100, (8.0, 8.0), (0.3, 0.5)))[1] is not None
+    assert feed(default_watch(), trace(100, (8.0, 8.0), (0.3, 0.42))) == ([], None)
+
+    def agreeing(fall: float):
+        for step, row in trace(100, (8.0, 8.0), (1.0, 1.0)):
+            yield step, {**row, "top1_agreement": 0.73 - fall * min((step - 1) / 49, 1.0)}
+
+    assert feed(default_watch(), agreeing(0.13))[1] is not None  # the issue's 0.73 -> 0.61 (and a little)
+    assert feed(default_watch(), agreeing(0.02)) == ([], None)
+
+
+def test_a_negative_start_counts_the_rise_by_its_size():
+    """A sampled estimate can start negative: -0.2 -> -0.12 is a rise by 0.4 times its size (allowed: up to
+    ``drift_divergence_ratio - 1`` = 0.5), -0.2 -> 0.3 by 2.5 times."""
+    assert feed(default_watch(), trace(100, (8.0, 8.0), (-0.2, -0.12))) == ([], None)
+    assert feed(default_watch(), trace(100, (8.0, 8.0), (-0.2, 0.3)))[1] is not None
+
+
+def test_drift_warn_and_off():
+    rising = list(trace(100, (8.0, 8.0), (1.0, 250.0)))
+    warnings, stopped = feed(CollapseWatch(drift_action="warn"), rising)
+    assert stopped is None and len(warnings) == 1 and "per-token divergence rose" in warnings[0][1]
+    assert feed(CollapseWatch(drift_action="off"), rising) == ([], None)
+    assert feed(CollapseWatch(drift_action="stop", drift_patience=3), rising)[1] == warnings[0][0] + 2
+
+
+@pytest.mark.parametrize(
+    "loss, setting",
+    [
+        (dict(mode="topk", kind="forward_kl", cross_tokenizer="aligned"), "loss.cross_tokenizer=sampled"),
+        (dict(mode="sampled", kind="forward_kl", cross_tokenizer="sampled"), "loss.kind=reverse_kl"),
+        (dict(mode="sampled", kind="reverse_kl", cross_tokenizer="sampled"), "loss.kind=forward_kl"),
+        (dict(mode="sampled", kind="forward_kl"), "loss.kind=reverse_kl"),
+        (dict(mode="topk"), "loss.topk"),
+        (dict(mode="dense", kind="jsd"), "lower optim.lr"),
+    ],
+)
+def test_the_drift_error_names_the_setting_to_change(loss, setting):
+    cause = drift_cause(LossConfig(**loss))
+    assert setting in cause and "lower optim.lr" in cause
+    with pytest.raises(TeacherDriftError, match=f"Likely cause: {re.escape(cause)}.*drift_check=warn"):
+        feed_raising(default_watch(LossConfig(**loss)), trace(100, (8.0, 8.0), (1.0, 250.0)))
+
+
+def failing_with_agreement() -> list[tuple[int, dict]]:
+    return recorded(next(p for p in FAILING if all("top1_agreement" in r for _, r in recorded(p))))
+
+
+def test_a_resumed_drift_watch_stops_where_the_uninterrupted_one_does():
+    """The drift figures (agreements and the flagged count) go into the checkpoint: resumed after any step through
+    ``state_dict`` -> JSON -> ``load_state_dict``, the watch warns and stops at the uninterrupted run's steps."""
+    rows = failing_with_agreement()
+    straight = feed(default_watch(), rows)
+    assert straight[1] is not None
+    for split in range(1, straight[1]):
+        before = default_watch()
+        warnings, stopped = feed(before, rows[:split])
+        state = json.loads(json.dumps(before.state_dict()))
+        assert len(state["agreements"]) == min(split, 20) and stopped is None
+        after = default_watch()
+        after.load_state_dict(state)
+        more, stopped = feed(after, rows[split:])
+        assert ([s for s, _ in warnings + more], stopped) == ([s for s, _ in straight[0]], straight[1]), split
+
+
+def test_a_checkpoint_without_the_drift_figures_starts_them_afresh():
+    """A checkpoint saved before the drift check was added (no ``agreements`` / ``drift_flagged``): the collapse
+    figures resume, the agreement's first window is the first after the resume."""
+    rows = [(s, {**r, "top1_agreement": 0.9 if s <= 30 else 0.7}) for s, r in trace(80, (8.0, 8.0), (1.0, 1.0))]
+    before = default_watch()
+    feed(before, rows[:30])
+    old = {k: v for k, v in before.state_dict().items() if k not in ("agreements", "drift_flagged")}
+    after = default_watch()
+    after.load_state_dict(old)
+    assert after.lengths == old["lengths"] and after.agreements == [] and after.drift_flagged == 0
+    assert feed(after, rows[30:]) == ([], None)  # 0.7 from the resume on: its own start
+    resumed = default_watch()
+    resumed.load_state_dict(before.state_dict())
+    assert feed(resumed, rows[30:])[1] is not None  # 0.9 -> 0.7 against the run's real start
+
+
+def test_a_collapse_is_named_as_a_collapse_not_as_a_drift():
+    """Issue #41's measured collapse also raises the per-token divergence past 1.5x its start: while the collapse
+    check flags the steps, the drift check does not count them, so the run stops with the collapse's error (at step
+    39, as before the drift check); with the collapse check off, the drift check stops it."""
+    rows = list(
+        enumerate(({"response_length": n, "divergence": d} for n, d in zip(COLLAPSED_LENGTH, COLLAPSED_DIVERGENCE)), 1)
+    )
+    with pytest.raises(ResponseCollapseError, match="step 39"):
+        feed_raising(default_watch(), rows)
+    with pytest.raises(TeacherDriftError):
+        feed_raising(CollapseWatch("off"), rows)
+
+
+def test_one_outlier_step_warns_but_does_not_stop_a_run():
+    """A forward KL can log one step of 1e3 nats in a run that learns: it stays in the last window for
+    ``collapse_window`` steps, fewer than the default patience, so the run warns and goes on; two outliers a few
+    steps apart keep the window high past the patience and stop it."""
+    steady = list(trace(100, (6.0, 6.0), (2.0, 1.5)))
+    one = [(s, {**r, "divergence": 1000.0} if s == 50 else r) for s, r in steady]
+    warnings, stopped = feed(default_watch(), one)
+    assert [s for s, _ in warnings] == [50] and stopped is None
+    two = [(s, {**r, "divergence": 1000.0} if s in (50, 55) else r) for s, r in steady]
+    assert feed(default_watch(), two)[1] == 50 + TrainLoopConfig().drift_patience - 1

@@ -70,11 +70,12 @@ def test_resume_after_kill_is_bitwise(pair, reference_run, tmp_path):
     # The collapse watch's state is in the checkpoint and resumed with it: after step 4 it holds every step's
     # figures as the metrics logged them, in the resumed run as in the uninterrupted one.
     rows = [json.loads(line) for line in (reference_run / "metrics.jsonl").read_text().splitlines()]
-    logged = [[r[k] for r in rows if "loss" in r] for k in ("response_length", "divergence")]
+    logged = [[r[k] for r in rows if "loss" in r] for k in ("response_length", "divergence", "top1_agreement")]
     for run_dir in (reference_run, killed):
         common_pt = run_dir / "checkpoints" / "step_00000004" / "common.pt"
         watch = torch.load(common_pt, weights_only=False)["trainer"]["collapse"]
-        assert [watch["lengths"], watch["divergences"]] == logged and watch["flagged"] == 0, run_dir.name
+        assert [watch["lengths"], watch["divergences"], watch["agreements"]] == logged, run_dir.name
+        assert watch["flagged"] == watch["drift_flagged"] == 0, run_dir.name
 
     # Killed while writing the checkpoint of step 3: step 2 stays the latest and the run resumes from it.
     torn = tmp_path / "torn"
@@ -390,6 +391,11 @@ def test_help_lists_every_key(tmp_path):
         "train.steps",
         "train.prompts_per_step",
         "train.micro_batch_size",
+        "train.collapse_check",
+        "train.drift_check",
+        "train.drift_divergence_ratio",
+        "train.drift_agreement_drop",
+        "train.drift_patience",
         "optim.lr",
         "loss.kind",
         "loss.beta",

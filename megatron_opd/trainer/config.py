@@ -118,9 +118,23 @@ class TrainLoopConfig:
     """The per-token divergence counts as improved once it has fallen by this share of its first window's value; a
     collapse of the response length without that improvement is flagged."""
     collapse_window: int = 10
-    """Steps averaged for each side of the comparison (the first window is the reference)."""
+    """Steps averaged for each side of the comparison (the first window is the reference), in the collapse check and
+    in the drift check (``drift_check``)."""
     collapse_patience: int = 20
     """Steps in a row the collapse must hold before the run stops (it warns at the first)."""
+    drift_check: Literal["stop", "warn", "off"] = "stop"
+    """Watch for a student that moves away from its teacher (``megatron_opd.trainer.collapse``): the per-token
+    divergence rising past ``drift_divergence_ratio`` times its first window's, or top-1 agreement falling more than
+    ``drift_agreement_drop`` below it; stop the run with an error naming the likely cause, only warn, or off."""
+    drift_divergence_ratio: float = 1.5
+    """The per-token divergence counts as moving away once its mean over the last ``collapse_window`` steps is above
+    this many times the first window's (by its size: a sampled estimate can be negative)."""
+    drift_agreement_drop: float = 0.04
+    """Top-1 agreement with the teacher (where logged) counts as moving away once its mean over the last
+    ``collapse_window`` steps is more than this below the first window's."""
+    drift_patience: int = 13
+    """Steps in a row the drift must hold before the run stops (it warns at the first); keep it above
+    ``collapse_window``, so that one outlier step, which stays in the window that many steps, cannot stop a run."""
     freeze_router: bool = False
     """Mixture-of-Experts students: keep every router's weights as loaded (no gradient, no optimizer state), so that
     distillation moves the experts and the rest but not which experts a token goes to (NeMo-RL's
@@ -134,7 +148,8 @@ class TrainLoopConfig:
     ``trainer/memory.py``) exceeds its memory; the estimate is still logged."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "prompts_per_step", "micro_batch_size", "collapse_window", "collapse_patience"):
+        for name in ("steps", "prompts_per_step", "micro_batch_size", "collapse_window", "collapse_patience",
+                     "drift_patience"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         if self.collapse_check not in ("stop", "warn", "off"):
@@ -146,6 +161,15 @@ class TrainLoopConfig:
             )
         if not 0.0 <= self.collapse_min_improvement < 1.0:
             raise ValueError(f"train.collapse_min_improvement must be in [0, 1), got {self.collapse_min_improvement}")
+        if self.drift_check not in ("stop", "warn", "off"):
+            raise ValueError(f"train.drift_check must be stop, warn or off, got {self.drift_check!r}")
+        if not self.drift_divergence_ratio > 1.0:
+            raise ValueError(
+                f"train.drift_divergence_ratio must be > 1, got {self.drift_divergence_ratio}: it is how many times "
+                "the starting per-token divergence the run may reach before it counts as moving away from its teacher"
+            )
+        if not 0.0 < self.drift_agreement_drop <= 1.0:
+            raise ValueError(f"train.drift_agreement_drop must be in (0, 1], got {self.drift_agreement_drop}")
         if self.device_memory_gib is not None and not self.device_memory_gib > 0:
             raise ValueError(
                 f"train.device_memory_gib must be > 0 (or null: ask the device), got {self.device_memory_gib}"
