@@ -190,8 +190,9 @@ def distil_settings() -> dict:
 
 
 def schedule_overrides(settings: dict) -> list[str]:
-    """The trainer overrides for ``settings`` (``distil_settings``), so that every row runs what the table says."""
-    return [f"train.prompts_per_step={settings['prompts_per_step']}",
+    """The trainer overrides for ``settings`` (``distil_settings``), so that every row runs what the table says; the
+    drift watch only warns (the table measures how runs that move away from their teacher end)."""
+    return ["train.drift_check=warn", f"train.prompts_per_step={settings['prompts_per_step']}",
             f"train.micro_batch_size={settings['prompts_per_step']}",
             f"rollout.max_new_tokens={settings['max_new_tokens']}", f"optim.lr={settings['lr']}",
             f"optim.min_lr={settings['min_lr']}", f"optim.lr_warmup_steps={settings['lr_warmup_steps']}"]  # fmt: skip
