@@ -67,8 +67,6 @@ class InProcessTeacher:
         self.chunks = chunks
         self.vocab_size = vocab_size
         self.mode = mode
-        self.dense = mode == "dense"
-        """It returns the whole distribution (logit shards, or hidden states and the output weight), not its top-k."""
         self.topk = topk
         self.temperature = temperature
         self.micro_batch_size = micro_batch_size
@@ -87,6 +85,12 @@ class InProcessTeacher:
         for it must still call ``score`` (with none) when the others do."""
         self.output = HiddenStateOutput(chunks)
         """The model returns hidden states; the logits are formed chunk by chunk (``_chunked``, or the loss)."""
+
+    @property
+    def dense(self) -> bool:
+        """It returns the whole distribution (logit shards, or hidden states and the output weight), not its top-k.
+        A property: the teacher server switches ``mode`` per request (``teacher.transfer=hidden``)."""
+        return self.mode == "dense"
 
     def _move(self, device: str | torch.device) -> None:
         for chunk in self.chunks:
