@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from megatron_opd.testing.real_tokenizers import byte_level_tokenizer
 from megatron_opd.testing.teacher_fakes import ToyScorer
 from megatron_opd.tokenizer import bytes_to_unicode
 
@@ -60,20 +61,8 @@ def tiny_tokenizer(alphabet: str, merges: list[tuple[str | bytes, str | bytes]],
     """A byte-level BPE of the bytes of ``alphabet``, EOS and one token per merge (texts or raw bytes, in merge
     order).
     ``split_words``: GPT-2's word split first (no merge crosses a space); else merges may cross spaces."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {EOS: 0}
-    for char in _chars(alphabet):
-        vocab.setdefault(char, len(vocab))
     pairs = [(_chars(a), _chars(b)) for a, b in merges]
-    for a, b in pairs:
-        vocab.setdefault(a + b, len(vocab))
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split_words)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([EOS])
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, pad_token=EOS)
+    return byte_level_tokenizer(pairs, split_words, alphabet=_chars(alphabet), eos=EOS)
 
 
 def sentencepiece_tokenizer(alphabet: str, merges: list[tuple[str, str]]):

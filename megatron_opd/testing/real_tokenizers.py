@@ -195,23 +195,27 @@ MATRIX_TEXT = "\n".join(" ".join(_RNG.choices("0123456789", k=_RNG.randint(3, 6)
 responses), a few unspaced digits and words."""
 
 
-def byte_level_tokenizer(merges: list[tuple[str, str]], split_words: bool):
-    """A byte-level BPE ``PreTrainedTokenizerFast`` from explicit merges (strings in the byte-level alphabet)."""
+def byte_level_tokenizer(
+    merges: list[tuple[str, str]], split_words: bool, alphabet: str | None = None, eos: str = SYNTHETIC_EOS
+):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` from explicit merges (strings in the byte-level alphabet): ``eos``
+    (id 0), the byte-level characters of ``alphabet`` (default: all 256 bytes), then one token per merge.
+    ``split_words``: GPT-2's word split first (no merge crosses a space); else merges may cross spaces."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     from megatron_opd.tokenizer import bytes_to_unicode
 
-    vocab = {SYNTHETIC_EOS: 0}
-    for char in bytes_to_unicode().values():
-        vocab[char] = len(vocab)
+    vocab = {eos: 0}
+    for char in bytes_to_unicode().values() if alphabet is None else alphabet:
+        vocab.setdefault(char, len(vocab))
     for a, b in merges:
         vocab.setdefault(a + b, len(vocab))
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split_words)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([SYNTHETIC_EOS])
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=SYNTHETIC_EOS, pad_token=SYNTHETIC_EOS)
+    tokenizer.add_special_tokens([eos])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos, pad_token=eos)
 
 
 def _word_merges() -> list[tuple[str, str]]:

@@ -164,16 +164,14 @@ class CollapseWatch:
             f"divergence did not improve ({start_div:.4f} -> {now_div:.4f}; train.collapse_min_improvement="
             f"{self.min_improvement:g})"
         )
-        if self.action == "stop" and self.flagged >= self.patience:
-            raise ResponseCollapseError(
+        return _escalate(
+            what, self.flagged, self.action, self.patience, "responses are collapsing",
+            ResponseCollapseError(
                 f"{what}, for {self.flagged} steps in a row: the student is learning to stop early, not to answer "
                 f"like the teacher. Likely cause: {self.cause or 'the loss credits stopping more than continuing'}. "
                 "Stopped; check the loss settings, or set train.collapse_check=warn (or off) to go on"
-            )
-        if self.flagged == 1:
-            logger.warning("%s: responses are collapsing (stopping after %d such steps)", what, self.patience)
-            return f"warning: {what}"
-        return None
+            ),
+        )  # fmt: skip
 
     def _drift(self, step: int) -> str | None:
         w = self.window
@@ -200,16 +198,25 @@ class CollapseWatch:
             f"step {step}: {' and '.join(reasons)}, first and last {w} steps (responses {start_len:.2f} -> "
             f"{now_len:.2f} tokens)"
         )
-        if self.drift_action == "stop" and self.drift_flagged >= self.drift_patience:
-            raise TeacherDriftError(
+        return _escalate(
+            what, self.drift_flagged, self.drift_action, self.drift_patience, "moving away from the teacher",
+            TeacherDriftError(
                 f"{what}, for {self.drift_flagged} steps in a row: the student is moving away from its teacher. "
                 f"Likely cause: {self.drift_cause or 'a learning rate too high for this student: lower optim.lr'}. "
                 "Stopped; change that setting, or set train.drift_check=warn (or off) to go on"
-            )
-        if self.drift_flagged == 1:
-            logger.warning("%s: moving away from the teacher (stopping after %d such steps)", what, self.drift_patience)
-            return f"warning: {what}"
-        return None
+            ),
+        )  # fmt: skip
+
+
+def _escalate(what: str, flagged: int, action: str, patience: int, sign: str, error: RuntimeError) -> str | None:
+    """One watch's answer to a flagged step: ``error`` raised once ``flagged`` steps in a row reach ``patience``
+    (``action="stop"``), a warning at the first such step, else nothing."""
+    if action == "stop" and flagged >= patience:
+        raise error
+    if flagged == 1:
+        logger.warning("%s: %s (stopping after %d such steps)", what, sign, patience)
+        return f"warning: {what}"
+    return None
 
 
 def _mean(values: list[float]) -> float:
