@@ -112,6 +112,11 @@ class DeepSeekRouting:
     """Groups each token may use, picked by the sum of each group's top-2 biased scores."""
     routed_scaling_factor: float = 1.0
     """The routed experts' combined output is scaled by this."""
+    score_function: str = "sigmoid"
+    """``sigmoid`` (DeepSeek-V3, GLM-4.5: a group ranked by its top-2 scores) or ``softmax`` over every expert
+    (DeepSeek-V2: a group ranked by its best score)."""
+    expert_bias: bool = True
+    """``e_score_correction_bias`` is added to the scores to pick the top-k (not to weight them)."""
 
 
 @dataclass(frozen=True)

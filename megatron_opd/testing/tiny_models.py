@@ -123,7 +123,7 @@ def routing_margin(hf_dir: str | os.PathLike, tokens: torch.Tensor) -> float:
 
     def hook(module, inputs):
         x = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
-        if arch.routing is not None:  # DeepSeek's router: sigmoid scores, expert bias, groups
+        if arch.routing is not None:  # DeepSeek's router: sigmoid or softmax scores, expert bias, groups
             gaps.append(deepseek_routing_margin(module, x, arch.moe.top_k, arch.routing))
             return
         top = torch.topk(x @ module.weight.double().T, arch.moe.top_k + 1, dim=-1).values
@@ -149,12 +149,18 @@ def routing_margin(hf_dir: str | os.PathLike, tokens: torch.Tensor) -> float:
 
 def deepseek_routing_margin(router, hidden: torch.Tensor, top_k: int, routing) -> float:
     """The smallest gap, over ``hidden``'s tokens (float64), between the last group or expert DeepSeek's ``router``
-    picks and the first it passes over: groups ranked by the sum of their top-2 biased sigmoid scores, experts by
-    their biased scores within the chosen groups."""
-    scores = torch.sigmoid(hidden @ router.weight.double().T)
-    biased = scores + router.e_score_correction_bias.double()
+    picks and the first it passes over: sigmoid scores plus the expert bias, groups ranked by the sum of their top-2
+    (DeepSeek-V3, GLM-4.5); or softmax scores, groups ranked by their best (DeepSeek-V2); experts by their (biased)
+    scores within the chosen groups."""
+    logits = hidden @ router.weight.double().T
+    if routing.score_function == "sigmoid":
+        biased = torch.sigmoid(logits)
+    else:
+        biased = torch.softmax(logits, dim=-1)
+    if routing.expert_bias:
+        biased = biased + router.e_score_correction_bias.double()
     groups = biased.view(len(biased), routing.n_group, -1)
-    group_scores = groups.topk(2, dim=-1).values.sum(-1)
+    group_scores = groups.topk(2 if routing.score_function == "sigmoid" else 1, dim=-1).values.sum(-1)
     ranked_groups = group_scores.sort(dim=-1, descending=True).values
     gap = torch.full((len(biased),), float("inf"), dtype=torch.float64)
     if routing.n_group > routing.topk_group:

@@ -48,6 +48,20 @@ class Vocabulary:
         return self.vocab_size if self.teacher_tokenizer is None else len(self.teacher_tokenizer)
 
 
+def check_vllm_models(cfg: TrainConfig, views: dict) -> None:
+    """Refuse a model vLLM would compute as another one (``ModelFamily.check_vllm_config``) before any model: the
+    student with ``rollout.backend=vllm``, a teacher with ``teacher.backend=vllm`` and a ``teacher.path``."""
+    from megatron_opd.checkpoint.source import config_dir
+    from megatron_opd.rollout.vllm_engine import check_vllm_config
+
+    if cfg.rollout.backend == "vllm":
+        check_vllm_config(str(config_dir(cfg.student.path, "student.path")), "rollout.backend=vllm")
+    for name, view in views.items():
+        if view.teacher.backend == "vllm" and view.teacher.path:
+            where = "teacher" if view is cfg else f"teachers.{name}"
+            check_vllm_config(str(config_dir(view.teacher.path, f"{where}.path")), f"{where}.backend=vllm")
+
+
 def check_inputs(cfg: TrainConfig) -> Vocabulary:
     """The refusals that read files but need no model, run on every rank before any process group or model: the
     layout splits the student (and the in-process teacher, built at the same layout), the data files are there,
@@ -65,10 +79,10 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
             f"train.freeze_router=true, but the student ({cfg.student.path}) has no Mixture-of-Experts layer and so "
             "no router; remove train.freeze_router"
         )
-    if cfg.build.moe_router_bias_update_rate > 0 and student.routing is None:
+    if cfg.build.moe_router_bias_update_rate > 0 and (student.routing is None or not student.routing.expert_bias):
         raise ValueError(
             f"build.moe_router_bias_update_rate={cfg.build.moe_router_bias_update_rate}, but the student "
-            f"({cfg.student.path}) has no router with an expert bias to update (DeepSeek-V3 architecture only); set "
+            f"({cfg.student.path}) has no router with an expert bias to update (DeepSeek-V3, GLM-4.5 only); set "
             "it to 0 (build.moe_aux_loss_coeff balances other Mixture-of-Experts students)"
         )
     views = cfg.teacher_views() if cfg.teachers else {"teacher": cfg}
@@ -83,6 +97,7 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
             own = objective.cross_tokenizer
             check_window_context_parallel(teacher, cp, teacher.max_position_embeddings if own else max_seq_len(cfg),
                                           where)  # fmt: skip
+    check_vllm_models(cfg, views)
     check_micro_batch_tokens(cfg)
     check_paths(cfg.data.train_files, "data.train_files")
     if cfg.data.eval_files:

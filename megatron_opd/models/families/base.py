@@ -123,6 +123,11 @@ class ModelFamily:
         """Refuse a ``config.json`` that vLLM would read as another model than the one megatron-opd builds from it
         (vLLM and transformers default some fields differently); most families have none."""
 
+    def vllm_config_fields(self, cfg: Mapping[str, Any]) -> dict[str, Any]:
+        """``config.json`` fields vLLM reads that ``cfg`` lacks (transformers' config class does not write them;
+        published checkpoints carry them), derived from ``cfg``'s own: the HF export and the vLLM engine add them."""
+        return {}
+
     def vllm_cpu_attention_backend(self, dtype: str) -> str | None:
         """The attention kernel vLLM must use on CPU where its own choice fails for this family; None: vLLM's."""
         return None
