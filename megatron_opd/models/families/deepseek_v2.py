@@ -88,7 +88,7 @@ DEEPSEEK_V2_LITE = dict(
     rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
                       mscale=0.707, mscale_all_dim=0.707),
 )  # fmt: skip
-"""DeepSeek-V2-Lite's published ``config.json`` sizes (15.7e9 parameters)."""
+"""DeepSeek-V2-Lite's published ``config.json`` sizes (published as 16B-A2.4B)."""
 
 FAMILY = DeepSeekV2Family(
     name="deepseek_v2",

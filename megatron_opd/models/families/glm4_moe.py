@@ -60,7 +60,7 @@ GLM_4_5_AIR = dict(
     partial_rotary_factor=0.5, rope_theta=1000000, max_position_embeddings=131072, rms_norm_eps=1e-5,
     tie_word_embeddings=False, num_nextn_predict_layers=1,
 )  # fmt: skip
-"""GLM-4.5-Air's published ``config.json`` sizes (106e9 parameters with its MTP layer, which megatron-opd skips)."""
+"""GLM-4.5-Air's published ``config.json`` sizes (published as 106B-A12B, its MTP layer included; megatron-opd skips it)."""
 
 FAMILY = Glm4MoeFamily(
     name="glm4_moe",

@@ -45,7 +45,7 @@ GLM_4_7_FLASH = dict(
     first_k_dense_replace=1, norm_topk_prob=True, max_position_embeddings=202752, rope_theta=1000000.0,
     rms_norm_eps=1e-5, tie_word_embeddings=False, num_nextn_predict_layers=1,
 )  # fmt: skip
-"""GLM-4.7-Flash's published ``config.json`` sizes (30e9 parameters; its MTP layer is skipped)."""
+"""GLM-4.7-Flash's published ``config.json`` sizes (published as 30B-A3B; its MTP layer is skipped)."""
 
 _TINY = {k: v for k, v in TINY_DEEPSEEK.items() if k != "first_k_dense_replace"}
 
