@@ -557,6 +557,10 @@ def max_seq_len(cfg: TrainConfig) -> int:
 
 def build_rollout(cfg: TrainConfig, student: Student, vocab: Vocabulary):
     """The rollout back end of ``rollout.backend`` (with tool turns when ``rollout.tool_fn`` is set)."""
+    if cfg.rollout.routing_replay:  # the student's routers record (sampler) and replay (trainer) routes
+        from megatron_opd.models import route_replay
+
+        route_replay.install(student.chunks)
     if cfg.rollout.backend == "vllm":
         from megatron_opd.rollout.vllm_setup import build_vllm_rollout
 
@@ -587,4 +591,5 @@ def sampling_params(cfg: TrainConfig, vocab: Vocabulary, temperature: float | No
         top_k=cfg.rollout.top_k if temperature is None else 0,
         stop_token_ids=vocab.stop_token_ids,
         seed=cfg.seed,
+        return_routes=cfg.rollout.routing_replay and temperature is None,
     )
