@@ -108,11 +108,7 @@ def replays(chunk) -> list[RouteReplay]:
 def feed(chunk, routes_BSMk: torch.Tensor | None) -> None:
     """Give each router of ``chunk`` its layer's routes of the micro-batch about to run (None: their own choice).
     With sequence parallelism each tensor-parallel rank routes its share of the positions."""
-    hooks = replays(chunk)
-    if not hooks:
-        if routes_BSMk is not None:
-            raise ValueError("routing replay: the micro-batch carries routes, but the model has no replay hooks")
-        return
+    hooks = replays(chunk)  # none on a pipeline stage without MoE layers
     config = chunk.config
     queue = config.recompute_granularity == "full" and chunk.training and torch.is_grad_enabled()
     for hook in hooks:
