@@ -91,7 +91,7 @@ def forward_backward(
         if position_ids is None:
             position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
         dummy = bool(batch.get(_DUMMY_KEY))
-        route_replay.feed(model, batch.get("routes"))  # rollout.routing_replay: the sampler's experts
+        route_replay.feed(model, batch.get("routes"), count=not dummy)  # rollout.routing_replay: the sampler's experts
         with router_losses_scaled(model.config, 0.0 if dummy else compensate or 1.0), expert_loads_kept(model, dummy):
             output = model(tokens, position_ids, None, **packed_seq_params(batch))
 

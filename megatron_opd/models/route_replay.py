@@ -39,6 +39,8 @@ class RouteReplay:
         """``[N, k]`` the last call's own choice (``record``)."""
         self.current: torch.Tensor | None = None
         """``[N, k]`` the routes of the forward running now (None: the router's own)."""
+        self.count = True
+        """Whether the forward running now counts toward ``moe/route_mismatch`` (not a lockstep dummy's)."""
         self.recompute: collections.deque = collections.deque()
         """Routes of forwards whose layers the backward recomputes, oldest first."""
         self.mismatch = torch.zeros((), dtype=torch.float64)
@@ -56,7 +58,8 @@ class RouteReplay:
             self.recorded = own_Nk.detach()
         # Inside the autograd backward: a recomputed layer, whose routes are the oldest queued.
         in_backward = torch._C._current_graph_task_id() != -1
-        routes_Nk = (self.recompute.popleft() if self.recompute else None) if in_backward else self.current
+        routes_Nk, count = (self.recompute.popleft() if self.recompute else (None, False)) if in_backward else (
+            self.current, self.count)  # fmt: skip
         if routes_Nk is None:
             return values, own_Nk
         if routes_Nk.shape != own_Nk.shape:
@@ -66,18 +69,12 @@ class RouteReplay:
             )
         routes_Nk = routes_Nk.to(own_Nk.device, own_Nk.dtype)
         set_N = (routes_Nk >= 0).all(-1)
-        if torch.is_grad_enabled() and not _in_lockstep_dummy():  # once per token: the forward that builds the graph
+        if count and torch.is_grad_enabled():  # once per token: the forward that builds the graph
             same_N = (routes_Nk.sort(-1).values == own_Nk.sort(-1).values).all(-1)
             self.mismatch += (set_N & ~same_N).sum().to("cpu", torch.float64)
             self.replayed += set_N.sum().to("cpu", torch.float64)
         index_Nk = torch.where(set_N[:, None], routes_Nk, own_Nk)
         return scores.gather(1, index_Nk), index_Nk
-
-
-def _in_lockstep_dummy() -> bool:
-    from megatron_opd.models.forward_backward import in_lockstep_dummy
-
-    return in_lockstep_dummy()
 
 
 def install(chunks: list) -> list[RouteReplay]:
@@ -105,9 +102,10 @@ def replays(chunk) -> list[RouteReplay]:
     return [m.router_replay for m in chunk.modules() if isinstance(getattr(m, "router_replay", None), RouteReplay)]
 
 
-def feed(chunk, routes_BSMk: torch.Tensor | None) -> None:
-    """Give each router of ``chunk`` its layer's routes of the micro-batch about to run (None: their own choice).
-    With sequence parallelism each tensor-parallel rank routes its share of the positions."""
+def feed(chunk, routes_BSMk: torch.Tensor | None, *, count: bool = True) -> None:
+    """Give each router of ``chunk`` its layer's routes of the micro-batch about to run (None: their own choice);
+    ``count``: whether its routings count toward the mismatch (not a lockstep dummy's). With sequence parallelism
+    each tensor-parallel rank routes its share of the positions."""
     hooks = replays(chunk)  # none on a pipeline stage without MoE layers
     config = chunk.config
     queue = config.recompute_granularity == "full" and chunk.training and torch.is_grad_enabled()
@@ -122,9 +120,9 @@ def feed(chunk, routes_BSMk: torch.Tensor | None) -> None:
                 rank = ps.get_tensor_model_parallel_rank()
                 routes_SBk = routes_SBk[rank * share : (rank + 1) * share]
             routes_Nk = routes_SBk.reshape(-1, routes_SBk.shape[-1])
-        hook.current = routes_Nk
+        hook.current, hook.count = routes_Nk, count
         if queue:
-            hook.recompute.append(routes_Nk)
+            hook.recompute.append((routes_Nk, count))
 
 
 def reset(chunks: list) -> None:
