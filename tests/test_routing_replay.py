@@ -21,7 +21,15 @@ LAYOUTS = {
     "pp2": dict(pipeline_model_parallel_size=2),
     "cp2": dict(context_parallel_size=2),
 }
-BIAS = 0.05  # added to expert 0's router score in MoE layer 0, on the sampler's side only
+# (layout, build.recompute_granularity, packed): every layout padded and packed (CP: padded only), and full recompute
+# where a plain twin's router gradients can be compared (PP=2: stage 0's queue holds two micro-batches' routes).
+CASES = [
+    ("dp2", None, False), ("dp2", None, True),
+    ("ep2", None, False), ("ep2", None, True), ("ep2", "full", True),
+    ("pp2", None, False), ("pp2", None, True), ("pp2", "full", False), ("pp2", "full", True),
+    ("cp2", None, False), ("cp2", "full", False),
+]  # fmt: skip
+BIAS = 0.1  # added to expert 0's router score in MoE layer 0, on the sampler's side only
 
 
 def _perturbed_class():
@@ -41,7 +49,8 @@ def _perturbed_class():
 
 def _sample(hf_dir: str):
     """The built-in sampler's rollouts (with routes) under the perturbed router, and the share of (token, MoE layer)
-    routings where the unperturbed router's own choice differs, counted from a recorded plain forward."""
+    routings where the unperturbed router's own choice differs, counted from a recorded forward of the padded batch
+    (each layer's input the replayed one's: at layer 0 the plain forward's too)."""
     from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.data.batch import pack_rollouts
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
@@ -50,7 +59,7 @@ def _sample(hf_dir: str):
     from megatron_opd.rollout import BuiltinSampler
 
     initialize_distributed(ParallelConfig())
-    arch, chunks = build_and_load(hf_dir, ParallelConfig(), trainable=False)
+    arch, chunks = build_and_load(hf_dir, ParallelConfig(), trainable=True)
     hooks = route_replay.install(chunks)
     hooks[0].__class__ = _perturbed_class()
     sampler = BuiltinSampler(chunks, vocab_size=arch.vocab_size, max_seq_len=64, pad_token_id=0)
@@ -62,19 +71,22 @@ def _sample(hf_dir: str):
     route_replay.recording(chunks, True)
     chunk = chunks[0]
     chunk.eval()
-    with torch.no_grad():
+    with torch.no_grad():  # each router's own choice on the replayed forward's inputs (what the metric reads)
         n, s = batch.tokens.shape
+        route_replay.feed(chunk, batch.routes)
         chunk(batch.tokens, torch.arange(s).expand(n, s), None)
+        route_replay.reset(chunks)
     own_NSMk = torch.stack([h.recorded.view(s, n, -1).transpose(0, 1) for h in hooks], dim=2)
     routes = batch.routes.long()
     routed = (routes >= 0).all(-1)
     differ = (routes.sort(-1).values != own_NSMk.sort(-1).values).any(-1)
-    return batch, float((differ & routed).sum()) / float(routed.sum()), int(routed.sum())
+    chunk.train()
+    route_replay.recording(chunks, False)
+    return chunks, batch, float((differ & routed).sum()) / float(routed.sum()), int(routed.sum())
 
 
 def _layouts_body(hf_dir: str) -> dict:
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
@@ -84,7 +96,7 @@ def _layouts_body(hf_dir: str) -> dict:
     from megatron_opd.models.forward_backward import forward_backward
     from megatron_opd.trainer.loss_batch import split_for_context_parallel
 
-    batch, share, routed = _sample(hf_dir)
+    sampler_chunks, batch, share, routed = _sample(hf_dir)
     out: dict = {"share": share, "routed": routed, "rank": dist.get_rank()}
 
     def logprob_diff(logits, mb):  # TP=1: the whole vocabulary, its padding cut off
@@ -95,37 +107,39 @@ def _layouts_body(hf_dir: str) -> dict:
         diff = ((logp - mb["rollout_logprobs"]).abs() * mask).max()
         return -(logp * mask).sum() * 1e-2, diff.detach()
 
-    for layout, kwargs in LAYOUTS.items():
-        parallel = ParallelConfig(**kwargs)
-        initialize_distributed(parallel)
-        pp = parallel.pipeline_model_parallel_size
-        for recompute in (None, "full"):
-            build = ModelBuildConfig(recompute_granularity=recompute)
-            arch, chunks = build_and_load(hf_dir, parallel, build, trainable=True)
-            route_replay.install(chunks)
-            packings = (False,) if layout == "cp2" else (False, True)
-            for packed in packings:
-                if packed:
-                    budget = 2 * batch.seq_len if pp > 1 else None
-                    mbs = batch.packed_micro_batches(2, token_budget=budget)
-                else:
-                    mbs = batch.micro_batches(2, trim=pp == 1)
-                split = ContextParallelSplit.current()
-                if split is not None:
-                    mbs = [split_for_context_parallel(mb, split, pad_multiple=2 * split.size) for mb in mbs]
-                for replay in (False, True):
-                    for chunk in chunks:
-                        chunk.zero_grad()
-                    feed = mbs if replay else [{k: v for k, v in mb.items() if k != "routes"} for mb in mbs]
-                    diffs = forward_backward(chunks, feed, logprob_diff)
-                    counts = route_replay.take_counts(chunks)
-                    grads = [
-                        m.weight.grad.clone() for c in chunks for m in c.modules() if type(m).__name__ == "TopKRouter"
-                    ]
-                    key = (layout, recompute, packed, replay)
-                    out[key] = (max((float(d) for d in diffs), default=None), counts.tolist(), grads)
-            del chunks
-        out[layout, "ranks"] = (ps.get_pipeline_model_parallel_rank(), ps.get_context_parallel_rank())
+    built = {}
+    for layout, recompute, packed in CASES:
+        parallel = ParallelConfig(**LAYOUTS[layout])
+        if (layout, recompute) not in built:
+            if layout == "dp2":  # the sampler's own layout and model
+                chunks = sampler_chunks
+            else:
+                initialize_distributed(parallel)
+                build = ModelBuildConfig(recompute_granularity=recompute)
+                chunks = build_and_load(hf_dir, parallel, build, trainable=True)[1]
+                route_replay.install(chunks)
+            built = {(layout, recompute): chunks}
+        chunks = built[layout, recompute]
+        if packed:
+            budget = 2 * batch.seq_len if parallel.pipeline_model_parallel_size > 1 else None
+            mbs = batch.packed_micro_batches(2, token_budget=budget)
+        else:
+            mbs = batch.micro_batches(2, trim=parallel.pipeline_model_parallel_size == 1)
+        split = ContextParallelSplit.current()
+        if split is not None:
+            mbs = [split_for_context_parallel(mb, split, pad_multiple=2 * split.size) for mb in mbs]
+        for replay in (False, True):
+            for chunk in chunks:
+                chunk.zero_grad()
+            feed = mbs if replay else [{k: v for k, v in mb.items() if k != "routes"} for mb in mbs]
+            diffs = forward_backward(chunks, feed, logprob_diff)
+            counts = route_replay.take_counts(chunks)
+            grads = [m.weight.grad.clone() for c in chunks for m in c.modules() if type(m).__name__ == "TopKRouter"]
+            out[layout, recompute, packed, replay] = (
+                max((float(d) for d in diffs), default=None),
+                counts.tolist(),
+                grads,
+            )
     return out
 
 
@@ -133,43 +147,41 @@ def _layouts_body(hf_dir: str) -> dict:
 def replay_results(tmp_path_factory):
     from megatron_opd.testing.tiny_models import make_tiny_hf_model
 
-    hf_dir = make_tiny_hf_model("qwen3_moe", tmp_path_factory.mktemp("replay") / "moe", seed=1, num_hidden_layers=2)
+    # Both layers MoE: each pipeline stage holds one.
+    hf_dir = make_tiny_hf_model(
+        "qwen3_moe", tmp_path_factory.mktemp("replay") / "moe", seed=1, num_hidden_layers=2, mlp_only_layers=[]
+    )
     return run_distributed(_layouts_body, 2, args=(str(hf_dir),), timeout=600)
 
 
 def test_replayed_routes_give_the_samplers_logprobs_at_every_layout(replay_results):
     share = replay_results[0]["share"]
     assert replay_results[1]["share"] == share
-    assert 0.05 < share < 0.6, f"the provoked mismatch is {share:.3f} of the routings"
-    for layout in LAYOUTS:
-        for recompute in (None, "full"):
-            for packed in (False, True) if layout != "cp2" else (False,):
-                where = f"{layout}, recompute={recompute}, packed={packed}"
-                per_rank = {
-                    i: [replay_results[i][layout, recompute, packed, replay] for replay in (False, True)]
-                    for i in (0, 1)
-                }
-                without = max(v[0][0] for v in per_rank.values() if v[0][0] is not None)
-                with_ = max(v[1][0] for v in per_rank.values() if v[1][0] is not None)
-                assert without > 1e-3, f"{where}: the trainer's own routing matches the perturbed sampler"
-                assert with_ <= 1e-5, f"{where}: replayed log-probs differ from the sampler's by {with_:.2e}"
-                mismatched = sum(v[1][1][0] for v in per_rank.values())
-                replayed = sum(v[1][1][1] for v in per_rank.values())
-                assert per_rank[0][0][1] == [0.0, 0.0], f"{where}: counted without replay"
-                assert mismatched / replayed == pytest.approx(share, abs=1e-12), where
+    assert 0.02 < share < 0.6, f"the provoked mismatch is {share:.3f} of the routings"
+    for layout, recompute, packed in CASES:
+        where = f"{layout}, recompute={recompute}, packed={packed}"
+        per_rank = [[r[layout, recompute, packed, replay] for replay in (False, True)] for r in replay_results]
+        without = max(v[0][0] for v in per_rank if v[0][0] is not None)
+        with_ = max(v[1][0] for v in per_rank if v[1][0] is not None)
+        assert without > 1e-3, f"{where}: the trainer's own routing matches the perturbed sampler"
+        assert with_ <= 1e-5, f"{where}: replayed log-probs differ from the sampler's by {with_:.2e}"
+        assert all(v[0][1] == [0.0, 0.0] for v in per_rank), f"{where}: counted without replay"
+        mismatched, replayed = (sum(v[1][1][i] for v in per_rank) for i in (0, 1))
+        assert mismatched / replayed == pytest.approx(share, abs=1e-12), where
     # Recompute replays each micro-batch's routes: the router gradients are the plain forward's (a pipeline stage
     # without MoE layers has none).
-    for layout in LAYOUTS:
-        for packed in (False, True) if layout != "cp2" else (False,):
-            compared = 0
-            for r in replay_results:
-                plain, full = (r[(layout, rc, packed, True)][2] for rc in (None, "full"))
-                assert len(plain) == len(full)
-                for a, b in zip(plain, full):
-                    assert a.abs().max() > 0
-                    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
-                    compared += 1
-            assert compared, layout
+    for layout, recompute, packed in CASES:
+        if recompute is None:
+            continue
+        compared = 0
+        for r in replay_results:
+            plain, full = (r[layout, rc, packed, True][2] for rc in (None, recompute))
+            assert len(plain) == len(full)
+            for a, b in zip(plain, full):
+                assert a.abs().max() > 0
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+                compared += 1
+        assert compared, layout
 
 
 @pytest.mark.parametrize(
