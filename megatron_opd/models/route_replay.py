@@ -14,8 +14,10 @@ router's own choice), so packing, the context-parallel split and the lockstep du
 backward (``build.recompute_granularity=full``) takes its micro-batch's routes from a queue in schedule order
 (pipeline stages run several forwards before the first backward).
 
-Replaying also counts, per (token, MoE layer), whether the router's own choice differs from the replayed one:
-``moe/route_mismatch`` (``trainer.router.RouterMetrics``).
+Replaying also counts, per (token, MoE layer), whether the router's own choice on its layer's input differs from
+the replayed one: ``moe/route_mismatch`` (``trainer.router.RouterMetrics``), at no extra forward. At the first MoE
+layer that is the share a forward without replay would route otherwise; a deeper layer is judged on the sampler's
+path (its input is the replayed forward's), so one token's difference is not counted again in every later layer.
 
 Shape legend: ``B`` rows, ``S`` positions, ``M`` MoE layers, ``k`` experts per token, ``N`` tokens of one router call.
 """
