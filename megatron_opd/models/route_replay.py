@@ -45,9 +45,9 @@ class RouteReplay:
         """Whether the forward running now counts toward ``moe/route_mismatch`` (not a lockstep dummy's)."""
         self.recompute: collections.deque = collections.deque()
         """Routes of forwards whose layers the backward recomputes, oldest first."""
-        self.mismatch = torch.zeros((), dtype=torch.float64)
-        self.replayed = torch.zeros((), dtype=torch.float64)
-        """Replayed (token, layer) routings whose own choice differed, and all replayed ones (gradient forwards)."""
+        self.counts: torch.Tensor | None = None
+        """``[2]`` replayed (token, layer) routings whose own choice differed, and all replayed ones (forwards that
+        build the graph), on the router's device (read once per step: :func:`take_counts`)."""
 
     def own_topk(self, scores, topk, num_groups, group_topk, default_compute_topk):
         """The router's own choice (tests override it to provoke a sampler-side mismatch)."""
@@ -73,8 +73,8 @@ class RouteReplay:
         set_N = (routes_Nk >= 0).all(-1)
         if count and torch.is_grad_enabled():  # once per token: the forward that builds the graph
             same_N = (routes_Nk.sort(-1).values == own_Nk.sort(-1).values).all(-1)
-            self.mismatch += (set_N & ~same_N).sum().to("cpu", torch.float64)
-            self.replayed += set_N.sum().to("cpu", torch.float64)
+            counts = torch.stack([(set_N & ~same_N).sum(), set_N.sum()]).double()
+            self.counts = counts if self.counts is None else self.counts + counts
         index_Nk = torch.where(set_N[:, None], routes_Nk, own_Nk)
         return scores.gather(1, index_Nk), index_Nk
 
@@ -141,9 +141,9 @@ def take_counts(chunks: list) -> torch.Tensor:
     out = torch.zeros(2, dtype=torch.float64)
     for chunk in chunks:
         for hook in replays(chunk):
-            out += torch.stack([hook.mismatch, hook.replayed])
-            hook.mismatch.zero_()
-            hook.replayed.zero_()
+            if hook.counts is not None:
+                out += hook.counts.cpu()  # a device sync, once per router and step
+                hook.counts = None
     return out
 
 
