@@ -1,7 +1,7 @@
 """Routing replay (``rollout.routing_replay``, ``models.route_replay``): a provoked sampler-side mismatch (the built-in
 sampler selects layer 0's experts with a bias on the router's scores that the trainer's router lacks) makes the
 trainer's per-token log-probabilities differ from the sampler's; replaying the sampler's routes makes them equal, at
-DP=2, EP=2, PP=2 and CP=2, padded and packed (CP: padded), at PP=2 also with full activation recompute (whose
+DP=2, EP=2, PP=2, CP=2 and TP=2 with sequence parallelism, padded and packed (CP: padded), at PP=2 also with full activation recompute (whose
 router gradients equal the plain forward's), and ``moe/route_mismatch`` reads the provoked share, counted in the
 test from the routers' recorded own choices. One job of two ranks over every layout; the refusals need no model."""
 
@@ -20,6 +20,7 @@ LAYOUTS = {
     "ep2": dict(expert_model_parallel_size=2),
     "pp2": dict(pipeline_model_parallel_size=2),
     "cp2": dict(context_parallel_size=2),
+    "tp2_sp": dict(tensor_model_parallel_size=2, sequence_parallel=True),
 }
 # (layout, build.recompute_granularity, packed): every layout padded and packed (CP: padded only), and full recompute
 # at PP=2, where stage 0's queue holds two micro-batches' routes and a plain twin's router gradients compare.
@@ -28,6 +29,7 @@ CASES = [
     ("ep2", None, False), ("ep2", None, True),
     ("pp2", None, False), ("pp2", None, True), ("pp2", "full", False), ("pp2", "full", True),
     ("cp2", None, False),
+    ("tp2_sp", None, False), ("tp2_sp", None, True),
 ]  # fmt: skip
 BIAS = 0.1  # added to expert 0's router score in MoE layer 0, on the sampler's side only
 
@@ -90,6 +92,7 @@ def _layouts_body(hf_dir: str) -> dict:
 
     from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
+    from megatron_opd.losses.sampled import label_logprobs
     from megatron_opd.models import route_replay
     from megatron_opd.models.builder import ModelBuildConfig
     from megatron_opd.models.context_parallel import ContextParallelSplit
@@ -99,10 +102,8 @@ def _layouts_body(hf_dir: str) -> dict:
     sampler_chunks, batch, share, routed = _sample(hf_dir)
     out: dict = {"share": share, "routed": routed, "rank": dist.get_rank()}
 
-    def logprob_diff(logits, mb):  # TP=1: the whole vocabulary, its padding cut off
-        logp = torch.log_softmax(logits[..., : batch.vocab_size].float(), -1).gather(-1, mb["labels"][..., None])[
-            ..., 0
-        ]
+    def logprob_diff(logits, mb):  # vocab-parallel at TP=2, the padding rows cut off
+        logp = label_logprobs(logits.float(), mb["labels"], vocab_size=batch.vocab_size)
         mask = mb["loss_mask"] != 0
         diff = ((logp - mb["rollout_logprobs"]).abs() * mask).max()
         return -(logp * mask).sum() * 1e-2, diff.detach()
