@@ -292,10 +292,10 @@ def _inputs(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _reference64(hf_dir: str, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
     """transformers' log-probabilities over the first ``vocab`` ids, the model run in float64."""
-    from transformers import AutoModelForCausalLM
+    from megatron_opd.models.reference import hf_model
 
     # MoE experts one by one: transformers' grouped expert GEMM has no float64 kernel
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, experts_implementation="eager").double().eval()
+    model = hf_model(hf_dir, experts_implementation="eager").double().eval()
     with torch.no_grad():
         return torch.log_softmax(model(input_ids=tokens).logits[..., :vocab], dim=-1)
 
