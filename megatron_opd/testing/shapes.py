@@ -88,10 +88,14 @@ mechanism (``SCOPED``), not every path: their layers are the dense decoder's wit
 shared machinery (the converter's names, vocabulary padding, tied embeddings) is covered by the shapes above."""
 SCOPED: dict[str, frozenset[str]] = {
     "olmo3_window_two_ropes": frozenset({"built-in sampler greedy vs transformers", "trainer HF export (bitwise)"}),
-    "smollm3_nope": frozenset({"built-in sampler greedy vs transformers"}),
+    "smollm3_nope": frozenset({"built-in sampler greedy vs transformers", "trainer HF export (bitwise)"}),
     "seed_oss_qkv_bias": frozenset({"trainer HF export (bitwise)"}),
     "granite_multipliers": frozenset(
-        {"built-in sampler greedy vs transformers", "in-process teacher top-k vs transformers"}
+        {
+            "built-in sampler greedy vs transformers",
+            "in-process teacher top-k vs transformers",
+            "trainer HF export (bitwise)",
+        }
     ),
     "gemma2_softcap": frozenset(
         {
@@ -141,7 +145,7 @@ MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
     },
     "trainer HF export (bitwise)": {
         "tp1": (
-            LOCAL + MOE + MLA_VARIANTS + ("olmo3_window_two_ropes", "seed_oss_qkv_bias", "gemma2_softcap"),
+            LOCAL + MOE + MLA_VARIANTS + DENSE_52,
             "test_checkpoint.py::test_trainer_export_is_bitwise",
         ),
         "tp2_pp2": (SPLIT, "test_checkpoint.py::test_trainer_export_is_bitwise"),
