@@ -91,16 +91,19 @@ def test_resume_after_kill_is_bitwise(pair, reference_run, tmp_path):
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000003", "step_00000004"]  # keep_last=2
 
 
-@pytest.mark.parametrize("shape", ["mistral_window", "olmo2_post_norms", "phi3_fused_partial", "gemma3_sandwich"])
+@pytest.mark.parametrize(
+    "shape", ["mistral_window", "olmo2_post_norms", "phi3_fused_partial", "gemma3_sandwich", "gemma2_softcap"]
+)
 def test_resume_after_kill_is_bitwise_on_the_newer_families(shape, pair, tmp_path):
     """A student of each newer family (a sliding window shorter than the sequences, post-norms, fused checkpoint
     tensors with partial rotary and LongRoPE, sandwich norms with two RoPE bases), trained with the SFT loss (no
     teacher: the student's own state is the subject), killed after step 2 and started again: the resumed run's losses
-    equal the uninterrupted run's bitwise (the family's modules, optimizer state and data position round-trip)."""
-    from megatron_opd.testing.shapes import NEW_FAMILIES, make_shape
+    equal the uninterrupted run's bitwise (the family's modules, optimizer state and data position round-trip); and
+    Gemma 2's soft-capped attention and logits through the trainer's loss."""
+    from megatron_opd.testing.shapes import DENSE_52, NEW_FAMILIES, make_shape
     from megatron_opd.testing.tiny_models import make_tiny_tokenizer
 
-    assert shape in NEW_FAMILIES
+    assert shape in NEW_FAMILIES + DENSE_52
     student = make_shape(shape, tmp_path / "student")
     make_tiny_tokenizer(student, vocab_size=1000)  # the pair's tokenizer: fewer tokens than the student's rows
     # train.max_seq_len: within Phi-3's original 64 positions (LongRoPE's short factors; longer is refused)
