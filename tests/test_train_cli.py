@@ -91,15 +91,14 @@ def test_resume_after_kill_is_bitwise(pair, reference_run, tmp_path):
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000003", "step_00000004"]  # keep_last=2
 
 
-@pytest.mark.parametrize(
-    "shape", ["mistral_window", "olmo2_post_norms", "phi3_fused_partial", "gemma3_sandwich", "gemma2_softcap"]
-)
+@pytest.mark.parametrize("shape", ["mistral_window", "olmo2_post_norms", "phi3_fused_partial", "gemma3_sandwich"])
 def test_resume_after_kill_is_bitwise_on_the_newer_families(shape, pair, tmp_path):
     """A student of each newer family (a sliding window shorter than the sequences, post-norms, fused checkpoint
     tensors with partial rotary and LongRoPE, sandwich norms with two RoPE bases), trained with the SFT loss (no
     teacher: the student's own state is the subject), killed after step 2 and started again: the resumed run's losses
-    equal the uninterrupted run's bitwise (the family's modules, optimizer state and data position round-trip); and
-    Gemma 2's soft-capped attention and logits through the trainer's loss."""
+    equal the uninterrupted run's bitwise (the family's modules, optimizer state and data position round-trip).
+    Issue #52's families hold no state beyond their weights (``DENSE_52`` runs here too, ~80 s a shape on 2 cores:
+    Gemma 2 passed on 2026-11-29; its weights' dist_ckpt round trip is in the matrix)."""
     from megatron_opd.testing.shapes import DENSE_52, NEW_FAMILIES, make_shape
     from megatron_opd.testing.tiny_models import make_tiny_tokenizer
 
