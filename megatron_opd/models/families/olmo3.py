@@ -41,8 +41,13 @@ def read_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
         elif rope_lib.attention_factor(local) != 1.0:
             raise UnsupportedArchitectureError(f"{source}: the sliding layers' RoPE must not scale cos/sin")
     sliding = tuple(t == "sliding_attention" for t in layer_types) if window else None
-    if local is not None and not any(sliding or ()):
+    if local is not None and "sliding_attention" not in layer_types:
         local = None  # no sliding layer to take it
+    if local is not None and sliding is None:
+        # The per-layer RoPE follows Megatron's window layers; without a window there are none to pick it.
+        raise UnsupportedArchitectureError(
+            f"{source}: sliding_window=null with rope_parameters that differ per layer type is not supported"
+        )
     return dict(qkv_bias=False, qk_norm=True, sliding_window=window, sliding_layers=sliding, local_rope=local)
 
 
