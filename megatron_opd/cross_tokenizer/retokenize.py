@@ -262,7 +262,8 @@ class CrossTokenizer:
             raise ValueError("loss.cross_tokenizer=aligned needs the teacher's top-k; the teacher returned none")
         n, s = batch.tokens.shape
         k = teacher.topk_ids.shape[-1]
-        student_at, teacher_at, shift_at = [], [], []  # per sample: (row, position) of each row, its EOS shift
+        student_at, teacher_at, shift_at, spaced_at = [], [], [], []  # per sample: (row, position) of each row, its
+        # EOS shift, whether it is the answer's first position after the student's leading space
         skip_first = self.vocabulary_map is not None and (
             self.student_bytes.dummy_prefix != self.teacher_bytes.dummy_prefix
         )  # one side's first group may hold a space the other's first token lacks: its first tokens differ
@@ -288,6 +289,8 @@ class CrossTokenizer:
                 last = request.stop_prefixes[i][0]
                 shift[t0 == last + 1] = stop_shifts[i]
             shift_at.append(shift[trained])
+            space = self.student_bytes[int(batch.tokens[i, p])][:1] == b" " if p < batch.lengths[i] else False
+            spaced_at.append(((s0 == 0) & space)[trained])
         ids = torch.zeros(n, s, k, dtype=torch.int64)
         logprobs = torch.zeros(n, s, k, dtype=torch.float32)
         support = torch.zeros(n, s, k, dtype=torch.bool)
@@ -301,6 +304,12 @@ class CrossTokenizer:
                 m_ids, m_logprobs, m_support = t_ids, t_logprobs, torch.ones_like(t_ids, dtype=torch.bool)
             else:
                 m_ids, m_logprobs, m_support = self.vocabulary_map.map_topk(t_ids, t_logprobs, prefixes=True)
+                spaced_R = torch.cat(spaced_at)
+                if spaced_R.any():  # the answer's first position: both boundary variants (VocabularyMap)
+                    at = spaced_R.nonzero()[:, 0]
+                    b_ids, b_logprobs, b_support = self.vocabulary_map.map_topk(t_ids[at], t_logprobs[at], spaced=True)
+                    m_ids, m_logprobs, m_support = m_ids.clone(), m_logprobs.clone(), m_support.clone()
+                    m_ids[at], m_logprobs[at], m_support[at] = b_ids, b_logprobs, b_support
                 eos = self.vocabulary_map.student_eos_id
                 shift_R = torch.cat(shift_at).float()
                 m_logprobs = m_logprobs - torch.where(m_support & (m_ids == eos), shift_R[:, None], 0.0)
