@@ -124,7 +124,7 @@ def test_aligned_sums_both_boundary_variants_at_the_answers_first_position(refer
     from megatron_opd.testing.cross_tokenizer_reference import byte_table
 
     ref, code = references["cross_space"], code_paths["cross_space", "aligned"]
-    pair, scores = ref.pair, code_paths["cross_space", "aligned"].scores
+    pair, scores = ref.pair, code.scores
     sb, tb = byte_table(pair.student), byte_table(pair.teacher)
     prompt = pair.teacher(pair.prompt, add_special_tokens=True)["input_ids"]
     logp_V = ref.teacher.logprobs(torch.tensor([prompt]), pair.teacher_temperature)[0, -1]
