@@ -34,11 +34,12 @@ GAPS = {
     ("multibyte", "forward_kl"): (0.6581, 0.7883, 0.7516),
     ("student_longer", "reverse_kl"): (0.9376, 0.4388, 0.0000),
     ("student_longer", "forward_kl"): (0.8079, 0.8072, 0.0000),
-    ("sentencepiece", "reverse_kl"): (0.1163, 1.5147, 0.3325),
-    ("sentencepiece", "forward_kl"): (0.2911, 1.2215, 0.4908),
+    ("sentencepiece", "reverse_kl"): (0.1163, 1.5147, 0.7593),
+    ("sentencepiece", "forward_kl"): (0.2911, 1.2215, 1.1921),
 }
 """The measured gaps (docs/losses.md, "What the cross-tokenizer losses estimate"); ``aligned``'s on ``cross_space`` and
-``multibyte`` include its first position's boundary sum (the teacher's two variants), which (b) does not make."""
+``multibyte`` include its first position's boundary sum (the teacher's two variants), which (b) does not make, and on
+``sentencepiece`` its first position's top-k (the dummy prefix read as the student's space), where (b) is sampled."""
 
 
 @pytest.fixture(scope="module")
@@ -115,15 +116,17 @@ def test_the_gaps_to_the_sequence_level_divergence(references, code_paths, pair,
     assert row["rel_aligned_b"] == pytest.approx(rel_aligned_b, abs=1e-3)
 
 
-def test_aligned_sums_both_boundary_variants_at_the_answers_first_position(references, code_paths):
+@pytest.mark.parametrize("pair", ("cross_space", "sentencepiece"))
+def test_aligned_sums_both_boundary_variants_at_the_answers_first_position(references, code_paths, pair):
     """Where the student's template writes the answer's leading space (" 1"), ``aligned``'s target at the answer's
     first position is the teacher's next-token mass summed over both boundary variants ("1 2" read as " 1 2"), each
     teacher token credited to the student token its spaced bytes begin with (or the only one that extends them):
     the boundary-summed teacher's first-token marginal, by brute force from the reference's byte tables and the
-    teacher's own log-probabilities (its least likely token is outside the top-k the data path asks for)."""
+    teacher's own log-probabilities (its least likely token is outside the top-k the data path asks for). A
+    SentencePiece teacher's dummy-prefix space is the student's leading space there ("▁1" for " 1")."""
     from megatron_opd.testing.cross_tokenizer_reference import byte_table
 
-    ref, code = references["cross_space"], code_paths["cross_space", "aligned"]
+    ref, code = references[pair], code_paths[pair, "aligned"]
     pair, scores = ref.pair, code.scores
     sb, tb = byte_table(pair.student), byte_table(pair.teacher)
     prompt = pair.teacher(pair.prompt, add_special_tokens=True)["input_ids"]
@@ -144,7 +147,7 @@ def test_aligned_sums_both_boundary_variants_at_the_answers_first_position(refer
         if v is not None:
             expected[v] = expected.get(v, 0.0) + float(logp_V[u].exp())
             unspaced += float(logp_V[u].exp()) if piece[:1] not in (b" ", b"") else 0.0
-    assert unspaced > 0.05  # the pair has an unspaced variant worth summing
+    assert unspaced > 0.05 or pair.name == "sentencepiece"  # an unspaced variant worth summing
     first, checked = code.batch.prompt_lengths[0] - 1, 0
     for i, ids in enumerate(ref.responses.ids):
         if sb[ids[0]][:1] != b" " or not scores.extras["aligned_mask"][i, first]:

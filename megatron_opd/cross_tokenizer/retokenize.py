@@ -270,12 +270,14 @@ class CrossTokenizer:
         for i, alignment in enumerate(request.alignments):
             if alignment is None:
                 continue
-            starts = [g for g in alignment.groups if not g.one_sided and not (skip_first and g.student[0] == 0)]
+            p, tp = batch.prompt_lengths[i], request.teacher_prompt_lengths[i]
+            space = p < batch.lengths[i] and self.student_bytes[int(batch.tokens[i, p])][:1] == b" "
+            skip = skip_first and not space
+            starts = [g for g in alignment.groups if not g.one_sided and not (skip and g.student[0] == 0)]
             if self.vocabulary_map is None:  # one vocabulary: every group is one token
                 starts = [g for g in starts if g.student[1] - g.student[0] == 1 == g.teacher[1] - g.teacher[0]]
             if not starts:
                 continue
-            p, tp = batch.prompt_lengths[i], request.teacher_prompt_lengths[i]
             s0 = torch.tensor([g.student[0] for g in starts])
             t0 = torch.tensor([g.teacher[0] for g in starts])
             trained = batch.loss_mask[i, p - 1 + s0] != 0
@@ -289,7 +291,6 @@ class CrossTokenizer:
                 last = request.stop_prefixes[i][0]
                 shift[t0 == last + 1] = stop_shifts[i]
             shift_at.append(shift[trained])
-            space = self.student_bytes[int(batch.tokens[i, p])][:1] == b" " if p < batch.lengths[i] else False
             spaced_at.append(((s0 == 0) & space)[trained])
         ids = torch.zeros(n, s, k, dtype=torch.int64)
         logprobs = torch.zeros(n, s, k, dtype=torch.float32)
