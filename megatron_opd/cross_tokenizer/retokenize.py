@@ -11,7 +11,10 @@ the group's first position (``extras["group_offset"]``), which is what the sampl
 at the first position of each group (a byte offset where both tokenizations have a boundary) each teacher token is
 mapped to the student token its bytes begin with
 (:attr:`~megatron_opd.cross_tokenizer.vocabulary_map.VocabularyMap.teacher_to_first`) for the top-k loss
-(:mod:`megatron_opd.losses.aligned`); the group's other positions keep the sampled loss. All of it runs on the
+(:mod:`megatron_opd.losses.aligned`); the group's other positions keep the sampled loss. Where the student's
+template starts the answer with a space (the record's response, ``data.response_key``, does), the answer's first
+position reads every teacher token with that space, so a teacher fine-tuned with and without it is compared by the
+sum of its two boundary variants (``VocabularyMap.teacher_to_first_spaced``). All of it runs on the
 host in the data path, off the accelerator.
 
 Where the student stopped, the teacher's last token was chosen knowing that the text ends there: a teacher with a
@@ -76,6 +79,8 @@ class TeacherRequest:
     response of its last text token, how many of ``request_ids[i, position predicting it]`` are that token's
     extensions); else None."""
     stopped: list[bool] = field(default_factory=list)
+    spaced_answers: list[bool] = field(default_factory=list)
+    """Per sample: the student's template starts the answer with a space (its record's response does)."""
     """Per sample: the teacher's EOS follows its text (the stop correction's rest goes there)."""
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -189,7 +194,10 @@ class CrossTokenizer:
             "cross_tokenizer/one_to_one_share": stats.one_to_one_share if stats else 0.0,
         }
         lengths = [len(s) for s in sequences]
-        return TeacherRequest(tokens, next_ids, lengths, alignments, prompt_lengths, stop_prefixes, stopped, metrics)
+        key = getattr(self.teacher_encoder, "response_key", "response")
+        spaced = [str(records[j].get(key) or "")[:1] == " " for j in rollouts.prompt_index[:n]]
+        return TeacherRequest(tokens, next_ids, lengths, alignments, prompt_lengths, stop_prefixes, stopped, spaced,
+                              metrics)  # fmt: skip
 
     @staticmethod
     def _mask_uncompared(mask_S: torch.Tensor, prompt_length: int, alignment: Alignment | None) -> None:
@@ -263,15 +271,17 @@ class CrossTokenizer:
         n, s = batch.tokens.shape
         k = teacher.topk_ids.shape[-1]
         student_at, teacher_at, shift_at, spaced_at = [], [], [], []  # per sample: (row, position) of each row, its
-        # EOS shift, whether it is the answer's first position after the student's leading space
+        # EOS shift, whether it is the answer's first position after the student template's leading space
         skip_first = self.vocabulary_map is not None and (
             self.student_bytes.dummy_prefix != self.teacher_bytes.dummy_prefix
-        )  # one side's first group may hold a space the other's first token lacks: its first tokens differ
+        )  # one side's first group may hold a space the other's first token lacks: its first tokens differ, unless
+        # the student's template starts the answer with a space (then every teacher token is read with one there:
+        # both boundary variants of the teacher summed, VocabularyMap.teacher_to_first_spaced)
         for i, alignment in enumerate(request.alignments):
             if alignment is None:
                 continue
             p, tp = batch.prompt_lengths[i], request.teacher_prompt_lengths[i]
-            space = p < batch.lengths[i] and self.student_bytes[int(batch.tokens[i, p])][:1] == b" "
+            space = bool(request.spaced_answers) and request.spaced_answers[i]
             skip = skip_first and not space
             starts = [g for g in alignment.groups if not g.one_sided and not (skip and g.student[0] == 0)]
             if self.vocabulary_map is None:  # one vocabulary: every group is one token
