@@ -73,15 +73,18 @@ each property still reaches every path and every layout, at a fraction of the fu
 NEW_FAMILIES = ("mistral_window", "olmo2_post_norms", "phi3_fused_partial", "gemma3_sandwich")
 LOCAL = ("llama_tied", "qwen2_mha_v97", "qwen3_one_kv", *NEW_FAMILIES)  # TP=1 (and PP/VP without TP)
 SPLIT = ("llama_tied", "qwen2_mha_v97", "qwen3_tied")  # any layout with TP=2
-MOE = ("qwen3_moe_dense0", "qwen2_moe_shared", "mixtral_untied", "deepseek_v3_mla")  # every layout MoE runs
+MOE = ("qwen3_moe_dense0", "qwen2_moe_shared", "mixtral_untied", "deepseek_v3_mla", "qwen3_next_hybrid")  # every layout MoE runs
 MLA_VARIANTS = ("deepseek_v3_q_proj",)  # multi-latent attention without a query latent: where the query's path differs
 SPLIT_ALL = (*SPLIT, *NEW_FAMILIES)
+HYBRID = ("qwen3_next_dense",)  # Gated DeltaNet hybrid without experts: TP=2 alone and PP=2 (the MoE one is in MOE)
 
 ALL_PROPERTIES = frozenset().union(*(s.properties for s in SHAPES.values()))
 TP1_ONLY = frozenset({"attention:one-kv-head"})
-MOE_ONLY = ALL_PROPERTIES - frozenset().union(*(s.properties for n, s in SHAPES.items() if n not in MOE + MLA_VARIANTS))
-"""Properties only the MoE shapes have: the covering conditions ask for them in the paths and at the layouts
-that run MoE shapes so far (issue #35 brings MoE to every path)."""
+MOE_ONLY = ALL_PROPERTIES - frozenset().union(
+    *(s.properties for n, s in SHAPES.items() if n not in MOE + MLA_VARIANTS + HYBRID)
+)
+"""Properties only the MoE (and Gated DeltaNet hybrid) shapes have: the covering conditions ask for them in the paths
+and at the layouts that run MoE shapes so far (issue #35 brings MoE to every path; vLLM refuses the hybrids on CPU)."""
 EXPERT_LAYOUTS = frozenset({"ep2", "tp2_ep2"})
 """Layouts with expert parallelism, run by the MoE shapes alone (the dense ones run their TP/PP parts elsewhere):
 the covering conditions there ask for the MoE-only properties."""
@@ -90,11 +93,11 @@ the covering conditions there ask for the MoE-only properties."""
 MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
     "Megatron model vs transformers logits": {
         "tp1": (LOCAL + MOE + MLA_VARIANTS, "test_models.py::test_logits_match_transformers"),
-        "tp2": (SPLIT_ALL, "test_models.py::test_logits_match_transformers"),
+        "tp2": (SPLIT_ALL + HYBRID, "test_models.py::test_logits_match_transformers"),
         "tp2_sp": (SPLIT_ALL + MOE + MLA_VARIANTS, "test_models.py::test_logits_match_transformers"),
         "ep2": (MOE + MLA_VARIANTS, "test_models.py::test_logits_match_transformers"),
-        "pp2_vp2": (LOCAL, "test_models.py::test_logits_match_transformers"),
-        "tp2_pp2": (SPLIT_ALL, "test_models.py::test_logits_match_transformers"),
+        "pp2_vp2": (LOCAL + HYBRID, "test_models.py::test_logits_match_transformers"),
+        "tp2_pp2": (SPLIT_ALL + HYBRID, "test_models.py::test_logits_match_transformers"),
     },
     "vLLM sync, engine process": {
         "tp1": (LOCAL, "test_weight_sync_vllm.py::test_sync_is_exact"),
@@ -106,11 +109,11 @@ MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
     },
     "built-in sampler greedy vs transformers": {
         "tp1": (LOCAL + MOE + MLA_VARIANTS, "test_sampler.py::test_greedy_matches_transformers"),
-        "tp2": (SPLIT_ALL, "test_sampler.py::test_greedy_matches_transformers"),
+        "tp2": (SPLIT_ALL + HYBRID, "test_sampler.py::test_greedy_matches_transformers"),
     },
     "tools/checkpoint round trip (bitwise)": {
-        "tp2_pp2": (SPLIT_ALL, "test_checkpoint.py::test_round_trip_is_bitwise"),
-        "pp2_vp2": (LOCAL, "test_checkpoint.py::test_round_trip_is_bitwise"),
+        "tp2_pp2": (SPLIT_ALL + HYBRID, "test_checkpoint.py::test_round_trip_is_bitwise"),
+        "pp2_vp2": (LOCAL + HYBRID, "test_checkpoint.py::test_round_trip_is_bitwise"),
         "tp2_ep2": (MOE + MLA_VARIANTS, "test_checkpoint.py::test_round_trip_is_bitwise"),
     },
     "trainer HF export (bitwise)": {

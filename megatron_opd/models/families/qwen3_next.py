@@ -211,4 +211,17 @@ FAMILY = Qwen3NextFamily(
         shared_gate="model.layers.{layer}.mlp.shared_expert_gate.weight",
     ),
     tiny_config=dict(**TINY_MOE, **TINY_HYBRID, shared_expert_intermediate_size=64, norm_topk_prob=True),
+    # The MoE shape has transformers' pattern (three DeltaNet layers, then attention) and a dense first layer; the dense
+    # one, for plain TP=2 (where MoE layers need sequence parallelism) and PP=2, eight layers alternating DeltaNet and
+    # attention: each stage of PP=2 (and each virtual chunk) holds both.
+    test_shapes={
+        "qwen3_next_hybrid": dict(
+            tied=False, kv_heads=2, vocab_size=1001, rope="none", mlp="moe+dense-layer+shared-expert",
+            overrides=(("mlp_only_layers", [0]),),
+        ),
+        "qwen3_next_dense": dict(
+            tied=True, kv_heads=4, vocab_size=97, rope="linear",
+            overrides=(("num_experts", 0), ("num_hidden_layers", 8), ("full_attention_interval", 2)),
+        ),
+    },  # fmt: skip
 )
