@@ -90,6 +90,8 @@ class HybridFamily(MoEFamily):
         lin = arch.linear_attention
         fields.update(
             attention_output_gate=arch.attention_output_gate,
+            # Megatron's per-layer pattern (1: linear attention); it also keys checkpoints per layer, not stacked.
+            linear_attention_freq=[int(i in lin.layers) for i in range(arch.num_layers)],
             linear_conv_kernel_dim=lin.conv_kernel,
             linear_key_head_dim=lin.key_head_dim,
             linear_value_head_dim=lin.value_head_dim,
