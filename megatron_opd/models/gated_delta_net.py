@@ -166,7 +166,7 @@ class GatedDeltaNet(torch.nn.Module):
         for param in (self.conv_weight, self.A_log, self.dt_bias):
             param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 1
         with torch.no_grad():
-            torch.nn.init.uniform_(self.conv_weight, -self.kernel**-0.5, self.kernel**-0.5)
+            torch.nn.init.uniform_(self.conv_weight, -(self.kernel**-0.5), self.kernel**-0.5)
             self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
         self.out_proj = build_module(
             submodules.out_proj,

@@ -73,9 +73,10 @@ each property still reaches every path and every layout, at a fraction of the fu
 NEW_FAMILIES = ("mistral_window", "olmo2_post_norms", "phi3_fused_partial", "gemma3_sandwich")
 LOCAL = ("llama_tied", "qwen2_mha_v97", "qwen3_one_kv", *NEW_FAMILIES)  # TP=1 (and PP/VP without TP)
 SPLIT = ("llama_tied", "qwen2_mha_v97", "qwen3_tied")  # any layout with TP=2
-MOE = ("qwen3_moe_dense0", "qwen2_moe_shared", "mixtral_untied", "deepseek_v3_mla", "qwen3_next_hybrid")  # every layout MoE runs
+MOE = ("qwen3_moe_dense0", "qwen2_moe_shared", "mixtral_untied", "deepseek_v3_mla")  # every layout MoE runs
 MLA_VARIANTS = ("deepseek_v3_q_proj",)  # multi-latent attention without a query latent: where the query's path differs
 SPLIT_ALL = (*SPLIT, *NEW_FAMILIES)
+MOE += ("qwen3_next_hybrid",)  # Gated DeltaNet and gated attention with experts (transformers' 3:1 pattern)
 HYBRID = ("qwen3_next_dense",)  # Gated DeltaNet hybrid without experts: TP=2 alone and PP=2 (the MoE one is in MOE)
 
 ALL_PROPERTIES = frozenset().union(*(s.properties for s in SHAPES.values()))
@@ -122,7 +123,7 @@ MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
     },
     "in-process teacher top-k vs transformers": {
         "tp1": (LOCAL + MOE, "test_teacher_server.py::test_teacher_topk_per_shape"),
-        "tp2": (SPLIT, "test_teacher_server.py::test_teacher_topk_per_shape"),
+        "tp2": (SPLIT + HYBRID, "test_teacher_server.py::test_teacher_topk_per_shape"),
     },
     "teacher server top-k vs transformers": {
         "tp1": (("qwen3_one_kv", *NEW_FAMILIES), "test_teacher_server.py::test_teacher_topk_per_shape"),

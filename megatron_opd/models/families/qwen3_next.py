@@ -178,7 +178,12 @@ class Qwen3NextFamily(HybridFamily):
     def in_proj_rules(self, arch: ModelArchitecture) -> list[WeightRule]:
         """Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba`` are already grouped per key head."""
         lin = arch.linear_attention
-        dk, r, dv, nk = lin.key_head_dim, lin.num_value_heads // lin.num_key_heads, lin.value_head_dim, lin.num_key_heads
+        dk, r, dv, nk = (
+            lin.key_head_dim,
+            lin.num_value_heads // lin.num_key_heads,
+            lin.value_head_dim,
+            lin.num_key_heads,
+        )
         la, h = "model.layers.{layer}.linear_attn", arch.hidden_size
         qkvz = 2 * dk + 2 * r * dv
         in_proj = WeightRule(
@@ -218,11 +223,18 @@ FAMILY = Qwen3NextFamily(
     # attention: each stage of PP=2 (and each virtual chunk) holds both.
     test_shapes={
         "qwen3_next_hybrid": dict(
-            tied=False, kv_heads=2, vocab_size=1001, rope="none", mlp="moe+dense-layer+shared-expert",
+            tied=False,
+            kv_heads=2,
+            vocab_size=1001,
+            rope="none",
+            mlp="moe+dense-layer+shared-expert",
             overrides=(("mlp_only_layers", [0]),),
         ),
         "qwen3_next_dense": dict(
-            tied=True, kv_heads=4, vocab_size=97, rope="linear",
+            tied=True,
+            kv_heads=4,
+            vocab_size=97,
+            rope="linear",
             overrides=(("num_experts", 0), ("num_hidden_layers", 8), ("full_attention_interval", 2)),
         ),
     },  # fmt: skip
