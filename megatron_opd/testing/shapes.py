@@ -76,13 +76,14 @@ SPLIT = ("llama_tied", "qwen2_mha_v97", "qwen3_tied")  # any layout with TP=2
 MOE = ("qwen3_moe_dense0", "qwen2_moe_shared", "mixtral_untied", "deepseek_v3_mla")  # every layout MoE runs
 MLA_VARIANTS = ("deepseek_v3_q_proj",)  # multi-latent attention without a query latent: where the query's path differs
 SPLIT_ALL = (*SPLIT, *NEW_FAMILIES)
-MOE += ("qwen3_next_hybrid",)  # Gated DeltaNet and gated attention with experts (transformers' 3:1 pattern)
+MOE += ("qwen3_next_hybrid", "qwen3_5_moe")  # Gated DeltaNet and gated attention with experts (transformers' 3:1 pattern)
 HYBRID = ("qwen3_next_dense",)  # Gated DeltaNet hybrid without experts: TP=2 alone and PP=2 (the MoE one is in MOE)
+HYBRID_TEXT = ("qwen3_5_dense",)  # Qwen3.5's dense text tower: logits at TP=1 and TP=2
 
 ALL_PROPERTIES = frozenset().union(*(s.properties for s in SHAPES.values()))
 TP1_ONLY = frozenset({"attention:one-kv-head"})
 MOE_ONLY = ALL_PROPERTIES - frozenset().union(
-    *(s.properties for n, s in SHAPES.items() if n not in MOE + MLA_VARIANTS + HYBRID)
+    *(s.properties for n, s in SHAPES.items() if n not in MOE + MLA_VARIANTS + HYBRID + HYBRID_TEXT)
 )
 """Properties only the MoE (and Gated DeltaNet hybrid) shapes have: the covering conditions ask for them in the paths
 and at the layouts that run MoE shapes so far (issue #35 brings MoE to every path; vLLM refuses the hybrids on CPU)."""
@@ -93,8 +94,8 @@ the covering conditions there ask for the MoE-only properties."""
 # path -> layout -> (shape names, the test that runs the cell)
 MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
     "Megatron model vs transformers logits": {
-        "tp1": (LOCAL + MOE + MLA_VARIANTS, "test_models.py::test_logits_match_transformers"),
-        "tp2": (SPLIT_ALL + HYBRID, "test_models.py::test_logits_match_transformers"),
+        "tp1": (LOCAL + MOE + MLA_VARIANTS + HYBRID_TEXT, "test_models.py::test_logits_match_transformers"),
+        "tp2": (SPLIT_ALL + HYBRID + HYBRID_TEXT, "test_models.py::test_logits_match_transformers"),
         "tp2_sp": (SPLIT_ALL + MOE + MLA_VARIANTS, "test_models.py::test_logits_match_transformers"),
         "ep2": (MOE + MLA_VARIANTS, "test_models.py::test_logits_match_transformers"),
         "pp2_vp2": (LOCAL + HYBRID, "test_models.py::test_logits_match_transformers"),

@@ -17,12 +17,14 @@ from megatron_opd.models.families import (
     qwen2,
     qwen2_moe,
     qwen3,
+    qwen3_5,
     qwen3_moe,
     qwen3_next,
 )
 from megatron_opd.models.families.base import ModelFamily, SpecOptions
 
-_MODULES = (llama, qwen2, qwen3, mistral, olmo2, phi3, gemma3, qwen3_moe, qwen2_moe, mixtral, deepseek_v3, qwen3_next)
+_MODULES = (llama, qwen2, qwen3, mistral, olmo2, phi3, gemma3, qwen3_moe, qwen2_moe, mixtral, deepseek_v3)
+_MODULES += (qwen3_next, qwen3_5)  # Gated DeltaNet hybrids
 
 FAMILIES: dict[str, ModelFamily] = {module.FAMILY.name: module.FAMILY for module in _MODULES}
 """Family name -> its declarations, in registry order (shape and memory tables follow it)."""
