@@ -152,3 +152,59 @@ def test_context_parallel_is_refused_by_name():
     arch = architecture_from_hf_config(tiny_hf_config("qwen3_next").to_dict())
     with pytest.raises(ValueError, match="context_parallel_size=2.*Gated DeltaNet.*context_parallel_size=1"):
         validate_layout(arch, ParallelConfig(context_parallel_size=2))
+
+
+def test_text_mrope_equals_partial_rope():
+    """Qwen3.5's interleaved M-RoPE with text positions (temporal = height = width) is the 1-D partial RoPE
+    megatron-opd builds (transformers' own rotary module against the plain formula); a vision-like position grid
+    (height and width differing) is not, so the check can fail."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
+
+    from megatron_opd.testing.tiny_models import tiny_hf_config
+
+    config = tiny_hf_config("qwen3_5")
+    rotary = Qwen3_5TextRotaryEmbedding(config)
+    positions = torch.arange(20)[None]
+    cos, sin = rotary(torch.zeros(1), positions)
+    dim = int(config.head_dim * config.rope_parameters["partial_rotary_factor"])
+    inv_freq = 1.0 / (config.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2).float() / dim))
+    angles = torch.cat([positions[0, :, None] * inv_freq] * 2, dim=-1)
+    torch.testing.assert_close(cos[0], angles.cos())
+    torch.testing.assert_close(sin[0], angles.sin())
+    grid = torch.stack([positions, positions, positions.flip(-1)])  # width positions of an image's columns
+    assert not torch.allclose(rotary(torch.zeros(1), grid)[0][0], angles.cos())
+
+
+def test_wrapper_folder_reads_as_its_text_tower(tmp_path, caplog):
+    """A ``qwen3_5`` wrapper folder (``text_config``; ``model.language_model.*`` beside ``model.visual.*`` and
+    ``mtp.*``) reads as the text model: the same architecture, the same tensors under the text names, and the
+    skipped ones named in one log line."""
+    import json
+    import logging
+
+    from safetensors.torch import load_file, save_file
+
+    from megatron_opd.models.hf_config import load_architecture
+    from megatron_opd.models.hf_io import HFCheckpointReader
+    from megatron_opd.testing.shapes import make_shape
+
+    text = make_shape("qwen3_5_dense", tmp_path / "text")
+    wrapper = tmp_path / "wrapper"
+    wrapper.mkdir()
+    tensors = load_file(text / "model.safetensors")
+    stored = {(n.replace("model.", "model.language_model.", 1) if n.startswith("model.") else n): t
+              for n, t in tensors.items()}  # fmt: skip
+    stored.update({"model.visual.patch_embed.proj.weight": torch.ones(2, 3), "mtp.fc.weight": torch.ones(2, 2)})
+    save_file(stored, wrapper / "model.safetensors", metadata={"format": "pt"})
+    text_cfg = json.loads((text / "config.json").read_text())
+    tied = text_cfg.pop("tie_word_embeddings")
+    cfg = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": text_cfg,
+           "vision_config": {"depth": 1}, "tie_word_embeddings": tied}  # fmt: skip
+    (wrapper / "config.json").write_text(json.dumps(cfg))
+    assert load_architecture(wrapper) == load_architecture(text)
+    with caplog.at_level(logging.INFO, logger="megatron_opd.models.wrappers"):
+        reader = HFCheckpointReader(wrapper)
+    assert sorted(reader.names()) == sorted(tensors)
+    assert all(torch.equal(reader.get(name), tensor) for name, tensor in tensors.items())
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "model.visual.* (1 tensors)" in line and "mtp.* (1 tensors)" in line

@@ -63,6 +63,7 @@ FAMILY = Qwen35Family(
     name="qwen3_5",
     local_spec_only=True,
     model_types=("qwen3_5_text", "qwen3_5_moe_text"),
+    wrapper_types=("qwen3_5", "qwen3_5_moe"),
     read_config=read_config,
     check_config=check_config,
     expert_names=replace(
