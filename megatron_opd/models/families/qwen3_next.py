@@ -18,7 +18,7 @@ from typing import Any
 from megatron_opd.model_files import UnsupportedArchitectureError
 from megatron_opd.models.architecture import LinearAttentionArchitecture, ModelArchitecture
 from megatron_opd.models.families.base import ModelFamily, SpecOptions
-from megatron_opd.models.families.moe import QWEN_MOE_NAMES, TINY_MOE, MoEFamily, check_moe_config, read_moe
+from megatron_opd.models.families.moe import QWEN_MOE_NAMES, TINY_MOE, MoEFamily, read_moe
 from megatron_opd.models.weight_rule import Split, WeightRule
 
 
@@ -56,7 +56,9 @@ def read_linear_attention(cfg: dict[str, Any], source: str) -> LinearAttentionAr
 
 
 def check_config(cfg: dict[str, Any]) -> None:
-    check_moe_config(cfg)
+    # No sliding_window check: these models' attention has no window, and transformers ignores the field for them.
+    if cfg.get("mlp_bias"):
+        raise UnsupportedArchitectureError("config.json mlp_bias=true is not supported")
     if cfg.get("attention_bias"):
         raise UnsupportedArchitectureError("config.json attention_bias=true is not supported for Qwen3-Next/Qwen3.5")
     if cfg.get("hidden_act", "silu") != "silu":  # the mixer's convolution activation is hidden_act as well
