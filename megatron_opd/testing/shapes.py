@@ -76,9 +76,9 @@ SPLIT = ("llama_tied", "qwen2_mha_v97", "qwen3_tied")  # any layout with TP=2
 MOE = ("qwen3_moe_dense0", "qwen2_moe_shared", "mixtral_untied", "deepseek_v3_mla")  # every layout MoE runs
 MLA_VARIANTS = ("deepseek_v3_q_proj",)  # multi-latent attention without a query latent: where the query's path differs
 SPLIT_ALL = (*SPLIT, *NEW_FAMILIES)
-MOE += ("qwen3_next_hybrid", "qwen3_5_moe")  # Gated DeltaNet and gated attention with experts (transformers' 3:1 pattern)
+MOE += ("qwen3_next_hybrid", "qwen3_5_moe")  # Gated DeltaNet hybrids with experts (transformers' 3:1 pattern)
 HYBRID = ("qwen3_next_dense",)  # Gated DeltaNet hybrid without experts: TP=2 alone and PP=2 (the MoE one is in MOE)
-HYBRID_TEXT = ("qwen3_5_dense",)  # Qwen3.5's dense text tower: logits at TP=1 and TP=2
+HYBRID_TEXT = ("qwen3_5_dense",)  # Qwen3.5's dense text tower: logits at TP=1 and TP=2, the teacher server
 
 ALL_PROPERTIES = frozenset().union(*(s.properties for s in SHAPES.values()))
 TP1_ONLY = frozenset({"attention:one-kv-head"})
@@ -127,7 +127,7 @@ MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
         "tp2": (SPLIT + HYBRID, "test_teacher_server.py::test_teacher_topk_per_shape"),
     },
     "teacher server top-k vs transformers": {
-        "tp1": (("qwen3_one_kv", *NEW_FAMILIES), "test_teacher_server.py::test_teacher_topk_per_shape"),
+        "tp1": (("qwen3_one_kv", *NEW_FAMILIES, *HYBRID_TEXT), "test_teacher_server.py::test_teacher_topk_per_shape"),
         "tp2": (SPLIT, "test_teacher_server.py::test_teacher_topk_per_shape"),
     },
     "vLLM teacher top-k vs transformers": {
