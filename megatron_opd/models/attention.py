@@ -344,3 +344,17 @@ def no_rope_attention(attention: type) -> type:
 
     NoRope.__name__ = NoRope.__qualname__ = f"NoRope{attention.__name__}"
     return NoRope
+
+
+def eager_output_gate(attention: type) -> type:
+    """``attention`` (Megatron's ``SelfAttention`` with ``config.attention_output_gate``: each head's output times
+    ``sigmoid`` of its gate, Qwen3-Next's gated attention) with the gate applied eagerly: Megatron's
+    ``_apply_output_gate`` is a ``jit_fuser`` (``torch.compile``) function, seconds of compilation per process for
+    one multiply."""
+
+    class EagerOutputGate(attention):
+        def _apply_output_gate(self, x, gate):
+            return (x * torch.sigmoid(gate.contiguous().view(*x.shape).float())).to(x.dtype)
+
+    EagerOutputGate.__name__ = EagerOutputGate.__qualname__ = f"EagerOutputGate{attention.__name__}"
+    return EagerOutputGate

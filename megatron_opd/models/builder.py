@@ -142,6 +142,12 @@ def validate_layout(arch: ModelArchitecture, parallel: ParallelConfig) -> None:
             f"multi-latent attention ({arch.family} models; its rotary key and latent are not split over "
             "context-parallel ranks); set parallel.context_parallel_size=1"
         )
+    if arch.linear_attention is not None and parallel.context_parallel_size > 1:
+        raise ValueError(
+            f"context_parallel_size={parallel.context_parallel_size}: context parallelism is not built for Gated "
+            f"DeltaNet layers ({arch.family} models; the recurrent state would have to pass between context-parallel "
+            "ranks); set parallel.context_parallel_size=1"
+        )
     parallel.stage_layers(arch.num_layers)  # raises when the layers do not split over the stages
 
 

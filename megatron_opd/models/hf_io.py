@@ -108,7 +108,11 @@ class HFCheckpointReader:
             weight_map = dict.fromkeys(read_safetensors_header(self.dir / SINGLE_FILE), SINGLE_FILE)
         else:
             raise CheckpointError(f"no {INDEX_FILE} or {SINGLE_FILE} in {self.dir}: not a safetensors checkpoint")
-        self.weight_map = weight_map
+        from megatron_opd.models.wrappers import text_tensor_names
+
+        # A multimodal wrapper (Qwen3.5) reads as its text tower; other folders keep their names.
+        self._stored = text_tensor_names(self.config, list(weight_map), str(self.dir))
+        self.weight_map = {name: weight_map[stored] for name, stored in self._stored.items()}
         self._headers: dict[str, dict[str, TensorEntry]] = {}
 
     def __contains__(self, name: str) -> bool:
@@ -129,7 +133,7 @@ class HFCheckpointReader:
             if not path.is_file():
                 raise CheckpointError(f"shard {path.name} holding tensor {name!r} is missing from {self.dir}")
             self._headers[path.name] = read_safetensors_header(path)
-        entry = self._headers[path.name].get(name)
+        entry = self._headers[path.name].get(self._stored.get(name, name))
         if entry is None:
             raise CheckpointError(f"tensor {name!r} is listed in the index but absent from {path.name}")
         if expected_shape is not None and tuple(entry.shape) != tuple(expected_shape):

@@ -116,7 +116,8 @@ def hf_shapes(rule: WeightRule, arch: ModelArchitecture) -> tuple[tuple[int, ...
     if rule.split is Split.VOCAB:
         return ((v, h),)
     if rule.split is Split.QKV:
-        shapes = tuple((rows,) if name.endswith("bias") else (rows, h) for rows in (nq * d, nkv * d, nkv * d))
+        q_rows = nq * d * (2 if arch.attention_output_gate else 1)
+        shapes = tuple((rows,) if name.endswith("bias") else (rows, h) for rows in (q_rows, nkv * d, nkv * d))
         return shapes if len(rule.hf) == 3 else ((sum(s[0] for s in shapes), *shapes[0][1:]),)
     if rule.split is Split.GATE_UP:
         return ((f, h), (f, h)) if len(rule.hf) == 2 else ((2 * f, h),)
@@ -143,10 +144,21 @@ def hf_to_megatron(
             q, k, v = tensors
         per_group = arch.num_attention_heads // nkv
         tail = q.shape[1:]  # (H,) for weights, () for biases
-        q = q.reshape(nkv, per_group * d, *tail)
+        if arch.attention_output_gate:  # q_proj holds each head's query then its gate: Megatron's group is q, g, k, v
+            q, gate = q.reshape(nkv, per_group, 2, d, *tail).unbind(2)
+            q = torch.cat([q.reshape(nkv, per_group * d, *tail), gate.reshape(nkv, per_group * d, *tail)], dim=1)
+        else:
+            q = q.reshape(nkv, per_group * d, *tail)
         k = k.reshape(nkv, d, *tail)
         v = v.reshape(nkv, d, *tail)
         return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
+    if rule.split is Split.GROUPED:
+        grouped = []
+        for tensor, parts in zip(tensors, rule.group_rows):
+            groups = tensor.shape[0] // sum(parts)
+            for part in torch.split(tensor, [groups * rows for rows in parts], dim=0):
+                grouped.append(part.reshape(groups, -1, *tensor.shape[1:]))
+        return torch.cat(grouped, dim=1).reshape(-1, *tensors[0].shape[1:])
     if rule.split is Split.GATE_UP:
         return torch.cat(list(tensors), dim=0)
     (tensor,) = tensors
@@ -162,8 +174,13 @@ def megatron_to_hf(rule: WeightRule, full: torch.Tensor, arch: ModelArchitecture
         nkv, d = arch.num_key_value_heads, arch.head_dim
         per_group = arch.num_attention_heads // nkv
         tail = full.shape[1:]
-        grouped = full.reshape(nkv, (per_group + 2) * d, *tail)
-        q, k, v = torch.split(grouped, [per_group * d, d, d], dim=1)
+        gated = arch.attention_output_gate
+        grouped = full.reshape(nkv, ((2 if gated else 1) * per_group + 2) * d, *tail)
+        if gated:
+            q, gate, k, v = torch.split(grouped, [per_group * d, per_group * d, d, d], dim=1)
+            q = torch.stack([q.reshape(nkv, per_group, d, *tail), gate.reshape(nkv, per_group, d, *tail)], dim=2)
+        else:
+            q, k, v = torch.split(grouped, [per_group * d, d, d], dim=1)
         q, k, v = (x.reshape(-1, *tail) for x in (q, k, v))
         return (q, k, v) if len(rule.hf) == 3 else (torch.cat([q, k, v]),)
     if rule.split is Split.GATE_UP:
@@ -171,6 +188,16 @@ def megatron_to_hf(rule: WeightRule, full: torch.Tensor, arch: ModelArchitecture
         return torch.chunk(full, 2, dim=0) if len(rule.hf) == 2 else (full,)
     if rule.split is Split.VOCAB:
         return (full[: arch.vocab_size],)
+    if rule.split is Split.GROUPED:
+        tail = full.shape[1:]
+        per_group = [sum(parts) for parts in rule.group_rows]
+        groups = full.shape[0] // sum(per_group)
+        pieces = torch.split(full.reshape(groups, -1, *tail), [r for parts in rule.group_rows for r in parts], dim=1)
+        out, i = [], 0
+        for parts in rule.group_rows:
+            out.append(torch.cat([p.reshape(-1, *tail) for p in pieces[i : i + len(parts)]]))
+            i += len(parts)
+        return tuple(out)
     return (full,)
 
 
@@ -183,7 +210,7 @@ def shard(rule: WeightRule, full: torch.Tensor, tp_rank: int, tp_size: int) -> t
     if rule.split is Split.GATE_UP:
         gate, up = torch.chunk(full, 2, dim=0)
         return torch.cat([torch.chunk(gate, tp_size, dim=0)[tp_rank], torch.chunk(up, tp_size, dim=0)[tp_rank]])
-    # COLUMN, VOCAB and QKV (whole key/value groups per rank, since TP divides Nkv) split dim 0 evenly.
+    # COLUMN, VOCAB, QKV (whole key/value groups per rank, since TP divides Nkv) and GROUPED split dim 0 evenly.
     return torch.chunk(full, tp_size, dim=0)[tp_rank]
 
 

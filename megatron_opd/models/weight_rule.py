@@ -16,6 +16,7 @@ class Split(str, Enum):
     VOCAB = "vocab"  # dim 0 of a vocabulary-padded embedding / output layer
     QKV = "qkv"  # dim 0, whole key/value groups per rank
     GATE_UP = "gate_up"  # gate and up each split on dim 0, then stacked per rank
+    GROUPED = "grouped"  # dim 0 in whole groups (``WeightRule.group_rows``), each rank an equal run of groups
 
 
 class ExpertSplit(str, Enum):
@@ -49,6 +50,12 @@ class WeightRule:
     hf_shape: tuple[tuple[int, ...], ...] | None = None
     """Each Hugging Face tensor's shape, where :func:`hf_shapes` cannot tell it from the name (multi-latent
     attention's projections)."""
+
+    group_rows: tuple[tuple[int, ...], ...] | None = None
+    """``Split.GROUPED`` only: for each Hugging Face tensor, the rows one group takes in each of its parts (a part
+    holds every group's rows, group after group; Gated DeltaNet's ``[q; k; v]`` projection has three parts of
+    ``key_head_dim``, ``key_head_dim`` and ``value_head_dim x`` values per key head). The Megatron tensor holds
+    each group's rows of every part together, so that a tensor-parallel rank's slice is a run of whole groups."""
 
     def megatron_name(self, layer: int | None = None, te: bool = False) -> str:
         name = self.te_megatron if (te and self.te_megatron) else self.megatron

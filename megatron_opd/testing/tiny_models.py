@@ -40,7 +40,9 @@ def tiny_hf_config(family: str, **overrides: Any):
     )
     common.update(declared.tiny_config)
     common.update(overrides)
-    return AutoConfig.for_model(declared.model_types[0], **common)
+    # A family reading several model types (Qwen3.5's dense and MoE text towers) builds any of them.
+    model_type = common.pop("model_type", declared.model_types[0])
+    return AutoConfig.for_model(model_type, **common)
 
 
 def make_tiny_hf_model(family: str, out_dir: str | os.PathLike, seed: int = 0, **overrides: Any) -> Path:
@@ -135,8 +137,10 @@ def routing_margin(hf_dir: str | os.PathLike, tokens: torch.Tensor) -> float:
     routers = [
         module
         for i in arch.moe.layers
-        for _, module in model.model.layers[i].named_modules()
-        if getattr(module, "weight", None) is not None and tuple(module.weight.shape) == shape
+        for name, module in model.model.layers[i].named_modules()
+        if getattr(module, "weight", None) is not None
+        and tuple(module.weight.shape) == shape
+        and not name.startswith("linear_attn")  # Gated DeltaNet's [value heads, hidden] projections
     ]
     assert len(routers) == len(arch.moe.layers), f"found {len(routers)} routers in {len(arch.moe.layers)} MoE layers"
     handles = [router.register_forward_pre_hook(hook) for router in routers]

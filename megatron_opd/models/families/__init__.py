@@ -23,7 +23,9 @@ from megatron_opd.models.families import (
     qwen2,
     qwen2_moe,
     qwen3,
+    qwen3_5,
     qwen3_moe,
+    qwen3_next,
     seed_oss,
     smollm3,
 )
@@ -32,6 +34,7 @@ from megatron_opd.models.families.base import ModelFamily, SpecOptions
 _MODULES = (
     llama, qwen2, qwen3, mistral, olmo2, phi3, gemma3, qwen3_moe, qwen2_moe, mixtral, deepseek_v3,
     olmo3, smollm3, seed_oss, granite, gemma2, glm4_moe, glm4_moe_lite, deepseek_v2,
+    qwen3_next, qwen3_5,
 )  # fmt: skip
 
 FAMILIES: dict[str, ModelFamily] = {module.FAMILY.name: module.FAMILY for module in _MODULES}

@@ -117,6 +117,9 @@ class ModelFamily:
     """Its layers are always Megatron's local spec, TransformerEngine or not (layers TE has no fused form of): the
     core attention is then ``build.attention``'s even with ``build.use_transformer_engine=true``, which
     ``setup.check_inputs`` reads to refuse packed sequences on Megatron's local attention before any model."""
+    wrapper_types: tuple[str, ...] = ()
+    """Hugging Face ``model_type`` s of multimodal wrappers whose text tower (``text_config``,
+    ``model.language_model.*``) is this family's model; their other weights are skipped (``models.wrappers``)."""
 
     # --- vLLM ------------------------------------------------------------------------------------------------
     def check_vllm_config(self, cfg: Mapping[str, Any], source: str) -> None:
