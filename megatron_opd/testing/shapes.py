@@ -73,7 +73,15 @@ each property still reaches every path and every layout, at a fraction of the fu
 NEW_FAMILIES = ("mistral_window", "olmo2_post_norms", "phi3_fused_partial", "gemma3_sandwich")
 LOCAL = ("llama_tied", "qwen2_mha_v97", "qwen3_one_kv", *NEW_FAMILIES)  # TP=1 (and PP/VP without TP)
 SPLIT = ("llama_tied", "qwen2_mha_v97", "qwen3_tied")  # any layout with TP=2
-MOE = ("qwen3_moe_dense0", "qwen2_moe_shared", "mixtral_untied", "deepseek_v3_mla")  # every layout MoE runs
+MOE = (
+    "qwen3_moe_dense0",
+    "qwen2_moe_shared",
+    "mixtral_untied",
+    "deepseek_v3_mla",
+    "minimax_m2_sigmoid_bias",
+    "ernie4_5_moe_softmax_bias",
+    "olmoe_qk_all_heads",
+)  # every layout MoE runs; fmt: skip
 MLA_VARIANTS = ("deepseek_v3_q_proj",)  # multi-latent attention without a query latent: where the query's path differs
 SPLIT_ALL = (*SPLIT, *NEW_FAMILIES)
 

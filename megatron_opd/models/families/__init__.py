@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from megatron_opd.models.families import (
     deepseek_v3,
+    ernie4_5_moe,
     gemma3,
     llama,
+    minimax_m2,
     mistral,
     mixtral,
     olmo2,
+    olmoe,
     phi3,
     qwen2,
     qwen2_moe,
@@ -21,7 +24,22 @@ from megatron_opd.models.families import (
 )
 from megatron_opd.models.families.base import ModelFamily, SpecOptions
 
-_MODULES = (llama, qwen2, qwen3, mistral, olmo2, phi3, gemma3, qwen3_moe, qwen2_moe, mixtral, deepseek_v3)
+_MODULES = (
+    llama,
+    qwen2,
+    qwen3,
+    mistral,
+    olmo2,
+    phi3,
+    gemma3,
+    qwen3_moe,
+    qwen2_moe,
+    mixtral,
+    deepseek_v3,
+    minimax_m2,
+    ernie4_5_moe,
+    olmoe,
+)
 
 FAMILIES: dict[str, ModelFamily] = {module.FAMILY.name: module.FAMILY for module in _MODULES}
 """Family name -> its declarations, in registry order (shape and memory tables follow it)."""

@@ -131,6 +131,9 @@ def read_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
             layers=tuple(range(first_dense, layers)),
             shared_expert_ffn_hidden_size=shared * ffn,
             shared_expert_gate=False,
+            score_function="sigmoid",
+            expert_bias=True,
+            config_keys=("n_routed_experts", "moe_intermediate_size", "n_shared_experts"),
         ),
         mla=mla,
         routing=DeepSeekRouting(
