@@ -83,12 +83,18 @@ def _family_and_config(model_dir: str):
     return BY_MODEL_TYPE.get(cfg.get("model_type")), cfg
 
 
-def check_vllm_config(model_dir: str) -> None:
+def check_vllm_config(model_dir: str, setting: str | None = None) -> None:
     """Refuse a ``config.json`` vLLM would read as another model than the trainer's (``ModelFamily.check_vllm_config``:
-    DeepSeek-V3 routing fields whose vLLM defaults differ from transformers')."""
+    DeepSeek-V3 routing fields whose vLLM defaults differ from transformers', families vLLM computes wrongly);
+    ``setting`` (``rollout.backend=vllm``) leads the error."""
     family, cfg = _family_and_config(model_dir)
     if family is not None:
-        family.check_vllm_config(cfg, f"{model_dir}/config.json")
+        try:
+            family.check_vllm_config(cfg, f"{model_dir}/config.json")
+        except ValueError as err:
+            if setting is None:
+                raise
+            raise ValueError(f"{setting}: {err}") from None
 
 
 def cpu_attention_backend(model_dir: str, dtype: str) -> str | None:

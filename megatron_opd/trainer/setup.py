@@ -48,6 +48,20 @@ class Vocabulary:
         return self.vocab_size if self.teacher_tokenizer is None else len(self.teacher_tokenizer)
 
 
+def check_vllm_models(cfg: TrainConfig) -> None:
+    """Refuse ``rollout.backend=vllm`` for a student, and ``teacher.backend=vllm`` for a teacher (``teacher.path``),
+    that vLLM would compute as another model (``ModelFamily.check_vllm_config``), before anything is built."""
+    from megatron_opd.rollout.vllm_engine import check_vllm_config
+
+    if cfg.rollout.backend == "vllm":
+        check_vllm_config(cfg.student.path, "rollout.backend=vllm")
+    views = cfg.teacher_views() if cfg.teachers else {"teacher": cfg}
+    for name, view in views.items():
+        if view.teacher.backend == "vllm" and view.teacher.path:
+            where = "teacher" if view is cfg else f"teachers.{name}"
+            check_vllm_config(view.teacher.path, f"{where}.backend=vllm")
+
+
 def check_inputs(cfg: TrainConfig) -> Vocabulary:
     """The refusals that read files but need no model, run on every rank before any process group or model: the
     layout splits the student (and the in-process teacher, built at the same layout), the data files are there,
@@ -57,6 +71,7 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
 
     student = model_architecture(cfg.student.path, "student.path")
     validate_layout(student, cfg.parallel)
+    check_vllm_models(cfg)
     cp = cfg.parallel.context_parallel_size
     check_window_context_parallel(student, cp, max_seq_len(cfg), "student.path")
     check_packed_attention(cfg, student, f"student.path={cfg.student.path}")
