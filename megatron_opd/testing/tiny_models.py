@@ -56,6 +56,8 @@ def make_tiny_hf_model(family: str, out_dir: str | os.PathLike, seed: int = 0, *
         for name, param in [*model.named_parameters(), *model.named_buffers()]:
             if "norm" in name or name.endswith("bias"):
                 param.add_(torch.randn_like(param) * 0.1)
+            elif param.is_floating_point() and not param.any():  # left at zero (ERNIE 4.5's router)
+                param.normal_(0.0, 0.1)
     out = Path(out_dir)
     model.save_pretrained(out, safe_serialization=True)
     return out
