@@ -65,6 +65,8 @@ class SamplingParams:
     """Sampling seed; the same seed, prompts and weights give the same samples at any TP size."""
     return_topk: int = 0
     """Also record the ``k`` most probable ids at each generated position (``Rollouts.topk_ids``); 0: off."""
+    return_routes: bool = False
+    """Also record the experts each token was routed to in each MoE layer (``Rollouts.routes``)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -103,6 +105,10 @@ class Rollouts:
     most probable ids at each response position, most probable first (of its raw logits: temperature, top-k and
     top-p do not change them). The union loss support (``loss.support=union``) reads them; a vLLM engine provides
     them with ``logprobs=k``. Rows of tool tokens (response mask 0) are never read."""
+    routes: list[torch.Tensor] | None = None
+    """With ``SamplingParams.return_routes`` (``rollout.routing_replay``, MoE students): per sample
+    ``[prompt_len + response_len, M, k]`` int16, the ``k`` experts the sampler routed each position's token to in each
+    of the ``M`` MoE layers (``-1``: not routed, e.g. the last token). The trainer replays them."""
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -110,7 +116,8 @@ class Rollouts:
     def __post_init__(self) -> None:
         n = len(self.response_ids)
         names = ["prompt_ids", "response_mask", "logprobs", "finish_reasons", "prompt_index"]
-        for name in names + (["topk_ids"] if self.topk_ids is not None else []):
+        optional = [name for name in ("topk_ids", "routes") if getattr(self, name) is not None]
+        for name in names + optional:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"Rollouts.{name} has {len(getattr(self, name))} entries, response_ids has {n}")
 
@@ -124,6 +131,7 @@ class Rollouts:
         return Rollouts(
             pick(self.prompt_ids), pick(self.response_ids), pick(self.response_mask), pick(self.logprobs),
             pick(self.finish_reasons), pick(self.prompt_index), self.policy_version, pick(self.topk_ids),
+            pick(self.routes),
         )  # fmt: skip
 
 

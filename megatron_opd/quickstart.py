@@ -154,6 +154,10 @@ def main(argv: list[str] | None = None) -> None:
         help="a Mixture-of-Experts student (upcycled from the dense one), distilled at expert parallelism",
     )  # fmt: skip
     parser.add_argument(
+        "--routing-replay", action="store_true",
+        help="with --moe: the trainer replays the sampler's expert choices (rollout.routing_replay)",
+    )  # fmt: skip
+    parser.add_argument(
         "--student-family", metavar="FAMILY",
         help="the student's model family (e.g. gemma3; default: qwen3, like the teacher)",
     )  # fmt: skip
@@ -182,6 +186,7 @@ def main(argv: list[str] | None = None) -> None:
         # EP ranks are data-parallel ones: the step's 64 prompts are split over them
         student_layout = ["parallel.tensor_model_parallel_size=1", f"parallel.expert_model_parallel_size={args.nproc}",
                           "build.moe_aux_loss_coeff=1e-3", f"train.micro_batch_size={64 // args.nproc}"]  # fmt: skip
+        student_layout += ["rollout.routing_replay=true"] if args.routing_replay else []
     warmup = None
     if args.cross_tokenizer:  # step 2 needs no teacher: it runs beside step 1, its output in a log file
         warmup_log = work / "student-warmup.log"

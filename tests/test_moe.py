@@ -256,7 +256,8 @@ def test_trainer_at_expert_parallelism_equals_ep1(moe_run_files, tmp_path):
     to its end and trains exactly as at EP=1 with the same data-parallel size: its ranks keep the MoE layers'
     token exchange in step while their decode loops run to different lengths, and the one eval prompt leaves
     rank 1 without one of its own (``distributed.lockstep``). With the load-balancing and z-losses on, their values
-    and the expert load (``trainer/router.py``) are logged each step, the same at both layouts."""
+    and the expert load (``trainer/router.py``) are logged each step, the same at both layouts; the sampler's routes
+    are replayed (``rollout.routing_replay``) and none differs from the trainer's own."""
     pair, student, train_file = moe_run_files
     runs = {}
     for ep in (1, 2):
@@ -266,7 +267,8 @@ def test_trainer_at_expert_parallelism_equals_ep1(moe_run_files, tmp_path):
                     "train.steps": 2, "train.prompts_per_step": 4, "rollout.max_new_tokens": 5,
                     "eval.max_prompts": 1, "export_hf": False, "checkpoint.every": 0,
                     "parallel.expert_model_parallel_size": ep,
-                    "build.moe_aux_loss_coeff": 0.01, "build.moe_z_loss_coeff": 0.001},
+                    "build.moe_aux_loss_coeff": 0.01, "build.moe_z_loss_coeff": 0.001,
+                    "rollout.routing_replay": True},
         )  # fmt: skip
         code, log = run_trainer(overrides, timeout=240)
         assert code == 0, log[-3000:]
@@ -283,6 +285,8 @@ def test_trainer_at_expert_parallelism_equals_ep1(moe_run_files, tmp_path):
         assert set(loads) == {"moe/expert_load_max", "moe/expert_load/layer_01"}, "the MoE layer's load is logged"
         assert {k: two[k] for k in loads} == loads, "EP=2 routed the step's tokens otherwise"
         assert 1.0 <= loads["moe/expert_load_max"] <= 4 / 2  # 4 experts, top-2
+        # rollout.routing_replay: the built-in sampler's routes replayed; one set of weights, so none differs
+        assert one["moe/route_mismatch"] == two["moe/route_mismatch"] == 0.0
     evals = {ep: [r for r in rows if "eval/divergence_own_samples" in r] for ep, rows in runs.items()}
     assert len(evals[1]) == len(evals[2]) == 2
     for one, two in zip(evals[1], evals[2]):

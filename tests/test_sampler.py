@@ -180,9 +180,9 @@ def _sampling_shards_body(cases: list[tuple[torch.Tensor, int, SamplingParams]])
 
 @functools.cache
 def _hf_model(hf_dir: str):
-    from transformers import AutoModelForCausalLM
+    from megatron_opd.models.reference import hf_model
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir).float().eval()
+    model = hf_model(hf_dir).float().eval()
     model.generation_config.eos_token_id = None
     return model
 

@@ -162,6 +162,18 @@ class ModelArchitecture:
     """DeepSeek's group-limited, scaled router on top of ``moe``; None for the MoE families' softmax router."""
     torch_dtype: str = "float32"
     """dtype the checkpoint was saved in (``config.json`` ``torch_dtype``/``dtype``)."""
+    no_rope_layers: tuple[bool, ...] | None = None
+    """Which layers attend without rotary embedding (SmolLM3's NoPE layers, HF ``no_rope_layers`` == 0); None: none."""
+    embedding_multiplier: float = 1.0
+    """The embedding output is multiplied by this (Granite's ``embedding_multiplier``)."""
+    residual_multiplier: float = 1.0
+    """Attention and MLP outputs are multiplied by this before the residual add (Granite's ``residual_multiplier``)."""
+    logits_scaling: float = 1.0
+    """The logits are divided by this (Granite's ``logits_scaling``)."""
+    attn_logit_softcapping: float | None = None
+    """Attention scores become ``c * tanh(scores / c)`` before the softmax (Gemma 2); None: not capped."""
+    final_logit_softcapping: float | None = None
+    """The logits become ``c * tanh(logits / c)`` (Gemma 2); None: not capped."""
 
     def padded_vocab_size(self, tensor_parallel_size: int, make_vocab_size_divisible_by: int = 128) -> int:
         """Vocabulary padded so every tensor-parallel rank holds an equal, aligned slice (Megatron's rule)."""

@@ -21,6 +21,12 @@ explicit boolean mask in each of the three cases (:func:`window_mask`, bottom-ri
 ``varlen``'s own window on a GPU. SDPA's flash kernel takes no mask: a window runs SDPA's memory-efficient kernel
 on a GPU, and a log line says so.
 
+Soft-capped attention logits (Gemma 2's ``attn_logit_softcapping``: ``c * tanh(scores / c)`` before the mask and the
+softmax; ``softcap``, passed through the layer spec's params): no SDPA kernel takes it, so every call of the three
+cases (and of the context-parallel split, which goes through the same call) forms the ``[b, h, s, k]`` scores
+explicitly, as transformers' eager attention does; memory then grows with the square of the sequence again, and a
+log line says so.
+
 Shape legend: ``s`` queries, ``k`` keys, ``b`` batch, ``h`` query heads on this rank, ``g`` K/V heads on this
 rank, ``d`` head dim, ``t`` packed tokens.
 """
@@ -45,6 +51,7 @@ PADDED_COST_BOUND = 4
 
 logger = logging.getLogger(__name__)
 _logged_window_kernel = False
+_logged_softcap = False
 
 
 def _tp_size(pg_collection) -> int:
@@ -122,6 +129,7 @@ class SDPAttention(torch.nn.Module):
         pg_collection=None,
         k_channels: int | None = None,
         v_channels: int | None = None,
+        softcap: float | None = None,
         **_,
     ) -> None:
         super().__init__()
@@ -141,6 +149,9 @@ class SDPAttention(torch.nn.Module):
         self.attn_mask_type = attn_mask_type
         self.window = layer_window(config, layer_number)
         self.context_parallel = _context_parallel_split(config, pg_collection)
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"attention logit softcap must be positive, got {softcap!r}")
+        self.softcap = softcap
 
     def forward(
         self,
@@ -213,10 +224,32 @@ class SDPAttention(torch.nn.Module):
         )
 
     def _sdpa(self, q, k, v, mask, causal: bool, dropout_p: float) -> torch.Tensor:
+        if self.softcap is not None:
+            return self._softcapped(q, k, v, mask, causal, dropout_p)
         gqa = self.groups != self.heads
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=self.softmax_scale, enable_gqa=gqa
         )
+
+    def _softcapped(self, q, k, v, mask, causal: bool, dropout_p: float) -> torch.Tensor:
+        """``_sdpa`` with the scores soft-capped, in transformers' order: scale, cap, mask, float32 softmax."""
+        global _logged_softcap
+        if not _logged_softcap and torch.cuda.is_available():
+            _logged_softcap = True
+            logger.info("soft-capped attention logits: scores formed explicitly (memory grows with s^2), not SDPA")
+        if self.groups != self.heads:
+            k, v = (x.repeat_interleave(self.heads // self.groups, dim=1) for x in (k, v))
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.softmax_scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if causal:
+            s, k_len = scores.shape[-2:]
+            mask = torch.ones(s, k_len, dtype=torch.bool, device=q.device).tril(diagonal=k_len - s)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        if dropout_p:
+            probs = F.dropout(probs, p=dropout_p)
+        return torch.matmul(probs, v)
 
     def _packed(self, query, key, value, params, dropout_p: float) -> torch.Tensor:
         """Packed sequences ``[t, heads, d]``: each sequence of ``cu_seqlens`` attends causally to itself only."""
@@ -228,7 +261,8 @@ class SDPAttention(torch.nn.Module):
         cu_k = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
         if not torch.equal(cu_q, cu_k):
             raise ValueError("packed self-attention needs cu_seqlens_q == cu_seqlens_kv")
-        varlen = _varlen_causal_attn(self.window) if query.is_cuda and dropout_p == 0.0 else None
+        exact_kernel = query.is_cuda and dropout_p == 0.0 and self.softcap is None  # varlen takes no softcap
+        varlen = _varlen_causal_attn(self.window) if exact_kernel else None
         if varlen is not None:
             max_len = int(params.max_seqlen_q or int((cu_q[1:] - cu_q[:-1]).max()))
             out = varlen(
@@ -297,3 +331,16 @@ def per_layer_rope_attention(attention: type) -> type:
 
     PerLayerRope.__name__ = PerLayerRope.__qualname__ = f"PerLayerRope{attention.__name__}"
     return PerLayerRope
+
+
+@functools.cache
+def no_rope_attention(attention: type) -> type:
+    """``attention`` (Megatron's ``SelfAttention``) without rotary embedding: SmolLM3's NoPE layers see no position
+    but the causal order, in training, scoring and the sampler's decode alike."""
+
+    class NoRope(attention):
+        def forward(self, *args, rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    NoRope.__name__ = NoRope.__qualname__ = f"NoRope{attention.__name__}"
+    return NoRope

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from megatron_opd.distributed.lockstep import agree_count, lockstep_group
+from megatron_opd.models import route_replay
 from megatron_opd.models.context_parallel import SPLIT_MARKER
 
 MicroBatch = dict[str, torch.Tensor]
@@ -90,6 +91,7 @@ def forward_backward(
         if position_ids is None:
             position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
         dummy = bool(batch.get(_DUMMY_KEY))
+        route_replay.feed(model, batch.get("routes"), count=not dummy)  # rollout.routing_replay: the sampler's experts
         with router_losses_scaled(model.config, 0.0 if dummy else compensate or 1.0), expert_loads_kept(model, dummy):
             output = model(tokens, position_ids, None, **packed_seq_params(batch))
 
@@ -104,16 +106,20 @@ def forward_backward(
     # With virtual pipelining every chunk pulls micro-batches from its own iterator.
     iterators: Any = [iter(micro_batches) for _ in chunks] if len(chunks) > 1 else iter(micro_batches)
     schedule = get_forward_backward_func()
-    outputs = schedule(
-        forward_step_func=forward_step,
-        data_iterator=iterators,
-        model=chunks if len(chunks) > 1 else chunks[0],
-        num_microbatches=len(micro_batches),
-        # Megatron's schedules take the whole sequence's length and divide it by the CP size themselves.
-        seq_length=seq_len * parallel_state.get_context_parallel_world_size(),
-        micro_batch_size=batch_size,
-        forward_only=forward_only,
-    )
+    route_replay.reset(chunks)
+    try:
+        outputs = schedule(
+            forward_step_func=forward_step,
+            data_iterator=iterators,
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=len(micro_batches),
+            # Megatron's schedules take the whole sequence's length and divide it by the CP size themselves.
+            seq_length=seq_len * parallel_state.get_context_parallel_world_size(),
+            micro_batch_size=batch_size,
+            forward_only=forward_only,
+        )
+    finally:
+        route_replay.reset(chunks)  # a later forward (the built-in sampler's) routes on its own
     return [o for o in outputs if o is not _DUMMY]
 
 

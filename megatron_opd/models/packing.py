@@ -58,11 +58,13 @@ def pack(
     *,
     pad_multiple: int = 1,
     token_budget: int | None = None,
+    fills: dict[str, int] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """One packed micro-batch per group; ``columns`` are ``[N, S, ...]`` (``tokens`` among them, padding fills 0).
 
     Each micro-batch is ``T`` = its tokens rounded up to ``pad_multiple`` (sequence parallelism splits ``T`` over
-    TP) or exactly ``token_budget`` (pipeline stages exchange activations of one shape).
+    TP) or exactly ``token_budget`` (pipeline stages exchange activations of one shape). ``fills``: what pads a
+    column other than 0.
     """
     out = []
     for group in groups:
@@ -79,7 +81,8 @@ def pack(
             "max_seqlen": torch.tensor(max([*sizes, pad])),
         }
         for name, value in columns.items():
-            mb[name] = _concat([value[i, :n] for i, n in zip(group, sizes)], pad, value[0, :0])
+            fill = (fills or {}).get(name, 0)
+            mb[name] = _concat([value[i, :n] for i, n in zip(group, sizes)], pad, value[0, :0], fill)
         out.append(mb)
     return out
 

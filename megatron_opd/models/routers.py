@@ -13,6 +13,13 @@ from __future__ import annotations
 import functools
 
 
+def _topk(scores, topk: int, num_groups=None, group_topk=None):
+    """The experts a row's scores pick (Megatron's ``compute_topk`` without groups; the routing-replay hook's default)."""
+    import torch
+
+    return torch.topk(scores, k=topk, dim=-1)
+
+
 @functools.cache
 def softmax_bias_router():
     """:class:`SoftmaxBiasRouter`, defined on first use (importing Megatron-Core costs seconds)."""
@@ -36,7 +43,12 @@ def softmax_bias_router():
                 padding_mask = padding_mask.reshape(-1)
             logits = self.apply_z_loss(logits, padding_mask=padding_mask)
             scores = torch.softmax(logits.float(), dim=-1)
-            _, top = torch.topk(scores + self.expert_bias.float(), self.topk, dim=-1)
+            biased = scores + self.expert_bias.float()
+            replay = getattr(self, "router_replay", None)  # rollout.routing_replay (models/route_replay.py)
+            if replay is not None:
+                _, top = replay.get_replay_topk(biased, self.topk, default_compute_topk=_topk)
+            else:
+                _, top = _topk(biased, self.topk)
             chosen = scores.gather(1, top)
             # ERNIE clamps the sum at moe_norm_min (1e-12); top-k of a softmax sums to at least k / E.
             chosen = chosen / chosen.sum(dim=-1, keepdim=True)

@@ -12,6 +12,8 @@ all finished runs dummy forwards until every rank's have (``distributed.lockstep
 sampling uses :mod:`megatron_opd.rollout.sampling`, which never gathers the vocabulary. Asked for
 (``SamplingParams.return_topk = k``), each generated position also records the global top-k ids of the raw logits
 (a merge of k candidates per rank, no gather): the student's half of the union loss support, at no extra forward.
+With ``SamplingParams.return_routes`` (``rollout.routing_replay``) every forward also records the experts each
+MoE router chose for each row's token (``models.route_replay``), which the trainer then replays.
 
 Shape legend: ``N`` rows (prompts x n), ``L`` positions (prompt + response), ``V`` this rank's vocabulary shard.
 """
@@ -31,6 +33,7 @@ from megatron_opd.distributed.lockstep import agree_count, lockstep_group
 from megatron_opd.interfaces import Rollouts, SamplingParams, completed
 from megatron_opd.losses.shard_ops import global_topk
 from megatron_opd.losses.vocab_parallel import make_vocab_shard
+from megatron_opd.models import route_replay
 from megatron_opd.models.context_parallel import whole_sequences
 from megatron_opd.rollout.sampling import sample_next, token_logprobs
 
@@ -168,13 +171,19 @@ class BuiltinSampler:
         if sampling.return_topk > vocab:
             raise ValueError(f"return_topk={sampling.return_topk} asks for more ids than the vocabulary's {vocab}")
 
-    def _forward(self, tokens_NL: torch.Tensor, start: int, context) -> torch.Tensor:
-        """Logits ``[N, V]`` of the last of positions ``[start, start + L)``, whose keys/values join the cache."""
+    def _forward(self, tokens_NL: torch.Tensor, start: int, context, routes_NLMk=None) -> torch.Tensor:
+        """Logits ``[N, V]`` of the last of positions ``[start, start + L)``, whose keys/values join the cache; with
+        ``routes_NLMk``, the routers' choices of those positions are written there."""
         positions_NL = torch.arange(start, start + tokens_NL.shape[1], device=tokens_NL.device).expand_as(tokens_NL)
         logits_N1V = self.model(
             tokens_NL, positions_NL, None, inference_context=context, runtime_gather_output=True
         )  # runtime_gather_output only satisfies GPTModel's assert; _keep_logits_sharded overrides it
         context.sequence_len_offset += tokens_NL.shape[1]
+        if routes_NLMk is not None:
+            n, length = tokens_NL.shape
+            for hook in self._route_hooks:  # Megatron routes tokens in [L, N] order
+                chosen_NLk = hook.recorded.view(length, n, -1).transpose(0, 1)
+                routes_NLMk[:, start : start + length, hook.moe_index] = chosen_NLk.to(routes_NLMk.dtype)
         return logits_N1V[:, -1]
 
     def _idle(self) -> None:
@@ -215,11 +224,18 @@ class BuiltinSampler:
         stop_ids = torch.tensor(sampling.stop_token_ids, dtype=torch.int64, device=device)
         generator = torch.Generator(device=device)
         generator.manual_seed(sampling.seed)
+        routes_NLMk = None
+        if sampling.return_routes:
+            self._route_hooks = route_replay.recording([self.model], True)
+            if not self._route_hooks:
+                raise ValueError("rollout.routing_replay needs a Mixture-of-Experts student (this one has no router)")
+            top_k = self.model.config.moe_router_topk
+            routes_NLMk = torch.full((rows, total, len(self._route_hooks), top_k), -1, dtype=torch.int16, device=device)
 
         context = StaticInferenceContext(rows, total)
         steps = 0
-        with _generation_mode(self.model):
-            logits_NV = self._forward(tokens_NL[:, :shortest], 0, context)
+        with _generation_mode(self.model), self._recording(routes_NLMk is not None):
+            logits_NV = self._forward(tokens_NL[:, :shortest], 0, context, routes_NLMk)
             for pos in range(shortest, total):
                 # The noise is drawn for every row at every step, so the stream does not depend on the layout.
                 sampled_N = sample_next(logits_NV, self.shard, sampling, generator)
@@ -244,7 +260,7 @@ class BuiltinSampler:
                         break
                 elif not running:
                     break
-                logits_NV = self._forward(tokens_NL[:, pos : pos + 1], pos, context)
+                logits_NV = self._forward(tokens_NL[:, pos : pos + 1], pos, context, routes_NLMk)
 
         tokens_NL, logprobs_NL, topk_NLK = tokens_NL.cpu(), logprobs_NL.cpu(), topk_NLK.cpu()
         starts, ends, stopped = lengths_N.tolist(), end_N.tolist(), stopped_N.tolist()
@@ -267,5 +283,22 @@ class BuiltinSampler:
                 prompt_index=[i // n for i in range(rows)],
                 policy_version=self.policy_version,
                 topk_ids=[topk_NLK[i, starts[i] : ends[i]].clone() for i in range(rows)] if k else None,
+                routes=None if routes_NLMk is None else [self._routes_of(routes_NLMk, i, ends[i]) for i in range(rows)],
             )
         )
+
+    @contextlib.contextmanager
+    def _recording(self, on: bool) -> Iterator[None]:
+        try:
+            yield
+        finally:
+            if on:
+                route_replay.recording([self.model], False)
+
+    @staticmethod
+    def _routes_of(routes_NLMk: torch.Tensor, row: int, end: int) -> torch.Tensor:
+        """Row ``row``'s routes up to its end; the last token's are left out (-1), as no prediction reads them and
+        only rows still decoding route it."""
+        routes = routes_NLMk[row, :end].cpu().clone()
+        routes[end - 1] = -1
+        return routes

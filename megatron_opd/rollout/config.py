@@ -60,6 +60,10 @@ class RolloutConfig:
     """With ``tool_fn``: the text that ends a tool call (the model's turn is cut right after it)."""
     max_turns: int = 4
     """With ``tool_fn``: model turns per sample (a call in the last turn gets no answer)."""
+    routing_replay: bool = False
+    """Mixture-of-Experts students: the sampler records the experts it routed each token to, per MoE layer, and the
+    trainer's forward routes each token to those (weighted by its own router's scores); logs ``moe/route_mismatch``,
+    the share of (token, layer) routings where the trainer's own choice differs. The teacher routes on its own."""
     startup_check: bool = True
     """``backend=vllm``: after the first weight sync, score a fixed sequence in the engine (and in every server) and
     in the trainer, and refuse to start when they differ by more than ``max_logprob_diff`` (``rollout.fidelity``)."""

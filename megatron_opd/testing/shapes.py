@@ -94,6 +94,34 @@ TP1_ONLY = frozenset({"attention:one-kv-head"})
 MOE_ONLY = ALL_PROPERTIES - frozenset().union(*(s.properties for n, s in SHAPES.items() if n not in MOE + MLA_VARIANTS))
 """Properties only the MoE shapes have: the covering conditions ask for them in the paths and at the layouts
 that run MoE shapes so far (issue #35 brings MoE to every path)."""
+DENSE_52 = ("olmo3_window_two_ropes", "smollm3_nope", "seed_oss_qkv_bias", "granite_multipliers", "gemma2_softcap")
+"""Issue #52's dense families: each runs the logits at TP=1 and TP=2 and then only the paths where it adds a
+mechanism (``SCOPED``), not every path: their layers are the dense decoder's with a twist each, and every path's
+shared machinery (the converter's names, vocabulary padding, tied embeddings) is covered by the shapes above."""
+SCOPED: dict[str, frozenset[str]] = {
+    "olmo3_window_two_ropes": frozenset({"built-in sampler greedy vs transformers"}),
+    "smollm3_nope": frozenset({"built-in sampler greedy vs transformers"}),
+    "seed_oss_qkv_bias": frozenset(),
+    "granite_multipliers": frozenset(
+        {
+            "built-in sampler greedy vs transformers",
+            "in-process teacher top-k vs transformers",
+        }
+    ),
+    "gemma2_softcap": frozenset(
+        {
+            "built-in sampler greedy vs transformers",
+            "tools/checkpoint round trip (bitwise)",
+            "trainer HF export (bitwise)",
+            "in-process teacher top-k vs transformers",
+            "teacher server top-k vs transformers",
+        }
+    ),
+}
+"""Shape -> the paths beyond the logits (at TP=1 and TP=2) its family's mechanism changes: the covering conditions
+ask for its family elsewhere only at ``tp1`` and ``tp2`` (``tests/test_shape_matrix.py``). The HF export copies
+``config.json`` whole (granite's multipliers, smollm3's ``no_rope_layers``): all five passed it on 2026-11-29 (about
+5 s a shape); Gemma 2, whose weight rules are new, stays in it."""
 EXPERT_LAYOUTS = frozenset({"ep2", "tp2_ep2"})
 """Layouts with expert parallelism, run by the MoE shapes alone (the dense ones run their TP/PP parts elsewhere):
 the covering conditions there ask for the MoE-only properties."""
@@ -101,8 +129,8 @@ the covering conditions there ask for the MoE-only properties."""
 # path -> layout -> (shape names, the test that runs the cell)
 MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
     "Megatron model vs transformers logits": {
-        "tp1": (LOCAL + MOE + MLA_VARIANTS, "test_models.py::test_logits_match_transformers"),
-        "tp2": (SPLIT_ALL, "test_models.py::test_logits_match_transformers"),
+        "tp1": (LOCAL + MOE + MLA_VARIANTS + DENSE_52, "test_models.py::test_logits_match_transformers"),
+        "tp2": (SPLIT_ALL + DENSE_52, "test_models.py::test_logits_match_transformers"),
         "tp2_sp": (SPLIT_ALL + MOE + MLA_VARIANTS, "test_models.py::test_logits_match_transformers"),
         "ep2": (MOE + MLA_VARIANTS, "test_models.py::test_logits_match_transformers"),
         "pp2_vp2": (LOCAL, "test_models.py::test_logits_match_transformers"),
@@ -117,24 +145,36 @@ MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
         "tp1": (LOCAL, "test_vllm_server.py::test_server_sync_and_teacher_per_shape"),
     },
     "built-in sampler greedy vs transformers": {
-        "tp1": (LOCAL + MOE + MLA_VARIANTS, "test_sampler.py::test_greedy_matches_transformers"),
-        "tp2": (SPLIT_ALL, "test_sampler.py::test_greedy_matches_transformers"),
+        "tp1": (
+            LOCAL + MOE + MLA_VARIANTS + ("olmo3_window_two_ropes", "smollm3_nope", "granite_multipliers"),
+            "test_sampler.py::test_greedy_matches_transformers",
+        ),
+        "tp2": (SPLIT_ALL + ("gemma2_softcap",), "test_sampler.py::test_greedy_matches_transformers"),
     },
     "tools/checkpoint round trip (bitwise)": {
-        "tp2_pp2": (SPLIT_ALL, "test_checkpoint.py::test_round_trip_is_bitwise"),
+        "tp2_pp2": (SPLIT_ALL + ("gemma2_softcap",), "test_checkpoint.py::test_round_trip_is_bitwise"),
         "pp2_vp2": (LOCAL, "test_checkpoint.py::test_round_trip_is_bitwise"),
         "tp2_ep2": (MOE + MLA_VARIANTS, "test_checkpoint.py::test_round_trip_is_bitwise"),
     },
     "trainer HF export (bitwise)": {
-        "tp1": (LOCAL + MOE + MLA_VARIANTS, "test_checkpoint.py::test_trainer_export_is_bitwise"),
+        "tp1": (
+            LOCAL + MOE + MLA_VARIANTS + ("gemma2_softcap",),
+            "test_checkpoint.py::test_trainer_export_is_bitwise",
+        ),
         "tp2_pp2": (SPLIT, "test_checkpoint.py::test_trainer_export_is_bitwise"),
     },
     "in-process teacher top-k vs transformers": {
-        "tp1": (LOCAL + MOE, "test_teacher_server.py::test_teacher_topk_per_shape"),
+        "tp1": (
+            LOCAL + MOE + ("granite_multipliers", "gemma2_softcap"),
+            "test_teacher_server.py::test_teacher_topk_per_shape",
+        ),
         "tp2": (SPLIT, "test_teacher_server.py::test_teacher_topk_per_shape"),
     },
     "teacher server top-k vs transformers": {
-        "tp1": (("qwen3_one_kv", *NEW_FAMILIES), "test_teacher_server.py::test_teacher_topk_per_shape"),
+        "tp1": (
+            ("qwen3_one_kv", *NEW_FAMILIES, "gemma2_softcap"),
+            "test_teacher_server.py::test_teacher_topk_per_shape",
+        ),
         "tp2": (SPLIT, "test_teacher_server.py::test_teacher_topk_per_shape"),
     },
     "vLLM teacher top-k vs transformers": {

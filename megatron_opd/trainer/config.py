@@ -532,6 +532,36 @@ class TrainConfig:
             except ValueError as err:
                 raise ValueError(f"teachers.{name}: {err} (teacher.* / loss.* here: teachers.{name}.*)") from None
 
+    def _validate_routing_replay(self) -> None:
+        """What ``rollout.routing_replay`` cannot run: SFT and tool turns, a dense student, a vLLM that returns no
+        routes for the student's family (read from its ``config.json``, before any model)."""
+        import json
+        from pathlib import Path
+
+        from megatron_opd.models.families import BY_MODEL_TYPE
+        from megatron_opd.models.families.moe import MoEFamily
+
+        if self.loss.kind == "sft" or self.rollout.tool_fn:
+            what = "loss.kind=sft trains on records, not rollouts" if self.loss.kind == "sft" else (
+                "rollout.tool_fn inserts tool tokens no sampler routed")  # fmt: skip
+            raise ValueError(f"rollout.routing_replay=true: {what}; set rollout.routing_replay=false")
+        path = Path(self.student.path) / "config.json"
+        if not path.is_file():
+            return
+        model_type = json.loads(path.read_text()).get("model_type")
+        family = BY_MODEL_TYPE.get(model_type)
+        if not isinstance(family, MoEFamily):
+            raise ValueError(
+                f"rollout.routing_replay=true needs a Mixture-of-Experts student; student.path is {model_type!r}, "
+                "which has no router: set rollout.routing_replay=false"
+            )
+        if self.rollout.backend == "vllm" and family.vllm_no_routes:
+            raise ValueError(
+                f"rollout.routing_replay=true with rollout.backend=vllm is not supported for {model_type}: "
+                f"{family.vllm_no_routes}; use rollout.backend=builtin (it records its own routes) or "
+                "rollout.routing_replay=false"
+            )
+
     def validate(self) -> None:
         """Checks that need the whole config (run by the entry point, after overrides); fills derived defaults."""
         if self.checkpoint.dir is None:
@@ -610,6 +640,8 @@ class TrainConfig:
                 "distillation with scheduler.mode=zero_step_off and rollout.backend=builtin, as a number >= 0; set "
                 "scheduler.sync_delay=0 or use those settings"
             )
+        if self.rollout.routing_replay:
+            self._validate_routing_replay()
         pp = self.parallel.pipeline_model_parallel_size
         if self.rollout.backend == "builtin" and self.loss.kind != "sft" and pp > 1:
             raise ValueError(

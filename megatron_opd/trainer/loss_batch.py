@@ -100,8 +100,9 @@ class LossBatch:
         return replace(self, **{k: v.index_select(0, index) for k, v in self._per_token().items()})
 
 
-# Micro-batch keys that are per token besides the loss's fields: the model's inputs, and packed rows' weights.
-MODEL_COLUMNS: frozenset[str] = frozenset({"tokens", "position_ids", "token_weights"})
+# Micro-batch keys that are per token besides the loss's fields: the model's inputs (with the sampler's routes,
+# ``rollout.routing_replay``), and packed rows' weights.
+MODEL_COLUMNS: frozenset[str] = frozenset({"tokens", "position_ids", "token_weights", "routes"})
 # Keys that are per sample or per micro-batch: never split.
 NOT_SPLIT: frozenset[str] = frozenset({"seq_weights", "sequence_tokens", SPLIT_MARKER})
 # Padding a per-token column may not repeat the last position's value (it would be trained or grouped).

@@ -777,6 +777,8 @@ def train_step(
         multiple = 2 * split.size * (tp if student.model[0].config.sequence_parallel else 1)
         micro_batches = [split_for_context_parallel(mb, split, pad_multiple=multiple) for mb in micro_batches]
     output = HiddenStateOutput(student.model) if fused_output_applies(cfg) else None
+    if output is not None and not output.exact:  # soft-capped final logits: the loss takes the logits
+        output = None
     if output is not None:  # the fused loss chunks the trained tokens: found here, not by a device sync in the loop
         for mb in micro_batches:
             mb["trained_index"] = (mb["loss_mask"] != 0).reshape(-1).nonzero().reshape(-1)
@@ -843,6 +845,8 @@ def _routed_step(student, batch, routed, cfg: LossConfig, teachers: dict[str, Te
             micro_batches.append(mb)
     fused = all(fused_output_applies(t.loss) for t in teachers.values())
     output = HiddenStateOutput(student.model) if fused else None
+    if output is not None and not output.exact:  # soft-capped final logits: the loss takes the logits
+        output = None
     if output is not None:
         for mb in micro_batches:
             mb["trained_index"] = (mb["loss_mask"] != 0).reshape(-1).nonzero().reshape(-1)

@@ -10,6 +10,8 @@ routed to each expert, once per optimizer step, over every rank:
 - ``moe/expert_load/layer_NN``: the busiest expert's routed tokens over the mean expert's, per MoE layer (1: even;
   ``num_experts / top_k``: every token on the same experts), and ``moe/expert_load_max`` the worst layer's.
   Counted over the tokens the step trained on, padding included (a lockstep dummy micro-batch's are not).
+- ``moe/route_mismatch`` (``rollout.routing_replay``): the share of replayed (token, MoE layer) routings where the
+  router's own choice differs from the sampler's (``models.route_replay``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from megatron_opd.models import route_replay
 from megatron_opd.models.forward_backward import in_lockstep_dummy
 
 LOSS_NAMES = ("load_balancing_loss", "z_loss")
@@ -53,6 +56,7 @@ class RouterMetrics:
         enabled = {"load_balancing_loss": (config.moe_aux_loss_coeff or 0) > 0, "z_loss": bool(config.moe_z_loss_coeff)}
         self.loss_names = [name for name in LOSS_NAMES if enabled[name]]
         self.counts = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64)
+        self.chunks = chunks
         self._recording = False
         for router in routers(chunks):
             router.register_forward_hook(self._count)
@@ -70,6 +74,7 @@ class RouterMetrics:
 
         clear_aux_losses_tracker()
         self.counts.zero_()
+        route_replay.take_counts(self.chunks)  # from zero
         self._recording = True
         try:
             yield
@@ -91,9 +96,11 @@ class RouterMetrics:
                 group_size = dist.get_world_size(entry["reduce_group"]) if entry.get("reduce_group") else 1
                 losses[i] = entry["values"].detach().to("cpu", torch.float64) * group_size / num_microbatches
         ranks_per_stage = dist.get_world_size() / ps.get_pipeline_model_parallel_world_size()
-        totals = torch.cat([losses.flatten() / ranks_per_stage, self.counts.flatten()])
+        replayed = route_replay.take_counts(self.chunks)  # [mismatched, replayed] (token, layer) routings
+        totals = torch.cat([losses.flatten() / ranks_per_stage, self.counts.flatten(), replayed])
         dist.all_reduce(totals)  # each stage fills its own layers; every rank ends with the same values
-        losses, counts = totals[: losses.numel()].view_as(losses), totals[losses.numel() :].view_as(self.counts)
+        losses, counts = totals[: losses.numel()].view_as(losses), totals[losses.numel() : -2].view_as(self.counts)
+        mismatched, replayed = totals[-2:].tolist()
         out: dict[str, float] = {}
         for i, name in enumerate(LOSS_NAMES):
             if name in self.loss_names:
@@ -105,6 +112,8 @@ class RouterMetrics:
                 out[f"moe/expert_load/layer_{layer:02d}"] = loads[layer]
         if loads:
             out["moe/expert_load_max"] = max(loads.values())
+        if replayed:  # rollout.routing_replay (the ratio holds where tensor-parallel ranks route the same tokens)
+            out["moe/route_mismatch"] = mismatched / replayed
         return out
 
 

@@ -75,6 +75,7 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
     cp = cfg.parallel.context_parallel_size
     check_window_context_parallel(student, cp, max_seq_len(cfg), "student.path")
     check_packed_attention(cfg, student, f"student.path={cfg.student.path}")
+    check_soft_capped(cfg, student, f"student.path={cfg.student.path}", student_model=True)
     if cfg.train.freeze_router and student.moe is None:
         raise ValueError(
             f"train.freeze_router=true, but the student ({cfg.student.path}) has no Mixture-of-Experts layer and so "
@@ -95,6 +96,7 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
             teacher = model_architecture(view.teacher.path, where)
             validate_layout(teacher, cfg.parallel)
             check_packed_attention(cfg, teacher, f"{where}={view.teacher.path}")
+            check_soft_capped(cfg, teacher, f"{where}={view.teacher.path}")
             # The teacher scores the student's sequences; in its own tokens (loss.cross_tokenizer), up to its context.
             own = objective.cross_tokenizer
             check_window_context_parallel(teacher, cp, teacher.max_position_embeddings if own else max_seq_len(cfg),
@@ -167,6 +169,24 @@ def check_micro_batch_tokens(cfg: TrainConfig) -> None:
             f"tokens ({source}: {what}), which would stop the run at the first such sample; raise it to at least "
             f"{-(-longest // tp) * tp}, lower train.max_seq_len, or unset it (null: micro_batch_size x the step's "
             "longest sample)"
+        )
+
+
+def check_soft_capped(cfg: TrainConfig, arch, where: str, student_model: bool = False) -> None:
+    """Refuse what soft-capped logits (Gemma 2) cannot run: capped attention scores on Megatron's local attention
+    (only ``build.attention=sdpa`` caps them), and a student's fused output-layer loss (its hidden states times the
+    output weight are not its capped logits; ``loss.fused_output=auto`` then keeps the logits)."""
+    if arch.attn_logit_softcapping is not None and cfg.build.attention != "sdpa":
+        raise ValueError(
+            f"build.attention={cfg.build.attention}: the {arch.family} model of {where} soft-caps its attention "
+            f"logits (config.json attn_logit_softcapping={arch.attn_logit_softcapping}), which only "
+            "build.attention=sdpa does; set build.attention=sdpa"
+        )
+    if student_model and arch.final_logit_softcapping is not None and cfg.loss.fused_output == "on":
+        raise ValueError(
+            f"loss.fused_output=on: the {arch.family} model of {where} soft-caps its final logits (config.json "
+            f"final_logit_softcapping={arch.final_logit_softcapping}), which the fused output-layer loss does not; "
+            "set loss.fused_output=auto (the loss then takes the logits) or off"
         )
 
 
@@ -573,6 +593,10 @@ def max_seq_len(cfg: TrainConfig) -> int:
 
 def build_rollout(cfg: TrainConfig, student: Student, vocab: Vocabulary):
     """The rollout back end of ``rollout.backend`` (with tool turns when ``rollout.tool_fn`` is set)."""
+    if cfg.rollout.routing_replay:  # the student's routers record (sampler) and replay (trainer) routes
+        from megatron_opd.models import route_replay
+
+        route_replay.install(student.chunks)
     if cfg.rollout.backend == "vllm":
         from megatron_opd.rollout.vllm_setup import build_vllm_rollout
 
@@ -603,4 +627,5 @@ def sampling_params(cfg: TrainConfig, vocab: Vocabulary, temperature: float | No
         top_k=cfg.rollout.top_k if temperature is None else 0,
         stop_token_ids=vocab.stop_token_ids,
         seed=cfg.seed,
+        return_routes=cfg.rollout.routing_replay and temperature is None,
     )

