@@ -75,6 +75,14 @@ class MoEArchitecture:
     """Width of the shared expert every token goes through (Qwen2-MoE); 0: none."""
     shared_expert_gate: bool = False
     """The shared expert's output is scaled by ``sigmoid(x @ gate)`` (Qwen2-MoE's ``shared_expert_gate``)."""
+    score_function: str = "softmax"
+    """``softmax`` or ``sigmoid`` (MiniMax-M2): the router's scores, whose top-k (renormalised) weight the experts."""
+    expert_bias: bool = False
+    """The top-k is picked on the scores plus a per-expert correction bias (HF ``e_score_correction_bias``; MiniMax-M2
+    on sigmoid scores, ERNIE 4.5 on softmax probabilities); the weights stay the unbiased scores."""
+    config_keys: tuple[str, str, str] = ("num_experts", "moe_intermediate_size", "shared_expert_intermediate_size")
+    """The checkpoint's own ``config.json`` keys for the expert count, the expert width and the shared expert's width
+    (Mixtral's ``num_local_experts``, ERNIE's ``moe_num_experts``), so errors name what the user can find."""
 
 
 @dataclass(frozen=True)

