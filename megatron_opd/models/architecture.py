@@ -152,6 +152,9 @@ class ModelArchitecture:
     """Multi-latent attention (DeepSeek-V3) instead of grouped-query attention; None for the latter."""
     routing: DeepSeekRouting | None = None
     """DeepSeek's group-limited, scaled router on top of ``moe``; None for the MoE families' softmax router."""
+    swiglu: tuple[float, float] | None = None
+    """gpt-oss's experts: ``(swiglu_limit, swiglu_alpha)`` of ``(clamp(up, ±limit) + 1) · g · σ(alpha · g)`` with
+    ``g = min(gate, limit)``; None: plain SwiGLU."""
     torch_dtype: str = "float32"
     """dtype the checkpoint was saved in (``config.json`` ``torch_dtype``/``dtype``)."""
 

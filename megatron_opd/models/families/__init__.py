@@ -9,6 +9,7 @@ from __future__ import annotations
 from megatron_opd.models.families import (
     deepseek_v3,
     gemma3,
+    gpt_oss,
     llama,
     mistral,
     mixtral,
@@ -21,7 +22,7 @@ from megatron_opd.models.families import (
 )
 from megatron_opd.models.families.base import ModelFamily, SpecOptions
 
-_MODULES = (llama, qwen2, qwen3, mistral, olmo2, phi3, gemma3, qwen3_moe, qwen2_moe, mixtral, deepseek_v3)
+_MODULES = (llama, qwen2, qwen3, mistral, olmo2, phi3, gemma3, qwen3_moe, qwen2_moe, mixtral, deepseek_v3, gpt_oss)
 
 FAMILIES: dict[str, ModelFamily] = {module.FAMILY.name: module.FAMILY for module in _MODULES}
 """Family name -> its declarations, in registry order (shape and memory tables follow it)."""

