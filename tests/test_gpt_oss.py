@@ -99,20 +99,103 @@ def gpt_oss_dir(tmp_path_factory):
     return make_shape(SHAPE, tmp_path_factory.mktemp("gpt_oss") / SHAPE)
 
 
-LAYOUTS = {"tp1": (1, {}), "tp2_sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+def reference_dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The block loop: each block of 32 values, byte by byte (low nibble first), times 2 ** (scale - 127), laid out
+    ``[..., rows, 32 G]`` and transposed as transformers' ``convert_moe_packed_tensors`` leaves it."""
+    fp4 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    *lead, rows, groups, _ = blocks.shape
+    out = torch.full((*lead, rows, groups * 32), float("nan"), dtype=torch.float64)
+    for index in torch.cartesian_prod(*(torch.arange(n) for n in (*lead, rows, groups))).reshape(-1, len(lead) + 2):
+        *at, g = index.tolist()
+        scale = 2.0 ** (int(scales[(*at, g)]) - 127)
+        values = [fp4[int(b) & 15] * scale if i == 0 else fp4[int(b) >> 4] * scale
+                  for b in blocks[(*at, g)] for i in (0, 1)]  # fmt: skip
+        out[(*at, slice(g * 32, (g + 1) * 32))] = torch.tensor(values, dtype=torch.float64)
+    return out.to(dtype).transpose(-1, -2)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_dirs(gpt_oss_dir, tmp_path_factory):
+    """``gpt_oss_dir`` with its experts as random MXFP4 blocks (``mxfp4``) and the same weights dequantised by the
+    block loop (``dequantised``, what transformers runs)."""
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("mxfp4")
+    tensors = load_file(gpt_oss_dir / "model.safetensors")
+    gen = torch.Generator().manual_seed(3)
+    quantised, dequantised = dict(tensors), dict(tensors)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, inputs, outputs = tensors[name].shape
+        blocks = torch.randint(0, 256, (experts, outputs, inputs // 32, 16), generator=gen, dtype=torch.uint8)
+        scales = torch.randint(119, 125, (experts, outputs, inputs // 32), generator=gen, dtype=torch.uint8)
+        del quantised[name]
+        quantised[name + "_blocks"], quantised[name + "_scales"] = blocks, scales
+        dequantised[name] = reference_dequantize_mxfp4(blocks, scales, torch.float32).contiguous()
+    config = json.loads((gpt_oss_dir / "config.json").read_text())
+    dirs = {}
+    for kind, weights, extra in (("mxfp4", quantised, {"quantization_config": {"quant_method": "mxfp4"}}),
+                                 ("dequantised", dequantised, {})):  # fmt: skip
+        out = root / kind
+        out.mkdir()
+        save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps({**config, **extra}))
+        dirs[kind] = out
+    return dirs
+
+
+def test_mxfp4_dequantises_as_the_block_loop(mxfp4_dirs):
+    """Every expert row the reader dequantises (fp32 and bf16) equals the block loop bitwise; non-expert tensors
+    read as stored; a stacked row outside the expert count and MXFP4 without quantization_config are refused."""
+    from safetensors.torch import load_file
+
+    from megatron_opd.model_files import CheckpointError
+    from megatron_opd.models.fp8 import dequantize_mxfp4
+    from megatron_opd.models.hf_io import HFCheckpointReader
+
+    stored = load_file(mxfp4_dirs["mxfp4"] / "model.safetensors")
+    reference = load_file(mxfp4_dirs["dequantised"] / "model.safetensors")
+    for dtype in (torch.float32, torch.bfloat16):
+        reader = HFCheckpointReader(mxfp4_dirs["mxfp4"], dequantize_dtype=dtype)
+        for name in [n[: -len("_blocks")] for n in stored if n.endswith("_blocks")]:
+            for expert in range(reference[name].shape[0]):
+                assert torch.equal(reader.get(f"{name}[{expert}]"), reference[name][expert].to(dtype)), (name, expert)
+            whole = dequantize_mxfp4(stored[name + "_blocks"], stored[name + "_scales"], dtype)
+            assert torch.equal(whole, reference[name].to(dtype))
+        assert torch.equal(reader.get("model.layers.0.self_attn.sinks"), stored["model.layers.0.self_attn.sinks"])
+    with pytest.raises(CheckpointError, match="no row 4"):
+        reader.get("model.layers.0.mlp.experts.down_proj[4]")
+    config = json.loads((mxfp4_dirs["mxfp4"] / "config.json").read_text())
+    (mxfp4_dirs["mxfp4"] / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "quantization_config"}))
+    try:
+        with pytest.raises(CheckpointError, match="quant_method mxfp4"):
+            HFCheckpointReader(mxfp4_dirs["mxfp4"]).get("model.layers.0.mlp.experts.down_proj[0]")
+    finally:
+        (mxfp4_dirs["mxfp4"] / "config.json").write_text(json.dumps(config))
+
+
+LAYOUTS = {"tp1": (1, {}), "tp2_sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=1)),
            "ep2": (2, dict(expert_model_parallel_size=2))}  # fmt: skip
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_logits_match_transformers(layout, gpt_oss_dir):
+def test_logits_match_transformers(layout, gpt_oss_dir, mxfp4_dirs):
+    """The tiny gpt-oss (sinks, windows of 4 on alternate layers, YaRN, biases, clamped SwiGLU) at each layout
+    (TP=2: expert TP 1, Megatron's MoE biases need it), and at TP=1 the MXFP4 folder against transformers on its
+    dequantised weights."""
     world, kwargs = LAYOUTS[layout]
     tokens = _tokens(vocab=1001)
-    assert routing_margin(gpt_oss_dir, tokens) > 1e-5
+    models = {SHAPE: (gpt_oss_dir, gpt_oss_dir)}
+    if layout == "tp1":
+        models["mxfp4"] = (mxfp4_dirs["mxfp4"], mxfp4_dirs["dequantised"])
+    for _, reference in models.values():
+        assert routing_margin(reference, tokens) > 1e-5
     build = {"moe_token_dispatcher": "alltoall"} if layout == "ep2" else {}
-    per_rank = run_distributed(_logits_body, world, args=(kwargs, {SHAPE: (str(gpt_oss_dir), tokens)}, build), timeout=600)
-    ref = torch.stack([hf_logits(gpt_oss_dir, t) for t in tokens])
-    results = [r[SHAPE] for r in per_rank if r is not None]
+    jobs = {name: (str(folder), tokens) for name, (folder, _) in models.items()}
+    per_rank = run_distributed(_logits_body, world, args=(kwargs, jobs, build), timeout=600)
+    results = [r for r in per_rank if r is not None]
     assert results
-    for ours in results:
-        rel = ((ours - ref).abs().max() / ref.abs().max()).item()
-        assert rel <= 1e-5, f"{layout}: max relative error {rel:.2e} vs transformers"
+    for name, (_, reference) in models.items():
+        ref = torch.stack([hf_logits(reference, t) for t in tokens])
+        for ours in (r[name] for r in results):
+            rel = ((ours - ref).abs().max() / ref.abs().max()).item()
+            assert rel <= 1e-5, f"{layout}/{name}: max relative error {rel:.2e} vs transformers"
