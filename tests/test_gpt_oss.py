@@ -219,3 +219,19 @@ def test_vllm_refuses_a_swiglu_it_would_ignore(gpt_oss_dir, tmp_path):
             check_vllm_config(str(tmp_path))
     source = inspect.getsource(vllm_gpt_oss)
     assert "swiglu_limit" not in source and "swiglu_alpha" not in source, "vLLM now reads the fields: lift the refusal"
+
+
+def test_builtin_sampler_decode_honours_sinks(gpt_oss_dir):
+    """The built-in sampler (prefill, then decode steps against its KV cache: sinks and the window of 4 on
+    alternate layers) picks transformers' greedy tokens with its log-probabilities, at TP=1."""
+    from tests.test_sampler import MAX_NEW, _greedy_body, _hf_greedy, _hf_logprobs, _prompts
+
+    prompts = _prompts(1001)
+    assert min(len(p) for p in prompts) + MAX_NEW > 4 + 1  # the window hides keys during decode
+    results = run_distributed(_greedy_body, 1, args=({"tp1": {}}, {SHAPE: (gpt_oss_dir, prompts)}), timeout=300)[0]
+    rollouts, _ = results["tp1", SHAPE]
+    for i, prompt in enumerate(prompts):
+        ref = _hf_greedy(gpt_oss_dir, prompt, MAX_NEW)
+        assert rollouts.response_ids[2 * i].tolist() == ref.tolist(), f"prompt {i}"
+        ref_lp = _hf_logprobs(gpt_oss_dir, prompt, ref.tolist())
+        torch.testing.assert_close(rollouts.logprobs[2 * i].double(), ref_lp, rtol=0, atol=1e-5)
