@@ -77,9 +77,15 @@ MOE = ("qwen3_moe_dense0", "qwen2_moe_shared", "mixtral_untied", "deepseek_v3_ml
 MLA_VARIANTS = ("deepseek_v3_q_proj",)  # multi-latent attention without a query latent: where the query's path differs
 SPLIT_ALL = (*SPLIT, *NEW_FAMILIES)
 
-ALL_PROPERTIES = frozenset().union(*(s.properties for s in SHAPES.values()))
+OUTSIDE_MATRIX = ("gpt_oss_sinks",)
+"""Shapes of families that have not reached every path yet; their own test file runs them (gpt-oss,
+``tests/test_gpt_oss.py``: its stacked experts have no writer, so the converter's export, the trainer's export and
+the vLLM sync are not built)."""
+ALL_PROPERTIES = frozenset().union(*(s.properties for n, s in SHAPES.items() if n not in OUTSIDE_MATRIX))
 TP1_ONLY = frozenset({"attention:one-kv-head"})
-MOE_ONLY = ALL_PROPERTIES - frozenset().union(*(s.properties for n, s in SHAPES.items() if n not in MOE + MLA_VARIANTS))
+MOE_ONLY = ALL_PROPERTIES - frozenset().union(
+    *(s.properties for n, s in SHAPES.items() if n not in MOE + MLA_VARIANTS + OUTSIDE_MATRIX)
+)
 """Properties only the MoE shapes have: the covering conditions ask for them in the paths and at the layouts
 that run MoE shapes so far (issue #35 brings MoE to every path)."""
 EXPERT_LAYOUTS = frozenset({"ep2", "tp2_ep2"})
