@@ -30,9 +30,13 @@ def _attention(heads=4, groups=2, head_dim=8, window=None, seed=0) -> SDPAttenti
         context_parallel_size=1, window_size=None if window is None else (window, 0), softmax_type="learnable",
         sequence_parallel=False, params_dtype=torch.float64, perform_initialization=False,
     )  # fmt: skip
-    attn = SDPAttention(config, 1, AttnMaskType.causal, "self", pg_collection=SimpleNamespace(tp=SimpleNamespace(size=lambda: 1)))
+    attn = SDPAttention(
+        config, 1, AttnMaskType.causal, "self", pg_collection=SimpleNamespace(tp=SimpleNamespace(size=lambda: 1))
+    )
     with torch.no_grad():
-        attn.softmax_offset.copy_(torch.randn(heads, generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
+        attn.softmax_offset.copy_(
+            torch.randn(heads, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        )
     return attn
 
 
@@ -82,13 +86,15 @@ def test_sinks_match_transformers_eager_attention(window):
         qd = q[-s:].detach()
         mask_type = AttnMaskType.no_mask if s == 1 else AttnMaskType.causal
         out = attn(qd, k.detach(), v.detach(), None, attn_mask_type=mask_type)
-        torch.testing.assert_close(out, _transformers(attn, qd, k, v, offset=13 - s, window=window), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(
+            out, _transformers(attn, qd, k, v, offset=13 - s, window=window), rtol=1e-12, atol=1e-12
+        )
 
     lengths = [5, 8]  # packed [t, heads, d]: each sequence attends to itself (sinks in each)
     cu = torch.tensor([0, 5, 13], dtype=torch.int32)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=8, max_seqlen_kv=8)
     packed = attn(*(x[:, 0].detach() for x in (q, k, v)), None, packed_seq_params=params)
-    for (lo, hi) in zip(cu[:-1].tolist(), cu[1:].tolist()):
+    for lo, hi in zip(cu[:-1].tolist(), cu[1:].tolist()):
         alone = _transformers(attn, *(x[lo:hi, :1].detach() for x in (q, k, v)), window=window)
         torch.testing.assert_close(packed[lo:hi], alone[:, 0], rtol=1e-12, atol=1e-12)
     assert sum(lengths) == 13
@@ -165,7 +171,9 @@ def test_mxfp4_dequantises_as_the_block_loop(mxfp4_dirs):
     with pytest.raises(CheckpointError, match="no row 4"):
         reader.get("model.layers.0.mlp.experts.down_proj[4]")
     config = json.loads((mxfp4_dirs["mxfp4"] / "config.json").read_text())
-    (mxfp4_dirs["mxfp4"] / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "quantization_config"}))
+    (mxfp4_dirs["mxfp4"] / "config.json").write_text(
+        json.dumps({k: v for k, v in config.items() if k != "quantization_config"})
+    )
     try:
         with pytest.raises(CheckpointError, match="quant_method mxfp4"):
             HFCheckpointReader(mxfp4_dirs["mxfp4"]).get("model.layers.0.mlp.experts.down_proj[0]")

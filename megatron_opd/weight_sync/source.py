@@ -41,6 +41,7 @@ from megatron_opd.models.name_mapping import (
     hf_shapes,
     megatron_to_hf,
     named_tensors,
+    refuse_stacked_export,
     unshard,
 )
 
@@ -66,6 +67,7 @@ def _skipped() -> frozenset[str]:
 
 def hf_metadata(arch: ModelArchitecture, dtype: torch.dtype) -> list[ParamMeta]:
     """Every Hugging Face tensor of ``arch`` in stream order, with its full shape, as ``dtype``."""
+    refuse_stacked_export([n for rule, layer in expand_rules(arch) for n in rule.hf_names(layer)], "the vLLM sync")
     return [
         ParamMeta(name, dtype, tuple(shape))
         for rule, layer in expand_rules(arch)
