@@ -243,3 +243,17 @@ def test_builtin_sampler_decode_honours_sinks(gpt_oss_dir):
         assert rollouts.response_ids[2 * i].tolist() == ref.tolist(), f"prompt {i}"
         ref_lp = _hf_logprobs(gpt_oss_dir, prompt, ref.tolist())
         torch.testing.assert_close(rollouts.logprobs[2 * i].double(), ref_lp, rtol=0, atol=1e-5)
+
+
+def test_converter_round_trips_bitwise_and_exports_mxfp4_dequantised(gpt_oss_dir, mxfp4_dirs, tmp_path):
+    """HF -> dist_ckpt -> HF at TP=2 x PP=2 x EP=2 (expert TP 1) gives the stacked, interleaved expert tensors,
+    the sinks and every bias back bitwise; the MXFP4 folder comes back as its dequantised weights, unquantised."""
+    from tests.test_checkpoint import _assert_same_hf, _convert_body
+
+    layout = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, expert_model_parallel_size=2,
+                  expert_tensor_parallel_size=1)  # fmt: skip
+    jobs = [(str(gpt_oss_dir), str(tmp_path / "mcore"), layout, str(tmp_path / "back"), 5 * 10**9, None),
+            (str(mxfp4_dirs["mxfp4"]), str(tmp_path / "mcore4"), {}, str(tmp_path / "back4"), 5 * 10**9, None)]  # fmt: skip
+    run_distributed(_convert_body, 2, args=(jobs,), init_process_group=False, timeout=600)
+    _assert_same_hf(gpt_oss_dir, tmp_path / "back", "gpt_oss round trip at TP=2 x PP=2 x EP=2")
+    _assert_same_hf(mxfp4_dirs["dequantised"], tmp_path / "back4", "MXFP4 folder converted and exported")

@@ -42,7 +42,7 @@ from megatron_opd.models.architecture import ModelArchitecture
 from megatron_opd.models.fp8 import without_quantization
 from megatron_opd.models.hf_config import load_architecture
 from megatron_opd.models.mtp import without_mtp
-from megatron_opd.models.name_mapping import Split, WeightRule, hf_shapes, megatron_to_hf, refuse_stacked_export
+from megatron_opd.models.name_mapping import Split, WeightRule, hf_shapes, megatron_to_hf
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +148,6 @@ def plan_hf_tensors(reads: list[list[WeightRead]], arch: ModelArchitecture, dtyp
         for read in group:
             for name, shape in zip(read.rule.hf_names(read.layer), hf_shapes(read.rule, arch)):
                 planned.append(TensorMeta(name, dtype or read.dtype, tuple(shape)))
-    refuse_stacked_export([t.name for t in planned], "the Hugging Face export")
     return planned
 
 

@@ -145,6 +145,18 @@ class HFCheckpointReader:
 
     def entry(self, name: str, expected_shape: tuple[int, ...] | None = None) -> TensorEntry:
         """Header facts of one tensor, without reading its data; checks its shape when given."""
+        if self._mxfp4(name):  # its blocks' entry (the bytes read); the shape checked is the dequantised one
+            base, index = stacked_base(name)
+            blocks, scales = (base + suffix if index is None else stacked_name(base + suffix, index)
+                              for suffix in (BLOCKS_SUFFIX, SCALES_SUFFIX))  # fmt: skip
+            entry, _ = self.entry(blocks), self.entry(scales)
+            shape = (*entry.shape[:-3], entry.shape[-2] * 32, entry.shape[-3]) if len(entry.shape) >= 3 else entry.shape
+            if expected_shape is not None and tuple(shape) != tuple(expected_shape):
+                raise CheckpointError(
+                    f"tensor {name!r} (MXFP4 in {self.file_of(name).name}) dequantises to shape {tuple(shape)}, but "
+                    f"config.json implies {tuple(expected_shape)}; the checkpoint and its config disagree"
+                )
+            return entry
         path = self.file_of(name)
         base, index = stacked_base(name)
         if path.name not in self._headers:
