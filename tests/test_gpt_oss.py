@@ -237,3 +237,14 @@ def test_vllm_refuses_a_swiglu_it_would_ignore(gpt_oss_dir, tmp_path):
     vllm = Path(importlib.util.find_spec("vllm").submodule_search_locations[0])  # its source, without importing it
     source = (vllm / "model_executor" / "models" / "gpt_oss.py").read_text()
     assert "swiglu_limit" not in source and "swiglu_alpha" not in source, "vLLM now reads the fields: lift the refusal"
+
+
+def test_memory_model_counts_gpt_oss_20b():
+    """The memory estimate's gpt-oss-20b (``memory_configs``, no weights here): every parameter once, 20.9B as
+    OpenAI's model card counts them (sinks, biases, stacked experts included)."""
+    from megatron_opd.trainer.memory import hf_config, meta_model, shard_parameters
+
+    model = meta_model(hf_config("/models/gpt-oss-20b"))
+    count = sum(p.numel() for p in model.parameters())
+    assert sum(s.per_rank for s in shard_parameters(model, tp=1, pp=1, vocab_multiple=None)) == count
+    assert abs(count - 20.9e9) / 20.9e9 < 0.005, count
