@@ -83,6 +83,7 @@ def read_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
             expert_ffn_hidden_size=ffn,
             norm_topk_prob=True,
             layers=tuple(range(layers)),
+            expert_bias=True,
         ),
         swiglu=(_number(cfg, "swiglu_limit", 7.0, source), _number(cfg, "swiglu_alpha", 1.702, source)),
     )
