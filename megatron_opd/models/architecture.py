@@ -83,6 +83,8 @@ class MoEArchitecture:
     config_keys: tuple[str, str, str] = ("num_experts", "moe_intermediate_size", "shared_expert_intermediate_size")
     """The checkpoint's own ``config.json`` keys for the expert count, the expert width and the shared expert's width
     (Mixtral's ``num_local_experts``, ERNIE's ``moe_num_experts``), so errors name what the user can find."""
+    linear_biases: bool = False
+    """A bias on the router and on every expert's projections (gpt-oss)."""
 
 
 @dataclass(frozen=True)
@@ -189,6 +191,9 @@ class ModelArchitecture:
     """Gated DeltaNet layers between the attention layers (Qwen3-Next, Qwen3.5); None: attention everywhere."""
     attention_output_gate: bool = False
     """Attention output scaled by ``sigmoid`` of a per-head gate from the query projection (Qwen3-Next, Qwen3.5)."""
+    swiglu: tuple[float, float] | None = None
+    """gpt-oss's experts: ``(swiglu_limit, swiglu_alpha)`` of ``(clamp(up, ±limit) + 1) · g · σ(alpha · g)`` with
+    ``g = min(gate, limit)``; None: plain SwiGLU."""
     torch_dtype: str = "float32"
     """dtype the checkpoint was saved in (``config.json`` ``torch_dtype``/``dtype``)."""
     no_rope_layers: tuple[bool, ...] | None = None

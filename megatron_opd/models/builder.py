@@ -168,6 +168,12 @@ def validate_expert_layout(arch: ModelArchitecture, parallel: ParallelConfig) ->
                 f"divide {name}={width} of this {arch.family} model; set parallel.expert_tensor_parallel_size to a "
                 f"divisor of {width}"
             )
+    if moe.linear_biases and etp != 1:  # Megatron adds a row-parallel expert's bias on every expert-TP rank
+        raise ValueError(
+            f"expert tensor-parallel size {etp} (parallel.expert_tensor_parallel_size, else the TP size): the experts "
+            f"of this {arch.family} model have biases, which Megatron-Core supports at expert TP 1 only; set "
+            "parallel.expert_tensor_parallel_size=1 (opd-convert --etp 1)"
+        )
     shared = moe.shared_expert_ffn_hidden_size
     if shared and shared % parallel.tensor_model_parallel_size:
         raise ValueError(

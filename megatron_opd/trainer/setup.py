@@ -427,7 +427,11 @@ def remote_client(cfg: TrainConfig, teacher_fingerprint: str | None = None):
     t = cfg.teacher
     token = read_token(t.token_file) or b""
     if t.backend == "vllm":
+        from megatron_opd.rollout.vllm_engine import check_vllm_config
         from megatron_opd.teacher.vllm_transport import VLLMTransportFactory
+
+        if t.path:  # a config.json vLLM would read as another model (the family's check)
+            check_vllm_config(t.path)
 
         factory = VLLMTransportFactory(
             _teacher_tokenizer(cfg),
