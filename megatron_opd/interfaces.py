@@ -66,6 +66,12 @@ class SamplingParams:
     return_topk: int = 0
     """Also record the ``k`` most probable ids at each generated position (``Rollouts.topk_ids``); 0: off."""
 
+    @property
+    def truncates(self) -> bool:
+        """Whether the draws come from another distribution than the model's own at temperature 1 (a temperature
+        other than 1, top-k or top-p; greedy decoding draws nothing)."""
+        return self.temperature not in (0.0, 1.0) or self.top_k > 0 or self.top_p < 1.0
+
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
@@ -103,6 +109,11 @@ class Rollouts:
     most probable ids at each response position, most probable first (of its raw logits: temperature, top-k and
     top-p do not change them). The union loss support (``loss.support=union``) reads them; a vLLM engine provides
     them with ``logprobs=k``. Rows of tool tokens (response mask 0) are never read."""
+    drawn_logprobs: list[torch.Tensor] | None = None
+    """Where the sampling truncates (``SamplingParams.truncates``): per sample the log-probability of each response
+    token under the distribution it was drawn from (after temperature, top-k and top-p; ``rollout.sampling.
+    drawn_logprobs``), which the staleness and rollout corrections compare with the trainer's; None where the back
+    end does not record it (vLLM) or nothing truncates. 0 where ``response_mask`` is 0."""
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -110,7 +121,8 @@ class Rollouts:
     def __post_init__(self) -> None:
         n = len(self.response_ids)
         names = ["prompt_ids", "response_mask", "logprobs", "finish_reasons", "prompt_index"]
-        for name in names + (["topk_ids"] if self.topk_ids is not None else []):
+        optional = [name for name in ("topk_ids", "drawn_logprobs") if getattr(self, name) is not None]
+        for name in names + optional:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"Rollouts.{name} has {len(getattr(self, name))} entries, response_ids has {n}")
 
@@ -124,6 +136,7 @@ class Rollouts:
         return Rollouts(
             pick(self.prompt_ids), pick(self.response_ids), pick(self.response_mask), pick(self.logprobs),
             pick(self.finish_reasons), pick(self.prompt_index), self.policy_version, pick(self.topk_ids),
+            pick(self.drawn_logprobs),
         )  # fmt: skip
 
 

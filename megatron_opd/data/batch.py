@@ -50,6 +50,9 @@ class TrainBatch:
     """``[N, S]`` float32: the sampler's log-probability (temperature 1) of the token each position predicts, where
     that token is a sampled response token; 0 elsewhere. The rollout-fidelity monitor compares it with the
     trainer's (``rollout.fidelity``). None for SFT."""
+    drawn_logprobs: torch.Tensor | None = None
+    """``[N, S]`` float32, placed as ``rollout_logprobs``: the log-probability under the distribution the sampler
+    drew from (temperature, top-k, top-p; ``Rollouts.drawn_logprobs``); None where nothing truncates."""
 
     def __post_init__(self) -> None:
         if self.seq_weights.numel() == 0:
@@ -70,7 +73,7 @@ class TrainBatch:
         return TrainBatch(
             pick(self.tokens), pick(self.loss_mask), [self.prompt_lengths[i] for i in rows],
             [self.lengths[i] for i in rows], pick(self.seq_weights), pick(self.student_topk_ids),
-            pick(self.rollout_logprobs),
+            pick(self.rollout_logprobs), pick(self.drawn_logprobs),
         )  # fmt: skip
 
     def next_tokens(self) -> torch.Tensor:
@@ -113,8 +116,9 @@ class TrainBatch:
             "labels": self.next_tokens(),
             "seq_weights": self.seq_weights,
         }
-        if self.rollout_logprobs is not None:
-            columns["rollout_logprobs"] = self.rollout_logprobs
+        for name in ("rollout_logprobs", "drawn_logprobs"):
+            if getattr(self, name) is not None:
+                columns[name] = getattr(self, name)
         columns.update(extra or {})
         out = []
         for lo in range(0, self.num_samples, micro_batch_size):
@@ -158,8 +162,9 @@ class TrainBatch:
             "loss_mask": self.loss_mask,
             "labels": self.next_tokens(),
         }
-        if self.rollout_logprobs is not None:
-            columns["rollout_logprobs"] = self.rollout_logprobs
+        for name in ("rollout_logprobs", "drawn_logprobs"):
+            if getattr(self, name) is not None:
+                columns[name] = getattr(self, name)
         columns.update(extra or {})
         return packing.pack(self.lengths, groups, columns, pad_multiple=pad_multiple, token_budget=token_budget)
 
@@ -180,13 +185,14 @@ def pack(
     seq_len: int | None = None,
     topk_ids: list[torch.Tensor] | None = None,
     logprobs: list[torch.Tensor] | None = None,
+    drawn_logprobs: list[torch.Tensor] | None = None,
 ) -> TrainBatch:
     """Concatenate each prompt with its response and pad to one length (``seq_len`` if given).
 
     ``topk_ids``: per sample ``[response_len, k]`` ids recorded while sampling each response token; they go to the
     position that predicts that token, for trained tokens only (``TrainBatch.student_topk_ids``). ``logprobs``: per
     sample ``[response_len]``, the sampler's log-probability of each response token, placed the same way
-    (``TrainBatch.rollout_logprobs``)."""
+    (``TrainBatch.rollout_logprobs``); ``drawn_logprobs`` the same for ``TrainBatch.drawn_logprobs``."""
     lengths = [int(p.numel() + r.numel()) for p, r in zip(prompts, responses)]
     longest = max(lengths)
     if seq_len is None:
@@ -200,6 +206,7 @@ def pack(
     if topk_ids is not None:
         student_topk_ids = torch.full((n, seq_len, topk_ids[0].shape[-1]), -1, dtype=torch.int64)
     rollout_logprobs = None if logprobs is None else torch.zeros(n, seq_len, dtype=torch.float32)
+    drawn = None if drawn_logprobs is None else torch.zeros(n, seq_len, dtype=torch.float32)
     for i, (prompt, response, mask) in enumerate(zip(prompts, responses, response_masks)):
         p, r = prompt.numel(), response.numel()
         tokens[i, :p] = prompt
@@ -213,9 +220,11 @@ def pack(
             if logprobs[i].numel() != r:
                 raise ValueError(f"sample {i}: {logprobs[i].numel()} rollout log-probabilities for {r} response tokens")
             rollout_logprobs[i, p - 1 : p - 1 + r] = torch.where(mask != 0, logprobs[i].to(torch.float32), 0.0)
+        if drawn is not None:
+            drawn[i, p - 1 : p - 1 + r] = torch.where(mask != 0, drawn_logprobs[i].to(torch.float32), 0.0)
     return TrainBatch(
         tokens, loss_mask, [int(p.numel()) for p in prompts], lengths, student_topk_ids=student_topk_ids,
-        rollout_logprobs=rollout_logprobs,
+        rollout_logprobs=rollout_logprobs, drawn_logprobs=drawn,
     )  # fmt: skip
 
 
@@ -246,6 +255,7 @@ def pack_rollouts(
         max_len=max_len,
         topk_ids=topk_ids,
         logprobs=rollouts.logprobs,
+        drawn_logprobs=rollouts.drawn_logprobs,
     )
 
 
