@@ -25,6 +25,10 @@ import torch
 
 from megatron_opd.interfaces import Rollouts, TeacherScores
 
+PAD_MULTIPLE = 8
+"""The teacher's sequences are padded to a multiple of this, as the student's are (sequence parallelism splits them
+over the tensor-parallel ranks)."""
+
 
 @dataclass
 class ReprompterRequest:
@@ -58,7 +62,7 @@ class Reprompter:
         ]
         shifts = [len(prompts[i]) - batch.prompt_lengths[i] for i in range(n)]
         lengths = [batch.lengths[i] + shifts[i] for i in range(n)]
-        width = max(lengths, default=1)
+        width = -(-max(lengths, default=1) // PAD_MULTIPLE) * PAD_MULTIPLE  # as ``data.batch.pack`` pads
         student_ids = batch.teacher_request_ids()
         tokens = torch.full((n, width), self.pad_token_id, dtype=torch.int64)
         request_ids = torch.full((n, width, student_ids.shape[-1]), self.pad_token_id, dtype=torch.int64)
