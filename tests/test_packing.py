@@ -7,7 +7,8 @@ the same losses (<= 1e-5 relative; also the cross-tokenizer sampled and aligned 
 in-process teacher's packed scoring (dense shards, top-k, requested ids) equals its padded scoring at every real
 position. A teacher with a prompt of its own (``teacher.prompt_template``, the student's weights: self-distillation),
 padded and packed: its scores at the student's response positions are transformers' after the longer prompt, and
-with an empty privileged field the first step's divergence and loss are exactly 0 (its gradient norm < 1e-6)."""
+with an empty privileged field the first step's divergence and loss are exactly 0 (its gradient norm < 1e-6; packed
+at PP=2, whose micro-batches take other shapes than the teacher's, within rounding)."""
 
 from __future__ import annotations
 
@@ -209,7 +210,7 @@ def _own_prompt_checks(dirs, parallel, batch, one_stage):
         for mode in ("topk", "dense"):
             for packing in (False, True):
                 teacher = InProcessTeacher(chunks, vocab_size=1000, mode=mode, topk=4, micro_batch_size=2,
-                                           packing=packing, micro_batch_tokens=None if one_stage else 80)  # fmt: skip
+                                           packing=packing, micro_batch_tokens=None if one_stage else 68)  # fmt: skip
                 scores = teacher.score(request.tokens, request.request_ids, request.lengths).result()
                 out[hints, mode, packing] = (request.tokens, Reprompter.scores(scores, request, batch))
     firsts = {}
@@ -265,7 +266,10 @@ def _assert_own_prompt_scores(own, student_dir: str, layout: str) -> None:
                                            atol=2e-5, rtol=1e-5, msg=what)  # fmt: skip
                 torch.testing.assert_close(ref.gather(-1, ids), ref.topk(4, -1).values, atol=2e-5, rtol=0, msg=what)
     for packing, (loss, divergence, grad_norm) in firsts.items():  # the gradient's q - p rounds apart: ~3e-8
-        assert (loss, divergence) == (0.0, 0.0) and grad_norm < 1e-6, f"{layout} packing={packing}: {firsts}"
+        if layout == "tp2_pp2" and packing:  # micro-batches of other shapes than the teacher's: rounding, ~3e-6
+            assert abs(loss) < 1e-6 and abs(divergence) < 1e-5 and grad_norm < 1e-6, f"{layout}: {firsts}"
+        else:
+            assert (loss, divergence) == (0.0, 0.0) and grad_norm < 1e-6, f"{layout} packing={packing}: {firsts}"
 
 
 def _groups_of_two(batch):
