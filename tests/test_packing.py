@@ -204,15 +204,15 @@ def _own_prompt_checks(dirs, parallel, batch, one_stage):
     prompts = [batch.tokens[i, : batch.prompt_lengths[i]].tolist() for i in range(batch.num_samples)]
     reprompter = Reprompter(_HintEncoder(), pad_token_id=0)
     out = {}
-    for hints in ("hints", "empty"):
+    cases = [("hints", "topk", False), ("hints", "topk", True), ("hints", "dense", True), ("empty", "dense", False),
+             ("empty", "dense", True)]  # fmt: skip
+    for hints, mode, packing in cases:
         records = [{"ids": (HINTS[i] if hints == "hints" else []) + p} for i, p in enumerate(prompts)]
         request = reprompter.request(batch, rollouts, records)
-        for mode in ("topk", "dense"):
-            for packing in (False, True):
-                teacher = InProcessTeacher(chunks, vocab_size=1000, mode=mode, topk=4, micro_batch_size=2,
-                                           packing=packing, micro_batch_tokens=None if one_stage else 68)  # fmt: skip
-                scores = teacher.score(request.tokens, request.request_ids, request.lengths).result()
-                out[hints, mode, packing] = (request.tokens, Reprompter.scores(scores, request, batch))
+        teacher = InProcessTeacher(chunks, vocab_size=1000, mode=mode, topk=4, micro_batch_size=2, packing=packing,
+                                   micro_batch_tokens=None if one_stage else 68)  # fmt: skip
+        scores = teacher.score(request.tokens, request.request_ids, request.lengths).result()
+        out[hints, mode, packing] = (request.tokens, Reprompter.scores(scores, request, batch))
     firsts = {}
     cfg = LossConfig(kind="forward_kl", mode="dense")
     for packing in (False, True):
