@@ -89,6 +89,8 @@ def test_reprompter_moves_every_score_kind_to_the_student_positions():
         # The position before each response token asks for it.
         start = len(h) + p.numel() - 1
         assert request.request_ids[i, start : start + r.numel(), 0].tolist() == r.tolist()
+    # Every position asks for the token it predicts, as a vLLM teacher requires.
+    assert torch.equal(request.request_ids[:, :-1, 0], request.tokens[:, 1:])
     n, width = request.tokens.shape
     code = (torch.arange(n)[:, None] * 100 + torch.arange(width)[None]).float()  # sample * 100 + teacher position
     scores = TeacherScores(

@@ -65,12 +65,16 @@ class Reprompter:
         width = -(-max(lengths, default=1) // PAD_MULTIPLE) * PAD_MULTIPLE  # as ``data.batch.pack`` pads
         student_ids = batch.teacher_request_ids()
         tokens = torch.full((n, width), self.pad_token_id, dtype=torch.int64)
-        request_ids = torch.full((n, width, student_ids.shape[-1]), self.pad_token_id, dtype=torch.int64)
         for i in range(n):
             p, length, t_p = batch.prompt_lengths[i], batch.lengths[i], len(prompts[i])
             tokens[i, :t_p] = torch.tensor(prompts[i], dtype=torch.int64)
             tokens[i, t_p : lengths[i]] = batch.tokens[i, p:length]
-            # The positions predicting a response token (p - 1 .. length - 2) move by the shift.
+        # Every position asks for the token it predicts (a vLLM teacher scores only those); the positions predicting
+        # a response token (student p - 1 .. length - 2) also for the student's other requested ids, moved.
+        next_NS1 = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)[..., None]
+        request_ids = next_NS1.expand(n, width, student_ids.shape[-1]).clone()
+        for i in range(n):
+            p, length, t_p = batch.prompt_lengths[i], batch.lengths[i], len(prompts[i])
             request_ids[i, t_p - 1 : lengths[i] - 1] = student_ids[i, p - 1 : length - 1]
         metrics = {"teacher_prompt/extra_tokens": sum(shifts) / max(n, 1)}
         return ReprompterRequest(tokens, request_ids, lengths, shifts, metrics)
