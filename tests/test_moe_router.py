@@ -444,7 +444,7 @@ def test_vllm_is_refused_where_it_computes_another_model(shape_dirs, tmp_path):
     minimax, ernie = shape_dirs["minimax_m2_sigmoid_bias"], shape_dirs["ernie4_5_moe_softmax_bias"]
     base = [f"student.path={minimax}", "loss.kind=sft", "teacher.path=", "data.eval_files=",
             f"data.train_files={tmp_path / 'missing.jsonl'}"]  # fmt: skip
-    with pytest.raises(ValueError, match=r"rollout.backend=vllm: .*minimax_m2.*refuses MiniMax-M2's sigmoid"):
+    with pytest.raises(ValueError, match=r"rollout.backend=vllm with .*minimax_m2.*refuses MiniMax-M2's sigmoid"):
         check_inputs(parse_args(TrainConfig, [*base, "rollout.backend=vllm"]))
     teacher = [
         f"student.path={ernie}",
@@ -454,7 +454,7 @@ def test_vllm_is_refused_where_it_computes_another_model(shape_dirs, tmp_path):
         "data.eval_files=",
         f"data.train_files={tmp_path / 'x.jsonl'}",
     ]
-    with pytest.raises(ValueError, match=r"teacher.backend=vllm: .*ernie4_5_moe.*drops e_score_correction_bias"):
+    with pytest.raises(ValueError, match=r"teacher.backend=vllm with .*ernie4_5_moe.*drops e_score_correction_bias"):
         check_inputs(parse_args(TrainConfig, teacher))
     # OLMoE: exact in vLLM at its hard-coded norm eps (the matrix's shape, as published checkpoints), else refused.
     olmoe = shape_dirs["olmoe_qk_all_heads"]

@@ -106,6 +106,16 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
     check_vllm_models(cfg, views)
     check_micro_batch_tokens(cfg)
     check_paths(cfg.data.train_files, "data.train_files")
+    for name, view in views.items():  # every record must have the fields a teacher's own prompt names
+        template = view.teacher.prompt_template
+        if template is not None and objective_for(view.loss).needs_teacher:
+            from megatron_opd.data.teacher_prompt import check_records
+
+            where = "teacher" if view is cfg else f"teachers.{name}"
+            try:
+                check_records(template, cfg.data.train_files, "data.train_files")
+            except ValueError as err:
+                raise type(err)(str(err).replace("teacher.prompt_template", f"{where}.prompt_template")) from None
     if cfg.data.eval_files:
         check_paths(cfg.data.eval_files, "data.eval_files")
     # The in-process teacher (at most one) is the one the estimate places beside the student.
@@ -561,14 +571,21 @@ def check_output_weight(full_VH: torch.Tensor, info, vocab_size: int, path: str)
 
 
 def build_retokenizer(cfg: TrainConfig, vocab: Vocabulary):
-    """``loss.cross_tokenizer``: the teacher's view of each batch (None without one)."""
-    objective = objective_for(cfg.loss)
-    if not objective.cross_tokenizer:
-        return None
-    from megatron_opd.cross_tokenizer.retokenize import CrossTokenizer
-    from megatron_opd.data.prompts import PromptEncoder
+    """The teacher's view of each batch where it is not the student's (None where it is): ``loss.cross_tokenizer``
+    (its own tokens), or ``teacher.prompt_template`` with the student's tokenizer (its own prompt)."""
+    from megatron_opd.data.teacher_prompt import TemplatePromptEncoder
 
-    encoder = PromptEncoder.for_data(vocab.teacher_tokenizer, cfg.data)
+    objective = objective_for(cfg.loss)
+    template = cfg.teacher.prompt_template
+    if not objective.cross_tokenizer:
+        if template is None:
+            return None
+        from megatron_opd.teacher.reprompt import Reprompter
+
+        return Reprompter(TemplatePromptEncoder.for_data(vocab.tokenizer, cfg.data, template), vocab.pad_token_id)
+    from megatron_opd.cross_tokenizer.retokenize import CrossTokenizer
+
+    encoder = TemplatePromptEncoder.for_data(vocab.teacher_tokenizer, cfg.data, template)
     # A vLLM teacher scores the next token only: the stop's prefix correction needs other ids at one position.
     stop_prefix_ids = 1 if cfg.teacher.backend == "vllm" else 16
     return CrossTokenizer(vocab.tokenizer, vocab.teacher_tokenizer, encoder, vocab.stop_token_ids, stop_prefix_ids,
