@@ -4,6 +4,7 @@
     opd-quickstart --cross-tokenizer     # a teacher with another tokenizer
     opd-quickstart --multi-teacher       # two tasks, a teacher for each, one student
     opd-quickstart --student-family gemma3   # a Gemma-3-shaped student
+    opd-quickstart --student-family qwen3_5  # a Qwen3.5-shaped student (Gated DeltaNet and gated attention)
     opd-quickstart --moe                 # a Mixture-of-Experts student at expert parallelism
 
 (``python examples/quickstart.py`` in a checkout is the same command.) It runs from any folder: the recipes

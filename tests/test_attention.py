@@ -182,7 +182,7 @@ def test_dropout_only_in_training_and_under_megatron_rng():
 @pytest.mark.parametrize(
     "extra, message",
     [
-        ({"softmax_type": "learnable"}, "softmax_type='learnable' is not supported"),
+        ({"softmax_type": "sigmoid"}, "softmax_type='sigmoid' is not supported"),  # learnable: tests/test_gpt_oss.py
     ],
 )
 def test_refuses_what_it_cannot_run(extra, message):

