@@ -185,4 +185,6 @@ def deepseek_routing_margin(router, hidden: torch.Tensor, top_k: int, routing) -
     chosen = group_scores.topk(routing.topk_group, dim=-1).indices
     in_chosen = groups.gather(1, chosen[..., None].expand(-1, -1, groups.shape[-1])).flatten(1)
     ranked = in_chosen.sort(dim=-1, descending=True).values
-    return float(torch.minimum(gap, ranked[:, top_k - 1] - ranked[:, top_k]).min())
+    if top_k < ranked.shape[-1]:  # else every expert of the chosen groups is picked
+        gap = torch.minimum(gap, ranked[:, top_k - 1] - ranked[:, top_k])
+    return float(gap.min())

@@ -5,8 +5,10 @@ V2-Lite has no query latent, ``q_lora_rank`` null). The router takes the softmax
 top-k scores as they are (transformers' DeepSeek-V2 never renormalises them, whatever ``norm_topk_prob`` says),
 scaled by ``routed_scaling_factor``: Megatron's ``softmax`` router with ``moe_router_pre_softmax``.
 ``topk_method=group_limited_greedy`` first keeps the ``topk_group`` of ``n_group`` groups with the best single
-score; Megatron ranks a group by the sum of its top ``top_k / topk_group`` scores, the same ranking only when
-``num_experts_per_tok == topk_group`` (other group shapes are refused).
+score; Megatron ranks a group by the sum of its top ``top_k / topk_group`` scores (the same ranking only when
+``num_experts_per_tok == topk_group``), so the MoE layers take
+:func:`~megatron_opd.models.group_routers.group_max_router`, Megatron's router with the group ranking by the best
+score: every group shape, the published DeepSeek-V2's top-6 of 160 experts in 3 of 8 groups included.
 """
 
 from __future__ import annotations
@@ -37,11 +39,12 @@ def check_config(cfg: dict[str, Any]) -> None:
             f"scores and one of {METHODS} (DeepSeek-V3's sigmoid noaux_tc router is model_type deepseek_v3)"
         )
     top_k, n_group, topk_group = cfg.get("num_experts_per_tok"), cfg.get("n_group") or 1, cfg.get("topk_group") or 1
-    if method == "group_limited_greedy" and n_group > topk_group and top_k != topk_group:
+    experts = cfg.get("n_routed_experts") or 0
+    if method == "group_limited_greedy" and n_group > 1 and top_k > topk_group * (experts // n_group):
         raise UnsupportedArchitectureError(
-            f"config.json topk_method=group_limited_greedy with num_experts_per_tok={top_k} and "
-            f"topk_group={topk_group}: transformers ranks a group by its best score, Megatron by the sum of its "
-            "top num_experts_per_tok / topk_group scores; only num_experts_per_tok == topk_group is supported"
+            f"config.json topk_method=group_limited_greedy with num_experts_per_tok={top_k}, topk_group="
+            f"{topk_group}, n_group={n_group}, n_routed_experts={experts}: the {topk_group} chosen groups hold "
+            f"fewer than {top_k} experts; raise topk_group"
         )
 
 
@@ -69,6 +72,16 @@ class DeepSeekV2Family(DeepSeekV3Family):
                 "the experts to the best groups, transformers and the trainer do not; set n_group and topk_group to 1"
             )
         super().check_vllm_config(cfg, source)
+
+    def mla_layer_spec(self, arch, options, num_experts: int | None = None):
+        """DeepSeek-V3's layer spec; MoE layers routed within groups take the group-max router."""
+        spec = super().mla_layer_spec(arch, options, num_experts=num_experts)
+        if num_experts and arch.routing.n_group > 1:
+            from megatron_opd.models.families.base import mlp_submodules
+            from megatron_opd.models.group_routers import group_max_router
+
+            mlp_submodules(spec).router = group_max_router()
+        return spec
 
     def vllm_config_fields(self, cfg) -> dict[str, Any]:
         """``n_group`` and ``topk_group`` 1 where ``topk_method=greedy`` leaves them null (transformers'
@@ -98,14 +111,18 @@ FAMILY = DeepSeekV2Family(
     check_config=check_config,
     vllm_fields={},  # vLLM's defaults (softmax, no bias without noaux_tc) are transformers' for DeepSeek-V2
     expert_names=replace(QWEN_MOE_NAMES, shared="model.layers.{layer}.mlp.shared_experts"),
-    # DeepSeek-V3's tiny model without a query latent (V2-Lite), routed group-limited: the top 2 of 8 experts,
-    # from the best 2 of 4 groups by their best score, scaled by 2.5, not renormalised (8, not 16: softmax scores
-    # of 16 experts come within 3e-7 of a tie on the matrix's tokens).
+    # DeepSeek-V3's tiny model without a query latent (V2-Lite), routed group-limited as the published V2 (top-k
+    # twice topk_group, where Megatron's group ranking, the sum of a group's top-2, and the best score differ: on
+    # 15-20% of the matrix's tokens): the top 2 of 8 experts, from the best of 2 groups by its best score, scaled by
+    # 2.5, not renormalised (8, not 16: softmax scores of 16 experts come within 3e-7 of a tie on the matrix's
+    # tokens).
     tiny_config={
         **TINY_DEEPSEEK,
         "q_lora_rank": None,
         "n_routed_experts": 8,
         "num_experts_per_tok": 2,
+        "n_group": 2,
+        "topk_group": 1,
         "topk_method": "group_limited_greedy",
         "norm_topk_prob": False,
     },
