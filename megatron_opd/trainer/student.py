@@ -268,14 +268,22 @@ def mark_experts_expert_parallel(chunks: list) -> None:
     too. Megatron's DDP then reduces their gradients over the expert-data-parallel ranks (at EP=1 the data-parallel
     ones: the same sums) and its optimizer steps them in an optimizer of their own, a ``ChainedOptimizer`` at every
     EP; otherwise the optimizer state saved at EP=1 (one optimizer) had other checkpoint keys than at EP > 1 (two,
-    ``chained_N.``-prefixed) and could not be resumed at another EP."""
+    ``chained_N.``-prefixed) and could not be resumed at another EP.
+
+    At expert TP 1 an expert's output bias (gpt-oss) loses Megatron's ``sequence_parallel`` mark: each TP rank's
+    experts see only its tokens, and the expert-data-parallel group DDP sums over holds those TP ranks, so
+    ``finalize_model_grads``' sequence-parallel all-reduce over TP would count the bias's gradient twice."""
+    from megatron.core import parallel_state
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
+    unsplit = parallel_state.get_expert_tensor_parallel_world_size() == 1
     for chunk in chunks:
         for module in chunk.modules():
             if isinstance(module, MoELayer):
                 for param in module.experts.parameters():
                     param.allreduce = False
+                    if unsplit and getattr(param, "sequence_parallel", False):
+                        param.sequence_parallel = False
 
 
 def _per_chunk(funcs: list) -> Callable | list[Callable]:
