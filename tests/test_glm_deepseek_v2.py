@@ -82,15 +82,15 @@ def test_deepseek_v2_groups_rank_by_their_best_score(experts, n_group, topk_grou
     """transformers' DeepSeek-V2 (``group_limited_greedy``) keeps the groups with the best single score, Megatron-Core
     the groups with the best sum of their top ``top_k / topk_group``: they route many tokens apart, at the tiny
     shape's top-2 of the best 1 of 2 groups and at the published DeepSeek-V2's top-6 of the best 3 of 8. The group-max
-    selection (:mod:`megatron_opd.models.group_routers`) is transformers' choice, with its weights, also as the
+    selection (:mod:`megatron_opd.models.routers`) is transformers' choice, with its weights, also as the
     default of routing replay's hook (which records it; given routes replace it). The family's MoE layers run it:
     the shape matrix's ``deepseek_v2_softmax`` (logits, EP=2, converter, sampler)."""
     import torch
     from megatron.core.transformer.moe.moe_utils import group_limited_topk
     from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 
-    from megatron_opd.models.group_routers import _GroupMaxSelection, group_max_topk
     from megatron_opd.models.route_replay import RouteReplay
+    from megatron_opd.models.routers import _GroupMaxSelection, group_max_topk
 
     config = tiny_hf_config("deepseek_v2")
     config.n_routed_experts = config.num_experts = experts

@@ -7,7 +7,7 @@ scaled by ``routed_scaling_factor``: Megatron's ``softmax`` router with ``moe_ro
 ``topk_method=group_limited_greedy`` first keeps the ``topk_group`` of ``n_group`` groups with the best single
 score; Megatron ranks a group by the sum of its top ``top_k / topk_group`` scores (the same ranking only when
 ``num_experts_per_tok == topk_group``), so the MoE layers take
-:func:`~megatron_opd.models.group_routers.group_max_router`, Megatron's router with the group ranking by the best
+:func:`~megatron_opd.models.routers.group_max_router`, Megatron's router with the group ranking by the best
 score: every group shape, the published DeepSeek-V2's top-6 of 160 experts in 3 of 8 groups included.
 """
 
@@ -78,7 +78,7 @@ class DeepSeekV2Family(DeepSeekV3Family):
         spec = super().mla_layer_spec(arch, options, num_experts=num_experts)
         if num_experts and arch.routing.n_group > 1:
             from megatron_opd.models.families.base import mlp_submodules
-            from megatron_opd.models.group_routers import group_max_router
+            from megatron_opd.models.routers import group_max_router
 
             mlp_submodules(spec).router = group_max_router()
         return spec
