@@ -1,0 +1,151 @@
+"""LoRA students (``models/lora.py``): adapters sharded over TP equal one unsharded adapter, a new one changes nothing,
+merged weights give the adapter's logits, and only adapter parameters are trained."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_opd.distributed import ParallelConfig
+from megatron_opd.models.lora import LoRAConfig
+from megatron_opd.testing.multiprocess import run_distributed
+
+STEPS = 3
+LAYOUTS = {
+    "tp1": ParallelConfig(),
+    "tp2": ParallelConfig(tensor_model_parallel_size=2),
+    "tp2_sp": ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True),
+}
+
+
+def _tokens(vocab: int = 1000) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab, (2, 2, 16), generator=gen)  # [micro-batches, batch, sequence]
+
+
+def _full_adapters(chunks, group) -> dict[str, torch.Tensor]:
+    """Every adapter factor gathered over TP (each sharded factor along its ``partition_dim``)."""
+    import torch.distributed as dist
+
+    from megatron_opd.models.lora import adapter_parameters
+
+    out = {}
+    for name, p in adapter_parameters(chunks).items():
+        t = p.detach().clone()
+        if getattr(p, "tensor_model_parallel", False) and group.size() > 1:
+            parts = [torch.empty_like(t) for _ in range(group.size())]
+            dist.all_gather(parts, t.contiguous(), group=group)
+            t = torch.cat(parts, dim=p.partition_dim)
+        out[name] = t
+    return out
+
+
+def _run(parallel: ParallelConfig, model_dir: str, tokens: torch.Tensor) -> dict:
+    """At ``parallel``: the base logits, the logits with fresh adapters, the adapters after STEPS optimizer steps
+    (gathered), the adapter forward's logits and the merged model's."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from megatron_opd.checkpoint.source import build_and_load
+    from megatron_opd.distributed.device import detect_accelerator
+    from megatron_opd.distributed.gather import gather_vocab_shards
+    from megatron_opd.models.forward_backward import forward_backward
+    from megatron_opd.models.lora import add_lora, adapter_parameters, merge_lora
+    from megatron_opd.trainer.config import OptimConfig
+    from megatron_opd.trainer.objective import MicroBatchStats
+    from megatron_opd.trainer.student import Student, precision_plan
+
+    tp_group = ps.get_tensor_model_parallel_group()
+    arch, chunks = build_and_load(model_dir, parallel, trainable=True)
+    batches = [{"tokens": t} for t in tokens]
+
+    def logits():
+        def collect(out, batch):
+            return out.sum() * 0.0, gather_vocab_shards(out.detach(), tp_group)[..., : arch.vocab_size]
+
+        with torch.no_grad():
+            return torch.stack(forward_backward(chunks, batches, collect, forward_only=True))
+
+    def ce(out, batch):
+        labels = torch.roll(batch["tokens"], -1, dims=1)
+        loss = vocab_parallel_cross_entropy(out.float(), labels).mean()
+        return loss, MicroBatchStats.of({"loss": loss.detach()}, loss.device)
+
+    result = {"base": logits()}
+    result["adapted"] = add_lora(chunks, LoRAConfig(rank=4, alpha=8.0), seed=0)
+    result["expected"] = 4 * arch.num_layers  # every target in every layer
+    result["fresh"] = logits()
+    adapters = adapter_parameters(chunks)
+    trainable = {name for chunk in chunks for name, p in chunk.named_parameters() if p.requires_grad}
+    result["trainable_are_adapters"] = trainable == set(adapters)
+    optim = OptimConfig(lr=1e-3)
+    student = Student(chunks, optim, precision_plan(optim, detect_accelerator("cpu")), 10)
+    in_optimizer = {id(p) for g in student.optimizer.param_groups for p in g["params"]}
+    result["optimizer_holds_adapters_only"] = in_optimizer == {id(p) for p in adapters.values()}
+    for _ in range(STEPS):
+        step = student.step(batches, ce)
+    result["grad_norm"] = step.grad_norm
+    with_grads = {name for chunk in chunks for name, p in chunk.named_parameters() if hasattr(p, "main_grad")}
+    result["grads_are_adapters"] = with_grads == set(adapters)
+    result["adapters"] = _full_adapters(chunks, tp_group)
+    result["lora_logits"] = logits()
+    result["merged"] = merge_lora(chunks)
+    result["merged_logits"] = logits()
+    return result
+
+
+def _lora_body(model_dir: str, tokens: torch.Tensor) -> dict:
+    from megatron_opd.distributed import initialize_distributed, initialize_model_parallel
+
+    results = {}
+    for i, (name, parallel) in enumerate(LAYOUTS.items()):
+        (initialize_model_parallel if i else initialize_distributed)(parallel)
+        results[name] = _run(parallel, model_dir, tokens)
+    return results
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tiny_model_dirs):
+    return run_distributed(_lora_body, 2, args=(tiny_model_dirs["qwen3"], _tokens()), timeout=300)
+
+
+def test_fresh_adapters_change_nothing_and_only_adapters_train(lora_runs):
+    for rank, results in enumerate(lora_runs):
+        for layout, r in results.items():
+            where = f"rank {rank}, {layout}"
+            assert r["adapted"] == r["expected"], f"{where}: {r['adapted']} layers adapted, not {r['expected']}"
+            assert torch.equal(r["fresh"], r["base"]), f"{where}: B = 0 must leave the logits bit-identical"
+            assert r["trainable_are_adapters"] and r["grads_are_adapters"], where
+            assert r["optimizer_holds_adapters_only"], where
+            assert r["grad_norm"] > 0, where
+
+
+def test_tp2_adapters_equal_tp1_and_merged_logits_equal_adapter_forward(lora_runs):
+    ref = lora_runs[0]["tp1"]
+    moved = max(t.abs().max().item() for name, t in ref["adapters"].items() if name.endswith(".B"))
+    assert moved > 1e-3, f"B barely moved ({moved:.1e}): the comparison would be vacuous"
+    assert (ref["lora_logits"] - ref["base"]).abs().max() > 1e-4, "the adapters must change the logits"
+    for rank, results in enumerate(lora_runs):
+        for layout, r in results.items():
+            assert set(r["adapters"]) == set(ref["adapters"])
+            for name, want in ref["adapters"].items():
+                got = r["adapters"][name]
+                assert got.shape == want.shape, (layout, name)
+                err = (got - want).abs().max().item()
+                assert err <= 1e-6, f"rank {rank}, {layout}: {name} differs from TP=1 by {err:.1e}"
+            torch.testing.assert_close(r["lora_logits"], ref["lora_logits"], rtol=0, atol=1e-5)
+            assert r["merged"] == r["adapted"]
+            torch.testing.assert_close(r["merged_logits"], r["lora_logits"], rtol=0, atol=1e-5)
+
+
+def test_bad_lora_settings_are_refused_by_name():
+    for kwargs, field in [
+        (dict(rank=-1), "student.lora.rank"),
+        (dict(rank=8, alpha=0), "student.lora.alpha"),
+        (dict(rank=8, dropout=1.0), "student.lora.dropout"),
+        (dict(rank=8, target_modules=["linear_qkv", "q_proj"]), "student.lora.target_modules"),
+        (dict(rank=8, target_modules=[]), "student.lora.target_modules"),
+    ]:
+        with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+            LoRAConfig(**kwargs)
+    assert not LoRAConfig().enabled, "LoRA is off by default"
