@@ -27,7 +27,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["LORA_TARGETS", "LoRAAdapter", "LoRAConfig", "add_lora", "adapter_parameters", "merge_lora"]
+__all__ = [
+    "LORA_TARGETS",
+    "LoRAAdapter",
+    "LoRAConfig",
+    "adapter_elements",
+    "add_lora",
+    "adapter_parameters",
+    "full_adapters",
+    "merge_lora",
+]
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 """Megatron-Core's names of the linear layers that can take adapters: attention's fused query/key/value and its output
@@ -129,6 +138,27 @@ class LoRAAdapter(torch.nn.Module):
         return (self.B.float() @ self.A.float()) * self.scale
 
 
+def adapter_elements(arch, config: LoRAConfig, tp: int, layers) -> int:
+    """Adapter parameters one TP rank holds for ``layers`` (indices) of ``arch``, as :func:`add_lora` builds them:
+    a column-parallel layer ``r*in + r*out/tp``, a row-parallel one ``r*in/tp + r*out`` (the memory check's count
+    of what has gradients and optimizer state)."""
+    if not config.enabled:
+        return 0
+    r, h, targets = config.rank, arch.hidden_size, set(config.target_modules)
+    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
+    total = 0
+    for layer in layers:
+        moe = arch.moe is not None and layer in arch.moe.layers
+        ffn = arch.moe.shared_expert_ffn_hidden_size if moe else arch.ffn_hidden_size
+        sizes = {"linear_qkv": ("column", h, q + 2 * kv), "linear_proj": ("row", q, h)}
+        if ffn:  # Megatron's fc1 fuses gate and up
+            sizes |= {"linear_fc1": ("column", h, 2 * ffn), "linear_fc2": ("row", ffn, h)}
+        for name in targets & sizes.keys():
+            kind, fan_in, fan_out = sizes[name]
+            total += r * fan_in + r * fan_out // tp if kind == "column" else r * fan_in // tp + r * fan_out
+    return total
+
+
 def kaiming_uniform_A(rank: int, fan_in: int, seed: int) -> torch.Tensor:
     """PEFT's initialisation of ``A`` (``kaiming_uniform_(a=sqrt(5))``: uniform in +-1/sqrt(fan_in)), drawn on the
     CPU from ``seed`` for the whole matrix, so that every TP size slices the same one."""
@@ -145,6 +175,30 @@ def _layer_seed(name: str, seed: int) -> int:
 def _hook(module, args, output):
     out, bias = output
     return out + module.lora(args[0]), bias
+
+
+def _sharded_state_dict(module, kind: str, gated: bool):
+    """The layer's ``sharded_state_dict`` with its adapter's sharded factor declared split as it is (the layer's
+    own declares every extra tensor replicated): ``B`` along rows after a column-parallel layer (a fused gate/up
+    ``linear_fc1``'s as Megatron's MLP declares the weight: two halves), ``A`` along columns before a row-parallel
+    one. dist_checkpointing can then resume the adapters at another TP size."""
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    layer_sharded_state_dict = module.sharded_state_dict
+
+    def sharded_state_dict(prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        out = layer_sharded_state_dict(prefix, sharded_offsets, metadata)
+        singleton = (metadata or {}).get("singleton_local_shards", False)
+        tensors = {f"lora.{k}": v for k, v in module.lora.state_dict(prefix="", keep_vars=True).items()}
+        axis = {"lora.B": 0} if kind == "column" else {"lora.A": 1}
+        adapters = make_sharded_tensors_for_checkpoint(tensors, prefix, axis, sharded_offsets)
+        if gated:
+            key = f"{prefix}lora.B"
+            adapters[key] = apply_swiglu_sharded_factory(adapters[key], sharded_offsets, singleton)
+        return out | adapters
+
+    return sharded_state_dict
 
 
 def add_lora(chunks: list, config: LoRAConfig, seed: int = 0) -> int:
@@ -181,6 +235,8 @@ def add_lora(chunks: list, config: LoRAConfig, seed: int = 0) -> int:
                 )
             module.lora = LoRAAdapter(module, kind, config, name, seed)
             module.register_forward_hook(_hook)
+            gated = leaf == "linear_fc1" and module.config.gated_linear_unit
+            module.sharded_state_dict = _sharded_state_dict(module, kind, gated)
             found[leaf] += 1
     missing = [leaf for leaf, count in found.items() if count == 0]
     if missing:
@@ -200,6 +256,30 @@ def adapter_parameters(chunks: list) -> dict[str, torch.nn.Parameter]:
         for name, p in chunk.named_parameters()
         if ".lora." in name
     }
+
+
+@torch.no_grad()
+def full_adapters(chunks: list, arch, group) -> dict[str, torch.Tensor]:
+    """This pipeline stage's adapter factors unsharded, by global Megatron name (``decoder.layers.N...lora.A``): a
+    collective over the tensor-parallel ``group``. A sharded factor is reassembled as its layer's weight is (a fused
+    gate/up ``linear_fc1``'s ``B`` holds each rank's gate rows, then its up rows)."""
+    from megatron_opd.distributed.gather import gather_tp_shards
+    from megatron_opd.models.loading import chunk_layer_range
+    from megatron_opd.models.name_mapping import global_layer_name, rules_by_megatron_name, unshard
+
+    rules = rules_by_megatron_name(arch)
+    out = {}
+    for chunk in chunks:
+        offset = chunk_layer_range(chunk).start
+        for local_name, param in chunk.named_parameters():
+            if ".lora." not in local_name:
+                continue
+            name = global_layer_name(local_name, offset)
+            local = param.detach()
+            if getattr(param, "tensor_model_parallel", False):
+                local = unshard(rules[name.split(".lora.")[0] + ".weight"], gather_tp_shards(local, group))
+            out[name] = local.clone()
+    return out
 
 
 @torch.no_grad()
