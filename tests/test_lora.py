@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_opd.distributed import ParallelConfig
-from megatron_opd.models.lora import LoRAConfig
+from megatron_opd.models.lora import LoRAConfig, adapter_elements
 from megatron_opd.testing.multiprocess import run_distributed
 
 STEPS = 3
@@ -34,7 +34,7 @@ def _run(parallel: ParallelConfig, model_dir: str, tokens: torch.Tensor, ckpt: s
     from megatron_opd.distributed.device import detect_accelerator
     from megatron_opd.distributed.gather import gather_vocab_shards
     from megatron_opd.models.forward_backward import forward_backward
-    from megatron_opd.models.lora import adapter_parameters, add_lora, full_adapters, merge_lora
+    from megatron_opd.models.lora import adapter_elements, adapter_parameters, add_lora, full_adapters, merge_lora
     from megatron_opd.trainer.config import OptimConfig
     from megatron_opd.trainer.objective import MicroBatchStats
     from megatron_opd.trainer.student import Student, precision_plan
@@ -79,6 +79,15 @@ def _run(parallel: ParallelConfig, model_dir: str, tokens: torch.Tensor, ckpt: s
     for _ in range(STEPS):
         step = student.step(batches, ce)
     result["grad_norm"] = step.grad_norm
+    lora = LoRAConfig(rank=4, alpha=8.0)
+    buffers = [b for c in student.model for b in [*c.buffers, *c.expert_parallel_buffers]]
+    moments = [s[k] for s in student.optimizer.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    result["memory"] = {  # what the memory check counts (fp32: 4 bytes of gradient, 8 of Adam moments) vs allocated
+        "estimate": adapter_elements(arch, lora, tp_group.size(), range(arch.num_layers)),
+        "params": sum(p.numel() for p in adapters.values()),
+        "grad_bytes": sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers),
+        "moment_bytes": sum(m.numel() * m.element_size() for m in moments),
+    }
     with_grads = {name for chunk in chunks for name, p in chunk.named_parameters() if hasattr(p, "main_grad")}
     result["grads_are_adapters"] = with_grads == set(adapters)
     result["adapters"] = full_adapters(chunks, arch, tp_group)
@@ -119,6 +128,9 @@ def test_fresh_adapters_change_nothing_and_only_adapters_train(lora_runs):
             assert r["trainable_are_adapters"] and r["grads_are_adapters"], where
             assert r["optimizer_holds_adapters_only"], where
             assert r["grad_norm"] > 0, where
+            m = r["memory"]
+            assert m["estimate"] == m["params"] and m["grad_bytes"] == 4 * m["params"], (where, m)
+            assert m["moment_bytes"] == 8 * m["params"], (where, m)
 
 
 def test_tp2_adapters_equal_tp1_and_merged_logits_equal_adapter_forward(lora_runs):
@@ -154,3 +166,45 @@ def test_bad_lora_settings_are_refused_by_name():
         with pytest.raises(ValueError, match=field.replace(".", r"\.")):
             LoRAConfig(**kwargs)
     assert not LoRAConfig().enabled, "LoRA is off by default"
+
+
+def test_memory_check_counts_adapter_gradients_and_optimizer_state_only(tiny_model_dirs):
+    from megatron_opd.config import load_config
+    from megatron_opd.models import load_architecture
+    from megatron_opd.trainer.config import TrainConfig
+    from megatron_opd.trainer.memory import check_trainer_memory
+
+    student = tiny_model_dirs["qwen3"]
+    base = [f"student.path={student}", "loss.kind=sft", "train.max_seq_len=64", "export_hf=false"]
+    full, _ = check_trainer_memory(load_config(TrainConfig, None, base), 1, "cpu", None)
+    lora, _ = check_trainer_memory(load_config(TrainConfig, None, [*base, "student.lora.rank=8"]), 1, "cpu", None)
+    (full_row,), (lora_row,) = full.rows, lora.rows
+    arch = load_architecture(student)
+    adapters = adapter_elements(arch, LoRAConfig(rank=8), 1, range(arch.num_layers))
+    assert 0 < adapters < full_row.params / 10
+    assert lora_row.grads == 4 * adapters and lora_row.optimizer == 8 * adapters  # fp32 on CPU: Adam's two moments
+    assert lora_row.weights == full_row.weights + 4 * adapters
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ([], "export_hf"),
+        (["export_hf=false", "build.use_transformer_engine=true"], "build.use_transformer_engine"),
+        (["export_hf=false", "loss.kind=reverse_kl", "teacher.path=t", "rollout.backend=vllm"], "rollout.backend"),
+        (["export_hf=false", "parallel.pipeline_model_parallel_size=2"], "parallel.pipeline_model_parallel_size"),
+        (
+            ["export_hf=false", "parallel.tensor_model_parallel_size=2", "student.lora.dropout=0.1"],
+            "student.lora.dropout",
+        ),
+    ],
+)
+def test_what_a_lora_student_cannot_run_yet_is_refused_before_any_model(overrides, field):
+    from megatron_opd.config import load_config
+    from megatron_opd.trainer.config import TrainConfig
+
+    base = ["student.path=s", "loss.kind=sft", "data.train_files=d.jsonl", "student.lora.rank=8"]
+    cfg = load_config(TrainConfig, None, [*base, *overrides])
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        cfg.validate()
+    load_config(TrainConfig, None, [*base, "export_hf=false"]).validate()  # the supported form passes

@@ -570,10 +570,14 @@ class TrainConfig:
         import json
         from pathlib import Path
 
+        from megatron_opd.distributed.device import has_transformer_engine
+
         rank = self.student.lora.rank
+        te = self.build.use_transformer_engine
         refused = [
-            (self.build.use_transformer_engine is True, "build.use_transformer_engine=true (TE fuses the norm into "
-             "linear_qkv; adapters wrap Megatron's own layers)", "build.use_transformer_engine=false"),
+            (te is True or (te is None and has_transformer_engine()), "TransformerEngine layers (build."
+             "use_transformer_engine, by default on where TE runs: TE fuses the norm into linear_qkv; adapters wrap "
+             "Megatron's own layers)", "build.use_transformer_engine=false"),
             (self.rollout.backend == "vllm" and self.loss.kind != "sft", "rollout.backend=vllm (the weight sync "
              "does not send merged adapters yet)", "rollout.backend=builtin"),
             (self.export_hf, "export_hf=true (the merged export is not built yet)", "export_hf=false"),
