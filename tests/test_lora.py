@@ -94,9 +94,11 @@ def _run(parallel: ParallelConfig, model_dir: str, tokens: torch.Tensor, ckpt: s
     if save:
         from megatron.core import dist_checkpointing
 
+        from megatron_opd.checkpoint import convert_mcore_to_hf
         from megatron_opd.checkpoint.mcore_io import chunks_sharded_state_dict
 
         dist_checkpointing.save(chunks_sharded_state_dict(chunks), ckpt)
+        convert_mcore_to_hf(ckpt, f"{ckpt}_hf", hf_config_dir=model_dir, force=True)  # merges the adapters
     result["lora_logits"] = logits()
     result["merged"] = merge_lora(chunks)
     result["merged_logits"] = logits()
@@ -110,6 +112,7 @@ def _lora_body(model_dir: str, tokens: torch.Tensor, ckpt: str) -> dict:
     for i, (name, parallel) in enumerate(LAYOUTS.items()):
         (initialize_model_parallel if i else initialize_distributed)(parallel)
         results[name] = _run(parallel, model_dir, tokens, ckpt, save=name == "tp1")
+    results["tp1"]["export"] = f"{ckpt}_hf"
     return results
 
 
@@ -153,6 +156,15 @@ def test_tp2_adapters_equal_tp1_and_merged_logits_equal_adapter_forward(lora_run
                     assert torch.equal(r["resumed"][name], want), f"rank {rank}, {layout}: resumed {name} differs"
             assert r["merged"] == r["adapted"]
             torch.testing.assert_close(r["merged_logits"], r["lora_logits"], rtol=0, atol=1e-5)
+
+
+def test_merged_hugging_face_export_gives_the_adapter_forward_logits(lora_runs, tmp_path_factory):
+    """The converter's export of the TP=1 checkpoint (``W + alpha/r B A``), run by transformers."""
+    from megatron_opd.models.reference import hf_logits
+
+    ref = lora_runs[0]["tp1"]
+    exported = [hf_logits(ref["export"], t) for t in _tokens()]
+    torch.testing.assert_close(torch.stack(exported), ref["lora_logits"], rtol=0, atol=1e-5)
 
 
 def test_bad_lora_settings_are_refused_by_name():

@@ -109,6 +109,8 @@ class LoRAAdapter(torch.nn.Module):
             A, B = full_A[:, rank * in_local : (rank + 1) * in_local], torch.zeros(out_local, r)
         self.A = torch.nn.Parameter(A.to(device=device, dtype=dtype).contiguous())
         self.B = torch.nn.Parameter(B.to(device=device, dtype=dtype))
+        # alpha/r in the checkpoint, for the converter's merged export (replicated, like the norms' weights)
+        self.register_buffer("scale_factor", torch.tensor(config.scale, dtype=torch.float32, device=device))
         sharded, replicated = (self.B, self.A) if kind == "column" else (self.A, self.B)
         set_tensor_model_parallel_attributes(sharded, True, 0 if kind == "column" else 1, 1)
         if self.sequence_parallel:  # its gradient covers this rank's tokens only: summed over TP by Megatron
