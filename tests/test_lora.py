@@ -3,6 +3,8 @@ merged weights give the adapter's logits, and only adapter parameters are traine
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -201,12 +203,11 @@ def test_memory_check_counts_adapter_gradients_and_optimizer_state_only(tiny_mod
 @pytest.mark.parametrize(
     "overrides, field",
     [
-        ([], "export_hf"),
-        (["export_hf=false", "build.use_transformer_engine=true"], "build.use_transformer_engine"),
-        (["export_hf=false", "loss.kind=reverse_kl", "teacher.path=t", "rollout.backend=vllm"], "rollout.backend"),
-        (["export_hf=false", "parallel.pipeline_model_parallel_size=2"], "parallel.pipeline_model_parallel_size"),
+        (["build.use_transformer_engine=true"], "build.use_transformer_engine"),
+        (["loss.kind=reverse_kl", "teacher.path=t", "rollout.backend=vllm"], "rollout.backend"),
+        (["parallel.pipeline_model_parallel_size=2"], "parallel.pipeline_model_parallel_size"),
         (
-            ["export_hf=false", "parallel.tensor_model_parallel_size=2", "student.lora.dropout=0.1"],
+            ["parallel.tensor_model_parallel_size=2", "student.lora.dropout=0.1"],
             "student.lora.dropout",
         ),
     ],
@@ -219,4 +220,42 @@ def test_what_a_lora_student_cannot_run_yet_is_refused_before_any_model(override
     cfg = load_config(TrainConfig, None, [*base, *overrides])
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         cfg.validate()
-    load_config(TrainConfig, None, [*base, "export_hf=false"]).validate()  # the supported form passes
+    load_config(TrainConfig, None, base).validate()  # the supported form passes
+
+
+def test_trainer_distils_into_a_lora_student_and_exports_it_merged(tmp_path):
+    """Two steps at TP=2 through ``python -m megatron_opd.train``: the adapters train, the frozen weights stay as
+    loaded, and the final export holds the merged weights."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from megatron_opd.testing.distill_fixture import make_distill_fixture
+    from megatron_opd.testing.multiprocess import run_trainer
+
+    pair = make_distill_fixture(tmp_path / "pair")
+    out_dir = tmp_path / "run"
+    overrides = {"train.steps": 2, "student.lora.rank": 8, "parallel.tensor_model_parallel_size": 2, "optim.lr": 1e-2}
+    code, out = run_trainer(pair.overrides(out_dir, **overrides), nproc=2, timeout=300)
+    assert code == 0, out[-3000:]
+    assert "student.lora: rank-8 adapters" in out
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(r["step"] for r in rows if "loss" in r) == [1, 2]
+
+    def weights(folder):
+        return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    # The final checkpoint converted here: the trainer's own export (``out_dir/hf``, written without error above)
+    # runs in a spawned process that imports the installed package, which in a git worktree is another checkout's.
+    from megatron_opd.checkpoint.workers import run_in_fresh_process
+    from megatron_opd.train import _export
+
+    final = out_dir / "checkpoints" / "step_00000002"
+    run_in_fresh_process(_export, str(final), str(tmp_path / "merged"), pair.student)
+    assert (out_dir / "hf" / "config.json").is_file()
+    before, after = weights(Path(pair.student)), weights(tmp_path / "merged")
+    assert set(before) == set(after)
+    changed = {name for name in before if not torch.equal(before[name], after[name].to(before[name].dtype))}
+    adapted = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    assert changed and all(name.endswith(".weight") and name.split(".")[-2] in adapted for name in changed), changed
+    assert all(any(f".{layer}." in name for name in changed) for layer in adapted), "every targeted layer merged"

@@ -580,7 +580,6 @@ class TrainConfig:
              "Megatron's own layers)", "build.use_transformer_engine=false"),
             (self.rollout.backend == "vllm" and self.loss.kind != "sft", "rollout.backend=vllm (the weight sync "
              "does not send merged adapters yet)", "rollout.backend=builtin"),
-            (self.export_hf, "export_hf=true (the merged export is not built yet)", "export_hf=false"),
             (self.parallel.pipeline_model_parallel_size > 1, "pipeline parallelism (not tested with adapters yet)",
              "parallel.pipeline_model_parallel_size=1"),
             (self.parallel.context_parallel_size > 1, "context parallelism (not tested with adapters yet)",
