@@ -95,7 +95,7 @@ class LoRAAdapter(torch.nn.Module):
         super().__init__()
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-        self.kind, self.scale, self.group = kind, config.scale, layer.tp_group
+        self.kind, self.group = kind, layer.tp_group
         self.sequence_parallel = bool(layer.sequence_parallel)
         self.dropout = torch.nn.Dropout(config.dropout) if config.dropout > 0 else torch.nn.Identity()
         tp, rank, r = self.group.size(), self.group.rank(), config.rank
@@ -109,7 +109,7 @@ class LoRAAdapter(torch.nn.Module):
             A, B = full_A[:, rank * in_local : (rank + 1) * in_local], torch.zeros(out_local, r)
         self.A = torch.nn.Parameter(A.to(device=device, dtype=dtype).contiguous())
         self.B = torch.nn.Parameter(B.to(device=device, dtype=dtype))
-        # alpha/r in the checkpoint, for the converter's merged export (replicated, like the norms' weights)
+        # alpha/r, saved with the adapter (the converter's merged export reads it) and the one the forward uses
         self.register_buffer("scale_factor", torch.tensor(config.scale, dtype=torch.float32, device=device))
         sharded, replicated = (self.B, self.A) if kind == "column" else (self.A, self.B)
         set_tensor_model_parallel_attributes(sharded, True, 0 if kind == "column" else 1, 1)
@@ -132,12 +132,12 @@ class LoRAAdapter(torch.nn.Module):
                 h = mappings.reduce_scatter_to_sequence_parallel_region(h, group=self.group)
             else:
                 h = mappings.reduce_from_tensor_model_parallel_region(h, group=self.group)
-        return torch.nn.functional.linear(h, self.B) * self.scale
+        return torch.nn.functional.linear(h, self.B) * self.scale_factor
 
     def delta(self) -> torch.Tensor:
         """This rank's shard of ``(alpha/r) B A``, the shape of the layer's weight shard (row-parallel: ``B`` times
         this rank's columns of ``A``)."""
-        return (self.B.float() @ self.A.float()) * self.scale
+        return (self.B.float() @ self.A.float()) * self.scale_factor
 
 
 def adapter_elements(arch, config: LoRAConfig, tp: int, layers) -> int:
