@@ -68,6 +68,12 @@ class SamplingParams:
     return_routes: bool = False
     """Also record the experts each token was routed to in each MoE layer (``Rollouts.routes``)."""
 
+    @property
+    def truncates(self) -> bool:
+        """Whether the draws come from another distribution than the model's own at temperature 1 (a temperature
+        other than 1, top-k or top-p; greedy decoding draws nothing)."""
+        return self.temperature not in (0.0, 1.0) or self.top_k > 0 or self.top_p < 1.0
+
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
@@ -109,6 +115,11 @@ class Rollouts:
     """With ``SamplingParams.return_routes`` (``rollout.routing_replay``, MoE students): per sample
     ``[prompt_len + response_len, M, k]`` int16, the ``k`` experts the sampler routed each position's token to in each
     of the ``M`` MoE layers (``-1``: not routed, e.g. the last token). The trainer replays them."""
+    drawn_logprobs: list[torch.Tensor] | None = None
+    """Where the sampling truncates (``SamplingParams.truncates``): per sample the log-probability of each response
+    token under the distribution it was drawn from (after temperature, top-k and top-p; ``rollout.sampling.
+    drawn_logprobs``), which the staleness and rollout corrections compare with the trainer's; None where the back
+    end does not record it (vLLM) or nothing truncates. 0 where ``response_mask`` is 0."""
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -116,7 +127,7 @@ class Rollouts:
     def __post_init__(self) -> None:
         n = len(self.response_ids)
         names = ["prompt_ids", "response_mask", "logprobs", "finish_reasons", "prompt_index"]
-        optional = [name for name in ("topk_ids", "routes") if getattr(self, name) is not None]
+        optional = [name for name in ("topk_ids", "routes", "drawn_logprobs") if getattr(self, name) is not None]
         for name in names + optional:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"Rollouts.{name} has {len(getattr(self, name))} entries, response_ids has {n}")
@@ -132,6 +143,7 @@ class Rollouts:
             pick(self.prompt_ids), pick(self.response_ids), pick(self.response_mask), pick(self.logprobs),
             pick(self.finish_reasons), pick(self.prompt_index), self.policy_version, pick(self.topk_ids),
             pick(self.routes),
+            pick(self.drawn_logprobs),
         )  # fmt: skip
 
 

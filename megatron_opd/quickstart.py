@@ -4,7 +4,9 @@
     opd-quickstart --cross-tokenizer     # a teacher with another tokenizer
     opd-quickstart --multi-teacher       # two tasks, a teacher for each, one student
     opd-quickstart --student-family gemma3   # a Gemma-3-shaped student
+    opd-quickstart --student-family qwen3_5  # a Qwen3.5-shaped student (Gated DeltaNet and gated attention)
     opd-quickstart --moe                 # a Mixture-of-Experts student at expert parallelism
+    opd-quickstart --self-distill        # the starting weights as their own teacher, with the answer as a hint
 
 (``python examples/quickstart.py`` in a checkout is the same command.) It runs from any folder: the recipes
 (``examples/quickstart/*.yaml``) ship inside the package.
@@ -36,6 +38,13 @@ the dense forward KL, the sorting teacher's top-k from the server). The bar: eac
 ``--moe``: the student is a Qwen3-MoE upcycled from the dense one (``megatron_opd.models.upcycle``: 4 experts per
 layer, each the layer's MLP, top-2 routing, a random router) and distils at expert parallelism (EP = ``--nproc``,
 TP=1, the alltoall dispatcher (``auto`` at EP > 1), the built-in sampler) with the load-balancing loss on; same bar.
+
+``--self-distill``: self-distillation with privileged context. The starting weights (teacher-sized) learn by SFT to
+answer prompts that carry the answer as a hint ("answer 21904. reverse 40912 ="; ``distil_self.yaml``'s
+``teacher.prompt_template``), so they score high with the hint and low without. They are then their own teacher
+(``teacher.path`` = ``student.path``): the student samples from the bare prompt, the frozen copy scores its tokens
+after the hinted prompt. The bar: held-out accuracy without the hint <= 30% at the start and >= 80% with it, and at
+least half of that gap closed by the end.
 """
 
 from __future__ import annotations
@@ -161,9 +170,15 @@ def main(argv: list[str] | None = None) -> None:
         "--student-family", metavar="FAMILY",
         help="the student's model family (e.g. gemma3; default: qwen3, like the teacher)",
     )  # fmt: skip
+    parser.add_argument(
+        "--self-distill", action="store_true",
+        help="self-distillation: the starting weights are the teacher, and it sees the answer (a hint) in its prompt",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.multi_teacher:
         raise SystemExit(multi_teacher(args))
+    if args.self_distill:
+        raise SystemExit(self_distill(args))
     start = time.perf_counter()
     work = args.workdir.resolve()
     if work.exists():
@@ -326,6 +341,59 @@ def multi_teacher(args) -> int:
         print(f"  {name:<40} {teacher_acc[name]:>8.1%} {before[key]:>8.1%} {after[key]:>8.1%}")
         ok = ok and after[key] >= before[key] + 0.10 and teacher_acc[name] >= 0.9
     print("  PASS: each task's accuracy up 10+ points" if ok else "  FAIL")
+    return 0 if ok else 1
+
+
+def hinted_copy(src: Path, dst: Path, template: str) -> None:
+    """``src``'s records with the teacher's prompt as the prompt (``teacher.prompt_template`` rendered)."""
+    from megatron_opd.data.teacher_prompt import render
+
+    records = [json.loads(line) for line in src.read_text().splitlines() if line.strip()]
+    dst.write_text("".join(json.dumps(dict(r, prompt=render(template, r, str(src)))) + "\n" for r in records))
+
+
+def self_distill(args) -> int:
+    """``--self-distill``: SFT of the starting weights on hinted prompts, then self-distillation from the bare ones."""
+    import yaml
+
+    start, work = time.perf_counter(), args.workdir.resolve()
+    if work.exists():
+        import shutil
+
+        shutil.rmtree(work)
+    task = work / "task"
+    make_task(task)
+    template = yaml.safe_load((RECIPES / "distil_self.yaml").read_text())["teacher"]["prompt_template"]
+    for split in ("train", "eval"):
+        hinted_copy(task / f"{split}.jsonl", task / f"{split}_hinted.jsonl", template)
+    tp = f"parallel.tensor_model_parallel_size={args.nproc}"
+    start_run = work / "start"
+    if args.teacher_run is not None:  # the starting weights of an earlier --self-distill (its WORKDIR/start)
+        print(f"\n== 1/2 starting weights: reusing {args.teacher_run} ==", flush=True)
+        start_run = args.teacher_run.resolve()
+    else:
+        print("\n== 1/2 starting weights: supervised fine-tuning on prompts that carry the answer ==", flush=True)
+        finish(torchrun(args.nproc, RECIPES / "teacher_sft.yaml",
+                        [f"student.path={task / 'teacher-init'}", f"data.train_files={task / 'train_hinted.jsonl'}",
+                         f"data.eval_files={task / 'eval_hinted.jsonl'}", f"output_dir={start_run}", tp,
+                         "train.steps=150", "optim.lr_warmup_steps=15"]))  # fmt: skip
+    with_hint = evals(start_run)[1]["eval/accuracy"]
+    print("\n== 2/2 self-distillation: the student sees the bare prompt, its frozen copy the hint too ==", flush=True)
+    run = work / "student"
+    finish(torchrun(args.nproc, RECIPES / "distil_self.yaml",
+                    [f"student.path={start_run / 'hf'}", f"teacher.path={start_run / 'hf'}",
+                     f"data.train_files={task / 'train.jsonl'}", f"data.eval_files={task / 'eval.jsonl'}",
+                     f"output_dir={run}", tp, f"rollout.backend={args.rollout_backend}",
+                     *([f"seed={args.seed}"] if args.seed is not None else [])]))  # fmt: skip
+    before, after = evals(run)
+    bare, final = before["eval/accuracy"], after["eval/accuracy"]
+    closed = (final - bare) / (with_hint - bare) if with_hint > bare else 0.0
+    print(f"\nmegatron-opd quick start, self-distillation ({args.nproc} processes, TP={args.nproc}) in "
+          f"{time.perf_counter() - start:.0f} s")  # fmt: skip
+    print(f"  held-out accuracy of the starting weights: {bare:.1%} without the hint, {with_hint:.1%} with it")
+    print(f"  held-out accuracy without the hint after self-distillation: {final:.1%} ({closed:.0%} of the gap)")
+    ok = bare <= 0.30 and with_hint >= 0.80 and closed >= 0.5
+    print("  PASS: at least half of the hint's gap closed" if ok else "  FAIL")
     return 0 if ok else 1
 
 

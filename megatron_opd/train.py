@@ -29,6 +29,7 @@ from megatron_opd.data.stream import PromptStream
 from megatron_opd.distributed import destroy_distributed, initialize_distributed
 from megatron_opd.faults import fault_point, hold_point
 from megatron_opd.fused_libraries import log_fused_libraries
+from megatron_opd.interfaces import SamplingParams
 from megatron_opd.rollout.fidelity import (
     RolloutMismatchError,
     check_step,
@@ -419,6 +420,9 @@ def update(student: Student, work: StepWork, cfg: TrainConfig, vocab_size: int, 
             micro_batch_tokens=cfg.train.micro_batch_tokens,
             teachers=teacher_objectives(cfg),
             lr_scale=lag_lr if cfg.optim.lag_lr_target else None,
+            sampling=SamplingParams(
+                temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k
+            ),  # fmt: skip
         )
     except NonFiniteLossError as err:
         raise NonFiniteLossError(

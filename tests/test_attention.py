@@ -25,20 +25,24 @@ class _TP:
         self.tp = SimpleNamespace(size=lambda: size)
 
 
-def _attention(dtype=torch.float32, tp=1, **config) -> SDPAttention:
+def _attention(dtype=torch.float32, tp=1, softcap=None, **config) -> SDPAttention:
     from megatron.core.transformer.enums import AttnMaskType
 
-    return SDPAttention(_config(**config), 1, AttnMaskType.causal, "self", pg_collection=_TP(tp)).to(dtype)
+    return SDPAttention(_config(**config), 1, AttnMaskType.causal, "self", pg_collection=_TP(tp), softcap=softcap).to(
+        dtype
+    )
 
 
-def _reference(q, k, v, offset: int = 0, window: int | None = None) -> torch.Tensor:
+def _reference(q, k, v, offset: int = 0, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """float64 attention of ``q [s, b, h, d]`` over ``k, v [k, b, g, d]``; query i sits at key position offset + i
-    and sees the ``window`` keys before it (None: all)."""
+    and sees the ``window`` keys before it (None: all); ``softcap``: scores ``c * tanh(scores / c)``."""
     q, k, v = (x.double() for x in (q, k, v))
     s, b, h, d = q.shape
     rep = h // k.shape[2]
     k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     scores = torch.einsum("sbhd,kbhd->bhsk", q, k) / math.sqrt(d)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     allowed = torch.arange(k.shape[0])[None, :] <= (offset + torch.arange(s))[:, None]
     if window is not None:
         allowed &= torch.arange(k.shape[0])[None, :] >= (offset + torch.arange(s))[:, None] - window
@@ -178,7 +182,7 @@ def test_dropout_only_in_training_and_under_megatron_rng():
 @pytest.mark.parametrize(
     "extra, message",
     [
-        ({"softmax_type": "learnable"}, "softmax_type='learnable' is not supported"),
+        ({"softmax_type": "sigmoid"}, "softmax_type='sigmoid' is not supported"),  # learnable: tests/test_gpt_oss.py
     ],
 )
 def test_refuses_what_it_cannot_run(extra, message):
@@ -247,3 +251,48 @@ def test_build_config_refuses_bad_values(kwargs, message):
 
     with pytest.raises(ValueError, match=message):
         ModelBuildConfig(**kwargs)
+
+
+@WINDOWS
+def test_softcapped_scores_in_every_case(window, monkeypatch):
+    """Gemma 2's attention logit soft-capping in each of SDPAttention's cases: causal against the float64 reference
+    (and unlike uncapped attention: the cap bites), the sampler's decode steps, packed sequences by both routes, and
+    the sequence split over two context-parallel ranks (its all-gather stood in by the whole sequence)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_opd.models import attention, context_parallel
+    from megatron_opd.models.context_parallel import ContextParallelSplit
+    from megatron_opd.testing.context_parallel import StandInGroup
+
+    cap = 0.5
+    attn = _attention(softcap=cap, **_window(window))
+    q, k, v = _qkv(12)
+    full = attn(q, k, v, None)
+    torch.testing.assert_close(full.double(), _reference(q, k, v, window=window, softcap=cap), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(full.double(), _reference(q, k, v, window=window), atol=1e-3)
+    for pos in range(4, 12):  # decode: one query against the cache, no mask
+        step = attn(q[pos : pos + 1], k[: pos + 1], v[: pos + 1], None, attn_mask_type=AttnMaskType.no_mask)
+        torch.testing.assert_close(step, full[pos : pos + 1], rtol=1e-6, atol=1e-6)
+    lengths = [7, 1, 12, 3]
+    seqs = [_qkv(n, b=1, seed=i) for i, n in enumerate(lengths)]
+    qp, kp, vp = (torch.cat([x[j][:, 0] for x in seqs]) for j in range(3))  # [t, heads, d]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=12, max_seqlen_kv=12)
+    for bound in (4, 0):  # the padded batch, then one call per sequence
+        monkeypatch.setattr(attention, "PADDED_COST_BOUND", bound)
+        out = attn(qp, kp, vp, None, packed_seq_params=params)
+        for lo, hi, (sq, sk, sv) in zip(cu[:-1].tolist(), cu[1:].tolist(), seqs):
+            torch.testing.assert_close(out[lo:hi], attn(sq, sk, sv, None)[:, 0], rtol=1e-6, atol=1e-6)
+    for rank in range(2):
+        group = StandInGroup(2, rank)
+        split = ContextParallelSplit(group, 2, rank)
+        q_s, k_s, v_s = (split.split(x, 0) for x in (q, k, v))
+        whole_kv = {k_s.data_ptr(): k.permute(1, 2, 0, 3), v_s.data_ptr(): v.permute(1, 2, 0, 3)}
+        monkeypatch.setattr(
+            context_parallel._GatherSequence, "apply", lambda x, dim, split, kv=whole_kv: kv[x.data_ptr()]
+        )
+        config = _config(context_parallel_size=2, **_window(window))
+        cp = SDPAttention(config, 1, AttnMaskType.causal, "self", softcap=cap,
+                          pg_collection=SimpleNamespace(tp=SimpleNamespace(size=lambda: 1), cp=group))  # fmt: skip
+        torch.testing.assert_close(cp(q_s, k_s, v_s, None), split.split(full, 0), rtol=1e-5, atol=1e-6)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_opd.models.families import BY_MODEL_TYPE
 from megatron_opd.models.hf_io import HFCheckpointReader, HFCheckpointWriter
 from megatron_opd.models.reference import hf_logits
 from megatron_opd.testing.multiprocess import run_distributed
@@ -29,6 +30,8 @@ LAYOUTS = {  # the matrix's layouts: name -> (world size, layout)
     "pp2_vp2": (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
     "tp2_ep2": (4, dict(tensor_model_parallel_size=2, expert_model_parallel_size=2)),
 }
+GPT_OSS_LAYOUT = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, expert_model_parallel_size=2,
+                      expert_tensor_parallel_size=1)  # fmt: skip
 DEEPSEEK_LAYOUT = dict(  # uneven stages (one layer, then three), as DeepSeek-V3's 61 layers need
     tensor_model_parallel_size=2,
     pipeline_model_parallel_size=2,
@@ -123,6 +126,16 @@ def converted(sources, tp4_sources, shape_dirs, tmp_path_factory) -> dict[str, d
         ckpt = root / f"{family}_tp4src_mcore"
         jobs.append((hf_dir, str(ckpt), WRITTEN_AT, None, 0, None))
         out[f"{family}_tp4"] = {"hf": hf_dir, "mcore": str(ckpt)}
+    # gpt-oss (stacked, interleaved experts; sinks; biases: expert TP 1) at TP=2 x PP=2 x EP=2, and an MXFP4 copy.
+    from tests.test_gpt_oss import mxfp4_copy
+
+    mxfp4 = mxfp4_copy(shape_dirs["gpt_oss_sinks"], root / "gpt_oss_mxfp4_src")
+    gpt_oss_jobs = {"gpt_oss@tp2_pp2_ep2": (shape_dirs["gpt_oss_sinks"], GPT_OSS_LAYOUT),
+                    "gpt_oss_mxfp4": (str(mxfp4["mxfp4"]), dict(tensor_model_parallel_size=2, expert_tensor_parallel_size=1))}  # fmt: skip
+    for key, (hf_dir, layout) in gpt_oss_jobs.items():
+        ckpt, back = root / f"{key}_mcore", root / f"{key}_back"
+        jobs.append((hf_dir, str(ckpt), layout, str(back), 5 * 10**9, None))
+        out[key] = {"hf": hf_dir, "mcore": str(ckpt), "back": str(back), "dequantised": str(mxfp4["dequantised"])}
     per_rank = run_distributed(_convert_body, 2, args=(jobs,), init_process_group=False, timeout=600)
     for tensors in zip(*per_rank):
         assert all(t > 0 for t in tensors), f"a rank wrote nothing: {tensors} (work was not split)"
@@ -142,6 +155,7 @@ def _assert_same_hf(original_dir: str | Path, exported_dir: str | Path, what: st
         config = json.load(f)
         if "num_nextn_predict_layers" in config:  # DeepSeek-V3's MTP layers are never exported, nor declared
             config["num_nextn_predict_layers"] = 0
+        config.update(BY_MODEL_TYPE[config["model_type"]].vllm_config_fields(config))  # completed for vLLM
         assert config == json.load(g), what
 
 
@@ -286,3 +300,12 @@ def test_tp2_pp2_checkpoint_loads_at_tp1_and_tp4(converted):
         ref = hf_logits(ckpts[name][0], tokens)
         rel = ((logits - ref).abs().max() / ref.abs().max()).item()
         assert rel <= 1e-5, f"{name} at TP={tp}: max relative error {rel:.2e} vs transformers"
+
+
+def test_gpt_oss_round_trip_and_mxfp4_export(converted):
+    """gpt-oss at TP=2 x PP=2 x EP=2 (expert TP 1): the stacked, interleaved expert tensors, the sinks and every bias
+    come back bitwise; its MXFP4 copy converts and exports as the block loop's dequantised weights, unquantised."""
+    paths = converted["gpt_oss@tp2_pp2_ep2"]
+    _assert_same_hf(paths["hf"], paths["back"], "round trip of gpt_oss_sinks at TP=2 x PP=2 x EP=2")
+    paths = converted["gpt_oss_mxfp4"]
+    _assert_same_hf(paths["dequantised"], paths["back"], "the MXFP4 gpt-oss converted and exported")

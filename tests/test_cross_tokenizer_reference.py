@@ -37,7 +37,8 @@ GAPS = {
     ("sentencepiece", "reverse_kl"): (0.1163, 1.5147, 0.3325),
     ("sentencepiece", "forward_kl"): (0.2911, 1.2215, 0.4908),
 }
-"""The measured gaps (docs/losses.md, "What the cross-tokenizer losses estimate")."""
+"""The measured gaps (docs/losses.md, "What the cross-tokenizer losses estimate"): records without a response, so
+``aligned``'s first position reads the teacher's tokens as written (below: with the template's space)."""
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +113,54 @@ def test_the_gaps_to_the_sequence_level_divergence(references, code_paths, pair,
     assert row["cos_b_a"] == pytest.approx(cos_b_a, abs=1e-3)
     assert row["rel_b_a"] == pytest.approx(rel_b_a, abs=1e-3)
     assert row["rel_aligned_b"] == pytest.approx(rel_aligned_b, abs=1e-3)
+
+
+@pytest.mark.parametrize("pair", ("cross_space", "sentencepiece"))
+def test_aligned_sums_both_boundary_variants_at_the_answers_first_position(references, pair):
+    """Where the student's template writes the answer's leading space (" 1"), ``aligned``'s target at the answer's
+    first position is the teacher's next-token mass summed over both boundary variants ("1 2" read as " 1 2"), each
+    teacher token credited to the student token its spaced bytes begin with (or the only one that extends them):
+    the boundary-summed teacher's first-token marginal, by brute force from the reference's byte tables and the
+    teacher's own log-probabilities (its least likely token is outside the top-k the data path asks for). A
+    SentencePiece teacher's dummy-prefix space is the student's leading space there ("▁1" for " 1")."""
+    from megatron_opd.testing.cross_tokenizer_reference import byte_table
+
+    ref = references[pair]
+    code = CodePath.run(ref, "aligned", response=" 1")  # the student's template: the answer after a space
+    pair, scores = ref.pair, code.scores
+    sb, tb = byte_table(pair.student), byte_table(pair.teacher)
+    prompt = pair.teacher(pair.prompt, add_special_tokens=True)["input_ids"]
+    logp_V = ref.teacher.logprobs(torch.tensor([prompt]), pair.teacher_temperature)[0, -1]
+    pieces = {piece: v for v, piece in enumerate(sb) if piece}
+    expected, unspaced = {}, 0.0
+    for u, piece in enumerate(tb):
+        if u == int(logp_V.argmin()):
+            continue
+        v = pair.student.eos_token_id if u == pair.teacher.eos_token_id else None
+        spaced = piece if piece.startswith(b" ") else b" " + piece
+        longer = [x for x in pieces if x.startswith(spaced) and x != spaced]
+        if piece and longer:
+            v = pieces[longer[0]] if len(longer) == 1 and spaced not in pieces else None
+        elif piece:
+            v = max((x for x in pieces if spaced.startswith(x)), key=len, default=None)
+            v = None if v is None else pieces[v]
+        if v is not None:
+            expected[v] = expected.get(v, 0.0) + float(logp_V[u].exp())
+            unspaced += float(logp_V[u].exp()) if piece[:1] not in (b" ", b"") else 0.0
+    assert unspaced > 0.05 or pair.name == "sentencepiece"  # an unspaced variant worth summing
+    first, checked = code.batch.prompt_lengths[0] - 1, 0
+    for i, ids in enumerate(ref.responses.ids):
+        if sb[ids[0]][:1] != b" " or not scores.extras["aligned_mask"][i, first]:
+            continue
+        slots = zip(
+            scores.topk_ids[i, first], scores.topk_logprobs[i, first], scores.extras["teacher_topk_support"][i, first]
+        )
+        got = {int(v): float(lp.exp()) for v, lp, kept in slots if kept}
+        assert got.keys() == expected.keys(), i
+        for v, mass in expected.items():
+            assert got[v] == pytest.approx(mass, rel=1e-6), (i, v)
+        checked += 1
+    assert checked > 100
 
 
 def test_the_ratio_clip_only_clips(references, code_paths):

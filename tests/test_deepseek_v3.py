@@ -259,5 +259,5 @@ def test_what_deepseek_v3_cannot_run_is_refused_before_any_model(tmp_path):
     cfg = parse_args(TrainConfig, [f"student.path={qwen3_moe}", "teacher.path=", "loss.kind=sft",
                                    f"data.train_files={tmp_path / 'train.jsonl'}", "data.eval_files=",
                                    "build.moe_router_bias_update_rate=0.001"])  # fmt: skip
-    with pytest.raises(ValueError, match="has no router with an expert bias to update"):
+    with pytest.raises(ValueError, match="has no sigmoid router with an expert bias to update"):
         check_inputs(cfg)

@@ -129,3 +129,43 @@ def test_builder_takes_a_spec_per_layer():
 
     ranks = run_distributed(_per_layer_body, 2, args=(dict(pipeline_model_parallel_size=2),))
     assert ranks == [[["DotProductAttention", "SDPAttention"]], [["SDPAttention", "SDPAttention"]]], ranks
+
+
+def test_issue_52_dense_fields_are_read_or_refused_by_name():
+    """Each dense family of issue #52 reads its own ``config.json`` fields, and a field it cannot honour is refused
+    naming that field (the logits of the tiny models against transformers are in the shape matrix)."""
+    import pytest
+
+    from megatron_opd.model_files import ConfigFileError, UnsupportedArchitectureError
+    from megatron_opd.models.hf_config import architecture_from_hf_config
+    from megatron_opd.testing.tiny_models import tiny_hf_config
+
+    def cfg(family, **fields):
+        return {**tiny_hf_config(family).to_dict(), **fields}
+
+    assert architecture_from_hf_config(cfg("smollm3", no_rope_layers=[1, 0, 1, 0])).no_rope_layers == (
+        False, True, False, True,
+    )  # fmt: skip
+    assert architecture_from_hf_config(cfg("smollm3", no_rope_layers=[1, 1, 1, 1])).no_rope_layers is None
+    granite = architecture_from_hf_config(cfg("granite"))
+    assert (granite.embedding_multiplier, granite.residual_multiplier) == (12.0, 0.22)
+    assert (granite.softmax_scale, granite.logits_scaling) == (0.015625, 8.0)
+    gemma2 = architecture_from_hf_config(cfg("gemma2"))
+    assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping) == (0.5, 1.0)
+    assert gemma2.sliding_layers == (True, False, True, False) and not gemma2.qk_norm
+    olmo3 = architecture_from_hf_config(cfg("olmo3", rope_scaling={"rope_type": "linear", "factor": 2.0}))
+    assert olmo3.sliding_layers == (True, True, True, False) and olmo3.local_rope.type == "default"
+    assert olmo3.rope.type == "linear"
+    seed = architecture_from_hf_config(cfg("seed_oss"))
+    assert seed.qkv_bias and seed.head_dim == 32 != seed.hidden_size // seed.num_attention_heads
+    refused = [
+        (cfg("seed_oss", attention_out_bias=True), UnsupportedArchitectureError, "attention_out_bias"),
+        (cfg("smollm3", no_rope_layers=[1, 1]), UnsupportedArchitectureError, "no_rope_layers"),
+        (cfg("smollm3", use_sliding_window=True, sliding_window=8), UnsupportedArchitectureError, "use_sliding_window"),
+        (cfg("granite", logits_scaling=0), ConfigFileError, "'logits_scaling' must be a positive number"),
+        (cfg("gemma2", attn_logit_softcapping=-1.0), ConfigFileError, "'attn_logit_softcapping' must be a positive"),
+        (cfg("olmo3", layer_types=["sliding_attention"]), UnsupportedArchitectureError, "layer_types"),
+    ]
+    for config, error, message in refused:
+        with pytest.raises(error, match=message):
+            architecture_from_hf_config(config)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from unittest import mock
 
 import pytest
 import torch
@@ -161,9 +162,12 @@ def test_unsupported_architecture_is_named():
     cfg.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
     with pytest.raises(UnsupportedArchitectureError, match="model_type='gpt2'"):
         architecture_from_hf_config(cfg)
-    cfg.update(model_type="gemma2", architectures=["Gemma2ForCausalLM"])
-    with pytest.raises(UnsupportedArchitectureError, match="model_type='gemma2'.*soft-capping"):
-        architecture_from_hf_config(cfg)
+    from megatron_opd.models import families
+
+    cfg.update(model_type="later", architectures=["LaterForCausalLM"])  # a deferred type: the reason is named
+    with mock.patch.dict(families.DEFERRED, {"later": "its widget is not built"}):
+        with pytest.raises(UnsupportedArchitectureError, match="model_type='later'.*widget is not built"):
+            architecture_from_hf_config(cfg)
     cfg = tiny_hf_config("qwen2").to_dict()
     cfg["rope_scaling"] = {"rope_type": "dynamic", "factor": 4.0}
     with pytest.raises(UnsupportedArchitectureError, match="dynamic"):

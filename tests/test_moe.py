@@ -185,6 +185,39 @@ def test_bad_expert_layouts_are_refused(overrides, parallel, message):
         validate_layout(arch, ParallelConfig(**parallel))
 
 
+@pytest.mark.parametrize(
+    "family, key, parallel, message",
+    [
+        ("mixtral", None, dict(expert_model_parallel_size=3), r"4 experts \(num_local_experts=4\)"),
+        ("ernie4_5_moe", None, dict(expert_model_parallel_size=3), r"4 experts \(moe_num_experts=4\)"),
+        (
+            "ernie4_5_moe",
+            ("moe_intermediate_size", 33),  # one shared expert 33 wide
+            dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=1),
+            r"shared expert's width 33 \(config.json moe_num_shared_experts\)",
+        ),
+        ("mixtral", "num_local_experts", None, "field 'num_local_experts' must be a positive integer"),
+        ("ernie4_5_moe", "moe_k", None, "field 'moe_k' must be a positive integer"),
+    ],
+)
+def test_moe_errors_name_the_checkpoint_s_own_keys(family, key, parallel, message):
+    """A refused MoE layout or config names the field as the checkpoint spells it (Mixtral's ``num_local_experts``,
+    ERNIE's ``moe_num_experts`` / ``moe_k`` / ``moe_num_shared_experts``), not Megatron's or another family's."""
+    from megatron_opd.model_files import UnsupportedArchitectureError
+    from megatron_opd.models import architecture_from_hf_config, validate_layout
+
+    cfg = tiny_hf_config(family).to_dict()
+    if isinstance(key, tuple):
+        cfg[key[0]] = key[1]
+    elif key is not None:
+        cfg[key] = 0
+        with pytest.raises(UnsupportedArchitectureError, match=message):
+            architecture_from_hf_config(cfg)
+        return
+    with pytest.raises(ValueError, match=message):
+        validate_layout(architecture_from_hf_config(cfg), ParallelConfig(**parallel))
+
+
 def test_memory_estimate_counts_experts_per_expert_parallel_rank():
     """Qwen3-30B-A3B's sizes (``trainer.memory.KNOWN_CONFIGS``): at EP=8 a device holds an eighth of the routed
     experts and all the rest, counted against transformers' own parameters."""

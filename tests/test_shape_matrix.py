@@ -2,7 +2,8 @@
 
 The cells themselves run in the tests they name (``megatron_opd.testing.shapes.MATRIX``); this file checks the
 matrix: every (property, path) pair at least once, every property at every layout at least once (a single KV head
-only without tensor parallelism), and the table in the docs equal to the one the matrix renders."""
+only without tensor parallelism; a ``SCOPED`` shape's family only in the logits at TP=1 and TP=2 and the paths it
+is scoped to), and the table in the docs equal to the one the matrix renders."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from megatron_opd.testing.shapes import (
     MATRIX,
     MOE,
     MOE_ONLY,
+    SCOPED,
     SHAPES,
     TP1_ONLY,
     markdown_table,
@@ -29,15 +31,26 @@ def _properties(names) -> frozenset[str]:
     return frozenset().union(*(SHAPES[n].properties for n in names))
 
 
-def _expected(names) -> frozenset[str]:
-    """Every property, the MoE-only ones where the cells run an MoE shape (the paths MoE has reached)."""
-    return ALL_PROPERTIES if set(names) & set(MOE) else ALL_PROPERTIES - MOE_ONLY
+LOGITS = "Megatron model vs transformers logits"
+SCOPED_ONLY = ALL_PROPERTIES - _properties(n for n in SHAPES if n not in SCOPED)
+"""Properties only the scoped shapes have (their families)."""
+
+
+def _expected(names, path: str | None = None, layout: str | None = None) -> frozenset[str]:
+    """Every property, the MoE-only ones where the cells run an MoE shape (the paths MoE has reached), the scoped
+    shapes' families in the logits path, in the paths they are scoped to and at TP=1 and TP=2."""
+    expected = ALL_PROPERTIES if set(names) & set(MOE) else ALL_PROPERTIES - MOE_ONLY
+    if path is not None and path != LOGITS:
+        expected -= SCOPED_ONLY - _properties(n for n, paths in SCOPED.items() if path in paths)
+    if layout is not None and layout not in ("tp1", "tp2"):
+        expected -= SCOPED_ONLY
+    return expected
 
 
 @pytest.mark.parametrize("path", list(MATRIX))
 def test_every_property_runs_through_every_path(path):
     names = [n for names, _ in MATRIX[path].values() for n in names]
-    missing = _expected(names) - _properties(names)
+    missing = _expected(names, path=path) - _properties(names)
     assert not missing, f"{path}: no shape with {sorted(missing)}"
 
 
@@ -46,13 +59,21 @@ def test_every_property_runs_at_every_layout():
     for layout in layouts:
         names = [n for cells in MATRIX.values() if layout in cells for n in cells[layout][0]]
         split = layout.startswith("tp2")  # tensor-parallel size 2
-        expected = _expected(names) - TP1_ONLY if split else _expected(names)
+        expected = _expected(names, layout=layout) - TP1_ONLY if split else _expected(names, layout=layout)
         if layout in EXPERT_LAYOUTS:
             expected = MOE_ONLY
         missing = expected - _properties(names)
         assert not missing, f"{layout}: no shape with {sorted(missing)}"
         if split:
             assert not TP1_ONLY & _properties(names), f"{layout}: a single KV head cannot be split over TP=2"
+
+
+def test_scoped_shapes_run_the_logits_at_tp1_and_tp2_and_their_paths():
+    for name, paths in SCOPED.items():
+        for layout in ("tp1", "tp2"):
+            assert name in MATRIX[LOGITS][layout][0], f"{name}: no logits at {layout}"
+        for path in paths:
+            assert any(name in names for names, _ in MATRIX[path].values()), f"{name}: scoped to {path}, not in it"
 
 
 def test_every_cell_names_a_test_that_exists():

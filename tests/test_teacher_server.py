@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from megatron_opd.teacher.client import TeacherClient
+from megatron_opd.teacher.transport import RequestRefusedError
 from megatron_opd.teacher.zmq_transport import ZmqTransportFactory
 from megatron_opd.testing.distill_fixture import make_distill_fixture
 from megatron_opd.testing.multiprocess import find_free_port, run_distributed, run_trainer
@@ -292,10 +293,10 @@ def _inputs(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _reference64(hf_dir: str, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
     """transformers' log-probabilities over the first ``vocab`` ids, the model run in float64."""
-    from transformers import AutoModelForCausalLM
+    from megatron_opd.models.reference import hf_model
 
     # MoE experts one by one: transformers' grouped expert GEMM has no float64 kernel
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, experts_implementation="eager").double().eval()
+    model = hf_model(hf_dir, experts_implementation="eager").double().eval()
     with torch.no_grad():
         return torch.log_softmax(model(input_ids=tokens).logits[..., :vocab], dim=-1)
 
@@ -352,7 +353,11 @@ def test_teacher_topk_per_shape(shape_dirs, tmp_path):
             results[where, name] = (scores.topk_ids, scores.topk_logprobs, scores.requested_logprobs)
             client.close()
             client = _client(client.addresses[0], transfer="hidden")
-            hidden[where, name] = client.score(tokens, None, LENGTHS).result(timeout=120).dense_hidden
+            if "no_hidden" in info.extra:  # soft-capped final logits (Gemma 2): refused, and why
+                with pytest.raises(RequestRefusedError, match="soft-capped.*use teacher.transfer=topk"):
+                    client.score(tokens, None, LENGTHS).result(timeout=120)
+            else:
+                hidden[where, name] = client.score(tokens, None, LENGTHS).result(timeout=120).dense_hidden
             client.close()
     finally:
         for proc, _ in servers.values():

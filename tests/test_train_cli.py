@@ -96,14 +96,46 @@ def test_resume_after_kill_is_bitwise_on_the_newer_families(shape, pair, tmp_pat
     """A student of each newer family (a sliding window shorter than the sequences, post-norms, fused checkpoint
     tensors with partial rotary and LongRoPE, sandwich norms with two RoPE bases), trained with the SFT loss (no
     teacher: the student's own state is the subject), killed after step 2 and started again: the resumed run's losses
-    equal the uninterrupted run's bitwise (the family's modules, optimizer state and data position round-trip)."""
-    from megatron_opd.testing.shapes import NEW_FAMILIES, make_shape
+    equal the uninterrupted run's bitwise (the family's modules, optimizer state and data position round-trip).
+    Issue #52's families hold no state beyond their weights (``DENSE_52`` runs here too, ~80 s a shape on 2 cores:
+    Gemma 2 passed on 2026-11-29; its weights' dist_ckpt round trip is in the matrix)."""
+    from megatron_opd.testing.shapes import DENSE_52, NEW_FAMILIES, make_shape
     from megatron_opd.testing.tiny_models import make_tiny_tokenizer
 
-    assert shape in NEW_FAMILIES
+    assert shape in NEW_FAMILIES + DENSE_52
     student = make_shape(shape, tmp_path / "student")
     make_tiny_tokenizer(student, vocab_size=1000)  # the pair's tokenizer: fewer tokens than the student's rows
     # train.max_seq_len: within Phi-3's original 64 positions (LongRoPE's short factors; longer is refused)
+    common = {"student.path": student, "teacher.path": "", "loss.kind": "sft", "data.response_key": "answer",
+              "train.steps": 4, "train.max_seq_len": 64, "checkpoint.every": 1, "export_hf": False,
+              "data.eval_files": ""}  # fmt: skip
+    code, out = run(pair.overrides(tmp_path / "straight", **common))
+    assert code == 0, out[-3000:]
+    straight = losses(tmp_path / "straight")
+    assert sorted(straight) == [1, 2, 3, 4] and len(set(straight.values())) == 4, straight
+    killed = tmp_path / "killed"
+    code, out = run(pair.overrides(killed, **common), fault="kill_after_step:2")
+    assert code != 0 and sorted(losses(killed)) == [1, 2], out[-3000:]
+    code, out = run(pair.overrides(killed, **common))
+    assert code == 0 and "resumed from" in out, out[-3000:]
+    assert losses(killed) == straight, f"{shape}: a resumed run must reproduce the uninterrupted losses bitwise"
+
+
+@pytest.mark.skipif(
+    not os.environ.get("MEGATRON_OPD_MOE_FAMILY_RESUME"),
+    reason="three trainer runs per family (~1 min of CPU each): set MEGATRON_OPD_MOE_FAMILY_RESUME=1",
+)
+@pytest.mark.parametrize("shape", ["minimax_m2_sigmoid_bias", "ernie4_5_moe_softmax_bias", "olmoe_qk_all_heads"])
+def test_resume_after_kill_is_bitwise_on_the_newer_moe_families(shape, pair, tmp_path):
+    """Outside CI (the MoE families' layers already round-trip through the converter's dist_ckpt bitwise in CI): a
+    MiniMax-M2 (Megatron's sigmoid router with its expert bias), ERNIE 4.5 MoE (megatron-opd's softmax router and its
+    ``[1, E]`` bias buffer, interleaved RoPE) or OLMoE student trained with the SFT loss, killed after step 2 and
+    started again, reproduces the uninterrupted run's losses bitwise."""
+    from megatron_opd.testing.shapes import make_shape
+    from megatron_opd.testing.tiny_models import make_tiny_tokenizer
+
+    student = make_shape(shape, tmp_path / "student")
+    make_tiny_tokenizer(student, vocab_size=1000)
     common = {"student.path": student, "teacher.path": "", "loss.kind": "sft", "data.response_key": "answer",
               "train.steps": 4, "train.max_seq_len": 64, "checkpoint.every": 1, "export_hf": False,
               "data.eval_files": ""}  # fmt: skip
@@ -242,6 +274,7 @@ def test_bad_input_is_refused_clearly(case, pair, reference_run, tmp_path):
         "te_local_spec_family",
         "micro_batch_tokens",
         "chat_without_template",
+        "soft_capped",
     ],
 )
 def test_bad_input_is_refused_before_any_model(case, pair, tmp_path):
@@ -314,6 +347,19 @@ def test_bad_input_is_refused_before_any_model(case, pair, tmp_path):
             "train.micro_batch_tokens=48 is shorter than the longest sample this run can produce: 64 tokens "
             "(train.max_seq_len=64: prompt room 58 + rollout.max_new_tokens=6)"
         )
+    elif case == "soft_capped":
+        # Gemma 2: capped attention scores only on build.attention=sdpa (teacher too); capped final logits are not
+        # hidden states times the output weight, so the fused output-layer loss is refused, not silently wrong.
+        from megatron_opd.testing.shapes import make_shape
+        from megatron_opd.testing.tiny_models import make_tiny_tokenizer
+
+        gemma2 = make_shape("gemma2_softcap", tmp_path / "gemma2")
+        make_tiny_tokenizer(gemma2, vocab_size=1000)
+        with pytest.raises(ValueError, match=f"build.attention=local: the gemma2 model of teacher.path={gemma2} soft"):
+            check_inputs(parse_args(TrainConfig, [*overrides, "build.attention=local", f"teacher.path={gemma2}"]))
+        check_inputs(parse_args(TrainConfig, [*overrides, f"student.path={gemma2}"]))  # fused_output=auto: logits
+        overrides += [f"student.path={gemma2}", "loss.fused_output=on"]
+        expected = f"loss.fused_output=on: the gemma2 model of student.path={gemma2} soft-caps its final logits"
     else:
         overrides.append("optim.learning_rate=3")
         expected = "unknown config key(s) ['optim.learning_rate']"

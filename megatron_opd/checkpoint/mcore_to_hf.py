@@ -196,9 +196,15 @@ def _export_group(
 def _write_config(cfg_dir: Path, staging: Path, dtype: torch.dtype) -> None:
     """``config.json`` as it was, with ``torch_dtype`` (and ``dtype``) naming the exported dtype, without
     ``quantization_config`` (an FP8 source was dequantised when it was loaded or converted) and with no
-    multi-token-prediction layer (``num_nextn_predict_layers`` 0: they are never exported, ``models.mtp``)."""
+    multi-token-prediction layer (``num_nextn_predict_layers`` 0: they are never exported, ``models.mtp``), completed
+    with the fields vLLM reads that transformers' config class did not write (``ModelFamily.vllm_config_fields``)."""
+    from megatron_opd.models.families import BY_MODEL_TYPE
+
     with open(cfg_dir / "config.json") as f:
         config = without_mtp(without_quantization(json.load(f)))
+    family = BY_MODEL_TYPE.get(config.get("model_type"))
+    if family is not None:
+        config.update(family.vllm_config_fields(config))
     if dtype in (torch.float32, torch.bfloat16, torch.float16):
         name = dtype_name(dtype)
         for key in ("torch_dtype", "dtype"):

@@ -6,6 +6,9 @@ every shard's header and every tensor's byte offset can be computed first. Each 
 created at its final size with its header, and each tensor is written to its offset the moment it
 is produced, by whichever rank produced it: memory holds one tensor, and ranks never wait on each
 other's shards.
+
+A tensor stacked over experts (gpt-oss's ``mlp.experts.gate_up_proj`` ``[experts, ...]``) is planned as one tensor
+from its rows (``name[i]``, ``models.weight_rule.stacked_name``), and each row is written to its slice as it comes.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 
 from megatron_opd.dtypes import TensorMeta, safetensors_code
 from megatron_opd.models.hf_io import INDEX_FILE, SINGLE_FILE
+from megatron_opd.models.weight_rule import stacked_base
 
 _WRITE_BLOCK = 1 << 30  # one write(2) moves at most ~2 GiB on Linux
 
@@ -62,6 +66,8 @@ class ShardPlan:
     files: list[ShardFile]
     file_of: dict[str, ShardFile]
     planned: dict[str, TensorMeta]
+    rows: dict[str, tuple[str, int]] = field(default_factory=dict)
+    """Row name (``name[i]``) -> the stacked tensor and index it is written into."""
 
     @property
     def total_bytes(self) -> int:
@@ -83,9 +89,10 @@ class ShardPlan:
                 f"{name}: planned {planned.dtype}{list(planned.shape)}, got {tensor.dtype}{list(tensor.shape)}"
             )
         data = memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        base, index = self.rows.get(name, (name, 0))
         fd = os.open(out_dir / shard.name, os.O_WRONLY)
         try:
-            offset, done = shard.offsets[name], 0
+            offset, done = shard.offsets[base] + index * planned.nbytes, 0
             while done < len(data):
                 done += os.pwrite(fd, data[done : done + _WRITE_BLOCK], offset + done)
         finally:
@@ -101,8 +108,36 @@ class ShardPlan:
             json.dump({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, f, indent=2)
 
 
+def stack_rows(tensors: list[TensorMeta]) -> tuple[list[TensorMeta], dict[str, tuple[str, int]]]:
+    """``tensors`` with the rows of each stacked tensor (``name[0]`` ... ``name[n-1]``, any order) replaced by one
+    ``[n, ...]`` tensor where its first row was, and the row -> (tensor, index) map."""
+    by_base: dict[str, list[TensorMeta]] = {}
+    out: list[TensorMeta | str] = []
+    rows: dict[str, tuple[str, int]] = {}
+    for t in tensors:
+        base, index = stacked_base(t.name)
+        if index is None:
+            out.append(t)
+            continue
+        if base not in by_base:
+            by_base[base] = []
+            out.append(base)
+        by_base[base].append(t)
+        rows[t.name] = (base, index)
+    stacked = {}
+    for base, metas in by_base.items():
+        indices = sorted(rows[m.name][1] for m in metas)
+        if indices != list(range(len(metas))) or len({(m.dtype, m.shape) for m in metas}) != 1:
+            raise ValueError(f"{base}: rows {indices} of one dtype and shape are needed to stack it, got {metas}")
+        stacked[base] = TensorMeta(base, metas[0].dtype, (len(metas), *metas[0].shape))
+    return [stacked[t] if isinstance(t, str) else t for t in out], rows
+
+
 def plan_shards(tensors: list[TensorMeta], max_shard_bytes: int) -> ShardPlan:
-    """Fill files in order, starting a new one when the next tensor would pass ``max_shard_bytes``."""
+    """Fill files in order, starting a new one when the next tensor would pass ``max_shard_bytes``; the rows of a
+    stacked tensor make one tensor (:func:`stack_rows`)."""
+    rows_of = {t.name: t for t in tensors}
+    tensors, rows = stack_rows(tensors)
     groups: list[list[TensorMeta]] = [[]]
     size = 0
     for t in tensors:
@@ -118,4 +153,7 @@ def plan_shards(tensors: list[TensorMeta], max_shard_bytes: int) -> ShardPlan:
         shard = ShardFile(name, group)
         shard.seal()
         files.append(shard)
-    return ShardPlan(files, {t.name: f for f in files for t in f.tensors}, {t.name: t for t in tensors})
+    file_of = {t.name: f for f in files for t in f.tensors}
+    file_of.update({row: file_of[base] for row, (base, _) in rows.items()})
+    planned = {t.name: t for t in tensors} | {row: rows_of[row] for row in rows}
+    return ShardPlan(files, file_of, planned, rows)

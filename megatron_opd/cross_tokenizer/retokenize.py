@@ -11,7 +11,10 @@ the group's first position (``extras["group_offset"]``), which is what the sampl
 at the first position of each group (a byte offset where both tokenizations have a boundary) each teacher token is
 mapped to the student token its bytes begin with
 (:attr:`~megatron_opd.cross_tokenizer.vocabulary_map.VocabularyMap.teacher_to_first`) for the top-k loss
-(:mod:`megatron_opd.losses.aligned`); the group's other positions keep the sampled loss. All of it runs on the
+(:mod:`megatron_opd.losses.aligned`); the group's other positions keep the sampled loss. Where the student's
+template starts the answer with a space (the record's response, ``data.response_key``, does), the answer's first
+position reads every teacher token with that space, so a teacher fine-tuned with and without it is compared by the
+sum of its two boundary variants (``VocabularyMap.teacher_to_first_spaced``). All of it runs on the
 host in the data path, off the accelerator.
 
 Where the student stopped, the teacher's last token was chosen knowing that the text ends there: a teacher with a
@@ -76,6 +79,8 @@ class TeacherRequest:
     response of its last text token, how many of ``request_ids[i, position predicting it]`` are that token's
     extensions); else None."""
     stopped: list[bool] = field(default_factory=list)
+    spaced_answers: list[bool] = field(default_factory=list)
+    """Per sample: the student's template starts the answer with a space (its record's response does)."""
     """Per sample: the teacher's EOS follows its text (the stop correction's rest goes there)."""
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -189,7 +194,10 @@ class CrossTokenizer:
             "cross_tokenizer/one_to_one_share": stats.one_to_one_share if stats else 0.0,
         }
         lengths = [len(s) for s in sequences]
-        return TeacherRequest(tokens, next_ids, lengths, alignments, prompt_lengths, stop_prefixes, stopped, metrics)
+        key = getattr(self.teacher_encoder, "response_key", "response")
+        spaced = [str(records[j].get(key) or "")[:1] == " " for j in rollouts.prompt_index[:n]]
+        return TeacherRequest(tokens, next_ids, lengths, alignments, prompt_lengths, stop_prefixes, stopped, spaced,
+                              metrics)  # fmt: skip
 
     @staticmethod
     def _mask_uncompared(mask_S: torch.Tensor, prompt_length: int, alignment: Alignment | None) -> None:
@@ -262,19 +270,24 @@ class CrossTokenizer:
             raise ValueError("loss.cross_tokenizer=aligned needs the teacher's top-k; the teacher returned none")
         n, s = batch.tokens.shape
         k = teacher.topk_ids.shape[-1]
-        student_at, teacher_at, shift_at = [], [], []  # per sample: (row, position) of each row, its EOS shift
+        student_at, teacher_at, shift_at, spaced_at = [], [], [], []  # per sample: (row, position) of each row, its
+        # EOS shift, whether it is the answer's first position after the student template's leading space
         skip_first = self.vocabulary_map is not None and (
             self.student_bytes.dummy_prefix != self.teacher_bytes.dummy_prefix
-        )  # one side's first group may hold a space the other's first token lacks: its first tokens differ
+        )  # one side's first group may hold a space the other's first token lacks: its first tokens differ, unless
+        # the student's template starts the answer with a space (then every teacher token is read with one there:
+        # both boundary variants of the teacher summed, VocabularyMap.teacher_to_first_spaced)
         for i, alignment in enumerate(request.alignments):
             if alignment is None:
                 continue
-            starts = [g for g in alignment.groups if not g.one_sided and not (skip_first and g.student[0] == 0)]
+            p, tp = batch.prompt_lengths[i], request.teacher_prompt_lengths[i]
+            space = bool(request.spaced_answers) and request.spaced_answers[i]
+            skip = skip_first and not space
+            starts = [g for g in alignment.groups if not g.one_sided and not (skip and g.student[0] == 0)]
             if self.vocabulary_map is None:  # one vocabulary: every group is one token
                 starts = [g for g in starts if g.student[1] - g.student[0] == 1 == g.teacher[1] - g.teacher[0]]
             if not starts:
                 continue
-            p, tp = batch.prompt_lengths[i], request.teacher_prompt_lengths[i]
             s0 = torch.tensor([g.student[0] for g in starts])
             t0 = torch.tensor([g.teacher[0] for g in starts])
             trained = batch.loss_mask[i, p - 1 + s0] != 0
@@ -288,6 +301,7 @@ class CrossTokenizer:
                 last = request.stop_prefixes[i][0]
                 shift[t0 == last + 1] = stop_shifts[i]
             shift_at.append(shift[trained])
+            spaced_at.append(((s0 == 0) & space)[trained])
         ids = torch.zeros(n, s, k, dtype=torch.int64)
         logprobs = torch.zeros(n, s, k, dtype=torch.float32)
         support = torch.zeros(n, s, k, dtype=torch.bool)
@@ -301,6 +315,12 @@ class CrossTokenizer:
                 m_ids, m_logprobs, m_support = t_ids, t_logprobs, torch.ones_like(t_ids, dtype=torch.bool)
             else:
                 m_ids, m_logprobs, m_support = self.vocabulary_map.map_topk(t_ids, t_logprobs, prefixes=True)
+                spaced_R = torch.cat(spaced_at)
+                if spaced_R.any():  # the answer's first position: both boundary variants (VocabularyMap)
+                    at = spaced_R.nonzero()[:, 0]
+                    b_ids, b_logprobs, b_support = self.vocabulary_map.map_topk(t_ids[at], t_logprobs[at], spaced=True)
+                    m_ids, m_logprobs, m_support = m_ids.clone(), m_logprobs.clone(), m_support.clone()
+                    m_ids[at], m_logprobs[at], m_support[at] = b_ids, b_logprobs, b_support
                 eos = self.vocabulary_map.student_eos_id
                 shift_R = torch.cat(shift_at).float()
                 m_logprobs = m_logprobs - torch.where(m_support & (m_ids == eos), shift_R[:, None], 0.0)

@@ -10,7 +10,16 @@ For the aligned loss a teacher token is also credited to the student token its b
 probability of "5 1" (one teacher token across a space) is probability the student writes "5" next, which a map of
 identical bytes alone would leave unmapped while the teacher's EOS maps whole (continuing under-credited, stopping
 not). A teacher token whose bytes a longer student token extends (" " when the student has " 5") stays unmapped in
-that table: which student token it stands for depends on what the teacher writes after it.
+that table, unless exactly one student token extends it and it has no student twin (Mistral's "▁v" for a
+word-level student's " violet"): the student can write those bytes at a boundary only as that token, so the teacher's
+probability of it is credited there (an upper bound: the chain rule's continuation, "iolet", taken as certain).
+Otherwise which student token it stands for depends on what the teacher writes after it.
+
+At the answer's first position a teacher fine-tuned with the answer with and without its leading space (a chat
+template's boundary) splits one answer's mass between two variants, "1" and " 1"; a student whose template writes
+the space is compared with their sum (:attr:`VocabularyMap.teacher_to_first_spaced`: each teacher token read with
+the space), which is the teacher's probability of the answer summed over both boundary variants, as the exact
+reference (``testing.cross_tokenizer_reference``, "boundary sum") scores it.
 
 A vocabulary may hold one byte string twice (SentencePiece byte fallback: ``<0x41>`` and ``A``). The student side
 then keeps the id its tokenizer writes for that text; on the teacher side both ids map to it, and
@@ -66,11 +75,14 @@ def _canonical_id(piece: bytes, ids: list[int], tokenizer: Any | None) -> int:
 
 
 def _first_student_id(piece: bytes, student_ids: dict[bytes, int], ordered: list[bytes]) -> int:
-    """The student id of the longest student token ``piece`` begins with; -1 when a longer student token begins with
-    ``piece`` (``ordered``: the student's byte strings sorted) or none is a prefix of it."""
+    """The student id of the longest student token ``piece`` begins with; where longer student tokens begin with
+    ``piece`` (``ordered``: the student's byte strings sorted), the one that does when it is the only one and
+    ``piece`` has no twin (the student's only way to write those bytes at a boundary), else -1; -1 as well when no
+    student token is a prefix of ``piece``."""
     k = bisect.bisect_right(ordered, piece)
     if k < len(ordered) and ordered[k].startswith(piece):
-        return _UNMAPPED
+        unique = k + 1 == len(ordered) or not ordered[k + 1].startswith(piece)
+        return student_ids[ordered[k]] if unique and piece not in student_ids else _UNMAPPED
     for end in range(len(piece), 0, -1):
         found = student_ids.get(piece[:end])
         if found is not None:
@@ -126,8 +138,14 @@ class VocabularyMap:
             _first_student_id(piece, student_ids, ordered) if piece and not special[token_id] else _UNMAPPED
             for token_id, piece in enumerate(teacher._table)
         ]
+        spaced = [
+            _first_student_id(piece if piece.startswith(b" ") else b" " + piece, student_ids, ordered)
+            if piece and not special[token_id]
+            else _UNMAPPED
+            for token_id, piece in enumerate(teacher._table)
+        ]
         for stop_id in teacher_stop_ids:
-            table[int(stop_id)] = first[int(stop_id)] = int(student_stop_ids[0])
+            table[int(stop_id)] = first[int(stop_id)] = spaced[int(stop_id)] = int(student_stop_ids[0])
         self.teacher_to_student = torch.tensor(table, dtype=torch.int64)
         """``[teacher vocab size]``: the student id of each teacher id, -1 where the teacher token has no student
         twin."""
@@ -135,7 +153,11 @@ class VocabularyMap:
         """``[teacher vocab size]``: the student token a teacher token's bytes begin with (the longest student token
         that is a prefix of them; the twin where there is one), -1 where a longer student token extends the teacher
         token's bytes or none begins them (see the module docstring)."""
-        self._tables_on_device: dict[bool, torch.Tensor] = {}
+        self.teacher_to_first_spaced = torch.tensor(spaced, dtype=torch.int64)
+        """``[teacher vocab size]``: :attr:`teacher_to_first` of each teacher token read with a leading space where it
+        has none ("1 2" as " 1 2"): at the answer's first position when the student's template writes the space, the
+        teacher's two boundary variants of one answer are one student token (module docstring)."""
+        self._tables_on_device: dict[tuple[bool, bool], torch.Tensor] = {}
         self._has_bytes = torch.tensor([bool(piece) and not special[i] for i, piece in enumerate(teacher._table)])
 
     def mapped_count(self, prefixes: bool = False) -> int:
@@ -143,16 +165,18 @@ class VocabularyMap:
         :attr:`teacher_to_first`."""
         return int((self._table(prefixes) != _UNMAPPED).sum())
 
-    def _table(self, prefixes: bool) -> torch.Tensor:
+    def _table(self, prefixes: bool, spaced: bool = False) -> torch.Tensor:
+        if spaced:
+            return self.teacher_to_first_spaced
         return self.teacher_to_first if prefixes else self.teacher_to_student
 
     def map_topk(
-        self, ids_TK: torch.Tensor, logprobs_TK: torch.Tensor, *, prefixes: bool = False
+        self, ids_TK: torch.Tensor, logprobs_TK: torch.Tensor, *, prefixes: bool = False, spaced: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Teacher top-k (ids, log-probs) at some positions -> (student ids, log-probs, support bool), same [T, K] shape.
 
         ``prefixes``: map by :attr:`teacher_to_first` (the student token each teacher token begins with) instead of
-        by identical bytes. Teacher ids with the same student id are merged into the first of their slots (log of the
+        by identical bytes; ``spaced``: by :attr:`teacher_to_first_spaced`. Teacher ids with the same student id are merged into the first of their slots (log of the
         summed probabilities); the other slots, and those of teacher ids without a twin, are empty: student id 0,
         log-probability ``-inf``, support False. Their mass is left to the loss's tail.
         """
@@ -167,9 +191,9 @@ class VocabularyMap:
                 f"teacher token id {bad} is outside the teacher vocabulary of the vocabulary map "
                 f"({self.teacher_vocab_size} ids)"
             )
-        table = self._tables_on_device.get(prefixes)
+        table = self._tables_on_device.get((prefixes, spaced))
         if table is None or table.device != ids_TK.device:
-            table = self._tables_on_device[prefixes] = self._table(prefixes).to(ids_TK.device)
+            table = self._tables_on_device[prefixes, spaced] = self._table(prefixes, spaced).to(ids_TK.device)
         student_TK = table[ids_TK.long()]
         out_dtype = logprobs_TK.dtype
 

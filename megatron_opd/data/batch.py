@@ -53,6 +53,9 @@ class TrainBatch:
     routes: torch.Tensor | None = None
     """``[N, S, M, k]`` int16 (``rollout.routing_replay``): the experts the sampler routed each position's token to in
     each MoE layer, which the trainer's forward replays; -1 where none (padding, the last token)."""
+    drawn_logprobs: torch.Tensor | None = None
+    """``[N, S]`` float32, placed as ``rollout_logprobs``: the log-probability under the distribution the sampler
+    drew from (temperature, top-k, top-p; ``Rollouts.drawn_logprobs``); None where nothing truncates."""
 
     def __post_init__(self) -> None:
         if self.seq_weights.numel() == 0:
@@ -73,7 +76,7 @@ class TrainBatch:
         return TrainBatch(
             pick(self.tokens), pick(self.loss_mask), [self.prompt_lengths[i] for i in rows],
             [self.lengths[i] for i in rows], pick(self.seq_weights), pick(self.student_topk_ids),
-            pick(self.rollout_logprobs), pick(self.routes),
+            pick(self.rollout_logprobs), pick(self.routes), pick(self.drawn_logprobs),
         )  # fmt: skip
 
     def next_tokens(self) -> torch.Tensor:
@@ -116,10 +119,9 @@ class TrainBatch:
             "labels": self.next_tokens(),
             "seq_weights": self.seq_weights,
         }
-        if self.rollout_logprobs is not None:
-            columns["rollout_logprobs"] = self.rollout_logprobs
-        if self.routes is not None:
-            columns["routes"] = self.routes
+        for name in ("rollout_logprobs", "routes", "drawn_logprobs"):
+            if getattr(self, name) is not None:
+                columns[name] = getattr(self, name)
         columns.update(extra or {})
         out = []
         for lo in range(0, self.num_samples, micro_batch_size):
@@ -163,10 +165,9 @@ class TrainBatch:
             "loss_mask": self.loss_mask,
             "labels": self.next_tokens(),
         }
-        if self.rollout_logprobs is not None:
-            columns["rollout_logprobs"] = self.rollout_logprobs
-        if self.routes is not None:
-            columns["routes"] = self.routes
+        for name in ("rollout_logprobs", "routes", "drawn_logprobs"):
+            if getattr(self, name) is not None:
+                columns[name] = getattr(self, name)
         columns.update(extra or {})
         return packing.pack(
             self.lengths, groups, columns, pad_multiple=pad_multiple, token_budget=token_budget, fills={"routes": -1}
@@ -190,14 +191,15 @@ def pack(
     topk_ids: list[torch.Tensor] | None = None,
     logprobs: list[torch.Tensor] | None = None,
     routes: list[torch.Tensor] | None = None,
+    drawn_logprobs: list[torch.Tensor] | None = None,
 ) -> TrainBatch:
     """Concatenate each prompt with its response and pad to one length (``seq_len`` if given).
 
     ``topk_ids``: per sample ``[response_len, k]`` ids recorded while sampling each response token; they go to the
     position that predicts that token, for trained tokens only (``TrainBatch.student_topk_ids``). ``logprobs``: per
     sample ``[response_len]``, the sampler's log-probability of each response token, placed the same way
-    (``TrainBatch.rollout_logprobs``). ``routes``: per sample ``[prompt_len + response_len, M, k]`` experts of each
-    position (``TrainBatch.routes``)."""
+    (``TrainBatch.rollout_logprobs``); ``drawn_logprobs`` the same for ``TrainBatch.drawn_logprobs``. ``routes``: per
+    sample ``[prompt_len + response_len, M, k]`` experts of each position (``TrainBatch.routes``)."""
     lengths = [int(p.numel() + r.numel()) for p, r in zip(prompts, responses)]
     longest = max(lengths)
     if seq_len is None:
@@ -214,6 +216,7 @@ def pack(
     routes_NSMk = None
     if routes is not None:
         routes_NSMk = torch.full((n, seq_len, *routes[0].shape[1:]), -1, dtype=torch.int16)
+    drawn = None if drawn_logprobs is None else torch.zeros(n, seq_len, dtype=torch.float32)
     for i, (prompt, response, mask) in enumerate(zip(prompts, responses, response_masks)):
         p, r = prompt.numel(), response.numel()
         tokens[i, :p] = prompt
@@ -231,9 +234,11 @@ def pack(
             if routes[i].shape[0] != p + r:
                 raise ValueError(f"sample {i}: routes for {routes[i].shape[0]} positions, the sample has {p + r}")
             routes_NSMk[i, : p + r] = routes[i]
+        if drawn is not None:
+            drawn[i, p - 1 : p - 1 + r] = torch.where(mask != 0, drawn_logprobs[i].to(torch.float32), 0.0)
     return TrainBatch(
         tokens, loss_mask, [int(p.numel()) for p in prompts], lengths, student_topk_ids=student_topk_ids,
-        rollout_logprobs=rollout_logprobs, routes=routes_NSMk,
+        rollout_logprobs=rollout_logprobs, routes=routes_NSMk, drawn_logprobs=drawn,
     )  # fmt: skip
 
 
@@ -265,6 +270,7 @@ def pack_rollouts(
         topk_ids=topk_ids,
         logprobs=rollouts.logprobs,
         routes=rollouts.routes,
+        drawn_logprobs=rollouts.drawn_logprobs,
     )
 
 

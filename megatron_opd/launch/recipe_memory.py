@@ -11,7 +11,7 @@ from megatron_opd.distributed.parallel import ParallelConfig
 from megatron_opd.launch.layout import Recipe
 from megatron_opd.models.architecture import ModelArchitecture
 from megatron_opd.models.builder import ModelBuildConfig
-from megatron_opd.models.fp8 import QUANTIZATION_CONFIG, block_fp8_of
+from megatron_opd.models.fp8 import QUANTIZATION_CONFIG, quantization_of
 from megatron_opd.models.hf_config import architecture_from_hf_config
 from megatron_opd.trainer.memory import (
     GIB,
@@ -69,7 +69,7 @@ def fp8_block(config) -> tuple[int, int] | None:
     quant = _quantization(config)
     if quant.get("quant_method") != "fp8":
         return None
-    return block_fp8_of({QUANTIZATION_CONFIG: quant}, "the teacher's config.json").block_size
+    return quantization_of({QUANTIZATION_CONFIG: quant}, "the teacher's config.json").block_size
 
 
 def fp8_quantised(config, shard: ParamShard) -> bool:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_opd.losses.importance import truncation_ratios
 from megatron_opd.losses.sampled import SAMPLED_KINDS, label_logprobs, sampled_divergence
 from megatron_opd.losses.topk import topk_divergence
 
@@ -46,6 +47,7 @@ def aligned_divergence(
     student_temperature: float = 1.0,
     context_parallel=None,
     sampled_ratio_clip: float = 0.0,
+    drawn_logprobs: torch.Tensor | None = None,
     **topk_options,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token loss and divergence, the logits' leading shape: top-k where ``aligned``, sampled elsewhere.
@@ -55,6 +57,8 @@ def aligned_divergence(
     log-probability under the teacher and the offset to its group's first position (``losses.sampled``).
     ``context_parallel``: the rows are this rank's share of each sequence (``losses.sampled.group_sums``).
     ``sampled_ratio_clip``: the sampled forward KL's cap on ``p/q`` (``losses.sampled.sampled_divergence``).
+    ``drawn_logprobs``: truncated sampling, the student's log-probability of each label under the distribution drawn
+    from; the sampled positions are weighted by ``losses.importance.truncation_ratios``.
     ``topk_options``: ``topk_divergence``'s ``beta``, ``tail``, ``coverage_weight``, ``chunk_size``.
     """
     lead = logits.shape[:-1]
@@ -68,6 +72,9 @@ def aligned_divergence(
             logq_T.view(lead), group_logprobs.to(logq_T.dtype), kind if kind in SAMPLED_KINDS else "reverse_kl",
             group_offset, context_parallel, ratio_clip=sampled_ratio_clip,
         )  # fmt: skip
+        if drawn_logprobs is not None:
+            ratio = truncation_ratios(logq_T.view(lead), drawn_logprobs)
+            per_token_T, divergence_T = per_token_T * ratio, divergence_T * ratio
         per_token_T, divergence_T = per_token_T.reshape(-1), divergence_T.reshape(-1)
     else:  # one tokenizer: the top-k loss alone, nothing sampled to read
         per_token_T = logits_TV.new_zeros(aligned_T.shape, dtype=torch.float32)

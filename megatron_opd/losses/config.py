@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from megatron_opd.losses.importance import ROLLOUT_CORRECTIONS
 from megatron_opd.losses.sampled import SAMPLED_CREDITS, SAMPLED_KINDS
 
 
@@ -67,12 +68,22 @@ class LossConfig:
     ``jsd``). ``off``: the vocabulary check refuses a teacher with another tokenizer."""
     staleness_correction: Literal["off", "prefix"] = "off"
     """``prefix``: weight each token's loss by the truncated importance weight of the sampled prefix before it,
-    ``min(prod_{s<t} p_trainer(y_s) / p_sampler(y_s), loss.staleness_clip)`` (``s <= t`` for ``loss.mode=sampled``),
+    ``min(prod_{s<t} pi_trainer(y_s) / pi_sampler(y_s), loss.staleness_clip)`` (``s <= t`` for ``loss.mode=sampled``),
     correcting the state distribution of batches sampled by older weights (``scheduler.mode`` one/two_step_off);
-    1 for fresh batches. Needs rollout.temperature=1 without top_k/top_p (the recorded log-probabilities are then the
-    sampling policy's) and no fused output layer. See docs/training.md."""
+    1 for fresh batches. ``pi`` is the distribution the sampler draws from: with rollout.temperature / top_k / top_p
+    the truncated one (the trainer's recomputed from its logits, one top-k merge and top-p search per step; the
+    built-in sampler records the sampler's). Keeps the output layer unfused. See docs/training.md."""
     staleness_clip: float = 2.0
     """Upper clip of the prefix importance weights (logged as ``staleness/*`` either way)."""
+    rollout_correction: Literal["off", "token_tis", "sequence_tis", "token_mis", "sequence_mis"] = "off"
+    """Importance weights for the rollout-trainer gap at every staleness (``losses.importance``), from ``r_t =
+    pi_trainer(y_t) / pi_sampler(y_t)`` (``pi`` as for ``staleness_correction``): ``token_tis`` weighs each token's
+    loss by ``min(r_t, C)``, ``sequence_tis`` every token of a sample by ``min(prod_t r_t, C)``; ``token_mis`` /
+    ``sequence_mis`` by ``r`` where ``r <= C`` and drop the token / sample otherwise (``C``:
+    ``loss.rollout_correction_clip``). Costs one gather per token (plus the truncated recomputation, as above) and
+    keeps the output layer unfused; off: weight 1."""
+    rollout_correction_clip: float = 2.0
+    """``C`` of ``loss.rollout_correction`` (>= 1: fresh tokens whose sampler agrees with the trainer keep weight 1)."""
     weighting: Literal["none", "reward", "teacher_confidence"] = "none"
     """Per-sequence weights: none, reward-weighted distillation, or TCAD teacher-confidence weights."""
     reward_fn: str | None = None
@@ -129,6 +140,15 @@ class LossConfig:
             raise ValueError(
                 "loss.fused_output=on cannot be used with loss.sampled_credit=to_go (a sample's tokens must be in one "
                 "chunk): set loss.fused_output=auto or off"
+            )
+        if self.rollout_correction not in ROLLOUT_CORRECTIONS:
+            raise ValueError(
+                f"loss.rollout_correction must be one of {', '.join(ROLLOUT_CORRECTIONS)}, got {self.rollout_correction!r}"
+            )
+        if not 1.0 <= self.rollout_correction_clip < float("inf"):
+            raise ValueError(
+                f"loss.rollout_correction_clip={self.rollout_correction_clip} must be a finite number >= 1 (a token "
+                "whose sampler agrees with the trainer has weight 1)"
             )
         cross = self.cross_tokenizer
         if cross not in ("off", "sampled", "aligned"):

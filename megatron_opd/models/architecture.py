@@ -75,6 +75,16 @@ class MoEArchitecture:
     """Width of the shared expert every token goes through (Qwen2-MoE); 0: none."""
     shared_expert_gate: bool = False
     """The shared expert's output is scaled by ``sigmoid(x @ gate)`` (Qwen2-MoE's ``shared_expert_gate``)."""
+    score_function: str = "softmax"
+    """``softmax`` or ``sigmoid`` (MiniMax-M2): the router's scores, whose top-k (renormalised) weight the experts."""
+    expert_bias: bool = False
+    """The top-k is picked on the scores plus a per-expert correction bias (HF ``e_score_correction_bias``; MiniMax-M2
+    on sigmoid scores, ERNIE 4.5 on softmax probabilities); the weights stay the unbiased scores."""
+    config_keys: tuple[str, str, str] = ("num_experts", "moe_intermediate_size", "shared_expert_intermediate_size")
+    """The checkpoint's own ``config.json`` keys for the expert count, the expert width and the shared expert's width
+    (Mixtral's ``num_local_experts``, ERNIE's ``moe_num_experts``), so errors name what the user can find."""
+    linear_biases: bool = False
+    """A bias on the router and on every expert's projections (gpt-oss)."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +122,31 @@ class DeepSeekRouting:
     """Groups each token may use, picked by the sum of each group's top-2 biased scores."""
     routed_scaling_factor: float = 1.0
     """The routed experts' combined output is scaled by this."""
+    score_function: str = "sigmoid"
+    """``sigmoid`` (DeepSeek-V3, GLM-4.5: a group ranked by its top-2 scores) or ``softmax`` over every expert
+    (DeepSeek-V2: a group ranked by its best score)."""
+    expert_bias: bool = True
+    """``e_score_correction_bias`` is added to the scores to pick the top-k (not to weight them)."""
+
+
+@dataclass(frozen=True)
+class LinearAttentionArchitecture:
+    """Gated DeltaNet layers (Qwen3-Next, Qwen3.5; ``ModelArchitecture.linear_attention``): a linear-attention
+    mixer with a recurrent state and a short causal convolution (``models.gated_delta_net``)."""
+
+    num_key_heads: int
+    """Query/key heads of the mixer (HF ``linear_num_key_heads``)."""
+    num_value_heads: int
+    """Value heads (HF ``linear_num_value_heads``); a multiple of the key heads, which each serve a group of them."""
+    key_head_dim: int
+    """HF ``linear_key_head_dim``."""
+    value_head_dim: int
+    """HF ``linear_value_head_dim``."""
+    conv_kernel: int
+    """Width of the causal depthwise convolution over queries, keys and values (HF ``linear_conv_kernel_dim``)."""
+    layers: tuple[int, ...]
+    """Global indices of the Gated DeltaNet layers (HF ``layer_types`` = ``linear_attention``); the others are gated
+    full attention."""
 
 
 @dataclass(frozen=True)
@@ -152,8 +187,27 @@ class ModelArchitecture:
     """Multi-latent attention (DeepSeek-V3) instead of grouped-query attention; None for the latter."""
     routing: DeepSeekRouting | None = None
     """DeepSeek's group-limited, scaled router on top of ``moe``; None for the MoE families' softmax router."""
+    linear_attention: LinearAttentionArchitecture | None = None
+    """Gated DeltaNet layers between the attention layers (Qwen3-Next, Qwen3.5); None: attention everywhere."""
+    attention_output_gate: bool = False
+    """Attention output scaled by ``sigmoid`` of a per-head gate from the query projection (Qwen3-Next, Qwen3.5)."""
+    swiglu: tuple[float, float] | None = None
+    """gpt-oss's experts: ``(swiglu_limit, swiglu_alpha)`` of ``(clamp(up, ±limit) + 1) · g · σ(alpha · g)`` with
+    ``g = min(gate, limit)``; None: plain SwiGLU."""
     torch_dtype: str = "float32"
     """dtype the checkpoint was saved in (``config.json`` ``torch_dtype``/``dtype``)."""
+    no_rope_layers: tuple[bool, ...] | None = None
+    """Which layers attend without rotary embedding (SmolLM3's NoPE layers, HF ``no_rope_layers`` == 0); None: none."""
+    embedding_multiplier: float = 1.0
+    """The embedding output is multiplied by this (Granite's ``embedding_multiplier``)."""
+    residual_multiplier: float = 1.0
+    """Attention and MLP outputs are multiplied by this before the residual add (Granite's ``residual_multiplier``)."""
+    logits_scaling: float = 1.0
+    """The logits are divided by this (Granite's ``logits_scaling``)."""
+    attn_logit_softcapping: float | None = None
+    """Attention scores become ``c * tanh(scores / c)`` before the softmax (Gemma 2); None: not capped."""
+    final_logit_softcapping: float | None = None
+    """The logits become ``c * tanh(logits / c)`` (Gemma 2); None: not capped."""
 
     def padded_vocab_size(self, tensor_parallel_size: int, make_vocab_size_divisible_by: int = 128) -> int:
         """Vocabulary padded so every tensor-parallel rank holds an equal, aligned slice (Megatron's rule)."""
@@ -169,6 +223,8 @@ class ModelArchitecture:
             ("num_key_value_heads", self.num_key_value_heads),
             ("intermediate_size", self.ffn_hidden_size),
         )
+        if self.linear_attention is not None:
+            checks += (("linear_num_key_heads", self.linear_attention.num_key_heads),)
         for name, value in checks:
             if value % tp:
                 raise ValueError(

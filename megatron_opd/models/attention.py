@@ -21,6 +21,21 @@ explicit boolean mask in each of the three cases (:func:`window_mask`, bottom-ri
 ``varlen``'s own window on a GPU. SDPA's flash kernel takes no mask: a window runs SDPA's memory-efficient kernel
 on a GPU, and a log line says so.
 
+Soft-capped attention logits (Gemma 2's ``attn_logit_softcapping``: ``c * tanh(scores / c)`` before the mask and the
+softmax; ``softcap``, passed through the layer spec's params): no SDPA kernel takes it, so every call of the three
+cases (and of the context-parallel split, which goes through the same call) forms the ``[b, h, s, k]`` scores
+explicitly, as transformers' eager attention does; memory then grows with the square of the sequence again, and a
+log line says so.
+
+Attention sinks (``config.softmax_type``: ``learnable``, gpt-oss's per-head ``sinks``; ``off-by-one``, a sink of 0):
+every query's softmax also counts a logit ``offset[head]`` whose value is zero, ``softmax([q k / sqrt(d), offset])``
+without its last column. SDPA has no such term, so :func:`with_sink` adds one key that every query sees: an extra
+head dimension holds ``offset[head]`` in the queries and ``1 / scale`` in that key (0 in the others), whose value
+is zero. Grouped K/V heads stay shared (the per-head part is in the query), the offset gets its gradient through
+SDPA's own backward, and every case above (causal, masks, windows, decode against the KV cache, packed sequences,
+context parallelism) takes the same extra key; ``varlen`` (no sink argument) is then not used, and on a GPU the
+head dimension is padded to a multiple of 8 for the fused kernels.
+
 Shape legend: ``s`` queries, ``k`` keys, ``b`` batch, ``h`` query heads on this rank, ``g`` K/V heads on this
 rank, ``d`` head dim, ``t`` packed tokens.
 """
@@ -45,6 +60,7 @@ PADDED_COST_BOUND = 4
 
 logger = logging.getLogger(__name__)
 _logged_window_kernel = False
+_logged_softcap = False
 
 
 def _tp_size(pg_collection) -> int:
@@ -106,6 +122,31 @@ def _context_parallel_split(config, pg_collection):
     return ContextParallelSplit(group, group.size(), group.rank())
 
 
+def with_sink(q, k, v, mask, causal: bool, offset: torch.Tensor, scale: float):
+    """``(q, k, v, mask, causal, skip)`` for one SDPA call whose softmax also counts ``offset`` ``[h]`` (a logit per
+    query head with a zero value), then ``out[:, :, skip:, :d_v]`` is the attention with sinks.
+
+    The sink is key 0: its last (extra) head dimension is ``1 / scale`` against ``offset[head]`` in every query, the
+    real keys' extra dimension is 0. A mask gains a column that attends; a square causal call gains a leading
+    query row (dropped: ``skip = 1``) so the causal diagonal still ends at the last key."""
+    b, h, s, d = q.shape
+    g, dv = k.shape[1], v.shape[-1]
+    width = d + 1 if not q.is_cuda else -(-(d + 1) // 8) * 8  # the fused GPU kernels want multiples of 8
+    width = max(width, dv)
+    q = torch.cat([q, offset.to(q.dtype).view(1, h, 1, 1).expand(b, h, s, 1), q.new_zeros(b, h, s, width - d - 1)], -1)
+    sink_key = k.new_zeros(b, g, 1, width)
+    sink_key[..., d] = 1.0 / scale
+    k = torch.cat([sink_key, F.pad(k, (0, width - d))], dim=2)
+    v = torch.cat([v.new_zeros(b, g, 1, width), F.pad(v, (0, width - dv))], dim=2)
+    skip = 0
+    if mask is not None:
+        mask = torch.cat([torch.ones_like(mask[..., :1]), mask], dim=-1)
+    elif causal:
+        q = torch.cat([q.new_zeros(b, h, 1, width), q], dim=2)
+        skip = 1
+    return q, k, v, mask, causal, skip
+
+
 class SDPAttention(torch.nn.Module):
     """Megatron-Core ``core_attention`` on SDPA: causal, GQA, TP-sharded heads, dropout, packed sequences, sliding
     windows, and the sequence split over context-parallel ranks (``models.context_parallel``)."""
@@ -122,12 +163,15 @@ class SDPAttention(torch.nn.Module):
         pg_collection=None,
         k_channels: int | None = None,
         v_channels: int | None = None,
+        softcap: float | None = None,
         **_,
     ) -> None:
         super().__init__()
-        if getattr(config, "softmax_type", "vanilla") != "vanilla":
-            raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by build.attention=sdpa")
+        softmax_type = getattr(config, "softmax_type", "vanilla")
+        if softmax_type not in ("vanilla", "off-by-one", "learnable"):
+            raise ValueError(f"softmax_type={softmax_type!r} is not supported by build.attention=sdpa")
         self.config = config
+        self.pg_collection = pg_collection
         tp = _tp_size(pg_collection)
         self.heads = config.num_attention_heads // tp
         self.groups = config.num_query_groups // tp
@@ -141,6 +185,33 @@ class SDPAttention(torch.nn.Module):
         self.attn_mask_type = attn_mask_type
         self.window = layer_window(config, layer_number)
         self.context_parallel = _context_parallel_split(config, pg_collection)
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"attention logit softcap must be positive, got {softcap!r}")
+        self.softcap = softcap
+        # Attention sinks, per query head of this rank (Megatron's DotProductAttention names it the same way).
+        self.softmax_offset = None
+        if softmax_type == "learnable":
+            self.softmax_offset = torch.nn.Parameter(torch.empty(self.heads, dtype=config.params_dtype))
+            if config.perform_initialization:
+                config.init_method(self.softmax_offset)
+        elif softmax_type == "off-by-one":
+            self.register_buffer("sink_zeros", torch.zeros(self.heads, dtype=config.params_dtype), persistent=False)
+            self.softmax_offset = self.sink_zeros
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """The learnable sinks split over tensor-parallel ranks with the heads (Megatron's own layout for them)."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        learnable = isinstance(self.softmax_offset, torch.nn.Parameter)
+        state = {"softmax_offset": self.softmax_offset} if learnable else {}
+        groups = {}
+        if metadata and metadata.get("dp_cp_group") is not None:  # else Megatron reads both from parallel_state
+            from megatron.core import parallel_state
+
+            tp = getattr(self.pg_collection, "tp", None) if self.pg_collection is not None else None
+            groups = dict(tp_group=tp or parallel_state.get_tensor_model_parallel_group(),
+                          dp_cp_group=metadata["dp_cp_group"])  # fmt: skip
+        return make_sharded_tensors_for_checkpoint(state, prefix, {"softmax_offset": 0}, sharded_offsets, **groups)
 
     def forward(
         self,
@@ -213,10 +284,36 @@ class SDPAttention(torch.nn.Module):
         )
 
     def _sdpa(self, q, k, v, mask, causal: bool, dropout_p: float) -> torch.Tensor:
+        if self.softcap is not None:
+            return self._softcapped(q, k, v, mask, causal, dropout_p)
         gqa = self.groups != self.heads
-        return F.scaled_dot_product_attention(
+        skip, dv = 0, v.shape[-1]
+        if self.softmax_offset is not None:
+            q, k, v, mask, causal, skip = with_sink(q, k, v, mask, causal, self.softmax_offset, self.softmax_scale)
+        out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=self.softmax_scale, enable_gqa=gqa
         )
+        return out if self.softmax_offset is None else out[:, :, skip:, :dv]
+
+    def _softcapped(self, q, k, v, mask, causal: bool, dropout_p: float) -> torch.Tensor:
+        """``_sdpa`` with the scores soft-capped, in transformers' order: scale, cap, mask, float32 softmax."""
+        global _logged_softcap
+        if not _logged_softcap and torch.cuda.is_available():
+            _logged_softcap = True
+            logger.info("soft-capped attention logits: scores formed explicitly (memory grows with s^2), not SDPA")
+        if self.groups != self.heads:
+            k, v = (x.repeat_interleave(self.heads // self.groups, dim=1) for x in (k, v))
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.softmax_scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if causal:
+            s, k_len = scores.shape[-2:]
+            mask = torch.ones(s, k_len, dtype=torch.bool, device=q.device).tril(diagonal=k_len - s)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        if dropout_p:
+            probs = F.dropout(probs, p=dropout_p)
+        return torch.matmul(probs, v)
 
     def _packed(self, query, key, value, params, dropout_p: float) -> torch.Tensor:
         """Packed sequences ``[t, heads, d]``: each sequence of ``cu_seqlens`` attends causally to itself only."""
@@ -228,7 +325,8 @@ class SDPAttention(torch.nn.Module):
         cu_k = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
         if not torch.equal(cu_q, cu_k):
             raise ValueError("packed self-attention needs cu_seqlens_q == cu_seqlens_kv")
-        varlen = _varlen_causal_attn(self.window) if query.is_cuda and dropout_p == 0.0 else None
+        exact_kernel = query.is_cuda and dropout_p == 0.0 and self.softcap is None and self.softmax_offset is None
+        varlen = _varlen_causal_attn(self.window) if exact_kernel else None  # varlen takes no softcap, no sinks
         if varlen is not None:
             max_len = int(params.max_seqlen_q or int((cu_q[1:] - cu_q[:-1]).max()))
             out = varlen(
@@ -297,3 +395,30 @@ def per_layer_rope_attention(attention: type) -> type:
 
     PerLayerRope.__name__ = PerLayerRope.__qualname__ = f"PerLayerRope{attention.__name__}"
     return PerLayerRope
+
+
+@functools.cache
+def no_rope_attention(attention: type) -> type:
+    """``attention`` (Megatron's ``SelfAttention``) without rotary embedding: SmolLM3's NoPE layers see no position
+    but the causal order, in training, scoring and the sampler's decode alike."""
+
+    class NoRope(attention):
+        def forward(self, *args, rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    NoRope.__name__ = NoRope.__qualname__ = f"NoRope{attention.__name__}"
+    return NoRope
+
+
+def eager_output_gate(attention: type) -> type:
+    """``attention`` (Megatron's ``SelfAttention`` with ``config.attention_output_gate``: each head's output times
+    ``sigmoid`` of its gate, Qwen3-Next's gated attention) with the gate applied eagerly: Megatron's
+    ``_apply_output_gate`` is a ``jit_fuser`` (``torch.compile``) function, seconds of compilation per process for
+    one multiply."""
+
+    class EagerOutputGate(attention):
+        def _apply_output_gate(self, x, gate):
+            return (x * torch.sigmoid(gate.contiguous().view(*x.shape).float())).to(x.dtype)
+
+    EagerOutputGate.__name__ = EagerOutputGate.__qualname__ = f"EagerOutputGate{attention.__name__}"
+    return EagerOutputGate

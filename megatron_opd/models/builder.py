@@ -142,29 +142,44 @@ def validate_layout(arch: ModelArchitecture, parallel: ParallelConfig) -> None:
             f"multi-latent attention ({arch.family} models; its rotary key and latent are not split over "
             "context-parallel ranks); set parallel.context_parallel_size=1"
         )
+    if arch.linear_attention is not None and parallel.context_parallel_size > 1:
+        raise ValueError(
+            f"context_parallel_size={parallel.context_parallel_size}: context parallelism is not built for Gated "
+            f"DeltaNet layers ({arch.family} models; the recurrent state would have to pass between context-parallel "
+            "ranks); set parallel.context_parallel_size=1"
+        )
     parallel.stage_layers(arch.num_layers)  # raises when the layers do not split over the stages
 
 
 def validate_expert_layout(arch: ModelArchitecture, parallel: ParallelConfig) -> None:
     """Raise a ValueError naming the field when ``parallel`` cannot split ``arch``'s experts (MoE models)."""
     moe, ep, etp = arch.moe, parallel.expert_model_parallel_size, parallel.etp_size
+    experts_key, ffn_key, shared_key = moe.config_keys  # the checkpoint's own config.json keys
     if moe.num_experts % ep:
         raise ValueError(
-            f"parallel.expert_model_parallel_size={ep} does not divide the {moe.num_experts} experts of this "
-            f"{arch.family} model; choose an expert-parallel size that divides {moe.num_experts}"
+            f"parallel.expert_model_parallel_size={ep} does not divide the {moe.num_experts} experts "
+            f"({experts_key}={moe.num_experts}) of this {arch.family} model; choose an expert-parallel size that "
+            f"divides {moe.num_experts}"
         )
-    for name, width in (("moe_intermediate_size", moe.expert_ffn_hidden_size),):
+    for name, width in ((ffn_key, moe.expert_ffn_hidden_size),):
         if width % etp:
             raise ValueError(
                 f"expert tensor-parallel size {etp} (parallel.expert_tensor_parallel_size, else the TP size) does not "
                 f"divide {name}={width} of this {arch.family} model; set parallel.expert_tensor_parallel_size to a "
                 f"divisor of {width}"
             )
+    if moe.linear_biases and etp != 1:  # Megatron adds a row-parallel expert's bias on every expert-TP rank
+        raise ValueError(
+            f"expert tensor-parallel size {etp} (parallel.expert_tensor_parallel_size, else the TP size): the experts "
+            f"of this {arch.family} model have biases, which Megatron-Core supports at expert TP 1 only; set "
+            "parallel.expert_tensor_parallel_size=1 (opd-convert --etp 1)"
+        )
     shared = moe.shared_expert_ffn_hidden_size
     if shared and shared % parallel.tensor_model_parallel_size:
         raise ValueError(
             f"tensor_model_parallel_size={parallel.tensor_model_parallel_size} does not divide "
-            f"shared_expert_intermediate_size={shared} of this {arch.family} model; choose a TP size that divides it"
+            f"the shared expert's width {shared} (config.json {shared_key}) of this {arch.family} model; choose a TP "
+            "size that divides it"
         )
     if parallel.tensor_model_parallel_size > 1 and not parallel.sequence_parallel:
         raise ValueError(

@@ -1,4 +1,5 @@
-"""FP8 block-quantised checkpoints, as DeepSeek-V3/R1 are published: dequantised one tensor at a time on reading.
+"""Quantised checkpoints as they are published, dequantised one tensor at a time on reading: DeepSeek-V3/R1's FP8
+blocks and gpt-oss's MXFP4 experts. :func:`quantization_of` is the one parser of ``quantization_config``.
 
 Such a checkpoint stores a linear weight ``W`` ``[out, in]`` as ``torch.float8_e4m3fn`` beside a float32
 ``<name>_scale_inv`` ``[ceil(out / bo), ceil(in / bi)]`` for ``config.json``'s
@@ -7,6 +8,13 @@ Such a checkpoint stores a linear weight ``W`` ``[out, in]`` as ``torch.float8_e
 ``weight_dequant`` computes it (a float32 product, then cast to the wanted dtype). Which tensors are quantised is
 not guessed from their names: a tensor is dequantised iff the checkpoint holds its ``_scale_inv`` companion
 (DeepSeek quantises the attention and MLP/expert projections, not norms, embeddings, ``lm_head``, the router).
+
+MXFP4 (``quantization_config = {"quant_method": "mxfp4", ...}``, gpt-oss): a tensor ``W`` is absent and stored as
+``W_blocks`` ``[..., rows, G, 16]`` uint8 (two 4-bit e2m1 values a byte, low nibble first: 32 values a block) and
+``W_scales`` ``[..., rows, G]`` uint8 (the block's power of two, biased by 127); the value is
+``FP4[nibble] * 2 ** (scale - 127)``, and the ``[rows, 32 G]`` matrix is transposed into the parameter's layout
+(transformers' ``convert_moe_packed_tensors``; gpt-oss stores its experts' ``[in, out]``).
+
 Megatron-opd trains and exports the dequantised weights; an export's ``config.json`` loses ``quantization_config``.
 """
 
@@ -23,6 +31,10 @@ from megatron_opd.model_files import CheckpointError
 SCALE_SUFFIX = "_scale_inv"
 QUANTIZATION_CONFIG = "quantization_config"
 FP8_DTYPE = torch.float8_e4m3fn
+BLOCKS_SUFFIX = "_blocks"
+SCALES_SUFFIX = "_scales"
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""The e2m1 value of each 4-bit code (OCP microscaling formats)."""
 
 
 @dataclass(frozen=True)
@@ -33,25 +45,35 @@ class BlockFP8:
     """``weight_block_size``: rows (output features) and columns (input features) that share one scale."""
 
 
+@dataclass(frozen=True)
+class MXFP4:
+    """``quantization_config`` of an MXFP4 checkpoint (gpt-oss's experts): which tensors are quantised is read from
+    the checkpoint (a ``_blocks`` / ``_scales`` pair), not from ``modules_to_not_convert``."""
+
+
 def scale_name(name: str) -> str:
     """The companion holding ``name``'s inverse scales (``...weight`` -> ``...weight_scale_inv``)."""
     return name + SCALE_SUFFIX
 
 
-def block_fp8_of(config: dict[str, Any], source: str = "config.json") -> BlockFP8 | None:
-    """The FP8 block quantisation ``config`` declares; None without ``quantization_config``. Any other method or
-    format is refused: only DeepSeek's ``fp8`` / ``e4m3`` / dynamic-activation blocks are dequantised here."""
+def quantization_of(config: dict[str, Any], source: str = "config.json") -> BlockFP8 | MXFP4 | None:
+    """The quantisation ``config`` declares; None without ``quantization_config``. Any other method or format is
+    refused: only DeepSeek's ``fp8`` / ``e4m3`` / dynamic-activation blocks and gpt-oss's ``mxfp4`` are dequantised
+    here."""
     quant = config.get(QUANTIZATION_CONFIG)
     if quant is None:
         return None
     fix = (
         "megatron-opd dequantises only DeepSeek-V3/R1's FP8 block format (quant_method fp8, fmt e4m3, "
-        "weight_block_size [rows, columns], activation_scheme dynamic); dequantise the checkpoint to bf16 first "
-        "(e.g. DeepSeek's inference/fp8_cast_bf16.py) and remove quantization_config from its config.json"
+        "weight_block_size [rows, columns], activation_scheme dynamic) and gpt-oss's quant_method mxfp4; dequantise "
+        "the checkpoint to bf16 first (e.g. DeepSeek's inference/fp8_cast_bf16.py) and remove quantization_config "
+        "from its config.json"
     )
     if not isinstance(quant, dict):
         raise CheckpointError(f"{source} {QUANTIZATION_CONFIG} must be a JSON object, got {quant!r}; {fix}")
     method = quant.get("quant_method")
+    if method == "mxfp4":
+        return MXFP4()
     if method != "fp8":
         raise CheckpointError(f"{source} {QUANTIZATION_CONFIG}.quant_method={method!r} is not supported; {fix}")
     fmt = quant.get("fmt", "e4m3")
@@ -120,3 +142,24 @@ def dequantize_block_fp8(
         per_column = scales[band].repeat_interleave(cols)[: weight.shape[1]]  # [in]
         out[span] = (weight[span].float() * per_column).to(dtype)
     return out
+
+
+def dequantize_mxfp4(
+    blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32, name: str = "weight"
+) -> torch.Tensor:
+    """``blocks`` ``[..., rows, G, 16]`` (uint8) and ``scales`` ``[..., rows, G]`` (uint8) as the ``[..., 32 G, rows]``
+    tensor of ``dtype`` they encode (transposed as transformers loads gpt-oss's experts). Computed in float32 (every
+    value is exact there and in bf16 unless a scale under- or overflows it), then cast."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise CheckpointError(
+            f"{name}{BLOCKS_SUFFIX} / {name}{SCALES_SUFFIX} must be uint8 (MXFP4), got {blocks.dtype} / {scales.dtype}"
+        )
+    if blocks.dim() < 3 or blocks.shape[-1] != 16 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise CheckpointError(
+            f"{name}{BLOCKS_SUFFIX} {tuple(blocks.shape)} and {name}{SCALES_SUFFIX} {tuple(scales.shape)} are not an "
+            "MXFP4 pair ([..., rows, G, 16] bytes and [..., rows, G] scales); the checkpoint is damaged"
+        )
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)  # [..., rows, G, 16, 2]
+    values = torch.ldexp(values.flatten(-3), (scales.to(torch.int32) - 127).repeat_interleave(32, dim=-1))
+    return values.to(dtype).transpose(-1, -2).contiguous()

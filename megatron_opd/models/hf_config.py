@@ -42,6 +42,9 @@ def architecture_from_hf_config(cfg: dict[str, Any], source: str = "config.json"
     ``UnsupportedArchitectureError`` for other families and ``ConfigFileError`` for missing or mistyped fields."""
     if not isinstance(cfg, dict):
         raise ConfigFileError(f"{source} must hold a JSON object, got {type(cfg).__name__}; fix or replace the file")
+    from megatron_opd.models.wrappers import text_config
+
+    cfg = text_config(cfg)  # a multimodal wrapper (Qwen3.5) is read as its text tower
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         archs = cfg.get("architectures")

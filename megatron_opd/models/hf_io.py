@@ -20,7 +20,19 @@ from safetensors.torch import save_file
 
 from megatron_opd.dtypes import SAFETENSORS_DTYPES
 from megatron_opd.model_files import CheckpointError
-from megatron_opd.models.fp8 import FP8_DTYPE, QUANTIZATION_CONFIG, block_fp8_of, dequantize_block_fp8, scale_name
+from megatron_opd.models.fp8 import (
+    BLOCKS_SUFFIX,
+    FP8_DTYPE,
+    MXFP4,
+    QUANTIZATION_CONFIG,
+    SCALES_SUFFIX,
+    BlockFP8,
+    dequantize_block_fp8,
+    dequantize_mxfp4,
+    quantization_of,
+    scale_name,
+)
+from megatron_opd.models.weight_rule import stacked_base, stacked_name
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -96,7 +108,7 @@ class HFCheckpointReader:
         self.dir = Path(hf_dir)
         self.dequantize_dtype = dequantize_dtype
         self.config = _read_config(self.dir)
-        self.quantization = block_fp8_of(self.config, str(self.dir / "config.json"))
+        self.quantization = quantization_of(self.config, str(self.dir / "config.json"))
         index = self.dir / INDEX_FILE
         if index.is_file():
             try:
@@ -108,30 +120,66 @@ class HFCheckpointReader:
             weight_map = dict.fromkeys(read_safetensors_header(self.dir / SINGLE_FILE), SINGLE_FILE)
         else:
             raise CheckpointError(f"no {INDEX_FILE} or {SINGLE_FILE} in {self.dir}: not a safetensors checkpoint")
-        self.weight_map = weight_map
+        from megatron_opd.models.wrappers import text_tensor_names
+
+        # A multimodal wrapper (Qwen3.5) reads as its text tower; other folders keep their names.
+        self._stored = text_tensor_names(self.config, list(weight_map), str(self.dir))
+        self.weight_map = {name: weight_map[stored] for name, stored in self._stored.items()}
         self._headers: dict[str, dict[str, TensorEntry]] = {}
 
     def __contains__(self, name: str) -> bool:
-        return name in self.weight_map
+        base = stacked_base(name)[0]
+        return base in self.weight_map or base + BLOCKS_SUFFIX in self.weight_map
+
+    def _mxfp4(self, name: str) -> bool:
+        """Whether ``name`` is stored as an MXFP4 ``_blocks`` / ``_scales`` pair rather than as itself."""
+        base = stacked_base(name)[0]
+        return base not in self.weight_map and base + BLOCKS_SUFFIX in self.weight_map
 
     def names(self) -> list[str]:
         return list(self.weight_map)
 
     def file_of(self, name: str) -> Path:
+        name = stacked_base(name)[0]
+        if name not in self.weight_map and name + BLOCKS_SUFFIX in self.weight_map:
+            name += BLOCKS_SUFFIX
         if name not in self.weight_map:
             raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {self.dir}")
         return self.dir / self.weight_map[name]
 
     def entry(self, name: str, expected_shape: tuple[int, ...] | None = None) -> TensorEntry:
         """Header facts of one tensor, without reading its data; checks its shape when given."""
+        if self._mxfp4(name):  # its blocks' entry (the bytes read); the shape checked is the dequantised one
+            base, index = stacked_base(name)
+            blocks, scales = (base + suffix if index is None else stacked_name(base + suffix, index)
+                              for suffix in (BLOCKS_SUFFIX, SCALES_SUFFIX))  # fmt: skip
+            entry, _ = self.entry(blocks), self.entry(scales)
+            shape = (*entry.shape[:-3], entry.shape[-2] * 32, entry.shape[-3]) if len(entry.shape) >= 3 else entry.shape
+            if expected_shape is not None and tuple(shape) != tuple(expected_shape):
+                raise CheckpointError(
+                    f"tensor {name!r} (MXFP4 in {self.file_of(name).name}) dequantises to shape {tuple(shape)}, but "
+                    f"config.json implies {tuple(expected_shape)}; the checkpoint and its config disagree"
+                )
+            return entry
         path = self.file_of(name)
+        base, index = stacked_base(name)
         if path.name not in self._headers:
             if not path.is_file():
-                raise CheckpointError(f"shard {path.name} holding tensor {name!r} is missing from {self.dir}")
+                raise CheckpointError(f"shard {path.name} holding tensor {base!r} is missing from {self.dir}")
             self._headers[path.name] = read_safetensors_header(path)
-        entry = self._headers[path.name].get(name)
+        entry = self._headers[path.name].get(self._stored.get(base, base))
         if entry is None:
-            raise CheckpointError(f"tensor {name!r} is listed in the index but absent from {path.name}")
+            raise CheckpointError(f"tensor {base!r} is listed in the index but absent from {path.name}")
+        if index is not None:  # one row of a tensor stacked over experts: a contiguous byte range of it
+            if not entry.shape or index >= entry.shape[0]:
+                raise CheckpointError(
+                    f"tensor {base!r} in {path.name} has shape {tuple(entry.shape)}: no row {index} (one per "
+                    "expert, config.json's expert count); the checkpoint and its config disagree"
+                )
+            row = (entry.end - entry.start) // entry.shape[0]
+            entry = TensorEntry(
+                entry.dtype, entry.shape[1:], entry.start + index * row, entry.start + (index + 1) * row
+            )
         if expected_shape is not None and tuple(entry.shape) != tuple(expected_shape):
             raise CheckpointError(
                 f"tensor {name!r} in {path.name} has shape {tuple(entry.shape)}, but config.json implies "
@@ -142,6 +190,8 @@ class HFCheckpointReader:
     def get(self, name: str, expected_shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """Read one tensor (dequantised when the checkpoint holds its ``_scale_inv``); check its shape when
         ``expected_shape`` is given."""
+        if self._mxfp4(name):
+            return self._get_mxfp4(name, expected_shape)
         stored = self.get_stored(name, expected_shape)
         if scale_name(name) in self.weight_map:
             if self.quantization is None:
@@ -149,6 +199,11 @@ class HFCheckpointReader:
                     f"tensor {name!r} has a {scale_name(name)!r} companion but {self.dir / 'config.json'} has no "
                     f"{QUANTIZATION_CONFIG} (its weight_block_size says how to apply it); restore the field from the "
                     "model's original config.json"
+                )
+            if not isinstance(self.quantization, BlockFP8):
+                raise CheckpointError(
+                    f"tensor {name!r} has a {scale_name(name)!r} companion (FP8 blocks) but "
+                    f"{self.dir / 'config.json'} declares {QUANTIZATION_CONFIG} {self.quantization}"
                 )
             scale_inv = self.get_stored(scale_name(name))
             return dequantize_block_fp8(stored, scale_inv, self.quantization.block_size, self.dequantize_dtype, name)
@@ -158,6 +213,26 @@ class HFCheckpointReader:
                 "companion: the checkpoint is incomplete; re-download its shards"
             )
         return stored
+
+    def _get_mxfp4(self, name: str, expected_shape: tuple[int, ...] | None) -> torch.Tensor:
+        """One tensor (or one expert's row of it) from its MXFP4 ``_blocks`` / ``_scales`` pair."""
+        if not isinstance(self.quantization, MXFP4):
+            raise CheckpointError(
+                f"tensor {name!r} is stored as {BLOCKS_SUFFIX} / {SCALES_SUFFIX} (MXFP4) but "
+                f"{self.dir / 'config.json'} does not declare {QUANTIZATION_CONFIG} quant_method mxfp4; restore the "
+                "field from the model's original config.json"
+            )
+        base, index = stacked_base(name)
+        pair = [base + BLOCKS_SUFFIX, base + SCALES_SUFFIX]
+        if index is not None:
+            pair = [stacked_name(n, index) for n in pair]
+        tensor = dequantize_mxfp4(self.get_stored(pair[0]), self.get_stored(pair[1]), self.dequantize_dtype, name)
+        if expected_shape is not None and tuple(tensor.shape) != tuple(expected_shape):
+            raise CheckpointError(
+                f"tensor {name!r} (MXFP4 in {self.file_of(name).name}) dequantises to shape {tuple(tensor.shape)}, "
+                f"but config.json implies {tuple(expected_shape)}; the checkpoint and its config disagree"
+            )
+        return tensor
 
     def get_stored(self, name: str, expected_shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """Read one tensor as stored (float8 stays float8)."""

@@ -107,6 +107,8 @@ def hf_shapes(rule: WeightRule, arch: ModelArchitecture) -> tuple[tuple[int, ...
     if arch.moe is not None and ".mlp." in name:  # the MoE layers' widths
         if name.endswith("router.weight"):
             return ((arch.moe.num_experts, h),)
+        if name.endswith("router.bias"):
+            return ((arch.moe.num_experts,),)
         if name.endswith("gate_weight"):
             return ((1, h),)
         if ".shared_experts." in name:
@@ -116,14 +118,21 @@ def hf_shapes(rule: WeightRule, arch: ModelArchitecture) -> tuple[tuple[int, ...
     if rule.split is Split.VOCAB:
         return ((v, h),)
     if rule.split is Split.QKV:
-        shapes = tuple((rows,) if name.endswith("bias") else (rows, h) for rows in (nq * d, nkv * d, nkv * d))
+        q_rows = nq * d * (2 if arch.attention_output_gate else 1)
+        shapes = tuple((rows,) if name.endswith("bias") else (rows, h) for rows in (q_rows, nkv * d, nkv * d))
         return shapes if len(rule.hf) == 3 else ((sum(s[0] for s in shapes), *shapes[0][1:]),)
+    if rule.split is Split.GATE_UP_INTERLEAVED:
+        if name.endswith("bias"):
+            return ((2 * f,),)
+        return ((h, 2 * f),) if rule.hf_transposed else ((2 * f, h),)
     if rule.split is Split.GATE_UP:
         return ((f, h), (f, h)) if len(rule.hf) == 2 else ((2 * f, h),)
     if name.endswith("linear_proj.weight"):
         return ((h, nq * d),)
     if name.endswith("linear_fc2.weight"):
-        return ((h, f),)
+        return ((f, h),) if rule.hf_transposed else ((h, f),)
+    if name.endswith("softmax_offset"):
+        return ((nq,),)
     if "q_layernorm" in name or "k_layernorm" in name:
         if rule.split is Split.COLUMN:  # one norm over all heads (OLMo-2), split with them
             return ((nq * d,),) if "q_layernorm" in name else ((nkv * d,),)
@@ -135,6 +144,11 @@ def hf_to_megatron(
     rule: WeightRule, tensors: Sequence[torch.Tensor], arch: ModelArchitecture, padded_vocab_size: int
 ) -> torch.Tensor:
     """Fuse the Hugging Face tensors of ``rule`` into the full Megatron tensor."""
+    if rule.hf_transposed:
+        tensors = [t.T if t.dim() == 2 else t for t in tensors]
+    if rule.split is Split.GATE_UP_INTERLEAVED:  # rows gate 0, up 0, gate 1, ... -> [gate; up]
+        (tensor,) = tensors
+        return torch.cat([tensor[0::2], tensor[1::2]], dim=0)
     if rule.split is Split.QKV:
         nkv, d = arch.num_key_value_heads, arch.head_dim
         if len(tensors) == 1:  # one fused Hugging Face tensor (Phi-3's qkv_proj): all q rows, then k, then v
@@ -143,10 +157,21 @@ def hf_to_megatron(
             q, k, v = tensors
         per_group = arch.num_attention_heads // nkv
         tail = q.shape[1:]  # (H,) for weights, () for biases
-        q = q.reshape(nkv, per_group * d, *tail)
+        if arch.attention_output_gate:  # q_proj holds each head's query then its gate: Megatron's group is q, g, k, v
+            q, gate = q.reshape(nkv, per_group, 2, d, *tail).unbind(2)
+            q = torch.cat([q.reshape(nkv, per_group * d, *tail), gate.reshape(nkv, per_group * d, *tail)], dim=1)
+        else:
+            q = q.reshape(nkv, per_group * d, *tail)
         k = k.reshape(nkv, d, *tail)
         v = v.reshape(nkv, d, *tail)
         return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
+    if rule.split is Split.GROUPED:
+        grouped = []
+        for tensor, parts in zip(tensors, rule.group_rows):
+            groups = tensor.shape[0] // sum(parts)
+            for part in torch.split(tensor, [groups * rows for rows in parts], dim=0):
+                grouped.append(part.reshape(groups, -1, *tensor.shape[1:]))
+        return torch.cat(grouped, dim=1).reshape(-1, *tensors[0].shape[1:])
     if rule.split is Split.GATE_UP:
         return torch.cat(list(tensors), dim=0)
     (tensor,) = tensors
@@ -158,12 +183,26 @@ def hf_to_megatron(
 
 def megatron_to_hf(rule: WeightRule, full: torch.Tensor, arch: ModelArchitecture) -> tuple[torch.Tensor, ...]:
     """Split a full Megatron tensor back into the Hugging Face tensors of ``rule`` (inverse of hf_to_megatron)."""
+    if rule.hf_transposed:
+        return tuple(t.T.contiguous() if t.dim() == 2 else t for t in _megatron_to_hf(rule, full, arch))
+    return _megatron_to_hf(rule, full, arch)
+
+
+def _megatron_to_hf(rule: WeightRule, full: torch.Tensor, arch: ModelArchitecture) -> tuple[torch.Tensor, ...]:
+    if rule.split is Split.GATE_UP_INTERLEAVED:
+        gate, up = torch.chunk(full, 2, dim=0)
+        return (torch.stack([gate, up], dim=1).reshape(full.shape),)
     if rule.split is Split.QKV:
         nkv, d = arch.num_key_value_heads, arch.head_dim
         per_group = arch.num_attention_heads // nkv
         tail = full.shape[1:]
-        grouped = full.reshape(nkv, (per_group + 2) * d, *tail)
-        q, k, v = torch.split(grouped, [per_group * d, d, d], dim=1)
+        gated = arch.attention_output_gate
+        grouped = full.reshape(nkv, ((2 if gated else 1) * per_group + 2) * d, *tail)
+        if gated:
+            q, gate, k, v = torch.split(grouped, [per_group * d, per_group * d, d, d], dim=1)
+            q = torch.stack([q.reshape(nkv, per_group, d, *tail), gate.reshape(nkv, per_group, d, *tail)], dim=2)
+        else:
+            q, k, v = torch.split(grouped, [per_group * d, d, d], dim=1)
         q, k, v = (x.reshape(-1, *tail) for x in (q, k, v))
         return (q, k, v) if len(rule.hf) == 3 else (torch.cat([q, k, v]),)
     if rule.split is Split.GATE_UP:
@@ -171,6 +210,16 @@ def megatron_to_hf(rule: WeightRule, full: torch.Tensor, arch: ModelArchitecture
         return torch.chunk(full, 2, dim=0) if len(rule.hf) == 2 else (full,)
     if rule.split is Split.VOCAB:
         return (full[: arch.vocab_size],)
+    if rule.split is Split.GROUPED:
+        tail = full.shape[1:]
+        per_group = [sum(parts) for parts in rule.group_rows]
+        groups = full.shape[0] // sum(per_group)
+        pieces = torch.split(full.reshape(groups, -1, *tail), [r for parts in rule.group_rows for r in parts], dim=1)
+        out, i = [], 0
+        for parts in rule.group_rows:
+            out.append(torch.cat([p.reshape(-1, *tail) for p in pieces[i : i + len(parts)]]))
+            i += len(parts)
+        return tuple(out)
     return (full,)
 
 
@@ -180,10 +229,10 @@ def shard(rule: WeightRule, full: torch.Tensor, tp_rank: int, tp_size: int) -> t
         return full
     if rule.split is Split.ROW:
         return torch.chunk(full, tp_size, dim=1)[tp_rank]
-    if rule.split is Split.GATE_UP:
+    if rule.split in (Split.GATE_UP, Split.GATE_UP_INTERLEAVED):
         gate, up = torch.chunk(full, 2, dim=0)
         return torch.cat([torch.chunk(gate, tp_size, dim=0)[tp_rank], torch.chunk(up, tp_size, dim=0)[tp_rank]])
-    # COLUMN, VOCAB and QKV (whole key/value groups per rank, since TP divides Nkv) split dim 0 evenly.
+    # COLUMN, VOCAB, QKV (whole key/value groups per rank, since TP divides Nkv) and GROUPED split dim 0 evenly.
     return torch.chunk(full, tp_size, dim=0)[tp_rank]
 
 
@@ -193,7 +242,7 @@ def unshard(rule: WeightRule, shards: Sequence[torch.Tensor]) -> torch.Tensor:
         return shards[0]
     if rule.split is Split.ROW:
         return torch.cat(list(shards), dim=1)
-    if rule.split is Split.GATE_UP:
+    if rule.split in (Split.GATE_UP, Split.GATE_UP_INTERLEAVED):
         halves = [torch.chunk(s, 2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
     return torch.cat(list(shards), dim=0)

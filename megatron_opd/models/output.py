@@ -42,10 +42,24 @@ class HiddenStateOutput:
             if getattr(model, "post_process", False) and getattr(model, "output_layer", None) is not None
         ]
         self.weight: torch.Tensor | None = None
+        caps = {getattr(layer, "final_logit_softcapping", None) for layer in self.layers}
+        self.final_logit_softcapping = next(iter(caps - {None}), None)
+
+    @property
+    def exact(self) -> bool:
+        """Whether ``h @ W^T`` are the model's logits; not with soft-capped final logits (Gemma 2), whose callers
+        take the output layer's logits instead (the fused loss falls back, the in-process teacher scores shards)."""
+        return self.final_logit_softcapping is None
 
     @contextmanager
     def active(self) -> Iterator[HiddenStateOutput]:
         """Within the block the output layers return hidden states (restored on the way out, also on errors)."""
+        if not self.exact:
+            raise ValueError(
+                f"this model's final logits are soft-capped (config.json final_logit_softcapping="
+                f"{self.final_logit_softcapping}): its hidden states times the output weight are not its logits; "
+                "set loss.fused_output=off (and teacher.transfer=topk)"
+            )
         for layer in self.layers:
             layer.forward = lambda input_, weight=None, runtime_gather_output=None, layer=layer: self._hidden(
                 layer, input_, weight

@@ -8,11 +8,19 @@ from collections.abc import Callable
 import torch
 
 
+def hf_model(hf_dir: str | os.PathLike, **kwargs):
+    """transformers' model of ``hf_dir`` (``from_pretrained`` ``kwargs``), on its eager attention where the config
+    soft-caps attention scores (Gemma 2's ``attn_logit_softcapping``): transformers' SDPA path drops the cap."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if getattr(AutoConfig.from_pretrained(hf_dir), "attn_logit_softcapping", None) is not None:
+        kwargs.setdefault("attn_implementation", "eager")
+    return AutoModelForCausalLM.from_pretrained(hf_dir, **kwargs)
+
+
 def hf_logits(hf_dir: str | os.PathLike, tokens: torch.Tensor) -> torch.Tensor:
     """Reference logits ``[b, s, V]`` from transformers' own forward in float32."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir).float().eval()
+    model = hf_model(hf_dir).float().eval()
     with torch.no_grad():
         return model(input_ids=tokens).logits.float()
 

@@ -16,6 +16,8 @@ class Split(str, Enum):
     VOCAB = "vocab"  # dim 0 of a vocabulary-padded embedding / output layer
     QKV = "qkv"  # dim 0, whole key/value groups per rank
     GATE_UP = "gate_up"  # gate and up each split on dim 0, then stacked per rank
+    GROUPED = "grouped"  # dim 0 in whole groups (``WeightRule.group_rows``), each rank an equal run of groups
+    GATE_UP_INTERLEAVED = "gate_up_interleaved"  # as GATE_UP; one HF tensor whose rows alternate gate, up (gpt-oss)
 
 
 class ExpertSplit(str, Enum):
@@ -46,9 +48,17 @@ class WeightRule:
     buffer: bool = False
     """The Megatron tensor is a registered buffer, not a parameter (e.g. DeepSeek-V3's expert bias): it is
     loaded, converted and synced like a parameter but never trained."""
+    hf_transposed: bool = False
+    """The Hugging Face matrices are stored ``[in, out]``, the transpose of Megatron's (gpt-oss's stacked experts)."""
     hf_shape: tuple[tuple[int, ...], ...] | None = None
     """Each Hugging Face tensor's shape, where :func:`hf_shapes` cannot tell it from the name (multi-latent
     attention's projections)."""
+
+    group_rows: tuple[tuple[int, ...], ...] | None = None
+    """``Split.GROUPED`` only: for each Hugging Face tensor, the rows one group takes in each of its parts (a part
+    holds every group's rows, group after group; Gated DeltaNet's ``[q; k; v]`` projection has three parts of
+    ``key_head_dim``, ``key_head_dim`` and ``value_head_dim x`` values per key head). The Megatron tensor holds
+    each group's rows of every part together, so that a tensor-parallel rank's slice is a run of whole groups."""
 
     def megatron_name(self, layer: int | None = None, te: bool = False) -> str:
         name = self.te_megatron if (te and self.te_megatron) else self.megatron
@@ -60,3 +70,19 @@ class WeightRule:
     @property
     def per_layer(self) -> bool:
         return "{layer}" in self.megatron
+
+
+def stacked_name(base: str, index: int | str) -> str:
+    """The name of row ``index`` of a Hugging Face tensor stacked over experts (gpt-oss's ``mlp.experts.gate_up_proj``
+    ``[experts, ...]``): a rule names one expert's row as ``base[index]`` (``index`` may be ``"{expert}"``); the
+    checkpoint reader reads that row alone."""
+    return f"{base}[{index}]"
+
+
+def stacked_base(name: str) -> tuple[str, int | None]:
+    """``(base, index)`` of a :func:`stacked_name`, ``(name, None)`` for a whole tensor."""
+    if name.endswith("]") and "[" in name:
+        base, _, index = name[:-1].rpartition("[")
+        if index.isdigit():
+            return base, int(index)
+    return name, None

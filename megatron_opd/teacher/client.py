@@ -202,9 +202,15 @@ class TeacherClient:
                 self._fingerprint = info.vocab_fingerprint
             expected = self._fingerprint
         if self.transfer == "hidden" and not isinstance(info.extra.get("hidden_size"), int):
+            why = info.extra.get("no_hidden")
+            fix = (
+                "use teacher.transfer=topk"
+                if why
+                else ("serve the teacher with this version's megatron_opd.teacher.serve, or use teacher.transfer=topk")
+            )
             raise RequestRefusedError(
-                f"teacher server {address} does not send hidden states, which teacher.transfer=hidden needs; serve the "
-                "teacher with this version's megatron_opd.teacher.serve, or use teacher.transfer=topk"
+                f"teacher server {address} does not send hidden states"
+                f"{f' ({why})' if why else ''}, which teacher.transfer=hidden needs; {fix}"
             )
         if info.vocab_fingerprint != expected:
             raise RequestRefusedError(

@@ -53,6 +53,12 @@ class TeacherConfig:
     weights leave the accelerator while the student trains (a no-op on CPU)."""
     tokenizer: str | None = None
     """Folder with the teacher's tokenizer files (for the vocabulary check); default as for the student."""
+    prompt_template: str | None = None
+    """The teacher's own prompt, a format string over the record's fields (``"{prompt} Answer: {solution}\\n"``):
+    the teacher scores the student's response after it (privileged context; ``data.teacher_prompt``). A text
+    record's whole prompt, or a chat's extra first (system) message. Same tokenizer: exact positions; another:
+    ``loss.cross_tokenizer``. Costs a teacher pass over the longer prompts. Self-distillation: ``teacher.path`` =
+    ``student.path``. None: the student's prompt."""
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:

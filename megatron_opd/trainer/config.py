@@ -393,21 +393,35 @@ class TrainConfig:
         loss, rollout = self.loss, self.rollout
         if not loss.staleness_clip >= 1.0:
             raise ValueError(f"loss.staleness_clip={loss.staleness_clip} must be >= 1 (fresh batches have weight 1)")
-        if loss.staleness_correction == "off":
-            return
-        if loss.kind == "sft" or loss.cross_tokenizer != "off" or loss.fused_output == "on":
+        truncated = rollout.temperature not in (0.0, 1.0) or rollout.top_k or rollout.top_p != 1.0
+        if truncated and loss.sampled_credit == "to_go":
             raise ValueError(
-                "loss.staleness_correction=prefix weights the distillation loss by the student's own token ratios: it "
-                "needs loss.kind != sft, loss.cross_tokenizer=off and loss.fused_output != on; set "
-                "loss.staleness_correction=off or change those"
+                "loss.sampled_credit=to_go weighs each token by the log-ratios of the later tokens of its sample, whose "
+                "truncated draws (rollout.temperature / top_k / top_p) a per-token ratio does not correct: sample at "
+                "temperature 1 without top_k/top_p, or set loss.sampled_credit=token"
             )
-        if rollout.temperature != 1.0 or rollout.top_k or rollout.top_p != 1.0:
-            raise ValueError(
-                f"loss.staleness_correction=prefix needs the sampling policy's log-probabilities, which the rollouts "
-                f"record only at rollout.temperature=1 without rollout.top_k / top_p (got temperature "
-                f"{rollout.temperature}, top_k {rollout.top_k}, top_p {rollout.top_p}); sample at those settings or "
-                "set loss.staleness_correction=off"
-            )
+        for key, value in (("staleness_correction", loss.staleness_correction),
+                           ("rollout_correction", loss.rollout_correction)):  # fmt: skip
+            if value == "off":
+                continue
+            if loss.kind == "sft" or loss.cross_tokenizer != "off" or loss.fused_output == "on":
+                raise ValueError(
+                    f"loss.{key}={value} weights the distillation loss by the student's own token ratios: it needs "
+                    f"loss.kind != sft, loss.cross_tokenizer=off and loss.fused_output != on; set loss.{key}=off or "
+                    "change those"
+                )
+            if truncated and rollout.backend == "vllm":
+                raise ValueError(
+                    f"loss.{key}={value} with truncated sampling (rollout.temperature {rollout.temperature}, top_k "
+                    f"{rollout.top_k}, top_p {rollout.top_p}) needs the log-probabilities of the distribution the "
+                    "sampler drew from, which the vLLM back end does not record (it reports the model's own): use "
+                    f"rollout.backend=builtin, sample at temperature 1 without top_k/top_p, or set loss.{key}=off"
+                )
+            if rollout.temperature == 0.0:
+                raise ValueError(
+                    f"loss.{key}={value}: rollout.temperature=0 is greedy decoding, which has no sampling "
+                    f"distribution to weigh by; sample (temperature > 0) or set loss.{key}=off"
+                )
 
     def _validate_context_parallel(self) -> None:
         """What context parallelism (the sequence split over CP ranks, ``models.context_parallel``) cannot run."""
@@ -466,6 +480,14 @@ class TrainConfig:
                 "teacher.transfer=hidden applies to teacher.backend=server (an in-process teacher already hands "
                 "the loss its hidden states); remove teacher.transfer"
             )
+        if self.teacher.prompt_template is not None:
+            from megatron_opd.data.teacher_prompt import template_fields
+
+            if self.loss.kind == "sft":
+                raise ValueError(
+                    "teacher.prompt_template is the teacher's prompt; loss.kind=sft has no teacher: unset it"
+                )
+            template_fields(self.teacher.prompt_template)  # a malformed template, named before anything is read
         cross = self.loss.cross_tokenizer
         if cross != "off":
             if self.teacher.backend == "server" and not (self.teacher.tokenizer or self.teacher.path):

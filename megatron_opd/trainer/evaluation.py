@@ -232,6 +232,9 @@ def build_evaluator(cfg: TrainConfig, vocab, encoder, student, teacher, rollout,
     elif objective_for(cfg.loss).cross_tokenizer:  # the teacher scores its own tokens: no per-token divergence here
         logger.info("evaluation with loss.cross_tokenizer: accuracy only (see cross_tokenizer/* in the step metrics)")
         teacher = None
+    elif cfg.teacher.prompt_template is not None:  # the teacher's scores follow its own prompt, not the student's
+        logger.info("evaluation with teacher.prompt_template: accuracy only (the teacher sees what the student lacks)")
+        teacher = None
     if teacher is not None and cfg.eval.teacher_responses:
         if skipped := teacher_responses_skipped(cfg, teacher):
             logger.info("%s", skipped)

@@ -36,6 +36,12 @@ class LossBatch:
     """``[1, T]`` which sample each token of a packed row belongs to (sequence-level reductions)."""
     rollout_logprobs: torch.Tensor | None = None
     """``[B, S]`` the sampler's log-probability of each sampled token (rollout fidelity, staleness weights)."""
+    drawn_logprobs: torch.Tensor | None = None
+    """``[B, S]`` the same under the distribution the sampler drew from (truncated sampling: temperature, top-k,
+    top-p), what the staleness and rollout corrections compare with."""
+    truncated_logprobs: torch.Tensor | None = None
+    """``[B, S]`` the trainer's own log-probability of each label under the sampler's truncation (read in the loss
+    pass before the loss, ``losses.importance.TRUNCATED_FLOOR`` where it is excluded); set by the objective."""
     trained_index: torch.Tensor | None = None
     """``[n]`` flat indices of the trained tokens (fused output layer; found before the schedule, not by a sync)."""
     # Dense teachers: logits, or the in-process teacher's hidden states (its output weight goes to the objective).
@@ -106,7 +112,7 @@ MODEL_COLUMNS: frozenset[str] = frozenset({"tokens", "position_ids", "token_weig
 # Keys that are per sample or per micro-batch: never split.
 NOT_SPLIT: frozenset[str] = frozenset({"seq_weights", "sequence_tokens", SPLIT_MARKER})
 # Padding a per-token column may not repeat the last position's value (it would be trained or grouped).
-_ZERO_PADDED = frozenset({"loss_mask", "group_offset", "rollout_logprobs"})
+_ZERO_PADDED = frozenset({"loss_mask", "group_offset", "rollout_logprobs", "drawn_logprobs"})
 
 
 def split_for_context_parallel(mb: dict[str, torch.Tensor], split: ContextParallelSplit, *, pad_multiple: int):

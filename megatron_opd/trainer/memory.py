@@ -304,12 +304,13 @@ def micro_batch_tokens(cfg, seq: int) -> int:
     return cfg.train.micro_batch_size * seq
 
 
-def _logit_tokens(cfg, tokens: int, vocab: int) -> int:
-    """Tokens whose logits the update holds at once: a loss chunk with the fused output layer, else all."""
+def _logit_tokens(cfg, tokens: int, vocab: int, arch: ModelArchitecture) -> int:
+    """Tokens whose logits the update holds at once: a loss chunk with the fused output layer, else all (also for
+    soft-capped final logits, which the update takes whole: ``HiddenStateOutput.exact``)."""
     from megatron_opd.losses.fused_output import MAX_CHUNK_ELEMENTS
     from megatron_opd.trainer.objective import fused_output_applies
 
-    if not fused_output_applies(cfg.loss):
+    if not fused_output_applies(cfg.loss) or arch.final_logit_softcapping is not None:
         return tokens
     return min(tokens, cfg.loss.chunk_size or max(MAX_CHUNK_ELEMENTS // vocab, 1))
 
@@ -360,7 +361,7 @@ def student_rows(cfg, dp: int, bf16: bool, distributed: bool) -> list[DeviceMemo
             kept = sum(layer_activation_elements(arch, tp, sequence_parallel, cp, i, etp) for i in layers)
             kept *= local * in_flight
         kept += (3 * arch.hidden_size + 1) / sp * local if last else 0  # the final norm
-        logits = _logit_tokens(cfg, int(local), vocab) * vocab * 4 * width if last else 0  # bytes
+        logits = _logit_tokens(cfg, int(local), vocab, arch) * vocab * 4 * width if last else 0  # bytes
         recomputing = min(block, per_stage) * layer * local * width if full else 0
         activations = kept * width + max(logits, recomputing)
         trained = params

@@ -32,6 +32,7 @@ from typing import ClassVar, Literal
 
 import torch
 
+from megatron_opd.interfaces import SamplingParams
 from megatron_opd.losses import (
     DivergenceOptions,
     PassStatistics,
@@ -42,7 +43,12 @@ from megatron_opd.losses import (
 )
 from megatron_opd.losses.aligned import aligned_divergence
 from megatron_opd.losses.fused_output import chunk_tokens, fused_output_loss, reduction_coefficients
-from megatron_opd.losses.importance import prefix_weights
+from megatron_opd.losses.importance import (
+    TRUNCATED_FLOOR,
+    prefix_weights,
+    rollout_correction_weights,
+    truncation_ratios,
+)
 from megatron_opd.losses.sampled import label_logprobs, sampled_divergence
 from megatron_opd.losses.shard_ops import chunked_logsumexp, gather_at_ids, global_argmax
 from megatron_opd.losses.vocab_parallel import make_vocab_shard
@@ -50,6 +56,7 @@ from megatron_opd.models.context_parallel import ContextParallelSplit
 from megatron_opd.models.output import HiddenStateOutput
 from megatron_opd.models.packing import pipeline_token_budget
 from megatron_opd.rollout.fidelity import fidelity_sum_tensors
+from megatron_opd.rollout.sampling import drawn_logprobs
 from megatron_opd.trainer.config import LossConfig
 from megatron_opd.trainer.loss_batch import LossBatch, split_for_context_parallel
 
@@ -263,6 +270,8 @@ class TokenReads:
     """The sampled token's log-probability at temperature 1 (the rollout-fidelity monitor; only with the sampler's)."""
     divergence: torch.Tensor | None = None
     """As ``TokenLoss.divergence``; None: the per-token loss is the divergence."""
+    truncated_lp: torch.Tensor | None = None
+    """The sampled token's log-probability under the sampler's truncation (``LossBatch.truncated_logprobs``)."""
 
     def placed(self, whole: TokenReads | None, index_C: torch.Tensor, n: int) -> TokenReads:
         """These reads of a chunk of tokens placed at ``index_C`` of ``n``-token reads (``whole``; None: zeros)."""
@@ -313,8 +322,12 @@ class Objective:
         vocab_size: int | None = None,
         teacher_temperature: float = 1.0,
         teacher_weight: torch.Tensor | None = None,
+        sampling: SamplingParams | None = None,
     ) -> None:
         self.cfg, self.vocab_size = cfg, vocab_size
+        self.truncation = sampling if sampling is not None and sampling.truncates else None
+        """The rollouts' sampling where it truncates (temperature, top-k, top-p): the sampled losses and the
+        staleness and rollout corrections then read the trainer's truncated distribution (``per_token_pass``)."""
         self.teacher_temperature, self.teacher_weight = teacher_temperature, teacher_weight
         self.options = DivergenceOptions(
             beta=cfg.beta, tail=cfg.tail, coverage_weight=cfg.coverage_weight,
@@ -349,6 +362,7 @@ class Objective:
             and self.cfg.fused_output != "off"
             and not self.cross_tokenizer
             and self.cfg.staleness_correction == "off"
+            and self.cfg.rollout_correction == "off"
             and self.cfg.sampled_credit == "token"
         )
 
@@ -389,12 +403,32 @@ class Objective:
                 label_logit = gather_at_ids(logits_TV.detach(), batch.labels[..., None], shard)[..., 0]
                 # The loss pass normalises at loss.student_temperature: at another one, one logsumexp pass at 1.
                 lse_t1 = None if cfg.student_temperature == 1.0 else chunked_logsumexp(logits_TV.detach(), shard)
+        truncated_lp = None
+        reads_truncation = cfg.mode == "sampled" or cfg.cross_tokenizer == "aligned" or batch.drawn_logprobs is not None
+        if self.truncation is not None and reads_truncation and not isinstance(self, SftObjective):
+            truncated_lp = self.truncated_label_logprobs(logits_TV, batch)  # before the in-place loss
+            batch = replace(batch, truncated_logprobs=truncated_lp)
         loss = self.divergence(logits_TV, batch, shard, label_logit)
         label_lp = None
         if monitor:
             with torch.no_grad():
                 label_lp = self.label_logprob(logits_TV, loss, shard, label_logit, lse_t1)
-        return loss.per_token, TokenReads(student_top1, loss.target_top1, label_lp, loss.divergence)
+        return loss.per_token, TokenReads(student_top1, loss.target_top1, label_lp, loss.divergence, truncated_lp)
+
+    def truncated_label_logprobs(self, logits_TV: torch.Tensor, batch: LossBatch) -> torch.Tensor:
+        """The trainer's log-probability of each label under the rollouts' truncation (``rollout.sampling.
+        drawn_logprobs``; ``TRUNCATED_FLOOR`` where it is excluded), at the trained positions (0 elsewhere). Costs
+        the sampler's processing of those rows' logits (a top-k merge, the top-p search) and a few copies of them."""
+        shard = make_vocab_shard(logits_TV.shape[-1], None, self.vocab_size)
+        with torch.no_grad():
+            flat_TV = logits_TV.detach().reshape(-1, logits_TV.shape[-1])
+            rows = (batch.loss_mask.reshape(-1) != 0).nonzero()[:, 0]  # the same on every TP rank of the group
+            out = torch.zeros(flat_TV.shape[0], dtype=torch.float32, device=flat_TV.device)
+            if rows.numel():
+                lp = drawn_logprobs(flat_TV.index_select(0, rows), batch.labels.reshape(-1)[rows], shard,
+                                    self.truncation)  # fmt: skip
+                out[rows] = lp.float().clamp(min=TRUNCATED_FLOOR)
+            return out.view(batch.labels.shape)
 
 
 class SftObjective(Objective):
@@ -494,6 +528,9 @@ class SampledObjective(Objective):
             ratio_clip=cfg.sampled_ratio_clip, credit=cfg.sampled_credit, loss_mask_T=batch.loss_mask,
             segment_ids_T=batch.segment_ids,
         )  # fmt: skip
+        if batch.truncated_logprobs is not None:  # drawn from the truncated distribution: q/pi per token
+            ratio = truncation_ratios(logq, batch.truncated_logprobs)
+            per_token, divergence = per_token * ratio, divergence * ratio
         lse = label_logit - logq.detach() if label_logit is not None and cfg.student_temperature == 1.0 else None
         return TokenLoss(per_token, target_top1, divergence, student_lse=lse)
 
@@ -526,6 +563,7 @@ class AlignedObjective(Objective):
             vocab_size=self.vocab_size, beta=cfg.beta, tail=cfg.tail, coverage_weight=cfg.coverage_weight,
             student_temperature=cfg.student_temperature, chunk_size=cfg.chunk_size,
             context_parallel=batch.context_parallel, sampled_ratio_clip=cfg.sampled_ratio_clip,
+            drawn_logprobs=batch.truncated_logprobs,
         )  # fmt: skip
         return TokenLoss(per_token, target_top1, divergence)
 
@@ -536,6 +574,7 @@ def objective_for(
     vocab_size: int | None = None,
     teacher_temperature: float = 1.0,
     teacher_weight: torch.Tensor | None = None,
+    sampling: SamplingParams | None = None,
 ) -> Objective:
     """The objective of the teacher signal ``cfg`` asks for (the config's validation keeps the combinations
     consistent: ``cross_tokenizer=aligned`` is a top-k loss, ``cross_tokenizer=sampled`` a sampled one). The loss
@@ -551,7 +590,8 @@ def objective_for(
         cls = TopkObjective
     else:
         cls = DenseObjective
-    return cls(cfg, vocab_size=vocab_size, teacher_temperature=teacher_temperature, teacher_weight=teacher_weight)
+    return cls(cfg, vocab_size=vocab_size, teacher_temperature=teacher_temperature, teacher_weight=teacher_weight,
+               sampling=sampling)  # fmt: skip
 
 
 def make_loss_fn(
@@ -565,6 +605,7 @@ def make_loss_fn(
     grad_hint: float | None = None,
     teacher_weight: torch.Tensor | None = None,
     context_parallel: ContextParallelSplit | None = None,
+    sampling: SamplingParams | None = None,
 ) -> Callable[[torch.Tensor, dict], tuple[torch.Tensor, MicroBatchStats]]:
     """The loss function Megatron's schedule calls with (logits, micro-batch) on the last pipeline stage.
 
@@ -576,10 +617,12 @@ def make_loss_fn(
     weight gradient then goes straight into its buffer); None when unknown. ``teacher_weight``: the in-process
     teacher's output-weight shard when its scores are hidden states (``TeacherScores.output_weight``).
     ``context_parallel``: the micro-batches are split over context-parallel ranks (``split_for_context_parallel``).
+    ``sampling``: the rollouts' sampling (its truncation: ``Objective.truncation``; None: the model's own).
     """
     objective = objective_for(
-        cfg, vocab_size=vocab_size, teacher_temperature=teacher_temperature, teacher_weight=teacher_weight
-    )
+        cfg, vocab_size=vocab_size, teacher_temperature=teacher_temperature, teacher_weight=teacher_weight,
+        sampling=sampling,
+    )  # fmt: skip
 
     def loss_fn(output_tensor: torch.Tensor, mb: dict) -> tuple[torch.Tensor, MicroBatchStats]:
         batch = LossBatch.of(mb, context_parallel)
@@ -594,6 +637,8 @@ def make_loss_fn(
                 if staleness is None:
                     raise ValueError("loss.staleness_correction=prefix: the batch has no rollout log-probabilities")
                 weights_BS = weights_BS * staleness[0]
+            if cfg.rollout_correction != "off":  # the rollout-trainer gap at every staleness (fused output is off)
+                weights_BS = weights_BS * rollout_correction(reads, batch)
             weighted_BS = per_token_BS * weights_BS.to(per_token_BS.dtype)
             loss = reduce_loss(weighted_BS, mask_BS, cfg.reduction, **kwargs)
         else:
@@ -615,15 +660,39 @@ def make_loss_fn(
             stats = MicroBatchStats.of(values, loss.device)
         return loss * scale, stats
 
+    def policy_logprobs(reads: TokenReads, batch: LossBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The trainer's and the sampler's log-probabilities of each sampled token under the distribution the
+        sampler draws from (``losses.importance``): truncated where the rollouts are, else the model's own (None
+        without the sampler's)."""
+        if objective.truncation is None:
+            return None if batch.rollout_logprobs is None else (reads.label_lp, batch.rollout_logprobs)
+        if batch.drawn_logprobs is None or reads.truncated_lp is None:
+            return None
+        return reads.truncated_lp, batch.drawn_logprobs
+
     def staleness_weights(reads: TokenReads, batch: LossBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The prefix importance weights of the micro-batch's sampled tokens and where they were clipped (None
         without the sampler's log-probabilities)."""
-        if batch.rollout_logprobs is None:
+        pair = policy_logprobs(reads, batch)
+        if pair is None:
             return None
         with torch.no_grad():
-            return prefix_weights(reads.label_lp, batch.rollout_logprobs, batch.loss_mask, batch.segment_ids,
+            return prefix_weights(*pair, batch.loss_mask, batch.segment_ids,
                                   inclusive=cfg.mode == "sampled", clip=cfg.staleness_clip,
                                   context_parallel=batch.context_parallel)  # fmt: skip
+
+    def rollout_correction(reads: TokenReads, batch: LossBatch) -> torch.Tensor:
+        """``loss.rollout_correction``'s weights of the micro-batch's tokens (``losses.importance``)."""
+        pair = policy_logprobs(reads, batch)
+        if pair is None:
+            raise ValueError(
+                f"loss.rollout_correction={cfg.rollout_correction}: the batch has no sampler log-probabilities of "
+                "the distribution drawn from (Rollouts.logprobs, or drawn_logprobs under truncated sampling)"
+            )
+        with torch.no_grad():
+            return rollout_correction_weights(*pair, batch.loss_mask, batch.segment_ids, mode=cfg.rollout_correction,
+                                              clip=cfg.rollout_correction_clip,
+                                              context_parallel=batch.context_parallel)  # fmt: skip
 
     def _fused_pass(hidden_BSH: torch.Tensor, weight_VH: torch.Tensor, batch: LossBatch, kwargs: dict):
         """The objective's ``per_token_pass`` a chunk of trained tokens at a time on logits formed from the hidden
@@ -758,17 +827,18 @@ def train_step(
     micro_batch_tokens: int | None = None,
     teachers: dict[str, TeacherObjective] | None = None,
     lr_scale: Callable[[StepStats], float] | None = None,
+    sampling: SamplingParams | None = None,
 ):
     """One optimizer step of ``student`` on ``batch`` (and the teacher's ``scores``; None for SFT); ``guard`` may
     refuse the step before it is applied and ``lr_scale`` shorten it (``Student.step``). ``packing``: THD
     micro-batches (``train.packing``). ``teachers`` (``teachers.*``, with ``scores`` a ``RoutedScores``): each
-    teacher's objective by name."""
+    teacher's objective by name. ``sampling``: the rollouts' sampling parameters (``make_loss_fn``)."""
     from megatron.core import parallel_state as ps
 
     layout = dict(micro_batch_size=micro_batch_size, packing=packing, micro_batch_tokens=micro_batch_tokens)
     if teachers is not None:
         return _routed_step(student, batch, scores, cfg, teachers, vocab_size=vocab_size, guard=guard,
-                            lr_scale=lr_scale, **layout)  # fmt: skip
+                            lr_scale=lr_scale, sampling=sampling, **layout)  # fmt: skip
     columns = teacher_columns(scores, batch) if scores is not None else {}
     micro_batches = _micro_batches(batch, columns, **layout)
     split = ContextParallelSplit.current()
@@ -777,6 +847,8 @@ def train_step(
         multiple = 2 * split.size * (tp if student.model[0].config.sequence_parallel else 1)
         micro_batches = [split_for_context_parallel(mb, split, pad_multiple=multiple) for mb in micro_batches]
     output = HiddenStateOutput(student.model) if fused_output_applies(cfg) else None
+    if output is not None and not output.exact:  # soft-capped final logits: the loss takes the logits
+        output = None
     if output is not None:  # the fused loss chunks the trained tokens: found here, not by a device sync in the loop
         for mb in micro_batches:
             mb["trained_index"] = (mb["loss_mask"] != 0).reshape(-1).nonzero().reshape(-1)
@@ -790,6 +862,7 @@ def train_step(
         grad_hint=_grad_hint(student, len(micro_batches)),
         teacher_weight=getattr(scores, "output_weight", None),
         context_parallel=split,
+        sampling=sampling,
     )
     with output.active() if output is not None else contextlib.nullcontext():
         return student.step(micro_batches, loss_fn, guard, lr_scale=lr_scale)
@@ -826,7 +899,7 @@ def teacher_shares(
 
 
 def _routed_step(student, batch, routed, cfg: LossConfig, teachers: dict[str, TeacherObjective], *, vocab_size: int,
-                 guard, lr_scale=None, **layout):  # fmt: skip
+                 guard, lr_scale=None, sampling=None, **layout):  # fmt: skip
     """``train_step`` of a batch scored by several teachers: each teacher's samples in micro-batches of their own,
     each trained by that teacher's objective, all reduced over the whole batch (``loss.teacher_balance``)."""
     from megatron.core import parallel_state as ps
@@ -843,12 +916,14 @@ def _routed_step(student, batch, routed, cfg: LossConfig, teachers: dict[str, Te
             micro_batches.append(mb)
     fused = all(fused_output_applies(t.loss) for t in teachers.values())
     output = HiddenStateOutput(student.model) if fused else None
+    if output is not None and not output.exact:  # soft-capped final logits: the loss takes the logits
+        output = None
     if output is not None:
         for mb in micro_batches:
             mb["trained_index"] = (mb["loss_mask"] != 0).reshape(-1).nonzero().reshape(-1)
     common = dict(vocab_size=vocab_size, normalizer=global_count(batch.loss_mask, cfg.reduction),
                   scale=len(micro_batches) * ps.get_data_parallel_world_size(), output=output,
-                  grad_hint=_grad_hint(student, len(micro_batches)))  # fmt: skip
+                  grad_hint=_grad_hint(student, len(micro_batches)), sampling=sampling)  # fmt: skip
     loss_fns = [
         make_loss_fn(t.loss, teacher_temperature=t.temperature, teacher_weight=weights.get(name), **common)
         for name, t in teachers.items()

@@ -48,6 +48,20 @@ class Vocabulary:
         return self.vocab_size if self.teacher_tokenizer is None else len(self.teacher_tokenizer)
 
 
+def check_vllm_models(cfg: TrainConfig, views: dict) -> None:
+    """Refuse a model vLLM would compute as another one (``ModelFamily.check_vllm_config``) before any model: the
+    student with ``rollout.backend=vllm``, a teacher with ``teacher.backend=vllm`` and a ``teacher.path``."""
+    from megatron_opd.checkpoint.source import config_dir
+    from megatron_opd.rollout.vllm_engine import check_vllm_config
+
+    if cfg.rollout.backend == "vllm":
+        check_vllm_config(str(config_dir(cfg.student.path, "student.path")), "rollout.backend=vllm")
+    for name, view in views.items():
+        if view.teacher.backend == "vllm" and view.teacher.path:
+            where = "teacher" if view is cfg else f"teachers.{name}"
+            check_vllm_config(str(config_dir(view.teacher.path, f"{where}.path")), f"{where}.backend=vllm")
+
+
 def check_inputs(cfg: TrainConfig) -> Vocabulary:
     """The refusals that read files but need no model, run on every rank before any process group or model: the
     layout splits the student (and the in-process teacher, built at the same layout), the data files are there,
@@ -60,15 +74,20 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
     cp = cfg.parallel.context_parallel_size
     check_window_context_parallel(student, cp, max_seq_len(cfg), "student.path")
     check_packed_attention(cfg, student, f"student.path={cfg.student.path}")
+    check_soft_capped(cfg, student, f"student.path={cfg.student.path}", student_model=True)
     if cfg.train.freeze_router and student.moe is None:
         raise ValueError(
             f"train.freeze_router=true, but the student ({cfg.student.path}) has no Mixture-of-Experts layer and so "
             "no router; remove train.freeze_router"
         )
-    if cfg.build.moe_router_bias_update_rate > 0 and student.routing is None:
+    sigmoid_bias = student.moe is not None and (
+        (student.moe.expert_bias and student.moe.score_function == "sigmoid")
+        or (student.routing is not None and student.routing.expert_bias and student.routing.score_function == "sigmoid")
+    )
+    if cfg.build.moe_router_bias_update_rate > 0 and not sigmoid_bias:
         raise ValueError(
             f"build.moe_router_bias_update_rate={cfg.build.moe_router_bias_update_rate}, but the student "
-            f"({cfg.student.path}) has no router with an expert bias to update (DeepSeek-V3 architecture only); set "
+            f"({cfg.student.path}) has no sigmoid router with an expert bias to update (DeepSeek-V3, GLM-4.5, MiniMax-M2); set "
             "it to 0 (build.moe_aux_loss_coeff balances other Mixture-of-Experts students)"
         )
     views = cfg.teacher_views() if cfg.teachers else {"teacher": cfg}
@@ -79,12 +98,24 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
             teacher = model_architecture(view.teacher.path, where)
             validate_layout(teacher, cfg.parallel)
             check_packed_attention(cfg, teacher, f"{where}={view.teacher.path}")
+            check_soft_capped(cfg, teacher, f"{where}={view.teacher.path}")
             # The teacher scores the student's sequences; in its own tokens (loss.cross_tokenizer), up to its context.
             own = objective.cross_tokenizer
             check_window_context_parallel(teacher, cp, teacher.max_position_embeddings if own else max_seq_len(cfg),
                                           where)  # fmt: skip
+    check_vllm_models(cfg, views)
     check_micro_batch_tokens(cfg)
     check_paths(cfg.data.train_files, "data.train_files")
+    for name, view in views.items():  # every record must have the fields a teacher's own prompt names
+        template = view.teacher.prompt_template
+        if template is not None and objective_for(view.loss).needs_teacher:
+            from megatron_opd.data.teacher_prompt import check_records
+
+            where = "teacher" if view is cfg else f"teachers.{name}"
+            try:
+                check_records(template, cfg.data.train_files, "data.train_files")
+            except ValueError as err:
+                raise type(err)(str(err).replace("teacher.prompt_template", f"{where}.prompt_template")) from None
     if cfg.data.eval_files:
         check_paths(cfg.data.eval_files, "data.eval_files")
     # The in-process teacher (at most one) is the one the estimate places beside the student.
@@ -151,6 +182,24 @@ def check_micro_batch_tokens(cfg: TrainConfig) -> None:
             f"tokens ({source}: {what}), which would stop the run at the first such sample; raise it to at least "
             f"{-(-longest // tp) * tp}, lower train.max_seq_len, or unset it (null: micro_batch_size x the step's "
             "longest sample)"
+        )
+
+
+def check_soft_capped(cfg: TrainConfig, arch, where: str, student_model: bool = False) -> None:
+    """Refuse what soft-capped logits (Gemma 2) cannot run: capped attention scores on Megatron's local attention
+    (only ``build.attention=sdpa`` caps them), and a student's fused output-layer loss (its hidden states times the
+    output weight are not its capped logits; ``loss.fused_output=auto`` then keeps the logits)."""
+    if arch.attn_logit_softcapping is not None and cfg.build.attention != "sdpa":
+        raise ValueError(
+            f"build.attention={cfg.build.attention}: the {arch.family} model of {where} soft-caps its attention "
+            f"logits (config.json attn_logit_softcapping={arch.attn_logit_softcapping}), which only "
+            "build.attention=sdpa does; set build.attention=sdpa"
+        )
+    if student_model and arch.final_logit_softcapping is not None and cfg.loss.fused_output == "on":
+        raise ValueError(
+            f"loss.fused_output=on: the {arch.family} model of {where} soft-caps its final logits (config.json "
+            f"final_logit_softcapping={arch.final_logit_softcapping}), which the fused output-layer loss does not; "
+            "set loss.fused_output=auto (the loss then takes the logits) or off"
         )
 
 
@@ -395,7 +444,11 @@ def remote_client(cfg: TrainConfig, teacher_fingerprint: str | None = None):
     t = cfg.teacher
     token = read_token(t.token_file) or b""
     if t.backend == "vllm":
+        from megatron_opd.rollout.vllm_engine import check_vllm_config
         from megatron_opd.teacher.vllm_transport import VLLMTransportFactory
+
+        if t.path:  # a config.json vLLM would read as another model (the family's check)
+            check_vllm_config(t.path)
 
         factory = VLLMTransportFactory(
             _teacher_tokenizer(cfg),
@@ -525,14 +578,21 @@ def check_output_weight(full_VH: torch.Tensor, info, vocab_size: int, path: str)
 
 
 def build_retokenizer(cfg: TrainConfig, vocab: Vocabulary):
-    """``loss.cross_tokenizer``: the teacher's view of each batch (None without one)."""
-    objective = objective_for(cfg.loss)
-    if not objective.cross_tokenizer:
-        return None
-    from megatron_opd.cross_tokenizer.retokenize import CrossTokenizer
-    from megatron_opd.data.prompts import PromptEncoder
+    """The teacher's view of each batch where it is not the student's (None where it is): ``loss.cross_tokenizer``
+    (its own tokens), or ``teacher.prompt_template`` with the student's tokenizer (its own prompt)."""
+    from megatron_opd.data.teacher_prompt import TemplatePromptEncoder
 
-    encoder = PromptEncoder.for_data(vocab.teacher_tokenizer, cfg.data)
+    objective = objective_for(cfg.loss)
+    template = cfg.teacher.prompt_template
+    if not objective.cross_tokenizer:
+        if template is None:
+            return None
+        from megatron_opd.teacher.reprompt import Reprompter
+
+        return Reprompter(TemplatePromptEncoder.for_data(vocab.tokenizer, cfg.data, template), vocab.pad_token_id)
+    from megatron_opd.cross_tokenizer.retokenize import CrossTokenizer
+
+    encoder = TemplatePromptEncoder.for_data(vocab.teacher_tokenizer, cfg.data, template)
     # A vLLM teacher scores the next token only: the stop's prefix correction needs other ids at one position.
     stop_prefix_ids = 1 if cfg.teacher.backend == "vllm" else 16
     return CrossTokenizer(vocab.tokenizer, vocab.teacher_tokenizer, encoder, vocab.stop_token_ids, stop_prefix_ids,

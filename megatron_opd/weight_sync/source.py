@@ -43,6 +43,7 @@ from megatron_opd.models.name_mapping import (
     named_tensors,
     unshard,
 )
+from megatron_opd.models.weight_rule import stacked_base
 
 try:  # vLLM's classes when it is installed, so vLLM's own trainer engines (NCCL on GPU) accept the source
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
@@ -64,12 +65,28 @@ def _skipped() -> frozenset[str]:
     return frozenset(n for n in os.environ.get(SKIP_ENV, "").split(",") if n)
 
 
+def sync_name(name: str) -> str:
+    """The name vLLM loads a tensor by: a row of a Hugging Face tensor stacked over experts (``...experts.
+    gate_up_proj[3]``, gpt-oss) goes as one expert, ``...experts.3.gate_up_proj`` (vLLM's streamed-expert names,
+    which it loads into its own stack); every other name as it is."""
+    base, index = stacked_base(name)
+    if index is None:
+        return name
+    parent, _, leaf = base.rpartition(".")
+    return f"{parent}.{index}.{leaf}"
+
+
+def sync_names(rule: WeightRule, layer: int | None) -> tuple[str, ...]:
+    return tuple(sync_name(n) for n in rule.hf_names(layer))
+
+
 def hf_metadata(arch: ModelArchitecture, dtype: torch.dtype) -> list[ParamMeta]:
-    """Every Hugging Face tensor of ``arch`` in stream order, with its full shape, as ``dtype``."""
+    """Every Hugging Face tensor of ``arch`` in stream order (named as vLLM loads it: :func:`sync_name`), with its
+    full shape, as ``dtype``."""
     return [
         ParamMeta(name, dtype, tuple(shape))
         for rule, layer in expand_rules(arch)
-        for name, shape in zip(rule.hf_names(layer), hf_shapes(rule, arch))
+        for name, shape in zip(sync_names(rule, layer), hf_shapes(rule, arch))
     ]
 
 
@@ -230,7 +247,7 @@ class MegatronWeightSource(WeightSource):  # noqa: B024 - abstract only in the f
     def _stream(self) -> Iterator[tuple[str, torch.Tensor | None]]:
         for rule, layer in self.rules:
             name = rule.megatron_name(layer, te=self.te)
-            hf_names = rule.hf_names(layer)
+            hf_names = sync_names(rule, layer)
             if name in self.expert_owner:
                 with torch.no_grad():
                     yield from zip(hf_names, self._expert_tensors(rule, layer, name))

@@ -117,11 +117,29 @@ class ModelFamily:
     """Its layers are always Megatron's local spec, TransformerEngine or not (layers TE has no fused form of): the
     core attention is then ``build.attention``'s even with ``build.use_transformer_engine=true``, which
     ``setup.check_inputs`` reads to refuse packed sequences on Megatron's local attention before any model."""
+    wrapper_types: tuple[str, ...] = ()
+    """Hugging Face ``model_type`` s of multimodal wrappers whose text tower (``text_config``,
+    ``model.language_model.*``) is this family's model; their other weights are skipped (``models.wrappers``)."""
+
+    vllm_refusal: str | None = None
+    """Why vLLM computes another model than transformers for every checkpoint of this family (measured, with the
+    version): :meth:`check_vllm_config` then refuses it for vLLM rollouts and vLLM teachers; None: no such reason."""
 
     # --- vLLM ------------------------------------------------------------------------------------------------
     def check_vllm_config(self, cfg: Mapping[str, Any], source: str) -> None:
         """Refuse a ``config.json`` that vLLM would read as another model than the one megatron-opd builds from it
-        (vLLM and transformers default some fields differently); most families have none."""
+        (vLLM and transformers default some fields differently, or vLLM computes the family wrongly:
+        :attr:`vllm_refusal`); most families have none."""
+        if self.vllm_refusal:
+            raise ValueError(
+                f"{source}: vLLM would compute another model than this {self.name} checkpoint ({self.vllm_refusal}); "
+                "use the built-in sampler (rollout.backend=builtin) and an in-process or server teacher"
+            )
+
+    def vllm_config_fields(self, cfg: Mapping[str, Any]) -> dict[str, Any]:
+        """``config.json`` fields vLLM reads that ``cfg`` lacks (transformers' config class does not write them;
+        published checkpoints carry them), derived from ``cfg``'s own: the HF export and the vLLM engine add them."""
+        return {}
 
     def vllm_cpu_attention_backend(self, dtype: str) -> str | None:
         """The attention kernel vLLM must use on CPU where its own choice fails for this family; None: vLLM's."""

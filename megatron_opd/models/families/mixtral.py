@@ -13,7 +13,9 @@ def read_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     if cfg.get("attention_bias"):
         raise UnsupportedArchitectureError("config.json attention_bias=true is not supported for mixtral models")
     return dict(
-        qkv_bias=False, qk_norm=False, moe=read_moe(cfg, source, expert_ffn_key="intermediate_size", shared=False)
+        qkv_bias=False,
+        qk_norm=False,
+        moe=read_moe(cfg, source, expert_ffn_key="intermediate_size", shared=False, experts_key="num_local_experts"),
     )
 
 

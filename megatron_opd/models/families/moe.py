@@ -17,7 +17,7 @@ from typing import Any
 
 from megatron_opd.model_files import UnsupportedArchitectureError
 from megatron_opd.models.architecture import ModelArchitecture, MoEArchitecture
-from megatron_opd.models.families.base import ModelFamily, SpecOptions, check_dense_mlp
+from megatron_opd.models.families.base import ModelFamily, SpecOptions, check_dense_mlp, mlp_submodules
 from megatron_opd.models.weight_rule import ExpertSplit, Split, WeightRule
 
 
@@ -35,6 +35,8 @@ class ExpertNames:
     """Prefix of the shared expert's ``gate_proj``/``up_proj``/``down_proj`` (Qwen2-MoE), if any."""
     shared_gate: str | None = None
     """The shared expert's ``[1, hidden]`` sigmoid gate, if any."""
+    bias: str | None = None
+    """The router's per-expert correction bias ``e_score_correction_bias`` (MiniMax-M2, ERNIE 4.5), if any."""
 
 
 def moe_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int, ...]:
@@ -45,26 +47,49 @@ def moe_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int, ...]:
     return tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
 
 
-def read_moe(cfg: dict[str, Any], source: str, *, expert_ffn_key: str, shared: bool):
-    """The :class:`MoEArchitecture` of a Qwen-MoE or Mixtral ``config.json``."""
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
-    top_k = cfg.get("num_experts_per_tok")
-    ffn = cfg.get(expert_ffn_key)
-    for name, value in (("num_experts", experts), ("num_experts_per_tok", top_k), (expert_ffn_key, ffn)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise UnsupportedArchitectureError(f"{source} field {name!r} must be a positive integer, got {value!r}")
+def positive_int(cfg: dict[str, Any], key: str, source: str) -> int:
+    """``cfg[key]`` as a positive integer, else an error naming the checkpoint's own key."""
+    value = cfg.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise UnsupportedArchitectureError(f"{source} field {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def read_moe(
+    cfg: dict[str, Any],
+    source: str,
+    *,
+    expert_ffn_key: str,
+    shared: bool,
+    experts_key: str | tuple[str, ...] = ("num_experts", "num_local_experts"),
+    top_k_key: str = "num_experts_per_tok",
+    layers: tuple[int, ...] | None = None,
+    **fields: Any,
+):
+    """The :class:`MoEArchitecture` of a Qwen-MoE-like ``config.json``; errors name the checkpoint's own keys
+    (``experts_key``: Mixtral's ``num_local_experts``, ERNIE's ``moe_num_experts``; of several, the one the file has:
+    Qwen3-MoE's published configs say ``num_experts``, transformers 5 writes ``num_local_experts``). ``layers``: the MoE layers
+    (default: Qwen-MoE's ``mlp_only_layers``/``decoder_sparse_step``); ``fields``: other ``MoEArchitecture``
+    fields (a shared expert's width, the router's scores)."""
+    keys = (experts_key,) if isinstance(experts_key, str) else experts_key
+    experts_key = next((k for k in keys if cfg.get(k) is not None), keys[0])
+    experts = positive_int(cfg, experts_key, source)
+    top_k = positive_int(cfg, top_k_key, source)
+    ffn = positive_int(cfg, expert_ffn_key, source)
     if top_k > experts:
-        raise UnsupportedArchitectureError(f"{source} num_experts_per_tok={top_k} exceeds num_experts={experts}")
+        raise UnsupportedArchitectureError(f"{source} {top_k_key}={top_k} exceeds {experts_key}={experts}")
     shared_ffn = int(cfg.get("shared_expert_intermediate_size") or 0) if shared else 0
+    fields.setdefault("shared_expert_ffn_hidden_size", shared_ffn)
+    fields.setdefault("shared_expert_gate", shared_ffn > 0)
+    fields.setdefault("config_keys", (experts_key, expert_ffn_key, "shared_expert_intermediate_size"))
     return MoEArchitecture(
         num_experts=experts,
         top_k=top_k,
         expert_ffn_hidden_size=ffn,
         # Mixtral has no such field: it always renormalises (softmax over the top-k logits).
         norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-        layers=moe_layers(cfg, int(cfg.get("num_hidden_layers") or 0)),
-        shared_expert_ffn_hidden_size=shared_ffn,
-        shared_expert_gate=shared_ffn > 0,
+        layers=moe_layers(cfg, int(cfg.get("num_hidden_layers") or 0)) if layers is None else layers,
+        **fields,
     )
 
 
@@ -97,10 +122,14 @@ class MoEFamily(ModelFamily):
     vllm_no_routes: str | None = VLLM_CPU_NO_ROUTES
     """Why vLLM cannot return this family's routed experts (``rollout.routing_replay`` with ``rollout.backend=vllm``
     is refused with it); None: it can."""
+    all_heads_qk_norm: bool = False
+    """Queries and keys are normed over all heads together (OLMoE, MiniMax-M2: one ``q_norm`` of
+    ``heads x head_dim``), by :class:`~megatron_opd.models.norms.AllHeadsRMSNorm`; the local spec always."""
 
     def transformer_config_fields(self, arch: ModelArchitecture) -> dict[str, Any]:
         moe = arch.moe
         fields = super().transformer_config_fields(arch)
+        sigmoid = moe.score_function == "sigmoid"
         fields.update(
             num_moe_experts=moe.num_experts,
             moe_router_topk=moe.top_k,
@@ -115,11 +144,34 @@ class MoEFamily(ModelFamily):
             moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size or None,
             moe_shared_expert_gate=moe.shared_expert_gate,
         )
+        if sigmoid:  # Megatron's sigmoid router renormalises the top-k scores; its expert bias picks them
+            fields.update(
+                moe_router_score_function="sigmoid",
+                moe_router_pre_softmax=False,
+                moe_router_enable_expert_bias=moe.expert_bias,
+                moe_router_bias_update_rate=0.0,  # a student's auxiliary-loss-free balancing is opt-in
+            )
         return fields
 
     def layer_specs(self, arch: ModelArchitecture, layers: Sequence[int], options: SpecOptions) -> list:
+        if self.all_heads_qk_norm:
+            options = replace(options, te=False)  # TransformerEngine norms each head on its own
         dense = self.decoder_layer_spec(arch, options)
         moe = self.decoder_layer_spec(arch, options, num_experts=arch.moe.num_experts)
+        specs = (dense, moe)
+        if self.all_heads_qk_norm:
+            from megatron.core.transformer.spec_utils import ModuleSpec
+
+            from megatron_opd.models.norms import AllHeadsRMSNorm
+
+            for spec in specs:  # fresh specs from each decoder_layer_spec call
+                attention = spec.submodules.self_attention.submodules
+                attention.q_layernorm = ModuleSpec(module=AllHeadsRMSNorm, params={"heads": "query"})
+                attention.k_layernorm = ModuleSpec(module=AllHeadsRMSNorm, params={"heads": "key"})
+        if arch.moe.expert_bias and arch.moe.score_function == "softmax":
+            from megatron_opd.models.routers import softmax_bias_router
+
+            mlp_submodules(moe).router = softmax_bias_router()
         return [moe if layer in arch.moe.layers else dense for layer in layers]
 
     def weight_rules(self, arch: ModelArchitecture) -> list[WeightRule]:
@@ -131,6 +183,10 @@ class MoEFamily(ModelFamily):
         for rule in super().weight_rules(arch):
             if rule.megatron.startswith(f"{ml}.mlp."):  # the dense MLP: only in dense layers
                 rules.append(replace(rule, layers=dense_layers))
+            elif (
+                self.all_heads_qk_norm and "_layernorm.weight" in rule.megatron and ".self_attention." in rule.megatron
+            ):
+                rules.append(replace(rule, split=Split.COLUMN))  # all heads' norm weights: split with the heads
             elif rule.megatron == f"{ml}.pre_mlp_layernorm.weight":  # TE fuses it into linear_fc1 in dense layers
                 rules.append(replace(rule, layers=dense_layers))
                 rules.append(replace(rule, te_megatron=None, layers=moe.layers))
@@ -140,6 +196,21 @@ class MoEFamily(ModelFamily):
         per_expert = dict(experts=ExpertSplit.PER_EXPERT, layers=moe.layers)
         moe_rules = [
             WeightRule(f"{ml}.mlp.router.weight", (names.router,), Split.REPLICATED, layers=moe.layers),
+        ]
+        if moe.expert_bias and names.bias:
+            # Megatron's sigmoid router holds [E]; megatron-opd's softmax one keeps ERNIE's [1, E].
+            shape = (moe.num_experts,) if moe.score_function == "sigmoid" else (1, moe.num_experts)
+            moe_rules.append(
+                WeightRule(
+                    f"{ml}.mlp.router.expert_bias",
+                    (names.bias,),
+                    Split.REPLICATED,
+                    layers=moe.layers,
+                    buffer=True,
+                    hf_shape=(shape,),
+                )
+            )
+        moe_rules += [
             WeightRule(f"{expert}.linear_fc1.weight", (names.gate, names.up), Split.GATE_UP, **per_expert),
             WeightRule(f"{expert}.linear_fc2.weight", (names.down,), Split.ROW, **per_expert),
         ]
