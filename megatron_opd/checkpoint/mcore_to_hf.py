@@ -19,7 +19,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -62,6 +62,9 @@ class WeightRead:
     shape: tuple[int, ...]
     """Full tensor shape as stored (the vocabulary may be padded for another TP size)."""
     dtype: torch.dtype
+    lora: tuple[WeightRead, ...] = ()
+    """A LoRA student's adapter of this weight (``models/lora.py``): ``A``, ``B`` and ``alpha/r``, merged into it on
+    export; empty for a weight without adapter."""
 
     @property
     def nbytes(self) -> int:
@@ -136,9 +139,19 @@ def plan_reads(ckpt: Path, arch: ModelArchitecture) -> list[list[WeightRead]]:
             shape=shape,
             dtype=md.properties.dtype,
         )
+        if sh.key.endswith(".weight") and f"{sh.key[: -len('weight')]}lora.A" in stored:
+            read = replace(read, lora=tuple(_adapter_read(read, stored, part) for part in ("A", "B", "scale_factor")))
         group = chunk.layer if chunk.layer is not None else ("embedding" if sh.key.startswith("embedding") else "final")
         groups.setdefault(group, []).append(read)
     return list(groups.values())
+
+
+def _adapter_read(weight: WeightRead, stored: dict, part: str) -> WeightRead:
+    """Where a factor of ``weight``'s adapter lives: stacked over the layers as the weight is."""
+    key = f"{weight.key[: -len('weight')]}lora.{part}"
+    md = stored[key]
+    prepend = 0 if weight.stack_index is None else 1
+    return replace(weight, key=key, shape=tuple(md.size[prepend:]), dtype=md.properties.dtype, lora=())
 
 
 def plan_hf_tensors(reads: list[list[WeightRead]], arch: ModelArchitecture, dtype: torch.dtype | None) -> list:
@@ -162,10 +175,14 @@ def _export_group(
 ) -> tuple[int, int]:
     """Load one group's weights (a collective: every rank calls it, possibly with an empty group)."""
     request = {f"w{i}": read.sharded_tensor() for i, read in enumerate(group)}
+    request |= {f"w{i}.{j}": part.sharded_tensor() for i, read in enumerate(group) for j, part in enumerate(read.lora)}
     loaded = load_dist_checkpoint(request, ckpt, validate_access_integrity=False)
     tensors = written = 0
     for i, read in enumerate(group):
         full = read.unwrap(loaded.pop(f"w{i}"))
+        if read.lora:  # a LoRA student's merged weight: W + (alpha/r) B A
+            A, B, scale = (part.unwrap(loaded.pop(f"w{i}.{j}")) for j, part in enumerate(read.lora))
+            full = (full.double() + scale.double() * (B.double() @ A.double())).to(full.dtype)
         for name, tensor in zip(read.rule.hf_names(read.layer), megatron_to_hf(read.rule, full, arch)):
             size = plan.write(staging, name, tensor.to(dtype) if dtype is not None else tensor)
             written += size

@@ -21,6 +21,7 @@ from megatron_opd.data.config import DataConfig
 from megatron_opd.distributed.parallel import ParallelConfig
 from megatron_opd.losses.config import LossConfig
 from megatron_opd.models.builder import ModelBuildConfig
+from megatron_opd.models.lora import LoRAConfig
 from megatron_opd.rollout.config import RolloutConfig
 from megatron_opd.scheduler.config import SchedulerConfig
 from megatron_opd.teacher.config import TeacherConfig
@@ -53,6 +54,8 @@ class StudentConfig:
     """Hugging Face folder (config.json + safetensors) or a dist_ckpt folder written by tools/checkpoint."""
     tokenizer: str | None = None
     """Folder with the tokenizer files; default: ``path`` (or ``path/hf_config`` for a dist_ckpt)."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapters (``models/lora.py``): only they train, the base weights stay frozen; off by default."""
 
 
 @dataclass
@@ -584,6 +587,45 @@ class TrainConfig:
                 "rollout.routing_replay=false"
             )
 
+    def _validate_lora(self) -> None:
+        """What a LoRA student (``student.lora.rank > 0``) cannot run yet, refused before any model is built."""
+        import json
+        from pathlib import Path
+
+        from megatron_opd.distributed.device import has_transformer_engine
+
+        rank = self.student.lora.rank
+        te = self.build.use_transformer_engine
+        refused = [
+            (te is True or (te is None and has_transformer_engine()), "TransformerEngine layers (build."
+             "use_transformer_engine, by default on where TE runs: TE fuses the norm into linear_qkv; adapters wrap "
+             "Megatron's own layers)", "build.use_transformer_engine=false"),
+            (self.rollout.backend == "vllm" and self.loss.kind != "sft", "rollout.backend=vllm (the weight sync "
+             "does not send merged adapters yet)", "rollout.backend=builtin"),
+            (self.parallel.pipeline_model_parallel_size > 1, "pipeline parallelism (not tested with adapters yet)",
+             "parallel.pipeline_model_parallel_size=1"),
+            (self.parallel.context_parallel_size > 1, "context parallelism (not tested with adapters yet)",
+             "parallel.context_parallel_size=1"),
+            (self.parallel.expert_model_parallel_size > 1, "expert parallelism (not tested with adapters yet)",
+             "parallel.expert_model_parallel_size=1"),
+        ]  # fmt: skip
+        for bad, what, fix in refused:
+            if bad:
+                raise ValueError(
+                    f"student.lora.rank={rank} (a LoRA student) with {what}: set {fix}, or student.lora.rank=0"
+                )
+        if self.student.lora.dropout > 0 and self.parallel.tensor_model_parallel_size > 1:
+            raise ValueError(
+                f"student.lora.dropout={self.student.lora.dropout} at tensor_model_parallel_size > 1: the adapter's "
+                "dropout masks are not drawn alike on every TP rank yet; set student.lora.dropout=0"
+            )
+        config = Path(self.student.path) / "config.json"
+        if config.is_file() and "kv_lora_rank" in json.loads(config.read_text()):
+            raise ValueError(
+                f"student.lora.rank={rank}: the student ({self.student.path}) has multi-latent attention, whose "
+                "projections take no adapters yet; set student.lora.rank=0"
+            )
+
     def validate(self) -> None:
         """Checks that need the whole config (run by the entry point, after overrides); fills derived defaults."""
         if self.checkpoint.dir is None:
@@ -664,6 +706,8 @@ class TrainConfig:
             )
         if self.rollout.routing_replay:
             self._validate_routing_replay()
+        if self.student.lora.enabled:
+            self._validate_lora()
         pp = self.parallel.pipeline_model_parallel_size
         if self.rollout.backend == "builtin" and self.loss.kind != "sft" and pp > 1:
             raise ValueError(

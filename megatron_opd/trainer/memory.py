@@ -322,7 +322,10 @@ def student_rows(cfg, dp: int, bf16: bool, distributed: bool) -> list[DeviceMemo
     Bytes per parameter: the weights (2 in bf16, 4 in fp32), the fp32 gradient buffer (4), and Adam's two fp32
     moments plus, in bf16, the fp32 master copy (8 or 12), which the distributed optimizer shards as Megatron does:
     over DP·CP ranks (``get_data_parallel_group(with_context_parallel=True)``), a routed expert's over the expert
-    data-parallel group of world / (ETP·EP·PP) ranks."""
+    data-parallel group of world / (ETP·EP·PP) ranks. A LoRA student (``student.lora``) has gradients and optimizer
+    state for its adapters only (``models.lora.adapter_elements``)."""
+    from megatron_opd.models.lora import adapter_elements
+
     tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
     ep, etp = cfg.parallel.expert_model_parallel_size, cfg.parallel.etp_size
     multiple = cfg.build.make_vocab_size_divisible_by
@@ -361,14 +364,19 @@ def student_rows(cfg, dp: int, bf16: bool, distributed: bool) -> list[DeviceMemo
         logits = _logit_tokens(cfg, int(local), vocab, arch) * vocab * 4 * width if last else 0  # bytes
         recomputing = min(block, per_stage) * layer * local * width if full else 0
         activations = kept * width + max(logits, recomputing)
+        trained = params
+        optimizer = state * (dense_params[stage] / dense_shards + expert_params[stage] / expert_shards)
+        if cfg.student.lora.enabled:  # a LoRA student: gradients and optimizer state of the adapters only
+            trained = adapter_elements(arch, cfg.student.lora, tp, layers)
+            optimizer = state * trained / dense_shards
         rows.append(
             DeviceMemory(
                 "student (trainer)",
                 f"TP={tp} PP={pp} DP={dp}{f' CP={cp}' if cp > 1 else ''}{f' EP={ep}' if ep > 1 else ''}, stage {stage}",
                 params,
-                weights=width * params,
-                grads=4 * params,
-                optimizer=state * (dense_params[stage] / dense_shards + expert_params[stage] / expert_shards),
+                weights=width * (params + (trained if cfg.student.lora.enabled else 0)),
+                grads=4 * trained,
+                optimizer=optimizer,
                 activations=activations,
                 note=f"{in_flight} micro-batch(es) of {shape} tokens in flight",
             )

@@ -372,6 +372,13 @@ def build_student(cfg: TrainConfig, accel: Accelerator) -> Student:
     """The student's chunks under ``cfg.parallel``, loaded from ``student.path``, with optimizer and schedule."""
     plan = resolve_precision(cfg, accel)
     _, chunks = build_and_load(cfg.student.path, cfg.parallel, cfg.build, trainable=True, field="student.path")
+    if cfg.student.lora.enabled:  # before DDP and the optimizer, which then hold the adapters only
+        from megatron_opd.models.lora import add_lora
+
+        adapted = add_lora(chunks, cfg.student.lora, seed=cfg.seed)
+        logger.info(
+            "student.lora: rank-%d adapters on %d layers of this rank; the base frozen", cfg.student.lora.rank, adapted
+        )
     return Student(chunks, cfg.optim, plan, cfg.train.steps, freeze_router=cfg.train.freeze_router)
 
 

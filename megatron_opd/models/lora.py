@@ -1,0 +1,299 @@
+"""LoRA adapters on Megatron-Core's tensor-parallel linear layers (``student.lora.*``).
+
+Each targeted ``ColumnParallelLinear`` / ``RowParallelLinear`` keeps its (frozen) weight and gains a child module
+``lora`` holding ``A [r, in]`` and ``B [out, r]``; a forward hook adds ``(alpha / r) B A x`` to the layer's output.
+The base layer's parameter names stay as they are, so loading, checkpoints and the weight sync see the same model.
+
+Each TP rank holds its shard, so that the adapters equal one unsharded LoRA:
+
+- column-parallel (``W`` split over output rows): ``A`` full and replicated, ``B`` split like ``W``'s rows; the
+  rank-``r`` activation ``A x`` is the same on every rank, so its gradient is all-reduced over TP (as the layer's
+  input gradient is).
+- row-parallel (``W`` split over input columns): ``A`` split like ``W``'s columns, ``B`` full and replicated;
+  ``A x`` is a partial sum, all-reduced over TP (reduce-scattered along the sequence under sequence parallelism)
+  before ``B``, as the layer reduces its output.
+
+Under sequence parallelism the replicated factor sees only its rank's tokens, so it is marked ``sequence_parallel``
+and Megatron's ``finalize_model_grads`` all-reduces its gradient over TP, as for the norms. ``A`` starts as PEFT's
+(Kaiming-uniform, drawn for the full matrix from a seed of the layer's name, then sliced: the same at every TP
+size), ``B`` at zero: a new adapter leaves the model's output unchanged, bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = [
+    "LORA_TARGETS",
+    "LoRAAdapter",
+    "LoRAConfig",
+    "adapter_elements",
+    "add_lora",
+    "adapter_parameters",
+    "full_adapters",
+    "merge_lora",
+]
+
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+"""Megatron-Core's names of the linear layers that can take adapters: attention's fused query/key/value and its output
+projection, the MLP's (fused gate/up) input and its output (a Mixture-of-Experts layer's shared expert included; its
+routed experts are not adapted)."""
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters on the student (``student.lora.*``): the base weights frozen, only the adapters trained."""
+
+    rank: int = 0
+    """Rank ``r`` of each adapter (e.g. 8 to 128); 0: no adapters, the whole student trains."""
+    alpha: float = 16.0
+    """Scale of the adapter's output: ``W x + (alpha / rank) B A x``."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input while training (0: none; distillation compares log-probs, so 0 is usual)."""
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Layers that get adapters, by Megatron-Core name: linear_qkv, linear_proj, linear_fc1, linear_fc2."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            raise ValueError(f"student.lora.rank must be an integer >= 0 (0: no adapters), got {self.rank!r}")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 < self.alpha < math.inf:
+            raise ValueError(f"student.lora.alpha must be a finite number > 0, got {self.alpha!r}")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise ValueError(f"student.lora.dropout must be a number in [0, 1), got {self.dropout!r}")
+        unknown = [name for name in self.target_modules if name not in LORA_TARGETS]
+        if unknown:
+            raise ValueError(
+                f"student.lora.target_modules: unknown layer name(s) {unknown}; choose among {list(LORA_TARGETS)}"
+            )
+        if len(set(self.target_modules)) != len(self.target_modules):
+            raise ValueError(f"student.lora.target_modules lists a layer twice: {self.target_modules}")
+        if self.enabled and not self.target_modules:
+            raise ValueError(
+                f"student.lora.rank={self.rank} but student.lora.target_modules is empty; name at least one of "
+                f"{list(LORA_TARGETS)}, or set student.lora.rank=0 (no adapters)"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the student gets adapters."""
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        """``alpha / rank``, the factor on the adapter's output."""
+        return self.alpha / self.rank
+
+
+class LoRAAdapter(torch.nn.Module):
+    """The two factors of one layer's adapter, this TP rank's shards, and the forward of ``(alpha/r) B A x``."""
+
+    def __init__(self, layer, kind: str, config: LoRAConfig, name: str, seed: int = 0) -> None:
+        super().__init__()
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        self.kind, self.group = kind, layer.tp_group
+        self.sequence_parallel = bool(layer.sequence_parallel)
+        self.dropout = torch.nn.Dropout(config.dropout) if config.dropout > 0 else torch.nn.Identity()
+        tp, rank, r = self.group.size(), self.group.rank(), config.rank
+        out_local, in_local = layer.weight.shape
+        full_in = in_local * tp if kind == "row" else in_local
+        full_A = kaiming_uniform_A(r, full_in, _layer_seed(name, seed))
+        dtype, device = layer.weight.dtype, layer.weight.device
+        if kind == "column":  # A [r, in] replicated; B [out/tp, r] split like W's rows
+            A, B = full_A, torch.zeros(out_local, r)
+        else:  # A [r, in/tp] split like W's columns; B [out, r] replicated
+            A, B = full_A[:, rank * in_local : (rank + 1) * in_local], torch.zeros(out_local, r)
+        self.A = torch.nn.Parameter(A.to(device=device, dtype=dtype).contiguous())
+        self.B = torch.nn.Parameter(B.to(device=device, dtype=dtype))
+        # alpha/r, saved with the adapter (the converter's merged export reads it) and the one the forward uses
+        self.register_buffer("scale_factor", torch.tensor(config.scale, dtype=torch.float32, device=device))
+        sharded, replicated = (self.B, self.A) if kind == "column" else (self.A, self.B)
+        set_tensor_model_parallel_attributes(sharded, True, 0 if kind == "column" else 1, 1)
+        if self.sequence_parallel:  # its gradient covers this rank's tokens only: summed over TP by Megatron
+            replicated.sequence_parallel = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel import mappings
+
+        x = self.dropout(x)
+        if self.kind == "column":
+            h = torch.nn.functional.linear(x, self.A)  # [s(/tp), b, r]
+            if self.sequence_parallel:  # all-gather along the sequence; backward: reduce-scatter (sums over TP)
+                h = mappings.gather_from_sequence_parallel_region(h, group=self.group)
+            else:  # identity; backward: all-reduce (every rank's B shard contributes to dh)
+                h = mappings.copy_to_tensor_model_parallel_region(h, group=self.group)
+        else:
+            h = torch.nn.functional.linear(x, self.A)  # partial sums over this rank's input columns
+            if self.sequence_parallel:
+                h = mappings.reduce_scatter_to_sequence_parallel_region(h, group=self.group)
+            else:
+                h = mappings.reduce_from_tensor_model_parallel_region(h, group=self.group)
+        return torch.nn.functional.linear(h, self.B) * self.scale_factor
+
+    def delta(self) -> torch.Tensor:
+        """This rank's shard of ``(alpha/r) B A``, the shape of the layer's weight shard (row-parallel: ``B`` times
+        this rank's columns of ``A``)."""
+        return (self.B.float() @ self.A.float()) * self.scale_factor
+
+
+def adapter_elements(arch, config: LoRAConfig, tp: int, layers) -> int:
+    """Adapter parameters one TP rank holds for ``layers`` (indices) of ``arch``, as :func:`add_lora` builds them:
+    a column-parallel layer ``r*in + r*out/tp``, a row-parallel one ``r*in/tp + r*out`` (the memory check's count
+    of what has gradients and optimizer state)."""
+    if not config.enabled:
+        return 0
+    r, h, targets = config.rank, arch.hidden_size, set(config.target_modules)
+    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
+    total = 0
+    for layer in layers:
+        moe = arch.moe is not None and layer in arch.moe.layers
+        ffn = arch.moe.shared_expert_ffn_hidden_size if moe else arch.ffn_hidden_size
+        sizes = {"linear_qkv": ("column", h, q + 2 * kv), "linear_proj": ("row", q, h)}
+        if ffn:  # Megatron's fc1 fuses gate and up
+            sizes |= {"linear_fc1": ("column", h, 2 * ffn), "linear_fc2": ("row", ffn, h)}
+        for name in targets & sizes.keys():
+            kind, fan_in, fan_out = sizes[name]
+            total += r * fan_in + r * fan_out // tp if kind == "column" else r * fan_in // tp + r * fan_out
+    return total
+
+
+def kaiming_uniform_A(rank: int, fan_in: int, seed: int) -> torch.Tensor:
+    """PEFT's initialisation of ``A`` (``kaiming_uniform_(a=sqrt(5))``: uniform in +-1/sqrt(fan_in)), drawn on the
+    CPU from ``seed`` for the whole matrix, so that every TP size slices the same one."""
+    gen = torch.Generator().manual_seed(seed)
+    bound = 1.0 / math.sqrt(fan_in)
+    return (torch.rand(rank, fan_in, generator=gen, dtype=torch.float64) * 2 - 1).mul_(bound).float()
+
+
+def _layer_seed(name: str, seed: int) -> int:
+    """A seed per layer, from its parameter name (which does not depend on the TP size)."""
+    return (zlib.crc32(name.encode()) + 1_000_003 * seed) % 2**63
+
+
+def _hook(module, args, output):
+    out, bias = output
+    return out + module.lora(args[0]), bias
+
+
+def _sharded_state_dict(module, kind: str, gated: bool):
+    """The layer's ``sharded_state_dict`` with its adapter's sharded factor declared split as it is (the layer's
+    own declares every extra tensor replicated): ``B`` along rows after a column-parallel layer (a fused gate/up
+    ``linear_fc1``'s as Megatron's MLP declares the weight: two halves), ``A`` along columns before a row-parallel
+    one. dist_checkpointing can then resume the adapters at another TP size."""
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    layer_sharded_state_dict = module.sharded_state_dict
+
+    def sharded_state_dict(prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        out = layer_sharded_state_dict(prefix, sharded_offsets, metadata)
+        singleton = (metadata or {}).get("singleton_local_shards", False)
+        tensors = {f"lora.{k}": v for k, v in module.lora.state_dict(prefix="", keep_vars=True).items()}
+        axis = {"lora.B": 0} if kind == "column" else {"lora.A": 1}
+        adapters = make_sharded_tensors_for_checkpoint(tensors, prefix, axis, sharded_offsets)
+        if gated:
+            key = f"{prefix}lora.B"
+            adapters[key] = apply_swiglu_sharded_factory(adapters[key], sharded_offsets, singleton)
+        return out | adapters
+
+    return sharded_state_dict
+
+
+def add_lora(chunks: list, config: LoRAConfig, seed: int = 0) -> int:
+    """Freeze every parameter of ``chunks`` and give each targeted layer an adapter; returns the number adapted.
+
+    Call after the weights are loaded. Raises ``ValueError`` naming the field where a targeted layer is not one of
+    Megatron-Core's own column/row-parallel layers (a TransformerEngine layer fuses the norm into ``linear_qkv``)
+    or where a target matches no layer of the model."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    if not config.enabled:
+        return 0
+    found = dict.fromkeys(config.target_modules, 0)
+    for chunk in chunks:
+        chunk.requires_grad_(False)
+        for name, module in chunk.named_modules():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf not in found or getattr(module, "is_expert", False):
+                continue
+            if type(module) is ColumnParallelLinear:
+                kind = "column"
+            elif type(module) is RowParallelLinear:
+                kind = "row"
+            else:
+                raise ValueError(
+                    f"student.lora: layer {name} is a {type(module).__name__}, not Megatron-Core's ColumnParallelLinear"
+                    " or RowParallelLinear, and cannot take an adapter; set build.use_transformer_engine=false (the "
+                    "local layer spec) or drop it from student.lora.target_modules"
+                )
+            if config.dropout > 0 and module.tp_group.size() > 1:
+                raise ValueError(
+                    f"student.lora.dropout={config.dropout} at tensor_model_parallel_size > 1: the adapter's dropout "
+                    "masks are not yet drawn alike on every TP rank; set student.lora.dropout=0"
+                )
+            module.lora = LoRAAdapter(module, kind, config, name, seed)
+            module.register_forward_hook(_hook)
+            gated = leaf == "linear_fc1" and module.config.gated_linear_unit
+            module.sharded_state_dict = _sharded_state_dict(module, kind, gated)
+            found[leaf] += 1
+    missing = [leaf for leaf, count in found.items() if count == 0]
+    if missing:
+        raise ValueError(
+            f"student.lora.target_modules names {missing}, which this model has none of (outside routed experts); "
+            "drop them from student.lora.target_modules"
+        )
+    return sum(found.values())
+
+
+def adapter_parameters(chunks: list) -> dict[str, torch.nn.Parameter]:
+    """Every adapter factor of ``chunks`` by name (``...linear_qkv.lora.A``), chunk index first for several chunks."""
+    multi = len(chunks) > 1
+    return {
+        (f"{i}.{name}" if multi else name): p
+        for i, chunk in enumerate(chunks)
+        for name, p in chunk.named_parameters()
+        if ".lora." in name
+    }
+
+
+@torch.no_grad()
+def full_adapters(chunks: list, arch, group) -> dict[str, torch.Tensor]:
+    """This pipeline stage's adapter factors unsharded, by global Megatron name (``decoder.layers.N...lora.A``): a
+    collective over the tensor-parallel ``group``. A sharded factor is reassembled as its layer's weight is (a fused
+    gate/up ``linear_fc1``'s ``B`` holds each rank's gate rows, then its up rows)."""
+    from megatron_opd.distributed.gather import gather_tp_shards
+    from megatron_opd.models.loading import chunk_layer_range
+    from megatron_opd.models.name_mapping import global_layer_name, rules_by_megatron_name, unshard
+
+    rules = rules_by_megatron_name(arch)
+    out = {}
+    for chunk in chunks:
+        offset = chunk_layer_range(chunk).start
+        for local_name, param in chunk.named_parameters():
+            if ".lora." not in local_name:
+                continue
+            name = global_layer_name(local_name, offset)
+            local = param.detach()
+            if getattr(param, "tensor_model_parallel", False):
+                local = unshard(rules[name.split(".lora.")[0] + ".weight"], gather_tp_shards(local, group))
+            out[name] = local.clone()
+    return out
+
+
+@torch.no_grad()
+def merge_lora(chunks: list) -> int:
+    """Fold each adapter into its layer's weight shard (``W += (alpha/r) B A``) and zero ``B`` (the model's output is
+    then the merged one, the adapter adding nothing); returns the number merged."""
+    merged = 0
+    for chunk in chunks:
+        for module in chunk.modules():
+            lora = getattr(module, "lora", None)
+            if isinstance(lora, LoRAAdapter):
+                module.weight.add_(lora.delta().to(module.weight.dtype))
+                lora.B.zero_()
+                merged += 1
+    return merged

@@ -1,0 +1,278 @@
+"""LoRA students (``models/lora.py``): adapters sharded over TP equal one unsharded adapter, a new one changes nothing,
+merged weights give the adapter's logits, and only adapter parameters are trained."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_opd.distributed import ParallelConfig
+from megatron_opd.models.lora import LoRAConfig, adapter_elements
+from megatron_opd.testing.multiprocess import run_distributed
+
+STEPS = 3
+LAYOUTS = {
+    "tp1": ParallelConfig(),
+    "tp2": ParallelConfig(tensor_model_parallel_size=2),
+    "tp2_sp": ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True),
+}
+
+
+def _tokens(vocab: int = 1000) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab, (2, 2, 16), generator=gen)  # [micro-batches, batch, sequence]
+
+
+def _run(parallel: ParallelConfig, model_dir: str, tokens: torch.Tensor, ckpt: str, save: bool) -> dict:
+    """At ``parallel``: the base logits, the logits with fresh adapters, the adapters after STEPS optimizer steps
+    (gathered), the adapter forward's logits and the merged model's. ``save``: write the trained model to the
+    dist_ckpt ``ckpt``; else first load ``ckpt`` into a fresh adapted model and gather its adapters."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from megatron_opd.checkpoint.source import build_and_load
+    from megatron_opd.distributed.device import detect_accelerator
+    from megatron_opd.distributed.gather import gather_vocab_shards
+    from megatron_opd.models.forward_backward import forward_backward
+    from megatron_opd.models.lora import adapter_elements, adapter_parameters, add_lora, full_adapters, merge_lora
+    from megatron_opd.trainer.config import OptimConfig
+    from megatron_opd.trainer.objective import MicroBatchStats
+    from megatron_opd.trainer.student import Student, precision_plan
+
+    tp_group = ps.get_tensor_model_parallel_group()
+    arch, chunks = build_and_load(model_dir, parallel, trainable=True)
+    result = {}
+    batches = [{"tokens": t} for t in tokens]
+
+    def logits():
+        def collect(out, batch):
+            return out.sum() * 0.0, gather_vocab_shards(out.detach(), tp_group)[..., : arch.vocab_size]
+
+        with torch.no_grad():
+            return torch.stack(forward_backward(chunks, batches, collect, forward_only=True))
+
+    def ce(out, batch):
+        labels = torch.roll(batch["tokens"], -1, dims=1)
+        loss = vocab_parallel_cross_entropy(out.float(), labels).mean()
+        return loss, MicroBatchStats.of({"loss": loss.detach()}, loss.device)
+
+    if not save:
+        from megatron_opd.checkpoint.mcore_io import chunks_sharded_state_dict, load_dist_checkpoint
+
+        _, fresh = build_and_load(model_dir, parallel, trainable=True)
+        add_lora(fresh, LoRAConfig(rank=4, alpha=8.0), seed=1)  # another A: the load must replace it
+        fresh[0].load_state_dict(load_dist_checkpoint(chunks_sharded_state_dict(fresh), ckpt)["model"])
+        result["resumed"] = full_adapters(fresh, arch, tp_group)
+    result["base"] = logits()
+    result["adapted"] = add_lora(chunks, LoRAConfig(rank=4, alpha=8.0), seed=0)
+    result["expected"] = 4 * arch.num_layers  # every target in every layer
+    result["fresh"] = logits()
+    adapters = adapter_parameters(chunks)
+    trainable = {name for chunk in chunks for name, p in chunk.named_parameters() if p.requires_grad}
+    result["trainable_are_adapters"] = trainable == set(adapters)
+    # adam_eps above the gradients: Adam's update is then about linear in them, not their sign, which would turn
+    # float rounding in a near-zero gradient into a whole step's difference between layouts.
+    # TP=1 here is two data-parallel ranks: Megatron's distributed optimizer there (the GPU default), sharding the
+    # adapters' state over them; the plain optimizer at TP=2.
+    distributed = parallel.tensor_model_parallel_size == 1
+    optim = OptimConfig(lr=1e-2, adam_eps=1e-2, use_distributed_optimizer=distributed)
+    student = Student(chunks, optim, precision_plan(optim, detect_accelerator("cpu")), 10)
+    in_buffers = {id(p) for c in student.model for b in [*c.buffers, *c.expert_parallel_buffers] for p in b.params}
+    optimizers = getattr(student.optimizer, "chained_optimizers", [student.optimizer])
+    if distributed:  # its groups hold fp32 shards of the buffers' parameters
+        groups = [g for o in optimizers for g in o.model_float16_groups + o.model_fp32_groups]
+    else:
+        groups = [g["params"] for o in optimizers for g in o.param_groups]
+    in_optimizer = {id(p) for g in groups for p in g}
+    ids = {id(p) for p in adapters.values()}  # the distributed optimizer holds this rank's share of them
+    result["optimizer_holds_adapters_only"] = (
+        in_buffers == ids and (in_optimizer <= ids if distributed else in_optimizer == ids) and in_optimizer
+    )
+    result["distributed"] = distributed
+    for _ in range(STEPS):
+        step = student.step(batches, ce)
+    student.finish_param_sync()  # the distributed optimizer's parameter all-gather, when overlapped
+    result["grad_norm"] = step.grad_norm
+    lora = LoRAConfig(rank=4, alpha=8.0)
+    buffers = [b for c in student.model for b in [*c.buffers, *c.expert_parallel_buffers]]
+    moments = [s[k] for o in optimizers for s in o.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    result["memory"] = {  # what the memory check counts (fp32: 4 bytes of gradient, 8 of Adam moments) vs allocated
+        "estimate": adapter_elements(arch, lora, tp_group.size(), range(arch.num_layers)),
+        "params": sum(p.numel() for p in adapters.values()),
+        "grad_bytes": sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers),
+        "moment_bytes": sum(m.numel() * m.element_size() for m in moments),
+    }
+    with_grads = {name for chunk in chunks for name, p in chunk.named_parameters() if hasattr(p, "main_grad")}
+    result["grads_are_adapters"] = with_grads == set(adapters)
+    result["adapters"] = full_adapters(chunks, arch, tp_group)
+    if save:
+        from megatron.core import dist_checkpointing
+
+        from megatron_opd.checkpoint import convert_mcore_to_hf
+        from megatron_opd.checkpoint.mcore_io import chunks_sharded_state_dict
+
+        dist_checkpointing.save(chunks_sharded_state_dict(chunks), ckpt)
+        convert_mcore_to_hf(ckpt, f"{ckpt}_hf", hf_config_dir=model_dir, force=True)  # merges the adapters
+    result["lora_logits"] = logits()
+    result["merged"] = merge_lora(chunks)
+    result["merged_logits"] = logits()
+    return result
+
+
+def _lora_body(model_dir: str, tokens: torch.Tensor, ckpt: str) -> dict:
+    from megatron_opd.distributed import initialize_distributed, initialize_model_parallel
+
+    results = {}
+    for i, (name, parallel) in enumerate(LAYOUTS.items()):
+        (initialize_model_parallel if i else initialize_distributed)(parallel)
+        results[name] = _run(parallel, model_dir, tokens, ckpt, save=name == "tp1")
+    results["tp1"]["export"] = f"{ckpt}_hf"
+    return results
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tiny_model_dirs, tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("lora_ckpt")
+    return run_distributed(_lora_body, 2, args=(tiny_model_dirs["qwen3"], _tokens(), str(ckpt)), timeout=300)
+
+
+def test_fresh_adapters_change_nothing_and_only_adapters_train(lora_runs):
+    for rank, results in enumerate(lora_runs):
+        for layout, r in results.items():
+            where = f"rank {rank}, {layout}"
+            assert r["adapted"] == r["expected"], f"{where}: {r['adapted']} layers adapted, not {r['expected']}"
+            assert torch.equal(r["fresh"], r["base"]), f"{where}: B = 0 must leave the logits bit-identical"
+            assert r["trainable_are_adapters"] and r["grads_are_adapters"], where
+            assert r["optimizer_holds_adapters_only"], where
+            assert r["grad_norm"] > 0, where
+            m = r["memory"]
+            assert m["estimate"] == m["params"] and m["grad_bytes"] == 4 * m["params"], (where, m)
+            if not r["distributed"]:
+                assert m["moment_bytes"] == 8 * m["params"], (where, m)
+            else:  # sharded over the two data-parallel ranks (each buffer padded to a multiple of them)
+                assert 8 * m["params"] / 2 <= m["moment_bytes"] < 8 * m["params"] / 2 + 8 * 1024, (where, m)
+
+
+def test_tp2_adapters_equal_tp1_and_merged_logits_equal_adapter_forward(lora_runs):
+    ref = lora_runs[0]["tp1"]
+    moved = max(t.abs().max().item() for name, t in ref["adapters"].items() if name.endswith(".B"))
+    assert moved > 1e-3, f"B barely moved ({moved:.1e}): the comparison would be vacuous"
+    assert (ref["lora_logits"] - ref["base"]).abs().max() > 1e-4, "the adapters must change the logits"
+    for rank, results in enumerate(lora_runs):
+        for layout, r in results.items():
+            assert set(r["adapters"]) == set(ref["adapters"])
+            for name, want in ref["adapters"].items():
+                got = r["adapters"][name]
+                assert got.shape == want.shape, (layout, name)
+                err = (got - want).abs().max().item()
+                assert err <= 1e-6, f"rank {rank}, {layout}: {name} differs from TP=1 by {err:.1e}"
+            torch.testing.assert_close(r["lora_logits"], ref["lora_logits"], rtol=0, atol=1e-5)
+            if layout != "tp1":  # TP=1's trained adapters, saved and loaded at TP=2: the same bits
+                assert set(r["resumed"]) == set(ref["adapters"])
+                for name, want in ref["adapters"].items():
+                    assert torch.equal(r["resumed"][name], want), f"rank {rank}, {layout}: resumed {name} differs"
+            assert r["merged"] == r["adapted"]
+            torch.testing.assert_close(r["merged_logits"], r["lora_logits"], rtol=0, atol=1e-5)
+
+
+def test_merged_hugging_face_export_gives_the_adapter_forward_logits(lora_runs, tmp_path_factory):
+    """The converter's export of the TP=1 checkpoint (``W + alpha/r B A``), run by transformers."""
+    from megatron_opd.models.reference import hf_logits
+
+    ref = lora_runs[0]["tp1"]
+    exported = [hf_logits(ref["export"], t) for t in _tokens()]
+    torch.testing.assert_close(torch.stack(exported), ref["lora_logits"], rtol=0, atol=1e-5)
+
+
+def test_bad_lora_settings_are_refused_by_name():
+    for kwargs, field in [
+        (dict(rank=-1), "student.lora.rank"),
+        (dict(rank=8, alpha=0), "student.lora.alpha"),
+        (dict(rank=8, dropout=1.0), "student.lora.dropout"),
+        (dict(rank=8, target_modules=["linear_qkv", "q_proj"]), "student.lora.target_modules"),
+        (dict(rank=8, target_modules=[]), "student.lora.target_modules"),
+    ]:
+        with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+            LoRAConfig(**kwargs)
+    assert not LoRAConfig().enabled, "LoRA is off by default"
+
+
+def test_memory_check_counts_adapter_gradients_and_optimizer_state_only(tiny_model_dirs):
+    from megatron_opd.config import load_config
+    from megatron_opd.models import load_architecture
+    from megatron_opd.trainer.config import TrainConfig
+    from megatron_opd.trainer.memory import check_trainer_memory
+
+    student = tiny_model_dirs["qwen3"]
+    base = [f"student.path={student}", "loss.kind=sft", "train.max_seq_len=64", "export_hf=false"]
+    full, _ = check_trainer_memory(load_config(TrainConfig, None, base), 1, "cpu", None)
+    lora, _ = check_trainer_memory(load_config(TrainConfig, None, [*base, "student.lora.rank=8"]), 1, "cpu", None)
+    (full_row,), (lora_row,) = full.rows, lora.rows
+    arch = load_architecture(student)
+    adapters = adapter_elements(arch, LoRAConfig(rank=8), 1, range(arch.num_layers))
+    assert 0 < adapters < full_row.params / 10
+    assert lora_row.grads == 4 * adapters and lora_row.optimizer == 8 * adapters  # fp32 on CPU: Adam's two moments
+    assert lora_row.weights == full_row.weights + 4 * adapters
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (["build.use_transformer_engine=true"], "build.use_transformer_engine"),
+        (["loss.kind=reverse_kl", "teacher.path=t", "rollout.backend=vllm"], "rollout.backend"),
+        (["parallel.pipeline_model_parallel_size=2"], "parallel.pipeline_model_parallel_size"),
+        (
+            ["parallel.tensor_model_parallel_size=2", "student.lora.dropout=0.1"],
+            "student.lora.dropout",
+        ),
+    ],
+)
+def test_what_a_lora_student_cannot_run_yet_is_refused_before_any_model(overrides, field):
+    from megatron_opd.config import load_config
+    from megatron_opd.trainer.config import TrainConfig
+
+    base = ["student.path=s", "loss.kind=sft", "data.train_files=d.jsonl", "student.lora.rank=8"]
+    cfg = load_config(TrainConfig, None, [*base, *overrides])
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        cfg.validate()
+    load_config(TrainConfig, None, base).validate()  # the supported form passes
+
+
+def test_trainer_distils_into_a_lora_student_and_exports_it_merged(tmp_path):
+    """Two steps at TP=2 through ``python -m megatron_opd.train``: the adapters train, the frozen weights stay as
+    loaded, and the final export holds the merged weights."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from megatron_opd.testing.distill_fixture import make_distill_fixture
+    from megatron_opd.testing.multiprocess import run_trainer
+
+    pair = make_distill_fixture(tmp_path / "pair")
+    out_dir = tmp_path / "run"
+    overrides = {"train.steps": 2, "student.lora.rank": 8, "parallel.tensor_model_parallel_size": 2, "optim.lr": 1e-2}
+    code, out = run_trainer(pair.overrides(out_dir, **overrides), nproc=2, timeout=300)
+    assert code == 0, out[-3000:]
+    assert "student.lora: rank-8 adapters" in out
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(r["step"] for r in rows if "loss" in r) == [1, 2]
+
+    def weights(folder):
+        return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    # The final checkpoint converted here: the trainer's own export (``out_dir/hf``, written without error above)
+    # runs in a spawned process that imports the installed package, which in a git worktree is another checkout's.
+    from megatron_opd.checkpoint.workers import run_in_fresh_process
+    from megatron_opd.train import _export
+
+    final = out_dir / "checkpoints" / "step_00000002"
+    run_in_fresh_process(_export, str(final), str(tmp_path / "merged"), pair.student)
+    assert (out_dir / "hf" / "config.json").is_file()
+    before, after = weights(Path(pair.student)), weights(tmp_path / "merged")
+    assert set(before) == set(after)
+    changed = {name for name in before if not torch.equal(before[name], after[name].to(before[name].dtype))}
+    adapted = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    assert changed and all(name.endswith(".weight") and name.split(".")[-2] in adapted for name in changed), changed
+    assert all(any(f".{layer}." in name for name in changed) for layer in adapted), "every targeted layer merged"
