@@ -1,7 +1,9 @@
 """Gated DeltaNet (``models.gated_delta_net``): the chunked and recurrent delta rules against each other and against
 transformers' PyTorch fallbacks, the mixer's state (prefill then decode equals one pass; packed sequences each from
-a zero state), the Hugging Face <-> Megatron layouts of its weights, and what is refused by name. The model-level
-checks (logits, greedy decoding, round trips, teachers) run through the shape matrix (``qwen3_next_*`` shapes)."""
+a zero state), the Hugging Face <-> Megatron layouts of its weights, and what is refused by name; a Qwen3.5 wrapper
+folder read and exported as its text model; a hybrid student's training paths (recomputation, the fused output layer,
+packing, the distributed optimizer) against the plain step. The model-level checks (logits, greedy decoding, round
+trips, teachers) run through the shape matrix (``qwen3_next_*`` and ``qwen3_5_*`` shapes)."""
 
 from __future__ import annotations
 
