@@ -1,11 +1,14 @@
 """Gated DeltaNet (``models.gated_delta_net``): the chunked and recurrent delta rules against each other and against
 transformers' PyTorch fallbacks, the mixer's state (prefill then decode equals one pass; packed sequences each from
-a zero state), the Hugging Face <-> Megatron layouts of its weights, and what is refused by name. The model-level
-checks (logits, greedy decoding, round trips, teachers) run through the shape matrix (``qwen3_next_*`` shapes)."""
+a zero state), the Hugging Face <-> Megatron layouts of its weights, and what is refused by name; a Qwen3.5 wrapper
+folder read and exported as its text model; a hybrid student's training paths (recomputation, the fused output layer,
+packing, the distributed optimizer) against the plain step. The model-level checks (logits, greedy decoding, round
+trips, teachers) run through the shape matrix (``qwen3_next_*`` and ``qwen3_5_*`` shapes)."""
 
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -175,32 +178,47 @@ def test_text_mrope_equals_partial_rope():
     assert not torch.allclose(rotary(torch.zeros(1), grid)[0][0], angles.cos())
 
 
-def test_wrapper_folder_reads_as_its_text_tower(tmp_path, caplog):
+@pytest.fixture(scope="module")
+def qwen3_5_text(shape_dirs) -> Path:
+    """The ``qwen3_5_dense`` shape's folder (the session's: the shape matrix's tests build it too)."""
+    return Path(shape_dirs["qwen3_5_dense"])
+
+
+def _wrapper_of(text, dest):
     """A ``qwen3_5`` wrapper folder (``text_config``; ``model.language_model.*`` beside ``model.visual.*`` and
-    ``mtp.*``) reads as the text model: the same architecture, the same tensors under the text names, and the
-    skipped ones named in one log line."""
+    ``mtp.*``, one tensor each) holding the text model in folder ``text``."""
     import json
-    import logging
 
     from safetensors.torch import load_file, save_file
 
-    from megatron_opd.models.hf_config import load_architecture
-    from megatron_opd.models.hf_io import HFCheckpointReader
-    from megatron_opd.testing.shapes import make_shape
-
-    text = make_shape("qwen3_5_dense", tmp_path / "text")
-    wrapper = tmp_path / "wrapper"
-    wrapper.mkdir()
+    dest.mkdir()
     tensors = load_file(text / "model.safetensors")
     stored = {(n.replace("model.", "model.language_model.", 1) if n.startswith("model.") else n): t
               for n, t in tensors.items()}  # fmt: skip
     stored.update({"model.visual.patch_embed.proj.weight": torch.ones(2, 3), "mtp.fc.weight": torch.ones(2, 2)})
-    save_file(stored, wrapper / "model.safetensors", metadata={"format": "pt"})
+    save_file(stored, dest / "model.safetensors", metadata={"format": "pt"})
     text_cfg = json.loads((text / "config.json").read_text())
     tied = text_cfg.pop("tie_word_embeddings")
+    text_cfg.pop("architectures")  # as in the published folders' text_config
     cfg = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": text_cfg,
            "vision_config": {"depth": 1}, "tie_word_embeddings": tied}  # fmt: skip
-    (wrapper / "config.json").write_text(json.dumps(cfg))
+    (dest / "config.json").write_text(json.dumps(cfg))
+    return dest
+
+
+def test_wrapper_folder_reads_as_its_text_tower(qwen3_5_text, tmp_path, caplog):
+    """A ``qwen3_5`` wrapper folder reads as the text model: the same architecture, the same tensors under the
+    text names, and the skipped ones named in one log line."""
+    import logging
+
+    from safetensors.torch import load_file
+
+    from megatron_opd.models.hf_config import load_architecture
+    from megatron_opd.models.hf_io import HFCheckpointReader
+
+    text = qwen3_5_text
+    wrapper = _wrapper_of(text, tmp_path / "wrapper")
+    tensors = load_file(text / "model.safetensors")
     assert load_architecture(wrapper) == load_architecture(text)
     with caplog.at_level(logging.INFO, logger="megatron_opd.models.wrappers"):
         reader = HFCheckpointReader(wrapper)
@@ -208,6 +226,32 @@ def test_wrapper_folder_reads_as_its_text_tower(tmp_path, caplog):
     assert all(torch.equal(reader.get(name), tensor) for name, tensor in tensors.items())
     (line,) = [r.getMessage() for r in caplog.records]
     assert "model.visual.* (1 tensors)" in line and "mtp.* (1 tensors)" in line
+
+
+def test_wrapper_folder_exports_its_text_model(qwen3_5_text, tmp_path):
+    """A model read from a ``qwen3_5`` wrapper (hf-to-mcore, then mcore-to-hf: the trainer's export) exports as the
+    text model it built: the text folder's tensors bitwise under the text names and its config (``qwen3_5_text``,
+    ``Qwen3_5ForCausalLM``), which transformers loads as a causal LM; no vision tower of nothing."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from megatron_opd.checkpoint import convert_hf_to_mcore, convert_mcore_to_hf
+    from megatron_opd.models.hf_io import HFCheckpointReader
+
+    text = qwen3_5_text
+    wrapper = _wrapper_of(text, tmp_path / "wrapper")
+    convert_hf_to_mcore(wrapper, tmp_path / "mcore")
+    exported = convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "export").out_dir
+    tensors = load_file(text / "model.safetensors")
+    reader = HFCheckpointReader(exported)
+    assert sorted(reader.names()) == sorted(tensors)
+    assert all(torch.equal(reader.get(name), tensor) for name, tensor in tensors.items())
+    want = json.loads((text / "config.json").read_text())
+    got = json.loads((exported / "config.json").read_text())
+    assert {k: got.get(k) for k in want} == want
+    assert type(AutoConfig.from_pretrained(exported)).__name__ == "Qwen3_5TextConfig"
 
 
 @pytest.mark.parametrize(
@@ -222,3 +266,119 @@ def test_vllm_is_refused_by_name(family, reason, tmp_path):
     tiny_hf_config(family).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=f"Gated DeltaNet.*{reason}.*rollout.backend=builtin"):
         check_vllm_config(str(tmp_path))
+
+
+TRAINING_PATHS = {  # variant -> (layout, ModelBuildConfig fields, loss.fused_output, distributed optimizer, packing)
+    "plain": ("tp2_sp", {}, "off", False, False),
+    "recompute": ("tp2_sp", {"recompute_granularity": "full"}, "off", False, False),
+    "fused_output": ("tp2_sp", {}, "on", False, False),
+    "packed": ("tp2_sp", {}, "off", False, True),
+    "dp2": ("dp2", {}, "off", False, False),
+    "dp2_distributed_optimizer": ("dp2", {}, "off", True, False),
+}
+
+
+def _training_paths_body(model_dir: str) -> dict:
+    """Two distillation steps (``train_step``: top-k JSD, Adam) of a hybrid student per ``TRAINING_PATHS``
+    variant, at TP=2 with sequence parallelism and then at DP=2 in the same job: the losses, the first step's
+    gradients (unsharded; not with the distributed optimizer, whose buffers hold only this rank's reduced slice),
+    the parameters' change over both steps, and how often the DeltaNet layers ran forward."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_opd.checkpoint.source import build_and_load
+    from megatron_opd.distributed import ParallelConfig, initialize_distributed, initialize_model_parallel
+    from megatron_opd.distributed.device import detect_accelerator
+    from megatron_opd.interfaces import TeacherScores
+    from megatron_opd.models.builder import ModelBuildConfig
+    from megatron_opd.models.gated_delta_net import GatedDeltaNet
+    from megatron_opd.models.output import HiddenStateOutput
+    from megatron_opd.models.reference import full_tensors
+    from megatron_opd.testing.shapes import SHAPES
+    from megatron_opd.trainer.config import LossConfig, OptimConfig
+    from megatron_opd.trainer.objective import train_step
+    from megatron_opd.trainer.student import Student, precision_plan
+    from tests.test_fused_output import _random_topk
+    from tests.test_packing import _batch
+
+    vocab = SHAPES["qwen3_5_dense"].vocab_size
+    full = _batch(vocab)  # four samples of 60, 7, 5 and 31 tokens in rows of 64
+    columns = _random_topk(full, vocab)
+    layouts = {"tp2_sp": ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True), "dp2": ParallelConfig()}
+    counts = {"mixer": 0, "fused": 0}
+    active = HiddenStateOutput.active
+
+    def counting_active(self):
+        counts["fused"] += 1
+        return active(self)
+
+    HiddenStateOutput.active = counting_active
+    out, current = {}, None
+    for variant, (layout, build, fused, distributed, packing) in TRAINING_PATHS.items():
+        parallel = layouts[layout]
+        if layout != current:
+            (initialize_model_parallel if current else initialize_distributed)(parallel)
+            current = layout
+        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        rows = list(range(dp_rank * 4 // dp, (dp_rank + 1) * 4 // dp))
+        batch = full.select(rows)
+        scores = TeacherScores(topk_ids=columns["teacher_topk_ids"][rows],
+                               topk_logprobs=columns["teacher_topk_logprobs"][rows])  # fmt: skip
+        arch, chunks = build_and_load(model_dir, parallel, ModelBuildConfig(**build), trainable=True)
+        for module in (m for chunk in chunks for m in chunk.modules() if isinstance(m, GatedDeltaNet)):
+            module.register_forward_pre_hook(lambda *_: counts.__setitem__("mixer", counts["mixer"] + 1))
+        # adam_eps above the gradients: Adam's update is about linear in them (not their sign), so the parameters
+        # after the steps carry the gradients' differences
+        optim = OptimConfig(lr=1e-2, adam_eps=1e-2, use_distributed_optimizer=distributed)
+        student = Student(chunks, optim, precision_plan(optim, detect_accelerator("cpu")), 10)
+        cfg = LossConfig(kind="jsd", mode="topk", topk=8, beta=0.3, fused_output=fused)
+        tp_group = ps.get_tensor_model_parallel_group()
+        losses, grads = [], None
+        before = {name: p.clone() for name, p in full_tensors(chunks, arch, tp_group).items()}
+        counts.update(mixer=0, fused=0)
+        for step in range(2):
+            result = train_step(student, batch, scores, cfg, vocab_size=vocab, teacher_temperature=1.0,
+                                micro_batch_size=2 // dp, packing=packing)  # fmt: skip
+            losses.append(result.stats.loss)
+            if step == 0 and not distributed:
+                grads = full_tensors(chunks, arch, tp_group, lambda p: p.main_grad)
+        student.finish_param_sync()
+        params = full_tensors(chunks, arch, tp_group)
+        update = {name: p - before[name] for name, p in params.items()}
+        out[variant] = dict(losses=losses, grads=grads, update=update, params=params, **counts)
+    HiddenStateOutput.active = active
+    return out
+
+
+def test_hybrid_student_trains_alike_on_every_training_path(qwen3_5_text):
+    """A Qwen3.5-shaped student (8 layers, DeltaNet and gated attention alternating) through the trainer's step:
+    full recomputation, the fused output layer and packed micro-batches at TP=2 with sequence parallelism, and the
+    distributed optimizer at DP=2, each equal to the plain path: two steps' losses within 1e-6 relative; the first
+    step's gradients within 1e-5 of the larger of each tensor's largest entry and 1% of the largest anywhere (the
+    DeltaNet decays' gradients, ~1e-9 at this init, are float32 cancellations); the parameters after two steps
+    within 1e-5 of the update plus float32 rounding of the parameter. TP=2 equals DP=2 (a DeltaNet split by key
+    heads trains as a whole one); the variants ran (recomputation runs the DeltaNet layers' forward twice, the fused
+    step switches the output layer). Measured (two seeds): gradients within 5e-6 of that, losses within 1e-7."""
+    from megatron_opd.testing.multiprocess import run_distributed
+
+    runs = run_distributed(_training_paths_body, 2, args=(str(qwen3_5_text),), timeout=300)[0]
+    plain = runs["plain"]
+    assert plain["losses"][1] != plain["losses"][0]
+    assert runs["recompute"]["mixer"] == 2 * plain["mixer"] > 0
+    assert runs["fused_output"]["fused"] == 2 and plain["fused"] == 0
+    largest = max(float(g.abs().max()) for g in plain["grads"].values())
+    reference = {"dp2_distributed_optimizer": runs["dp2"]}
+    for variant, run in runs.items():
+        ref = reference.get(variant, plain)
+        if run is ref:
+            continue
+        for got, want in zip(run["losses"], ref["losses"]):
+            assert abs(got - want) <= 1e-6 * abs(want), f"{variant}: loss {got} vs {want}"
+        assert set(run["params"]) == set(ref["params"]), variant
+        for name, want in ref["params"].items():
+            bound = 1e-5 * ref["update"][name].abs().max() + 4 * torch.finfo(torch.float32).eps * want.abs().max()
+            assert (run["params"][name] - want).abs().max() <= bound, f"{variant}: {name} after two steps"
+        if run["grads"] is not None:  # not kept by the distributed optimizer
+            for name, want in ref["grads"].items():
+                scale = max(float(want.abs().max()), 0.01 * largest)
+                err = float((run["grads"][name] - want).abs().max()) / scale
+                assert err <= 1e-5, f"{variant}: gradient of {name} differs by {err:.1e}"

@@ -43,6 +43,7 @@ from megatron_opd.models.fp8 import without_quantization
 from megatron_opd.models.hf_config import load_architecture
 from megatron_opd.models.mtp import without_mtp
 from megatron_opd.models.name_mapping import Split, WeightRule, hf_shapes, megatron_to_hf
+from megatron_opd.models.wrappers import exported_config
 
 logger = logging.getLogger(__name__)
 
@@ -196,12 +197,13 @@ def _export_group(
 def _write_config(cfg_dir: Path, staging: Path, dtype: torch.dtype) -> None:
     """``config.json`` as it was, with ``torch_dtype`` (and ``dtype``) naming the exported dtype, without
     ``quantization_config`` (an FP8 source was dequantised when it was loaded or converted) and with no
-    multi-token-prediction layer (``num_nextn_predict_layers`` 0: they are never exported, ``models.mtp``), completed
+    multi-token-prediction layer (``num_nextn_predict_layers`` 0: they are never exported, ``models.mtp``), a
+    multimodal wrapper's (Qwen3.5) as its text model's (``models.wrappers.exported_config``), completed
     with the fields vLLM reads that transformers' config class did not write (``ModelFamily.vllm_config_fields``)."""
     from megatron_opd.models.families import BY_MODEL_TYPE
 
     with open(cfg_dir / "config.json") as f:
-        config = without_mtp(without_quantization(json.load(f)))
+        config = without_mtp(without_quantization(exported_config(json.load(f), str(cfg_dir))))
     family = BY_MODEL_TYPE.get(config.get("model_type"))
     if family is not None:
         config.update(family.vllm_config_fields(config))

@@ -5,6 +5,9 @@ tower as ``model.language_model.*`` beside the vision tower (``model.visual.*``)
 (``mtp.*``). Read through here, the folder is the text model: its config is ``text_config``, its tensors are named
 as the text model's (``model.*``, ``lm_head.*``), and the rest is skipped, named in one log line. A family lists the
 wrappers it reads in ``ModelFamily.wrapper_types``.
+
+An export of a model read from a wrapper is the text model it built (:func:`exported_config`): the vision tower and
+MTP layers were never loaded or trained, so a folder under the wrapper's names would hold a vision tower of nothing.
 """
 
 from __future__ import annotations
@@ -60,3 +63,17 @@ def text_tensor_names(cfg: dict[str, Any], names: list[str], source: str) -> dic
         logger.info("%s is a %s wrapper: loading its text tower (%s*), skipping %s", source, cfg["model_type"],
                     TEXT_PREFIX, listed)  # fmt: skip
     return kept
+
+
+def exported_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """The ``config.json`` of an export from the model whose ``config.json`` is ``cfg``: a wrapper's text model
+    (:func:`text_config`, with the wrapper's architecture as the text model's: ``...ForConditionalGeneration`` ->
+    ``...ForCausalLM``), said in one log line; any other ``cfg`` unchanged."""
+    if not is_wrapper(cfg):
+        return cfg
+    text = text_config(cfg)
+    if "architectures" not in text and cfg.get("architectures"):
+        text["architectures"] = [a.replace("ForConditionalGeneration", "ForCausalLM") for a in cfg["architectures"]]
+    logger.info("%s is a %s wrapper: exporting its text tower as a %s model (the vision tower and MTP layers were "
+                "not loaded)", source, cfg["model_type"], text.get("model_type"))  # fmt: skip
+    return text

@@ -86,7 +86,7 @@ MLA_VARIANTS = ("deepseek_v3_q_proj",)  # multi-latent attention without a query
 SPLIT_ALL = (*SPLIT, *NEW_FAMILIES)
 MOE += ("qwen3_next_hybrid", "qwen3_5_moe")  # Gated DeltaNet hybrids with experts (transformers' 3:1 pattern)
 HYBRID = ("qwen3_next_dense",)  # Gated DeltaNet hybrid without experts: TP=2 alone and PP=2 (the MoE one is in MOE)
-HYBRID_TEXT = ("qwen3_5_dense",)  # Qwen3.5's dense text tower: logits at TP=1 and TP=2, the teacher server
+HYBRID_TEXT = ("qwen3_5_dense",)  # Qwen3.5's dense text tower: logits at TP=1, TP=2 and PP=2, the teacher server
 
 OUTSIDE_MATRIX = ("gpt_oss_sinks",)
 """Shapes that run in the cells below at the layouts they reach, but whose properties the covering conditions do not
@@ -142,8 +142,8 @@ MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
         "tp2": (SPLIT_ALL + DENSE_52 + HYBRID + HYBRID_TEXT, "test_models.py::test_logits_match_transformers"),
         "tp2_sp": (SPLIT_ALL + MOE + MLA_VARIANTS, "test_models.py::test_logits_match_transformers"),
         "ep2": (MOE + MLA_VARIANTS + GPT_OSS, "test_models.py::test_logits_match_transformers"),
-        "pp2_vp2": (LOCAL + HYBRID, "test_models.py::test_logits_match_transformers"),
-        "tp2_pp2": (SPLIT_ALL + HYBRID, "test_models.py::test_logits_match_transformers"),
+        "pp2_vp2": (LOCAL + HYBRID + HYBRID_TEXT, "test_models.py::test_logits_match_transformers"),
+        "tp2_pp2": (SPLIT_ALL + HYBRID + HYBRID_TEXT, "test_models.py::test_logits_match_transformers"),
     },
     "vLLM sync, engine process": {
         "tp1": (LOCAL, "test_weight_sync_vllm.py::test_sync_is_exact"),

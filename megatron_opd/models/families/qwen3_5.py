@@ -74,7 +74,8 @@ FAMILY = Qwen35Family(
         shared_gate="model.layers.{layer}.mlp.shared_expert_gate.weight",
     ),
     tiny_config=dict(**TINY_HYBRID, **TINY_MROPE),
-    # The MoE text tower (every layer routed, a gated shared expert), and the dense one at TP=1 and TP=2.
+    # The MoE text tower (every layer routed, a gated shared expert; transformers' 3:1 pattern), and the dense one:
+    # eight layers alternating DeltaNet and attention, so each stage of PP=2 (and each virtual chunk) holds both.
     test_shapes={
         "qwen3_5_moe": dict(
             tied=False,
@@ -84,6 +85,12 @@ FAMILY = Qwen35Family(
             mlp="moe+shared-expert",
             overrides=(("model_type", "qwen3_5_moe_text"), *TINY_MOE.items(), ("shared_expert_intermediate_size", 64)),
         ),
-        "qwen3_5_dense": dict(tied=True, kv_heads=2, vocab_size=1001, rope="none"),
+        "qwen3_5_dense": dict(
+            tied=True,
+            kv_heads=2,
+            vocab_size=1001,
+            rope="none",
+            overrides=(("num_hidden_layers", 8), ("full_attention_interval", 2)),
+        ),
     },  # fmt: skip
 )
