@@ -1,7 +1,8 @@
 """Bad input and faults of the vLLM rollout back end: a model that does not match the student, an engine that
 cannot start, an engine that dies, a sync interrupted midway (on a live engine and by killing the trainer), a
 trainer run whose sync leaves a tensor out (the start-up check off: the per-step monitor stops step 1), and the
-``reload_weights`` fallback, all against the trainer's own log-probabilities. Skips without vLLM."""
+``reload_weights`` fallback, all against the trainer's own log-probabilities; and with truncated sampling the
+engine's log-probabilities of the distribution drawn from (``EngineOptions.drawn_logprobs``). Skips without vLLM."""
 
 from __future__ import annotations
 
@@ -49,7 +50,10 @@ def _faults_body(hf_dir: str, other_dir: str, missing_dir: str, log_file: str) -
     except EngineError as err:
         out["no_start"] = str(err)
 
-    options = EngineOptions(model=hf_dir, max_model_len=64, weight_sync="reload", log_file=log_file, max_logprobs=3)
+    # drawn_logprobs: vLLM's processed log-probs (the staleness and rollout corrections under truncated sampling);
+    # at temperature 1 without top-k/top-p they are the model's own, which every check() below compares.
+    options = EngineOptions(model=hf_dir, max_model_len=64, weight_sync="reload", log_file=log_file, max_logprobs=3,
+                            drawn_logprobs=True)  # fmt: skip
     rollout = VLLMRollout(source, options, dp_rank=0, bucket_bytes=64 * 1024)
     sampling = SamplingParams(max_new_tokens=6, temperature=1.0, seed=11)
 
@@ -77,6 +81,22 @@ def _faults_body(hf_dir: str, other_dir: str, missing_dir: str, log_file: str) -
         logits = megatron_logits(chunks, torch.cat([p, r]).unsqueeze(0), arch.vocab_size)[0]
         ref = logits[len(p) - 1 : len(p) - 1 + len(r)].topk(3, dim=-1).indices
         out["topk"].append((ids, ref))
+    # Truncated sampling: each token's log-probability under the distribution drawn from (vLLM's processed log-probs)
+    # against the built-in sampler's definition on the trainer's logits in float64, and the model's own and the top-3
+    # ids (the engine's scoring pass) against the same logits.
+    from megatron_opd.losses.vocab_parallel import VocabShard
+    from megatron_opd.rollout.sampling import drawn_logprobs
+
+    truncated = replace(sampling, temperature=0.7, top_k=20, top_p=0.8, return_topk=3)
+    rollouts = rollout.generate(PROMPTS, truncated, 2).result()
+    shard = VocabShard(None, 0, 1, arch.vocab_size, arch.vocab_size)
+    out["truncated"] = []
+    for p, r, lp, drawn, ids in zip(rollouts.prompt_ids, rollouts.response_ids, rollouts.logprobs,
+                                    rollouts.drawn_logprobs, rollouts.topk_ids):  # fmt: skip
+        logits = megatron_logits(chunks, torch.cat([p, r]).unsqueeze(0), arch.vocab_size)[0].double()
+        rows = logits[len(p) - 1 : len(p) - 1 + len(r)]
+        own = torch.log_softmax(rows, dim=-1).gather(-1, r[:, None])[:, 0]
+        out["truncated"].append((drawn, drawn_logprobs(rows, r, shard, truncated), lp, own, ids, rows.topk(3).indices))
 
     # A sync that fails after its first bucket: the engine holds a partial update and refuses to sample ...
     def fail(index: int) -> None:
@@ -130,6 +150,12 @@ def test_faults_and_fallback(tiny_model_dirs, tmp_path):
         assert version == 0 and err <= 1e-4, f"{key}: version {version}, log-prob error {err:.2e}"
     for ids, ref in out["topk"]:
         assert ids.shape == ref.shape and torch.equal(ids, ref), (ids, ref)
+    assert len(out["truncated"]) == 2 * len(PROMPTS)
+    for drawn, drawn_ref, lp, lp_ref, ids, ids_ref in out["truncated"]:
+        torch.testing.assert_close(drawn.double(), drawn_ref, atol=1e-4, rtol=0)
+        torch.testing.assert_close(lp.double(), lp_ref, atol=1e-4, rtol=0)
+        assert (drawn > lp + 1).all(), "top-k 20 of ~1000 near-uniform ids: pi puts far more mass on a drawn id"
+        assert torch.equal(ids, ids_ref), (ids, ids_ref)
     assert "injected failure after bucket 0" in out["partial_error"]
     assert "partial" in out["refused"]
     assert out["restarted_after_partial"]
