@@ -208,6 +208,10 @@ def test_the_config_accepts_truncated_sampling_and_refuses_what_it_cannot_correc
         parse_args(TrainConfig, [*base, ok, "rollout.backend=vllm"]).validate()  # its engine records both
     refusals = (
         (["loss.staleness_correction=prefix", "rollout.backend=vllm", "rollout.address=h:1"], "processed_logprobs"),
+        (
+            ["loss.rollout_correction=token_tis", "rollout.backend=vllm", "rollout.max_new_tokens=1"],
+            "max_new_tokens >= 2",
+        ),
         (["loss.rollout_correction=token_tis", "loss.fused_output=on"], "loss.fused_output != on"),
         (["loss.rollout_correction=token_tis", "loss.rollout_correction_clip=0.5"], "must be a finite number >= 1"),
         (["loss.rollout_correction=tis"], "loss.rollout_correction"),

@@ -419,6 +419,12 @@ class TrainConfig:
                     "trainer's own vLLM engine records both), use rollout.backend=builtin, sample at temperature 1 "
                     f"without top_k/top_p, or set loss.{key}=off"
                 )
+            if truncated and rollout.backend == "vllm" and rollout.max_new_tokens < 2:
+                raise ValueError(
+                    f"loss.{key}={value} with truncated vLLM rollouts scores each sample once more in the engine, "
+                    "which needs one position of the context free: the prompts may fill all but "
+                    f"rollout.max_new_tokens={rollout.max_new_tokens} of it; set rollout.max_new_tokens >= 2"
+                )
             if rollout.temperature == 0.0:
                 raise ValueError(
                     f"loss.{key}={value}: rollout.temperature=0 is greedy decoding, which has no sampling "
