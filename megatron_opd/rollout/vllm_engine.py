@@ -227,14 +227,14 @@ class _Engine:
                 max_tokens=max(1, min(sampling["max_new_tokens"], room - len(p))),
                 stop_token_ids=list(sampling["stop_token_ids"]),
                 seed=sampling["seed"] + i,
-                logprobs=sampling.get("return_topk", 0),
+                logprobs=0 if drawn else sampling.get("return_topk", 0),  # drawn: the top-k from the scoring pass
                 detokenize=False,
                 ignore_eos=True,  # stops are exactly stop_token_ids, as in the built-in sampler
             )
             for i, p in enumerate(rows)
         ]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in rows], params, use_tqdm=False)
-        k = sampling.get("return_topk", 0)
+        k = 0 if drawn else sampling.get("return_topk", 0)
         tokens, logprobs, reasons, topk = [], [], [], []
         for out in outputs:
             (completion,) = out.outputs
@@ -248,8 +248,7 @@ class _Engine:
         out = {"tokens": tokens, "logprobs": logprobs, "finish_reasons": reasons, "version": version, "topk": topk}
         if drawn:  # processed log-probs are the drawn distribution's; the model's own come from a scoring pass
             out["drawn"] = logprobs
-            out["logprobs"], scored_topk = self._scored_responses(rows, tokens, k)
-            out["topk"] = scored_topk if k else []
+            out["logprobs"], out["topk"] = self._scored_responses(rows, tokens, sampling.get("return_topk", 0))
         if self.version != version:
             raise WeightsNotSynced("the weights changed during generation")
         return out
