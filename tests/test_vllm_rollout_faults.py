@@ -170,11 +170,14 @@ def pair(tmp_path_factory):
 
 def test_trainer_killed_during_sync_resyncs_on_restart(pair, tmp_path):
     """The trainer dies with a partial update in flight; restarted, it re-syncs before its first rollout and every
-    step trains on rollouts of its own version (the scheduler refuses any other)."""
+    step trains on rollouts of its own version (the scheduler refuses any other). Sampling truncates (temperature
+    0.7, top-k 20, top-p 0.8) with the prefix correction on: the engine's log-probabilities of the distribution drawn
+    from equal the trainer's (TP=2) recomputation, so the fresh batches weigh 1 per token."""
     overrides = pair.overrides(
         tmp_path / "run",
         **{"parallel.tensor_model_parallel_size": 2, "train.steps": 3, "checkpoint.every": 1, "export_hf": False,
-           "rollout.backend": "vllm", "rollout.sync_bucket_mb": 0.1},
+           "rollout.backend": "vllm", "rollout.sync_bucket_mb": 0.1, "rollout.temperature": 0.7,
+           "rollout.top_k": 20, "rollout.top_p": 0.8, "loss.staleness_correction": "prefix"},
     )  # fmt: skip
 
     code, out = run_trainer(overrides, fault="kill_during_sync:2")
@@ -185,6 +188,8 @@ def test_trainer_killed_during_sync_resyncs_on_restart(pair, tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
     assert [r["step"] for r in steps][-2:] == [2, 3] and all(r["staleness"] == 0 for r in steps)
+    for r in steps:  # fresh batches: weight 1 up to rounding (vLLM fp32 against the trainer's TP=2 fp32)
+        assert abs(r["staleness/is_weight_mean"] - 1) < 1e-4 and r["staleness/is_weight_std"] < 1e-4, r
 
 
 def test_a_sync_that_leaves_a_tensor_out_stops_at_step_1(pair, tmp_path):
