@@ -119,7 +119,8 @@ class Rollouts:
     """Where the sampling truncates (``SamplingParams.truncates``): per sample the log-probability of each response
     token under the distribution it was drawn from (after temperature, top-k and top-p; ``rollout.sampling.
     drawn_logprobs``), which the staleness and rollout corrections compare with the trainer's; None where the back
-    end does not record it (vLLM) or nothing truncates. 0 where ``response_mask`` is 0."""
+    end does not record it (vLLM servers; the trainer's vLLM engine without a correction) or nothing truncates. 0 where
+    ``response_mask`` is 0."""
 
     def __len__(self) -> int:
         return len(self.response_ids)

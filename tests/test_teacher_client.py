@@ -151,6 +151,13 @@ def test_batches_are_split_to_fit_the_server_limits(servers):
     assert client.stats["requests"] == 4
     with pytest.raises(ValueError, match="one sequence of 65 positions does not fit"):
         client.score(*_batch(1, n=1, s=65)).result(timeout=30)
+    # Padded past the server's context (a teacher's own, longer prompt padded up): what counts is the real rows.
+    wide, wide_ids = _batch(3, n=2, s=136)
+    scores = client.score(wide, wide_ids, [30, 12]).result(timeout=30)
+    ref = server.scorer.logprobs(wide[:1, :30], 1.0)[0]
+    torch.testing.assert_close(scores.topk_logprobs[0, :30].double(), ref.topk(8, dim=-1).values, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="136 positions exceed the teacher server's context of 128"):
+        client.score(wide, wide_ids).result(timeout=30)
     client.close()
 
 

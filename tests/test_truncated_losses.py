@@ -205,8 +205,13 @@ def test_the_config_accepts_truncated_sampling_and_refuses_what_it_cannot_correc
             "rollout.top_k=20", "rollout.top_p=0.8"]  # fmt: skip
     for ok in ("loss.staleness_correction=prefix", "loss.rollout_correction=sequence_mis"):
         parse_args(TrainConfig, [*base, ok]).validate()
+        parse_args(TrainConfig, [*base, ok, "rollout.backend=vllm"]).validate()  # its engine records both
     refusals = (
-        (["loss.staleness_correction=prefix", "rollout.backend=vllm"], "vLLM back end does not record"),
+        (["loss.staleness_correction=prefix", "rollout.backend=vllm", "rollout.address=h:1"], "processed_logprobs"),
+        (
+            ["loss.rollout_correction=token_tis", "rollout.backend=vllm", "rollout.max_new_tokens=1"],
+            "max_new_tokens >= 2",
+        ),
         (["loss.rollout_correction=token_tis", "loss.fused_output=on"], "loss.fused_output != on"),
         (["loss.rollout_correction=token_tis", "loss.rollout_correction_clip=0.5"], "must be a finite number >= 1"),
         (["loss.rollout_correction=tis"], "loss.rollout_correction"),

@@ -1,7 +1,8 @@
 """Bad input and faults of the vLLM rollout back end: a model that does not match the student, an engine that
 cannot start, an engine that dies, a sync interrupted midway (on a live engine and by killing the trainer), a
 trainer run whose sync leaves a tensor out (the start-up check off: the per-step monitor stops step 1), and the
-``reload_weights`` fallback, all against the trainer's own log-probabilities. Skips without vLLM."""
+``reload_weights`` fallback, all against the trainer's own log-probabilities; and with truncated sampling the
+engine's log-probabilities of the distribution drawn from (``EngineOptions.drawn_logprobs``). Skips without vLLM."""
 
 from __future__ import annotations
 
@@ -49,7 +50,10 @@ def _faults_body(hf_dir: str, other_dir: str, missing_dir: str, log_file: str) -
     except EngineError as err:
         out["no_start"] = str(err)
 
-    options = EngineOptions(model=hf_dir, max_model_len=64, weight_sync="reload", log_file=log_file, max_logprobs=3)
+    # drawn_logprobs: vLLM's processed log-probs (the staleness and rollout corrections under truncated sampling);
+    # at temperature 1 without top-k/top-p they are the model's own, which every check() below compares.
+    options = EngineOptions(model=hf_dir, max_model_len=64, weight_sync="reload", log_file=log_file, max_logprobs=3,
+                            drawn_logprobs=True)  # fmt: skip
     rollout = VLLMRollout(source, options, dp_rank=0, bucket_bytes=64 * 1024)
     sampling = SamplingParams(max_new_tokens=6, temperature=1.0, seed=11)
 
@@ -77,6 +81,22 @@ def _faults_body(hf_dir: str, other_dir: str, missing_dir: str, log_file: str) -
         logits = megatron_logits(chunks, torch.cat([p, r]).unsqueeze(0), arch.vocab_size)[0]
         ref = logits[len(p) - 1 : len(p) - 1 + len(r)].topk(3, dim=-1).indices
         out["topk"].append((ids, ref))
+    # Truncated sampling: each token's log-probability under the distribution drawn from (vLLM's processed log-probs)
+    # against the built-in sampler's definition on the trainer's logits in float64, and the model's own and the top-3
+    # ids (the engine's scoring pass) against the same logits.
+    from megatron_opd.losses.vocab_parallel import VocabShard
+    from megatron_opd.rollout.sampling import drawn_logprobs
+
+    truncated = replace(sampling, temperature=0.7, top_k=20, top_p=0.8, return_topk=3)
+    rollouts = rollout.generate(PROMPTS, truncated, 2).result()
+    shard = VocabShard(None, 0, 1, arch.vocab_size, arch.vocab_size)
+    out["truncated"] = []
+    for p, r, lp, drawn, ids in zip(rollouts.prompt_ids, rollouts.response_ids, rollouts.logprobs,
+                                    rollouts.drawn_logprobs, rollouts.topk_ids):  # fmt: skip
+        logits = megatron_logits(chunks, torch.cat([p, r]).unsqueeze(0), arch.vocab_size)[0].double()
+        rows = logits[len(p) - 1 : len(p) - 1 + len(r)]
+        own = torch.log_softmax(rows, dim=-1).gather(-1, r[:, None])[:, 0]
+        out["truncated"].append((drawn, drawn_logprobs(rows, r, shard, truncated), lp, own, ids, rows.topk(3).indices))
 
     # A sync that fails after its first bucket: the engine holds a partial update and refuses to sample ...
     def fail(index: int) -> None:
@@ -130,6 +150,15 @@ def test_faults_and_fallback(tiny_model_dirs, tmp_path):
         assert version == 0 and err <= 1e-4, f"{key}: version {version}, log-prob error {err:.2e}"
     for ids, ref in out["topk"]:
         assert ids.shape == ref.shape and torch.equal(ids, ref), (ids, ref)
+    assert len(out["truncated"]) == 2 * len(PROMPTS)
+    worst = [max(float((a.double() - b).abs().max()) for a, b, *_ in out["truncated"]),
+             max(float((c.double() - d).abs().max()) for _, _, c, d, *_ in out["truncated"])]  # fmt: skip
+    print(f"truncated vLLM rollouts vs float64: drawn log-probs {worst[0]:.2e}, model's own {worst[1]:.2e}")
+    for drawn, drawn_ref, lp, lp_ref, ids, ids_ref in out["truncated"]:
+        torch.testing.assert_close(drawn.double(), drawn_ref, atol=1e-4, rtol=0)
+        torch.testing.assert_close(lp.double(), lp_ref, atol=1e-4, rtol=0)
+        assert (drawn > lp + 1).all(), "top-k 20 of ~1000 near-uniform ids: pi puts far more mass on a drawn id"
+        assert torch.equal(ids, ids_ref), (ids, ids_ref)
     assert "injected failure after bucket 0" in out["partial_error"]
     assert "partial" in out["refused"]
     assert out["restarted_after_partial"]
@@ -144,11 +173,14 @@ def pair(tmp_path_factory):
 
 def test_trainer_killed_during_sync_resyncs_on_restart(pair, tmp_path):
     """The trainer dies with a partial update in flight; restarted, it re-syncs before its first rollout and every
-    step trains on rollouts of its own version (the scheduler refuses any other)."""
+    step trains on rollouts of its own version (the scheduler refuses any other). Sampling truncates (temperature
+    0.7, top-k 20, top-p 0.8) with the prefix correction on: the engine's log-probabilities of the distribution drawn
+    from equal the trainer's (TP=2) recomputation, so the fresh batches weigh 1 per token."""
     overrides = pair.overrides(
         tmp_path / "run",
         **{"parallel.tensor_model_parallel_size": 2, "train.steps": 3, "checkpoint.every": 1, "export_hf": False,
-           "rollout.backend": "vllm", "rollout.sync_bucket_mb": 0.1},
+           "rollout.backend": "vllm", "rollout.sync_bucket_mb": 0.1, "rollout.temperature": 0.7,
+           "rollout.top_k": 20, "rollout.top_p": 0.8, "loss.staleness_correction": "prefix"},
     )  # fmt: skip
 
     code, out = run_trainer(overrides, fault="kill_during_sync:2")
@@ -159,6 +191,8 @@ def test_trainer_killed_during_sync_resyncs_on_restart(pair, tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
     assert [r["step"] for r in steps][-2:] == [2, 3] and all(r["staleness"] == 0 for r in steps)
+    for r in steps:  # fresh batches: weight 1 up to rounding (vLLM fp32 against the trainer's TP=2 fp32)
+        assert abs(r["staleness/is_weight_mean"] - 1) < 1e-4 and r["staleness/is_weight_std"] < 1e-4, r
 
 
 def test_a_sync_that_leaves_a_tensor_out_stops_at_step_1(pair, tmp_path):

@@ -72,7 +72,8 @@ class LossConfig:
     correcting the state distribution of batches sampled by older weights (``scheduler.mode`` one/two_step_off);
     1 for fresh batches. ``pi`` is the distribution the sampler draws from: with rollout.temperature / top_k / top_p
     the truncated one (the trainer's recomputed from its logits, one top-k merge and top-p search per step; the
-    built-in sampler records the sampler's). Keeps the output layer unfused. See docs/training.md."""
+    built-in sampler records the sampler's, the trainer's vLLM engine with one scoring pass more). Keeps the output
+    layer unfused. See docs/training.md."""
     staleness_clip: float = 2.0
     """Upper clip of the prefix importance weights (logged as ``staleness/*`` either way)."""
     rollout_correction: Literal["off", "token_tis", "sequence_tis", "token_mis", "sequence_mis"] = "off"

@@ -454,4 +454,7 @@ def _rollouts(prompts: list[list[int]], out: dict, start: int, count: int, n: in
         topk_ids=[torch.tensor(t, dtype=torch.int64).reshape(len(t), -1) for t in out["topk"][start : start + count]]
         if out["topk"]
         else None,
+        drawn_logprobs=[torch.tensor(lp, dtype=torch.float32) for lp in out["drawn"][start : start + count]]
+        if out.get("drawn")
+        else None,
     )

@@ -65,6 +65,11 @@ class EngineOptions:
     max_num_seqs: int = 256
     max_logprobs: int = 1
     """Most ids per position a rollout may record (``SamplingParams.return_topk``; union loss support)."""
+    drawn_logprobs: bool = False
+    """Record, where the sampling truncates, each token's log-probability under the distribution it was drawn from
+    (``Rollouts.drawn_logprobs``; the staleness and rollout corrections): vLLM's ``logprobs_mode=processed_logprobs``
+    (after temperature, top-k and top-p), with the model's own log-probabilities and top-k ids then read by a scoring
+    pass over each sample (a prefill of prompt + response: vLLM reports one mode only)."""
     log_file: str | None = None
     """vLLM's own output goes here (append) instead of the trainer's console."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -122,6 +127,8 @@ def _build_llm(options: EngineOptions):
         max_num_seqs=options.max_num_seqs,
         load_format="auto" if options.load_weights else "dummy",
     )
+    if options.drawn_logprobs:
+        kwargs["logprobs_mode"] = "processed_logprobs"
     if options.weight_sync == "transfer_api":
         from vllm.config import WeightTransferConfig
 
@@ -202,28 +209,32 @@ class _Engine:
 
     # ---- generation --------------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: dict, n: int) -> dict[str, Any]:
-        """``n`` samples per prompt (one request each, seed ``seed + row``); token ids and raw log-probs."""
+        """``n`` samples per prompt (one request each, seed ``seed + row``); token ids and raw log-probs (and with
+        ``options.drawn_logprobs``, where the sampling truncates, the log-probs of the distribution drawn from)."""
         from vllm import SamplingParams
 
         version = self._check_complete()
         rows = [p for p in prompts for _ in range(n)]
+        truncates = sampling["temperature"] not in (0.0, 1.0) or sampling["top_k"] > 0 or sampling["top_p"] < 1.0
+        drawn = self.options.drawn_logprobs and truncates
+        room = self.options.max_model_len - (1 if drawn else 0)  # the scoring pass's prompt must leave one slot
         params = [
             SamplingParams(
                 n=1,
                 temperature=sampling["temperature"],
                 top_p=sampling["top_p"],
                 top_k=sampling["top_k"],
-                max_tokens=max(1, min(sampling["max_new_tokens"], self.options.max_model_len - len(p))),
+                max_tokens=max(1, min(sampling["max_new_tokens"], room - len(p))),
                 stop_token_ids=list(sampling["stop_token_ids"]),
                 seed=sampling["seed"] + i,
-                logprobs=sampling.get("return_topk", 0),
+                logprobs=0 if drawn else sampling.get("return_topk", 0),  # drawn: the top-k from the scoring pass
                 detokenize=False,
                 ignore_eos=True,  # stops are exactly stop_token_ids, as in the built-in sampler
             )
             for i, p in enumerate(rows)
         ]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in rows], params, use_tqdm=False)
-        k = sampling.get("return_topk", 0)
+        k = 0 if drawn else sampling.get("return_topk", 0)
         tokens, logprobs, reasons, topk = [], [], [], []
         for out in outputs:
             (completion,) = out.outputs
@@ -234,9 +245,30 @@ class _Engine:
             if k:  # the k most probable ids of the raw logits (rank 1 first); the sampled id may rank lower
                 topk.append([[t for t, lp in sorted(step.items(), key=lambda x: x[1].rank) if lp.rank <= k]
                              for step in completion.logprobs])  # fmt: skip
+        out = {"tokens": tokens, "logprobs": logprobs, "finish_reasons": reasons, "version": version, "topk": topk}
+        if drawn:  # processed log-probs are the drawn distribution's; the model's own come from a scoring pass
+            out["drawn"] = logprobs
+            out["logprobs"], out["topk"] = self._scored_responses(rows, tokens, sampling.get("return_topk", 0))
         if self.version != version:
             raise WeightsNotSynced("the weights changed during generation")
-        return {"tokens": tokens, "logprobs": logprobs, "finish_reasons": reasons, "version": version, "topk": topk}
+        return out
+
+    def _scored_responses(self, prompts: list[list[int]], responses: list[list[int]], k: int):
+        """The raw log-probability of each response token and (``k > 0``) the ``k`` most probable ids at its
+        position, from vLLM's prompt log-probs of prompt + response (raw in every ``logprobs_mode``)."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=k, temperature=0.0, detokenize=False)
+        sequences = [p + r for p, r in zip(prompts, responses)]
+        outputs = self.llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+        logprobs, topk = [], []
+        for o, p, s in zip(outputs, prompts, sequences):
+            steps = o.prompt_logprobs[len(p) :]  # position i holds log p(s[i] | s[:i])
+            logprobs.append([float(step[t].logprob) for step, t in zip(steps, s[len(p) :])])
+            if k:
+                topk.append([[t for t, lp in sorted(step.items(), key=lambda x: x[1].rank) if lp.rank <= k]
+                             for step in steps])  # fmt: skip
+        return logprobs, topk
 
     def score(self, sequences: list[list[int]]) -> dict[str, Any]:
         """log p(token_i | tokens_<i) for i >= 1 of each sequence (vLLM's prompt log-probs)."""

@@ -114,6 +114,9 @@ def build_vllm_rollout(cfg, chunks: list, seq_len: int, vocab_size: int | None =
         log_file=str(log_file),
         # loss.support=union records the student's top-k ids of every sampled position.
         max_logprobs=max(1, getattr(cfg.loss, "union_student_topk", 0)),
+        # The staleness and rollout corrections compare the distributions drawn from (truncated sampling).
+        drawn_logprobs=getattr(cfg.loss, "staleness_correction", "off") != "off"
+        or getattr(cfg.loss, "rollout_correction", "off") != "off",
     )
     return VLLMRollout(
         source,

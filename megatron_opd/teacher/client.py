@@ -431,9 +431,14 @@ class TeacherClient:
     ) -> list[_Piece]:
         info = self.connect()
         n, s = tokens.shape
+        s = s if lengths is None else max(lengths)  # what is sent: each piece is cut to its longest row
         r = 0 if request_ids is None else int(request_ids.shape[-1])
         if s > info.max_seq_len:
-            raise ValueError(f"batch {batch}: {s} positions exceed the teacher server's context of {info.max_seq_len}")
+            raise ValueError(
+                f"batch {batch}: {s} positions exceed the teacher server's context of {info.max_seq_len} (with "
+                "teacher.prompt_template, the teacher's own prompt counts): lower rollout.max_new_tokens or "
+                "train.max_seq_len, or shorten the prompts"
+            )
         if r > info.max_requested:
             raise ValueError(
                 f"batch {batch}: {r} requested ids per position exceed the {info.max_requested} of teacher "

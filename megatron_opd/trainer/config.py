@@ -410,12 +410,20 @@ class TrainConfig:
                     f"loss.kind != sft, loss.cross_tokenizer=off and loss.fused_output != on; set loss.{key}=off or "
                     "change those"
                 )
-            if truncated and rollout.backend == "vllm":
+            if truncated and rollout.backend == "vllm" and rollout.address:
                 raise ValueError(
                     f"loss.{key}={value} with truncated sampling (rollout.temperature {rollout.temperature}, top_k "
                     f"{rollout.top_k}, top_p {rollout.top_p}) needs the log-probabilities of the distribution the "
-                    "sampler drew from, which the vLLM back end does not record (it reports the model's own): use "
-                    f"rollout.backend=builtin, sample at temperature 1 without top_k/top_p, or set loss.{key}=off"
+                    "sampler drew from, which vLLM servers (rollout.address) report only when started with "
+                    "--logprobs-mode processed_logprobs, and then without the model's own: drop rollout.address (the "
+                    "trainer's own vLLM engine records both), use rollout.backend=builtin, sample at temperature 1 "
+                    f"without top_k/top_p, or set loss.{key}=off"
+                )
+            if truncated and rollout.backend == "vllm" and rollout.max_new_tokens < 2:
+                raise ValueError(
+                    f"loss.{key}={value} with truncated vLLM rollouts scores each sample once more in the engine, "
+                    "which needs one position of the context free: the prompts may fill all but "
+                    f"rollout.max_new_tokens={rollout.max_new_tokens} of it; set rollout.max_new_tokens >= 2"
                 )
             if rollout.temperature == 0.0:
                 raise ValueError(
