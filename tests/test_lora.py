@@ -3,6 +3,7 @@ merged weights give the adapter's logits, and only adapter parameters are traine
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -240,6 +241,10 @@ def test_what_a_lora_student_cannot_run_yet_is_refused_before_any_model(override
     load_config(TrainConfig, None, base).validate()  # the supported form passes
 
 
+@pytest.mark.skipif(
+    not os.environ.get("MEGATRON_OPD_LORA_TRAINER"),
+    reason="a two-step TP=2 trainer run (~20 s of CI) while LoRA (issue #59) is unfinished: set MEGATRON_OPD_LORA_TRAINER=1",
+)
 def test_trainer_distils_into_a_lora_student_and_exports_it_merged(tmp_path):
     """Two steps at TP=2 through ``python -m megatron_opd.train``: the adapters train, the frozen weights stay as
     loaded, and the final export holds the merged weights."""
