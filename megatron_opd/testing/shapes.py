@@ -10,6 +10,7 @@ once, without the full product. ``MATRIX`` is the single source: the tests read 
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -58,7 +59,7 @@ class Shape:
             out["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
         elif self.rope == "none":
             out["rope_scaling"] = None
-        out.update(self.overrides)
+        out.update(copy.deepcopy(self.overrides))  # transformers' config classes edit nested dicts in place
         return out  # "llama3", "longrope" and "yarn" are the llama, phi3 and deepseek_v3 families' defaults
 
 
