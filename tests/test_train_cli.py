@@ -99,10 +99,18 @@ def test_resume_after_kill_is_bitwise_on_the_newer_families(shape, pair, tmp_pat
     equal the uninterrupted run's bitwise (the family's modules, optimizer state and data position round-trip).
     Issue #52's families hold no state beyond their weights (``DENSE_52`` runs here too, ~80 s a shape on 2 cores:
     Gemma 2 passed on 2026-11-29; its weights' dist_ckpt round trip is in the matrix)."""
-    from megatron_opd.testing.shapes import DENSE_52, NEW_FAMILIES, make_shape
-    from megatron_opd.testing.tiny_models import make_tiny_tokenizer
+    from megatron_opd.testing.shapes import DENSE_52, NEW_FAMILIES
 
     assert shape in NEW_FAMILIES + DENSE_52
+    _sft_resume_is_bitwise(shape, pair, tmp_path)
+
+
+def _sft_resume_is_bitwise(shape: str, pair, tmp_path) -> None:
+    """A student of ``shape`` trained 4 steps with the SFT loss, killed after step 2 and started again, reproduces
+    the uninterrupted run's losses bitwise."""
+    from megatron_opd.testing.shapes import make_shape
+    from megatron_opd.testing.tiny_models import make_tiny_tokenizer
+
     student = make_shape(shape, tmp_path / "student")
     make_tiny_tokenizer(student, vocab_size=1000)  # the pair's tokenizer: fewer tokens than the student's rows
     # train.max_seq_len: within Phi-3's original 64 positions (LongRoPE's short factors; longer is refused)
@@ -131,24 +139,7 @@ def test_resume_after_kill_is_bitwise_on_the_newer_moe_families(shape, pair, tmp
     MiniMax-M2 (Megatron's sigmoid router with its expert bias), ERNIE 4.5 MoE (megatron-opd's softmax router and its
     ``[1, E]`` bias buffer, interleaved RoPE) or OLMoE student trained with the SFT loss, killed after step 2 and
     started again, reproduces the uninterrupted run's losses bitwise."""
-    from megatron_opd.testing.shapes import make_shape
-    from megatron_opd.testing.tiny_models import make_tiny_tokenizer
-
-    student = make_shape(shape, tmp_path / "student")
-    make_tiny_tokenizer(student, vocab_size=1000)
-    common = {"student.path": student, "teacher.path": "", "loss.kind": "sft", "data.response_key": "answer",
-              "train.steps": 4, "train.max_seq_len": 64, "checkpoint.every": 1, "export_hf": False,
-              "data.eval_files": ""}  # fmt: skip
-    code, out = run(pair.overrides(tmp_path / "straight", **common))
-    assert code == 0, out[-3000:]
-    straight = losses(tmp_path / "straight")
-    assert sorted(straight) == [1, 2, 3, 4] and len(set(straight.values())) == 4, straight
-    killed = tmp_path / "killed"
-    code, out = run(pair.overrides(killed, **common), fault="kill_after_step:2")
-    assert code != 0 and sorted(losses(killed)) == [1, 2], out[-3000:]
-    code, out = run(pair.overrides(killed, **common))
-    assert code == 0 and "resumed from" in out, out[-3000:]
-    assert losses(killed) == straight, f"{shape}: a resumed run must reproduce the uninterrupted losses bitwise"
+    _sft_resume_is_bitwise(shape, pair, tmp_path)
 
 
 def test_deepseek_expert_bias_survives_resume_and_export(pair, tmp_path):
