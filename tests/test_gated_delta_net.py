@@ -157,6 +157,27 @@ def test_context_parallel_is_refused_by_name():
         validate_layout(arch, ParallelConfig(context_parallel_size=2))
 
 
+def test_kernel_choice_is_checked_by_name(monkeypatch):
+    """``build.gated_delta_net_kernel``: an unknown value, and ``fla`` where fla is not installed, are refused naming
+    the field; ``auto`` on CPU tensors runs the PyTorch forms, and ``fla`` on CPU tensors (outside triton's
+    interpreter) is refused. fla's kernels against ours: ``test_gated_delta_net_fla.py``."""
+    from megatron_opd.models import gated_delta_kernels
+    from megatron_opd.models.builder import ModelBuildConfig
+
+    with pytest.raises(ValueError, match="build.gated_delta_net_kernel must be one of auto, torch, fla"):
+        ModelBuildConfig(gated_delta_net_kernel="triton")
+    monkeypatch.setattr(gated_delta_kernels, "fla_installed", lambda: False)
+    with pytest.raises(ValueError, match="gated_delta_net_kernel=fla but fla .* not installed: pip install"):
+        ModelBuildConfig(gated_delta_net_kernel="fla")
+    assert ModelBuildConfig().gated_delta_net_kernel == "auto"
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(gated_delta_kernels, "fla_installed", lambda: True)
+    assert not gated_delta_kernels.uses_fla("auto", cpu) and not gated_delta_kernels.uses_fla("torch", cpu)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="gated_delta_net_kernel=fla on cpu tensors"):
+        gated_delta_kernels.uses_fla("fla", cpu)
+
+
 def test_text_mrope_equals_partial_rope():
     """Qwen3.5's interleaved M-RoPE with text positions (temporal = height = width) is the 1-D partial RoPE
     megatron-opd builds (transformers' own rotary module against the plain formula); a vision-like position grid

@@ -58,6 +58,10 @@ class ModelBuildConfig:
     """RMSNorm of the local spec: ``torch`` (``torch.nn.RMSNorm``) or ``triton`` (``kernels.rmsnorm_triton`` on CUDA:
     5.3x faster forward+backward for Qwen3's QK-norm rows, but no gain measured in a whole H100 update, which
     is bound by kernel launches; ``benchmarks/RESULTS.md``). CPU runs always use torch."""
+    gated_delta_net_kernel: Literal["auto", "torch", "fla"] = "auto"
+    """Gated DeltaNet layers (Qwen3-Next, Qwen3.5): ``auto`` runs fla's (flash-linear-attention, optional) fused
+    Triton kernels on CUDA where fla is installed, else megatron-opd's PyTorch chunked and recurrent forms; ``torch``
+    always those; ``fla`` always fla's (refused where fla is not installed). ``models.gated_delta_kernels``."""
     recompute_granularity: Literal["selective", "full"] | None = None
     """Activation recomputation in the backward: ``selective`` (core attention only: cheap, needs little with
     ``attention=sdpa``), ``full`` (whole layers: the least memory, about a third more compute); None: off."""
@@ -98,6 +102,9 @@ class ModelBuildConfig:
             raise ValueError(f"build.norm must be 'torch' or 'triton', got {self.norm!r}")
         if self.attention not in ("sdpa", "local"):
             raise ValueError(f"build.attention must be 'sdpa' or 'local', got {self.attention!r}")
+        from megatron_opd.models.gated_delta_kernels import check_kernel
+
+        check_kernel(self.gated_delta_net_kernel)
         if self.recompute_granularity not in (None, "selective", "full"):
             raise ValueError(
                 f"build.recompute_granularity must be 'selective', 'full' or null (off), got {self.recompute_granularity!r}"
@@ -321,6 +328,7 @@ def layer_spec(
     attention: str = "sdpa",
     norm: str = "torch",
     moe_grouped_gemm: bool = False,
+    gated_delta_net_kernel: str = "auto",
 ):
     """Megatron-Core spec of one chunk's decoder: the family's spec for each of the chunk's layers (Megatron
     numbers a chunk's layers from its offset) and its final norm."""
@@ -328,7 +336,13 @@ def layer_spec(
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     family = family_named(arch.family)
-    options = SpecOptions(te=te, attention=attention, norm=norm, moe_grouped_gemm=moe_grouped_gemm)
+    options = SpecOptions(
+        te=te,
+        attention=attention,
+        norm=norm,
+        moe_grouped_gemm=moe_grouped_gemm,
+        gated_delta_net_kernel=gated_delta_net_kernel,
+    )
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     layers = range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage))
     specs = family.layer_specs(arch, layers, options)
@@ -349,12 +363,13 @@ def build_model_chunk(
     attention: str = "sdpa",
     norm: str = "torch",
     moe_grouped_gemm: bool = False,
+    gated_delta_net_kernel: str = "auto",
 ):
     """One ``GPTModel`` chunk: the layers of one (virtual) pipeline stage, built by the family's hook."""
     return family_named(arch.family).build_chunk(
         arch,
         config,
-        layer_spec(arch, te, config, vp_stage, attention, norm, moe_grouped_gemm),
+        layer_spec(arch, te, config, vp_stage, attention, norm, moe_grouped_gemm, gated_delta_net_kernel),
         vocab_size=padded_vocab_size,
         pre_process=pre_process,
         post_process=post_process,
@@ -433,6 +448,7 @@ def build_chunks(arch: ModelArchitecture, parallel: ParallelConfig, build: Model
                 attention=build.attention,
                 norm=build.norm,
                 moe_grouped_gemm=grouped,
+                gated_delta_net_kernel=build.gated_delta_net_kernel,
             )
         )
     return chunks

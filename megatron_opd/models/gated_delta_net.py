@@ -5,7 +5,8 @@ inference and packed sequences; :class:`GatedDeltaNet` here is a drop-in ``self_
 ``TransformerLayer`` that runs anywhere: a column-parallel input projection, a causal depthwise convolution over
 queries, keys and values, the gated delta rule (:func:`chunk_gated_delta_rule`, the chunked form for whole sequences;
 :func:`recurrent_gated_delta_rule`, one token at a time for decoding), a gated RMSNorm and a row-parallel output
-projection. fla is optional and not used: where it is installed its fused kernels are not called yet.
+projection. fla's fused Triton kernels replace the two PyTorch forms on CUDA where fla is installed
+(``build.gated_delta_net_kernel``, :mod:`~megatron_opd.models.gated_delta_kernels`); fla is optional.
 
 Tensor parallelism splits the key heads (each with its group of value heads): every rank's projection rows,
 convolution channels, decay parameters and value heads are those of its key heads (``Split.GROUPED`` in the weight
@@ -117,9 +118,22 @@ def recurrent_states(inference_context) -> dict[int, LayerState]:
 class GatedDeltaNet(torch.nn.Module):
     """Gated DeltaNet as a Megatron-Core ``self_attention`` submodule (``forward`` returns ``(output, bias)``)."""
 
-    def __init__(self, config, submodules: GatedDeltaNetSubmodules, layer_number: int, pg_collection=None, **_):
+    def __init__(
+        self,
+        config,
+        submodules: GatedDeltaNetSubmodules,
+        layer_number: int,
+        pg_collection=None,
+        kernel: str = "auto",
+        **_,
+    ):
         super().__init__()
         from megatron.core.transformer.spec_utils import build_module
+
+        from megatron_opd.models.gated_delta_kernels import check_kernel
+
+        check_kernel(kernel)
+        self.kernel = kernel
 
         if config.context_parallel_size > 1:
             raise ValueError(
@@ -140,7 +154,7 @@ class GatedDeltaNet(torch.nn.Module):
         self.n = config.linear_num_key_heads // tp
         self.ratio = config.linear_num_value_heads // config.linear_num_key_heads
         self.h = self.n * self.ratio
-        self.kernel = config.linear_conv_kernel_dim
+        self.kernel_size = config.linear_conv_kernel_dim
         self.eps = config.layernorm_epsilon
         # One key head's rows of the input projection: q, k, its values' v and z, then their beta and decay inputs.
         group = 2 * self.dk + 2 * self.ratio * self.dv + 2 * self.ratio
@@ -159,14 +173,14 @@ class GatedDeltaNet(torch.nn.Module):
         )
         channels = self.n * (2 * self.dk + self.ratio * self.dv)  # grouped per key head: q, k, v
         dtype = config.params_dtype
-        self.conv_weight = torch.nn.Parameter(torch.empty(channels, 1, self.kernel, dtype=dtype))
+        self.conv_weight = torch.nn.Parameter(torch.empty(channels, 1, self.kernel_size, dtype=dtype))
         self.A_log = torch.nn.Parameter(torch.empty(self.h, dtype=dtype))
         self.dt_bias = torch.nn.Parameter(torch.ones(self.h, dtype=dtype))
         self.out_norm_weight = torch.nn.Parameter(torch.ones(self.dv, dtype=dtype))
         for param in (self.conv_weight, self.A_log, self.dt_bias):
             param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 1
         with torch.no_grad():
-            torch.nn.init.uniform_(self.conv_weight, -(self.kernel**-0.5), self.kernel**-0.5)
+            torch.nn.init.uniform_(self.conv_weight, -(self.kernel_size**-0.5), self.kernel_size**-0.5)
             self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
         self.out_proj = build_module(
             submodules.out_proj,
@@ -214,38 +228,65 @@ class GatedDeltaNet(torch.nn.Module):
 
         return copy_to_tensor_model_parallel_region(self.out_norm_weight, group=self.tp_group)
 
-    def _mix(self, mixed, g, beta, window=None, state=None):
-        """Convolution (after ``window``, the inputs before these), then the delta rule from ``state``:
-        ``mixed [b, C, s]`` -> output ``[b, s, h, dv]`` and the final state. One position from a state runs the
-        recurrent form; else the chunked one."""
+    def _conv(self, mixed, window=None):
+        """The causal convolution after ``window`` (the inputs before these; zeros when None): ``mixed [b, C, s]``
+        -> queries and keys ``[b, s, n, dk]`` (not yet L2-normed) and values ``[b, s, h, dv]``."""
         s = mixed.shape[-1]
-        padded = F.pad(mixed, (self.kernel - 1, 0)) if window is None else torch.cat([window, mixed], dim=-1)
+        padded = F.pad(mixed, (self.kernel_size - 1, 0)) if window is None else torch.cat([window, mixed], dim=-1)
         conv = F.silu(F.conv1d(padded, self.conv_weight, groups=mixed.shape[1]))  # [b, C, s]
         b = conv.shape[0]
         q, k, v = conv.reshape(b, self.n, -1, s).split([self.dk, self.dk, self.ratio * self.dv], dim=2)
-        q, k = (l2norm(x.transpose(-1, -2).float()).repeat_interleave(self.ratio, dim=1) for x in (q, k))
-        v = v.reshape(b, self.h, self.dv, s).transpose(-1, -2)
-        rule = recurrent_gated_delta_rule if s == 1 and state is not None else chunk_gated_delta_rule
-        out, final = rule(q, k, v, g, beta, state)
+        return q.permute(0, 3, 1, 2), k.permute(0, 3, 1, 2), v.reshape(b, self.h, self.dv, s).permute(0, 3, 1, 2)
+
+    def _rule(self, q, k, v, g, beta, state=None):
+        """The delta rule from ``state`` on :meth:`_conv`'s outputs (``g``/``beta`` ``[b, h, s]``): output
+        ``[b, s, h, dv]`` and the final state. One position from a state runs the recurrent form, else the chunked
+        one; fla's kernels or ours (:func:`~megatron_opd.models.gated_delta_kernels.uses_fla`)."""
+        from megatron_opd.models import gated_delta_kernels as fla
+
+        decode = q.shape[1] == 1 and state is not None
+        if fla.uses_fla(self.kernel, q.device):
+            rule = fla.fla_recurrent if decode else fla.fla_chunk
+            return rule(q, k, v, g.transpose(1, 2), beta.transpose(1, 2), state)
+        q, k = (l2norm(x.float()).repeat_interleave(self.ratio, dim=2).transpose(1, 2) for x in (q, k))
+        rule = recurrent_gated_delta_rule if decode else chunk_gated_delta_rule
+        out, final = rule(q, k, v.transpose(1, 2), g, beta, state)
         return out.transpose(1, 2), final
+
+    def _mix(self, mixed, g, beta, window=None, state=None):
+        """Convolution (after ``window``), then the delta rule from ``state``: ``mixed [b, C, s]`` -> output
+        ``[b, s, h, dv]`` and the final state."""
+        return self._rule(*self._conv(mixed, window), g, beta, state)
 
     def _with_state(self, mixed, g, beta, states: dict[int, LayerState]):
         """Prefill or decode with the sampler's state: a new context (no state yet) starts from zeros."""
         held = states.get(self.layer_number)
         window = None if held is None else held.window
         out, final = self._mix(mixed, g, beta, window, None if held is None else held.recurrent)
-        inputs = F.pad(mixed, (self.kernel - 1, 0)) if window is None else torch.cat([window, mixed], dim=-1)
-        states[self.layer_number] = LayerState(inputs[..., inputs.shape[-1] - (self.kernel - 1) :], final)
+        inputs = F.pad(mixed, (self.kernel_size - 1, 0)) if window is None else torch.cat([window, mixed], dim=-1)
+        states[self.layer_number] = LayerState(inputs[..., inputs.shape[-1] - (self.kernel_size - 1) :], final)
         return out
 
     def _packed(self, mixed, g, beta, params):
-        """Packed sequences (``[1, C, t]``): each of ``cu_seqlens`` from a zero window and state."""
+        """Packed sequences (``[1, C, t]``): each of ``cu_seqlens`` from a zero window and state (fla: one call
+        with ``cu_seqlens``; ours: one call per sequence); positions after the last sequence give zeros."""
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        bounds = cu.tolist()
+        bounds = [lo for lo, hi in zip(cu.tolist()[:-1], cu.tolist()[1:]) if hi > lo] + [int(cu[-1])]
         out = mixed.new_zeros(1, mixed.shape[-1], self.h, self.dv, dtype=torch.float32)
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
-            if hi > lo:
-                out[:, lo:hi] = self._mix(mixed[..., lo:hi], g[..., lo:hi], beta[..., lo:hi])[0]
+        pieces = list(zip(bounds[:-1], bounds[1:]))
+        from megatron_opd.models import gated_delta_kernels as fla
+
+        if pieces and fla.uses_fla(self.kernel, mixed.device):
+            start, end = bounds[0], bounds[-1]
+            q, k, v = (torch.cat(parts, dim=1) for parts in zip(*(self._conv(mixed[..., lo:hi]) for lo, hi in pieces)))
+            cu_seqlens = torch.tensor([b - start for b in bounds], dtype=torch.long, device=mixed.device)
+            core, _ = fla.fla_chunk(
+                q, k, v, g[..., start:end].transpose(1, 2), beta[..., start:end].transpose(1, 2), None, cu_seqlens
+            )
+            out[:, start:end] = core
+            return out
+        for lo, hi in pieces:
+            out[:, lo:hi] = self._mix(mixed[..., lo:hi], g[..., lo:hi], beta[..., lo:hi])[0]
         return out
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):

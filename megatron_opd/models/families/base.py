@@ -37,6 +37,8 @@ class SpecOptions:
     """RMSNorm of the local spec: ``torch`` or ``triton`` (``ModelBuildConfig.norm``)."""
     moe_grouped_gemm: bool = False
     """MoE layers run their experts as one grouped GEMM (``ModelBuildConfig.moe_grouped_gemm``), not one by one."""
+    gated_delta_net_kernel: str = "auto"
+    """Gated DeltaNet layers' delta rule: ``auto``, ``torch`` or ``fla`` (``ModelBuildConfig.gated_delta_net_kernel``)."""
 
 
 def mlp_submodules(layer_spec):

@@ -138,7 +138,9 @@ class HybridFamily(MoEFamily):
                 spec = self.decoder_layer_spec(arch, options, num_experts=experts if moe else None)
                 if linear:
                     submodules = GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)
-                    spec.submodules.self_attention = ModuleSpec(module=GatedDeltaNet, submodules=submodules)
+                    spec.submodules.self_attention = ModuleSpec(
+                        module=GatedDeltaNet, submodules=submodules, params={"kernel": options.gated_delta_net_kernel}
+                    )
                 else:
                     spec.submodules.self_attention.module = eager_output_gate(SelfAttention)
                 specs[moe, linear] = spec
