@@ -6,7 +6,7 @@ and no Megatron-Core or pyzmq):
     echo /.whl/ >> .git/info/exclude
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \\
-        -d .whl "megatron-core==0.19.*" pyzmq
+        -d .whl "megatron-core==0.19.*" pyzmq flash-linear-attention fla-core
 
 Then one device call (``carry: [".whl"]``, ``timeout_s: 600``); every row runs in its own process under its own
 time limit, and the whole script stops itself before ``--budget`` seconds:
@@ -23,7 +23,9 @@ megatron-opd's ``GroupedExperts`` on ``torch._grouped_mm``; skipped with the rea
 DeepSeek-V2-Lite-sized DeepSeek-V3-architecture teacher scoring (multi-latent attention with YaRN, 64 routed experts
 top-6, 2 shared, the first layer dense; MFU against active parameters), sequential and grouped, and the same model
 as a student: a 4,096-token update with full recompute; #39 the Qwen3-1.7B update at CP=1 at 32k and 64k tokens
-with full recompute; #40 the Qwen3-1.7B update at 4,096 tokens (bf16, no TransformerEngine; MFU against
+with full recompute; #54 a Qwen3-Next-80B-A3B-shaped teacher scoring (Gated DeltaNet hybrid, 512 experts top-10, 16
+of its 48 layers to fit one GPU; ``HYBRID_SIZES``) and a Qwen3.5-shaped (transformers' default dense text tower, 9.0B) student's 4,096-token
+update with full recompute, the note saying whether fla's kernels ran; #40 the Qwen3-1.7B update at 4,096 tokens (bf16, no TransformerEngine; MFU against
 989 TFLOP/s dense bf16, 6N FLOPs per token, attention not counted) and one end-to-end trainer run on the GPU
 defaults (bf16 parameters, Megatron's distributed optimizer; the tiny distillation fixture, three steps). Update
 and scoring rows are ``benchmarks/bench_phases_gpu.py``'s measurements (random weights in the recipes' shapes).
@@ -110,8 +112,39 @@ ROWS = (
     Row("#39", "Qwen3-1.7B update, CP=1, full recompute", "update", "Qwen3-1.7B", 65536, "full", smoke_tokens=512),
     Row("#40", "Qwen3-1.7B update, bf16, no TE", "update", "Qwen3-1.7B", 4096, smoke_tokens=128),
     Row("#40", "trainer run on the GPU defaults (3 steps, tiny fixture)", "train", limit_s=180),
+    Row(
+        "#54",
+        "Qwen3-Next-80B-A3B-shaped hybrid MoE teacher (16 of its 48 layers), scoring, grouped GEMM",
+        "score",
+        "Qwen3NextConfig",
+        4096,
+        smoke_tokens=64,
+        grouped_gemm=True,
+    ),
+    Row(
+        "#54",
+        "Qwen3.5-shaped hybrid student (transformers' default text tower, 9.0B), update",
+        "update",
+        "Qwen3_5TextConfig",
+        4096,
+        "full",
+        smoke_tokens=64,
+    ),
 )
 
+
+HYBRID_SIZES = {
+    "Qwen3NextConfig": dict(num_hidden_layers=16),
+    "Qwen3_5TextConfig": dict(),
+}
+"""Gated DeltaNet hybrids (issue #54): transformers' defaults are the published shapes (Qwen3-Next-80B-A3B: 48 layers,
+512 experts top-10, 3.0B active; Qwen3.5's dense text tower: 32 layers of 4,096, about 9B). The 80B teacher keeps 16
+layers (4 of them attention, as in the full model's 3:1 pattern; about 27B parameters, 54 GB in bf16) to fit one
+141 GB GPU beside its activations: the scoring rate per layer and the MFU of active parameters are what it measures.
+The DeltaNet layers run fla's kernels where fla is importable on the device (``pip download --no-deps
+flash-linear-attention fla-core`` into ``.whl`` beside Megatron-Core), else the PyTorch forms; the row's note says
+which (``build.gated_delta_net_kernel=auto``)."""
+HYBRID_FAMILIES = {"Qwen3NextConfig": "qwen3_next", "Qwen3_5TextConfig": "qwen3_5"}
 
 DEEPSEEK_V2_LITE_SIZE = dict(
     vocab_size=102400,
@@ -157,6 +190,10 @@ def architecture(row: Row, smoke: bool):
     if row.model == "DeepseekV3Config":
         full = transformers.DeepseekV3Config(**DEEPSEEK_V2_LITE_SIZE)
         config = tiny_hf_config("deepseek_v3", q_lora_rank=None) if smoke else full  # V2-Lite has no query latent
+        return architecture_from_hf_config(config.to_dict(), row.model)
+    if row.model in HYBRID_SIZES:
+        config = tiny_hf_config(HYBRID_FAMILIES[row.model]) if smoke else None
+        config = config or getattr(transformers, row.model)(**HYBRID_SIZES[row.model])
         return architecture_from_hf_config(config.to_dict(), row.model)
     if row.model.endswith("Config"):  # a family to come: transformers' defaults are the model's published shape
         small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=1000)
@@ -217,7 +254,13 @@ def measure(row: Row, smoke: bool, reps: int) -> dict:
     sync()
     seconds = (time.perf_counter() - start) / reps
     flops = (6 if row.kind == "update" else 2) * n * s / seconds
+    kernel = {}
+    if arch.linear_attention is not None:
+        from megatron_opd.models.gated_delta_kernels import uses_fla
+
+        kernel["note"] = "DeltaNet: " + ("fla kernels" if uses_fla("auto", tokens.device) else "PyTorch forms")
     return {
+        **kernel,
         "tokens": s,
         "ms": seconds * 1e3,
         "tokens_per_s": s / seconds,
@@ -290,7 +333,7 @@ def table(results: list[tuple[Row, dict]], smoke: bool) -> str:
         "|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for row, r in results:
-        note = r.get("skipped") or r.get("error") or ""
+        note = r.get("skipped") or r.get("error") or r.get("note") or ""
         if row.kind == "train" and "ms" in r:
             note = f"{r['precision']}; {r['steps']} steps, last loss {r['loss']:.4f}"
         tokens = r.get("tokens", row.smoke_tokens if smoke else row.tokens) or "-"

@@ -88,6 +88,10 @@ SPLIT_ALL = (*SPLIT, *NEW_FAMILIES)
 MOE += ("qwen3_next_hybrid", "qwen3_5_moe")  # Gated DeltaNet hybrids with experts (transformers' 3:1 pattern)
 HYBRID = ("qwen3_next_dense",)  # Gated DeltaNet hybrid without experts: TP=2 alone and PP=2 (the MoE one is in MOE)
 HYBRID_TEXT = ("qwen3_5_dense",)  # Qwen3.5's dense text tower: logits at TP=1, TP=2 and PP=2, the teacher server
+HYBRID_MOE_PP = ("qwen3_5_moe_deep",)
+"""Qwen3.5-MoE at 8 layers alternating DeltaNet and attention, so each virtual chunk of PP=2 x VP=2 holds both kinds
+(``qwen3_5_moe``'s 4 layers, 3:1, cannot): logits at ``pp2_vp2`` only, the one MoE shape run under pipeline
+parallelism; its other paths are ``qwen3_5_moe``'s."""
 
 OUTSIDE_MATRIX = ("gpt_oss_sinks",)
 """Shapes that run in the cells below at the layouts they reach, but whose properties the covering conditions do not
@@ -97,7 +101,11 @@ GPT_OSS = ("gpt_oss_sinks",)
 ALL_PROPERTIES = frozenset().union(*(s.properties for n, s in SHAPES.items() if n not in OUTSIDE_MATRIX))
 TP1_ONLY = frozenset({"attention:one-kv-head"})
 MOE_ONLY = ALL_PROPERTIES - frozenset().union(
-    *(s.properties for n, s in SHAPES.items() if n not in MOE + MLA_VARIANTS + HYBRID + HYBRID_TEXT + OUTSIDE_MATRIX)
+    *(
+        s.properties
+        for n, s in SHAPES.items()
+        if n not in MOE + MLA_VARIANTS + HYBRID + HYBRID_TEXT + HYBRID_MOE_PP + OUTSIDE_MATRIX
+    )
 )
 """Properties only the MoE (and Gated DeltaNet hybrid) shapes have: the covering conditions ask for them in the paths
 and at the layouts that run MoE shapes so far (issue #35 brings MoE to every path; vLLM refuses the hybrids on CPU)."""
@@ -143,7 +151,7 @@ MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
         "tp2": (SPLIT_ALL + DENSE_52 + HYBRID + HYBRID_TEXT, "test_models.py::test_logits_match_transformers"),
         "tp2_sp": (SPLIT_ALL + MOE + MLA_VARIANTS, "test_models.py::test_logits_match_transformers"),
         "ep2": (MOE + MLA_VARIANTS + GPT_OSS, "test_models.py::test_logits_match_transformers"),
-        "pp2_vp2": (LOCAL + HYBRID + HYBRID_TEXT, "test_models.py::test_logits_match_transformers"),
+        "pp2_vp2": (LOCAL + HYBRID + HYBRID_TEXT + HYBRID_MOE_PP, "test_models.py::test_logits_match_transformers"),
         "tp2_pp2": (SPLIT_ALL + HYBRID + HYBRID_TEXT, "test_models.py::test_logits_match_transformers"),
     },
     "vLLM sync, engine process": {

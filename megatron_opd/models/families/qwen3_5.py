@@ -85,6 +85,20 @@ FAMILY = Qwen35Family(
             mlp="moe+shared-expert",
             overrides=(("model_type", "qwen3_5_moe_text"), *TINY_MOE.items(), ("shared_expert_intermediate_size", 64)),
         ),
+        "qwen3_5_moe_deep": dict(
+            tied=False,
+            kv_heads=2,
+            vocab_size=1001,
+            rope="none",
+            mlp="moe+shared-expert",
+            overrides=(
+                ("model_type", "qwen3_5_moe_text"),
+                *TINY_MOE.items(),
+                ("shared_expert_intermediate_size", 64),
+                ("num_hidden_layers", 8),
+                ("full_attention_interval", 2),
+            ),
+        ),
         "qwen3_5_dense": dict(
             tied=True,
             kv_heads=2,
