@@ -67,7 +67,8 @@ class LoRAConfig:
     dropout: float = 0.0
     """Dropout on the adapter's input while training (0: none; distillation compares log-probs, so 0 is usual)."""
     target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
-    """Layers that get adapters, by Megatron-Core name: linear_qkv, linear_proj, linear_fc1, linear_fc2."""
+    """Layers that get adapters, by Megatron-Core name: linear_qkv, linear_proj, linear_fc1, linear_fc2 (routed
+    experts, ``experts``, are refused: they stay frozen)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
