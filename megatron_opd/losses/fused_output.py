@@ -190,7 +190,8 @@ def fused_output_loss(
     ``grad_hint``: the gradient backward will bring to the loss, when the caller knows it (Megatron's schedule:
     the loss function's scale x CP size / micro-batches). The weight's gradient then goes straight into its
     gradient buffer (``main_grad`` under Megatron's DDP, else ``.grad``, created if missing) during the forward,
-    with no ``[V/TP, H]`` accumulator; backward checks the hint and refuses a different gradient.
+    with no ``[V/TP, H]`` accumulator; backward checks the hint and refuses a different gradient. A frozen weight
+    (``requires_grad=False``: a LoRA student's output layer) gets no gradient at all.
 
     ``index_N``: the flat positions where ``trained_T`` is true, when the caller has them without a device sync (the
     trainer: computed on the host before the schedule); else found here (``nonzero``: on a GPU, a sync)."""
