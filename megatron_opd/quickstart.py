@@ -6,6 +6,7 @@
     opd-quickstart --student-family gemma3   # a Gemma-3-shaped student
     opd-quickstart --student-family qwen3_5  # a Qwen3.5-shaped student (Gated DeltaNet and gated attention)
     opd-quickstart --moe                 # a Mixture-of-Experts student at expert parallelism
+    opd-quickstart --lora                # a LoRA student: rank-8 adapters, the base frozen
     opd-quickstart --self-distill        # the starting weights as their own teacher, with the answer as a hint
 
 (``python examples/quickstart.py`` in a checkout is the same command.) It runs from any folder: the recipes
@@ -38,6 +39,12 @@ the dense forward KL, the sorting teacher's top-k from the server). The bar: eac
 ``--moe``: the student is a Qwen3-MoE upcycled from the dense one (``megatron_opd.models.upcycle``: 4 experts per
 layer, each the layer's MLP, top-2 routing, a random router) and distils at expert parallelism (EP = ``--nproc``,
 TP=1, the alltoall dispatcher (``auto`` at EP > 1), the built-in sampler) with the load-balancing loss on; same bar.
+
+``--lora``: the student distils into rank-8 adapters on every attention and MLP projection, its weights frozen
+(``examples/quickstart/distil_lora.yaml``, ``student.lora.*``). Adapters adapt a trained base: on the randomly
+initialised one, whose frozen final norm and tied embedding cap every logit at +-1.6, no adapter can make the
+teacher's digit likely. So the student is first warmed up by 125 SFT steps of the whole model beside the teacher's
+SFT (``student_warmup.yaml``, about 10% held-out accuracy), as for ``--cross-tokenizer``; same bar.
 
 ``--self-distill``: self-distillation with privileged context. The starting weights (teacher-sized) learn by SFT to
 answer prompts that carry the answer as a hint ("answer 21904. reverse 40912 ="; ``distil_self.yaml``'s
@@ -163,6 +170,10 @@ def main(argv: list[str] | None = None) -> None:
         help="a Mixture-of-Experts student (upcycled from the dense one), distilled at expert parallelism",
     )  # fmt: skip
     parser.add_argument(
+        "--lora", action="store_true",
+        help="a LoRA student: rank-8 adapters trained, its weights frozen (examples/quickstart/distil_lora.yaml)",
+    )  # fmt: skip
+    parser.add_argument(
         "--routing-replay", action="store_true",
         help="with --moe: the trainer replays the sampler's expert choices (rollout.routing_replay)",
     )  # fmt: skip
@@ -193,6 +204,10 @@ def main(argv: list[str] | None = None) -> None:
     tp = f"parallel.tensor_model_parallel_size={args.nproc}"
 
     student_init, config, student_run = task / "student-init", RECIPES / "distil.yaml", work / "student"
+    if args.lora:
+        if args.cross_tokenizer or args.moe:
+            parser.error("--lora runs the dense student on the quick start's own task: drop --cross-tokenizer/--moe")
+        config = RECIPES / "distil_lora.yaml"
     student_layout = [tp]
     if args.moe:
         from megatron_opd.models.upcycle import upcycle_to_moe
@@ -203,21 +218,22 @@ def main(argv: list[str] | None = None) -> None:
                           "build.moe_aux_loss_coeff=1e-3", f"train.micro_batch_size={64 // args.nproc}"]  # fmt: skip
         student_layout += ["rollout.routing_replay=true"] if args.routing_replay else []
     warmup = None
-    if args.cross_tokenizer:  # step 2 needs no teacher: it runs beside step 1, its output in a log file
+    if args.cross_tokenizer or args.lora:  # step 2 needs no teacher: it runs beside step 1, its output in a log file
         warmup_log = work / "student-warmup.log"
         warmup = torchrun(args.nproc, RECIPES / "student_warmup.yaml",
                           [f"student.path={student_init}", *data, f"output_dir={work / 'student-warmup'}", tp],
                           log=warmup_log, jobs=2)  # fmt: skip
-        student_init, config = work / "student-warmup" / "hf", RECIPES / "distil_cross.yaml"
+        student_init = work / "student-warmup" / "hf"
+        config = RECIPES / ("distil_lora.yaml" if args.lora else "distil_cross.yaml")
 
-    teacher_run, n = work / "teacher", 3 if args.cross_tokenizer else 2
+    teacher_run, n = work / "teacher", 3 if warmup is not None else 2
     if args.teacher_run is not None:  # the task is the same: make_quickstart_task is seeded
         print(f"\n== 1/{n} teacher: reusing {args.teacher_run} ==", flush=True)
         teacher_run = args.teacher_run.resolve()
     else:
         print(f"\n== 1/{n} teacher: supervised fine-tuning on the task ==", flush=True)
     if warmup is not None:
-        print(f"== 2/3 student: a short supervised warm-up (its own tokenizer), beside step 1: {warmup_log} ==",
+        print(f"== 2/3 student: a short supervised warm-up{' (its own tokenizer)' if args.cross_tokenizer else ''}, beside step 1: {warmup_log} ==",
               flush=True)  # fmt: skip
     if args.teacher_run is None:
         # The doubled-digit teacher needs fewer steps (96% held-out accuracy after 200).
@@ -230,8 +246,9 @@ def main(argv: list[str] | None = None) -> None:
         finish(warmup, warmup_log)
         accuracy = evals(work / "student-warmup")[1]["eval/accuracy"]
         print(f"\n== 2/3 student warm-up done: held-out accuracy {accuracy:.1%} ==", flush=True)
-    print(f"\n== {'3/3' if args.cross_tokenizer else '2/2'} student: on-policy distillation from the teacher"
-          f"{' (another tokenizer)' if args.cross_tokenizer else ''} ==", flush=True)  # fmt: skip
+    print(f"\n== {'3/3' if warmup is not None else '2/2'} student: on-policy distillation from the teacher"
+          f"{' (another tokenizer)' if args.cross_tokenizer else ''}{' into LoRA adapters' if args.lora else ''} ==",
+          flush=True)  # fmt: skip
     finish(torchrun(args.nproc, config,
                     [f"student.path={student_init}", f"teacher.path={teacher_run / 'hf'}", *data,
                      f"output_dir={student_run}", *student_layout, f"rollout.backend={args.rollout_backend}",
@@ -240,7 +257,8 @@ def main(argv: list[str] | None = None) -> None:
 
     print(
         f"\nmegatron-opd quick start{' across tokenizers' if args.cross_tokenizer else ''} ({args.nproc} processes, "
-        f"{'MoE student at EP' if args.moe else 'TP'}={args.nproc}, rollouts: {args.rollout_backend}, "
+        f"{'MoE student at EP' if args.moe else 'TP'}={args.nproc}{', LoRA student' if args.lora else ''}, "
+        f"rollouts: {args.rollout_backend}, "
         f"{args.scheduler_mode}) in "
         f"{time.perf_counter() - start:.0f} s"
     )

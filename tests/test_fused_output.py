@@ -183,6 +183,27 @@ def test_a_micro_batch_with_nothing_trained_gives_zero_loss_and_gradients():
     assert float(loss) == 0 and stats.tokens == 0 and hidden.grad.abs().max() == 0 and weight.grad.abs().max() == 0
 
 
+@pytest.mark.parametrize("grad_hint", [None, 1.0])
+def test_a_frozen_output_weight_gets_no_gradient_and_the_hidden_states_the_same(grad_hint):
+    """A LoRA student's output layer is frozen: no weight gradient is formed (nor a ``.grad`` created for the hint),
+    and the hidden states' gradient is the trainable weight's."""
+    gen = torch.Generator().manual_seed(4)
+    mb = _micro_batch("topk", "teacher_topk", gen)
+    hidden = torch.randn(B, S, H, generator=gen)
+    weight = torch.randn(V, H, generator=gen)
+    grads = {}
+    for frozen in (False, True):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(not frozen)
+        loss_fn = make_loss_fn(LossConfig(mode="topk", topk=K, fused_output="on"), vocab_size=VOCAB,
+                               teacher_temperature=1.0, normalizer=5.0, scale=1.0, output=_Switch(w),
+                               grad_hint=grad_hint)  # fmt: skip
+        loss, _ = loss_fn(h, mb)
+        loss.backward()
+        grads[frozen] = h.grad
+        assert (w.grad is None) == frozen
+    assert torch.equal(grads[True], grads[False])
+
+
 @pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean", "sum"])
 def test_reduction_coefficients_reproduce_the_reduction(reduction):
     gen = torch.Generator().manual_seed(1)

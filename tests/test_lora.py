@@ -194,6 +194,7 @@ def test_bad_lora_settings_are_refused_by_name():
         (dict(rank=8, dropout=1.0), "student.lora.dropout"),
         (dict(rank=8, target_modules=["linear_qkv", "q_proj"]), "student.lora.target_modules"),
         (dict(rank=8, target_modules=[]), "student.lora.target_modules"),
+        (dict(rank=8, target_modules=["linear_qkv", "experts"]), "student.lora.target_modules"),
     ]:
         with pytest.raises(ValueError, match=field.replace(".", r"\.")):
             LoRAConfig(**kwargs)
@@ -222,8 +223,6 @@ def test_memory_check_counts_adapter_gradients_and_optimizer_state_only(tiny_mod
     "overrides, field",
     [
         (["build.use_transformer_engine=true"], "build.use_transformer_engine"),
-        (["loss.kind=reverse_kl", "teacher.path=t", "rollout.backend=vllm"], "rollout.backend"),
-        (["parallel.pipeline_model_parallel_size=2"], "parallel.pipeline_model_parallel_size"),
         (
             ["parallel.tensor_model_parallel_size=2", "student.lora.dropout=0.1"],
             "student.lora.dropout",
@@ -239,6 +238,10 @@ def test_what_a_lora_student_cannot_run_yet_is_refused_before_any_model(override
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         cfg.validate()
     load_config(TrainConfig, None, base).validate()  # the supported form passes
+    layouts = ["parallel.pipeline_model_parallel_size=2", "parallel.context_parallel_size=2", "train.packing=false",
+               "parallel.expert_model_parallel_size=2", "loss.kind=reverse_kl", "teacher.path=t",
+               "rollout.backend=vllm"]  # fmt: skip
+    load_config(TrainConfig, None, [*base, *layouts]).validate()  # tests/test_lora_layouts.py, test_weight_sync_vllm
 
 
 @pytest.mark.skipif(

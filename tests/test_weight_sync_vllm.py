@@ -2,7 +2,9 @@
 gathered in the test, on every shape the model-shape matrix gives the path "vLLM sync, engine process"
 (``megatron_opd.testing.shapes``: tied embeddings, whose tied ``lm_head`` vLLM must re-process after every sync;
 QKV bias, MHA, a single KV head, a 97-token vocabulary, llama3 and linear RoPE scaling), through vLLM's
-weight-transfer API (our gloo back end on CPU) and the ``reload_weights`` fallback (both at TP=1 and at TP=2).
+weight-transfer API (our gloo back end on CPU) and the ``reload_weights`` fallback (both at TP=1 and at TP=2). At
+TP=2xPP=2 the first shape runs once more as a LoRA student (``student.lora``): the sync sends the merged weights, and
+vLLM's log-probabilities equal the adapter forward's before and after the adapters' first step.
 
 Each layout runs one job over its cases: sync, compare vLLM's log-probabilities of fixed sequences (and of its own
 samples) with the trainer's, re-sync unchanged weights (greedy outputs identical), one optimizer step, sync, compare
@@ -40,20 +42,23 @@ def _loss(logits, batch):
     return loss, StepStats(loss=float(loss.detach()), tokens=1.0)
 
 
-def _layout_body(cases: list[tuple[str, str]], tp: int, pp: int, log_file: str, broken: bool) -> dict:
-    """Every (model folder, weight_sync) case of one layout in one job; with ``broken``, the broken-sync checks."""
+def _layout_body(cases: list[tuple[str, str, int]], tp: int, pp: int, log_file: str, broken: bool) -> dict:
+    """Every (model folder, weight_sync, LoRA rank) case of one layout in one job; with ``broken``, the broken-sync
+    checks."""
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
 
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     accel = initialize_distributed(parallel)
-    out = {f"{i}": _sync_case(hf_dir, weight_sync, parallel, accel, log_file) for i, (hf_dir, weight_sync) in
-           enumerate(cases)}  # fmt: skip
+    out = {f"{i}": _sync_case(hf_dir, weight_sync, parallel, accel, log_file, lora) for i, (hf_dir, weight_sync, lora)
+           in enumerate(cases)}  # fmt: skip
     if broken:
         out["broken"] = _broken_sync(cases[0][0], parallel, accel, log_file)
     return out
 
 
-def _sync_case(hf_dir: str, weight_sync: str, parallel, accel, log_file: str) -> dict:
+def _sync_case(hf_dir: str, weight_sync: str, parallel, accel, log_file: str, lora: int = 0) -> dict:
+    """``lora``: the rank of adapters on every target layer (a LoRA student, its base frozen; the sync sends the
+    merged weights), 0 for a full student."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -66,6 +71,10 @@ def _sync_case(hf_dir: str, weight_sync: str, parallel, accel, log_file: str) ->
 
     with_builtin = parallel.pipeline_model_parallel_size == 1
     arch, chunks = build_and_load(hf_dir, parallel, trainable=True)
+    if lora:
+        from megatron_opd.models.lora import LoRAConfig, add_lora
+
+        add_lora(chunks, LoRAConfig(rank=lora, alpha=2.0 * lora))
     optim = OptimConfig(lr=1e-2)
     student = Student(chunks, optim, precision_plan(optim, accel), total_steps=10)
     for chunk in chunks:
@@ -258,36 +267,40 @@ LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "tp2_pp2": (2, 2)}
 ROUTES = ("transfer_api", "reload")
 
 
-def layout_cases(layout: str) -> list[tuple[str, str]]:
-    """(shape, weight_sync) of each shape the matrix gives ``layout``: the two routes alternate over the shapes at
-    TP=1 and TP=2 (starting from the other route at TP=2, so a shape at both layouts takes both routes), the
-    weight-transfer API (the trainer's default) at TP=2xPP=2."""
+LORA_RANK = 4
+"""The LoRA student's case (TP=2xPP=2, the first shape): adapters on every target layer, merged weights synced."""
+
+
+def layout_cases(layout: str) -> list[tuple[str, str, int]]:
+    """(shape, weight_sync, LoRA rank) of each shape the matrix gives ``layout``: the two routes alternate over the
+    shapes at TP=1 and TP=2 (starting from the other route at TP=2, so a shape at both layouts takes both routes), the
+    weight-transfer API (the trainer's default) at TP=2xPP=2, where the first shape also runs as a LoRA student."""
     names = shapes_at(PATH, layout)
     if layout == "tp2_pp2":
-        return [(name, ROUTES[0]) for name in names]
+        return [*((name, ROUTES[0], 0) for name in names), (names[0], ROUTES[0], LORA_RANK)]
     start = 0 if layout == "tp1" else 1
-    return [(name, ROUTES[(start + i) % 2]) for i, name in enumerate(names)]
+    return [(name, ROUTES[(start + i) % 2], 0) for i, name in enumerate(names)]
 
 
 def test_both_routes_at_tp1_and_tp2():
     for layout in ("tp1", "tp2"):
-        assert {route for _, route in layout_cases(layout)} == set(ROUTES), layout
+        assert {route for _, route, _ in layout_cases(layout)} == set(ROUTES), layout
     assert max(map(max, PROMPTS)) < min(shape.vocab_size for shape in SHAPES.values())
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_sync_is_exact(shape_dirs, tmp_path, layout):
     tp, pp = LAYOUTS[layout]
-    cases = [(shape_dirs[name], weight_sync) for name, weight_sync in layout_cases(layout)]
+    cases = [(shape_dirs[name], weight_sync, lora) for name, weight_sync, lora in layout_cases(layout)]
     broken = tp == 1
     results = run_distributed(
         _layout_body, tp * pp, args=(cases, tp, pp, str(tmp_path / "vllm.log"), broken), timeout=1200
     )
-    for i, (name, weight_sync) in enumerate(layout_cases(layout)):
+    for i, (name, weight_sync, lora) in enumerate(layout_cases(layout)):
         try:
             _check([r[f"{i}"] for r in results], with_builtin=pp == 1)
         except AssertionError as err:
-            raise AssertionError(f"{name} ({weight_sync}): {err}") from err
+            raise AssertionError(f"{name} ({weight_sync}{f', LoRA rank {lora}' if lora else ''}): {err}") from err
     if broken:
         out = results[0]["broken"]
         assert "rollout start-up check" in out["startup"] and "rollout.startup_check=false" in out["startup"]

@@ -95,7 +95,9 @@ class _FusedOutputLoss(torch.autograd.Function):
     def forward(ctx, hidden_TH, weight_VH, coeff_T, index_N, token_pass, rows, grad_into, grad_hint):
         weight = weight_VH  # the parameter itself (weight_VH is detached below): backward may set its .grad
         grad_h_TH = torch.zeros_like(hidden_TH)
-        if grad_into is None:  # an accumulator of our own, scaled in backward
+        if not weight_VH.requires_grad:  # a frozen output layer (a LoRA student's): no weight gradient at all
+            grad_w_VH, alpha = None, 1.0
+        elif grad_into is None:  # an accumulator of our own, scaled in backward
             grad_w_VH = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device)
             grad_w_VH = grad_w_VH if weight_VH.dtype != torch.float64 else grad_w_VH.double()
             alpha = 1.0
@@ -122,7 +124,9 @@ class _FusedOutputLoss(torch.autograd.Function):
                 (grad_CV,) = torch.autograd.grad(loss_C, logits_CV, grad_outputs=coeff_C)
             grad_CV = grad_CV.to(weight_VH.dtype)
             grad_h_TH.index_copy_(0, index_C, torch.mm(grad_CV, weight_VH, out=grad_h_buf_CH[:n]))
-            if grad_w_VH.dtype == weight_VH.dtype:
+            if grad_w_VH is None:
+                pass
+            elif grad_w_VH.dtype == weight_VH.dtype:
                 grad_w_VH.addmm_(grad_CV.t(), h_CH, alpha=alpha)
             else:  # low precision: the chunks' products accumulate in fp32
                 grad_w_VH.add_(grad_CV.t() @ h_CH, alpha=alpha)
@@ -131,7 +135,7 @@ class _FusedOutputLoss(torch.autograd.Function):
         coeff_N = coeff_T.index_select(0, index_N)
         loss = torch.where(coeff_N != 0, per_token_N.double() * coeff_N, 0.0).sum().to(torch.float32)
         # Not saved tensors: backward scales them in place, with no second copy while autograd accumulates them.
-        ctx.grads = (grad_h_TH, None if grad_into is not None else grad_w_VH.to(weight_VH.dtype))
+        ctx.grads = (grad_h_TH, None if grad_into is not None or grad_w_VH is None else grad_w_VH.to(weight_VH.dtype))
         ctx.grad_hint = grad_hint if grad_into is not None else None
         ctx.weight = weight if grad_into is not None and grad_into is not weight.grad else None  # main_grad written
         ctx.mark_non_differentiable(per_token_N)
@@ -186,7 +190,8 @@ def fused_output_loss(
     ``grad_hint``: the gradient backward will bring to the loss, when the caller knows it (Megatron's schedule:
     the loss function's scale x CP size / micro-batches). The weight's gradient then goes straight into its
     gradient buffer (``main_grad`` under Megatron's DDP, else ``.grad``, created if missing) during the forward,
-    with no ``[V/TP, H]`` accumulator; backward checks the hint and refuses a different gradient.
+    with no ``[V/TP, H]`` accumulator; backward checks the hint and refuses a different gradient. A frozen weight
+    (``requires_grad=False``: a LoRA student's output layer) gets no gradient at all.
 
     ``index_N``: the flat positions where ``trained_T`` is true, when the caller has them without a device sync (the
     trainer: computed on the host before the schedule); else found here (``nonzero``: on a GPU, a sync)."""
@@ -194,7 +199,7 @@ def fused_output_loss(
         index_N = trained_T.reshape(-1).nonzero().reshape(-1)
     hidden_TH = hidden_TH.to(weight_VH.dtype)  # Megatron's Float16Module hands the last stage's output over in fp32
     grad_into = None
-    if grad_hint is not None:
+    if grad_hint is not None and weight_VH.requires_grad:
         grad_into = getattr(weight_VH, "main_grad", None)
         if grad_into is None:
             if weight_VH.grad is None:

@@ -15,8 +15,15 @@ Each TP rank holds its shard, so that the adapters equal one unsharded LoRA:
 
 Under sequence parallelism the replicated factor sees only its rank's tokens, so it is marked ``sequence_parallel``
 and Megatron's ``finalize_model_grads`` all-reduces its gradient over TP, as for the norms. ``A`` starts as PEFT's
-(Kaiming-uniform, drawn for the full matrix from a seed of the layer's name, then sliced: the same at every TP
-size), ``B`` at zero: a new adapter leaves the model's output unchanged, bit for bit.
+(Kaiming-uniform, drawn for the full matrix from a seed of the layer's global name, then sliced: the same at every TP
+and PP size), ``B`` at zero: a new adapter leaves the model's output unchanged, bit for bit.
+
+Other layouts need nothing of their own: under pipeline (and virtual pipeline) parallelism each chunk adapts its own
+layers; context parallelism and packed sequences only change which tokens a rank's adapter sees, and DDP reduces the
+adapters' gradients over the data- and context-parallel ranks as for any dense parameter; recomputed layers re-run the
+adapter's hook (the frozen embedding's output is marked as needing a gradient, or full recompute would skip them). At
+expert parallelism the routed experts stay frozen (``EXPERTS``): the adapters on attention and a shared expert are
+dense parameters. The output layer takes no adapter, so the fused output loss forms no gradient for its frozen weight.
 """
 
 from __future__ import annotations
@@ -41,7 +48,12 @@ __all__ = [
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 """Megatron-Core's names of the linear layers that can take adapters: attention's fused query/key/value and its output
 projection, the MLP's (fused gate/up) input and its output (a Mixture-of-Experts layer's shared expert included; its
-routed experts are not adapted)."""
+routed experts are not adapted: see ``EXPERTS``)."""
+
+EXPERTS = "experts"
+"""The name that would adapt a Mixture-of-Experts layer's routed experts (per-expert adapters), refused for now: their
+gradients would live in the expert-parallel buffers and their adapters would need the expert sharding in checkpoints
+and exports. Routed experts stay frozen; the attention and a shared expert take adapters at any EP size."""
 
 
 @dataclass
@@ -55,7 +67,8 @@ class LoRAConfig:
     dropout: float = 0.0
     """Dropout on the adapter's input while training (0: none; distillation compares log-probs, so 0 is usual)."""
     target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
-    """Layers that get adapters, by Megatron-Core name: linear_qkv, linear_proj, linear_fc1, linear_fc2."""
+    """Layers that get adapters, by Megatron-Core name: linear_qkv, linear_proj, linear_fc1, linear_fc2 (routed
+    experts, ``experts``, are refused: they stay frozen)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
@@ -64,6 +77,12 @@ class LoRAConfig:
             raise ValueError(f"student.lora.alpha must be a finite number > 0, got {self.alpha!r}")
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
             raise ValueError(f"student.lora.dropout must be a number in [0, 1), got {self.dropout!r}")
+        if EXPERTS in self.target_modules:
+            raise ValueError(
+                "student.lora.target_modules: 'experts' (adapters on the routed experts) is not supported yet; the "
+                f"routed experts stay frozen. Name only {list(LORA_TARGETS)} (linear_fc1/linear_fc2 adapt a "
+                "Mixture-of-Experts layer's shared expert)"
+            )
         unknown = [name for name in self.target_modules if name not in LORA_TARGETS]
         if unknown:
             raise ValueError(
@@ -179,6 +198,13 @@ def _hook(module, args, output):
     return out + module.lora(args[0]), bias
 
 
+def _embedding_output_requires_grad(module, args, output):
+    """The frozen embedding's output marked as needing a gradient: Megatron's full recompute runs each block under
+    ``no_grad`` and re-runs it in backward only when its input needs a gradient, so without this the adapters of the
+    first stage's blocks would get none (PEFT's ``enable_input_require_grads`` for the same reason)."""
+    return output.requires_grad_(True) if not output.requires_grad else output
+
+
 def _sharded_state_dict(module, kind: str, gated: bool):
     """The layer's ``sharded_state_dict`` with its adapter's sharded factor declared split as it is (the layer's
     own declares every extra tensor replicated): ``B`` along rows after a column-parallel layer (a fused gate/up
@@ -213,9 +239,15 @@ def add_lora(chunks: list, config: LoRAConfig, seed: int = 0) -> int:
 
     if not config.enabled:
         return 0
+    from megatron_opd.models.loading import chunk_layer_range
+    from megatron_opd.models.name_mapping import global_layer_name
+
     found = dict.fromkeys(config.target_modules, 0)
     for chunk in chunks:
         chunk.requires_grad_(False)
+        if getattr(chunk, "embedding", None) is not None:  # the first pipeline stage
+            chunk.embedding.register_forward_hook(_embedding_output_requires_grad)
+        offset = chunk_layer_range(chunk).start  # pipeline stage / virtual chunk: seeds by the global layer name
         for name, module in chunk.named_modules():
             leaf = name.rsplit(".", 1)[-1]
             if leaf not in found or getattr(module, "is_expert", False):
@@ -235,7 +267,7 @@ def add_lora(chunks: list, config: LoRAConfig, seed: int = 0) -> int:
                     f"student.lora.dropout={config.dropout} at tensor_model_parallel_size > 1: the adapter's dropout "
                     "masks are not yet drawn alike on every TP rank; set student.lora.dropout=0"
                 )
-            module.lora = LoRAAdapter(module, kind, config, name, seed)
+            module.lora = LoRAAdapter(module, kind, config, global_layer_name(name, offset), seed)
             module.register_forward_hook(_hook)
             gated = leaf == "linear_fc1" and module.config.gated_linear_unit
             module.sharded_state_dict = _sharded_state_dict(module, kind, gated)

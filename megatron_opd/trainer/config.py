@@ -608,14 +608,6 @@ class TrainConfig:
             (te is True or (te is None and has_transformer_engine()), "TransformerEngine layers (build."
              "use_transformer_engine, by default on where TE runs: TE fuses the norm into linear_qkv; adapters wrap "
              "Megatron's own layers)", "build.use_transformer_engine=false"),
-            (self.rollout.backend == "vllm" and self.loss.kind != "sft", "rollout.backend=vllm (the weight sync "
-             "does not send merged adapters yet)", "rollout.backend=builtin"),
-            (self.parallel.pipeline_model_parallel_size > 1, "pipeline parallelism (not tested with adapters yet)",
-             "parallel.pipeline_model_parallel_size=1"),
-            (self.parallel.context_parallel_size > 1, "context parallelism (not tested with adapters yet)",
-             "parallel.context_parallel_size=1"),
-            (self.parallel.expert_model_parallel_size > 1, "expert parallelism (not tested with adapters yet)",
-             "parallel.expert_model_parallel_size=1"),
         ]  # fmt: skip
         for bad, what, fix in refused:
             if bad:

@@ -17,6 +17,8 @@ Every trainer rank iterates the source in lockstep (each tensor is a collective 
   its first expert-TP rank, which sends them to the sender unless it is the sender.
 
 So the sender holds one tensor at a time (plus the transfer engine's bucket) and every other rank yields ``None``.
+A LoRA student's adapted weights go merged: each TP rank adds its shard of ``(alpha/r) B A`` to its weight shard
+before the gather, so vLLM serves ``W + (alpha/r) B A`` (every tensor is sent, the frozen ones unchanged).
 Tensor order: embedding, layer 0 ... L-1 (in each, the mapping's rule order), final norm, output layer.
 
 ``MEGATRON_OPD_SYNC_SKIP=NAME[,NAME]`` (tests only, never set otherwise) leaves those Hugging Face tensors out of
@@ -32,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_opd.models.architecture import ModelArchitecture
+from megatron_opd.models.lora import LoRAAdapter
 from megatron_opd.models.name_mapping import (
     ExpertSplit,
     WeightRule,
@@ -137,11 +140,15 @@ class MegatronWeightSource(WeightSource):  # noqa: B024 - abstract only in the f
         self.active = dp_rank == 0 and cp_rank == 0
         self.expert_active = expert_dp_rank == 0
         params: dict[str, torch.Tensor] = {}
+        self.adapters: dict[str, torch.nn.Module] = {}  # weight name -> its LoRA adapter (models.lora)
         for chunk in chunks:
             offset = chunk_layer_range(chunk).start
             experts = global_expert_names(chunk)  # this rank's experts by global index
             for local, param in named_tensors(chunk).items():  # buffers too: a rule may name one
                 params[global_layer_name(experts.get(local, local), offset)] = param
+            for local, module in chunk.named_modules():
+                if isinstance(getattr(module, "lora", None), LoRAAdapter):
+                    self.adapters[global_layer_name(f"{local}.weight", offset)] = module.lora
         self.dtype = dtype or next(chunks[0].parameters()).dtype
         self.te = any(name.endswith("layer_norm_weight") for name in params)
         self.rules = list(expand_rules(arch))
@@ -184,6 +191,8 @@ class MegatronWeightSource(WeightSource):  # noqa: B024 - abstract only in the f
         """The full Megatron tensor on the first rank of its tensor-parallel group (the expert-TP one for a routed
         expert's), a gather over that group, else None."""
         local = self.params[name].detach()
+        if name in self.adapters:  # a LoRA student: this rank's shard of the merged weight
+            local = (local.float() + self.adapters[name].delta()).to(local.dtype)
         group, rank, size = (
             (self.etp_group, self.etp_rank, self.etp_size) if name in self.expert_owner
             else (self.tp_group, self.tp_rank, self.tp_size)
