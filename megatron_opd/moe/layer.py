@@ -22,8 +22,6 @@ def fused_path_refusal(layer, hidden: torch.Tensor, padding_mask, intermediate_t
     from megatron.core.transformer.moe.router import TopKRouter
     from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
-    from megatron_opd.models.grouped_experts import GroupedExperts
-
     c, router = layer.config, layer.router
     training = router.training and torch.is_grad_enabled()
     checks = {
@@ -39,7 +37,8 @@ def fused_path_refusal(layer, hidden: torch.Tensor, padding_mask, intermediate_t
         "latent or overlapped shared experts": bool(c.moe_latent_size) or layer.shared_expert_overlap,
         "layer recompute": layer.moe_layer_recompute,
         "another dispatcher": type(layer.token_dispatcher) is not MoEAllGatherTokenDispatcher,
-        "sequential experts": not (isinstance(layer.experts, GroupedExperts) and layer.experts._grouped_ok(hidden)),
+        # models.grouped_experts.GroupedExperts (not imported: models builds this layer)
+        "sequential experts": not (hasattr(layer.experts, "grouped_forward") and layer.experts._grouped_ok(hidden)),
     }
     return next((why for why, refused in checks.items() if refused), None)
 

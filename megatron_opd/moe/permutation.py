@@ -51,8 +51,11 @@ def permute(hidden_TH: torch.Tensor, probs_TK: torch.Tensor, perm: Permutation) 
     """``(rows_RH, probs_R)``: the input rows and their routing probabilities in permuted order."""
     rows_RH = hidden_TH.index_select(0, perm.tokens_R)
     probs_R = probs_TK.reshape(-1).index_select(0, perm.slots_R)
-    if perm.local_R is not None:  # rows the grouped GEMMs skip: no input, no gradient from their unwritten output
+    if perm.local_R is not None:
+        # Rows the grouped GEMMs skip: their outputs and input gradients are left unwritten (any bits), so neither
+        # their input nor their probability may take a gradient from them.
         rows_RH = torch.where(perm.local_R.unsqueeze(-1), rows_RH, 0)
+        probs_R = torch.where(perm.local_R, probs_R, 0)
     return rows_RH, probs_R
 
 

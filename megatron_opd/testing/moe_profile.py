@@ -30,8 +30,8 @@ class LayerProfile:
     syncs: list[str] = field(default_factory=list)
 
 
-def build_shape(name: str, build=None):
-    """The Megatron model of shape ``name`` (random weights) under the initialised groups."""
+def build_shape(name: str, build=None, parallel=None):
+    """The Megatron model of shape ``name`` (random weights) under the initialised groups of ``parallel``."""
     from megatron_opd.distributed import ParallelConfig
     from megatron_opd.models.builder import ModelBuildConfig, build_model
     from megatron_opd.models.hf_config import architecture_from_hf_config
@@ -40,7 +40,7 @@ def build_shape(name: str, build=None):
 
     shape = SHAPES[name]
     arch = architecture_from_hf_config(tiny_hf_config(shape.family, **shape.hf_overrides()).to_dict(), shape.family)
-    (model,) = build_model(arch, ParallelConfig(), build or ModelBuildConfig())
+    (model,) = build_model(arch, parallel or ParallelConfig(), build or ModelBuildConfig())
     return arch, model
 
 
@@ -70,3 +70,37 @@ def layer_profiles(name: str, build=None) -> dict[str, LayerProfile]:
     hidden = hidden.detach().requires_grad_()
     out["attention"] = profile(layer.self_attention, hidden, attention_mask=None, rotary_pos_emb=rotary)
     return out
+
+
+def profiles(names: tuple[str, ...] = PROFILED) -> dict[str, dict[str, LayerProfile]]:
+    """Per shape: Megatron's MoE layer (``moe``), the fused one (``moe fused``, ``build.moe_fused_routing``) and the
+    attention (``attention``: MLA for DeepSeek-V3)."""
+    from megatron_opd.models.builder import ModelBuildConfig
+
+    out = {}
+    for name in names:
+        out[name] = layer_profiles(name)
+        out[name]["moe fused"] = layer_profiles(name, ModelBuildConfig(moe_fused_routing=True))["moe"]
+    return out
+
+
+RECORDED: dict[str, dict[str, tuple[int, int]]] = {
+    "qwen3_moe_dense0": {"moe": (29, 27), "moe fused": (19, 27), "attention": (36, 52)},
+    "qwen2_moe_shared": {"moe": (38, 43), "moe fused": (29, 43), "attention": (24, 25)},
+    "mixtral_untied": {"moe": (29, 27), "moe fused": (19, 27), "attention": (24, 24)},
+    "deepseek_v3_mla": {"moe": (52, 44), "moe fused": (42, 43), "attention": (67, 74)},
+}
+"""Operators launched (forward, backward) per layer of each profiled shape at ``TOKENS`` tokens, CPU, fp32
+(``benchmarks/RESULTS.md``); ``tests/test_moe_ops.py`` fails when a count rises above its number here."""
+
+
+def markdown_table(recorded: dict[str, dict[str, tuple[int, int]]] = RECORDED) -> str:
+    """:data:`RECORDED` as the table in ``benchmarks/RESULTS.md``."""
+    lines = [
+        "| shape | MoE layer, Megatron (fwd / bwd) | MoE layer, `build.moe_fused_routing` (fwd / bwd) | attention (fwd / bwd) |",
+        "|---|---|---|---|",
+    ]
+    for name, layers in recorded.items():
+        cells = [f"{layers[k][0]} / {layers[k][1]}" for k in ("moe", "moe fused", "attention")]
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
