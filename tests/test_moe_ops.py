@@ -108,7 +108,7 @@ def test_fused_moe_layer_equals_megatron_s_at_tp1(ep1_results):
 def _split_layouts(names: tuple[str, ...]):
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from megatron_opd.distributed import ParallelConfig, destroy_distributed, initialize_distributed
+    from megatron_opd.distributed import ParallelConfig, initialize_distributed, initialize_model_parallel
     from megatron_opd.models.builder import ModelBuildConfig
     from megatron_opd.testing.moe_profile import build_shape
 
@@ -117,8 +117,9 @@ def _split_layouts(names: tuple[str, ...]):
         "tp2_sp": ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True),
         "ep2": ParallelConfig(expert_model_parallel_size=2),
     }
+    initialize_distributed(layouts["tp2_sp"])
     for layout, parallel in layouts.items():
-        initialize_distributed(parallel)
+        initialize_model_parallel(parallel)  # (re)builds Megatron's groups in the same process group
 
         def build(name, build, parallel=parallel):
             return build_shape(name, build, parallel)
@@ -127,7 +128,6 @@ def _split_layouts(names: tuple[str, ...]):
             rank = torch.distributed.get_rank()
             out[layout, name] = _fused_gaps(name, ModelBuildConfig(moe_token_dispatcher="allgather"), build,
                                             MoELayer, seed=rank)  # fmt: skip
-        destroy_distributed()
     return out
 
 
