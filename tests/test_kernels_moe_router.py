@@ -23,23 +23,22 @@ else:
 pytestmark = pytest.mark.skipif(DEVICE is None, reason="needs triton on CUDA, or TRITON_INTERPRET=1")
 
 SPECS = {
-    "softmax over the top-k": RouterSpec(topk=4),
-    "softmax then top-k": RouterSpec(topk=4, pre_softmax=True),
-    "softmax, group-limited, scaled": RouterSpec(4, "softmax", True, 4, 2, 16.0),
+    "softmax over the top-k (Qwen3-MoE, Mixtral)": RouterSpec(topk=4),
+    "softmax then group-limited top-k, scaled (DeepSeek-V2)": RouterSpec(4, "softmax", True, 4, 2, 16.0),
     "sigmoid, bias, groups, scaling (DeepSeek-V3)": RouterSpec(4, "sigmoid", False, 4, 2, 2.5),
-    "sigmoid top-1": RouterSpec(topk=1, score_function="sigmoid"),
-}
+}  # the interpreter runs a program per token for about a second per case: the torch routing's other cases
+# (softmax then plain top-k, top-1) take no branch of the kernel these do not
 
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_triton_router_equals_torch_routing(name):
     spec = SPECS[name]
     gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(24, 16, generator=gen)
+    logits = torch.randn(6, 16, generator=gen)
     logits[0, [1, 5, 6, 9, 10, 12, 13, 15]] = 3.0  # ties
     logits[1] = 0.5
     bias = (torch.randn(16, generator=gen) * 0.1).to(DEVICE) if spec.score_function == "sigmoid" else None
-    weight = torch.randn(24, spec.topk, generator=gen).to(DEVICE)
+    weight = torch.randn(6, spec.topk, generator=gen).to(DEVICE)
     logits = logits.to(DEVICE).requires_grad_()
     assert moe_router_triton.supports(logits, spec)
     ref_probs, ref_experts = topk_routing(logits, spec, bias)
