@@ -49,6 +49,8 @@ def _fused_gaps(name: str, build, build_shape, moe_layer_class, seed: int = 0) -
     ``[16, 2]`` tokens per rank): output, input gradient, parameter gradients."""
     from dataclasses import replace
 
+    from megatron_opd.testing.host_sync import count_host_syncs
+
     out, reference = {}, None
     for fused in (False, True):
         torch.manual_seed(0)
@@ -59,14 +61,22 @@ def _fused_gaps(name: str, build, build_shape, moe_layer_class, seed: int = 0) -
             model.load_state_dict(reference)
         layer = next(lyr.mlp for lyr in model.decoder.layers if isinstance(lyr.mlp, moe_layer_class))
         assert (type(layer).__name__.startswith("Fused")) == fused
+        routed = []  # what a router forward hook sees (the trainer's router metrics read the routing map)
+        layer.router.register_forward_hook(lambda m, args, output, seen=routed: seen.append(output))
         gen = torch.Generator().manual_seed(seed + 1)
         hidden = torch.randn(16, 2, arch.hidden_size, generator=gen, requires_grad=True)
-        output = layer(hidden)[0]
+        syncs: list[str] = []
+        with count_host_syncs(syncs):
+            output = layer(hidden)[0]
+        assert not fused or syncs == [], syncs  # the fused path ran, router hook and all
         (output * torch.randn(output.shape, generator=gen)).sum().backward()
-        out[fused] = output.detach(), hidden.grad, {k: p.grad for k, p in layer.named_parameters()}
-    (y0, x0, p0), (y1, x1, p1) = out[False], out[True]
+        grads = {k: p.grad for k, p in layer.named_parameters()}
+        out[fused] = output.detach(), hidden.grad, grads, routed[0][0].detach(), routed[0][1]
+    (y0, x0, p0, probs0, map0), (y1, x1, p1, probs1, map1) = out[False], out[True]
     assert p0.keys() == p1.keys() and all(g is not None for g in p0.values())
+    assert torch.equal(map0, map1)
     return {
+        "hooked probs": float((probs1 - probs0).abs().max()),
         "output": float((y1 - y0).abs().max()),
         "input grad": float((x1 - x0).abs().max()),
         "parameter grads": max(float((p1[k] - p0[k]).abs().max()) for k in p0),

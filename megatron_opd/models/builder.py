@@ -81,8 +81,7 @@ class ModelBuildConfig:
     (``megatron_opd.moe``) instead of Megatron-Core's dense routing maps and ``masked_select``: the same results, no
     host sync and fewer operators per layer (``benchmarks/RESULTS.md``). Applies where Megatron's all-gather
     dispatcher would run with grouped experts and a plain top-k router; other layers (router losses in training,
-    routing replay, the trainer's router metrics, the all-to-all dispatcher) run Megatron's forward. Off until GPU
-    rows show the gain."""
+    routing replay, the all-to-all dispatcher) run Megatron's forward. Off until GPU rows show the gain."""
     moe_aux_loss_coeff: float = 0.0
     """Mixture-of-Experts students: weight of the Switch load-balancing loss per MoE layer (Megatron's ``aux_loss``;
     e.g. 1e-3 as in Qwen3-MoE's pre-training, 0: none). Megatron adds its gradient in the router's backward, not

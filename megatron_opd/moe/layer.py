@@ -6,9 +6,9 @@ dispatcher (expert parallelism 1 at any TP with sequence parallelism; EP > 1 whe
 is ``allgather``): the router's gating GEMM and the experts are Megatron's (:class:`GroupedExperts`), the routing
 arithmetic is :func:`~megatron_opd.moe.routing.topk_routing` (on CUDA one Triton kernel,
 ``kernels/moe_router_triton.py``) and the permutation :mod:`~megatron_opd.moe.permutation`.
-Where a layer needs more of Megatron's router than its top-k (auxiliary or z-loss in training, routing replay, a
-forward hook on the router such as the trainer's router metrics, token dropping, another router class) or another
-dispatcher, the layer runs Megatron's forward unchanged.
+The router's forward hooks (the trainer's router metrics) get Megatron's dense ``(probs, routing_map)``. Where a
+layer needs more of Megatron's router than its top-k (auxiliary or z-loss in training, routing replay, token
+dropping, another router class) or another dispatcher, the layer runs Megatron's forward unchanged.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ def fused_path_refusal(layer, hidden: torch.Tensor, padding_mask, intermediate_t
     training = router.training and torch.is_grad_enabled()
     checks = {
         "another router class": type(router) is not TopKRouter,
-        "router hooks": bool(router._forward_hooks or router._forward_pre_hooks),
+        "router pre-hooks or hooks with keyword arguments": bool(
+            router._forward_pre_hooks or router._forward_hooks_with_kwargs or router._forward_hooks_always_called
+        ),
         "routing replay": router.router_replay is not None,
         "sinkhorn routing": router.routing_type == "sinkhorn",
         "auxiliary losses": router.routing_type != "none" and training,
@@ -77,6 +79,8 @@ def fused_moe_layer(base: type) -> type:
                     router.local_tokens_per_expert.index_put_(
                         (experts_TK.reshape(-1),), torch.ones((), device=logits_TE.device), accumulate=True
                     )
+            if router._forward_hooks:  # e.g. the trainer's router metrics: they see Megatron's dense outputs
+                self._call_router_hooks(hidden_states, probs_TK, experts_TK)
             hidden_TH = hidden_states.reshape(-1, hidden_states.shape[-1])
             group = dispatcher.tp_ep_group
             if group.size() > 1:  # as the all-gather dispatcher: every token on every TP x EP rank
@@ -96,6 +100,15 @@ def fused_moe_layer(base: type) -> type:
             if shared is not None:
                 output = output + shared
             return output, None
+
+        def _call_router_hooks(self, hidden_states, probs_TK, experts_TK) -> None:
+            """The router's forward hooks, given what Megatron's router returns: ``(probs [T, E], routing_map
+            [T, E])`` (two more operators, only where a hook is registered)."""
+            experts = self.config.num_moe_experts
+            probs_TE = probs_TK.new_zeros(probs_TK.shape[0], experts).scatter(1, experts_TK, probs_TK)
+            routing_map_TE = torch.zeros_like(probs_TE, dtype=torch.bool).scatter(1, experts_TK, True)
+            for hook in tuple(self.router._forward_hooks.values()):
+                hook(self.router, (hidden_states, None), (probs_TE, routing_map_TE))
 
     FusedMoELayer.__name__ = FusedMoELayer.__qualname__ = f"Fused{base.__name__}"
     return FusedMoELayer
