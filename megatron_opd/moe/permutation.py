@@ -10,6 +10,7 @@ Legend: ``T`` tokens, ``K`` experts per token, ``R = T * K`` permuted rows, ``L`
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,12 @@ class Permutation:
     expert, which ``torch._grouped_mm`` leaves unwritten."""
 
 
+@functools.cache
+def _expert_ids(num_local: int, device: torch.device) -> torch.Tensor:
+    """``arange(num_local)`` on ``device``, made once (a launch per layer and forward otherwise)."""
+    return torch.arange(num_local, device=device)
+
+
 def permutation(experts_TK: torch.Tensor, first_local: int, num_local: int, num_experts: int) -> Permutation:
     """The expert-major permutation of ``experts_TK``'s rows for local experts ``first_local ..
     first_local + num_local - 1`` of ``num_experts``."""
@@ -41,7 +48,7 @@ def permutation(experts_TK: torch.Tensor, first_local: int, num_local: int, num_
         key_R = flat_R - first_local
         key_R = key_R.masked_fill((key_R < 0) | (key_R >= num_local), num_local)
     sorted_R, slots_R = torch.sort(key_R, stable=True)
-    experts_L = torch.arange(num_local, device=flat_R.device, dtype=sorted_R.dtype)
+    experts_L = _expert_ids(num_local, flat_R.device)
     offsets_L = torch.searchsorted(sorted_R, experts_L, right=True, out_int32=True)
     local_R = None if num_local == num_experts else sorted_R < num_local
     return Permutation(torch.div(slots_R, k, rounding_mode="floor"), slots_R, offsets_L, local_R)
