@@ -5,14 +5,13 @@ the in-process teacher's top-k equals torch.topk over transformers' log-softmax.
 
 from __future__ import annotations
 
-import contextlib
-import traceback
 from unittest import mock
 
 import pytest
 import torch
 
 from megatron_opd.distributed import ParallelConfig
+from megatron_opd.testing.host_sync import count_host_reads
 from megatron_opd.testing.multiprocess import run_distributed
 
 N, S = 4, 16
@@ -31,34 +30,6 @@ def _fixed_batch():
     masks[3][2:4] = 0  # tool tokens: never trained
     logprobs = [-3 - torch.rand(r.numel(), generator=gen) for r in responses]  # "the sampler's" values
     return pack(prompts, responses, masks, pad_token_id=0, seq_len=S, logprobs=logprobs)
-
-
-# Every way Python code reads a tensor's values to the host (on a GPU, a device-to-host sync), and nonzero, whose
-# output size the host must wait for.
-_HOST_READS = ("item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__", "nonzero")
-
-
-@contextlib.contextmanager
-def count_host_reads(reads: list[str]):
-    """Appends to ``reads`` the caller's file, line and function of every host read of a tensor's values while
-    active: the fake wraps ``torch.Tensor``'s readers, so tensors still compute as usual."""
-    originals = {name: getattr(torch.Tensor, name) for name in _HOST_READS}
-
-    def counting(name):
-        def read(self, *args, **kwargs):
-            caller = traceback.extract_stack(limit=2)[0]
-            reads.append(f"{name} at {caller.filename}:{caller.lineno} in {caller.name}")
-            return originals[name](self, *args, **kwargs)
-
-        return read
-
-    try:
-        for name in _HOST_READS:
-            setattr(torch.Tensor, name, counting(name))
-        yield reads
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
 
 
 def _counting_forward_backward(reads: list[str]):

@@ -29,6 +29,8 @@ update with full recompute, the note saying whether fla's kernels ran; #40 the Q
 989 TFLOP/s dense bf16, 6N FLOPs per token, attention not counted) and one end-to-end trainer run on the GPU
 defaults (bf16 parameters, Megatron's distributed optimizer; the tiny distillation fixture, three steps). Update
 and scoring rows are ``benchmarks/bench_phases_gpu.py``'s measurements (random weights in the recipes' shapes).
+#57 the #35 and #36 grouped rows again with ``build.moe_fused_routing`` (routing on top-k indices, the Triton
+router, the sort-based permutation: no host sync), to read against them in the same call.
 ``--issues 36,40`` runs those issues' rows only.
 """
 
@@ -61,6 +63,7 @@ class Row:
     limit_s: int = 240
     smoke_tokens: int = 0
     grouped_gemm: bool = False  # MoE rows: Megatron's grouped expert GEMM instead of sequential experts
+    fused_routing: bool = False  # MoE rows: build.moe_fused_routing (megatron_opd.moe, the Triton router)
 
 
 ROWS = (
@@ -107,6 +110,37 @@ ROWS = (
         "full",
         smoke_tokens=64,
         grouped_gemm=True,
+    ),
+    Row(
+        "#57",
+        "Qwen3-30B-A3B-shaped MoE teacher, scoring, grouped GEMM, fused routing",
+        "score",
+        "Qwen3MoeConfig",
+        4096,
+        smoke_tokens=64,
+        grouped_gemm=True,
+        fused_routing=True,
+    ),
+    Row(
+        "#57",
+        "DeepSeek-V2-Lite-sized DeepSeek-V3-architecture teacher, scoring, grouped GEMM, fused routing",
+        "score",
+        "DeepseekV3Config",
+        4096,
+        smoke_tokens=64,
+        grouped_gemm=True,
+        fused_routing=True,
+    ),
+    Row(
+        "#57",
+        "DeepSeek-V2-Lite-sized DeepSeek-V3-architecture student, update, grouped GEMM, fused routing",
+        "update",
+        "DeepseekV3Config",
+        4096,
+        "full",
+        smoke_tokens=64,
+        grouped_gemm=True,
+        fused_routing=True,
     ),
     Row("#39", "Qwen3-1.7B update, CP=1, full recompute", "update", "Qwen3-1.7B", 32768, "full", smoke_tokens=256),
     Row("#39", "Qwen3-1.7B update, CP=1, full recompute", "update", "Qwen3-1.7B", 65536, "full", smoke_tokens=512),
@@ -234,7 +268,7 @@ def measure(row: Row, smoke: bool, reps: int) -> dict:
     initialize_distributed(ParallelConfig(), device, seed=0)
     build = ModelBuildConfig(
         dtype="fp32" if smoke else "bf16", attention="sdpa", recompute_granularity=row.recompute,
-        moe_grouped_gemm=row.grouped_gemm,
+        moe_grouped_gemm=row.grouped_gemm, moe_fused_routing=row.fused_routing,
     )  # fmt: skip
     (model,) = build_model(arch, ParallelConfig(), build, trainable=row.kind == "update")
     n = active_parameters(model, arch)

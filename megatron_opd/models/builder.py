@@ -80,6 +80,12 @@ class ModelBuildConfig:
     megatron-opd's ``GroupedExperts`` on ``torch._grouped_mm``: 6.6x the sequential experts' scoring rate for a
     Qwen3-30B-A3B on an H100) instead of one GEMM per expert (``false``). The same parameters and results; where no
     grouped kernel runs (an old torch), the experts run one by one and the start-up log says why."""
+    moe_fused_routing: bool = False
+    """Mixture-of-Experts models: route on each token's top-k expert indices and permute tokens by one sort
+    (``megatron_opd.moe``) instead of Megatron-Core's dense routing maps and ``masked_select``: the same results, no
+    host sync and fewer operators per layer (``benchmarks/RESULTS.md``). Applies where Megatron's all-gather
+    dispatcher would run with grouped experts and a plain top-k router; other layers (router losses in training,
+    routing replay, the all-to-all dispatcher) run Megatron's forward. Off until GPU rows show the gain."""
     moe_aux_loss_coeff: float = 0.0
     """Mixture-of-Experts students: weight of the Switch load-balancing loss per MoE layer (Megatron's ``aux_loss``;
     e.g. 1e-3 as in Qwen3-MoE's pre-training, 0: none). Megatron adds its gradient in the router's backward, not
@@ -399,6 +405,10 @@ def build_model(
             "megatron_opd.distributed.initialize_model_parallel(parallel) first"
         )
     chunks = build_chunks(arch, parallel, build, transformer_config(arch, parallel, build))
+    if arch.moe is not None and build.moe_fused_routing:
+        from megatron_opd.moe.layer import use_fused_moe_layers
+
+        use_fused_moe_layers(chunks)
     for chunk in chunks:
         # As Megatron's own get_model: Megatron's layers are created on the GPU, our norms and buffers on the CPU.
         if torch.cuda.is_available() and any(p.device.type == "cpu" for p in chunk.parameters()):

@@ -53,6 +53,11 @@ class GroupedExperts(SequentialMLP):
         if not self._grouped_ok(hidden):
             return super().forward(hidden, tokens_per_expert, permuted_probs)
         offs = torch.cumsum(tokens_per_expert.to(device=hidden.device), 0).to(torch.int32)
+        return self.grouped_forward(hidden, offs, permuted_probs), None
+
+    def grouped_forward(self, hidden: torch.Tensor, offs: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """The experts' output for ``hidden`` whose rows are grouped by expert, ``offs`` (int32) each group's end
+        row (rows after the last are left unwritten) and ``probs`` each row's routing probability."""
         fc1 = torch.stack([expert.linear_fc1.weight for expert in self.local_experts])  # [E, 2F or F, H]
         fc2 = torch.stack([expert.linear_fc2.weight for expert in self.local_experts])  # [E, H, F]
         intermediate = torch._grouped_mm(hidden, fc1.transpose(1, 2), offs=offs)
@@ -61,5 +66,5 @@ class GroupedExperts(SequentialMLP):
             intermediate = self.config.activation_func(gate) * linear
         else:
             intermediate = self.config.activation_func(intermediate)
-        intermediate = (intermediate * permuted_probs.unsqueeze(-1)).to(intermediate.dtype)
-        return torch._grouped_mm(intermediate, fc2.transpose(1, 2), offs=offs), None
+        intermediate = (intermediate * probs.unsqueeze(-1)).to(intermediate.dtype)
+        return torch._grouped_mm(intermediate, fc2.transpose(1, 2), offs=offs)
