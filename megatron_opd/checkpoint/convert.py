@@ -184,6 +184,16 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "lora-to-peft":
         return _lora_to_peft(args)
+    if args.command == "mcore-to-hf" and args.verify:
+        from megatron_opd.checkpoint.adapters import is_adapter_checkpoint
+
+        if is_adapter_checkpoint(args.ckpt):
+            print(
+                f"error: --verify compares the export with the checkpoint's own weights; {args.ckpt} holds a LoRA "
+                "student's adapters only: drop --verify (the merge is tested against transformers and peft)",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
     progress = TqdmProgress(args.command, enabled=_rank() == 0 and not args.no_progress)
     try:
         if args.command == "hf-to-mcore":
