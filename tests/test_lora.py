@@ -116,32 +116,38 @@ def _run(parallel: ParallelConfig, model_dir: str, tokens: torch.Tensor, ckpt: s
 
         dist_checkpointing.save(chunks_sharded_state_dict(chunks), ckpt)
         convert_mcore_to_hf(ckpt, f"{ckpt}_hf", hf_config_dir=model_dir, force=True)  # merges the adapters
-        _export_adapters(chunks, model_dir, ckpt)
+        _save_adapters(chunks, model_dir, ckpt)
     result["lora_logits"] = logits()
     result["merged"] = merge_lora(chunks)
     result["merged_logits"] = logits()
     return result
 
 
-def _export_adapters(chunks: list, model_dir: str, ckpt: str) -> None:
-    """The trained adapters saved as the trainer saves a LoRA student (adapter-only, the base recorded), then merged
-    into the Hugging Face base and into a dist_ckpt of it, and written as a PEFT folder (collectives)."""
+def _save_adapters(chunks: list, model_dir: str, ckpt: str) -> None:
+    """The trained adapters saved as the trainer saves a LoRA student: adapter-only, the base recorded (a
+    collective)."""
     from megatron.core import dist_checkpointing
 
-    from megatron_opd.checkpoint import convert_hf_to_mcore, convert_mcore_to_hf
     from megatron_opd.checkpoint.adapters import adapter_entries, adapter_record
-    from megatron_opd.checkpoint.lora_export import export_peft_adapter, merge_adapter_checkpoint
     from megatron_opd.checkpoint.mcore_io import chunks_sharded_state_dict
     from megatron_opd.trainer.config import StudentConfig
 
-    adapters = f"{ckpt}_adapters"
-    os.makedirs(adapters, exist_ok=True)
+    os.makedirs(f"{ckpt}_adapters", exist_ok=True)
     state = {key: adapter_entries(value) for key, value in chunks_sharded_state_dict(chunks).items()}
     state["trainer"] = {"adapters": adapter_record(StudentConfig(path=model_dir, lora=LoRAConfig(rank=4, alpha=8.0)))}
-    dist_checkpointing.save(state, adapters)
+    dist_checkpointing.save(state, f"{ckpt}_adapters")
+
+
+def _export_adapters(model_dir: str, ckpt: str) -> None:
+    """The adapter-only checkpoint merged into the Hugging Face base and into a dist_ckpt of it (``ckpt``: its frozen
+    weights are the base's), and written as a PEFT folder: in this process (in the two-rank job each costs seconds of
+    collectives on shared cores; the converter forms its own one-process group and leaves none behind)."""
+    from megatron_opd.checkpoint import convert_mcore_to_hf
+    from megatron_opd.checkpoint.lora_export import export_peft_adapter, merge_adapter_checkpoint
+
+    adapters = f"{ckpt}_adapters"
     convert_mcore_to_hf(adapters, f"{ckpt}_merged_on_hf", force=True)  # the recorded base: model_dir
-    convert_hf_to_mcore(model_dir, f"{ckpt}_base_mcore", ParallelConfig(), force=True)
-    merge_adapter_checkpoint(adapters, f"{ckpt}_merged_on_mcore", base=f"{ckpt}_base_mcore", force=True)
+    merge_adapter_checkpoint(adapters, f"{ckpt}_merged_on_mcore", base=ckpt, hf_config_dir=model_dir, force=True)
     export_peft_adapter(adapters, f"{ckpt}_peft", force=True)
 
 
@@ -226,6 +232,7 @@ def test_adapter_only_checkpoint_merges_into_its_base_and_loads_in_peft(lora_run
 
     ref = lora_runs[0]["tp1"]
     ckpt = Path(ref["ckpt"])
+    _export_adapters(tiny_model_dirs["qwen3"], str(ckpt))
 
     def weights(folder):
         return {k: v for f in sorted(Path(folder).glob("*.safetensors")) for k, v in load_file(f).items()}
