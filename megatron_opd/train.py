@@ -537,11 +537,11 @@ def export_student(cfg: TrainConfig, ckpt_dir: Path) -> None:
 
 
 def _export(ckpt_dir: str, out: str, hf_config_dir: str) -> None:
-    from megatron_opd.checkpoint import convert_mcore_to_hf
+    from megatron_opd.checkpoint.lora_export import to_hugging_face
 
     quiet.install(rank=0, level=logging.WARNING)
 
-    convert_mcore_to_hf(ckpt_dir, out, hf_config_dir=hf_config_dir, force=True)
+    to_hugging_face(ckpt_dir, out, hf_config_dir=hf_config_dir, force=True)  # a LoRA student's: merged into its base
 
 
 def max_logprob_diff_for(cfg: TrainConfig, student: Student) -> float:

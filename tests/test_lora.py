@@ -142,11 +142,10 @@ def _export_adapters(model_dir: str, ckpt: str) -> None:
     """The adapter-only checkpoint merged into the Hugging Face base and into a dist_ckpt of it (``ckpt``: its frozen
     weights are the base's), and written as a PEFT folder: in this process (in the two-rank job each costs seconds of
     collectives on shared cores; the converter forms its own one-process group and leaves none behind)."""
-    from megatron_opd.checkpoint import convert_mcore_to_hf
-    from megatron_opd.checkpoint.lora_export import export_peft_adapter, merge_adapter_checkpoint
+    from megatron_opd.checkpoint.lora_export import export_peft_adapter, merge_adapter_checkpoint, to_hugging_face
 
     adapters = f"{ckpt}_adapters"
-    convert_mcore_to_hf(adapters, f"{ckpt}_merged_on_hf", force=True)  # the recorded base: model_dir
+    to_hugging_face(adapters, f"{ckpt}_merged_on_hf", force=True)  # as opd-convert mcore-to-hf: the recorded base
     merge_adapter_checkpoint(adapters, f"{ckpt}_merged_on_mcore", base=ckpt, hf_config_dir=model_dir, force=True)
     export_peft_adapter(adapters, f"{ckpt}_peft", force=True)
 

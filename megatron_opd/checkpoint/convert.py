@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("megatron_opd.checkpoint").setLevel(logging.INFO)
     logging.getLogger("megatron_opd.checkpoint.verify").setLevel(logging.WARNING)  # the CLI prints the verdict
 
-    from megatron_opd.checkpoint import OutputExistsError, convert_hf_to_mcore, convert_mcore_to_hf
+    from megatron_opd.checkpoint import OutputExistsError, convert_hf_to_mcore
+    from megatron_opd.checkpoint.lora_export import to_hugging_face  # an adapter-only checkpoint: merged
     from megatron_opd.checkpoint.progress import TqdmProgress
     from megatron_opd.distributed.parallel import ParallelConfig
     from megatron_opd.dtypes import parse_dtype
@@ -217,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             hf_dir, ckpt_dir = args.hf_dir, args.out
         else:
-            result = convert_mcore_to_hf(
+            result = to_hugging_face(
                 args.ckpt,
                 args.out,
                 hf_config_dir=args.hf_config_dir,

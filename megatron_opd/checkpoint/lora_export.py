@@ -100,6 +100,26 @@ def _adapter_base(ckpt: Path, base: str | os.PathLike | None) -> Path:
     return Path(record["base"])
 
 
+def to_hugging_face(
+    ckpt: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    base: str | os.PathLike | None = None,
+    hf_config_dir: str | os.PathLike | None = None,
+    **kwargs,
+) -> ConversionResult:
+    """A ``dist_ckpt`` as a Hugging Face folder (``opd-convert mcore-to-hf``, the trainer's export): a LoRA student's
+    adapter-only checkpoint merged into its base (:func:`merge_adapter_checkpoint`), any other converted as it is
+    (``convert_mcore_to_hf``; ``kwargs``: dtype, max_shard_bytes, force, progress)."""
+    from megatron_opd.checkpoint.adapters import is_adapter_checkpoint
+
+    if is_adapter_checkpoint(check_dist_checkpoint(ckpt)):
+        return merge_adapter_checkpoint(ckpt, out_dir, base=base, hf_config_dir=hf_config_dir, **kwargs)
+    if base is not None:
+        raise ValueError(f"--base is for a LoRA student's adapter-only checkpoint; {ckpt} holds its own weights")
+    return convert_mcore_to_hf(ckpt, out_dir, hf_config_dir=hf_config_dir, **kwargs)
+
+
 def merge_adapter_checkpoint(
     ckpt: str | os.PathLike,
     out_dir: str | os.PathLike,

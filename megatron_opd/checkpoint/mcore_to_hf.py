@@ -276,7 +276,6 @@ def convert_mcore_to_hf(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     force: bool = False,
     progress: Progress | None = None,
-    base: str | os.PathLike | None = None,
     adapters: str | os.PathLike | None = None,
 ) -> ConversionResult:
     """Export the ``dist_ckpt`` in ``ckpt_dir`` as a Hugging Face folder ``out_dir``.
@@ -284,19 +283,11 @@ def convert_mcore_to_hf(
     ``config.json`` and tokenizer files come from ``hf_config_dir`` or the checkpoint's ``hf_config/``.
     ``dtype`` defaults to the checkpoint's. Call on every rank under ``torchrun``, or in one process.
     A LoRA student's adapters are merged into their weights: those the checkpoint holds, or those of the adapter-only
-    checkpoint ``adapters`` (``ckpt_dir`` is then the base). An adapter-only ``ckpt_dir`` (a LoRA student's training
-    checkpoint) is merged into ``base`` (default: the base it records), a Hugging Face folder or a ``dist_ckpt``.
+    checkpoint ``adapters`` (``ckpt_dir`` is then the base; a LoRA student's training checkpoint into its base:
+    ``lora_export.to_hugging_face``).
     """
     start = time.perf_counter()
     ckpt = check_dist_checkpoint(ckpt_dir)
-    if adapters is None:
-        from megatron_opd.checkpoint.adapters import is_adapter_checkpoint
-
-        if is_adapter_checkpoint(ckpt):
-            from megatron_opd.checkpoint.lora_export import merge_adapter_checkpoint
-
-            return merge_adapter_checkpoint(ckpt, out_dir, base=base, hf_config_dir=hf_config_dir, dtype=dtype,
-                                            max_shard_bytes=max_shard_bytes, force=force, progress=progress)  # fmt: skip
     adapters = Path(adapters) if adapters is not None else None
     cfg_dir = _hf_config_dir(ckpt, hf_config_dir)
     arch = load_architecture(cfg_dir)
