@@ -31,9 +31,9 @@ from megatron_opd.checkpoint.mcore_io import check_dist_checkpoint, load_dist_ch
 from megatron_opd.checkpoint.mcore_to_hf import (
     DEFAULT_MAX_SHARD_BYTES,
     WeightRead,
-    _write_config,
     convert_mcore_to_hf,
     plan_adapter_reads,
+    write_exported_config,
 )
 from megatron_opd.checkpoint.safetensors_out import plan_shards
 from megatron_opd.checkpoint.workers import conversion_workers
@@ -186,7 +186,7 @@ def _merge_into_hf(ckpt: Path, base: Path, out_dir, dtype, max_shard_bytes: int,
             written += plan.write(staging, meta.name, tensor.to(meta.dtype))
         plan.write_index(staging)
         copy_hf_side_files(base, staging)
-        _write_config(base, staging, out_dtype or planned[0].dtype)
+        write_exported_config(base, staging, out_dtype or planned[0].dtype)
         return written
 
     written = _write_on_first_rank(out_dir, force, write)

@@ -242,7 +242,7 @@ def _export_group(
     return tensors, written
 
 
-def _write_config(cfg_dir: Path, staging: Path, dtype: torch.dtype) -> None:
+def write_exported_config(cfg_dir: Path, staging: Path, dtype: torch.dtype) -> None:
     """``config.json`` as it was, with ``torch_dtype`` (and ``dtype``) naming the exported dtype, without
     ``quantization_config`` (an FP8 source was dequantised when it was loaded or converted) and with no
     multi-token-prediction layer (``num_nextn_predict_layers`` 0: they are never exported, ``models.mtp``), a
@@ -330,7 +330,7 @@ def convert_mcore_to_hf(
             if workers.is_first:
                 plan.write_index(staging)
                 copy_hf_side_files(cfg_dir, staging)
-                _write_config(cfg_dir, staging, exported_dtype)
+                write_exported_config(cfg_dir, staging, exported_dtype)
             ok = True
         finally:
             workers.finish_output(ok, staging, out_dir, force)
