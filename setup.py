@@ -61,6 +61,8 @@ setup(
             "llama-models",
             # the pairwise covering array of tests/test_config_space.py
             "covertable>=3.2",
+            # tests/test_lora.py loads the PEFT adapter export with peft itself (it pulls accelerate only)
+            "peft",
         ],
     },
     entry_points={

@@ -20,6 +20,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_opd import quiet
+from megatron_opd.checkpoint.adapters import (
+    adapter_entries,
+    adapter_record,
+    check_adapter_resume,
+    load_adapters,
+    saved_adapter_record,
+)
 from megatron_opd.checkpoint.mcore_io import chunks_sharded_state_dict
 from megatron_opd.config import parse_args, to_dict
 from megatron_opd.data.batch import pack_sft
@@ -87,6 +94,8 @@ def training_state(
     if not loading:
         student.finish_param_sync()  # the checkpoint (and the export read from it) holds the updated weights
     state = chunks_sharded_state_dict(student.chunks)
+    if cfg.student.lora.enabled:  # adapters only: the frozen base is student.path's, reloaded at resume
+        state = {key: adapter_entries(chunk_state) for key, chunk_state in state.items()}
     layout = current_layout(student)
     if optimizer:
         # fully_reshardable: the distributed optimizer's shards are gathered into one tensor per parameter, which
@@ -100,6 +109,8 @@ def training_state(
     state["trainer"] = {"step": step, "data": data_state, "config": to_dict(cfg), "layout": layout.to_dict()}
     if collapse is not None:
         state["trainer"]["collapse"] = collapse.state_dict()
+    if cfg.student.lora.enabled:
+        state["trainer"]["adapters"] = adapter_record(cfg.student)
     return state
 
 
@@ -113,6 +124,7 @@ def resume(ckpt: CheckpointManager, student: Student, data: PromptStream, cfg: T
         return 0
     with ckpt.starting():
         saved, current = saved_layout(path), current_layout(student)
+        check_adapter_resume(saved_adapter_record(path), cfg.student, path)
         same_ranks, load_optimizer = saved.ranks() == current.ranks(), cfg.checkpoint.load_optimizer
         if load_optimizer:
             check_optimizer_state(saved, current, path)
@@ -121,7 +133,11 @@ def resume(ckpt: CheckpointManager, student: Student, data: PromptStream, cfg: T
                                 optimizer=load_optimizer, optimizer_format=saved.optimizer_format)  # fmt: skip
         state = ckpt.load(path, wanted)
         for i, chunk in enumerate(student.chunks):
-            chunk.load_state_dict(state["model" if len(student.chunks) == 1 else f"model{i}"])
+            chunk_state = state["model" if len(student.chunks) == 1 else f"model{i}"]
+            if cfg.student.lora.enabled:
+                load_adapters(chunk, chunk_state, path)
+            else:
+                chunk.load_state_dict(chunk_state)
         if load_optimizer:
             student.load_optimizer_state(state["optimizer"])
         student.lr_schedule.load_state_dict(state["opt_param_scheduler"])
@@ -521,11 +537,11 @@ def export_student(cfg: TrainConfig, ckpt_dir: Path) -> None:
 
 
 def _export(ckpt_dir: str, out: str, hf_config_dir: str) -> None:
-    from megatron_opd.checkpoint import convert_mcore_to_hf
+    from megatron_opd.checkpoint.lora_export import to_hugging_face
 
     quiet.install(rank=0, level=logging.WARNING)
 
-    convert_mcore_to_hf(ckpt_dir, out, hf_config_dir=hf_config_dir, force=True)
+    to_hugging_face(ckpt_dir, out, hf_config_dir=hf_config_dir, force=True)  # a LoRA student's: merged into its base
 
 
 def max_logprob_diff_for(cfg: TrainConfig, student: Student) -> float:

@@ -58,6 +58,9 @@ def test_mcore_to_hf_with_verify(qwen2_ckpt, tmp_path, capsys):
     assert ": OK" in done.stdout and (tmp_path / "back" / "config.json").is_file()
     assert refused(["mcore-to-hf", "--ckpt", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")]) == 2
     assert "is not a folder" in capsys.readouterr().err
+    # a LoRA student's adapters as PEFT: refused for a checkpoint without adapters (its export: tests/test_lora.py)
+    assert refused(["lora-to-peft", "--ckpt", str(ckpt), "--out", str(tmp_path / "peft")]) == 2
+    assert "holds no LoRA adapters" in capsys.readouterr().err
 
 
 def test_verify_detects_a_wrong_checkpoint(qwen2_ckpt, tiny_model_dirs, tmp_path):

@@ -176,8 +176,13 @@ def test_deepseek_expert_bias_survives_resume_and_export(pair, tmp_path):
 
 
 def test_sigterm_saves_and_resumes(pair, tmp_path):
+    """SIGTERM to a TP=2 job under a real torchrun: it saves the step it is at and leaves. The student is a LoRA one
+    (rank 8): the saved checkpoint holds the adapters alone and the base's path (their resume and export:
+    tests/test_resume_layouts.py, tests/test_lora.py)."""
+    from megatron_opd.checkpoint.mcore_to_hf import stored_tensors
+
     out_dir = tmp_path / "preempted"
-    overrides = pair.overrides(out_dir, **TP2, **{"train.steps": 200, "export_hf": False})
+    overrides = pair.overrides(out_dir, **TP2, **{"train.steps": 200, "export_hf": False, "student.lora.rank": 8})
     proc = subprocess.Popen(
         trainer_command(overrides),
         cwd=tmp_path,  # outside the repository: the package as installed
@@ -201,6 +206,13 @@ def test_sigterm_saves_and_resumes(pair, tmp_path):
     assert "SIGTERM" in out
     state = json.loads((out_dir / "checkpoints" / saved / "trainer_state.json").read_text())
     assert state["step"] == step
+    assert "student.lora: rank-8 adapters" in out
+    weights = {
+        key for key in stored_tensors(out_dir / "checkpoints" / saved) if not key.startswith(("optimizer", "rng"))
+    }
+    assert weights and all(".lora." in key for key in weights), sorted(weights)[:8]
+    common = torch.load(out_dir / "checkpoints" / saved / "common.pt", weights_only=False)  # no Megatron import
+    assert common["trainer"]["adapters"]["base"] == str(Path(pair.student).resolve())
 
 
 def test_export_and_lock_and_padded_vocab(pair, tmp_path):

@@ -2,6 +2,8 @@
 
     opd-convert hf-to-mcore --hf-dir Qwen3-8B --out ckpt/qwen3-8b --tp 2 --pp 2
     opd-convert mcore-to-hf --ckpt ckpt/qwen3-8b --out export/qwen3-8b
+    opd-convert mcore-to-hf --ckpt runs/lora/checkpoints/step_00000100 --out export/merged  # adapters + their base
+    opd-convert lora-to-peft --ckpt runs/lora/checkpoints/step_00000100 --out export/adapter  # a PEFT adapter folder
     torchrun --nproc-per-node 8 -m megatron_opd.checkpoint.convert hf-to-mcore ...   # 8 processes share the work
 
 (``python tools/checkpoint/convert.py`` in a checkout is the same command.) Both directions stream tensor by tensor
@@ -86,8 +88,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     to_hf.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="exported dtype (default: the checkpoint's)")
     to_hf.add_argument(
+        "--base",
+        help="a LoRA student's adapter-only checkpoint: the base model it is merged into, a Hugging Face or dist_ckpt "
+        "folder (default: the student.path it records)",
+    )
+    to_hf.add_argument(
         "--max-shard-size", type=parse_size, default="5GB", help="largest safetensors file, e.g. 5GB or 2GiB"
     )
+
+    to_peft = sub.add_parser("lora-to-peft", help="a LoRA student's adapters -> PEFT adapter folder (for `peft`)")
+    to_peft.add_argument("--ckpt", required=True, help="dist_ckpt folder holding the adapters (any TP/PP)")
+    to_peft.add_argument(
+        "--out", required=True, help="folder to create: adapter_config.json, adapter_model.safetensors"
+    )
+    to_peft.add_argument(
+        "--base", help="the base model folder (its config.json; default: the student.path the checkpoint records)"
+    )
+    to_peft.add_argument("--hf-config-dir", help="folder with the base's config.json (default: --base's)")
+    to_peft.add_argument("--force", action="store_true", help="replace --out if it exists")
 
     for p in (to_mcore, to_hf):
         p.add_argument(
@@ -158,12 +176,25 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("megatron_opd.checkpoint").setLevel(logging.INFO)
     logging.getLogger("megatron_opd.checkpoint.verify").setLevel(logging.WARNING)  # the CLI prints the verdict
 
-    from megatron_opd.checkpoint import OutputExistsError, convert_hf_to_mcore, convert_mcore_to_hf
+    from megatron_opd.checkpoint import OutputExistsError, convert_hf_to_mcore
+    from megatron_opd.checkpoint.lora_export import to_hugging_face  # an adapter-only checkpoint: merged
     from megatron_opd.checkpoint.progress import TqdmProgress
     from megatron_opd.distributed.parallel import ParallelConfig
     from megatron_opd.dtypes import parse_dtype
     from megatron_opd.models import CheckpointError, UnsupportedArchitectureError
 
+    if args.command == "lora-to-peft":
+        return _lora_to_peft(args)
+    if args.command == "mcore-to-hf" and args.verify:
+        from megatron_opd.checkpoint.adapters import is_adapter_checkpoint
+
+        if is_adapter_checkpoint(args.ckpt):
+            print(
+                f"error: --verify compares the export with the checkpoint's own weights; {args.ckpt} holds a LoRA "
+                "student's adapters only: drop --verify (the merge is tested against transformers and peft)",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
     progress = TqdmProgress(args.command, enabled=_rank() == 0 and not args.no_progress)
     try:
         if args.command == "hf-to-mcore":
@@ -187,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             hf_dir, ckpt_dir = args.hf_dir, args.out
         else:
-            result = convert_mcore_to_hf(
+            result = to_hugging_face(
                 args.ckpt,
                 args.out,
                 hf_config_dir=args.hf_config_dir,
@@ -195,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_shard_bytes=args.max_shard_size,
                 force=args.force,
                 progress=progress,
+                base=args.base,
             )
             hf_dir, ckpt_dir = args.out, args.ckpt
     except (CheckpointError, UnsupportedArchitectureError, OutputExistsError, FileNotFoundError, ValueError) as err:
@@ -214,6 +246,21 @@ def main(argv: list[str] | None = None) -> int:
         )
         if not _verify(args, hf_dir, ckpt_dir, lossless):
             return EXIT_VERIFY
+    return 0
+
+
+def _lora_to_peft(args: argparse.Namespace) -> int:
+    from megatron_opd.checkpoint import OutputExistsError
+    from megatron_opd.checkpoint.lora_export import export_peft_adapter
+    from megatron_opd.models import CheckpointError
+
+    try:
+        out = export_peft_adapter(args.ckpt, args.out, hf_config_dir=args.hf_config_dir, base=args.base,
+                                  force=args.force)  # fmt: skip
+    except (CheckpointError, OutputExistsError, FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"rank {_rank()}: wrote a PEFT adapter folder -> {out}")
     return 0
 
 

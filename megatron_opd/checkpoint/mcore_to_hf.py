@@ -99,8 +99,8 @@ def _hf_config_dir(ckpt: Path, hf_config_dir: str | os.PathLike | None) -> Path:
     return cfg
 
 
-def plan_reads(ckpt: Path, arch: ModelArchitecture) -> list[list[WeightRead]]:
-    """The checkpoint's weights grouped by layer (embedding first, final norm and output layer last)."""
+def stored_tensors(ckpt: Path) -> dict:
+    """The tensors a ``dist_ckpt`` holds: key -> DCP's ``TensorStorageMetadata`` (global size, dtype)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -108,13 +108,24 @@ def plan_reads(ckpt: Path, arch: ModelArchitecture) -> list[list[WeightRead]]:
         metadata = FileSystemReader(str(ckpt)).read_metadata()
     except Exception as err:  # noqa: BLE001 - unpickling a damaged file raises many types
         raise CheckpointError(f"{ckpt / '.metadata'} is corrupted or truncated ({type(err).__name__}: {err})") from err
-    stored = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-    layout = checkpoint_layout(arch, ParallelConfig())
+    return {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+
+def _weight_chunks(arch: ModelArchitecture) -> list[TensorChunk]:
+    """One chunk per Megatron weight of a TP=1 checkpoint (the SwiGLU weight is two chunks of one key: the first)."""
     first: dict[tuple, TensorChunk] = {}
-    for chunk in layout.chunks:  # the SwiGLU weight is two chunks of one key: keep the first
+    for chunk in checkpoint_layout(arch, ParallelConfig()).chunks:
         first.setdefault(chunk.source, chunk)
+    return list(first.values())
+
+
+def plan_reads(ckpt: Path, arch: ModelArchitecture, adapters: Path | None = None) -> list[list[WeightRead]]:
+    """The checkpoint's weights grouped by layer (embedding first, final norm and output layer last), each with its
+    LoRA adapter where the checkpoint (or the adapter-only checkpoint ``adapters``) holds one."""
+    stored = stored_tensors(ckpt)
+    adapter_stored = stored if adapters is None else stored_tensors(adapters)
     groups: dict[object, list[WeightRead]] = {}
-    for chunk in first.values():
+    for chunk in _weight_chunks(arch):
         sh = chunk.sharded
         if sh.key not in stored:
             raise CheckpointError(
@@ -140,11 +151,42 @@ def plan_reads(ckpt: Path, arch: ModelArchitecture) -> list[list[WeightRead]]:
             shape=shape,
             dtype=md.properties.dtype,
         )
-        if sh.key.endswith(".weight") and f"{sh.key[: -len('weight')]}lora.A" in stored:
-            read = replace(read, lora=tuple(_adapter_read(read, stored, part) for part in ("A", "B", "scale_factor")))
+        read = _with_adapter(read, adapter_stored)
         group = chunk.layer if chunk.layer is not None else ("embedding" if sh.key.startswith("embedding") else "final")
         groups.setdefault(group, []).append(read)
     return list(groups.values())
+
+
+def plan_adapter_reads(adapters: Path, arch: ModelArchitecture) -> list[WeightRead]:
+    """Every adapted weight of a checkpoint holding adapters (adapter-only or not), with its adapter's reads; the
+    weight itself is not read (its shape and key are the layout's)."""
+    stored = stored_tensors(adapters)
+    reads = []
+    for chunk in _weight_chunks(arch):
+        sh = chunk.sharded
+        prepend = sh.prepend_axis_num
+        weight = WeightRead(
+            rule=chunk.rule,
+            layer=chunk.layer,
+            key=sh.key,
+            stack_index=sh.global_offset[0] if prepend else None,
+            stack_size=sh.global_shape[0] if prepend else 1,
+            shape=chunk.full_shape(),
+            dtype=sh.dtype,
+        )
+        weight = _with_adapter(weight, stored)
+        if weight.lora:
+            reads.append(weight)
+    if not reads:
+        raise CheckpointError(f"{adapters} holds no LoRA adapters (no ...lora.A tensor of this model's layers)")
+    return reads
+
+
+def _with_adapter(weight: WeightRead, stored: dict) -> WeightRead:
+    """``weight`` with the reads of its adapter's ``A``, ``B`` and ``alpha/r`` where ``stored`` holds one."""
+    if not weight.key.endswith(".weight") or f"{weight.key[: -len('weight')]}lora.A" not in stored:
+        return weight
+    return replace(weight, lora=tuple(_adapter_read(weight, stored, part) for part in ("A", "B", "scale_factor")))
 
 
 def _adapter_read(weight: WeightRead, stored: dict, part: str) -> WeightRead:
@@ -173,11 +215,17 @@ def _export_group(
     staging: Path,
     dtype: torch.dtype | None,
     progress: Progress | None,
+    adapters: Path | None = None,
 ) -> tuple[int, int]:
-    """Load one group's weights (a collective: every rank calls it, possibly with an empty group)."""
+    """Load one group's weights (a collective: every rank calls it, possibly with an empty group); their adapters
+    from ``adapters`` where given (an adapter-only checkpoint on the base ``ckpt``)."""
     request = {f"w{i}": read.sharded_tensor() for i, read in enumerate(group)}
-    request |= {f"w{i}.{j}": part.sharded_tensor() for i, read in enumerate(group) for j, part in enumerate(read.lora)}
-    loaded = load_dist_checkpoint(request, ckpt, validate_access_integrity=False)
+    lora = {f"w{i}.{j}": part.sharded_tensor() for i, read in enumerate(group) for j, part in enumerate(read.lora)}
+    if adapters is None:
+        loaded = load_dist_checkpoint(request | lora, ckpt, validate_access_integrity=False)
+    else:
+        loaded = load_dist_checkpoint(request, ckpt, validate_access_integrity=False)
+        loaded |= load_dist_checkpoint(lora, adapters, validate_access_integrity=False)
     tensors = written = 0
     for i, read in enumerate(group):
         full = read.unwrap(loaded.pop(f"w{i}"))
@@ -194,7 +242,7 @@ def _export_group(
     return tensors, written
 
 
-def _write_config(cfg_dir: Path, staging: Path, dtype: torch.dtype) -> None:
+def write_exported_config(cfg_dir: Path, staging: Path, dtype: torch.dtype) -> None:
     """``config.json`` as it was, with ``torch_dtype`` (and ``dtype``) naming the exported dtype, without
     ``quantization_config`` (an FP8 source was dequantised when it was loaded or converted) and with no
     multi-token-prediction layer (``num_nextn_predict_layers`` 0: they are never exported, ``models.mtp``), a
@@ -228,20 +276,25 @@ def convert_mcore_to_hf(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     force: bool = False,
     progress: Progress | None = None,
+    adapters: str | os.PathLike | None = None,
 ) -> ConversionResult:
     """Export the ``dist_ckpt`` in ``ckpt_dir`` as a Hugging Face folder ``out_dir``.
 
     ``config.json`` and tokenizer files come from ``hf_config_dir`` or the checkpoint's ``hf_config/``.
     ``dtype`` defaults to the checkpoint's. Call on every rank under ``torchrun``, or in one process.
+    A LoRA student's adapters are merged into their weights: those the checkpoint holds, or those of the adapter-only
+    checkpoint ``adapters`` (``ckpt_dir`` is then the base; a LoRA student's training checkpoint into its base:
+    ``lora_export.to_hugging_face``).
     """
     start = time.perf_counter()
     ckpt = check_dist_checkpoint(ckpt_dir)
+    adapters = Path(adapters) if adapters is not None else None
     cfg_dir = _hf_config_dir(ckpt, hf_config_dir)
     arch = load_architecture(cfg_dir)
     out_dtype = parse_dtype(dtype) if dtype is not None else None
-    check_destination(out_dir, force, sources=(ckpt, cfg_dir))
+    check_destination(out_dir, force, sources=(ckpt, cfg_dir, *([adapters] if adapters else [])))
     check_tokenizer_files(cfg_dir)
-    reads = plan_reads(ckpt, arch)  # before joining ranks: it uses fake process groups
+    reads = plan_reads(ckpt, arch, adapters)  # before joining ranks: it uses fake process groups
     plan = plan_shards(plan_hf_tensors(reads, arch, out_dtype), max_shard_bytes)
     exported_dtype = out_dtype or reads[0][0].dtype
 
@@ -265,7 +318,7 @@ def convert_mcore_to_hf(
                 group = mine[r] if r < len(mine) else []
                 error = None
                 try:
-                    t, b = _export_group(group, ckpt, arch, plan, staging, out_dtype, progress)
+                    t, b = _export_group(group, ckpt, arch, plan, staging, out_dtype, progress, adapters)
                     tensors, written = tensors + t, written + b
                 except Exception as err:  # noqa: BLE001 - re-raised below, once every rank knows
                     error = err
@@ -277,7 +330,7 @@ def convert_mcore_to_hf(
             if workers.is_first:
                 plan.write_index(staging)
                 copy_hf_side_files(cfg_dir, staging)
-                _write_config(cfg_dir, staging, exported_dtype)
+                write_exported_config(cfg_dir, staging, exported_dtype)
             ok = True
         finally:
             workers.finish_output(ok, staging, out_dir, force)

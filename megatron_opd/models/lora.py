@@ -293,10 +293,11 @@ def adapter_parameters(chunks: list) -> dict[str, torch.nn.Parameter]:
 
 
 @torch.no_grad()
-def full_adapters(chunks: list, arch, group) -> dict[str, torch.Tensor]:
+def full_adapters(chunks: list, arch, group, of=None) -> dict[str, torch.Tensor]:
     """This pipeline stage's adapter factors unsharded, by global Megatron name (``decoder.layers.N...lora.A``): a
     collective over the tensor-parallel ``group``. A sharded factor is reassembled as its layer's weight is (a fused
-    gate/up ``linear_fc1``'s ``B`` holds each rank's gate rows, then its up rows)."""
+    gate/up ``linear_fc1``'s ``B`` holds each rank's gate rows, then its up rows). ``of``: instead of the factors,
+    a tensor shaped like each (a function of the factor, e.g. its Adam moment)."""
     from megatron_opd.distributed.gather import gather_tp_shards
     from megatron_opd.models.loading import chunk_layer_range
     from megatron_opd.models.name_mapping import global_layer_name, rules_by_megatron_name, unshard
@@ -309,7 +310,7 @@ def full_adapters(chunks: list, arch, group) -> dict[str, torch.Tensor]:
             if ".lora." not in local_name:
                 continue
             name = global_layer_name(local_name, offset)
-            local = param.detach()
+            local = (param if of is None else of(param)).detach()
             if getattr(param, "tensor_model_parallel", False):
                 local = unshard(rules[name.split(".lora.")[0] + ".weight"], gather_tp_shards(local, group))
             out[name] = local.clone()
