@@ -149,6 +149,7 @@ def validate_layout(arch: ModelArchitecture, parallel: ParallelConfig) -> None:
             "ranks); set parallel.context_parallel_size=1"
         )
     parallel.stage_layers(arch.num_layers)  # raises when the layers do not split over the stages
+    family_named(arch.family).check_layout(arch, parallel)
 
 
 def validate_expert_layout(arch: ModelArchitecture, parallel: ParallelConfig) -> None:
