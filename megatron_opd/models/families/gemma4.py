@@ -171,6 +171,11 @@ class Gemma4Family(Gemma2Family):
                     f"between {name.split('_')[0]}-parallel ranks; set parallel.{name}=1"
                 )
 
+    def transformer_config_fields(self, arch: ModelArchitecture) -> dict[str, Any]:
+        # Layers differ in shape (head widths, query-only projections, MLP widths): checkpoints key them per layer,
+        # not stacked.
+        return {**super().transformer_config_fields(arch), "hetereogenous_dist_checkpoint": True}
+
     def local_norm(self, options: SpecOptions):
         from megatron_opd.models.families.base import ModelFamily
 
@@ -328,5 +333,13 @@ FAMILY = Gemma4Family(
         eos_token_id=1,
         bos_token_id=2,
     ),  # fmt: skip
-    test_shapes={},
+    test_shapes={
+        "gemma4_shared_kv": dict(
+            tied=True,
+            kv_heads=2,
+            vocab_size=1001,
+            rope="proportional",
+            overrides=(("vocab_size_per_layer_input", 1001),),
+        ),
+    },  # fmt: skip
 )
