@@ -169,3 +169,45 @@ def test_issue_52_dense_fields_are_read_or_refused_by_name():
     for config, error, message in refused:
         with pytest.raises(error, match=message):
             architecture_from_hf_config(config)
+
+
+def test_gemma4_fields_are_read_and_crossing_layouts_refused_by_name():
+    """Gemma 4's per-layer fields as transformers 5.19 writes them (``per_layer_config``) and as published
+    checkpoints do (``global_head_dim``); pipeline and context parallelism refused by name, before any model, where
+    per-layer inputs or shared keys/values would cross ranks, and allowed without them."""
+    import pytest
+
+    from megatron_opd.distributed import ParallelConfig
+    from megatron_opd.model_files import UnsupportedArchitectureError
+    from megatron_opd.models.builder import validate_layout
+    from megatron_opd.models.hf_config import architecture_from_hf_config
+    from megatron_opd.testing.tiny_models import tiny_hf_config
+
+    written = tiny_hf_config("gemma4").to_dict()
+    published = {k: v for k, v in written.items() if k != "per_layer_config"}
+    for cfg in (written, {**published, "global_head_dim": 64}):
+        arch = architecture_from_hf_config(cfg)
+        g = arch.gemma4
+        assert (g.full_layers, g.global_head_dim, g.global_kv_heads, arch.head_dim) == ((1, 4), 64, 2, 32)
+        assert g.kv_sources == (None, None, None, 2, 1) and g.ffn_widths == (128, 128, 128, 256, 256)
+        assert (arch.rope.type, arch.rope.partial_rotary_factor, g.sliding_rope.type) == (
+            "proportional",
+            0.25,
+            "default",
+        )
+        assert (arch.softmax_scale, arch.final_logit_softcapping, g.per_layer_input_size) == (1.0, 1.0, 16)
+    validate_layout(arch, ParallelConfig(tensor_model_parallel_size=2))
+    for field in ("pipeline_model_parallel_size", "context_parallel_size"):
+        with pytest.raises(ValueError, match=f"parallel.{field}=2: .*hidden_size_per_layer_input=16.*num_kv_shared_"):
+            validate_layout(arch, ParallelConfig(**{field: 2}))
+    plain = architecture_from_hf_config({**published, "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0})
+    validate_layout(plain, ParallelConfig(pipeline_model_parallel_size=5))  # nothing crosses a stage
+    refused = [
+        ({"attention_k_eq_v": True}, "attention_k_eq_v"),
+        ({"vocab_size_per_layer_input": 7}, "vocab_size_per_layer_input=7"),
+        ({"num_kv_shared_layers": 5}, "num_kv_shared_layers=5"),
+        ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
+    ]
+    for fields, message in refused:
+        with pytest.raises(UnsupportedArchitectureError, match=message):
+            architecture_from_hf_config({**written, **fields})

@@ -148,8 +148,8 @@ def validate_layout(arch: ModelArchitecture, parallel: ParallelConfig) -> None:
             f"DeltaNet layers ({arch.family} models; the recurrent state would have to pass between context-parallel "
             "ranks); set parallel.context_parallel_size=1"
         )
+    family_named(arch.family).check_layout(arch, parallel)  # before the stage split: its reason is the model's
     parallel.stage_layers(arch.num_layers)  # raises when the layers do not split over the stages
-    family_named(arch.family).check_layout(arch, parallel)
 
 
 def validate_expert_layout(arch: ModelArchitecture, parallel: ParallelConfig) -> None:
