@@ -211,3 +211,36 @@ def test_gemma4_fields_are_read_and_crossing_layouts_refused_by_name():
     for fields, message in refused:
         with pytest.raises(UnsupportedArchitectureError, match=message):
             architecture_from_hf_config({**written, **fields})
+
+
+def test_gemma4_wrappers_and_unified_text_read_as_their_text_model(tmp_path, caplog):
+    """A ``gemma4`` multimodal folder reads as its text tower (the other towers' tensors skipped, named in one log
+    line); ``gemma4_unified_text`` is Gemma 4's text decoder without per-layer inputs (its fields' defaults)."""
+    import json
+    import logging
+
+    import torch
+    from safetensors.torch import save_file
+
+    from megatron_opd.models.hf_config import architecture_from_hf_config, load_architecture
+    from megatron_opd.models.hf_io import HFCheckpointReader
+    from megatron_opd.testing.tiny_models import tiny_hf_config
+
+    text = tiny_hf_config("gemma4").to_dict()
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"],
+        "tie_word_embeddings": text["tie_word_embeddings"],
+        "text_config": {k: v for k, v in text.items() if k not in ("architectures", "tie_word_embeddings")},
+    }))  # fmt: skip
+    tensors = {"model.language_model.norm.weight": torch.ones(64), "model.vision_tower.patch.weight": torch.ones(2),
+               "model.audio_tower.conv.weight": torch.ones(2)}  # fmt: skip
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    assert load_architecture(tmp_path) == architecture_from_hf_config(text)
+    with caplog.at_level(logging.INFO, logger="megatron_opd.models.wrappers"):
+        assert HFCheckpointReader(tmp_path).names() == ["model.norm.weight"]
+    assert "model.audio_tower.* (1 tensors), model.vision_tower.* (1 tensors)" in caplog.text
+    unified = {k: v for k, v in text.items() if "per_layer_input" not in k and k != "model_type"}
+    arch = architecture_from_hf_config({**unified, "model_type": "gemma4_unified_text",
+                                        "use_bidirectional_attention": "vision"})  # fmt: skip
+    assert arch.family == "gemma4" and arch.gemma4.per_layer_input_size == 0
+    assert arch.gemma4.kv_sources == (None, None, None, 2, 1)

@@ -1,4 +1,5 @@
-"""Gemma 4 (text; ``gemma4_text``, and the text tower of the ``gemma4`` wrapper): Gemma 3's sandwich-normed layers
+"""Gemma 4 (text; ``gemma4_text`` and ``gemma4_unified_text``, the same layers without per-layer inputs; the text
+towers of the ``gemma4`` and ``gemma4_unified`` wrappers, ``models.wrappers``): Gemma 3's sandwich-normed layers
 with plain-weight RMSNorms, plus
 
 - head width and key/value heads per layer type (``global_head_dim``, ``num_global_key_value_heads`` or
@@ -39,12 +40,17 @@ def check_config(cfg: dict[str, Any]) -> None:
     refused = {
         "enable_moe_block": "the Mixture-of-Experts variant (routed experts beside the dense MLP) is not built yet",
         "attention_k_eq_v": "keys = values on the full-attention layers are not built yet",
-        "use_bidirectional_attention": "bidirectional attention is not supported",
         "attention_bias": "attention biases are not supported for gemma4 models",
     }
     for name, why in refused.items():
         if cfg.get(name):
             raise UnsupportedArchitectureError(f"config.json {name}={cfg[name]!r}: {why}")
+    # "vision" (gemma4_unified_text's default) lets image tokens see each other; text alone stays causal.
+    if cfg.get("use_bidirectional_attention") not in (None, "vision"):
+        raise UnsupportedArchitectureError(
+            f"config.json use_bidirectional_attention={cfg['use_bidirectional_attention']!r}: only causal text "
+            "attention is supported (null or 'vision')"
+        )
 
 
 def _int(cfg: dict[str, Any], name: str, default: int, source: str) -> int:
@@ -119,8 +125,10 @@ def read_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
         sources.append(first_shared - 1 - earlier[::-1].index(layer_type))
     ffn = int(cfg.get("intermediate_size") or 0)
     wide = bool(cfg.get("use_double_wide_mlp"))
-    per_layer_input = _int(cfg, "hidden_size_per_layer_input", 0, source)
-    if per_layer_input and cfg.get("vocab_size_per_layer_input", cfg.get("vocab_size")) != cfg.get("vocab_size"):
+    # transformers' default for gemma4_text (a field gemma4_unified_text does not have)
+    default = 256 if cfg.get("model_type") == "gemma4_text" else 0
+    per_layer_input = _int(cfg, "hidden_size_per_layer_input", default, source)
+    if per_layer_input and cfg.get("vocab_size_per_layer_input", 262144) != cfg.get("vocab_size"):
         raise UnsupportedArchitectureError(
             f"{source} vocab_size_per_layer_input={cfg.get('vocab_size_per_layer_input')} differs from vocab_size="
             f"{cfg.get('vocab_size')}: per-layer input embeddings over another vocabulary are not supported"
@@ -313,7 +321,8 @@ class Gemma4Family(Gemma2Family):
 FAMILY = Gemma4Family(
     name="gemma4",
     local_spec_only=True,
-    model_types=("gemma4_text",),
+    model_types=("gemma4_text", "gemma4_unified_text"),
+    wrapper_types=("gemma4", "gemma4_unified"),
     read_config=read_config,
     check_config=check_config,
     # Five layers: sliding, full, sliding, then two sharing the last sliding and full layers' keys/values with
