@@ -200,6 +200,10 @@ def test_gemma4_fields_are_read_and_crossing_layouts_refused_by_name():
     for field in ("pipeline_model_parallel_size", "context_parallel_size"):
         with pytest.raises(ValueError, match=f"parallel.{field}=2: .*hidden_size_per_layer_input=16.*num_kv_shared_"):
             validate_layout(arch, ParallelConfig(**{field: 2}))
+    from megatron_opd.models.builder import ModelBuildConfig, transformer_config
+
+    with pytest.raises(ValueError, match="build.recompute_granularity=full: .*num_kv_shared_layers=2"):
+        transformer_config(arch, ParallelConfig(), ModelBuildConfig(recompute_granularity="full"))
     plain = architecture_from_hf_config({**published, "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0})
     validate_layout(plain, ParallelConfig(pipeline_model_parallel_size=5))  # nothing crosses a stage
     refused = [

@@ -194,6 +194,7 @@ def transformer_config(arch: ModelArchitecture, parallel: ParallelConfig, build:
     """The Megatron-Core ``TransformerConfig`` equivalent to ``arch`` under ``parallel``."""
     validate_layout(arch, parallel)
     family = family_named(arch.family)
+    family.check_build(arch, build)
     dtype = parse_dtype(build.dtype)
     vp = parallel.virtual_pipeline_model_parallel_size
     kwargs = dict(

@@ -156,6 +156,17 @@ def read_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Gemma4Family(Gemma2Family):
+    @staticmethod
+    def _crossing(arch: ModelArchitecture) -> list[str]:
+        """What passes between layers outside the residual stream (per-layer inputs, shared keys/values)."""
+        g, crossing = arch.gemma4, []
+        if g.per_layer_input_size:
+            crossing.append(f"per-layer input embeddings (hidden_size_per_layer_input={g.per_layer_input_size})")
+        if any(s is not None for s in g.kv_sources):
+            shared = sum(s is not None for s in g.kv_sources)
+            crossing.append(f"layers reusing earlier layers' keys/values (num_kv_shared_layers={shared})")
+        return crossing
+
     def check_layout(self, arch: ModelArchitecture, parallel) -> None:
         g = arch.gemma4
         tp = parallel.tensor_model_parallel_size
@@ -165,12 +176,7 @@ class Gemma4Family(Gemma2Family):
                 f"key/value heads (config.json num_global_key_value_heads) of this gemma4 model; choose a TP size "
                 "that divides it"
             )
-        crossing = []
-        if g.per_layer_input_size:
-            crossing.append(f"per-layer input embeddings (hidden_size_per_layer_input={g.per_layer_input_size})")
-        if any(s is not None for s in g.kv_sources):
-            shared = sum(s is not None for s in g.kv_sources)
-            crossing.append(f"layers reusing earlier layers' keys/values (num_kv_shared_layers={shared})")
+        crossing = self._crossing(arch)
         for name in ("pipeline_model_parallel_size", "context_parallel_size"):
             size = getattr(parallel, name)
             if size > 1 and crossing:
@@ -178,6 +184,15 @@ class Gemma4Family(Gemma2Family):
                     f"parallel.{name}={size}: this gemma4 model has {' and '.join(crossing)}, which are not passed "
                     f"between {name.split('_')[0]}-parallel ranks; set parallel.{name}=1"
                 )
+
+    def check_build(self, arch: ModelArchitecture, build) -> None:
+        crossing = self._crossing(arch)
+        if build.recompute == "full" and crossing:
+            raise ValueError(
+                f"build.recompute_granularity=full: this gemma4 model has {' and '.join(crossing)}, tensors that "
+                "cross layers outside Megatron's recomputed inputs (their gradients would be lost); set "
+                "build.recompute_granularity=selective or null"
+            )
 
     def transformer_config_fields(self, arch: ModelArchitecture) -> dict[str, Any]:
         # Layers differ in shape (head widths, query-only projections, MLP widths): checkpoints key them per layer,
