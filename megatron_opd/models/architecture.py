@@ -170,6 +170,9 @@ class Gemma4Architecture:
     layers)."""
     per_layer_input_size: int = 0
     """Width of each layer's per-layer input embedding (HF ``hidden_size_per_layer_input``); 0: none."""
+    keys_are_values: bool = False
+    """The full-attention layers have no value projection: values are the key projection's output (HF
+    ``attention_k_eq_v``)."""
 
     def kv_heads(self, layer: int, sliding_kv_heads: int) -> int:
         return self.global_kv_heads if layer in self.full_layers else sliding_kv_heads

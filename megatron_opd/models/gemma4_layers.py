@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_opd.models.norms import RMSNorm
@@ -76,20 +79,23 @@ def _linear(config, in_features: int, out_features: int) -> torch.nn.Linear:
     return _replicated(linear, config)
 
 
-class _QueryOnly:
-    """The linear_qkv factory of a KV-sharing layer: Megatron asks for q, k and v rows; it builds the q rows."""
+class _Rows:
+    """The linear_qkv factory of a layer without all of q, k, v: Megatron asks for q, k and v rows; it builds
+    ``rows`` (a KV-sharing layer's queries; a keys = values layer's queries and keys)."""
 
-    def __init__(self, linear, query_size: int) -> None:
-        self.linear, self.query_size = linear, query_size
+    def __init__(self, linear, rows: int) -> None:
+        self.linear, self.rows = linear, rows
 
     def __call__(self, in_size: int, _out_size: int, **kwargs):
-        return self.linear(in_size, self.query_size, **kwargs)
+        return self.linear(in_size, self.rows, **kwargs)
 
 
 class Gemma4Attention(SelfAttention):
     """Megatron's ``SelfAttention`` with Gemma 4's value norm, its per-layer RoPE (``rope_index`` into the stacked
     global/local embeddings, sliced to this layer's head width) and shared keys/values: ``produces`` (the state key
-    this layer's keys/values go to, or None), ``reads`` (the state key a KV-sharing layer takes them from)."""
+    this layer's keys/values go to, or None), ``reads`` (the state key a KV-sharing layer takes them from);
+    ``keys_are_values``: no value projection, the values are the key projection's output (before the key norm and
+    RoPE), normed without scale (``attention_k_eq_v``: its ``linear_qkv`` holds each group's queries, then key)."""
 
     def __init__(
         self,
@@ -101,15 +107,20 @@ class Gemma4Attention(SelfAttention):
         rope_index: int,
         produces: str | None = None,
         reads: str | None = None,
+        keys_are_values: bool = False,
         **kwargs,
     ) -> None:
+        query_size = config.kv_channels * config.num_attention_heads
         if reads is not None:
-            query_size = config.kv_channels * config.num_attention_heads
             submodules = dataclasses.replace(
-                submodules, linear_qkv=_QueryOnly(submodules.linear_qkv, query_size), k_layernorm=None
+                submodules, linear_qkv=_Rows(submodules.linear_qkv, query_size), k_layernorm=None
             )
+        elif keys_are_values:
+            rows = query_size + config.kv_channels * config.num_query_groups
+            submodules = dataclasses.replace(submodules, linear_qkv=_Rows(submodules.linear_qkv, rows))
         super().__init__(config, submodules, layer_number, *args, **kwargs)
         self.state, self.rope_index, self.produces, self.reads = state, rope_index, produces, reads
+        self.keys_are_values = keys_are_values
 
     def forward(self, *args, rotary_pos_emb=None, **kwargs):
         if isinstance(rotary_pos_emb, torch.Tensor) and rotary_pos_emb.dim() == 5:
@@ -124,12 +135,30 @@ class Gemma4Attention(SelfAttention):
                 query = self.q_layernorm(query)
             key, value = self.state[self.reads]
             return query, key, value
-        query, key, value = super().get_query_key_value_tensors(
-            hidden_states, key_value_states, output_gate=output_gate, split_qkv=True
-        )
+        if self.keys_are_values:
+            query, key, value = self._keys_as_values(hidden_states)
+        else:
+            query, key, value = super().get_query_key_value_tensors(
+                hidden_states, key_value_states, output_gate=output_gate, split_qkv=True
+            )
         value = scaleless_rms_norm(value, self.config.layernorm_epsilon)
         if self.produces is not None:
             self.state[self.produces] = (key, value)
+        return query, key, value
+
+    def _keys_as_values(self, hidden_states):
+        """``(query, key, value)`` with value = the key projection's output (before the key norm)."""
+        d, groups = self.hidden_size_per_attention_head, self.num_query_groups_per_partition
+        per_group = self.num_attention_heads_per_partition // groups
+        mixed, _ = self.linear_qkv(hidden_states)
+        mixed = mixed.view(*mixed.shape[:2], groups, (per_group + 1) * d)
+        query, key = torch.split(mixed, [per_group * d, d], dim=3)
+        query = query.reshape(*query.shape[:2], -1, d)
+        value = key
+        if self.q_layernorm is not None:
+            query = self.q_layernorm(query)
+        if self.k_layernorm is not None:
+            key = self.k_layernorm(key)
         return query, key, value
 
 
@@ -198,3 +227,60 @@ class PerLayerInputs(MegatronModule):
 
         embedding.per_layer_inputs = self
         embedding.register_forward_hook(hook, with_kwargs=True)
+
+
+class Gemma4Router(TopKRouter):
+    """Megatron's top-k softmax router on Gemma 4's router input: the residual stream RMS-normed without weight,
+    times ``scale`` and ``1 / sqrt(hidden)``; the chosen experts' (renormalised) probabilities times
+    ``per_expert_scale``."""
+
+    def __init__(self, config, *args, **kwargs) -> None:
+        super().__init__(config, *args, **kwargs)
+        self.scale = torch.nn.Parameter(torch.ones(config.hidden_size, dtype=config.params_dtype))
+        self.per_expert_scale = torch.nn.Parameter(torch.ones(config.num_moe_experts, dtype=config.params_dtype))
+        if config.sequence_parallel:  # each rank routes its own tokens
+            self.scale.sequence_parallel = self.per_expert_scale.sequence_parallel = True
+
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        scaled = scaleless_rms_norm(input, self.config.layernorm_epsilon) * self.scale
+        return super().gating(scaled * self.config.hidden_size**-0.5)
+
+    def forward(self, input: torch.Tensor, padding_mask=None):
+        probs, routing_map = super().forward(input, padding_mask)
+        return probs * self.per_expert_scale.to(probs.dtype), routing_map
+
+
+class Gemma4Experts(MoELayer):
+    """Megatron's ``MoELayer`` fed the residual stream: the router reads it (``Gemma4Router``), the experts its
+    own RMSNorm of it (``pre_norm``, HF ``pre_feedforward_layernorm_2``; per token, so before the dispatch)."""
+
+    def __init__(self, config, *args, **kwargs) -> None:
+        super().__init__(config, *args, **kwargs)
+        self.pre_norm = RMSNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
+
+    def preprocess(self, hidden_states, probs, routing_map):
+        return super().preprocess(self.pre_norm(hidden_states), probs, routing_map)
+
+
+class Gemma4FeedForward(MegatronModule):
+    """Gemma 4's MoE block as the layer's MLP (its pre-MLP norm is the identity): the dense MLP on
+    ``pre_norm(x)``, normed (``post_norm_1``), plus the routed experts on ``x`` (:class:`Gemma4Experts`), normed
+    (``post_norm_2``); the sum normed again (``post_norm``: HF ``post_feedforward_layernorm``)."""
+
+    def __init__(self, config, dense, experts, pg_collection=None, **_) -> None:
+        from megatron.core.transformer.spec_utils import build_module
+
+        super().__init__(config=config)
+        norm = functools.partial(RMSNorm, config, config.hidden_size, eps=config.layernorm_epsilon)
+        self.pre_norm, self.post_norm_1, self.post_norm_2, self.post_norm = norm(), norm(), norm(), norm()
+        tp = dict(tp_group=pg_collection.tp) if pg_collection is not None else {}
+        self.dense = build_module(dense, config=config, **tp)
+        self.experts = build_module(experts, config=config, pg_collection=pg_collection)
+
+    def set_layer_number(self, layer_number: int) -> None:
+        self.experts.set_layer_number(layer_number)
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        dense, _ = self.dense(self.pre_norm(hidden_states))
+        routed, _ = self.experts(hidden_states)
+        return self.post_norm(self.post_norm_1(dense) + self.post_norm_2(routed)), None

@@ -90,11 +90,14 @@ MOE += ("qwen3_next_hybrid", "qwen3_5_moe")  # Gated DeltaNet hybrids with exper
 HYBRID = ("qwen3_next_dense",)  # Gated DeltaNet hybrid without experts: TP=2 alone and PP=2 (the MoE one is in MOE)
 HYBRID_TEXT = ("qwen3_5_dense",)  # Qwen3.5's dense text tower: logits at TP=1, TP=2 and PP=2, the teacher server
 
-OUTSIDE_MATRIX = ("gpt_oss_sinks",)
+OUTSIDE_MATRIX = ("gpt_oss_sinks", "gemma4_moe")
 """Shapes that run in the cells below at the layouts they reach, but whose properties the covering conditions do not
 demand (gpt-oss: Megatron's expert biases need expert TP 1, so not at the matrix's TP=2 MoE layouts, which
 ``tests/test_gpt_oss.py`` and ``test_checkpoint.py`` run with it; no vLLM sync of its stacked experts)."""
 GPT_OSS = ("gpt_oss_sinks",)
+GEMMA4_MOE = ("gemma4_moe",)
+"""Gemma 4's MoE variant (experts beside the dense MLP, keys = values): the logits at TP=1, TP=2 with sequence
+parallelism and EP=2 only (outside the covering conditions, as gpt-oss)."""
 ALL_PROPERTIES = frozenset().union(*(s.properties for n, s in SHAPES.items() if n not in OUTSIDE_MATRIX))
 TP1_ONLY = frozenset({"attention:one-kv-head"})
 MOE_ONLY = ALL_PROPERTIES - frozenset().union(
@@ -151,15 +154,18 @@ the covering conditions there ask for the MoE-only properties."""
 MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
     "Megatron model vs transformers logits": {
         "tp1": (
-            LOCAL + MOE + MLA_VARIANTS + DENSE_52 + HYBRID_TEXT + GPT_OSS + GEMMA4,
+            LOCAL + MOE + MLA_VARIANTS + DENSE_52 + HYBRID_TEXT + GPT_OSS + GEMMA4 + GEMMA4_MOE,
             "test_models.py::test_logits_match_transformers",
         ),
         "tp2": (
             SPLIT_ALL + DENSE_52 + HYBRID + HYBRID_TEXT + GEMMA4,
             "test_models.py::test_logits_match_transformers",
         ),
-        "tp2_sp": (SPLIT_ALL + MOE + MLA_VARIANTS + GEMMA4, "test_models.py::test_logits_match_transformers"),
-        "ep2": (MOE + MLA_VARIANTS + GPT_OSS, "test_models.py::test_logits_match_transformers"),
+        "tp2_sp": (
+            SPLIT_ALL + MOE + MLA_VARIANTS + GEMMA4 + GEMMA4_MOE,
+            "test_models.py::test_logits_match_transformers",
+        ),
+        "ep2": (MOE + MLA_VARIANTS + GPT_OSS + GEMMA4_MOE, "test_models.py::test_logits_match_transformers"),
         "pp2_vp2": (LOCAL + HYBRID + HYBRID_TEXT, "test_models.py::test_logits_match_transformers"),
         "tp2_pp2": (SPLIT_ALL + HYBRID + HYBRID_TEXT, "test_models.py::test_logits_match_transformers"),
     },

@@ -37,11 +37,7 @@ def check_config(cfg: dict[str, Any]) -> None:
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
         raise UnsupportedArchitectureError(f"config.json hidden_activation={act!r}: gemma4 supports gelu_pytorch_tanh")
-    refused = {
-        "enable_moe_block": "the Mixture-of-Experts variant (routed experts beside the dense MLP) is not built yet",
-        "attention_k_eq_v": "keys = values on the full-attention layers are not built yet",
-        "attention_bias": "attention biases are not supported for gemma4 models",
-    }
+    refused = {"attention_bias": "attention biases are not supported for gemma4 models"}
     for name, why in refused.items():
         if cfg.get(name):
             raise UnsupportedArchitectureError(f"config.json {name}={cfg[name]!r}: {why}")
@@ -133,9 +129,16 @@ def read_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
             f"{source} vocab_size_per_layer_input={cfg.get('vocab_size_per_layer_input')} differs from vocab_size="
             f"{cfg.get('vocab_size')}: per-layer input embeddings over another vocabulary are not supported"
         )
+    moe = None
+    if cfg.get("enable_moe_block"):  # routed experts beside the dense MLP in every layer
+        from megatron_opd.models.families.moe import read_moe
+
+        moe = read_moe(cfg, source, expert_ffn_key="moe_intermediate_size", shared=False, experts_key="num_experts",
+                       top_k_key="top_k_experts", layers=tuple(range(layers)))  # fmt: skip
     window = read_sliding_window(cfg, source)
     return dict(
         rope=rope,
+        moe=moe,
         qkv_bias=False,
         qk_norm=True,
         sliding_window=window,
@@ -150,6 +153,7 @@ def read_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
             kv_sources=tuple(sources),
             ffn_widths=tuple(ffn * (2 if wide and src is not None else 1) for src in sources),
             per_layer_input_size=per_layer_input,
+            keys_are_values=bool(cfg.get("attention_k_eq_v")),
         ),
     )
 
@@ -197,7 +201,21 @@ class Gemma4Family(Gemma2Family):
     def transformer_config_fields(self, arch: ModelArchitecture) -> dict[str, Any]:
         # Layers differ in shape (head widths, query-only projections, MLP widths): checkpoints key them per layer,
         # not stacked.
-        return {**super().transformer_config_fields(arch), "hetereogenous_dist_checkpoint": True}
+        fields = {**super().transformer_config_fields(arch), "hetereogenous_dist_checkpoint": True}
+        if arch.moe is not None:  # the MoE families' softmax router: top-k of the logits, softmax over those k
+            moe = arch.moe
+            fields.update(
+                num_moe_experts=moe.num_experts,
+                moe_router_topk=moe.top_k,
+                moe_ffn_hidden_size=moe.expert_ffn_hidden_size,
+                moe_layer_freq=[int(i in moe.layers) for i in range(arch.num_layers)],
+                moe_router_score_function="softmax",
+                moe_router_pre_softmax=False,
+                moe_router_dtype="fp32",
+                moe_router_load_balancing_type="none",
+                moe_expert_capacity_factor=None,
+            )
+        return fields
 
     def local_norm(self, options: SpecOptions):
         from megatron_opd.models.families.base import ModelFamily
@@ -217,6 +235,8 @@ class Gemma4Family(Gemma2Family):
         specs = []
         for layer in layers:
             spec = sandwich_spec(self, options, pre_norms=True, qk_norm=(norm, norm), post_norm=norm)
+            if arch.moe is not None:
+                self._moe_block(spec, arch, options)
             full = layer in g.full_layers
             source = g.kv_sources[layer]
             attention = spec.submodules.self_attention
@@ -229,6 +249,7 @@ class Gemma4Family(Gemma2Family):
                     "rope_index": 0 if full else 1,
                     "produces": gemma4_layers.kv_key(layer) if layer in producers else None,
                     "reads": gemma4_layers.kv_key(source) if source is not None else None,
+                    "keys_are_values": full and g.keys_are_values,
                 },
             )
             fields = dict(
@@ -245,6 +266,29 @@ class Gemma4Family(Gemma2Family):
             )
         return specs
 
+    @staticmethod
+    def _moe_block(spec, arch: ModelArchitecture, options: SpecOptions) -> None:
+        """Make ``spec``'s MLP Gemma 4's MoE block: its pre-MLP norm the identity, its MLP the dense MLP beside
+        Megatron's routed experts (``gemma4_layers.Gemma4FeedForward``)."""
+        from megatron.core.models.gpt import gpt_layer_specs
+        from megatron.core.transformer.identity_op import IdentityOp
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
+        from megatron_opd.models import gemma4_layers
+        from megatron_opd.models.families.base import mlp_submodules, use_grouped_experts
+
+        dense = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm").submodules.mlp
+        routed = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=arch.moe.num_experts, normalization="RMSNorm")
+        if options.moe_grouped_gemm:
+            use_grouped_experts(routed)
+        mlp_submodules(routed).router = gemma4_layers.Gemma4Router
+        experts = routed.submodules.mlp
+        experts.module = gemma4_layers.Gemma4Experts
+        spec.submodules.pre_mlp_layernorm = IdentityOp
+        spec.submodules.mlp = ModuleSpec(
+            module=gemma4_layers.Gemma4FeedForward, params={"dense": dense, "experts": experts}
+        )
+
     def build_chunk(self, arch, config, block_spec, **gpt_kwargs):
         from megatron_opd.models import gemma4_layers, rope
 
@@ -258,6 +302,42 @@ class Gemma4Family(Gemma2Family):
             )
             inputs.install(model.embedding)  # after the embedding's scale hook: it sees the scaled embeddings
         return model
+
+    @staticmethod
+    def _moe_rules(arch: ModelArchitecture, on: dict) -> list[WeightRule]:
+        """The MoE block's weights (``_moe_block``): dense MLP, router, experts stored stacked ``[experts, ...]``
+        (one row per expert, ``gate_up_proj`` rows gate then up), and the block's four norms."""
+        from megatron_opd.models.weight_rule import ExpertSplit, stacked_name
+
+        h, f, e, moe = arch.hidden_size, arch.ffn_hidden_size, arch.moe.num_experts, arch.moe
+        hl, mm = "model.layers.{layer}", "decoder.layers.{layer}.mlp"
+        expert = f"{mm}.experts.experts.local_experts.{{expert}}"
+        per_expert = dict(experts=ExpertSplit.PER_EXPERT, **on)
+
+        def norm(megatron: str, hf: str) -> WeightRule:
+            return WeightRule(f"{mm}.{megatron}.weight", (f"{hl}.{hf}.weight",), Split.REPLICATED, **on)
+
+        return [
+            norm("pre_norm", "pre_feedforward_layernorm"),
+            WeightRule(f"{mm}.dense.linear_fc1.weight", (f"{hl}.mlp.gate_proj.weight", f"{hl}.mlp.up_proj.weight"),
+                       Split.GATE_UP, hf_shape=((f, h), (f, h)), **on),
+            WeightRule(f"{mm}.dense.linear_fc2.weight", (f"{hl}.mlp.down_proj.weight",), Split.ROW,
+                       hf_shape=((h, f),), **on),
+            norm("post_norm_1", "post_feedforward_layernorm_1"),
+            WeightRule(f"{mm}.experts.router.weight", (f"{hl}.router.proj.weight",), Split.REPLICATED,
+                       hf_shape=((e, h),), **on),
+            WeightRule(f"{mm}.experts.router.scale", (f"{hl}.router.scale",), Split.REPLICATED, hf_shape=((h,),),
+                       **on),
+            WeightRule(f"{mm}.experts.router.per_expert_scale", (f"{hl}.router.per_expert_scale",), Split.REPLICATED,
+                       hf_shape=((e,),), **on),
+            norm("experts.pre_norm", "pre_feedforward_layernorm_2"),
+            WeightRule(f"{expert}.linear_fc1.weight", (stacked_name(f"{hl}.experts.gate_up_proj", "{expert}"),),
+                       Split.GATE_UP, hf_shape=((2 * moe.expert_ffn_hidden_size, h),), **per_expert),
+            WeightRule(f"{expert}.linear_fc2.weight", (stacked_name(f"{hl}.experts.down_proj", "{expert}"),),
+                       Split.ROW, hf_shape=((h, moe.expert_ffn_hidden_size),), **per_expert),
+            norm("post_norm_2", "post_feedforward_layernorm_2"),
+            norm("post_norm", "post_feedforward_layernorm"),
+        ]  # fmt: skip
 
     def weight_rules(self, arch: ModelArchitecture) -> list[WeightRule]:
         g = arch.gemma4
@@ -283,7 +363,17 @@ class Gemma4Family(Gemma2Family):
             kinds.setdefault(kind, []).append(layer)
         for (d, nkv, shares, f), group in kinds.items():
             on = dict(layers=tuple(group))
-            if shares:
+            keys_are_values = g.keys_are_values and d == g.global_head_dim and group[0] in g.full_layers
+            if keys_are_values:
+                qkv = WeightRule(
+                    f"{sa}.linear_qkv.weight",
+                    (f"{attn}.q_proj.weight", f"{attn}.k_proj.weight"),
+                    Split.GROUPED,  # each key/value group's queries, then its key (which is also its value)
+                    group_rows=((nq // nkv * d,), (d,)),
+                    hf_shape=((nq * d, h), (nkv * d, h)),
+                    **on,
+                )
+            elif shares:
                 qkv = WeightRule(f"{sa}.linear_qkv.weight", (f"{attn}.q_proj.weight",), Split.COLUMN,
                                  hf_shape=((nq * d, h),), **on)  # fmt: skip
             else:
@@ -315,6 +405,10 @@ class Gemma4Family(Gemma2Family):
                 WeightRule(f"{ml}.layer_scalar", (f"{hl}.layer_scalar",), Split.REPLICATED, buffer=True,
                            hf_shape=((1,),), **on),
             ]  # fmt: skip
+            if arch.moe is not None:
+                rules = [r for r in rules if not (r.layers == on["layers"] and (".mlp." in r.megatron
+                         or r.megatron.endswith("pre_mlp_layernorm.weight")))]  # fmt: skip
+                rules += self._moe_rules(arch, on)
             if not shares:
                 rules.append(WeightRule(f"{sa}.k_layernorm.weight", (f"{attn}.k_norm.weight",), Split.REPLICATED,
                                         hf_shape=((d,),), **on))  # fmt: skip
@@ -364,6 +458,26 @@ FAMILY = Gemma4Family(
             vocab_size=1001,
             rope="proportional",
             overrides=(("vocab_size_per_layer_input", 1001),),
+        ),
+        # The 26B-A4B's shape: experts beside the dense MLP in every layer, keys = values on the full layers, no
+        # per-layer inputs or shared keys/values.
+        "gemma4_moe": dict(
+            tied=False,
+            kv_heads=2,
+            vocab_size=1001,
+            rope="proportional",
+            mlp="moe+dense-beside+keys-as-values",
+            overrides=(
+                ("enable_moe_block", True),
+                ("num_experts", 4),
+                ("top_k_experts", 2),
+                ("moe_intermediate_size", 32),
+                ("attention_k_eq_v", True),
+                ("num_global_key_value_heads", 2),
+                ("num_kv_shared_layers", 0),
+                ("hidden_size_per_layer_input", 0),
+                ("use_double_wide_mlp", False),
+            ),
         ),
     },  # fmt: skip
 )
