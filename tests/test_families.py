@@ -205,9 +205,15 @@ def test_gemma4_fields_are_read_and_crossing_layouts_refused_by_name():
     with pytest.raises(ValueError, match="build.recompute_granularity=full: .*num_kv_shared_layers=2"):
         transformer_config(arch, ParallelConfig(), ModelBuildConfig(recompute_granularity="full"))
     plain = architecture_from_hf_config({**published, "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0})
+    moe = architecture_from_hf_config({**published, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+                                       "moe_intermediate_size": 32, "attention_k_eq_v": True,
+                                       "num_global_key_value_heads": 1})  # fmt: skip
+    assert (moe.moe.num_experts, moe.moe.top_k, moe.moe.layers) == (4, 2, (0, 1, 2, 3, 4))
+    assert moe.gemma4.keys_are_values and moe.gemma4.global_kv_heads == 1
+    with pytest.raises(ValueError, match="does not divide the full-attention layers' 1 key/value heads"):
+        validate_layout(moe, ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True))
     validate_layout(plain, ParallelConfig(pipeline_model_parallel_size=5))  # nothing crosses a stage
     refused = [
-        ({"attention_k_eq_v": True}, "attention_k_eq_v"),
         ({"vocab_size_per_layer_input": 7}, "vocab_size_per_layer_input=7"),
         ({"num_kv_shared_layers": 5}, "num_kv_shared_layers=5"),
         ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
