@@ -26,6 +26,7 @@ ROUND_TRIP = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, 
 WRITTEN_AT = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
 LAYOUTS = {  # the matrix's layouts: name -> (world size, layout)
     "tp1": (1, dict()),
+    "tp2": (2, dict(tensor_model_parallel_size=2)),
     "tp2_pp2": (4, WRITTEN_AT),
     "pp2_vp2": (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
     "tp2_ep2": (4, dict(tensor_model_parallel_size=2, expert_model_parallel_size=2)),

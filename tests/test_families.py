@@ -169,3 +169,88 @@ def test_issue_52_dense_fields_are_read_or_refused_by_name():
     for config, error, message in refused:
         with pytest.raises(error, match=message):
             architecture_from_hf_config(config)
+
+
+def test_gemma4_fields_are_read_and_crossing_layouts_refused_by_name():
+    """Gemma 4's per-layer fields as transformers 5.19 writes them (``per_layer_config``) and as published
+    checkpoints do (``global_head_dim``); pipeline and context parallelism refused by name, before any model, where
+    per-layer inputs or shared keys/values would cross ranks, and allowed without them."""
+    import pytest
+
+    from megatron_opd.distributed import ParallelConfig
+    from megatron_opd.model_files import UnsupportedArchitectureError
+    from megatron_opd.models.builder import validate_layout
+    from megatron_opd.models.hf_config import architecture_from_hf_config
+    from megatron_opd.testing.tiny_models import tiny_hf_config
+
+    written = tiny_hf_config("gemma4").to_dict()
+    published = {k: v for k, v in written.items() if k != "per_layer_config"}
+    for cfg in (written, {**published, "global_head_dim": 64}):
+        arch = architecture_from_hf_config(cfg)
+        g = arch.gemma4
+        assert (g.full_layers, g.global_head_dim, g.global_kv_heads, arch.head_dim) == ((1, 4), 64, 2, 32)
+        assert g.kv_sources == (None, None, None, 2, 1) and g.ffn_widths == (128, 128, 128, 256, 256)
+        assert (arch.rope.type, arch.rope.partial_rotary_factor, g.sliding_rope.type) == (
+            "proportional",
+            0.25,
+            "default",
+        )
+        assert (arch.softmax_scale, arch.final_logit_softcapping, g.per_layer_input_size) == (1.0, 1.0, 16)
+    validate_layout(arch, ParallelConfig(tensor_model_parallel_size=2))
+    for field in ("pipeline_model_parallel_size", "context_parallel_size"):
+        with pytest.raises(ValueError, match=f"parallel.{field}=2: .*hidden_size_per_layer_input=16.*num_kv_shared_"):
+            validate_layout(arch, ParallelConfig(**{field: 2}))
+    from megatron_opd.models.builder import ModelBuildConfig, transformer_config
+
+    with pytest.raises(ValueError, match="build.recompute_granularity=full: .*num_kv_shared_layers=2"):
+        transformer_config(arch, ParallelConfig(), ModelBuildConfig(recompute_granularity="full"))
+    plain = architecture_from_hf_config({**published, "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0})
+    moe = architecture_from_hf_config({**published, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+                                       "moe_intermediate_size": 32, "attention_k_eq_v": True,
+                                       "num_global_key_value_heads": 1})  # fmt: skip
+    assert (moe.moe.num_experts, moe.moe.top_k, moe.moe.layers) == (4, 2, (0, 1, 2, 3, 4))
+    assert moe.gemma4.keys_are_values and moe.gemma4.global_kv_heads == 1
+    with pytest.raises(ValueError, match="does not divide the full-attention layers' 1 key/value heads"):
+        validate_layout(moe, ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True))
+    validate_layout(plain, ParallelConfig(pipeline_model_parallel_size=5))  # nothing crosses a stage
+    refused = [
+        ({"vocab_size_per_layer_input": 7}, "vocab_size_per_layer_input=7"),
+        ({"num_kv_shared_layers": 5}, "num_kv_shared_layers=5"),
+        ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
+    ]
+    for fields, message in refused:
+        with pytest.raises(UnsupportedArchitectureError, match=message):
+            architecture_from_hf_config({**written, **fields})
+
+
+def test_gemma4_wrappers_and_unified_text_read_as_their_text_model(tmp_path, caplog):
+    """A ``gemma4`` multimodal folder reads as its text tower (the other towers' tensors skipped, named in one log
+    line); ``gemma4_unified_text`` is Gemma 4's text decoder without per-layer inputs (its fields' defaults)."""
+    import json
+    import logging
+
+    import torch
+    from safetensors.torch import save_file
+
+    from megatron_opd.models.hf_config import architecture_from_hf_config, load_architecture
+    from megatron_opd.models.hf_io import HFCheckpointReader
+    from megatron_opd.testing.tiny_models import tiny_hf_config
+
+    text = tiny_hf_config("gemma4").to_dict()
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"],
+        "tie_word_embeddings": text["tie_word_embeddings"],
+        "text_config": {k: v for k, v in text.items() if k not in ("architectures", "tie_word_embeddings")},
+    }))  # fmt: skip
+    tensors = {"model.language_model.norm.weight": torch.ones(64), "model.vision_tower.patch.weight": torch.ones(2),
+               "model.audio_tower.conv.weight": torch.ones(2)}  # fmt: skip
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    assert load_architecture(tmp_path) == architecture_from_hf_config(text)
+    with caplog.at_level(logging.INFO, logger="megatron_opd.models.wrappers"):
+        assert HFCheckpointReader(tmp_path).names() == ["model.norm.weight"]
+    assert "model.audio_tower.* (1 tensors), model.vision_tower.* (1 tensors)" in caplog.text
+    unified = {k: v for k, v in text.items() if "per_layer_input" not in k and k != "model_type"}
+    arch = architecture_from_hf_config({**unified, "model_type": "gemma4_unified_text",
+                                        "use_bidirectional_attention": "vision"})  # fmt: skip
+    assert arch.family == "gemma4" and arch.gemma4.per_layer_input_size == 0
+    assert arch.gemma4.kv_sources == (None, None, None, 2, 1)

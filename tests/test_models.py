@@ -236,3 +236,61 @@ def test_linear_rope_scaling_matches_transformers(tmp_path):
     ref = hf_logits(hf_dir, tokens[0])
     rel = ((result["linear"][0] - ref).abs().max() / ref.abs().max()).item()
     assert rel <= 1e-4, f"linear RoPE scaling: max relative error {rel:.2e} vs transformers"
+
+
+def _hf_named_grads_body(models: dict[str, str], tokens: torch.Tensor):
+    """Each model's cross-entropy loss and every gradient at TP=1 (the padded vocabulary rows masked), by Hugging
+    Face name (a stacked expert tensor's row as ``name[e]``)."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from megatron_opd.distributed import initialize_distributed
+    from megatron_opd.models.forward_backward import forward_backward
+    from megatron_opd.models.name_mapping import megatron_to_hf, rules_by_megatron_name
+    from megatron_opd.models.reference import full_tensors
+
+    initialize_distributed(ParallelConfig())
+    out = {}
+    for name, hf_dir in models.items():
+        arch, chunks = _load(ParallelConfig(), hf_dir, trainable=True)
+
+        def ce(logits, batch, vocab=arch.vocab_size):
+            labels = torch.roll(batch["tokens"], -1, dims=1)
+            padded = torch.arange(logits.shape[-1]) >= vocab
+            loss = vocab_parallel_cross_entropy(logits.float().masked_fill(padded, -1e30), labels).mean()
+            return loss, loss.detach()
+
+        (loss,) = forward_backward(chunks, [{"tokens": tokens}], ce)
+        rules, grads = rules_by_megatron_name(arch), {}
+        for megatron, grad in full_tensors(chunks, arch, None, of="grad").items():
+            layer = int(megatron.split(".")[2]) if megatron.startswith("decoder.layers.") else None
+            grads.update(zip(rules[megatron].hf_names(layer), megatron_to_hf(rules[megatron], grad, arch)))
+        out[name] = (loss, grads)
+    return out
+
+
+def test_gemma4_student_gradients_match_transformers(shape_dirs):
+    """A Gemma 4 student's every gradient equals transformers' (TP=1, fp32): shared keys/values carry the sharing
+    layers' gradient back to the producing layers, the per-layer input tables and projections, the layer scalars'
+    neighbours, and in the MoE variant the router's scales, the experts and keys = values."""
+    from transformers import AutoModelForCausalLM
+
+    models = {name: shape_dirs[name] for name in ("gemma4_shared_kv", "gemma4_moe")}
+    tokens = _tokens(num_micro_batches=1, vocab=1001)[0]
+    (results,) = run_distributed(_hf_named_grads_body, 1, args=(models, tokens), timeout=600)
+    for name, (loss, grads) in results.items():
+        model = AutoModelForCausalLM.from_pretrained(models[name]).float()
+        logits = model(tokens).logits
+        ref_loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.roll(tokens, -1, dims=1).flatten())
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=0)
+        params = dict(model.named_parameters())
+        checked = 0
+        for hf_name, grad in grads.items():
+            base, _, row = hf_name[:-1].partition("[") if hf_name.endswith("]") else (hf_name, "", "")
+            if base not in params:  # buffers (layer_scalar)
+                continue
+            ref = params[base].grad[int(row)] if row else params[base].grad
+            rel = ((grad[: ref.shape[0]] - ref).abs().max() / ref.abs().max()).item()
+            assert rel <= 1e-4, f"{name}: gradient of {hf_name} off by {rel:.1e} (relative) from transformers'"
+            checked += 1
+        assert checked >= len(params) - 1, f"{name}: {checked} of {len(params)} gradients compared"

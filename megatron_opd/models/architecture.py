@@ -150,6 +150,38 @@ class LinearAttentionArchitecture:
 
 
 @dataclass(frozen=True)
+class Gemma4Architecture:
+    """Gemma 4's per-layer mechanisms (``ModelArchitecture.gemma4``; ``families.gemma4``)."""
+
+    full_layers: tuple[int, ...]
+    """Global indices of the full-attention layers (HF ``layer_types``); the others slide."""
+    global_head_dim: int
+    """Head width of the full-attention layers (HF ``global_head_dim`` / ``per_layer_config``); the sliding layers
+    have ``ModelArchitecture.head_dim``."""
+    global_kv_heads: int
+    """Key/value heads of the full-attention layers (HF ``num_global_key_value_heads``, else ``num_key_value_heads``)."""
+    sliding_rope: RopeConfig
+    """RoPE of the sliding layers (``ModelArchitecture.rope`` is the full layers', proportional)."""
+    kv_sources: tuple[int | None, ...]
+    """Per layer: the earlier layer whose keys and values it attends to (HF ``num_kv_shared_layers``: the last
+    layers have no key/value projections of their own), or None: its own."""
+    ffn_widths: tuple[int, ...]
+    """Per layer: the dense MLP's width (``use_double_wide_mlp``: twice ``intermediate_size`` in the KV-sharing
+    layers)."""
+    per_layer_input_size: int = 0
+    """Width of each layer's per-layer input embedding (HF ``hidden_size_per_layer_input``); 0: none."""
+    keys_are_values: bool = False
+    """The full-attention layers have no value projection: values are the key projection's output (HF
+    ``attention_k_eq_v``)."""
+
+    def kv_heads(self, layer: int, sliding_kv_heads: int) -> int:
+        return self.global_kv_heads if layer in self.full_layers else sliding_kv_heads
+
+    def head_dim(self, layer: int, sliding_head_dim: int) -> int:
+        return self.global_head_dim if layer in self.full_layers else sliding_head_dim
+
+
+@dataclass(frozen=True)
 class ModelArchitecture:
     """A decoder-only transformer of a registered model family (``megatron_opd.models.families``)."""
 
@@ -208,6 +240,8 @@ class ModelArchitecture:
     """Attention scores become ``c * tanh(scores / c)`` before the softmax (Gemma 2); None: not capped."""
     final_logit_softcapping: float | None = None
     """The logits become ``c * tanh(logits / c)`` (Gemma 2); None: not capped."""
+    gemma4: Gemma4Architecture | None = None
+    """Gemma 4's per-layer head sizes, shared keys/values and per-layer input embeddings; None: other families."""
 
     def padded_vocab_size(self, tensor_parallel_size: int, make_vocab_size_divisible_by: int = 128) -> int:
         """Vocabulary padded so every tensor-parallel rank holds an equal, aligned slice (Megatron's rule)."""

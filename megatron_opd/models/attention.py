@@ -390,7 +390,8 @@ def per_layer_rope_attention(attention: type) -> type:
 
         def forward(self, *args, rotary_pos_emb=None, **kwargs):
             if isinstance(rotary_pos_emb, torch.Tensor) and rotary_pos_emb.dim() == 5:
-                rotary_pos_emb = rotary_pos_emb[self.rope_index]
+                # this layer's head width (Gemma 4's sliding and full layers differ; the narrower one is padded)
+                rotary_pos_emb = rotary_pos_emb[self.rope_index][..., : self.hidden_size_per_attention_head]
             return super().forward(*args, rotary_pos_emb=rotary_pos_emb, **kwargs)
 
     PerLayerRope.__name__ = PerLayerRope.__qualname__ = f"PerLayerRope{attention.__name__}"

@@ -161,6 +161,7 @@ def validate_layout(arch: ModelArchitecture, parallel: ParallelConfig) -> None:
             f"DeltaNet layers ({arch.family} models; the recurrent state would have to pass between context-parallel "
             "ranks); set parallel.context_parallel_size=1"
         )
+    family_named(arch.family).check_layout(arch, parallel)  # before the stage split: its reason is the model's
     parallel.stage_layers(arch.num_layers)  # raises when the layers do not split over the stages
 
 
@@ -206,6 +207,7 @@ def transformer_config(arch: ModelArchitecture, parallel: ParallelConfig, build:
     """The Megatron-Core ``TransformerConfig`` equivalent to ``arch`` under ``parallel``."""
     validate_layout(arch, parallel)
     family = family_named(arch.family)
+    family.check_build(arch, build)
     dtype = parse_dtype(build.dtype)
     vp = parallel.virtual_pipeline_model_parallel_size
     kwargs = dict(

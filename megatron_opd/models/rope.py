@@ -24,12 +24,15 @@ import torch
 from megatron_opd.model_files import UnsupportedArchitectureError
 from megatron_opd.models.architecture import RopeConfig
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 """Hugging Face ``rope_type`` values megatron-opd builds (``dynamic`` is refused: it changes with the length)."""
 
 
 def rotary_dim(rope: RopeConfig, head_dim: int) -> int:
-    """Dimensions of each head that are rotated (transformers: ``int(head_dim * partial_rotary_factor)``)."""
+    """Dimensions of each head that are rotated (transformers: ``int(head_dim * partial_rotary_factor)``); all of
+    them for ``proportional`` (Gemma 4), whose frequencies past the factor's share are zero."""
+    if rope.type == "proportional":
+        return head_dim
     return int(head_dim * rope.partial_rotary_factor)
 
 
@@ -70,6 +73,10 @@ def _yarn(rope: RopeConfig, dim: int) -> torch.Tensor:
 def inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     """Inverse frequencies ``[rotary_dim / 2]`` (fp32) of ``rope`` for heads of ``head_dim``, as transformers'."""
     dim = rotary_dim(rope, head_dim)
+    if rope.type == "proportional":  # exponents over the whole head; the unrotated rest has frequency 0
+        angles = int(rope.partial_rotary_factor * head_dim // 2)
+        rotated = 1.0 / rope.theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / head_dim)
+        return torch.cat([rotated, torch.zeros(head_dim // 2 - angles)]) / rope.factor
     if rope.type == "yarn":
         return _yarn(rope, dim)
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
@@ -133,7 +140,7 @@ def rotary_embedding_class():
         def __init__(self, rope: RopeConfig, head_dim: int, use_cpu_initialization: bool, cp_group=None) -> None:
             super().__init__(
                 kv_channels=head_dim,
-                rotary_percent=rope.partial_rotary_factor,
+                rotary_percent=rotary_dim(rope, head_dim) / head_dim,
                 seq_len_interpolation_factor=rope.factor if rope.type == "linear" else None,
                 rotary_base=rope.theta,
                 use_cpu_initialization=use_cpu_initialization,
@@ -149,30 +156,39 @@ def rotary_embedding_class():
 
     class PerLayerRotaryEmbedding(HFRotaryEmbedding):
         """Two RoPEs, global (``rope``) and local (``local``, sliding-window layers), stacked ``[2, s, 1, 1, d]``
-        for :func:`~megatron_opd.models.attention.per_layer_rope_attention` to pick from (Gemma 3)."""
+        for :func:`~megatron_opd.models.attention.per_layer_rope_attention` to pick from (Gemma 3). Where the local
+        layers' heads are narrower (``local_head_dim``, Gemma 4), the narrower one is zero-padded to the wider; each
+        layer takes its own head width's first dimensions."""
 
-        def __init__(self, rope: RopeConfig, local: RopeConfig, head_dim: int, *args, **kwargs) -> None:
+        def __init__(
+            self, rope: RopeConfig, local: RopeConfig, head_dim: int, *args, local_head_dim: int | None = None, **kwargs
+        ) -> None:
             super().__init__(rope, head_dim, *args, **kwargs)
-            self.local = HFRotaryEmbedding(local, head_dim, *args, **kwargs)
+            self.local = HFRotaryEmbedding(local, local_head_dim or head_dim, *args, **kwargs)
 
         def forward(self, max_seq_len: int, *args, **kwargs):
-            return torch.stack(
-                [super().forward(max_seq_len, *args, **kwargs), self.local(max_seq_len, *args, **kwargs)]
-            )
+            both = [super().forward(max_seq_len, *args, **kwargs), self.local(max_seq_len, *args, **kwargs)]
+            width = max(x.shape[-1] for x in both)
+            return torch.stack([torch.nn.functional.pad(x, (0, width - x.shape[-1])) for x in both])
 
     HFRotaryEmbedding.PerLayer = PerLayerRotaryEmbedding
     return HFRotaryEmbedding
 
 
-def install(model, rope: RopeConfig, head_dim: int, local: RopeConfig | None = None) -> None:
+def install(
+    model, rope: RopeConfig, head_dim: int, local: RopeConfig | None = None, local_head_dim: int | None = None
+) -> None:
     """Replace a ``GPTModel``'s rotary module by :class:`HFRotaryEmbedding` for ``rope``; with ``local``, by the
-    per-layer module that also carries the sliding-window layers' RoPE."""
+    per-layer module that also carries the sliding-window layers' RoPE (``local_head_dim``: their head width, where
+    it differs)."""
     cpu = model.config.use_cpu_initialization
     cp_group = getattr(model.rotary_pos_emb, "cp_group", None)
     if local is None:
         model.rotary_pos_emb = rotary_embedding_class()(rope, head_dim, cpu, cp_group=cp_group)
     else:
-        model.rotary_pos_emb = rotary_embedding_class().PerLayer(rope, local, head_dim, cpu, cp_group=cp_group)
+        model.rotary_pos_emb = rotary_embedding_class().PerLayer(
+            rope, local, head_dim, cpu, cp_group=cp_group, local_head_dim=local_head_dim
+        )
 
 
 def rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:

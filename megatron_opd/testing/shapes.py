@@ -29,7 +29,8 @@ class Shape:
     tied: bool  # tie_word_embeddings
     kv_heads: int  # of 4 query heads: 4 = MHA, 2 = GQA, 1 = a single KV head (TP=1 only)
     vocab_size: int
-    rope: str  # "llama3", "linear", "yarn" (the deepseek_v3 family's default), "longrope" or "none" (no scaling)
+    rope: str  # "llama3", "linear", "yarn" (the deepseek_v3 family's default), "longrope", "proportional" (gemma4's
+    # full layers, its default) or "none" (no scaling)
     mlp: str = "dense"  # "dense", or Mixture-of-Experts: "moe", "moe+dense-layer", "moe+shared-expert"
     overrides: tuple[tuple[str, Any], ...] = ()  # family fields beyond these (DeepSeek-V3 without a query latent)
 
@@ -60,7 +61,7 @@ class Shape:
         elif self.rope == "none":
             out["rope_scaling"] = None
         out.update(copy.deepcopy(self.overrides))  # transformers' config classes edit nested dicts in place
-        return out  # "llama3", "longrope" and "yarn" are the llama, phi3 and deepseek_v3 families' defaults
+        return out  # "llama3", "longrope", "yarn", "proportional": the llama, phi3, deepseek_v3, gemma4 defaults
 
 
 SHAPES: dict[str, Shape] = {
@@ -93,11 +94,15 @@ HYBRID_MOE_PP = ("qwen3_5_moe_deep",)
 (``qwen3_5_moe``'s 4 layers, 3:1, cannot): logits at ``pp2_vp2`` only, the one MoE shape run under pipeline
 parallelism; its other paths are ``qwen3_5_moe``'s."""
 
-OUTSIDE_MATRIX = ("gpt_oss_sinks",)
+OUTSIDE_MATRIX = ("gpt_oss_sinks", "gemma4_moe")
 """Shapes that run in the cells below at the layouts they reach, but whose properties the covering conditions do not
 demand (gpt-oss: Megatron's expert biases need expert TP 1, so not at the matrix's TP=2 MoE layouts, which
 ``tests/test_gpt_oss.py`` and ``test_checkpoint.py`` run with it; no vLLM sync of its stacked experts)."""
 GPT_OSS = ("gpt_oss_sinks",)
+GEMMA4_MOE = ("gemma4_moe",)
+"""Gemma 4's MoE variant (experts beside the dense MLP, keys = values): the logits at TP=1, TP=2 with sequence
+parallelism and EP=2, and the converter round trip at TP=2 x EP=2 (its stacked experts, router scales), only
+(outside the covering conditions, as gpt-oss)."""
 ALL_PROPERTIES = frozenset().union(*(s.properties for n, s in SHAPES.items() if n not in OUTSIDE_MATRIX))
 TP1_ONLY = frozenset({"attention:one-kv-head"})
 MOE_ONLY = ALL_PROPERTIES - frozenset().union(
@@ -109,6 +114,12 @@ MOE_ONLY = ALL_PROPERTIES - frozenset().union(
 )
 """Properties only the MoE (and Gated DeltaNet hybrid) shapes have: the covering conditions ask for them in the paths
 and at the layouts that run MoE shapes so far (issue #35 brings MoE to every path; vLLM refuses the hybrids on CPU)."""
+GEMMA4 = ("gemma4_shared_kv",)
+"""Gemma 4 (dense): logits at TP=1, TP=2 and TP=2 with sequence parallelism (its per-layer inputs are scattered
+with the tokens), then only the paths its mechanisms change (``SCOPED``): the sampler's KV cache (shared keys and
+values, per-layer inputs per decoded token), the converter at TP=2 (per-layer head widths, query-only layers) and
+the trainer's export (a buffer per layer, the per-layer input tables). Pipeline and context parallelism are refused
+for it (``families.gemma4``)."""
 DENSE_52 = ("olmo3_window_two_ropes", "smollm3_nope", "seed_oss_qkv_bias", "granite_multipliers", "gemma2_softcap")
 """Issue #52's dense families: each runs the logits at TP=1 and TP=2 and then only the paths where it adds a
 mechanism (``SCOPED``), not every path: their layers are the dense decoder's with a twist each, and every path's
@@ -132,6 +143,13 @@ SCOPED: dict[str, frozenset[str]] = {
             "teacher server top-k vs transformers",
         }
     ),
+    "gemma4_shared_kv": frozenset(
+        {
+            "built-in sampler greedy vs transformers",
+            "tools/checkpoint round trip (bitwise)",
+            "trainer HF export (bitwise)",
+        }
+    ),
 }
 """Shape -> the paths beyond the logits (at TP=1 and TP=2) its family's mechanism changes: the covering conditions
 ask for its family elsewhere only at ``tp1`` and ``tp2`` (``tests/test_shape_matrix.py``). The HF export copies
@@ -145,12 +163,18 @@ the covering conditions there ask for the MoE-only properties."""
 MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
     "Megatron model vs transformers logits": {
         "tp1": (
-            LOCAL + MOE + MLA_VARIANTS + DENSE_52 + HYBRID_TEXT + GPT_OSS,
+            LOCAL + MOE + MLA_VARIANTS + DENSE_52 + HYBRID_TEXT + GPT_OSS + GEMMA4 + GEMMA4_MOE,
             "test_models.py::test_logits_match_transformers",
         ),
-        "tp2": (SPLIT_ALL + DENSE_52 + HYBRID + HYBRID_TEXT, "test_models.py::test_logits_match_transformers"),
-        "tp2_sp": (SPLIT_ALL + MOE + MLA_VARIANTS, "test_models.py::test_logits_match_transformers"),
-        "ep2": (MOE + MLA_VARIANTS + GPT_OSS, "test_models.py::test_logits_match_transformers"),
+        "tp2": (
+            SPLIT_ALL + DENSE_52 + HYBRID + HYBRID_TEXT + GEMMA4,
+            "test_models.py::test_logits_match_transformers",
+        ),
+        "tp2_sp": (
+            SPLIT_ALL + MOE + MLA_VARIANTS + GEMMA4 + GEMMA4_MOE,
+            "test_models.py::test_logits_match_transformers",
+        ),
+        "ep2": (MOE + MLA_VARIANTS + GPT_OSS + GEMMA4_MOE, "test_models.py::test_logits_match_transformers"),
         "pp2_vp2": (LOCAL + HYBRID + HYBRID_TEXT + HYBRID_MOE_PP, "test_models.py::test_logits_match_transformers"),
         "tp2_pp2": (SPLIT_ALL + HYBRID + HYBRID_TEXT, "test_models.py::test_logits_match_transformers"),
     },
@@ -164,19 +188,25 @@ MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
     },
     "built-in sampler greedy vs transformers": {
         "tp1": (
-            LOCAL + MOE + MLA_VARIANTS + GPT_OSS + ("olmo3_window_two_ropes", "smollm3_nope", "granite_multipliers"),
+            LOCAL
+            + MOE
+            + MLA_VARIANTS
+            + GPT_OSS
+            + ("olmo3_window_two_ropes", "smollm3_nope", "granite_multipliers")
+            + GEMMA4,
             "test_sampler.py::test_greedy_matches_transformers",
         ),
         "tp2": (SPLIT_ALL + HYBRID + ("gemma2_softcap",), "test_sampler.py::test_greedy_matches_transformers"),
     },
     "tools/checkpoint round trip (bitwise)": {
+        "tp2": (GEMMA4, "test_checkpoint.py::test_round_trip_is_bitwise"),
         "tp2_pp2": (SPLIT_ALL + HYBRID + ("gemma2_softcap",), "test_checkpoint.py::test_round_trip_is_bitwise"),
         "pp2_vp2": (LOCAL + HYBRID, "test_checkpoint.py::test_round_trip_is_bitwise"),
-        "tp2_ep2": (MOE + MLA_VARIANTS, "test_checkpoint.py::test_round_trip_is_bitwise"),
+        "tp2_ep2": (MOE + MLA_VARIANTS + GEMMA4_MOE, "test_checkpoint.py::test_round_trip_is_bitwise"),
     },
     "trainer HF export (bitwise)": {
         "tp1": (
-            LOCAL + MOE + MLA_VARIANTS + GPT_OSS + ("gemma2_softcap",),
+            LOCAL + MOE + MLA_VARIANTS + GPT_OSS + ("gemma2_softcap",) + GEMMA4,
             "test_checkpoint.py::test_trainer_export_is_bitwise",
         ),
         "tp2_pp2": (SPLIT, "test_checkpoint.py::test_trainer_export_is_bitwise"),

@@ -56,7 +56,9 @@ def make_tiny_hf_model(family: str, out_dir: str | os.PathLike, seed: int = 0, *
     # mistake cannot hide.
     with torch.no_grad():
         for name, param in [*model.named_parameters(), *model.named_buffers()]:
-            if "norm" in name or name.endswith("bias"):
+            if "norm" in name or name.endswith(
+                ("bias", "layer_scalar", "router.scale", "per_expert_scale")
+            ):  # Gemma 4: ones too
                 param.add_(torch.randn_like(param) * 0.1)
             elif param.is_floating_point() and not param.any():  # left at zero (ERNIE 4.5's router)
                 param.normal_(0.0, 0.1)

@@ -124,7 +124,8 @@ def _per_rank(rule: WeightRule, name: str, numel: int, arch: ModelArchitecture, 
     if rule.split is Split.REPLICATED:
         return numel
     if rule.split is Split.VOCAB and vocab_multiple:
-        return arch.padded_vocab_size(tp, vocab_multiple) // tp * arch.hidden_size
+        # a row's width from the tensor (Gemma 4's per-layer input table is layers x its width wide, not hidden)
+        return arch.padded_vocab_size(tp, vocab_multiple) // tp * (numel // arch.vocab_size)
     if numel % tp:
         raise ValueError(f"tensor_model_parallel_size={tp} does not divide {name} ({numel} elements)")
     return numel // tp

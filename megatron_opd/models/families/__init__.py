@@ -12,6 +12,7 @@ from megatron_opd.models.families import (
     ernie4_5_moe,
     gemma2,
     gemma3,
+    gemma4,
     glm4_moe,
     glm4_moe_lite,
     gpt_oss,
@@ -39,7 +40,7 @@ _MODULES = (
     llama, qwen2, qwen3, mistral, olmo2, phi3, gemma3, qwen3_moe, qwen2_moe, mixtral, deepseek_v3,
     olmo3, smollm3, seed_oss, granite, gemma2, glm4_moe, glm4_moe_lite, deepseek_v2,
     minimax_m2, ernie4_5_moe, olmoe,
-    qwen3_next, qwen3_5, gpt_oss,
+    qwen3_next, qwen3_5, gpt_oss, gemma4,
 )  # fmt: skip
 
 FAMILIES: dict[str, ModelFamily] = {module.FAMILY.name: module.FAMILY for module in _MODULES}

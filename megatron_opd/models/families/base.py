@@ -147,6 +147,15 @@ class ModelFamily:
         """The attention kernel vLLM must use on CPU where its own choice fails for this family; None: vLLM's."""
         return None
 
+    # --- layouts ----------------------------------------------------------------------------------------------
+    def check_layout(self, arch: ModelArchitecture, parallel) -> None:
+        """Refuse a parallel layout (``distributed.ParallelConfig``) this family's layers cannot run, naming the
+        field, before any model is built (``builder.validate_layout``); most families have none."""
+
+    def check_build(self, arch: ModelArchitecture, build) -> None:
+        """Refuse builder choices (``builder.ModelBuildConfig``) this family's layers cannot honour, naming the
+        field, before the model is built; most families have none."""
+
     # --- Megatron-Core config -------------------------------------------------------------------------------
     def transformer_config_class(self):
         """The Megatron-Core config class (MLA families need ``MLATransformerConfig``)."""
