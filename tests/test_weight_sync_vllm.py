@@ -3,8 +3,9 @@ gathered in the test, on every shape the model-shape matrix gives the path "vLLM
 (``megatron_opd.testing.shapes``: tied embeddings, whose tied ``lm_head`` vLLM must re-process after every sync;
 QKV bias, MHA, a single KV head, a 97-token vocabulary, llama3 and linear RoPE scaling), through vLLM's
 weight-transfer API (our gloo back end on CPU) and the ``reload_weights`` fallback (both at TP=1 and at TP=2). At
-TP=2xPP=2 the first shape runs once more as a LoRA student (``student.lora``): the sync sends the merged weights, and
-vLLM's log-probabilities equal the adapter forward's before and after the adapters' first step.
+TP=2xPP=2 the first shape runs once more as a LoRA student (``student.lora``): the sync sends the merged weights, the
+whole model first and then only the adapted layers (counted against the checkpoint's tensors), and vLLM's
+log-probabilities equal the adapter forward's before and after the adapters' first step.
 
 Each layout runs one job over its cases: sync, compare vLLM's log-probabilities of fixed sequences (and of its own
 samples) with the trainer's, re-sync unchanged weights (greedy outputs identical), one optimizer step, sync, compare
