@@ -10,7 +10,7 @@ the layers (the trainer then restarts the engine and sends the whole model).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
@@ -19,21 +19,23 @@ LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 INPLACE_LOGGER = "vllm.model_executor.model_loader.reload.inplace"  # reload_weights: "weights were not loaded"
 
 
-def half_loaded_layers(model: torch.nn.Module) -> list[str]:
-    """Layers of ``model`` that received some but not all of their tensors in the reload under way."""
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+def half_loaded_layers(model: torch.nn.Module, infos: Mapping | None = None) -> list[str]:
+    """Layers of ``model`` that received some but not all of their tensors in the reload under way (``infos``: each
+    layer's ``LayerReloadingInfo``; default vLLM's own record of them)."""
+    if infos is None:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO as infos
 
     out = []
     for name, layer in model.named_modules():
-        info = LAYERWISE_INFO.get(layer)
+        info = infos.get(layer)
         if info is not None and info.can_load() and 0 < info.load_numel < info.load_numel_total:
             out.append(name)
     return out
 
 
-def check_complete_layers(model: torch.nn.Module) -> None:
+def check_complete_layers(model: torch.nn.Module, infos: Mapping | None = None) -> None:
     """Raise naming the layers a partial update left half-loaded (before vLLM would process them as they are)."""
-    half = half_loaded_layers(model)
+    half = half_loaded_layers(model, infos)
     if half:
         raise RuntimeError(
             f"a partial weight update sent only some tensors of the vLLM layers {half[:5]}: the trainer must send "
