@@ -363,3 +363,85 @@ def test_trainer_distils_into_a_lora_student_saves_its_adapters_and_exports_it_m
     adapted = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     assert changed and all(name.endswith(".weight") and name.split(".")[-2] in adapted for name in changed), changed
     assert all(any(f".{layer}." in name for name in changed) for layer in adapted), "every targeted layer merged"
+
+
+HF_PROJECTIONS = {
+    "linear_qkv": ("self_attn.k_proj.", "self_attn.qkv_proj."),  # multi-latent attention has no key projection
+    "linear_proj": ("self_attn.o_proj.",),
+    "linear_fc1": ("mlp.gate_proj.", "mlp.up_proj.", "mlp.gate_up_proj.", "mlp.shared_expert.", "mlp.shared_experts."),
+    "linear_fc2": ("mlp.down_proj.", "mlp.shared_expert.", "mlp.shared_experts."),
+}
+"""Each LoRA target's Hugging Face counterparts inside a decoder layer (routed experts are under ``mlp.experts``)."""
+
+
+def _hf_target_layers(config) -> dict[str, list[int]]:
+    """The reference: which decoder layers of the transformers model (built on the meta device) hold each target's
+    counterparts."""
+    import re
+
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        names = [name for name, _ in AutoModelForCausalLM.from_config(config).named_parameters()]
+    located = [(int(m[1]), m[2]) for m in (re.match(r".*?layers\.(\d+)\.(.*)", n) for n in names) if m]
+    return {
+        target: sorted({layer for layer, rest in located if rest.startswith(prefixes)})
+        for target, prefixes in HF_PROJECTIONS.items()
+    }
+
+
+TARGET_SHAPES = (
+    "llama_tied", "phi3_fused_partial", "qwen2_moe_shared", "qwen3_moe_dense0", "mixtral_untied", "deepseek_v3_mla",
+    "qwen3_next_hybrid", "qwen3_5_dense", "gpt_oss_sinks",
+)  # fmt: skip
+"""A shape per way a layer can lack a target: fused Hugging Face projections, shared, routed-only and stacked experts,
+a dense first layer, multi-latent attention, Gated DeltaNet layers (every shape agreed on 2026-11-29)."""
+
+
+def test_lora_targets_follow_the_architecture():
+    from megatron_opd.models.hf_config import architecture_from_hf_config
+    from megatron_opd.models.lora import target_layers
+    from megatron_opd.testing.shapes import SHAPES
+    from megatron_opd.testing.tiny_models import tiny_hf_config
+
+    for name in TARGET_SHAPES:
+        shape = SHAPES[name]
+        config = tiny_hf_config(shape.family, **shape.hf_overrides())
+        got = {
+            target: list(layers)
+            for target, layers in target_layers(architecture_from_hf_config(config.to_dict())).items()
+        }
+        assert got == _hf_target_layers(config), name
+
+
+@pytest.mark.parametrize(
+    "shape, targets, layout, refused, fine",
+    [
+        ("mixtral_untied", ["linear_qkv", "linear_fc1"], [], r"names \['linear_fc1'\], which this model", ["linear_qkv"]),
+        # layers 2-3 are routed experts without a shared expert: stage 1 would train nothing
+        ("qwen3_moe_dense0", ["linear_fc1"], ["parallel.pipeline_model_parallel_size=2"],
+         r"pipeline stage 1 \(layers \[2, 3\]\)", ["linear_fc1", "linear_proj"]),
+        # virtual chunks: stage 0 holds layers 0 and 2 (Gated DeltaNet), stage 1 layers 1 and 3 (attention)
+        ("qwen3_next_hybrid", ["linear_qkv"], ["parallel.pipeline_model_parallel_size=2",
+         "parallel.virtual_pipeline_model_parallel_size=2"], r"pipeline stage 0 \(layers \[0, 2\]\)",
+         ["linear_qkv", "linear_fc1"]),
+    ],
+)  # fmt: skip
+def test_lora_targets_missing_from_the_model_or_a_stage_are_refused_before_any_model(tmp_path, shape, targets, layout,
+                                                                                      refused, fine):  # fmt: skip
+    """The trainer's input checks (every rank, before any process group) refuse them from ``config.json`` alone,
+    naming the field, instead of one pipeline stage raising while building its layers and the others waiting."""
+    from megatron_opd.config import load_config
+    from megatron_opd.testing.shapes import SHAPES
+    from megatron_opd.testing.tiny_models import tiny_hf_config
+    from megatron_opd.trainer.config import TrainConfig
+    from megatron_opd.trainer.setup import check_inputs
+
+    tiny_hf_config(SHAPES[shape].family, **SHAPES[shape].hf_overrides()).save_pretrained(tmp_path)  # no weights
+    base = [f"student.path={tmp_path}", "loss.kind=sft", "data.train_files=absent.jsonl", "student.lora.rank=8",
+            "build.attention=sdpa", *layout]  # fmt: skip
+    with pytest.raises(ValueError, match=r"student\.lora\.target_modules") as err:
+        check_inputs(load_config(TrainConfig, None, [*base, f"student.lora.target_modules=[{','.join(targets)}]"]))
+    assert err.match(refused)
+    with pytest.raises(Exception, match="absent.jsonl"):  # targets every stage has pass, on to the next check
+        check_inputs(load_config(TrainConfig, None, [*base, f"student.lora.target_modules=[{','.join(fine)}]"]))

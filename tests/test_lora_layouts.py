@@ -65,14 +65,14 @@ def _train(model_dir: str, parallel, build, options: dict) -> dict:
     from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.distributed.device import detect_accelerator
     from megatron_opd.models.builder import ModelBuildConfig
-    from megatron_opd.models.lora import LoRAConfig, add_lora, full_adapters
+    from megatron_opd.models.lora import LoRAConfig, add_lora, full_adapters, target_layers
     from megatron_opd.rollout.fidelity import sequence_logprobs
     from megatron_opd.trainer.config import LossConfig, OptimConfig
     from megatron_opd.trainer.objective import train_step
     from megatron_opd.trainer.student import Student, precision_plan
 
     arch, chunks = build_and_load(model_dir, parallel, ModelBuildConfig(**build))
-    add_lora(chunks, LoRAConfig(rank=RANK, alpha=ALPHA), seed=0)
+    add_lora(chunks, LoRAConfig(rank=RANK, alpha=ALPHA), seed=0, arch=arch)
     # adam_eps above the gradients: Adam's update is then about linear in them, not their sign (see test_lora.py).
     optim = OptimConfig(lr=1e-2, adam_eps=1e-2)
     student = Student(chunks, optim, precision_plan(optim, detect_accelerator("cpu")), 10)
@@ -93,9 +93,14 @@ def _train(model_dir: str, parallel, build, options: dict) -> dict:
     for chunk in chunks:
         chunk.eval()
     frozen = [p for c in chunks for n, p in c.named_parameters() if ".lora." not in n]
+    adapters = {name: t for stage in stages for name, t in stage.items()}
+    adapted = {(name.split(".lora.")[0].rsplit(".", 1)[1], int(name.split(".")[2])) for name in adapters}
     return {
         "losses": losses,
-        "adapters": {name: t for stage in stages for name, t in stage.items()},
+        "adapters": adapters,
+        # the layers add_lora adapted, every stage's, are those check_lora_targets reads from the architecture
+        "adapted_as_predicted": adapted
+        == {(t, layer) for t, layers in target_layers(arch).items() for layer in layers},
         "logprobs": sequence_logprobs(chunks, _probes(), VOCAB),
         "frozen_untouched": all(
             not p.requires_grad and p.grad is None and getattr(p, "main_grad", None) is None for p in frozen
@@ -141,6 +146,7 @@ def test_lora_layout_trains_the_reference_adapters(layout_runs, layout):
         )
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=0, atol=TOL)
         assert set(r["adapters"]) == set(ref["adapters"]), where
+        assert r["adapted_as_predicted"], f"{where}: the adapted layers are not models.lora.target_layers'"
         for name, want in ref["adapters"].items():
             err = (r["adapters"][name] - want).abs().max().item()
             assert err <= TOL, f"{where}: {name} differs from {_reference(layout)} by {err:.1e}"

@@ -3,8 +3,9 @@ gathered in the test, on every shape the model-shape matrix gives the path "vLLM
 (``megatron_opd.testing.shapes``: tied embeddings, whose tied ``lm_head`` vLLM must re-process after every sync;
 QKV bias, MHA, a single KV head, a 97-token vocabulary, llama3 and linear RoPE scaling), through vLLM's
 weight-transfer API (our gloo back end on CPU) and the ``reload_weights`` fallback (both at TP=1 and at TP=2). At
-TP=2xPP=2 the first shape runs once more as a LoRA student (``student.lora``): the sync sends the merged weights, and
-vLLM's log-probabilities equal the adapter forward's before and after the adapters' first step.
+TP=2xPP=2 the first shape runs once more as a LoRA student (``student.lora``): the sync sends the merged weights, the
+whole model first and then only the adapted layers (counted against the checkpoint's tensors), and vLLM's
+log-probabilities equal the adapter forward's before and after the adapters' first step.
 
 Each layout runs one job over its cases: sync, compare vLLM's log-probabilities of fixed sequences (and of its own
 samples) with the trainer's, re-sync unchanged weights (greedy outputs identical), one optimizer step, sync, compare
@@ -107,11 +108,13 @@ def _sync_case(hf_dir: str, weight_sync: str, parallel, accel, log_file: str, lo
             seqs = [torch.cat([p, r]).tolist() for p, r in zip(own.prompt_ids, own.response_ids)]
             out[f"builtin{version}"] = (own, trainer_logprobs(chunks, seqs, arch.vocab_size))
 
+    synced = out["synced"] = []  # (tensors, bytes) of each sync, on rank 0
     rollout.sync_weights(0)
-    out["bytes"] = rollout.bytes_synced
+    synced.append((rollout.tensors_synced, rollout.bytes_synced))
     snapshot(0)
     out["greedy_a"] = rollout.generate(PROMPTS, greedy, 1).result()
-    rollout.sync_weights(0)  # unchanged weights
+    rollout.sync_weights(0)  # unchanged weights (a LoRA student's: its adapted layers alone)
+    synced.append((rollout.tensors_synced, rollout.bytes_synced))
     out["greedy_b"] = rollout.generate(PROMPTS, greedy, 1).result()
     if builtin is not None:
         own = out["builtin_greedy_a"] = builtin.generate(PROMPTS, greedy, 1).result()
@@ -122,6 +125,8 @@ def _sync_case(hf_dir: str, weight_sync: str, parallel, accel, log_file: str, lo
         chunk.eval()
     out["bias_moved"] = _move_expert_bias(chunks, fixed, arch.vocab_size)
     rollout.sync_weights(1)
+    synced.append((rollout.tensors_synced, rollout.bytes_synced))
+    out["wire_itemsize"] = source.dtype.itemsize
     snapshot(1)
     if builtin is not None:
         builtin.sync_weights(0)  # the built-in sampler's greedy output moves with the weights it shares
@@ -215,6 +220,19 @@ def _broken_sync(hf_dir: str, parallel, accel, log_file: str) -> dict:
     return out
 
 
+def _checkpoint_elements(hf_dir) -> dict[str, int]:
+    """Every tensor of a model folder's safetensors and its number of elements."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    out = {}
+    for path in sorted(Path(hf_dir).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            out |= {name: f.get_slice(name).get_shape() for name in f.keys()}
+    return {name: int(torch.Size(shape).numel()) for name, shape in out.items()}
+
+
 def _pick(results: list[dict], key: str):
     (value,) = [r[key] for r in results if r[key] is not None]
     return value
@@ -224,7 +242,8 @@ def _max_err(ours, ref) -> float:
     return max((torch.as_tensor(a, dtype=torch.float64) - b).abs().max().item() for a, b in zip(ours, ref))
 
 
-def _check(results: list[dict], with_builtin: bool) -> None:
+def _check(results: list[dict], with_builtin: bool, checkpoint: dict[str, int], lora: int = 0) -> None:
+    """``checkpoint``: the model folder's tensors (name -> elements); ``lora``: the LoRA rank of the case."""
     vllm = {v: _pick(results, f"vllm{v}") for v in (0, 1)}
     trainer = {v: _pick(results, f"trainer{v}") for v in (0, 1)}
     for v in (0, 1):
@@ -250,7 +269,7 @@ def _check(results: list[dict], with_builtin: bool) -> None:
     a, b = results[0]["greedy_a"], results[0]["greedy_b"]
     assert [r.tolist() for r in a.response_ids] == [r.tolist() for r in b.response_ids]
     assert all(torch.equal(x, y) for x, y in zip(a.logprobs, b.logprobs)), "a no-op sync changed vLLM's numbers"
-    assert results[0]["bytes"] > 0
+    _check_synced(results[0]["synced"], checkpoint, results[0]["wire_itemsize"], lora)
     if with_builtin:  # vLLM's greedy choice is the trainer's wherever the trainer's choice is clear
         gaps = next(r["builtin_greedy_gaps"] for r in results if r["builtin_greedy_gaps"][0] is not None)
         own = results[0]["builtin_greedy_a"]
@@ -261,6 +280,24 @@ def _check(results: list[dict], with_builtin: bool) -> None:
                     gap = gaps[i][prompt_len - 1 + j]
                     assert gap <= 1e-4, f"prompt {i}, token {j}: vLLM {x}, built-in {y}, top-2 gap {gap:.2e}"
                     break
+
+
+ADAPTED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The Hugging Face tensors of the layers every LoRA target adapts (linear_qkv, linear_proj, linear_fc1, fc2)."""
+
+
+def _check_synced(synced: list[tuple[int, int]], checkpoint: dict, itemsize: int, lora: int) -> None:
+    """The first sync sends every tensor of the checkpoint; later ones the same for a full student, and a LoRA
+    student's adapted layers alone (its frozen base is in vLLM since the first), counted from the checkpoint."""
+    (full, full_bytes), *later = synced
+    assert full == len(checkpoint), f"the first sync sent {full} tensors, the checkpoint has {len(checkpoint)}"
+    assert full_bytes >= sum(checkpoint.values()) * itemsize
+    adapted = {name: n for name, n in checkpoint.items() if lora and any(f".{p}." in name for p in ADAPTED)}
+    expected = adapted or checkpoint
+    payload = sum(expected.values()) * itemsize
+    for i, (tensors, nbytes) in enumerate(later, 1):
+        assert tensors == len(expected), f"sync {i}: {tensors} tensors sent, {len(expected)} expected"
+        assert payload <= nbytes < payload + 64 * tensors, f"sync {i}: {nbytes} bytes, {payload} of tensors"
 
 
 LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "tp2_pp2": (2, 2)}
@@ -298,7 +335,8 @@ def test_sync_is_exact(shape_dirs, tmp_path, layout):
     )
     for i, (name, weight_sync, lora) in enumerate(layout_cases(layout)):
         try:
-            _check([r[f"{i}"] for r in results], with_builtin=pp == 1)
+            checkpoint = _checkpoint_elements(shape_dirs[name])
+            _check([r[f"{i}"] for r in results], with_builtin=pp == 1, checkpoint=checkpoint, lora=lora)
         except AssertionError as err:
             raise AssertionError(f"{name} ({weight_sync}{f', LoRA rank {lora}' if lora else ''}): {err}") from err
     if broken:

@@ -116,6 +116,18 @@ class ParallelConfig:
         between = [rest // middle] * middle if middle else []
         return ([first] if first is not None else []) + between + ([last] if last is not None else [])
 
+    def stage_layer_indices(self, num_layers: int) -> list[tuple[int, ...]]:
+        """Global indices of each pipeline stage's layers, all its virtual chunks: chunk ``v`` of every stage in turn
+        (stage 0's, stage 1's, ...) before chunk ``v + 1``, each stage's chunks equal (Megatron's layer offsets)."""
+        counts, vp = self.stage_layers(num_layers), self.vp_size
+        stages: list[list[int]] = [[] for _ in counts]
+        start = 0
+        for _ in range(vp):
+            for stage, count in enumerate(counts):
+                stages[stage].extend(range(start, start + count // vp))
+                start += count // vp
+        return [tuple(layers) for layers in stages]
+
 
 @dataclass(frozen=True)
 class LaunchEnv:

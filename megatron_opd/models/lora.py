@@ -41,8 +41,10 @@ __all__ = [
     "adapter_elements",
     "add_lora",
     "adapter_parameters",
+    "check_lora_targets",
     "full_adapters",
     "merge_lora",
+    "target_layers",
 ]
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -159,22 +161,70 @@ class LoRAAdapter(torch.nn.Module):
         return (self.B.float() @ self.A.float()) * self.scale_factor
 
 
+def target_layers(arch) -> dict[str, tuple[int, ...]]:
+    """The decoder layers holding each of ``LORA_TARGETS`` (routed experts aside), from the architecture alone:
+    ``linear_qkv`` in softmax-attention layers (not multi-latent attention's), ``linear_proj`` in those and in
+    multi-latent attention (not in Gated DeltaNet layers: their projections are ``in_proj`` / ``out_proj``),
+    ``linear_fc1`` / ``linear_fc2`` in dense MLPs and in Mixture-of-Experts layers with a shared expert."""
+    linear = set(arch.linear_attention.layers) if arch.linear_attention is not None else set()
+    moe = set(arch.moe.layers) if arch.moe is not None else set()
+    out: dict[str, list[int]] = {name: [] for name in LORA_TARGETS}
+    for layer in range(arch.num_layers):
+        if layer not in linear:
+            out["linear_proj"].append(layer)
+            if arch.mla is None:
+                out["linear_qkv"].append(layer)
+        if (arch.moe.shared_expert_ffn_hidden_size if layer in moe else arch.ffn_hidden_size) > 0:
+            out["linear_fc1"].append(layer)
+            out["linear_fc2"].append(layer)
+    return {name: tuple(layers) for name, layers in out.items()}
+
+
+def check_lora_targets(arch, config: LoRAConfig, stages: list[tuple[int, ...]] | None = None) -> None:
+    """Refuse, from the architecture alone (so every rank refuses alike, before any model is built), a target that no
+    layer of the model has and, given ``stages`` (each pipeline stage's layers: ``ParallelConfig.
+    stage_layer_indices``), a stage that would hold no adapter at all (its optimizer would have nothing to train)."""
+    if not config.enabled:
+        return
+    where = target_layers(arch)
+    missing = [name for name in config.target_modules if not where[name]]
+    if missing:
+        raise ValueError(
+            f"student.lora.target_modules names {missing}, which this model ({arch.family}) has none of (outside "
+            f"routed experts); drop them from student.lora.target_modules (the model has "
+            f"{[name for name in LORA_TARGETS if where[name]]})"
+        )
+    adapted = {layer for name in config.target_modules for layer in where[name]}
+    for stage, layers in enumerate(stages or []):
+        if not adapted.intersection(layers):
+            others = sorted({name for name in LORA_TARGETS for layer in layers if layer in where[name]})
+            raise ValueError(
+                f"student.lora.target_modules={list(config.target_modules)}: pipeline stage {stage} (layers "
+                f"{list(layers)}) has none of them, so it would train nothing; add one of {others} to "
+                "student.lora.target_modules, or split the layers otherwise (parallel.num_layers_in_first_pipeline_stage"
+                " / num_layers_in_last_pipeline_stage)"
+            )
+
+
 def adapter_elements(arch, config: LoRAConfig, tp: int, layers) -> int:
     """Adapter parameters one TP rank holds for ``layers`` (indices) of ``arch``, as :func:`add_lora` builds them:
     a column-parallel layer ``r*in + r*out/tp``, a row-parallel one ``r*in/tp + r*out`` (the memory check's count
     of what has gradients and optimizer state)."""
     if not config.enabled:
         return 0
-    r, h, targets = config.rank, arch.hidden_size, set(config.target_modules)
+    r, h, where = config.rank, arch.hidden_size, target_layers(arch)
     q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
     total = 0
     for layer in layers:
         moe = arch.moe is not None and layer in arch.moe.layers
         ffn = arch.moe.shared_expert_ffn_hidden_size if moe else arch.ffn_hidden_size
-        sizes = {"linear_qkv": ("column", h, q + 2 * kv), "linear_proj": ("row", q, h)}
-        if ffn:  # Megatron's fc1 fuses gate and up
-            sizes |= {"linear_fc1": ("column", h, 2 * ffn), "linear_fc2": ("row", ffn, h)}
-        for name in targets & sizes.keys():
+        sizes = {  # Megatron's fc1 fuses gate and up
+            "linear_qkv": ("column", h, q + 2 * kv), "linear_proj": ("row", q, h),
+            "linear_fc1": ("column", h, 2 * ffn), "linear_fc2": ("row", ffn, h),
+        }  # fmt: skip
+        for name in config.target_modules:
+            if layer not in where[name]:
+                continue
             kind, fan_in, fan_out = sizes[name]
             total += r * fan_in + r * fan_out // tp if kind == "column" else r * fan_in // tp + r * fan_out
     return total
@@ -229,16 +279,20 @@ def _sharded_state_dict(module, kind: str, gated: bool):
     return sharded_state_dict
 
 
-def add_lora(chunks: list, config: LoRAConfig, seed: int = 0) -> int:
-    """Freeze every parameter of ``chunks`` and give each targeted layer an adapter; returns the number adapted.
+def add_lora(chunks: list, config: LoRAConfig, seed: int = 0, arch=None) -> int:
+    """Freeze every parameter of ``chunks`` and give each targeted layer an adapter; returns the number adapted (a
+    pipeline stage may have none of some target's layers).
 
     Call after the weights are loaded. Raises ``ValueError`` naming the field where a targeted layer is not one of
     Megatron-Core's own column/row-parallel layers (a TransformerEngine layer fuses the norm into ``linear_qkv``)
-    or where a target matches no layer of the model."""
+    or, given the model's ``arch``, where a target matches no layer of the model (:func:`check_lora_targets`, the
+    same on every rank; the trainer runs it before building the model)."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     if not config.enabled:
         return 0
+    if arch is not None:
+        check_lora_targets(arch, config)
     from megatron_opd.models.loading import chunk_layer_range
     from megatron_opd.models.name_mapping import global_layer_name
 
@@ -272,12 +326,6 @@ def add_lora(chunks: list, config: LoRAConfig, seed: int = 0) -> int:
             gated = leaf == "linear_fc1" and module.config.gated_linear_unit
             module.sharded_state_dict = _sharded_state_dict(module, kind, gated)
             found[leaf] += 1
-    missing = [leaf for leaf, count in found.items() if count == 0]
-    if missing:
-        raise ValueError(
-            f"student.lora.target_modules names {missing}, which this model has none of (outside routed experts); "
-            "drop them from student.lora.target_modules"
-        )
     return sum(found.values())
 
 

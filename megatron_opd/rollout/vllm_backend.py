@@ -7,6 +7,9 @@ API (a trainer engine from ``WeightTransferTrainerFactory``: vLLM's NCCL engine 
 gloo engine on CPU) or, with ``weight_sync="reload"``, through ``collective_rpc`` + ``reload_weights``. With
 ``rollout.vllm_sleep`` (GPU) the engine sleeps while the trainer trains (:mod:`megatron_opd.rollout.sleep`).
 
+A LoRA student's frozen base never changes: once the engine holds a complete sync, later syncs send only the
+adapted layers (``MegatronWeightSource.changed_only``); a new or restarted engine gets the whole model first.
+
 Versions are all-or-nothing: the engine tags rollouts with the version of its last *complete* sync. Before every
 ``generate`` rank 0 checks that the engine holds exactly the trainer's current version (a restarted or partially
 updated engine does not) and, if not, all ranks re-send the current weights first. A sync that fails midway is
@@ -87,11 +90,13 @@ class VLLMRollout:
         self.client: VersionedClient | None = None  # rank 0: the engine's control plane, as the transfer sees it
         self.sleep: SleepCycle | None = None  # rank 0: when the engine sleeps (rollout.vllm_sleep, GPU)
         self._fresh = False  # rank 0: the engine was just started and has never been sent weights
+        self._complete = False  # every rank: the engine got one complete sync since it started (LoRA: partial next)
         self._outstanding = 0  # rollouts asked for and not yet collected (the same on every rank)
         self._in_flight: list[Future] = []  # rank 0: the engine's replies to those rollouts
         self.on_bucket = None  # rank 0: called after each bucket of a sync lands (tests inject faults here)
         self.sync_seconds = 0.0
         self.bytes_synced = 0
+        self.tensors_synced = 0  # rank 0: how many tensors the last sync sent (a LoRA student's partial ones fewer)
         self.syncs = 0
         error = None
         if self.rank == 0:
@@ -147,6 +152,7 @@ class VLLMRollout:
             raise error
         if error_text is not None:
             raise RuntimeError(f"rank 0 could not start or reach the vLLM engine: {error_text}")
+        self._complete = False  # a new engine (or servers' group) needs the whole model first
         self.transfer = self._transfer_engine(port, workers)
 
     def _transfer_engine(self, port: int, workers: int):
@@ -199,6 +205,8 @@ class VLLMRollout:
 
             self.transfer.after_bucket = after_bucket  # our gloo engine calls it; vLLM's NCCL engine does not
             self.client.version = str(policy_version)
+        # LoRA: only the adapted layers once the engine holds the frozen base (the same decision on every rank).
+        self.source.changed_only = self._complete and getattr(self.source, "frozen_base", False)
         try:
             if self.rank == 0:
                 self.sleep.before_sync()
@@ -206,6 +214,8 @@ class VLLMRollout:
         except Exception as err:  # noqa: BLE001 - every rank must learn the outcome before anyone raises
             error = f"{type(err).__name__}: {err}"
             logger.error("weight sync to vLLM failed: %s", error)
+        finally:
+            self.source.changed_only = False
         return _broadcast(error)
 
     def _membership_change(self) -> str | None:
@@ -235,10 +245,12 @@ class VLLMRollout:
             if error is not None:
                 raise RuntimeError(f"weight sync to vLLM failed twice (version {policy_version}): {error}")
         self.policy_version = policy_version
+        self._complete = True
         self.sync_seconds = time.perf_counter() - started
         self.syncs += 1
         if self.rank == 0:
             self.bytes_synced = getattr(self.transfer, "bytes_sent", 0)
+            self.tensors_synced = getattr(self.transfer, "tensors_sent", 0)
 
     def _why_resync(self) -> tuple[str | None, bool]:
         """Rank 0: why the engine must be sent the current version again (None: it holds it), and whether it must

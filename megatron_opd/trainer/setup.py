@@ -75,6 +75,10 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
     check_window_context_parallel(student, cp, max_seq_len(cfg), "student.path")
     check_packed_attention(cfg, student, f"student.path={cfg.student.path}")
     check_soft_capped(cfg, student, f"student.path={cfg.student.path}", student_model=True)
+    if cfg.student.lora.enabled:  # every rank refuses alike, not one pipeline stage while building its layers
+        from megatron_opd.models.lora import check_lora_targets
+
+        check_lora_targets(student, cfg.student.lora, cfg.parallel.stage_layer_indices(student.num_layers))
     if cfg.train.freeze_router and student.moe is None:
         raise ValueError(
             f"train.freeze_router=true, but the student ({cfg.student.path}) has no Mixture-of-Experts layer and so "
@@ -371,11 +375,11 @@ def load_vocabulary(cfg: TrainConfig) -> Vocabulary:
 def build_student(cfg: TrainConfig, accel: Accelerator) -> Student:
     """The student's chunks under ``cfg.parallel``, loaded from ``student.path``, with optimizer and schedule."""
     plan = resolve_precision(cfg, accel)
-    _, chunks = build_and_load(cfg.student.path, cfg.parallel, cfg.build, trainable=True, field="student.path")
+    arch, chunks = build_and_load(cfg.student.path, cfg.parallel, cfg.build, trainable=True, field="student.path")
     if cfg.student.lora.enabled:  # before DDP and the optimizer, which then hold the adapters only
         from megatron_opd.models.lora import add_lora
 
-        adapted = add_lora(chunks, cfg.student.lora, seed=cfg.seed)
+        adapted = add_lora(chunks, cfg.student.lora, seed=cfg.seed, arch=arch)
         logger.info(
             "student.lora: rank-%d adapters on %d layers of this rank; the base frozen", cfg.student.lora.rank, adapted
         )

@@ -6,7 +6,8 @@ protocol (``init_weight_transfer_engine`` -> ``start_weight_update`` -> ``update
 ``model.load_weights`` inside vLLM's layerwise reload (``initialize_layerwise_reload`` /
 ``finalize_layerwise_reload``), exactly as vLLM's NCCL engine does, so CPU kernels that repack weights see the new
 values (writing parameters directly is a silent no-op there); then layers sharing a parameter (a tied ``lm_head``)
-are re-processed, which the layerwise reload does not do (:mod:`megatron_opd.weight_sync.tied`).
+are re-processed, which the layerwise reload does not do (:mod:`megatron_opd.weight_sync.tied`). A partial update
+(a LoRA student's adapted layers) leaves the other layers as they are (:mod:`megatron_opd.weight_sync.partial`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from megatron_opd.weight_sync.buckets import DEFAULT_BUCKET_BYTES
 from megatron_opd.weight_sync.fused_experts import prepare_cpu_experts
+from megatron_opd.weight_sync.partial import check_complete_layers, unsent_layers_quiet
 from megatron_opd.weight_sync.tied import refresh_shared_layers
 from megatron_opd.weight_sync.transport import (
     GlooInitInfo,
@@ -49,6 +51,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         super().__init__(config, vllm_config, device, model)
         self.group = None
         self.bucket_bytes = DEFAULT_BUCKET_BYTES
+        self.partial = False  # the update under way sends only the layers that changed
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         self.bucket_bytes = init_info.bucket_bytes
@@ -61,11 +64,15 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         initialize_layerwise_reload(self.model)
+        self.partial = False
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        finalize_layerwise_reload(self.model, self.model_config)
+        if self.partial:
+            check_complete_layers(self.model)
+        with unsent_layers_quiet(self.partial):
+            finalize_layerwise_reload(self.model, self.model_config)
         refresh_shared_layers(self.model)  # a tied lm_head's packed kernel (megatron_opd.weight_sync.tied)
         prepare_cpu_experts(self.model)  # fused-MoE experts on CPU (megatron_opd.weight_sync.fused_experts)
 
@@ -76,6 +83,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         if self.group is None:
             raise RuntimeError("gloo weight transfer is not initialised: call init_weight_transfer_engine first")
+        self.partial = update_info.partial
         buckets = receive_buckets(self.group, update_info, self.bucket_bytes)
         try:
             for pairs in buckets:

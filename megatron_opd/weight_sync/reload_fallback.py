@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from megatron_opd.weight_sync.fused_experts import prepare_cpu_experts
+from megatron_opd.weight_sync.partial import unsent_layers_quiet
 from megatron_opd.weight_sync.tied import refresh_shared_layers
 from megatron_opd.weight_sync.transport import (
     GlooInitInfo,
@@ -32,14 +33,16 @@ class ReloadWorkerExtension:
         self._opd_group = open_gloo_group(info.master_address, info.master_port, rank, info.world_size, info.timeout_s)
 
     def opd_reload_weights(self, update_info: dict) -> None:
-        buckets = receive_buckets(self._opd_group, GlooUpdateInfo(**update_info), self._opd_bucket_bytes)
+        info = GlooUpdateInfo(**update_info)
+        buckets = receive_buckets(self._opd_group, info, self._opd_bucket_bytes)
 
         def weights() -> Iterator:
             for pairs in buckets:
                 yield from pairs
 
-        try:
-            self.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
+        try:  # a partial update (LoRA): vLLM's warnings about the layers left as they are silenced
+            with unsent_layers_quiet(info.partial):
+                self.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
         except BaseException:
             buckets.close()
             raise

@@ -18,7 +18,12 @@ Every trainer rank iterates the source in lockstep (each tensor is a collective 
 
 So the sender holds one tensor at a time (plus the transfer engine's bucket) and every other rank yields ``None``.
 A LoRA student's adapted weights go merged: each TP rank adds its shard of ``(alpha/r) B A`` to its weight shard
-before the gather, so vLLM serves ``W + (alpha/r) B A`` (every tensor is sent, the frozen ones unchanged).
+before the gather, so vLLM serves ``W + (alpha/r) B A``. Its frozen base never changes, so once the engine holds one
+complete sync the rollout sets :attr:`MegatronWeightSource.changed_only` and later syncs send only the tensors that
+can change (:attr:`MegatronWeightSource.changing`): every tensor of a Megatron module that holds an adapter, a
+trainable parameter or a buffer (a router's expert bias moves without the optimizer). Whole modules, because vLLM
+loads a layer only once all of its tensors have arrived: a QKV bias or a router weight left out would leave its
+fused layer (``qkv_proj``, ``gate``) half-loaded. A module not sent keeps its weights in vLLM.
 Tensor order: embedding, layer 0 ... L-1 (in each, the mapping's rule order), final norm, output layer.
 
 ``MEGATRON_OPD_SYNC_SKIP=NAME[,NAME]`` (tests only, never set otherwise) leaves those Hugging Face tensors out of
@@ -83,12 +88,12 @@ def sync_names(rule: WeightRule, layer: int | None) -> tuple[str, ...]:
     return tuple(sync_name(n) for n in rule.hf_names(layer))
 
 
-def hf_metadata(arch: ModelArchitecture, dtype: torch.dtype) -> list[ParamMeta]:
-    """Every Hugging Face tensor of ``arch`` in stream order (named as vLLM loads it: :func:`sync_name`), with its
-    full shape, as ``dtype``."""
+def hf_metadata(arch: ModelArchitecture, dtype: torch.dtype, rules=None) -> list[ParamMeta]:
+    """Every Hugging Face tensor of ``arch`` (of ``rules``, ``(rule, layer)`` pairs of :func:`expand_rules`, when
+    given) in stream order (named as vLLM loads it: :func:`sync_name`), with its full shape, as ``dtype``."""
     return [
         ParamMeta(name, dtype, tuple(shape))
-        for rule, layer in expand_rules(arch)
+        for rule, layer in (expand_rules(arch) if rules is None else rules)
         for name, shape in zip(sync_names(rule, layer), hf_shapes(rule, arch))
     ]
 
@@ -149,6 +154,8 @@ class MegatronWeightSource(WeightSource):  # noqa: B024 - abstract only in the f
             for local, module in chunk.named_modules():
                 if isinstance(getattr(module, "lora", None), LoRAAdapter):
                     self.adapters[global_layer_name(f"{local}.weight", offset)] = module.lora
+        self.changed_only = False
+        """Send only :attr:`changing` (set by the rollout while the engine holds a complete sync; LoRA students)."""
         self.dtype = dtype or next(chunks[0].parameters()).dtype
         self.te = any(name.endswith("layer_norm_weight") for name in params)
         self.rules = list(expand_rules(arch))
@@ -177,6 +184,21 @@ class MegatronWeightSource(WeightSource):  # noqa: B024 - abstract only in the f
         if missing:
             raise ValueError(f"no pipeline stage holds the student parameters {missing[:5]}")
         self._metadata = hf_metadata(arch, self.dtype)
+        # What can change, agreed by every rank (one exchange of module names): see the module docstring.
+        moving = sorted(
+            _module(name)
+            for name, tensor in self.params.items()
+            if name in self.adapters or not isinstance(tensor, torch.nn.Parameter) or tensor.requires_grad
+        )
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (bool(self.adapters), moving))
+        self.frozen_base = any(adapted for adapted, _ in every)
+        """The student has adapters and a frozen base: after one complete sync, :attr:`changing` is enough."""
+        modules = {m for _, names in every for m in names}
+        moving_rules = [(r, layer) for r, layer in self.rules if _module(r.megatron_name(layer, te=self.te)) in modules]
+        self.changing = frozenset(r.megatron_name(layer, te=self.te) for r, layer in moving_rules)
+        """Megatron names of the tensors a partial sync sends (every tensor of a module that can change)."""
+        self._changing_metadata = hf_metadata(arch, self.dtype, moving_rules)
 
     @property
     def is_sender(self) -> bool:
@@ -185,7 +207,7 @@ class MegatronWeightSource(WeightSource):  # noqa: B024 - abstract only in the f
 
     def metadata(self) -> list[ParamMeta]:
         skip = _skipped()
-        return [m for m in self._metadata if m.name not in skip]
+        return [m for m in (self._changing_metadata if self.changed_only else self._metadata) if m.name not in skip]
 
     def _full(self, rule: WeightRule, name: str) -> torch.Tensor | None:
         """The full Megatron tensor on the first rank of its tensor-parallel group (the expert-TP one for a routed
@@ -256,6 +278,8 @@ class MegatronWeightSource(WeightSource):  # noqa: B024 - abstract only in the f
     def _stream(self) -> Iterator[tuple[str, torch.Tensor | None]]:
         for rule, layer in self.rules:
             name = rule.megatron_name(layer, te=self.te)
+            if self.changed_only and name not in self.changing:
+                continue  # the same on every rank: no collective is skipped by one rank alone
             hf_names = sync_names(rule, layer)
             if name in self.expert_owner:
                 with torch.no_grad():
@@ -266,6 +290,11 @@ class MegatronWeightSource(WeightSource):  # noqa: B024 - abstract only in the f
                 continue
             with torch.no_grad():
                 yield from zip(hf_names, self._stage_tensors(rule, layer, name))
+
+
+def _module(megatron_name: str) -> str:
+    """The Megatron module that holds a tensor (``...self_attention.linear_qkv`` of ``....linear_qkv.bias``)."""
+    return megatron_name.rpartition(".")[0]
 
 
 def megatron_weight_source(chunks: list[torch.nn.Module], arch: ModelArchitecture, dtype: torch.dtype | None = None):

@@ -92,6 +92,9 @@ class GlooUpdateInfo:
     shapes: list[list[int]]
     bucket_bytes: int = 0
     """How the sender cut this sync into buckets (0: the size agreed at init), so both ends always agree."""
+    partial: bool = False
+    """Only the layers that changed (a LoRA student's adapted ones): the others keep their weights
+    (:mod:`megatron_opd.weight_sync.partial`)."""
 
 
 def worker_rank(parallel_config, rank_offset: int) -> int:
@@ -156,6 +159,7 @@ class GlooSender:
         self.group: TransferGroup | None = None
         self.after_bucket: Callable[[int], None] | None = None
         self.bytes_sent = 0
+        self.tensors_sent = 0
 
     def connect(self, master_address: str, master_port: int, world_size: int) -> None:
         """Sender only: form the transfer group with the workers (they join inside ``init_weight_transfer_engine``)."""
@@ -187,6 +191,7 @@ class GlooSender:
                 dtype_names=[dtype_name(m.dtype) for m in metas],
                 shapes=[list(m.shape) for m in metas],
                 bucket_bytes=self.bucket_bytes,
+                partial=bool(getattr(self.source, "changed_only", False)),
             )
         )
         self.client.start_weight_update()
@@ -204,7 +209,7 @@ class GlooSender:
         """Broadcast bucket after bucket. On a failure here the workers are told to abort (a filler bucket and a
         failed status), so the engine is left partial but responsive, and the source is drained so that the other
         trainer ranks finish their gathers; then the error is raised."""
-        self.bytes_sent = 0
+        self.bytes_sent = self.tensors_sent = 0
         buckets = plan_buckets(metas, self.bucket_bytes)
         for index, bucket in enumerate(buckets):
             stage = "pack"  # -> "sent" (broadcast done) -> "checked" (status exchanged)
@@ -222,6 +227,7 @@ class GlooSender:
                     future.result()  # the worker's error
                     raise RuntimeError(f"vLLM failed to load bucket {index} of the weight update")
                 self.bytes_sent += bucket.nbytes
+                self.tensors_sent += bucket.stop - bucket.start
                 if self.after_bucket is not None:
                     self.after_bucket(index)
             except BaseException:
