@@ -3,7 +3,8 @@ sinks (causal, sliding window, decode against a KV cache, packed sequences, the 
 logits at TP=2 with sequence parallelism (expert TP 1) and an MXFP4 folder's against its dequantised weights, MXFP4
 experts dequantised bitwise as a block loop does, and vLLM's refusal of a ``swiglu_limit`` / ``swiglu_alpha`` it
 would ignore. The shape matrix runs ``gpt_oss_sinks`` at TP=1 and EP=2 (logits), in the built-in sampler, the
-trainer's export and the in-process teacher; ``test_checkpoint.py`` its converter round trips."""
+trainer's export, the in-process teacher and the teacher server; ``test_checkpoint.py`` its converter round trips,
+``test_train_cli.py`` a student's kill-and-resume (outside CI, ``MEGATRON_OPD_MOE_FAMILY_RESUME=1``)."""
 
 from __future__ import annotations
 

@@ -182,7 +182,7 @@ MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
     },
     "teacher server top-k vs transformers": {
         "tp1": (
-            ("qwen3_one_kv", *NEW_FAMILIES, "gemma2_softcap", *HYBRID_TEXT),
+            ("qwen3_one_kv", *NEW_FAMILIES, "gemma2_softcap", *HYBRID_TEXT, *GPT_OSS),
             "test_teacher_server.py::test_teacher_topk_per_shape",
         ),
         "tp2": (SPLIT, "test_teacher_server.py::test_teacher_topk_per_shape"),
