@@ -23,8 +23,11 @@ megatron-opd's ``GroupedExperts`` on ``torch._grouped_mm``; skipped with the rea
 DeepSeek-V2-Lite-sized DeepSeek-V3-architecture teacher scoring (multi-latent attention with YaRN, 64 routed experts
 top-6, 2 shared, the first layer dense; MFU against active parameters), sequential and grouped, and the same model
 as a student: a 4,096-token update with full recompute; #39 the Qwen3-1.7B update at CP=1 at 32k and 64k tokens
-with full recompute; #40 the Qwen3-1.7B update at 4,096 tokens (bf16, no TransformerEngine; MFU against
-989 TFLOP/s dense bf16, 6N FLOPs per token, attention not counted) and one end-to-end trainer run on the GPU
+with full recompute; #53 a gpt-oss-20B-shaped teacher scoring (``memory_configs``' gpt-oss-20b: 24 layers, 32
+experts top-4 with biases, attention sinks, 128-token windows on alternate layers, YaRN; 20.9B parameters, 4.19B
+active as counted here, the input embedding included: OpenAI's 3.61B leaves it out), sequential and grouped (the
+grouped GEMMs run its biased clamped-SwiGLU experts), beside #35's row; #40 the Qwen3-1.7B update at 4,096
+tokens (bf16, no TransformerEngine; MFU against 989 TFLOP/s dense bf16, 6N FLOPs per token, attention not counted) and one end-to-end trainer run on the GPU
 defaults (bf16 parameters, Megatron's distributed optimizer; the tiny distillation fixture, three steps). Update
 and scoring rows are ``benchmarks/bench_phases_gpu.py``'s measurements (random weights in the recipes' shapes).
 ``--issues 36,40`` runs those issues' rows only.
@@ -106,6 +109,23 @@ ROWS = (
         smoke_tokens=64,
         grouped_gemm=True,
     ),
+    Row(
+        "#53",
+        "gpt-oss-20B-shaped MoE teacher, scoring, sequential experts",
+        "score",
+        "gpt-oss-20b",
+        4096,
+        smoke_tokens=64,
+    ),
+    Row(
+        "#53",
+        "gpt-oss-20B-shaped MoE teacher, scoring, grouped GEMM",
+        "score",
+        "gpt-oss-20b",
+        4096,
+        smoke_tokens=64,
+        grouped_gemm=True,
+    ),
     Row("#39", "Qwen3-1.7B update, CP=1, full recompute", "update", "Qwen3-1.7B", 32768, "full", smoke_tokens=256),
     Row("#39", "Qwen3-1.7B update, CP=1, full recompute", "update", "Qwen3-1.7B", 65536, "full", smoke_tokens=512),
     Row("#40", "Qwen3-1.7B update, bf16, no TE", "update", "Qwen3-1.7B", 4096, smoke_tokens=128),
@@ -168,9 +188,10 @@ def architecture(row: Row, smoke: bool):
             layers.update(norm_topk_prob=True)
         config = getattr(transformers, row.model)(**(small if smoke else layers))
         return architecture_from_hf_config(config.to_dict(), row.model)
-    if smoke:
-        return architecture_from_hf_config(tiny_hf_config("qwen3").to_dict(), "tiny qwen3")
-    return architecture_from_hf_config(hf_config(row.model).to_dict(), row.model)
+    full = hf_config(row.model)  # a KNOWN_CONFIGS name: the published config.json's sizes
+    if smoke:  # that family's tiny model (gpt-oss: sinks, windows, biased clamped-SwiGLU experts)
+        return architecture_from_hf_config(tiny_hf_config(full.model_type).to_dict(), f"tiny {full.model_type}")
+    return architecture_from_hf_config(full.to_dict(), row.model)
 
 
 def active_parameters(model, arch) -> int:

@@ -48,7 +48,8 @@ def output_copied(linear: type) -> type:
     Megatron-Core's expert MLP adds its bias in place (``output += bias * prob``) to what the linear returns; at
     expert TP 1 that is the input of ``_ReduceFromModelParallelRegion`` returned as is, a view autograd refuses to
     modify ("Output 0 of _ReduceFromModelParallelRegion is a view and is being modified inplace"), so a biased
-    expert could not train. The copy costs one expert output per expert and step; scoring (no grad) skips it."""
+    expert could not train. The copy costs one expert output per expert and step; scoring (no grad) skips it, and so
+    do the grouped experts (``GroupedExperts`` adds the bias out of place without calling ``linear_fc2``)."""
 
     if getattr(linear, "copies_output", False):  # a spec Megatron shares between calls is wrapped once
         return linear
@@ -158,7 +159,8 @@ class GptOssFamily(MoEFamily):
         return fields
 
     def layer_specs(self, arch: ModelArchitecture, layers: Sequence[int], options: SpecOptions) -> list:
-        local = SpecOptions(te=False, attention=options.attention, norm=options.norm)
+        local = SpecOptions(te=False, attention=options.attention, norm=options.norm,
+                            moe_grouped_gemm=options.moe_grouped_gemm)  # fmt: skip
         spec = self.decoder_layer_spec(arch, local, num_experts=arch.moe.num_experts)
         experts = mlp_submodules(spec).experts
         expert_mlp = experts.submodules if hasattr(experts, "submodules") else experts.keywords["submodules"]
