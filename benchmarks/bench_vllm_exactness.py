@@ -98,8 +98,15 @@ GEMMA4_FIELDS = {
 CASES = {
     "gemma4_dense": (lambda out: save_random(gemma4_config(moe=False), out), GEMMA4_FIELDS),
     "gemma4_moe": (lambda out: save_random(gemma4_config(moe=True), out), GEMMA4_FIELDS),
-    "gpt_oss": (gpt_oss, {"swiglu_limit=0.5": lambda c: setattr(c, "swiglu_limit", 0.5)}),
+    "gpt_oss": (
+        gpt_oss,
+        {
+            "swiglu_limit=0.5": lambda c: setattr(c, "swiglu_limit", 0.5),
+            "rms_norm_eps=1e-5": lambda c: setattr(c, "rms_norm_eps", 1e-5),
+        },
+    ),
     "gpt_oss_limit0.5": (lambda out: gpt_oss(out, swiglu_limit=0.5), {}),  # binds on the tiny model (5 never does)
+    "gpt_oss_eps1e-5": (lambda out: gpt_oss(out, rms_norm_eps=1e-5), {}),  # vLLM hard-codes 1e-5 (the shape: 1e-6)
 }
 
 

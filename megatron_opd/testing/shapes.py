@@ -92,7 +92,8 @@ HYBRID_TEXT = ("qwen3_5_dense",)  # Qwen3.5's dense text tower: logits at TP=1, 
 OUTSIDE_MATRIX = ("gpt_oss_sinks",)
 """Shapes that run in the cells below at the layouts they reach, but whose properties the covering conditions do not
 demand (gpt-oss: Megatron's expert biases need expert TP 1, so not at the matrix's TP=2 MoE layouts, which
-``tests/test_gpt_oss.py`` and ``test_checkpoint.py`` run with it; no vLLM sync of its stacked experts)."""
+``tests/test_gpt_oss.py`` and ``test_checkpoint.py`` run with it; its norm epsilon, 1e-6, is one vLLM refuses: the
+vLLM sync runs a copy at the published 1e-5, ``tests/test_moe_router.py::test_moe_students_sync_into_vllm_exactly``)."""
 GPT_OSS = ("gpt_oss_sinks",)
 ALL_PROPERTIES = frozenset().union(*(s.properties for n, s in SHAPES.items() if n not in OUTSIDE_MATRIX))
 TP1_ONLY = frozenset({"attention:one-kv-head"})

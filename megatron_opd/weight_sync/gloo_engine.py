@@ -23,6 +23,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
 )
 
+from megatron_opd.weight_sync.attention_sinks import keep_sinks, load_sinks
 from megatron_opd.weight_sync.buckets import DEFAULT_BUCKET_BYTES
 from megatron_opd.weight_sync.fused_experts import prepare_cpu_experts
 from megatron_opd.weight_sync.tied import refresh_shared_layers
@@ -61,13 +62,17 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         initialize_layerwise_reload(self.model)
+        self._sinks: dict = {}
 
     def finish_weight_update(self) -> None:
+        from vllm.distributed import get_tensor_model_parallel_rank
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
         refresh_shared_layers(self.model)  # a tied lm_head's packed kernel (megatron_opd.weight_sync.tied)
         prepare_cpu_experts(self.model)  # fused-MoE experts on CPU (megatron_opd.weight_sync.fused_experts)
+        load_sinks(self.model, self._sinks, get_tensor_model_parallel_rank())  # gpt-oss (weight_sync.attention_sinks)
+        self._sinks = {}
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(): nothing to wait for on a gloo receive.
@@ -79,7 +84,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         buckets = receive_buckets(self.group, update_info, self.bucket_bytes)
         try:
             for pairs in buckets:
-                self.model.load_weights(pairs)
+                self.model.load_weights(keep_sinks(pairs, self._sinks))
         except BaseException:
             buckets.close()
             raise
