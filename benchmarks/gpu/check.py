@@ -25,8 +25,11 @@ top-6, 2 shared, the first layer dense; MFU against active parameters), sequenti
 as a student: a 4,096-token update with full recompute; #39 the Qwen3-1.7B update at CP=1 at 32k and 64k tokens
 with full recompute; #54 a Qwen3-Next-80B-A3B-shaped teacher scoring (Gated DeltaNet hybrid, 512 experts top-10, 16
 of its 48 layers to fit one GPU; ``HYBRID_SIZES``) and a Qwen3.5-shaped (transformers' default dense text tower, 9.0B) student's 4,096-token
-update with full recompute, the note saying whether fla's kernels ran; #40 the Qwen3-1.7B update at 4,096 tokens (bf16, no TransformerEngine; MFU against
-989 TFLOP/s dense bf16, 6N FLOPs per token, attention not counted) and one end-to-end trainer run on the GPU
+update with full recompute, the note saying whether fla's kernels ran; #53 a gpt-oss-20B-shaped teacher scoring (``memory_configs``' gpt-oss-20b: 24 layers, 32
+experts top-4 with biases, attention sinks, 128-token windows on alternate layers, YaRN; 20.9B parameters, 4.19B
+active as counted here, the input embedding included: OpenAI's 3.61B leaves it out), sequential and grouped (the
+grouped GEMMs run its biased clamped-SwiGLU experts), beside #35's row; #40 the Qwen3-1.7B update at 4,096
+tokens (bf16, no TransformerEngine; MFU against 989 TFLOP/s dense bf16, 6N FLOPs per token, attention not counted) and one end-to-end trainer run on the GPU
 defaults (bf16 parameters, Megatron's distributed optimizer; the tiny distillation fixture, three steps). Update
 and scoring rows are ``benchmarks/bench_phases_gpu.py``'s measurements (random weights in the recipes' shapes).
 #57 the #35 and #36 grouped rows again with ``build.moe_fused_routing`` (routing on top-k indices, the Triton
@@ -142,6 +145,23 @@ ROWS = (
         grouped_gemm=True,
         fused_routing=True,
     ),
+    Row(
+        "#53",
+        "gpt-oss-20B-shaped MoE teacher, scoring, sequential experts",
+        "score",
+        "gpt-oss-20b",
+        4096,
+        smoke_tokens=64,
+    ),
+    Row(
+        "#53",
+        "gpt-oss-20B-shaped MoE teacher, scoring, grouped GEMM",
+        "score",
+        "gpt-oss-20b",
+        4096,
+        smoke_tokens=64,
+        grouped_gemm=True,
+    ),
     Row("#39", "Qwen3-1.7B update, CP=1, full recompute", "update", "Qwen3-1.7B", 32768, "full", smoke_tokens=256),
     Row("#39", "Qwen3-1.7B update, CP=1, full recompute", "update", "Qwen3-1.7B", 65536, "full", smoke_tokens=512),
     Row("#40", "Qwen3-1.7B update, bf16, no TE", "update", "Qwen3-1.7B", 4096, smoke_tokens=128),
@@ -239,9 +259,10 @@ def architecture(row: Row, smoke: bool):
             layers.update(norm_topk_prob=True)
         config = getattr(transformers, row.model)(**(small if smoke else layers))
         return architecture_from_hf_config(config.to_dict(), row.model)
-    if smoke:
-        return architecture_from_hf_config(tiny_hf_config("qwen3").to_dict(), "tiny qwen3")
-    return architecture_from_hf_config(hf_config(row.model).to_dict(), row.model)
+    full = hf_config(row.model)  # a KNOWN_CONFIGS name: the published config.json's sizes
+    if smoke:  # that family's tiny model (gpt-oss: sinks, windows, biased clamped-SwiGLU experts)
+        return architecture_from_hf_config(tiny_hf_config(full.model_type).to_dict(), f"tiny {full.model_type}")
+    return architecture_from_hf_config(full.to_dict(), row.model)
 
 
 def active_parameters(model, arch) -> int:

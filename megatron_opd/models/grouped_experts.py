@@ -6,7 +6,8 @@ host sync per layer (``tokens_per_expert.tolist()``). On an H100 that loop held 
 MFU (``benchmarks/RESULTS.md``). :class:`GroupedExperts` is ``SequentialMLP`` — the same experts, parameters,
 names, checkpoints and tensor/expert-parallel shards — whose forward stacks the local experts' weights and runs
 each projection for every expert in one ``torch._grouped_mm`` call (CUTLASS on Hopper, a reference loop on CPU),
-with the arithmetic of Megatron's ``MLP`` in between, and no host sync.
+with the arithmetic of Megatron's ``MLP`` in between (expert biases, gpt-oss's clamped SwiGLU and its linear offset
+included), and no host sync.
 """
 
 from __future__ import annotations
@@ -43,9 +44,8 @@ class GroupedExperts(SequentialMLP):
 
     def _grouped_ok(self, hidden: torch.Tensor) -> bool:
         c = self.config
-        plain = not (c.add_bias_linear or c.fp8 or c.fp4 or c.moe_apply_probs_on_input or c.bias_activation_fusion)
-        plain = plain and getattr(c, "activation_func_clamp_value", None) is None
-        plain = plain and getattr(c, "glu_linear_offset", 0.0) == 0.0 and not getattr(c, "use_te_activation_func", 0)
+        plain = not (c.fp8 or c.fp4 or c.moe_apply_probs_on_input or c.bias_activation_fusion)
+        plain = plain and not getattr(c, "use_te_activation_func", 0)
         return plain and self.num_local_experts > 1 and grouped_mm_unavailable(hidden.device.type, hidden.dtype) is None
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
@@ -58,13 +58,32 @@ class GroupedExperts(SequentialMLP):
     def grouped_forward(self, hidden: torch.Tensor, offs: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """The experts' output for ``hidden`` whose rows are grouped by expert, ``offs`` (int32) each group's end
         row (rows after the last are left unwritten) and ``probs`` each row's routing probability."""
-        fc1 = torch.stack([expert.linear_fc1.weight for expert in self.local_experts])  # [E, 2F or F, H]
-        fc2 = torch.stack([expert.linear_fc2.weight for expert in self.local_experts])  # [E, H, F]
+        c, experts = self.config, self.local_experts
+        fc1 = torch.stack([expert.linear_fc1.weight for expert in experts])  # [E, 2F or F, H]
+        fc2 = torch.stack([expert.linear_fc2.weight for expert in experts])  # [E, H, F]
         intermediate = torch._grouped_mm(hidden, fc1.transpose(1, 2), offs=offs)
-        if self.config.gated_linear_unit:
+        if c.add_bias_linear:  # each row gets its expert's bias
+            intermediate = intermediate + self._per_row([e.linear_fc1.bias for e in experts], offs, hidden.shape[0])
+        if c.gated_linear_unit:
             gate, linear = torch.chunk(intermediate, 2, dim=-1)
-            intermediate = self.config.activation_func(gate) * linear
+            if (limit := getattr(c, "activation_func_clamp_value", None)) is not None:  # gpt-oss's clamped SwiGLU
+                gate, linear = gate.clamp(min=None, max=limit), linear.clamp(min=-limit, max=limit)
+            if offset := getattr(c, "glu_linear_offset", 0.0):
+                linear = linear + offset
+            intermediate = c.activation_func(gate) * linear
         else:
-            intermediate = self.config.activation_func(intermediate)
+            intermediate = c.activation_func(intermediate)
         intermediate = (intermediate * probs.unsqueeze(-1)).to(intermediate.dtype)
-        return torch._grouped_mm(intermediate, fc2.transpose(1, 2), offs=offs)
+        output = torch._grouped_mm(intermediate, fc2.transpose(1, 2), offs=offs)
+        if c.add_bias_linear:  # Megatron's expert MLP: output += bias * prob
+            output = output + self._per_row([e.linear_fc2.bias for e in experts], offs, hidden.shape[0]) * probs[:, None]
+        return output
+
+    @staticmethod
+    def _per_row(biases: list[torch.Tensor], offs: torch.Tensor, rows: int) -> torch.Tensor:
+        """``[rows, n]``: each expert's bias for the rows routed to it (rows grouped by expert, ``offs`` each group's
+        end; rows past the last group, which the grouped GEMMs leave unwritten, get the last expert's: no host
+        sync)."""
+        stacked = torch.stack(biases)
+        expert = torch.searchsorted(offs, torch.arange(rows, device=offs.device, dtype=offs.dtype), right=True)
+        return stacked[expert.clamp(max=len(biases) - 1)]

@@ -97,7 +97,8 @@ parallelism; its other paths are ``qwen3_5_moe``'s."""
 OUTSIDE_MATRIX = ("gpt_oss_sinks", "gemma4_moe")
 """Shapes that run in the cells below at the layouts they reach, but whose properties the covering conditions do not
 demand (gpt-oss: Megatron's expert biases need expert TP 1, so not at the matrix's TP=2 MoE layouts, which
-``tests/test_gpt_oss.py`` and ``test_checkpoint.py`` run with it; no vLLM sync of its stacked experts)."""
+``tests/test_gpt_oss.py`` and ``test_checkpoint.py`` run with it; its norm epsilon, 1e-6, is one vLLM refuses: the
+vLLM sync runs a copy at the published 1e-5, ``tests/test_moe_router.py::test_moe_students_sync_into_vllm_exactly``)."""
 GPT_OSS = ("gpt_oss_sinks",)
 GEMMA4_MOE = ("gemma4_moe",)
 """Gemma 4's MoE variant (experts beside the dense MLP, keys = values): the logits at TP=1, TP=2 with sequence
@@ -220,7 +221,7 @@ MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
     },
     "teacher server top-k vs transformers": {
         "tp1": (
-            ("qwen3_one_kv", *NEW_FAMILIES, "gemma2_softcap", *HYBRID_TEXT),
+            ("qwen3_one_kv", *NEW_FAMILIES, "gemma2_softcap", *HYBRID_TEXT, *GPT_OSS),
             "test_teacher_server.py::test_teacher_topk_per_shape",
         ),
         "tp2": (SPLIT, "test_teacher_server.py::test_teacher_topk_per_shape"),

@@ -24,6 +24,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
 )
 
+from megatron_opd.weight_sync.attention_sinks import keep_sinks, load_sinks
 from megatron_opd.weight_sync.buckets import DEFAULT_BUCKET_BYTES
 from megatron_opd.weight_sync.fused_experts import prepare_cpu_experts
 from megatron_opd.weight_sync.partial import check_complete_layers, unsent_layers_quiet
@@ -65,8 +66,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
         initialize_layerwise_reload(self.model)
         self.partial = False
+        self._sinks: dict = {}
 
     def finish_weight_update(self) -> None:
+        from vllm.distributed import get_tensor_model_parallel_rank
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         if self.partial:
@@ -75,6 +78,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             finalize_layerwise_reload(self.model, self.model_config)
         refresh_shared_layers(self.model)  # a tied lm_head's packed kernel (megatron_opd.weight_sync.tied)
         prepare_cpu_experts(self.model)  # fused-MoE experts on CPU (megatron_opd.weight_sync.fused_experts)
+        load_sinks(self.model, self._sinks, get_tensor_model_parallel_rank())  # gpt-oss (weight_sync.attention_sinks)
+        self._sinks = {}
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(): nothing to wait for on a gloo receive.
@@ -87,7 +92,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         buckets = receive_buckets(self.group, update_info, self.bucket_bytes)
         try:
             for pairs in buckets:
-                self.model.load_weights(pairs)
+                self.model.load_weights(keep_sinks(pairs, self._sinks))
         except BaseException:
             buckets.close()
             raise

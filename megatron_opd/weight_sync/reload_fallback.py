@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from megatron_opd.weight_sync.attention_sinks import keep_sinks, load_sinks
 from megatron_opd.weight_sync.fused_experts import prepare_cpu_experts
 from megatron_opd.weight_sync.partial import unsent_layers_quiet
 from megatron_opd.weight_sync.tied import refresh_shared_layers
@@ -33,6 +34,8 @@ class ReloadWorkerExtension:
         self._opd_group = open_gloo_group(info.master_address, info.master_port, rank, info.world_size, info.timeout_s)
 
     def opd_reload_weights(self, update_info: dict) -> None:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
         info = GlooUpdateInfo(**update_info)
         buckets = receive_buckets(self._opd_group, info, self._opd_bucket_bytes)
 
@@ -40,11 +43,14 @@ class ReloadWorkerExtension:
             for pairs in buckets:
                 yield from pairs
 
+        sinks: dict = {}
         try:  # a partial update (LoRA): vLLM's warnings about the layers left as they are silenced
             with unsent_layers_quiet(info.partial):
-                self.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
+                self.reload_weights(weights_iterator=keep_sinks(weights(), sinks), is_checkpoint_format=True)
         except BaseException:
             buckets.close()
             raise
-        refresh_shared_layers(self.model_runner.get_model())  # a tied lm_head (megatron_opd.weight_sync.tied)
-        prepare_cpu_experts(self.model_runner.get_model())  # CPU fused-MoE experts (weight_sync.fused_experts)
+        model = self.model_runner.get_model()
+        refresh_shared_layers(model)  # a tied lm_head (megatron_opd.weight_sync.tied)
+        prepare_cpu_experts(model)  # CPU fused-MoE experts (weight_sync.fused_experts)
+        load_sinks(model, sinks, get_tensor_model_parallel_rank())  # gpt-oss (weight_sync.attention_sinks)

