@@ -5,6 +5,7 @@
     opd-quickstart --multi-teacher       # two tasks, a teacher for each, one student
     opd-quickstart --student-family gemma3   # a Gemma-3-shaped student
     opd-quickstart --student-family qwen3_5  # a Qwen3.5-shaped student (Gated DeltaNet and gated attention)
+    opd-quickstart --student-family gemma4   # a Gemma-4-shaped student (per-layer inputs, proportional RoPE)
     opd-quickstart --moe                 # a Mixture-of-Experts student at expert parallelism
     opd-quickstart --lora                # a LoRA student: rank-8 adapters, the base frozen
     opd-quickstart --self-distill        # the starting weights as their own teacher, with the answer as a hint

@@ -76,7 +76,9 @@ class GroupedExperts(SequentialMLP):
         intermediate = (intermediate * probs.unsqueeze(-1)).to(intermediate.dtype)
         output = torch._grouped_mm(intermediate, fc2.transpose(1, 2), offs=offs)
         if c.add_bias_linear:  # Megatron's expert MLP: output += bias * prob
-            output = output + self._per_row([e.linear_fc2.bias for e in experts], offs, hidden.shape[0]) * probs[:, None]
+            output = (
+                output + self._per_row([e.linear_fc2.bias for e in experts], offs, hidden.shape[0]) * probs[:, None]
+            )
         return output
 
     @staticmethod

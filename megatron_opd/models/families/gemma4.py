@@ -13,8 +13,8 @@ with plain-weight RMSNorms, plus
   per layer on the residual stream;
 - final-logit soft-capping (Gemma 2's hook).
 
-Refused by name: the MoE variant (``enable_moe_block``), ``attention_k_eq_v``, bidirectional attention, and pipeline
-or context parallelism where per-layer inputs or shared keys/values would have to cross ranks
+The MoE variant (``enable_moe_block``: routed experts beside the dense MLP; ``attention_k_eq_v``) runs through
+Megatron's ``MoELayer``. Refused by name: bidirectional attention over text, and pipeline or context parallelism where per-layer inputs or shared keys/values would have to cross ranks
 (:meth:`Gemma4Family.check_layout`). The local spec runs everywhere.
 """
 
