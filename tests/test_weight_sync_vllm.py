@@ -43,15 +43,14 @@ def _loss(logits, batch):
     return loss, StepStats(loss=float(loss.detach()), tokens=1.0)
 
 
-def _layout_body(cases: list[tuple[str, str, int]], tp: int, pp: int, log_file: str, broken: bool) -> dict:
-    """Every (model folder, weight_sync, LoRA rank) case of one layout in one job; with ``broken``, the broken-sync
-    checks."""
+def _layout_body(cases: list[tuple], tp: int, pp: int, log_file: str, broken: bool) -> dict:
+    """Every (model folder, weight_sync[, LoRA rank]) case of one layout in one job (no rank: a full student); with
+    ``broken``, the broken-sync checks."""
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
 
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     accel = initialize_distributed(parallel)
-    out = {f"{i}": _sync_case(hf_dir, weight_sync, parallel, accel, log_file, lora) for i, (hf_dir, weight_sync, lora)
-           in enumerate(cases)}  # fmt: skip
+    out = {f"{i}": _sync_case(*case[:2], parallel, accel, log_file, *case[2:]) for i, case in enumerate(cases)}
     if broken:
         out["broken"] = _broken_sync(cases[0][0], parallel, accel, log_file)
     return out
