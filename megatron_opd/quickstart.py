@@ -42,12 +42,13 @@ layer, each the layer's MLP, top-2 routing, a random router) and distils at expe
 TP=1, the alltoall dispatcher (``auto`` at EP > 1), the built-in sampler) with the load-balancing loss on; same bar.
 
 ``--lora``: the student distils into rank-8 adapters on every attention and MLP projection, its weights frozen
-(``examples/quickstart/distil_lora.yaml``, ``student.lora.*``). The student is a wider one (``wide_student`` in
+(``examples/quickstart/distil_lora.yaml``, ``student.lora.*``). It is a wider student (``wide_student`` in
 ``tasks/digits.py``: hidden 384, 2.66M parameters): on one as narrow as the quick start's (hidden 64) rank-8 adapters
-would be 14% of it; here they are 2.9%, and the adapter-only checkpoints a few percent of the full student's. Adapters adapt a trained base: on the randomly
-initialised one, whose frozen final norm and tied embedding cap every logit at +-1.6, no adapter can make the
-teacher's digit likely. So the student is first warmed up by 125 SFT steps of the whole model beside the teacher's
-SFT (``student_warmup.yaml``, about 10% held-out accuracy), as for ``--cross-tokenizer``; same bar.
+would be 14% of it; here they are 2.9%, and its adapter-only checkpoints 3.5% of a full one. Adapters adapt a trained
+base: on a randomly initialised one, whose frozen final norm and tied embedding cap every logit (at +-1.6 at hidden
+64), no adapter can make the teacher's digit likely. So the student is first warmed up by 50 SFT steps of the whole
+model beside the teacher's SFT (``student_warmup.yaml``, about 25% held-out accuracy), as for ``--cross-tokenizer``;
+same bar.
 
 ``--self-distill``: self-distillation with privileged context. The starting weights (teacher-sized) learn by SFT to
 answer prompts that carry the answer as a hint ("answer 21904. reverse 40912 ="; ``distil_self.yaml``'s
