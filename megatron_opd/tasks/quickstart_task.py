@@ -38,11 +38,12 @@ def make_quickstart_task(
     teacher_digit_merges: str = "none",
     student_family: str | None = None,
     multi_teacher: bool = False,
+    student_size: str = "student",
 ) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     digits.make_tokenizer(out_dir / "tokenizer")
     digits.make_model(out_dir / "teacher-init", "teacher", seed=seed, digit_merges=teacher_digit_merges)
-    digits.make_model(out_dir / "student-init", "student", seed=seed + 1, family=student_family)
+    digits.make_model(out_dir / "student-init", student_size, seed=seed + 1, family=student_family)
     eval_records = digits.make_records(n_eval, seed=seed + 1)
     train_records = digits.make_records(n_train, seed=seed + 2, exclude=[r["prompt"] for r in eval_records])
     if not multi_teacher:
@@ -79,6 +80,10 @@ def main(argv: list[str] | None = None) -> None:
         help="the student's model family (default: Qwen3, as the teacher); the task and sizes stay the same",
     )  # fmt: skip
     parser.add_argument("--multi-teacher", action="store_true", help="also digit sorting, with its own teacher")
+    parser.add_argument(
+        "--student-size", choices=sorted(s for s in digits.MODEL_SIZES if s != "teacher"), default="student",
+        help="the student's shape (digits.MODEL_SIZES): wide_student is the LoRA quick start's base",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from transformers.utils import logging as hf_logging
@@ -92,6 +97,7 @@ def main(argv: list[str] | None = None) -> None:
         args.teacher_digit_merges,
         student_family=args.student_family,
         multi_teacher=args.multi_teacher,
+        student_size=args.student_size,
     )
     logger.info("wrote %s: tokenizer, teacher-init, student-init, train.jsonl, eval.jsonl", args.out_dir)
 
