@@ -174,22 +174,16 @@ def make_model(
 
         from megatron_opd.models.families import family_named
 
-        # Gemma 4's per-layer input embeddings default to a 262,144 x 256 table (134M parameters here): sized like
-        # the model's own vocabulary and 16 wide instead, so the student stays tiny.
-        per_layer_inputs = (
-            dict(vocab_size_per_layer_input=fields["vocab_size"], hidden_size_per_layer_input=16)
-            if family == "gemma4"
-            else {}
-        )
-
         # Sliding-window layers (where the family has them) see 8 tokens: less than a prompt and its answer. Gated
         # DeltaNet layers (Qwen3.5, Qwen3-Next) get two key heads of HEAD_DIM, each with two value heads, and alternate
-        # with attention layers.
+        # with attention layers. Per-layer input embeddings (Gemma 4) default to a 262,144 x 256 table (134M
+        # parameters here): sized like the model's own vocabulary and 16 wide instead.
         config = AutoConfig.for_model(family_named(family).model_types[0], **fields, sliding_window=8,
                                       query_pre_attn_scalar=HEAD_DIM, sliding_window_pattern=2,
                                       linear_num_key_heads=2, linear_num_value_heads=4,
                                       linear_key_head_dim=HEAD_DIM, linear_value_head_dim=HEAD_DIM,
-                                      full_attention_interval=2, **per_layer_inputs)  # fmt: skip
+                                      full_attention_interval=2, vocab_size_per_layer_input=fields["vocab_size"],
+                                      hidden_size_per_layer_input=16)  # fmt: skip
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).float()
     model.generation_config = GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
