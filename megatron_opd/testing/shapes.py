@@ -148,6 +148,8 @@ SCOPED: dict[str, frozenset[str]] = {
             "built-in sampler greedy vs transformers",
             "tools/checkpoint round trip (bitwise)",
             "trainer HF export (bitwise)",
+            "in-process teacher top-k vs transformers",
+            "teacher server top-k vs transformers",
         }
     ),
 }
@@ -213,14 +215,14 @@ MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
     },
     "in-process teacher top-k vs transformers": {
         "tp1": (
-            LOCAL + MOE + GPT_OSS + ("granite_multipliers", "gemma2_softcap"),
+            LOCAL + MOE + GPT_OSS + ("granite_multipliers", "gemma2_softcap") + GEMMA4 + GEMMA4_MOE,
             "test_teacher_server.py::test_teacher_topk_per_shape",
         ),
-        "tp2": (SPLIT + HYBRID, "test_teacher_server.py::test_teacher_topk_per_shape"),
+        "tp2": (SPLIT + HYBRID + GEMMA4, "test_teacher_server.py::test_teacher_topk_per_shape"),
     },
     "teacher server top-k vs transformers": {
         "tp1": (
-            ("qwen3_one_kv", *NEW_FAMILIES, "gemma2_softcap", *HYBRID_TEXT),
+            ("qwen3_one_kv", *NEW_FAMILIES, "gemma2_softcap", *HYBRID_TEXT, *GEMMA4),
             "test_teacher_server.py::test_teacher_topk_per_shape",
         ),
         "tp2": (SPLIT, "test_teacher_server.py::test_teacher_topk_per_shape"),
