@@ -91,7 +91,9 @@ def test_resume_after_kill_is_bitwise(pair, reference_run, tmp_path):
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000003", "step_00000004"]  # keep_last=2
 
 
-@pytest.mark.parametrize("shape", ["mistral_window", "olmo2_post_norms", "phi3_fused_partial", "gemma3_sandwich"])
+@pytest.mark.parametrize(
+    "shape", ["mistral_window", "olmo2_post_norms", "phi3_fused_partial", "gemma3_sandwich", "gemma4_shared_kv"]
+)
 def test_resume_after_kill_is_bitwise_on_the_newer_families(shape, pair, tmp_path):
     """A student of each newer family (a sliding window shorter than the sequences, post-norms, fused checkpoint
     tensors with partial rotary and LongRoPE, sandwich norms with two RoPE bases), trained with the SFT loss (no
@@ -99,9 +101,9 @@ def test_resume_after_kill_is_bitwise_on_the_newer_families(shape, pair, tmp_pat
     equal the uninterrupted run's bitwise (the family's modules, optimizer state and data position round-trip).
     Issue #52's families hold no state beyond their weights (``DENSE_52`` runs here too, ~80 s a shape on 2 cores:
     Gemma 2 passed on 2026-11-29; its weights' dist_ckpt round trip is in the matrix)."""
-    from megatron_opd.testing.shapes import DENSE_52, NEW_FAMILIES
+    from megatron_opd.testing.shapes import DENSE_52, GEMMA4, NEW_FAMILIES
 
-    assert shape in NEW_FAMILIES + DENSE_52
+    assert shape in NEW_FAMILIES + DENSE_52 + GEMMA4
     _sft_resume_is_bitwise(shape, pair, tmp_path)
 
 
