@@ -112,13 +112,13 @@ class Gemma4Attention(SelfAttention):
     ) -> None:
         query_size = config.kv_channels * config.num_attention_heads
         if reads is not None:
-            submodules = dataclasses.replace(
-                submodules, linear_qkv=_Rows(submodules.linear_qkv, query_size), k_layernorm=None
-            )
+            submodules = dataclasses.replace(submodules, linear_qkv=_Rows(submodules.linear_qkv, query_size))
         elif keys_are_values:
             rows = query_size + config.kv_channels * config.num_query_groups
             submodules = dataclasses.replace(submodules, linear_qkv=_Rows(submodules.linear_qkv, rows))
         super().__init__(config, submodules, layer_number, *args, **kwargs)
+        if reads is not None:  # its keys arrive normed; built and dropped (Megatron-Core 0.19 refuses a spec without)
+            self.k_layernorm = None
         self.state, self.rope_index, self.produces, self.reads = state, rope_index, produces, reads
         self.keys_are_values = keys_are_values
 
