@@ -135,12 +135,15 @@ def _sft_resume_is_bitwise(shape: str, pair, tmp_path) -> None:
     not os.environ.get("MEGATRON_OPD_MOE_FAMILY_RESUME"),
     reason="three trainer runs per family (~1 min of CPU each): set MEGATRON_OPD_MOE_FAMILY_RESUME=1",
 )
-@pytest.mark.parametrize("shape", ["minimax_m2_sigmoid_bias", "ernie4_5_moe_softmax_bias", "olmoe_qk_all_heads"])
+@pytest.mark.parametrize(
+    "shape", ["minimax_m2_sigmoid_bias", "ernie4_5_moe_softmax_bias", "olmoe_qk_all_heads", "gemma4_moe"]
+)
 def test_resume_after_kill_is_bitwise_on_the_newer_moe_families(shape, pair, tmp_path):
     """Outside CI (the MoE families' layers already round-trip through the converter's dist_ckpt bitwise in CI): a
     MiniMax-M2 (Megatron's sigmoid router with its expert bias), ERNIE 4.5 MoE (megatron-opd's softmax router and its
-    ``[1, E]`` bias buffer, interleaved RoPE) or OLMoE student trained with the SFT loss, killed after step 2 and
-    started again, reproduces the uninterrupted run's losses bitwise."""
+    ``[1, E]`` bias buffer, interleaved RoPE), OLMoE or Gemma 4 MoE (experts beside the dense MLP, router and
+    per-expert scales) student trained with the SFT loss, killed after step 2 and started again, reproduces the
+    uninterrupted run's losses bitwise."""
     _sft_resume_is_bitwise(shape, pair, tmp_path)
 
 

@@ -273,9 +273,13 @@ class Gemma4FeedForward(MegatronModule):
         super().__init__(config=config)
         norm = functools.partial(RMSNorm, config, config.hidden_size, eps=config.layernorm_epsilon)
         self.pre_norm, self.post_norm_1, self.post_norm_2, self.post_norm = norm(), norm(), norm(), norm()
-        tp = dict(tp_group=pg_collection.tp) if pg_collection is not None else {}
-        self.dense = build_module(dense, config=config, **tp)
-        self.experts = build_module(experts, config=config, pg_collection=pg_collection)
+        if isinstance(dense, functools.partial):  # Megatron-Core 0.19's specs: builders called as the layer calls them
+            self.dense = dense(config=config, pg_collection=pg_collection, is_mtp_layer=False)
+            self.experts = experts(config=config, pg_collection=pg_collection)
+        else:  # 0.16's ModuleSpecs
+            tp = dict(tp_group=pg_collection.tp) if pg_collection is not None else {}
+            self.dense = build_module(dense, config=config, **tp)
+            self.experts = build_module(experts, config=config, pg_collection=pg_collection)
 
     def set_layer_number(self, layer_number: int) -> None:
         self.experts.set_layer_number(layer_number)

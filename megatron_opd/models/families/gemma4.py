@@ -20,6 +20,7 @@ or context parallelism where per-layer inputs or shared keys/values would have t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -282,8 +283,11 @@ class Gemma4Family(Gemma2Family):
         if options.moe_grouped_gemm:
             use_grouped_experts(routed)
         mlp_submodules(routed).router = gemma4_layers.Gemma4Router
-        experts = routed.submodules.mlp
-        experts.module = gemma4_layers.Gemma4Experts
+        experts = routed.submodules.mlp  # Megatron's MoELayer: a ModuleSpec in 0.16, a functools.partial in 0.19
+        if isinstance(experts, functools.partial):
+            experts = functools.partial(gemma4_layers.Gemma4Experts, *experts.args, **experts.keywords)
+        else:
+            experts.module = gemma4_layers.Gemma4Experts
         spec.submodules.pre_mlp_layernorm = IdentityOp
         spec.submodules.mlp = ModuleSpec(
             module=gemma4_layers.Gemma4FeedForward, params={"dense": dense, "experts": experts}
