@@ -13,7 +13,7 @@ with plain-weight RMSNorms, plus
   per layer on the residual stream;
 - final-logit soft-capping (Gemma 2's hook).
 
-Refused by name: the MoE variant (``enable_moe_block``), ``attention_k_eq_v``, bidirectional attention, and pipeline
+Refused by name: bidirectional attention, and pipeline
 or context parallelism where per-layer inputs or shared keys/values would have to cross ranks
 (:meth:`Gemma4Family.check_layout`). The local spec runs everywhere.
 """
