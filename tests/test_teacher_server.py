@@ -342,7 +342,9 @@ def _reference64(hf_dir: str, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def _inprocess_layouts_body(cells: dict[str, dict[str, str]]):
     """The in-process teacher's top-k (mode="topk") of every shape of every layout, re-initialised in one job; rows
-    of ``LENGTHS`` tokens packed two to a micro-batch, the logits formed 5 tokens at a time."""
+    of ``LENGTHS`` tokens packed two to a micro-batch, the logits formed 5 tokens at a time. Then its dense scores
+    (mode="dense"): this rank's logit shard, from the hidden states and the output weight the loss would take, or
+    the output layer's own logits where they are soft-capped (Gemma 2, Gemma 4)."""
     from megatron_opd.checkpoint.source import build_and_load
     from megatron_opd.distributed import ParallelConfig, initialize_distributed, initialize_model_parallel
     from megatron_opd.teacher.inprocess import InProcessTeacher
@@ -359,6 +361,12 @@ def _inprocess_layouts_body(cells: dict[str, dict[str, str]]):
                                        chunk_size=5)  # fmt: skip
             scores = teacher.score(tokens, request_ids, LENGTHS).result()
             out[label, name] = (scores.topk_ids, scores.topk_logprobs, scores.requested_logprobs)
+            teacher = InProcessTeacher(chunks, vocab_size=vocab, mode="dense", topk=K, micro_batch_size=2,
+                                       packing=True)  # fmt: skip
+            dense = teacher.score(tokens, None, LENGTHS).result()
+            if dense.dense_logits is None:
+                dense.dense_logits = dense.dense_hidden.double() @ dense.output_weight.double().t()
+            out["dense", label, name] = dense.dense_logits
     return out
 
 
@@ -401,10 +409,16 @@ def test_teacher_topk_per_shape(shape_dirs, tmp_path):
     finally:
         for proc, _ in servers.values():
             stop(proc)
-    assert per_rank[0].keys() == {(label, n) for label, shapes in cells.items() for n in shapes}
-    for key, (ids, _, _) in per_rank[0].items():
-        assert torch.equal(ids, per_rank[1][key][0]), f"{key}: the ranks disagree"
-    results.update(per_rank[0])
+    keys = {(label, n) for label, shapes in cells.items() for n in shapes}
+    assert per_rank[0].keys() == keys | {("dense", *key) for key in keys}
+    dense = {}
+    for label, name in keys:
+        assert torch.equal(per_rank[0][label, name][0], per_rank[1][label, name][0]), (
+            f"{label}/{name}: the ranks disagree"
+        )
+        results[f"in-process@{label}", name] = per_rank[0][label, name]
+        shards = [per_rank[r].pop(("dense", label, name)) for r in (0, 1)]  # TP=1: two data-parallel copies
+        dense[f"in-process@{label}", name] = torch.cat(shards, -1) if label == "tp2" else shards[0]
     for (where, name), (ids, logprobs, requested) in results.items():
         vocab = SHAPES[name].vocab_size
         tokens, request_ids = _inputs(vocab)
@@ -417,6 +431,10 @@ def test_teacher_topk_per_shape(shape_dirs, tmp_path):
                                        atol=2e-5, rtol=0, msg=lambda m, w=what: f"{w} {m}")  # fmt: skip
             if (where, name) in hidden:
                 _assert_hidden_gives(hidden[where, name][row, :n], shape_dirs[name], ref[row, :n], vocab, what)
+            if (where, name) in dense:
+                got = torch.log_softmax(dense[where, name][row, :n, :vocab].double(), dim=-1)
+                torch.testing.assert_close(got, ref[row, :n], atol=2e-5, rtol=0,
+                                           msg=lambda m, w=what: f"{w} dense: {m}")  # fmt: skip
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe_dense0", "deepseek_v3_mla"])

@@ -91,7 +91,9 @@ def test_resume_after_kill_is_bitwise(pair, reference_run, tmp_path):
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000003", "step_00000004"]  # keep_last=2
 
 
-@pytest.mark.parametrize("shape", ["mistral_window", "olmo2_post_norms", "phi3_fused_partial", "gemma3_sandwich"])
+@pytest.mark.parametrize(
+    "shape", ["mistral_window", "olmo2_post_norms", "phi3_fused_partial", "gemma3_sandwich", "gemma4_shared_kv"]
+)
 def test_resume_after_kill_is_bitwise_on_the_newer_families(shape, pair, tmp_path):
     """A student of each newer family (a sliding window shorter than the sequences, post-norms, fused checkpoint
     tensors with partial rotary and LongRoPE, sandwich norms with two RoPE bases), trained with the SFT loss (no
@@ -99,9 +101,9 @@ def test_resume_after_kill_is_bitwise_on_the_newer_families(shape, pair, tmp_pat
     equal the uninterrupted run's bitwise (the family's modules, optimizer state and data position round-trip).
     Issue #52's families hold no state beyond their weights (``DENSE_52`` runs here too, ~80 s a shape on 2 cores:
     Gemma 2 passed on 2026-11-29; its weights' dist_ckpt round trip is in the matrix)."""
-    from megatron_opd.testing.shapes import DENSE_52, NEW_FAMILIES
+    from megatron_opd.testing.shapes import DENSE_52, GEMMA4, NEW_FAMILIES
 
-    assert shape in NEW_FAMILIES + DENSE_52
+    assert shape in NEW_FAMILIES + DENSE_52 + GEMMA4
     _sft_resume_is_bitwise(shape, pair, tmp_path)
 
 
@@ -134,14 +136,16 @@ def _sft_resume_is_bitwise(shape: str, pair, tmp_path) -> None:
     reason="three trainer runs per family (~1 min of CPU each): set MEGATRON_OPD_MOE_FAMILY_RESUME=1",
 )
 @pytest.mark.parametrize(
-    "shape", ["minimax_m2_sigmoid_bias", "ernie4_5_moe_softmax_bias", "olmoe_qk_all_heads", "gpt_oss_sinks"]
+    "shape",
+    ["minimax_m2_sigmoid_bias", "ernie4_5_moe_softmax_bias", "olmoe_qk_all_heads", "gpt_oss_sinks", "gemma4_moe"],
 )
 def test_resume_after_kill_is_bitwise_on_the_newer_moe_families(shape, pair, tmp_path):
     """Outside CI (the MoE families' layers already round-trip through the converter's dist_ckpt bitwise in CI): a
     MiniMax-M2 (Megatron's sigmoid router with its expert bias), ERNIE 4.5 MoE (megatron-opd's softmax router and its
-    ``[1, E]`` bias buffer, interleaved RoPE), OLMoE or gpt-oss student (attention sinks, biased clamped-SwiGLU
-    experts and router: their optimizer state too) trained with the SFT loss, killed after step 2 and started
-    again, reproduces the uninterrupted run's losses bitwise (gpt-oss: 14 s on 2 idle cores, 125 s at load 15)."""
+    ``[1, E]`` bias buffer, interleaved RoPE), OLMoE, gpt-oss (attention sinks, biased clamped-SwiGLU experts and
+    router: their optimizer state too) or Gemma 4 MoE (experts beside the dense MLP, router and per-expert scales)
+    student trained with the SFT loss, killed after step 2 and started again, reproduces the uninterrupted run's
+    losses bitwise (gpt-oss: 14 s on 2 idle cores, 125 s at load 15)."""
     _sft_resume_is_bitwise(shape, pair, tmp_path)
 
 

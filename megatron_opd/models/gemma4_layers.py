@@ -112,13 +112,13 @@ class Gemma4Attention(SelfAttention):
     ) -> None:
         query_size = config.kv_channels * config.num_attention_heads
         if reads is not None:
-            submodules = dataclasses.replace(
-                submodules, linear_qkv=_Rows(submodules.linear_qkv, query_size), k_layernorm=None
-            )
+            submodules = dataclasses.replace(submodules, linear_qkv=_Rows(submodules.linear_qkv, query_size))
         elif keys_are_values:
             rows = query_size + config.kv_channels * config.num_query_groups
             submodules = dataclasses.replace(submodules, linear_qkv=_Rows(submodules.linear_qkv, rows))
         super().__init__(config, submodules, layer_number, *args, **kwargs)
+        if reads is not None:  # its keys arrive normed; built and dropped (Megatron-Core 0.19 refuses a spec without)
+            self.k_layernorm = None
         self.state, self.rope_index, self.produces, self.reads = state, rope_index, produces, reads
         self.keys_are_values = keys_are_values
 
@@ -273,9 +273,13 @@ class Gemma4FeedForward(MegatronModule):
         super().__init__(config=config)
         norm = functools.partial(RMSNorm, config, config.hidden_size, eps=config.layernorm_epsilon)
         self.pre_norm, self.post_norm_1, self.post_norm_2, self.post_norm = norm(), norm(), norm(), norm()
-        tp = dict(tp_group=pg_collection.tp) if pg_collection is not None else {}
-        self.dense = build_module(dense, config=config, **tp)
-        self.experts = build_module(experts, config=config, pg_collection=pg_collection)
+        if isinstance(dense, functools.partial):  # Megatron-Core 0.19's specs: builders called as the layer calls them
+            self.dense = dense(config=config, pg_collection=pg_collection, is_mtp_layer=False)
+            self.experts = experts(config=config, pg_collection=pg_collection)
+        else:  # 0.16's ModuleSpecs
+            tp = dict(tp_group=pg_collection.tp) if pg_collection is not None else {}
+            self.dense = build_module(dense, config=config, **tp)
+            self.experts = build_module(experts, config=config, pg_collection=pg_collection)
 
     def set_layer_number(self, layer_number: int) -> None:
         self.experts.set_layer_number(layer_number)

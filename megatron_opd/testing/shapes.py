@@ -102,8 +102,8 @@ vLLM sync runs a copy at the published 1e-5, ``tests/test_moe_router.py::test_mo
 GPT_OSS = ("gpt_oss_sinks",)
 GEMMA4_MOE = ("gemma4_moe",)
 """Gemma 4's MoE variant (experts beside the dense MLP, keys = values): the logits at TP=1, TP=2 with sequence
-parallelism and EP=2, and the converter round trip at TP=2 x EP=2 (its stacked experts, router scales), only
-(outside the covering conditions, as gpt-oss)."""
+parallelism and EP=2, the converter round trip at TP=2 x EP=2 (its stacked experts, router scales), and at TP=1 the
+built-in sampler, the trainer's export and the in-process teacher (outside the covering conditions, as gpt-oss)."""
 ALL_PROPERTIES = frozenset().union(*(s.properties for n, s in SHAPES.items() if n not in OUTSIDE_MATRIX))
 TP1_ONLY = frozenset({"attention:one-kv-head"})
 MOE_ONLY = ALL_PROPERTIES - frozenset().union(
@@ -149,6 +149,8 @@ SCOPED: dict[str, frozenset[str]] = {
             "built-in sampler greedy vs transformers",
             "tools/checkpoint round trip (bitwise)",
             "trainer HF export (bitwise)",
+            "in-process teacher top-k vs transformers",
+            "teacher server top-k vs transformers",
         }
     ),
 }
@@ -194,7 +196,8 @@ MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
             + MLA_VARIANTS
             + GPT_OSS
             + ("olmo3_window_two_ropes", "smollm3_nope", "granite_multipliers")
-            + GEMMA4,
+            + GEMMA4
+            + GEMMA4_MOE,
             "test_sampler.py::test_greedy_matches_transformers",
         ),
         "tp2": (SPLIT_ALL + HYBRID + ("gemma2_softcap",), "test_sampler.py::test_greedy_matches_transformers"),
@@ -207,21 +210,21 @@ MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
     },
     "trainer HF export (bitwise)": {
         "tp1": (
-            LOCAL + MOE + MLA_VARIANTS + GPT_OSS + ("gemma2_softcap",) + GEMMA4,
+            LOCAL + MOE + MLA_VARIANTS + GPT_OSS + ("gemma2_softcap",) + GEMMA4 + GEMMA4_MOE,
             "test_checkpoint.py::test_trainer_export_is_bitwise",
         ),
         "tp2_pp2": (SPLIT, "test_checkpoint.py::test_trainer_export_is_bitwise"),
     },
     "in-process teacher top-k vs transformers": {
         "tp1": (
-            LOCAL + MOE + GPT_OSS + ("granite_multipliers", "gemma2_softcap"),
+            LOCAL + MOE + GPT_OSS + ("granite_multipliers", "gemma2_softcap") + GEMMA4 + GEMMA4_MOE,
             "test_teacher_server.py::test_teacher_topk_per_shape",
         ),
-        "tp2": (SPLIT + HYBRID, "test_teacher_server.py::test_teacher_topk_per_shape"),
+        "tp2": (SPLIT + HYBRID + GEMMA4, "test_teacher_server.py::test_teacher_topk_per_shape"),
     },
     "teacher server top-k vs transformers": {
         "tp1": (
-            ("qwen3_one_kv", *NEW_FAMILIES, "gemma2_softcap", *HYBRID_TEXT, *GPT_OSS),
+            ("qwen3_one_kv", *NEW_FAMILIES, "gemma2_softcap", *HYBRID_TEXT, *GPT_OSS, *GEMMA4),
             "test_teacher_server.py::test_teacher_topk_per_shape",
         ),
         "tp2": (SPLIT, "test_teacher_server.py::test_teacher_topk_per_shape"),

@@ -62,6 +62,8 @@ def make_tiny_hf_model(family: str, out_dir: str | os.PathLike, seed: int = 0, *
                 param.add_(torch.randn_like(param) * 0.1)
             elif param.is_floating_point() and not param.any():  # left at zero (ERNIE 4.5's router)
                 param.normal_(0.0, 0.1)
+            elif name.endswith("router.proj.weight"):  # Gemma 4: logits of a unit-RMS input / sqrt(hidden), ~0.02
+                param.mul_(10.0)  # apart at init: near-ties within float32 noise; spread them as trained routers are
     out = Path(out_dir)
     model.save_pretrained(out, safe_serialization=True)
     return out

@@ -14,12 +14,14 @@ with plain-weight RMSNorms, plus
 - final-logit soft-capping (Gemma 2's hook).
 
 The MoE variant (``enable_moe_block``: routed experts beside the dense MLP; ``attention_k_eq_v``) runs through
-Megatron's ``MoELayer``. Refused by name: bidirectional attention over text, and pipeline or context parallelism where per-layer inputs or shared keys/values would have to cross ranks
+Megatron's ``MoELayer``. Refused by name: bidirectional attention over text, and pipeline or context parallelism
+where per-layer inputs or shared keys/values would have to cross ranks
 (:meth:`Gemma4Family.check_layout`). The local spec runs everywhere.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -282,8 +284,11 @@ class Gemma4Family(Gemma2Family):
         if options.moe_grouped_gemm:
             use_grouped_experts(routed)
         mlp_submodules(routed).router = gemma4_layers.Gemma4Router
-        experts = routed.submodules.mlp
-        experts.module = gemma4_layers.Gemma4Experts
+        experts = routed.submodules.mlp  # Megatron's MoELayer: a ModuleSpec in 0.16, a functools.partial in 0.19
+        if isinstance(experts, functools.partial):
+            experts = functools.partial(gemma4_layers.Gemma4Experts, *experts.args, **experts.keywords)
+        else:
+            experts.module = gemma4_layers.Gemma4Experts
         spec.submodules.pre_mlp_layernorm = IdentityOp
         spec.submodules.mlp = ModuleSpec(
             module=gemma4_layers.Gemma4FeedForward, params={"dense": dense, "experts": experts}
