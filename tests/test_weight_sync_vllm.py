@@ -221,7 +221,9 @@ def _broken_sync(hf_dir: str, parallel, accel, log_file: str) -> dict:
 
 
 def _checkpoint_elements(hf_dir) -> dict[str, int]:
-    """Every tensor of a model folder's safetensors and its number of elements."""
+    """Every tensor of a model folder's safetensors and its number of elements, a tensor stacked over experts
+    (gpt-oss's and Gemma 4's ``...experts.gate_up_proj``) as one tensor per expert, as the sync sends it."""
+    import re
     from pathlib import Path
 
     from safetensors import safe_open
@@ -230,7 +232,13 @@ def _checkpoint_elements(hf_dir) -> dict[str, int]:
     for path in sorted(Path(hf_dir).glob("*.safetensors")):
         with safe_open(str(path), "pt") as f:
             out |= {name: f.get_slice(name).get_shape() for name in f.keys()}
-    return {name: int(torch.Size(shape).numel()) for name, shape in out.items()}
+    elements = {}
+    for name, shape in out.items():
+        if re.search(r"\.experts\.[a-z_]+$", name):
+            elements |= {f"{name}[{e}]": int(torch.Size(shape[1:]).numel()) for e in range(shape[0])}
+        else:
+            elements[name] = int(torch.Size(shape).numel())
+    return elements
 
 
 def _pick(results: list[dict], key: str):
