@@ -1,7 +1,8 @@
 """Exact weight sync from a TP=1, TP=2 and TP=2xPP=2 student into vLLM, against the trainer's own log-probabilities
 gathered in the test, on every shape the model-shape matrix gives the path "vLLM sync, engine process"
 (``megatron_opd.testing.shapes``: tied embeddings, whose tied ``lm_head`` vLLM must re-process after every sync;
-QKV bias, MHA, a single KV head, a 97-token vocabulary, llama3 and linear RoPE scaling), through vLLM's
+QKV bias, MHA, a single KV head, a 97-token vocabulary, llama3 and linear RoPE scaling; at TP=1 Gemma 4's per-layer
+input tables, query-only KV-sharing layers and ``layer_scalar`` buffers), through vLLM's
 weight-transfer API (our gloo back end on CPU) and the ``reload_weights`` fallback (both at TP=1 and at TP=2). At
 TP=2xPP=2 the first shape runs once more as a LoRA student (``student.lora``): the sync sends the merged weights, the
 whole model first and then only the adapted layers (counted against the checkpoint's tensors), and vLLM's
