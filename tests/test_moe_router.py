@@ -235,7 +235,9 @@ def test_moe_students_sync_into_vllm_exactly(shape_dirs, tmp_path):
     re-derives its absorbed ``kv_b_proj`` halves (``W_UK_T``, ``W_UV``) from the synced weights itself. GLM-4.5 (q/k/v
     biases, QK-norms, partial rotary, the DeepSeek-V3 router) and DeepSeek-V2 (softmax routing within the best groups,
     no query latent) go through one route each; gpt-oss (attention sinks, which vLLM's own loader drops on an update,
-    biased clamped-SwiGLU experts streamed a row at a time) through the default route (both measured exact)."""
+    biased clamped-SwiGLU experts streamed a row at a time) through the default route (both measured exact). Gemma 4's
+    MoE shape (``VLLM_MOE``) streams its stacked experts a row at a time into vLLM's generic fused-MoE loader
+    (``weight_sync.source.sync_name``); each sync sends every tensor of the checkpoint (stacked ones per expert)."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
@@ -256,13 +258,11 @@ def test_moe_students_sync_into_vllm_exactly(shape_dirs, tmp_path):
     gpt_oss = _vllm_gpt_oss_model(tmp_path)
     cases.append(("gpt_oss (sinks x100, eps 1e-5)", ROUTES[0]))  # the reload route too, measured: ~15 s more
     models.append((gpt_oss, ROUTES[0]))
-    args = (models, 1, 1, str(tmp_path / "vllm.log"), False)
+    args = ([(folder, route, 0) for folder, route in models], 1, 1, str(tmp_path / "vllm.log"), False)
     results = run_distributed(_layout_body, 1, args=args, timeout=1200)
-    for i, (name, route) in enumerate(cases):
+    for i, ((name, route), (folder, _)) in enumerate(zip(cases, models)):
         try:
-            # gpt-oss's checkpoint stacks its experts; the sync sends one tensor per expert (not counted)
-            checkpoint = None if name.startswith("gpt_oss") else _checkpoint_elements(models[i][0])
-            _check([r[f"{i}"] for r in results], with_builtin=True, checkpoint=checkpoint)
+            _check([r[f"{i}"] for r in results], with_builtin=True, checkpoint=_checkpoint_elements(folder))
         except AssertionError as err:
             raise AssertionError(f"{name} ({route}): {err}") from err
         has_bias = name.startswith(("deepseek_v3", "glm4_moe"))

@@ -1,7 +1,8 @@
 """Exact weight sync from a TP=1, TP=2 and TP=2xPP=2 student into vLLM, against the trainer's own log-probabilities
 gathered in the test, on every shape the model-shape matrix gives the path "vLLM sync, engine process"
 (``megatron_opd.testing.shapes``: tied embeddings, whose tied ``lm_head`` vLLM must re-process after every sync;
-QKV bias, MHA, a single KV head, a 97-token vocabulary, llama3 and linear RoPE scaling), through vLLM's
+QKV bias, MHA, a single KV head, a 97-token vocabulary, llama3 and linear RoPE scaling; at TP=1 Gemma 4's per-layer
+input tables, query-only KV-sharing layers and ``layer_scalar`` buffers), through vLLM's
 weight-transfer API (our gloo back end on CPU) and the ``reload_weights`` fallback (both at TP=1 and at TP=2). At
 TP=2xPP=2 the first shape runs once more as a LoRA student (``student.lora``): the sync sends the merged weights, the
 whole model first and then only the adapted layers (counted against the checkpoint's tensors), and vLLM's
@@ -220,7 +221,9 @@ def _broken_sync(hf_dir: str, parallel, accel, log_file: str) -> dict:
 
 
 def _checkpoint_elements(hf_dir) -> dict[str, int]:
-    """Every tensor of a model folder's safetensors and its number of elements."""
+    """Every tensor of a model folder's safetensors and its number of elements, a tensor stacked over experts
+    (gpt-oss's and Gemma 4's ``...experts.gate_up_proj``) as one tensor per expert, as the sync sends it."""
+    import re
     from pathlib import Path
 
     from safetensors import safe_open
@@ -229,7 +232,13 @@ def _checkpoint_elements(hf_dir) -> dict[str, int]:
     for path in sorted(Path(hf_dir).glob("*.safetensors")):
         with safe_open(str(path), "pt") as f:
             out |= {name: f.get_slice(name).get_shape() for name in f.keys()}
-    return {name: int(torch.Size(shape).numel()) for name, shape in out.items()}
+    elements = {}
+    for name, shape in out.items():
+        if re.search(r"\.experts\.[a-z_]+$", name):
+            elements |= {f"{name}[{e}]": int(torch.Size(shape[1:]).numel()) for e in range(shape[0])}
+        else:
+            elements[name] = int(torch.Size(shape).numel())
+    return elements
 
 
 def _pick(results: list[dict], key: str):

