@@ -49,8 +49,10 @@ def saved_adapter_record(path: str | os.PathLike) -> dict | None:
 
 
 def is_adapter_checkpoint(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is an adapter-only checkpoint (a LoRA student's, written by the trainer)."""
-    return (Path(path) / "common.pt").is_file() and saved_adapter_record(path) is not None
+    """Whether ``path`` is an adapter-only checkpoint (a LoRA student's, written by the trainer). Megatron-Core 0.17+
+    keeps the common state inside the checkpoint's items (no ``common.pt``): any ``dist_checkpointing`` folder is
+    asked."""
+    return (Path(path) / "metadata.json").is_file() and saved_adapter_record(path) is not None
 
 
 def check_adapter_resume(saved: dict | None, student, path: str | os.PathLike) -> None:

@@ -227,11 +227,11 @@ def export_peft_adapter(
     checkpoint's ``hf_config/``."""
     from safetensors.torch import save_file
 
-    from megatron_opd.checkpoint.adapters import saved_adapter_record
+    from megatron_opd.checkpoint.adapters import is_adapter_checkpoint, saved_adapter_record
     from megatron_opd.checkpoint.source import config_dir
 
     ckpt = check_dist_checkpoint(ckpt)
-    record = saved_adapter_record(ckpt) if (ckpt / "common.pt").is_file() else None
+    record = saved_adapter_record(ckpt) if is_adapter_checkpoint(ckpt) else None
     if hf_config_dir is None:
         base = base or (record or {}).get("base")
         hf_config_dir = config_dir(base, "--base") if base else ckpt / HF_CONFIG_DIR
