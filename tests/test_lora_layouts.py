@@ -34,20 +34,14 @@ LAYOUTS = {
 
 
 def _batch():
-    """Four samples of different lengths with a tool span, padded to S; the teacher's top-k scores (a random,
-    peaked distribution per position), fixed by seed."""
-    from megatron_opd.data.batch import pack
+    """The context-parallel tests' four samples (different lengths, a tool span, padded to S) with equal sequence
+    weights, and the teacher's top-k scores (a random, peaked distribution per position), fixed by seed."""
     from megatron_opd.interfaces import TeacherScores
+    from tests.test_context_parallel import _fixed_batch
 
+    batch = _fixed_batch()
+    batch.seq_weights = torch.ones(N)
     gen = torch.Generator().manual_seed(0)
-    prompts, responses = [], []
-    for p_len, r_len in [(3, 9), (5, 4), (2, 12), (6, 7)]:
-        prompts.append(torch.randint(0, VOCAB, (p_len,), generator=gen))
-        responses.append(torch.randint(0, VOCAB, (r_len,), generator=gen))
-    masks = [torch.ones(r.numel()) for r in responses]
-    masks[3][2:4] = 0  # tool tokens: never trained
-    logprobs = [-3 - torch.rand(r.numel(), generator=gen) for r in responses]
-    batch = pack(prompts, responses, masks, pad_token_id=0, seq_len=S, logprobs=logprobs)
     teacher = torch.log_softmax(3 * torch.randn(N, S, VOCAB, generator=gen), dim=-1)
     top = teacher.topk(TOPK, dim=-1)
     return batch, TeacherScores(topk_ids=top.indices, topk_logprobs=top.values)
