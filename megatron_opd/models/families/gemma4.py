@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from megatron_opd.model_files import UnsupportedArchitectureError
@@ -137,6 +137,7 @@ def read_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
 
         moe = read_moe(cfg, source, expert_ffn_key="moe_intermediate_size", shared=False, experts_key="num_experts",
                        top_k_key="top_k_experts", layers=tuple(range(layers)))  # fmt: skip
+        moe = replace(moe, norm_topk_prob=True)  # Gemma's router: a softmax over the top-k logits, always
     window = read_sliding_window(cfg, source)
     return dict(
         rope=rope,
@@ -205,18 +206,9 @@ class Gemma4Family(Gemma2Family):
         # not stacked.
         fields = {**super().transformer_config_fields(arch), "hetereogenous_dist_checkpoint": True}
         if arch.moe is not None:  # the MoE families' softmax router: top-k of the logits, softmax over those k
-            moe = arch.moe
-            fields.update(
-                num_moe_experts=moe.num_experts,
-                moe_router_topk=moe.top_k,
-                moe_ffn_hidden_size=moe.expert_ffn_hidden_size,
-                moe_layer_freq=[int(i in moe.layers) for i in range(arch.num_layers)],
-                moe_router_score_function="softmax",
-                moe_router_pre_softmax=False,
-                moe_router_dtype="fp32",
-                moe_router_load_balancing_type="none",
-                moe_expert_capacity_factor=None,
-            )
+            from megatron_opd.models.families.moe import moe_config_fields
+
+            fields.update(moe_config_fields(arch))
         return fields
 
     def local_norm(self, options: SpecOptions):

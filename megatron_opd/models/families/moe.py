@@ -127,31 +127,7 @@ class MoEFamily(ModelFamily):
     ``heads x head_dim``), by :class:`~megatron_opd.models.norms.AllHeadsRMSNorm`; the local spec always."""
 
     def transformer_config_fields(self, arch: ModelArchitecture) -> dict[str, Any]:
-        moe = arch.moe
-        fields = super().transformer_config_fields(arch)
-        sigmoid = moe.score_function == "sigmoid"
-        fields.update(
-            num_moe_experts=moe.num_experts,
-            moe_router_topk=moe.top_k,
-            moe_ffn_hidden_size=moe.expert_ffn_hidden_size,
-            moe_layer_freq=[int(i in moe.layers) for i in range(arch.num_layers)],
-            moe_router_score_function="softmax",
-            # Renormalised top-k = softmax over the top-k logits (Megatron's default); else softmax over all first.
-            moe_router_pre_softmax=not moe.norm_topk_prob,
-            moe_router_dtype="fp32",
-            moe_router_load_balancing_type="none",
-            moe_expert_capacity_factor=None,  # no token dropping
-            moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size or None,
-            moe_shared_expert_gate=moe.shared_expert_gate,
-        )
-        if sigmoid:  # Megatron's sigmoid router renormalises the top-k scores; its expert bias picks them
-            fields.update(
-                moe_router_score_function="sigmoid",
-                moe_router_pre_softmax=False,
-                moe_router_enable_expert_bias=moe.expert_bias,
-                moe_router_bias_update_rate=0.0,  # a student's auxiliary-loss-free balancing is opt-in
-            )
-        return fields
+        return {**super().transformer_config_fields(arch), **moe_config_fields(arch)}
 
     def layer_specs(self, arch: ModelArchitecture, layers: Sequence[int], options: SpecOptions) -> list:
         if self.all_heads_qk_norm:
@@ -239,3 +215,34 @@ QWEN_MOE_NAMES = ExpertNames(
 
 TINY_MOE = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 """Tiny test models' experts (over ``testing.tiny_models``' common sizes): 4 experts, top-2."""
+
+
+def moe_config_fields(arch: ModelArchitecture) -> dict[str, Any]:
+    """Megatron's ``TransformerConfig`` fields for ``arch.moe``: experts, top-k, the router's score function (softmax
+    over the top-k logits or over all of them first; sigmoid with its expert bias), no auxiliary loss or token
+    dropping, the shared expert."""
+    moe = arch.moe
+    fields: dict[str, Any] = dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.top_k,
+        moe_ffn_hidden_size=moe.expert_ffn_hidden_size,
+        moe_layer_freq=[int(i in moe.layers) for i in range(arch.num_layers)],
+        moe_router_score_function="softmax",
+        # Renormalised top-k = softmax over the top-k logits (Megatron's default); else softmax over all first.
+        moe_router_pre_softmax=not moe.norm_topk_prob,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none",
+        moe_expert_capacity_factor=None,  # no token dropping
+        moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size or None,
+        moe_shared_expert_gate=moe.shared_expert_gate,
+    )
+    if (
+        moe.score_function == "sigmoid"
+    ):  # Megatron's sigmoid router renormalises the top-k scores; its expert bias picks them
+        fields.update(
+            moe_router_score_function="sigmoid",
+            moe_router_pre_softmax=False,
+            moe_router_enable_expert_bias=moe.expert_bias,
+            moe_router_bias_update_rate=0.0,  # a student's auxiliary-loss-free balancing is opt-in
+        )
+    return fields
