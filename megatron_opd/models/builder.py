@@ -407,10 +407,6 @@ def build_model(
             "megatron_opd.distributed.initialize_model_parallel(parallel) first"
         )
     chunks = build_chunks(arch, parallel, build, transformer_config(arch, parallel, build))
-    if arch.moe is not None and build.moe_fused_routing:
-        from megatron_opd.moe.layer import use_fused_moe_layers
-
-        use_fused_moe_layers(chunks)
     for chunk in chunks:
         # As Megatron's own get_model: Megatron's layers are created on the GPU, our norms and buffers on the CPU.
         if torch.cuda.is_available() and any(p.device.type == "cpu" for p in chunk.parameters()):
@@ -418,6 +414,10 @@ def build_model(
         if not trainable:
             chunk.requires_grad_(False)
             chunk.eval()
+    if arch.moe is not None and build.moe_fused_routing:  # after the move: it re-homes the experts' weights
+        from megatron_opd.moe.layer import use_fused_moe_layers
+
+        use_fused_moe_layers(chunks)
     return chunks
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 
@@ -35,6 +36,44 @@ def grouped_mm_unavailable(device_type: str, dtype: torch.dtype) -> str | None:
     if not torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2):
         return f"torch._grouped_mm gave wrong results for {dtype} on {device_type}"
     return None
+
+
+def equal_spacing(weights: list[torch.Tensor]) -> int | None:
+    """The elements between consecutive ``weights`` where they are equally shaped, contiguous slices of one storage
+    at equal, non-overlapping, ascending spacing (read on the host: no device operator), else None."""
+    first = weights[0]
+    same = all(
+        w.shape == first.shape and w.dtype == first.dtype and w.device == first.device and w.is_contiguous()
+        and w.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        for w in weights
+    )  # fmt: skip
+    if not same:
+        return None
+    offsets = [w.storage_offset() for w in weights]
+    spacing = offsets[1] - offsets[0] if len(offsets) > 1 else first.numel()
+    if spacing < first.numel() or any(b - a != spacing for a, b in zip(offsets, offsets[1:])):
+        return None
+    return spacing
+
+
+class _StackedView(torch.autograd.Function):
+    """``[E, ...]``: equally spaced weights of one storage viewed as a stack (backward: the gradient unbound)."""
+
+    @staticmethod
+    def forward(ctx, spacing: int, *weights: torch.Tensor) -> torch.Tensor:
+        first = weights[0]
+        return first.as_strided((len(weights), *first.shape), (spacing, *first.stride()), first.storage_offset())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return (None, *grad.unbind(0))
+
+
+def stacked(weights: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(weights)``, as a view (no operator) where they lie equally spaced in one storage
+    (:meth:`GroupedExperts.share_one_storage`; Megatron's DDP moves them into its buffers: then a copy)."""
+    spacing = equal_spacing(weights)
+    return torch.stack(weights) if spacing is None else _StackedView.apply(spacing, *weights)
 
 
 class GroupedExperts(SequentialMLP):
@@ -59,11 +98,33 @@ class GroupedExperts(SequentialMLP):
         """The experts' output for ``hidden`` whose rows are grouped by expert, ``offs`` (int32) each group's end
         row (rows after the last are left unwritten) and ``probs`` each row's routing probability."""
         c, experts = self.config, self.local_experts
-        fc1 = torch.stack([expert.linear_fc1.weight for expert in experts])  # [E, 2F or F, H]
-        fc2 = torch.stack([expert.linear_fc2.weight for expert in experts])  # [E, H, F]
+        fc1 = stacked([expert.linear_fc1.weight for expert in experts])  # [E, 2F or F, H]
+        fc2 = stacked([expert.linear_fc2.weight for expert in experts])  # [E, H, F]
         intermediate = torch._grouped_mm(hidden, fc1.transpose(1, 2), offs=offs)
         if c.add_bias_linear:  # each row gets its expert's bias
             intermediate = intermediate + self._per_row([e.linear_fc1.bias for e in experts], offs, hidden.shape[0])
+        if self._silu_glu_ok():  # one operator (megatron_opd.moe.ops: one kernel on CUDA)
+            from megatron_opd.moe.ops import moe_silu_glu
+
+            intermediate = moe_silu_glu(intermediate, probs, offs, bool(c.gated_linear_unit))
+        else:
+            intermediate = self._activation(intermediate, probs)
+        output = torch._grouped_mm(intermediate, fc2.transpose(1, 2), offs=offs)
+        if c.add_bias_linear:  # Megatron's expert MLP: output += bias * prob
+            output = (
+                output + self._per_row([e.linear_fc2.bias for e in experts], offs, hidden.shape[0]) * probs[:, None]
+            )
+        return output
+
+    def _silu_glu_ok(self) -> bool:
+        """Whether the activation is plain SiLU or SwiGLU (no bias, clamp or linear offset: gpt-oss's)."""
+        c = self.config
+        plain = c.activation_func is F.silu and not c.add_bias_linear
+        return plain and getattr(c, "activation_func_clamp_value", None) is None and not getattr(c, "glu_linear_offset", 0)
+
+    def _activation(self, intermediate: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """Megatron's ``MLP`` activation (gated, clamped, offset) times each row's probability, in torch."""
+        c = self.config
         if c.gated_linear_unit:
             gate, linear = torch.chunk(intermediate, 2, dim=-1)
             if (limit := getattr(c, "activation_func_clamp_value", None)) is not None:  # gpt-oss's clamped SwiGLU
@@ -73,13 +134,17 @@ class GroupedExperts(SequentialMLP):
             intermediate = c.activation_func(gate) * linear
         else:
             intermediate = c.activation_func(intermediate)
-        intermediate = (intermediate * probs.unsqueeze(-1)).to(intermediate.dtype)
-        output = torch._grouped_mm(intermediate, fc2.transpose(1, 2), offs=offs)
-        if c.add_bias_linear:  # Megatron's expert MLP: output += bias * prob
-            output = (
-                output + self._per_row([e.linear_fc2.bias for e in experts], offs, hidden.shape[0]) * probs[:, None]
-            )
-        return output
+        return (intermediate * probs.unsqueeze(-1)).to(intermediate.dtype)
+
+    def share_one_storage(self) -> None:
+        """Re-home each projection's local expert weights into one ``[E, ...]`` storage (``param.data`` becomes a
+        slice of it: names, state dicts and checkpoints unchanged), so that :func:`stacked` is a view, not a copy."""
+        for name in ("linear_fc1", "linear_fc2"):
+            weights = [getattr(expert, name).weight for expert in self.local_experts]
+            if len(weights) > 1 and equal_spacing(weights) is None:
+                storage = torch.stack([w.detach() for w in weights])
+                for weight, row in zip(weights, storage, strict=True):
+                    weight.data = row
 
     @staticmethod
     def _per_row(biases: list[torch.Tensor], offs: torch.Tensor, rows: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 
 def fused_path_refusal(layer, hidden: torch.Tensor, padding_mask, intermediate_tensors) -> str | None:
@@ -48,6 +49,43 @@ def fused_path_refusal(layer, hidden: torch.Tensor, padding_mask, intermediate_t
 
 
 @functools.cache
+def _one(device: torch.device) -> torch.Tensor:
+    """A scalar one on ``device``, made once (the expert-bias count adds it per routed slot)."""
+    return torch.ones((), device=device)
+
+
+def _routing():
+    """The router's top-k: ``megatron_opd.moe.routing.fused_topk_routing`` (one operator: a Triton kernel on CUDA)
+    where it exists, else the Triton kernel where it runs, else the torch routing."""
+    from megatron_opd.moe import routing
+
+    if hasattr(routing, "fused_topk_routing"):
+        return routing.fused_topk_routing
+    from megatron_opd.kernels import moe_router_triton
+
+    def route(logits_TE, spec, expert_bias_E):
+        if moe_router_triton.supports(logits_TE, spec):
+            return moe_router_triton.route(logits_TE, spec, expert_bias_E)
+        return routing.topk_routing(logits_TE, spec, expert_bias_E)
+
+    return route
+
+
+def plain_shared_expert(layer) -> bool:
+    """Whether ``layer``'s shared expert (if any) is Megatron's ``MLP`` with a SiLU or SwiGLU and no bias, which
+    :meth:`FusedMoELayer._shared_expert` computes with :func:`~megatron_opd.moe.ops.moe_silu_glu` (one operator
+    instead of two) and whose gate the combine applies."""
+    c, shared = layer.config, layer.shared_experts
+    if shared is None or layer.shared_experts_recompute or c.bias_activation_fusion:
+        return False
+    plain = c.activation_func is F.silu and not getattr(c, "use_te_activation_func", False)
+    no_bias = shared.linear_fc1.bias is None and shared.linear_fc2.bias is None
+    return plain and no_bias and getattr(c, "activation_func_clamp_value", None) is None and not getattr(
+        c, "glu_linear_offset", 0
+    )
+
+
+@functools.cache
 def fused_moe_layer(base: type) -> type:
     """``base`` (Megatron's ``MoELayer`` or a subclass) with the fused forward."""
     from megatron.core.tensor_parallel import (
@@ -55,9 +93,11 @@ def fused_moe_layer(base: type) -> type:
         reduce_scatter_to_sequence_parallel_region,
     )
 
-    from megatron_opd.kernels import moe_router_triton
-    from megatron_opd.moe.permutation import permutation, permute, unpermute
-    from megatron_opd.moe.routing import RouterSpec, topk_routing
+    from megatron_opd.moe.ops import moe_combine, moe_permute, moe_silu_glu
+    from megatron_opd.moe.permutation import permutation
+    from megatron_opd.moe.routing import RouterSpec
+
+    route = _routing()
 
     class FusedMoELayer(base):
         """``MoELayer`` routing on top-k indices, permuting by one sort, with no host sync (module docstring)."""
@@ -65,19 +105,15 @@ def fused_moe_layer(base: type) -> type:
         def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
             if fused_path_refusal(self, hidden_states, padding_mask, intermediate_tensors) is not None:
                 return super().forward(hidden_states, intermediate_tensors, padding_mask)
-            shared = self.shared_experts_compute(hidden_states)
+            shared_TH, gate_T = self._shared_expert(hidden_states)
             router, dispatcher = self.router, self.token_dispatcher
             router._maintain_float32_expert_bias()
             logits_TE = router.gating(hidden_states).view(-1, self.config.num_moe_experts)
-            spec = RouterSpec.of(self.config)
-            if moe_router_triton.supports(logits_TE, spec):  # one kernel on CUDA
-                probs_TK, experts_TK = moe_router_triton.route(logits_TE, spec, router.expert_bias)
-            else:
-                probs_TK, experts_TK = topk_routing(logits_TE, spec, router.expert_bias)
+            probs_TK, experts_TK = route(logits_TE, RouterSpec.of(self.config), router.expert_bias)
             if router.enable_expert_bias and torch.is_grad_enabled():  # Megatron's count for the bias update
                 with torch.no_grad():
                     router.local_tokens_per_expert.index_put_(
-                        (experts_TK.reshape(-1),), torch.ones((), device=logits_TE.device), accumulate=True
+                        (experts_TK.reshape(-1),), _one(logits_TE.device), accumulate=True
                     )
             if router._forward_hooks:  # e.g. the trainer's router metrics: they see Megatron's dense outputs
                 self._call_router_hooks(hidden_states, probs_TK, experts_TK)
@@ -90,16 +126,32 @@ def fused_moe_layer(base: type) -> type:
                 hidden_TH = gather_from_sequence_parallel_region(hidden_TH, group=group, use_global_buffer=True)
             first = self.local_expert_indices[0]
             perm = permutation(experts_TK, first, self.num_local_experts, self.config.num_moe_experts)
-            rows_RH, probs_R = permute(hidden_TH, probs_TK, perm)
+            rows_RH, probs_R, inverse_TK = moe_permute(hidden_TH, probs_TK, perm.slots_R, perm.offsets_L)
             rows_RH = self.experts.grouped_forward(rows_RH, perm.offsets_L, probs_R)
-            out_TH = unpermute(rows_RH, perm, hidden_TH.shape[0])
-            if group.size() > 1:
-                out_TH = reduce_scatter_to_sequence_parallel_region(out_TH.to(probs_TK.dtype), group=group)
-                out_TH = out_TH.to(rows_RH.dtype)
-            output = out_TH.view(hidden_states.shape)
-            if shared is not None:
-                output = output + shared
-            return output, None
+            if group.size() == 1:  # the combine adds the shared expert (and applies its gate)
+                return moe_combine(rows_RH, inverse_TK, perm.offsets_L, shared_TH, gate_T).view(hidden_states.shape), None
+            out_TH = moe_combine(rows_RH, inverse_TK, perm.offsets_L)
+            out_TH = reduce_scatter_to_sequence_parallel_region(out_TH.to(probs_TK.dtype), group=group)
+            out_TH = out_TH.to(rows_RH.dtype)
+            if shared_TH is not None:
+                out_TH = out_TH + (shared_TH * torch.sigmoid(gate_T)[:, None] if gate_T is not None else shared_TH)
+            return out_TH.view(hidden_states.shape), None
+
+        def _shared_expert(self, hidden_states) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            """``(shared_TH, gate_T)``: the shared expert's output (before its gate) and its gate's logits (None
+            without a gate; both None without a shared expert), Megatron's arithmetic."""
+            shared = self.shared_experts
+            if shared is None:
+                return None, None
+            if not plain_shared_expert(self):
+                return self.shared_experts_compute(hidden_states).reshape(-1, hidden_states.shape[-1]), None
+            fc1 = shared.linear_fc1(hidden_states)[0]
+            fc1 = fc1.view(-1, fc1.shape[-1])
+            out = shared.linear_fc2(moe_silu_glu(fc1, None, None, bool(self.config.gated_linear_unit)))[0]
+            gate_T = None
+            if shared.use_shared_expert_gate:
+                gate_T = F.linear(hidden_states, shared.gate_weight).reshape(-1)
+            return out.reshape(-1, hidden_states.shape[-1]), gate_T
 
         def _call_router_hooks(self, hidden_states, probs_TK, experts_TK) -> None:
             """The router's forward hooks, given what Megatron's router returns: ``(probs [T, E], routing_map
@@ -116,10 +168,13 @@ def fused_moe_layer(base: type) -> type:
 
 def use_fused_moe_layers(chunks: list) -> int:
     """Give every ``MoELayer`` in ``chunks`` the fused forward (its class becomes :func:`fused_moe_layer`'s
-    subclass: no parameter, buffer or name changes); returns how many."""
+    subclass: no parameter, buffer or name changes; grouped experts' weights re-homed into one storage per
+    projection, ``GroupedExperts.share_one_storage``); returns how many."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     layers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, MoELayer)]
     for layer in layers:
         layer.__class__ = fused_moe_layer(type(layer))
+        if hasattr(layer.experts, "share_one_storage"):  # models.grouped_experts.GroupedExperts
+            layer.experts.share_one_storage()
     return len(layers)

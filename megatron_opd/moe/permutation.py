@@ -5,6 +5,8 @@ the tokens per expert to the host (``.cpu()``), both device-to-host syncs. One s
 experts gives the same order (expert by expert, tokens ascending within an expert) and ``searchsorted`` each expert's
 end row, which ``torch._grouped_mm`` takes as its offsets: nothing reads a size on the host.
 
+The rows themselves are gathered, and summed back, by :mod:`megatron_opd.moe.ops` (one kernel each on CUDA).
+
 Legend: ``T`` tokens, ``K`` experts per token, ``R = T * K`` permuted rows, ``L`` local experts.
 """
 
@@ -20,15 +22,12 @@ import torch
 class Permutation:
     """Where each of the ``R`` permuted rows comes from, and where each local expert's rows end."""
 
-    tokens_R: torch.Tensor
-    """The token (row of the un-permuted input) of each permuted row."""
     slots_R: torch.Tensor
-    """The position in the flattened ``[T, K]`` routing of each permuted row (to pick its probability)."""
+    """The position in the flattened ``[T, K]`` routing of each permuted row (its token is ``slot // K``)."""
     offsets_L: torch.Tensor
-    """int32 end row of each local expert (``torch._grouped_mm``'s ``offs``)."""
-    local_R: torch.Tensor | None
-    """Rows routed to a local expert (None: every expert is local); the others sort after the last local
-    expert, which ``torch._grouped_mm`` leaves unwritten."""
+    """int32 end row of each local expert (``torch._grouped_mm``'s ``offs``); rows routed to other ranks' experts
+    sort after the last local expert's end, where ``torch._grouped_mm`` leaves them unwritten and
+    :mod:`megatron_opd.moe.ops` reads them as zero."""
 
 
 @functools.cache
@@ -39,36 +38,10 @@ def _expert_ids(num_local: int, device: torch.device) -> torch.Tensor:
 
 def permutation(experts_TK: torch.Tensor, first_local: int, num_local: int, num_experts: int) -> Permutation:
     """The expert-major permutation of ``experts_TK``'s rows for local experts ``first_local ..
-    first_local + num_local - 1`` of ``num_experts``."""
-    k = experts_TK.shape[1]
+    first_local + num_local - 1`` of ``num_experts`` (a sort and a ``searchsorted``)."""
     flat_R = experts_TK.reshape(-1)
-    if num_local == num_experts:
-        key_R = flat_R
-    else:  # other ranks' experts sort last, as local expert ``num_local``
-        key_R = flat_R - first_local
-        key_R = key_R.masked_fill((key_R < 0) | (key_R >= num_local), num_local)
+    # Other ranks' experts sort last: shifted round, local experts are 0 .. num_local - 1, the others above.
+    key_R = flat_R if first_local == 0 else torch.remainder(flat_R - first_local, num_experts)
     sorted_R, slots_R = torch.sort(key_R, stable=True)
-    experts_L = _expert_ids(num_local, flat_R.device)
-    offsets_L = torch.searchsorted(sorted_R, experts_L, right=True, out_int32=True)
-    local_R = None if num_local == num_experts else sorted_R < num_local
-    return Permutation(torch.div(slots_R, k, rounding_mode="floor"), slots_R, offsets_L, local_R)
-
-
-def permute(hidden_TH: torch.Tensor, probs_TK: torch.Tensor, perm: Permutation) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rows_RH, probs_R)``: the input rows and their routing probabilities in permuted order."""
-    rows_RH = hidden_TH.index_select(0, perm.tokens_R)
-    probs_R = probs_TK.reshape(-1).index_select(0, perm.slots_R)
-    if perm.local_R is not None:
-        # Rows the grouped GEMMs skip: their outputs and input gradients are left unwritten (any bits), so neither
-        # their input nor their probability may take a gradient from them.
-        rows_RH = torch.where(perm.local_R.unsqueeze(-1), rows_RH, 0)
-        probs_R = torch.where(perm.local_R, probs_R, 0)
-    return rows_RH, probs_R
-
-
-def unpermute(rows_RH: torch.Tensor, perm: Permutation, num_tokens: int) -> torch.Tensor:
-    """``[T, H]``: each token's permuted rows summed back (Megatron's ``unpermute`` without probabilities)."""
-    if perm.local_R is not None:
-        rows_RH = torch.where(perm.local_R.unsqueeze(-1), rows_RH, 0)
-    out_TH = rows_RH.new_zeros(num_tokens, rows_RH.shape[-1])
-    return out_TH.index_add_(0, perm.tokens_R, rows_RH)
+    offsets_L = torch.searchsorted(sorted_R, _expert_ids(num_local, flat_R.device), right=True, out_int32=True)
+    return Permutation(slots_R, offsets_L)
