@@ -6,10 +6,10 @@ implementation is the reference (``tests/test_kernels_moe_dispatch.py`` compares
 
 - :func:`permute`: each permuted row's token row and routing probability, and the inverse map slot -> row;
 - :func:`token_sum`: each token's ``K`` expert rows summed through the inverse map (the combine, plus the shared
-  expert's output, optionally gated by ``sigmoid(gate logit)``), or the permutation's backward (plus the gather of
-  the probabilities' gradient);
+  expert's output, optionally times its gate ``sigmoid(x . w)``, the GEMV in the kernel), or the permutation's
+  backward (plus the gather of the probabilities' gradient);
 - :func:`token_scatter`: the combine's backward (each token's gradient to its ``K`` rows, the shared expert's
-  and its gate's gradients);
+  and its gate's gradients: of the gate input ``x`` and of the logit, from which the gate weight's is one GEMM);
 - :func:`silu_glu` / :func:`silu_glu_backward`: ``silu(gate) * linear * prob`` per row (or ``silu(x) * prob``)
   and its gradients of the fc1 output and of the probability.
 
@@ -42,14 +42,25 @@ if triton is not None:
         tl.store(inverse_ptr + slot, r)
         prob = tl.load(probs_ptr + slot)
         tl.store(probs_out_ptr + r, tl.where(local, prob, 0.0))
+        width = tl.where(local, H, 0)  # columns read: none for another rank's row
         for h0 in range(0, H, BLOCK_H):
             h = h0 + tl.arange(0, BLOCK_H)
-            x = tl.load(hidden_ptr + token * H + h, mask=(h < H) & local, other=0.0)
+            x = tl.load(hidden_ptr + token * H + h, mask=h < width, other=0.0)
             tl.store(rows_ptr + r * H + h, x, mask=h < H)
 
     @triton.jit
+    def _gate(x_ptr, w_ptr, t, H, BLOCK_H: tl.constexpr):
+        """``sigmoid(x[t] . w)`` in float32: the shared expert's gate of token ``t``."""
+        dot = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            x = tl.load(x_ptr + t * H + h, mask=h < H, other=0.0).to(tl.float32)
+            dot += x * tl.load(w_ptr + h, mask=h < H, other=0.0).to(tl.float32)
+        return tl.sigmoid(tl.sum(dot, axis=0))
+
+    @triton.jit
     def _token_sum_kernel(
-        rows_ptr, inverse_ptr, offsets_ptr, out_ptr, shared_ptr, gate_ptr, row_probs_ptr, token_probs_ptr, H, L,
+        rows_ptr, inverse_ptr, offsets_ptr, out_ptr, shared_ptr, x_ptr, w_ptr, row_probs_ptr, token_probs_ptr, H, L,
         K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SHARED: tl.constexpr,
         HAS_GATE: tl.constexpr, HAS_PROBS: tl.constexpr,
     ):  # fmt: skip
@@ -61,13 +72,14 @@ if triton is not None:
             grad = tl.load(row_probs_ptr + inv, mask=(k < K) & (inv < n_local), other=0.0)
             tl.store(token_probs_ptr + t * K + k, grad, mask=k < K)
         if HAS_GATE:
-            gate = tl.sigmoid(tl.load(gate_ptr + t).to(tl.float32))
+            gate = _gate(x_ptr, w_ptr, t, H, BLOCK_H)
         for h0 in range(0, H, BLOCK_H):
             h = h0 + tl.arange(0, BLOCK_H)
             acc = tl.zeros([BLOCK_H], dtype=tl.float32)
             for ki in tl.static_range(K):
                 r = tl.load(inverse_ptr + t * K + ki)
-                acc += tl.load(rows_ptr + r * H + h, mask=(h < H) & (r < n_local), other=0.0).to(tl.float32)
+                width = tl.where(r < n_local, H, 0)
+                acc += tl.load(rows_ptr + r * H + h, mask=h < width, other=0.0).to(tl.float32)
             if HAS_SHARED:
                 shared = tl.load(shared_ptr + t * H + h, mask=h < H, other=0.0).to(tl.float32)
                 if HAS_GATE:
@@ -77,13 +89,13 @@ if triton is not None:
 
     @triton.jit
     def _token_scatter_kernel(
-        grad_ptr, inverse_ptr, offsets_ptr, grad_rows_ptr, shared_ptr, gate_ptr, grad_shared_ptr, grad_gate_ptr, H, L,
-        K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_GATE: tl.constexpr,
+        grad_ptr, inverse_ptr, offsets_ptr, grad_rows_ptr, shared_ptr, x_ptr, w_ptr, grad_shared_ptr, grad_x_ptr,
+        grad_logit_ptr, H, L, K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_GATE: tl.constexpr,
     ):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
         n_local = tl.load(offsets_ptr + L - 1)
         if HAS_GATE:
-            gate = tl.sigmoid(tl.load(gate_ptr + t).to(tl.float32))
+            gate = _gate(x_ptr, w_ptr, t, H, BLOCK_H)
             dot = tl.zeros([BLOCK_H], dtype=tl.float32)
         for h0 in range(0, H, BLOCK_H):
             h = h0 + tl.arange(0, BLOCK_H)
@@ -95,8 +107,13 @@ if triton is not None:
                 shared = tl.load(shared_ptr + t * H + h, mask=h < H, other=0.0).to(tl.float32)
                 tl.store(grad_shared_ptr + t * H + h, grad.to(tl.float32) * gate, mask=h < H)
                 dot += grad.to(tl.float32) * shared
-        if HAS_GATE:
-            tl.store(grad_gate_ptr + t, tl.sum(dot, axis=0) * gate * (1.0 - gate))
+        if HAS_GATE:  # the gate logit's gradient, and the gate input's: logit gradient times the gate weight
+            grad_logit = tl.sum(dot, axis=0) * gate * (1.0 - gate)
+            tl.store(grad_logit_ptr + t, grad_logit)
+            for h0 in range(0, H, BLOCK_H):
+                h = h0 + tl.arange(0, BLOCK_H)
+                w = tl.load(w_ptr + h, mask=h < H, other=0.0).to(tl.float32)
+                tl.store(grad_x_ptr + t * H + h, grad_logit * w, mask=h < H)
 
     @triton.jit
     def _silu_glu_kernel(
@@ -172,40 +189,45 @@ def permute(hidden_TH, probs_TK, slots_R, offsets_L):
     return rows_RH, probs_R, inverse_TK
 
 
-def token_sum(rows_RH, inverse_TK, offsets_L, shared_TH=None, gate_T=None, row_probs_R=None):
-    """``(out_TH, token_probs_TK)``: each token's local rows summed (plus ``shared_TH``, times ``sigmoid(gate_T)``
-    where given) and, where ``row_probs_R`` is given, its rows' values gathered back to ``[T, K]``."""
+def token_sum(rows_RH, inverse_TK, offsets_L, shared_TH=None, gate_x_TH=None, gate_w_H=None, row_probs_R=None):
+    """``(out_TH, token_probs_TK)``: each token's local rows summed (plus ``shared_TH``, times
+    ``sigmoid(gate_x_TH @ gate_w_H)`` where given) and, where ``row_probs_R`` is given, its rows' values gathered
+    back to ``[T, K]``."""
     rows_RH = rows_RH.contiguous()
     (tokens, k), width = inverse_TK.shape, rows_RH.shape[1]
     out_TH = rows_RH.new_empty(tokens, width)
     token_probs_TK = row_probs_R.new_empty(tokens, k) if row_probs_R is not None else None
+    gated = gate_w_H is not None
     if tokens:
         _token_sum_kernel[(tokens,)](
             rows_RH, inverse_TK, offsets_L, out_TH, shared_TH.contiguous() if shared_TH is not None else rows_RH,
-            gate_T.contiguous() if gate_T is not None else rows_RH,
+            gate_x_TH.contiguous() if gated else rows_RH, gate_w_H.contiguous() if gated else rows_RH,
             row_probs_R.contiguous() if row_probs_R is not None else rows_RH,
             token_probs_TK if token_probs_TK is not None else out_TH, width, offsets_L.shape[0], K=k,
             BLOCK_K=triton.next_power_of_2(k), BLOCK_H=_block(width), HAS_SHARED=shared_TH is not None,
-            HAS_GATE=gate_T is not None, HAS_PROBS=row_probs_R is not None,
+            HAS_GATE=gated, HAS_PROBS=row_probs_R is not None,
         )  # fmt: skip
     return out_TH, token_probs_TK
 
 
-def token_scatter(grad_TH, inverse_TK, offsets_L, shared_TH=None, gate_T=None):
-    """``(grad_rows_RH, grad_shared_TH, grad_gate_T)``: the combine's backward; the last two only with a gate."""
+def token_scatter(grad_TH, inverse_TK, offsets_L, shared_TH=None, gate_x_TH=None, gate_w_H=None):
+    """``(grad_rows_RH, grad_shared_TH, grad_gate_x_TH, grad_logit_T)``: the combine's backward; the last three
+    only with a gate (else None)."""
     grad_TH = grad_TH.contiguous()
     (tokens, k), width = inverse_TK.shape, grad_TH.shape[1]
     grad_rows_RH = grad_TH.new_empty(tokens * k, width)
-    gated = gate_T is not None
-    grad_shared_TH = torch.empty_like(shared_TH, memory_format=torch.contiguous_format) if gated else None
-    grad_gate_T = torch.empty_like(gate_T, memory_format=torch.contiguous_format) if gated else None
+    gated = gate_w_H is not None
+    grad_shared_TH = shared_TH.new_empty(tokens, width) if gated else None
+    grad_x_TH = gate_x_TH.new_empty(tokens, width) if gated else None
+    grad_logit_T = gate_x_TH.new_empty(tokens) if gated else None
     if tokens:
         _token_scatter_kernel[(tokens,)](
             grad_TH, inverse_TK, offsets_L, grad_rows_RH, shared_TH.contiguous() if gated else grad_TH,
-            gate_T.contiguous() if gated else grad_TH, grad_shared_TH if gated else grad_TH,
-            grad_gate_T if gated else grad_TH, width, offsets_L.shape[0], K=k, BLOCK_H=_block(width), HAS_GATE=gated,
+            gate_x_TH.contiguous() if gated else grad_TH, gate_w_H.contiguous() if gated else grad_TH,
+            grad_shared_TH if gated else grad_TH, grad_x_TH if gated else grad_TH,
+            grad_logit_T if gated else grad_TH, width, offsets_L.shape[0], K=k, BLOCK_H=_block(width), HAS_GATE=gated,
         )  # fmt: skip
-    return grad_rows_RH, grad_shared_TH, grad_gate_T
+    return grad_rows_RH, grad_shared_TH, grad_x_TH, grad_logit_T
 
 
 def silu_glu(fc1_RW, probs_R, offsets_L, gated: bool):

@@ -24,7 +24,8 @@ def test_triton_kernels_under_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-        + ["tests/test_kernels_triton.py", "tests/test_kernels_rmsnorm.py", "tests/test_kernels_moe_router.py"],
+        + ["tests/test_kernels_triton.py", "tests/test_kernels_rmsnorm.py", "tests/test_kernels_moe_router.py"]
+        + ["tests/test_kernels_moe_dispatch.py"],
         cwd=ROOT,
         env=env,
         capture_output=True,

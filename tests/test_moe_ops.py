@@ -224,6 +224,7 @@ def test_permutation_groups_rows_by_expert_with_no_host_sync():
         every = permutation(experts_TK, 0, 4, 4)
         second = permutation(experts_TK, 2, 2, 4)
     assert syncs == []
-    assert every.tokens_R.tolist() == [0, 2, 1, 3, 2, 0, 1, 3] and every.offsets_L.tolist() == [2, 4, 5, 8]
-    assert second.tokens_R[:4].tolist() == [2, 0, 1, 3] and second.offsets_L.tolist() == [1, 4]
-    assert second.local_R.tolist() == [True] * 4 + [False] * 4
+    assert (every.slots_R // 2).tolist() == [0, 2, 1, 3, 2, 0, 1, 3] and every.offsets_L.tolist() == [2, 4, 5, 8]
+    assert every.slots_R.tolist() == [1, 4, 2, 7, 5, 0, 3, 6]  # tokens' slots, not only the tokens
+    assert (second.slots_R[:4] // 2).tolist() == [2, 0, 1, 3] and second.offsets_L.tolist() == [1, 4]
+    assert sorted((second.slots_R[4:] // 2).tolist()) == [0, 1, 2, 3]  # the other rank's rows after the local ones

@@ -105,7 +105,7 @@ def fused_moe_layer(base: type) -> type:
         def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
             if fused_path_refusal(self, hidden_states, padding_mask, intermediate_tensors) is not None:
                 return super().forward(hidden_states, intermediate_tensors, padding_mask)
-            shared_TH, gate_T = self._shared_expert(hidden_states)
+            shared_TH, gate_w_H = self._shared_expert(hidden_states)
             router, dispatcher = self.router, self.token_dispatcher
             router._maintain_float32_expert_bias()
             logits_TE = router.gating(hidden_states).view(-1, self.config.num_moe_experts)
@@ -128,18 +128,22 @@ def fused_moe_layer(base: type) -> type:
             perm = permutation(experts_TK, first, self.num_local_experts, self.config.num_moe_experts)
             rows_RH, probs_R, inverse_TK = moe_permute(hidden_TH, probs_TK, perm.slots_R, perm.offsets_L)
             rows_RH = self.experts.grouped_forward(rows_RH, perm.offsets_L, probs_R)
-            if group.size() == 1:  # the combine adds the shared expert (and applies its gate)
-                return moe_combine(rows_RH, inverse_TK, perm.offsets_L, shared_TH, gate_T).view(hidden_states.shape), None
+            if group.size() == 1:  # the combine adds the shared expert (and computes and applies its gate)
+                gate_x_TH = hidden_TH if gate_w_H is not None else None
+                out_TH = moe_combine(rows_RH, inverse_TK, perm.offsets_L, shared_TH, gate_x_TH, gate_w_H)
+                return out_TH.view(hidden_states.shape), None
             out_TH = moe_combine(rows_RH, inverse_TK, perm.offsets_L)
             out_TH = reduce_scatter_to_sequence_parallel_region(out_TH.to(probs_TK.dtype), group=group)
             out_TH = out_TH.to(rows_RH.dtype)
+            if shared_TH is not None and gate_w_H is not None:  # Megatron's SharedExpertMLP gate
+                shared_TH = shared_TH * torch.sigmoid(F.linear(hidden_states, gate_w_H)).reshape(-1, 1)
             if shared_TH is not None:
-                out_TH = out_TH + (shared_TH * torch.sigmoid(gate_T)[:, None] if gate_T is not None else shared_TH)
+                out_TH = out_TH + shared_TH
             return out_TH.view(hidden_states.shape), None
 
         def _shared_expert(self, hidden_states) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-            """``(shared_TH, gate_T)``: the shared expert's output (before its gate) and its gate's logits (None
-            without a gate; both None without a shared expert), Megatron's arithmetic."""
+            """``(shared_TH, gate_weight)``: the shared expert's output before its gate (Megatron's arithmetic) and
+            the gate's ``[1, H]`` weight (None without a gate; both None without a shared expert)."""
             shared = self.shared_experts
             if shared is None:
                 return None, None
@@ -148,10 +152,8 @@ def fused_moe_layer(base: type) -> type:
             fc1 = shared.linear_fc1(hidden_states)[0]
             fc1 = fc1.view(-1, fc1.shape[-1])
             out = shared.linear_fc2(moe_silu_glu(fc1, None, None, bool(self.config.gated_linear_unit)))[0]
-            gate_T = None
-            if shared.use_shared_expert_gate:
-                gate_T = F.linear(hidden_states, shared.gate_weight).reshape(-1)
-            return out.reshape(-1, hidden_states.shape[-1]), gate_T
+            gate_w_H = shared.gate_weight if shared.use_shared_expert_gate else None
+            return out.reshape(-1, hidden_states.shape[-1]), gate_w_H
 
         def _call_router_hooks(self, hidden_states, probs_TK, experts_TK) -> None:
             """The router's forward hooks, given what Megatron's router returns: ``(probs [T, E], routing_map

@@ -12,8 +12,9 @@ operator, as it is one launch on CUDA; its torch implementation here launches se
 - :func:`moe_silu_glu`: Megatron's SwiGLU (or SiLU) of the fc1 output times each row's probability
   (backward: :func:`moe_silu_glu_backward`);
 - :func:`moe_combine`: each token's ``K`` rows summed through the inverse map, deterministic (no zero fill, no
-  ``index_add``), plus the shared expert's output, gated by ``sigmoid(gate logit)`` where given (Qwen2-MoE)
-  (backward: :func:`moe_token_scatter`).
+  ``index_add``), plus the shared expert's output, times its gate ``sigmoid(x . w)`` where given (Qwen2-MoE: the
+  gate's GEMV in the same kernel) (backward: :func:`moe_token_scatter`, and one GEMM for the gate weight's
+  gradient).
 
 Rows at or after ``offsets_L[-1]`` (routed to another expert-parallel rank's experts, unwritten by the grouped
 GEMMs) read as zero and get zero gradients.
@@ -28,7 +29,6 @@ import torch
 import torch.nn.functional as F
 
 from megatron_opd.kernels import moe_dispatch_triton
-from megatron_opd.kernels.divergence_triton import triton_usable_on
 
 Tensor = torch.Tensor
 
@@ -72,7 +72,7 @@ def _permute_setup(ctx, inputs, output):
 
 def _permute_backward(ctx, grad_rows_RH, grad_probs_R, _grad_inverse):
     inverse_TK, offsets_L = ctx.saved_tensors
-    grad_hidden_TH, grad_probs_TK = moe_token_sum(grad_rows_RH, inverse_TK, offsets_L, None, None, grad_probs_R)
+    grad_hidden_TH, grad_probs_TK = moe_token_sum(grad_rows_RH, inverse_TK, offsets_L, None, None, None, grad_probs_R)
     return grad_hidden_TH, grad_probs_TK if grad_probs_R is not None else None, None, None
 
 
@@ -83,53 +83,66 @@ _on_cuda(moe_permute, moe_dispatch_triton.permute)
 # -- token sum (the combine's forward, the permutation's backward) ----------------------------------------------------
 
 
+def _gate_T(gate_x_TH: Tensor, gate_w_H: Tensor) -> Tensor:
+    """The shared expert's gate ``sigmoid(x . w)`` per token (Megatron's ``SharedExpertMLP``)."""
+    return torch.sigmoid(gate_x_TH @ gate_w_H.reshape(-1))
+
+
 @torch.library.custom_op("megatron_opd::moe_token_sum", mutates_args=())
 def moe_token_sum(
     rows_RH: Tensor,
     inverse_TK: Tensor,
     offsets_L: Tensor,
     shared_TH: Tensor | None,
-    gate_T: Tensor | None,
+    gate_x_TH: Tensor | None,
+    gate_w_H: Tensor | None,
     row_probs_R: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
-    """``(out_TH, probs_TK)``: each token's local rows summed in ``k`` order (plus ``shared_TH``, times
-    ``sigmoid(gate_T)`` where given) and ``row_probs_R`` gathered back to ``[T, K]`` (zero for other ranks' rows;
-    an empty tensor without ``row_probs_R``)."""
+    """``(out_TH, probs_TK)``: each token's local rows summed in ``k`` order (plus ``shared_TH``, times its gate
+    ``sigmoid(gate_x_TH @ gate_w_H)`` where given) and ``row_probs_R`` gathered back to ``[T, K]`` (zero for other
+    ranks' rows; an empty tensor without ``row_probs_R``)."""
     tokens, k = inverse_TK.shape
     local_TK = inverse_TK < offsets_L[-1]
     rows_TKH = rows_RH.index_select(0, inverse_TK.reshape(-1)).view(tokens, k, -1)
     out_TH = torch.where(local_TK[..., None], rows_TKH, 0).sum(1)
     if shared_TH is not None:
-        out_TH = out_TH + (shared_TH * torch.sigmoid(gate_T)[:, None] if gate_T is not None else shared_TH)
+        gated = gate_w_H is not None
+        out_TH = out_TH + (shared_TH * _gate_T(gate_x_TH, gate_w_H)[:, None] if gated else shared_TH)
     if row_probs_R is None:
         return out_TH, rows_RH.new_empty(0)
     return out_TH, torch.where(local_TK, row_probs_R[inverse_TK], 0)
 
 
 @moe_token_sum.register_fake
-def _(rows_RH, inverse_TK, offsets_L, shared_TH, gate_T, row_probs_R):
+def _(rows_RH, inverse_TK, offsets_L, shared_TH, gate_x_TH, gate_w_H, row_probs_R):
     probs = row_probs_R.new_empty(inverse_TK.shape) if row_probs_R is not None else rows_RH.new_empty(0)
     return rows_RH.new_empty(inverse_TK.shape[0], rows_RH.shape[1]), probs
 
 
-def _token_sum_cuda(rows_RH, inverse_TK, offsets_L, shared_TH, gate_T, row_probs_R):
-    out_TH, probs_TK = moe_dispatch_triton.token_sum(rows_RH, inverse_TK, offsets_L, shared_TH, gate_T, row_probs_R)
+def _token_sum_cuda(rows_RH, inverse_TK, offsets_L, shared_TH, gate_x_TH, gate_w_H, row_probs_R):
+    out_TH, probs_TK = moe_dispatch_triton.token_sum(
+        rows_RH, inverse_TK, offsets_L, shared_TH, gate_x_TH, gate_w_H, row_probs_R
+    )
     return out_TH, probs_TK if probs_TK is not None else rows_RH.new_empty(0)
 
 
 def _token_sum_setup(ctx, inputs, output):
-    _rows, inverse_TK, offsets_L, shared_TH, gate_T, _probs = inputs
+    _rows, inverse_TK, offsets_L, shared_TH, gate_x_TH, gate_w_H, _probs = inputs
     ctx.set_materialize_grads(False)  # no zero-filled gradient for the unused probabilities output
     ctx.has_shared = shared_TH is not None
-    ctx.save_for_backward(inverse_TK, offsets_L, shared_TH, gate_T)
+    ctx.save_for_backward(inverse_TK, offsets_L, shared_TH, gate_x_TH, gate_w_H)
 
 
 def _token_sum_backward(ctx, grad_TH, _grad_probs_TK):
-    inverse_TK, offsets_L, shared_TH, gate_T = ctx.saved_tensors
-    grad_rows_RH, grad_shared_TH, grad_gate_T = moe_token_scatter(grad_TH, inverse_TK, offsets_L, shared_TH, gate_T)
-    if gate_T is None:  # out = sum + shared: the shared expert's gradient is the output's
-        grad_shared_TH, grad_gate_T = (grad_TH if ctx.has_shared else None), None
-    return grad_rows_RH, None, None, grad_shared_TH, grad_gate_T, None
+    inverse_TK, offsets_L, shared_TH, gate_x_TH, gate_w_H = ctx.saved_tensors
+    grad_rows_RH, grad_shared_TH, grad_x_TH, grad_logit_T = moe_token_scatter(
+        grad_TH, inverse_TK, offsets_L, shared_TH, gate_x_TH, gate_w_H
+    )
+    if gate_w_H is None:  # out = sum + shared: the shared expert's gradient is the output's
+        grad_shared_TH = grad_TH if ctx.has_shared else None
+        return grad_rows_RH, None, None, grad_shared_TH, None, None, None
+    grad_w_H = (grad_logit_T.unsqueeze(0) @ gate_x_TH).view(gate_w_H.shape)  # the gate weight's: one GEMM
+    return grad_rows_RH, None, None, grad_shared_TH, grad_x_TH, grad_w_H, None
 
 
 moe_token_sum.register_autograd(_token_sum_backward, setup_context=_token_sum_setup)
@@ -137,11 +150,16 @@ _on_cuda(moe_token_sum, _token_sum_cuda)
 
 
 def moe_combine(
-    rows_RH: Tensor, inverse_TK: Tensor, offsets_L: Tensor, shared_TH: Tensor | None = None, gate_T: Tensor | None = None
+    rows_RH: Tensor,
+    inverse_TK: Tensor,
+    offsets_L: Tensor,
+    shared_TH: Tensor | None = None,
+    gate_x_TH: Tensor | None = None,
+    gate_w_H: Tensor | None = None,
 ) -> Tensor:
     """``[T, H]``: each token's expert rows summed (Megatron's ``unpermute``), plus the shared expert's output
-    (times ``sigmoid(gate_T)``, Qwen2-MoE's shared-expert gate, where given)."""
-    return moe_token_sum(rows_RH, inverse_TK, offsets_L, shared_TH, gate_T, None)[0]
+    (times its gate ``sigmoid(gate_x_TH @ gate_w_H)``, Qwen2-MoE's, where given)."""
+    return moe_token_sum(rows_RH, inverse_TK, offsets_L, shared_TH, gate_x_TH, gate_w_H, None)[0]
 
 
 # -- token scatter (the combine's backward) --------------------------------------------------------------------------
@@ -149,37 +167,41 @@ def moe_combine(
 
 @torch.library.custom_op("megatron_opd::moe_token_scatter", mutates_args=())
 def moe_token_scatter(
-    grad_TH: Tensor, inverse_TK: Tensor, offsets_L: Tensor, shared_TH: Tensor | None, gate_T: Tensor | None
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(grad_rows_RH, grad_shared_TH, grad_gate_T)`` of :func:`moe_token_sum`'s ``out_TH``: each token's gradient
-    to its local rows (zero to other ranks' rows); the shared expert's and its gate's gradients where ``gate_T`` is
-    given (else empty tensors)."""
+    grad_TH: Tensor,
+    inverse_TK: Tensor,
+    offsets_L: Tensor,
+    shared_TH: Tensor | None,
+    gate_x_TH: Tensor | None,
+    gate_w_H: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(grad_rows_RH, grad_shared_TH, grad_gate_x_TH, grad_logit_T)`` of :func:`moe_token_sum`'s ``out_TH``:
+    each token's gradient to its local rows (zero to other ranks' rows); with a gate, the shared expert's, the gate
+    input's and the gate logit's gradients (else empty tensors)."""
     tokens, k = inverse_TK.shape
     local_RK = (inverse_TK < offsets_L[-1]).reshape(-1, 1)
     values_RH = torch.where(local_RK, grad_TH.repeat_interleave(k, 0), 0)
     grad_rows_RH = torch.empty_like(values_RH).index_copy_(0, inverse_TK.reshape(-1), values_RH)
-    if gate_T is None:
-        return grad_rows_RH, grad_TH.new_empty(0), grad_TH.new_empty(0)
-    gate = torch.sigmoid(gate_T)
-    grad_gate_T = (grad_TH * shared_TH).sum(-1) * gate * (1 - gate)
-    return grad_rows_RH, grad_TH * gate[:, None], grad_gate_T
+    if gate_w_H is None:
+        return grad_rows_RH, grad_TH.new_empty(0), grad_TH.new_empty(0), grad_TH.new_empty(0)
+    gate_T = _gate_T(gate_x_TH, gate_w_H)
+    grad_logit_T = (grad_TH * shared_TH).sum(-1) * gate_T * (1 - gate_T)
+    grad_x_TH = grad_logit_T[:, None] * gate_w_H.reshape(1, -1)
+    return grad_rows_RH, grad_TH * gate_T[:, None], grad_x_TH, grad_logit_T
 
 
 @moe_token_scatter.register_fake
-def _(grad_TH, inverse_TK, offsets_L, shared_TH, gate_T):
+def _(grad_TH, inverse_TK, offsets_L, shared_TH, gate_x_TH, gate_w_H):
     rows = grad_TH.new_empty(inverse_TK.numel(), grad_TH.shape[1])
-    if gate_T is None:
-        return rows, grad_TH.new_empty(0), grad_TH.new_empty(0)
-    return rows, torch.empty_like(shared_TH), torch.empty_like(gate_T)
+    if gate_w_H is None:
+        return rows, grad_TH.new_empty(0), grad_TH.new_empty(0), grad_TH.new_empty(0)
+    return rows, torch.empty_like(shared_TH), torch.empty_like(gate_x_TH), gate_x_TH.new_empty(gate_x_TH.shape[0])
 
 
-def _token_scatter_cuda(grad_TH, inverse_TK, offsets_L, shared_TH, gate_T):
-    grad_rows_RH, grad_shared_TH, grad_gate_T = moe_dispatch_triton.token_scatter(
-        grad_TH, inverse_TK, offsets_L, shared_TH, gate_T
-    )
-    if gate_T is None:
-        return grad_rows_RH, grad_TH.new_empty(0), grad_TH.new_empty(0)
-    return grad_rows_RH, grad_shared_TH, grad_gate_T
+def _token_scatter_cuda(grad_TH, inverse_TK, offsets_L, shared_TH, gate_x_TH, gate_w_H):
+    grads = moe_dispatch_triton.token_scatter(grad_TH, inverse_TK, offsets_L, shared_TH, gate_x_TH, gate_w_H)
+    if gate_w_H is None:
+        return grads[0], grad_TH.new_empty(0), grad_TH.new_empty(0), grad_TH.new_empty(0)
+    return grads
 
 
 _on_cuda(moe_token_scatter, _token_scatter_cuda)
@@ -261,6 +283,6 @@ def _silu_glu_backward_cuda(grad_RF, fc1_RW, probs_R, offsets_L, gated):
 _on_cuda(moe_silu_glu_backward, _silu_glu_backward_cuda)
 
 
-def cuda_kernels_usable(device: torch.device) -> bool:
-    """Whether these operators run their Triton kernels on ``device`` (else their torch implementation)."""
-    return device.type == "cuda" and triton_usable_on(device)
+def reference(op):
+    """``op``'s torch implementation (what runs off CUDA), to test its kernel against."""
+    return op._init_fn
