@@ -97,7 +97,9 @@ def test_silu_glu_and_its_backward(gated):
     grad_RF = torch.randn(rows, FFN, generator=gen).to(DEVICE)
     for probs, offsets in ((probs_R, offsets_L), (None, None)):  # a routed expert's rows; a shared expert's
         fc1 = fc1_RW if offsets is not None else torch.nan_to_num(fc1_RW)
-        _close(kernels.silu_glu(fc1, probs, offsets, gated), ops.reference(ops.moe_silu_glu)(fc1, probs, offsets, gated))
+        _close(
+            kernels.silu_glu(fc1, probs, offsets, gated), ops.reference(ops.moe_silu_glu)(fc1, probs, offsets, gated)
+        )
         expected = ops.reference(ops.moe_silu_glu_backward)(grad_RF, fc1, probs, offsets, gated)
         found = kernels.silu_glu_backward(grad_RF, fc1, probs, offsets, gated)
         _close(found[0], expected[0])

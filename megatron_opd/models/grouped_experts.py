@@ -120,7 +120,9 @@ class GroupedExperts(SequentialMLP):
         """Whether the activation is plain SiLU or SwiGLU (no bias, clamp or linear offset: gpt-oss's)."""
         c = self.config
         plain = c.activation_func is F.silu and not c.add_bias_linear
-        return plain and getattr(c, "activation_func_clamp_value", None) is None and not getattr(c, "glu_linear_offset", 0)
+        return (
+            plain and getattr(c, "activation_func_clamp_value", None) is None and not getattr(c, "glu_linear_offset", 0)
+        )
 
     def _activation(self, intermediate: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """Megatron's ``MLP`` activation (gated, clamped, offset) times each row's probability, in torch."""

@@ -80,8 +80,11 @@ def plain_shared_expert(layer) -> bool:
         return False
     plain = c.activation_func is F.silu and not getattr(c, "use_te_activation_func", False)
     no_bias = shared.linear_fc1.bias is None and shared.linear_fc2.bias is None
-    return plain and no_bias and getattr(c, "activation_func_clamp_value", None) is None and not getattr(
-        c, "glu_linear_offset", 0
+    return (
+        plain
+        and no_bias
+        and getattr(c, "activation_func_clamp_value", None) is None
+        and not getattr(c, "glu_linear_offset", 0)
     )
 
 

@@ -48,7 +48,9 @@ def _on_cuda(op, kernel):
 
 
 @torch.library.custom_op("megatron_opd::moe_permute", mutates_args=())
-def moe_permute(hidden_TH: Tensor, probs_TK: Tensor, slots_R: Tensor, offsets_L: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def moe_permute(
+    hidden_TH: Tensor, probs_TK: Tensor, slots_R: Tensor, offsets_L: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
     """``(rows_RH, probs_R, inverse_TK)``: row ``r`` is token ``slots_R[r] // K``'s hidden row and probability
     ``probs_TK.flatten()[slots_R[r]]`` (zero after ``offsets_L[-1]``); ``inverse_TK`` maps each slot to its row."""
     k = probs_TK.shape[1]
@@ -68,10 +70,13 @@ def _(hidden_TH, probs_TK, slots_R, offsets_L):
 def _permute_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # no zero-filled gradient for the inverse map
     ctx.save_for_backward(output[2], inputs[3])
+    ctx.hidden, ctx.dtype = inputs[0].shape[1], inputs[0].dtype
 
 
 def _permute_backward(ctx, grad_rows_RH, grad_probs_R, _grad_inverse):
     inverse_TK, offsets_L = ctx.saved_tensors
+    if grad_rows_RH is None:  # only the probabilities are used (not in the layer)
+        grad_rows_RH = inverse_TK.new_zeros(inverse_TK.numel(), ctx.hidden, dtype=ctx.dtype)
     grad_hidden_TH, grad_probs_TK = moe_token_sum(grad_rows_RH, inverse_TK, offsets_L, None, None, None, grad_probs_R)
     return grad_hidden_TH, grad_probs_TK if grad_probs_R is not None else None, None, None
 
@@ -133,7 +138,11 @@ def _token_sum_setup(ctx, inputs, output):
     ctx.save_for_backward(inverse_TK, offsets_L, shared_TH, gate_x_TH, gate_w_H)
 
 
-def _token_sum_backward(ctx, grad_TH, _grad_probs_TK):
+def _token_sum_backward(ctx, grad_TH, grad_probs_TK):
+    if grad_probs_TK is not None:
+        raise NotImplementedError("moe_token_sum's probabilities are a backward's output: no double backward")
+    if grad_TH is None:
+        return (None,) * 7
     inverse_TK, offsets_L, shared_TH, gate_x_TH, gate_w_H = ctx.saved_tensors
     grad_rows_RH, grad_shared_TH, grad_x_TH, grad_logit_T = moe_token_scatter(
         grad_TH, inverse_TK, offsets_L, shared_TH, gate_x_TH, gate_w_H

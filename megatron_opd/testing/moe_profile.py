@@ -46,11 +46,9 @@ def build_shape(name: str, build=None, parallel=None):
 
 def profile(module, *inputs, **kwargs) -> LayerProfile:
     """``module(*inputs)``'s forward (operators and host syncs) and a backward of its output's sum (operators),
-    after a forward without gradients (what a layer makes once per process, such as a cached index range, is not
-    counted)."""
+    after a first forward (what a layer makes once per process, such as a cached index range, is not counted)."""
     prof = LayerProfile()
-    with torch.no_grad():
-        module(*inputs, **kwargs)
+    module(*inputs, **kwargs)
     with count_ops(prof.forward), count_host_syncs(prof.syncs):
         out = module(*inputs, **kwargs)
     out = out[0] if isinstance(out, tuple) else out
