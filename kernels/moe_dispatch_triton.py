@@ -116,18 +116,24 @@ if triton is not None:
                 tl.store(grad_x_ptr + t * H + h, grad_logit * w, mask=h < H)
 
     @triton.jit
-    def _silu_glu_kernel(
-        fc1_ptr, probs_ptr, offsets_ptr, out_ptr, F, L,
-        GATED: tl.constexpr, HAS_PROBS: tl.constexpr, MASKED: tl.constexpr, BLOCK_F: tl.constexpr,
-    ):  # fmt: skip
-        r = tl.program_id(0).to(tl.int64)
-        width = 2 * F if GATED else F
+    def _row_keep_and_prob(r, probs_ptr, offsets_ptr, L, HAS_PROBS: tl.constexpr, MASKED: tl.constexpr):
+        """Whether row ``r`` is a local expert's, and its probability (1 without probabilities)."""
         keep = True
         if MASKED:
             keep = r < tl.load(offsets_ptr + L - 1)
         prob = 1.0
         if HAS_PROBS:
             prob = tl.load(probs_ptr + r).to(tl.float32)
+        return keep, prob
+
+    @triton.jit
+    def _silu_glu_kernel(
+        fc1_ptr, probs_ptr, offsets_ptr, out_ptr, F, L,
+        GATED: tl.constexpr, HAS_PROBS: tl.constexpr, MASKED: tl.constexpr, BLOCK_F: tl.constexpr,
+    ):  # fmt: skip
+        r = tl.program_id(0).to(tl.int64)
+        width = 2 * F if GATED else F
+        keep, prob = _row_keep_and_prob(r, probs_ptr, offsets_ptr, L, HAS_PROBS, MASKED)
         for f0 in range(0, F, BLOCK_F):
             f = f0 + tl.arange(0, BLOCK_F)
             gate = tl.load(fc1_ptr + r * width + f, mask=f < F, other=0.0).to(tl.float32)
@@ -143,12 +149,7 @@ if triton is not None:
     ):  # fmt: skip
         r = tl.program_id(0).to(tl.int64)
         width = 2 * F if GATED else F
-        keep = True
-        if MASKED:
-            keep = r < tl.load(offsets_ptr + L - 1)
-        prob = 1.0
-        if HAS_PROBS:
-            prob = tl.load(probs_ptr + r).to(tl.float32)
+        keep, prob = _row_keep_and_prob(r, probs_ptr, offsets_ptr, L, HAS_PROBS, MASKED)
         dot = tl.zeros([BLOCK_F], dtype=tl.float32)
         for f0 in range(0, F, BLOCK_F):
             f = f0 + tl.arange(0, BLOCK_F)

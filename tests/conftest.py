@@ -238,3 +238,13 @@ def other_kernels_package(tmp_path: Path) -> Path:
     (tmp_path / "hf" / "kernels").mkdir(parents=True)
     (tmp_path / "hf" / "kernels" / "__init__.py").write_text('"""Stand-in for Hugging Face\'s kernels package."""\n')
     return tmp_path / "hf"
+
+
+def triton_kernel_device(kernel_module) -> torch.device | None:
+    """Where a kernel test of ``kernel_module`` (a ``megatron_opd.kernels`` module) runs: CUDA with triton, the CPU
+    under ``TRITON_INTERPRET=1`` (``tests/test_kernels_interpreted.py``), else None (the test skips)."""
+    if kernel_module.triton is None:
+        return None
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu") if os.environ.get("TRITON_INTERPRET") == "1" else None

@@ -13,15 +13,10 @@ import pytest
 import torch
 
 from megatron_opd.kernels import moe_dispatch_triton as kernels
-from megatron_opd.kernels.divergence_triton import triton_available
+from tests.conftest import triton_kernel_device
 
-if torch.cuda.is_available() and triton_available():
-    DEVICE = torch.device("cuda")
-elif os.environ.get("TRITON_INTERPRET") == "1" and kernels.triton is not None:
-    DEVICE = torch.device("cpu")
-else:
-    DEVICE = None
-pytestmark = pytest.mark.skipif(DEVICE is None, reason="needs triton on CUDA, or TRITON_INTERPRET=1")
+DEVICE = triton_kernel_device(kernels)
+needs_device = pytest.mark.skipif(DEVICE is None, reason="needs triton on CUDA, or TRITON_INTERPRET=1")
 
 TOKENS, K, HIDDEN, FFN = 5, 2, 8, 6
 
@@ -46,6 +41,7 @@ def _close(actual, expected):
     torch.testing.assert_close(actual, expected, atol=1e-6, rtol=0)
 
 
+@needs_device
 def test_permute_and_its_backward():
     from megatron_opd.moe import ops
 
@@ -65,6 +61,7 @@ def test_permute_and_its_backward():
     _close(grad_TK, expected[1])
 
 
+@needs_device
 @pytest.mark.parametrize("gated", [False, True], ids=["shared", "gated shared"])
 def test_combine_and_its_backward(gated):
     from megatron_opd.moe import ops
@@ -85,6 +82,7 @@ def test_combine_and_its_backward(gated):
         _close(found[i], expected[i])
 
 
+@needs_device
 @pytest.mark.parametrize("gated", [False, True], ids=["silu", "swiglu"])
 def test_silu_glu_and_its_backward(gated):
     from megatron_opd.moe import ops
@@ -105,3 +103,37 @@ def test_silu_glu_and_its_backward(gated):
         _close(found[0], expected[0])
         if probs is not None:
             _close(found[1], expected[1])
+
+
+@pytest.mark.skipif(kernels.triton is None or os.environ.get("TRITON_INTERPRET") == "1", reason="needs triton")
+def test_every_kernel_compiles_for_hopper_without_a_gpu():
+    """Ahead-of-time compilation to sm_90 (as ``test_kernels_triton.py``): what the interpreter cannot catch (types
+    of loop-carried values, constexpr branches), in bfloat16, each kernel's widest variant."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    dt, ids, ints = "*bf16", "*i64", {"H": "i32", "L": "i32", "F": "i32"}
+    jobs = [
+        (kernels._permute_kernel, {"probs_ptr": "*fp32", "probs_out_ptr": "*fp32", "offsets_ptr": "*i32"}, {"K": 8}),
+        (kernels._token_sum_kernel, {"row_probs_ptr": "*fp32", "token_probs_ptr": "*fp32", "offsets_ptr": "*i32"},
+         {"K": 8, "BLOCK_K": 8, "HAS_SHARED": True, "HAS_GATE": True, "HAS_PROBS": True}),
+        (kernels._token_scatter_kernel, {"grad_logit_ptr": "*fp32", "offsets_ptr": "*i32"}, {"K": 8, "HAS_GATE": True}),
+        (kernels._silu_glu_kernel, {"probs_ptr": "*fp32", "offsets_ptr": "*i32"},
+         {"GATED": True, "HAS_PROBS": True, "MASKED": True}),
+        (kernels._silu_glu_backward_kernel, {"probs_ptr": "*fp32", "grad_probs_ptr": "*fp32", "offsets_ptr": "*i32"},
+         {"GATED": True, "HAS_PROBS": True, "MASKED": True}),
+    ]  # fmt: skip
+    for fn, types, constexprs in jobs:
+        constexprs = {**constexprs, "BLOCK_H" if "BLOCK_H" in fn.arg_names else "BLOCK_F": 1024}
+        known = {**ints, **types}
+        signature = {
+            name: "constexpr"
+            if name in constexprs
+            else known.get(name, ids if "inverse" in name or "slots" in name else dt)
+            for name in fn.arg_names
+        }
+        compiled = triton.compile(
+            ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32)
+        )
+        assert "cubin" in compiled.asm, fn.__name__
