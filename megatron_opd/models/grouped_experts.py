@@ -7,7 +7,9 @@ MFU (``benchmarks/RESULTS.md``). :class:`GroupedExperts` is ``SequentialMLP`` â€
 names, checkpoints and tensor/expert-parallel shards â€” whose forward stacks the local experts' weights and runs
 each projection for every expert in one ``torch._grouped_mm`` call (CUTLASS on Hopper, a reference loop on CPU),
 with the arithmetic of Megatron's ``MLP`` in between (expert biases, gpt-oss's clamped SwiGLU and its linear offset
-included), and no host sync.
+included; a plain SiLU or SwiGLU times the routing probability is one operator, ``megatron_opd.moe.ops``), and no
+host sync. The stacked weights are a view, not a copy per forward, where the experts' weights share one storage
+(:meth:`GroupedExperts.share_one_storage`, done by ``build.moe_fused_routing``).
 """
 
 from __future__ import annotations

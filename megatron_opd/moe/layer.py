@@ -5,7 +5,9 @@ The same parameters, buffers, checkpoints and numbers as Megatron-Core's ``MoELa
 dispatcher (expert parallelism 1 at any TP with sequence parallelism; EP > 1 where ``build.moe_token_dispatcher``
 is ``allgather``): the router's gating GEMM and the experts are Megatron's (:class:`GroupedExperts`), the routing
 arithmetic is :func:`~megatron_opd.moe.routing.fused_topk_routing` (one operator forward and one backward; on CUDA
-a Triton kernel each, ``kernels/moe_router_triton.py``) and the permutation :mod:`~megatron_opd.moe.permutation`.
+a Triton kernel each, ``kernels/moe_router_triton.py``), the permutation :mod:`~megatron_opd.moe.permutation`,
+and the gather, activation and combine :mod:`~megatron_opd.moe.ops` (one operator each, a Triton kernel on CUDA; the
+combine adds the shared expert, computing its sigmoid gate, where the layer has them and TP x EP is 1).
 The router's forward hooks (the trainer's router metrics) get Megatron's dense ``(probs, routing_map)``. Where a
 layer needs more of Megatron's router than its top-k (auxiliary or z-loss in training, routing replay, token
 dropping, another router class) or another dispatcher, the layer runs Megatron's forward unchanged.

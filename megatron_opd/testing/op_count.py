@@ -4,6 +4,12 @@ A small layer on a GPU costs about one kernel launch per operator, whatever its 
 router and token permutation are dozens of tiny operators. :func:`count_ops` records every aten operator that
 reaches a kernel (views, ``empty`` allocations and metadata operators are left out: they launch nothing), so a test
 can pin a layer's count and a fusion can show what it saves, on CPU.
+
+A ``torch.library.custom_op`` (``megatron_opd::...``: the MoE router, permutation, activation and combine) is
+counted as one operator: the counter sees it and not the torch operators its CPU implementation runs inside. That
+is the launch count on CUDA only because each such operator's CUDA implementation is one Triton kernel
+(``kernels/moe_router_triton.py``, ``kernels/moe_dispatch_triton.py``); a custom operator that launched several
+kernels would be under-counted here.
 """
 
 from __future__ import annotations
