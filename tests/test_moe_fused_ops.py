@@ -141,3 +141,22 @@ def test_custom_ops_keep_the_dtype(dtype):
     out_TH = ops.moe_combine(act_RF, inverse_TK, perm.offsets_L, hidden_TH, hidden_TH, hidden_TH[:1])
     out_TH.float().sum().backward()
     assert {t.dtype for t in (rows_RH, probs_R, act_RF, out_TH, hidden_TH.grad, probs_TK.grad)} == {dtype}
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32,) * 2, (torch.bfloat16, torch.float32)], ids=["fp32", "bf16"])
+def test_silu_glu_is_megatron_s_activation_bit_for_bit_on_cpu(dtypes):
+    """Forward and backward of Megatron's expert ``MLP`` activation (``silu(gate) * linear`` times the probability,
+    cast back), as autograd computes it, in fp32 and in bf16 with fp32 probabilities."""
+    import torch.nn.functional as F
+
+    dtype, probs_dtype = dtypes
+    gen = torch.Generator().manual_seed(0)
+    fc1 = torch.randn(7, 8, generator=gen).to(dtype).requires_grad_()
+    probs = torch.rand(7, generator=gen).to(probs_dtype).requires_grad_()
+    grad = torch.randn(7, 4, generator=gen).to(dtype)
+    gate, linear = torch.chunk(fc1, 2, dim=-1)
+    expected = ((F.silu(gate) * linear) * probs.unsqueeze(-1)).to(dtype)
+    found = ops.moe_silu_glu(fc1, probs, None, True)
+    assert torch.equal(found, expected)
+    for a, b in zip(torch.autograd.grad(found, (fc1, probs), grad), torch.autograd.grad(expected, (fc1, probs), grad)):
+        assert a.dtype == b.dtype and torch.equal(a, b)

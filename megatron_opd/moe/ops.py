@@ -259,19 +259,22 @@ _on_cuda(moe_silu_glu, moe_dispatch_triton.silu_glu)
 def moe_silu_glu_backward(
     grad_RF: Tensor, fc1_RW: Tensor, probs_R: Tensor | None, offsets_L: Tensor | None, gated: bool
 ) -> tuple[Tensor, Tensor]:
-    """``(grad_fc1_RW, grad_probs_R)`` of :func:`moe_silu_glu` (an empty tensor without probabilities)."""
-    gate = fc1_RW.chunk(2, dim=-1)[0] if gated else fc1_RW
-    sig = torch.sigmoid(gate)
-    act, d_act = gate * sig, sig * (1 + gate * (1 - sig))
-    prob = probs_R.unsqueeze(-1) if probs_R is not None else 1
+    """``(grad_fc1_RW, grad_probs_R)`` of :func:`moe_silu_glu` (an empty tensor without probabilities), by the
+    operators autograd runs for Megatron's ``MLP`` (the same bits on CPU)."""
+    gate, linear = torch.chunk(fc1_RW, 2, dim=-1) if gated else (fc1_RW, None)
+    act = F.silu(gate)
+    value_RF = act * linear if gated else act
+    grad_value_RF, grad_probs_R = grad_RF, fc1_RW.new_empty(0)
+    if probs_R is not None:  # the product ran in the promoted dtype, then was cast back
+        grad_RF = grad_RF.to(torch.promote_types(value_RF.dtype, probs_R.dtype))
+        grad_probs_R = (grad_RF * value_RF).sum(-1).to(probs_R.dtype)
+        grad_value_RF = (grad_RF * probs_R.unsqueeze(-1)).to(value_RF.dtype)
     if gated:
-        linear = fc1_RW.chunk(2, dim=-1)[1]
-        grad_fc1_RW = torch.cat([grad_RF * prob * linear * d_act, grad_RF * prob * act], dim=-1)
-        value_RF = act * linear
+        grad_gate = torch.ops.aten.silu_backward(grad_value_RF * linear, gate)
+        grad_fc1_RW = torch.cat([grad_gate, grad_value_RF * act], dim=-1)
     else:
-        grad_fc1_RW, value_RF = grad_RF * prob * d_act, act
+        grad_fc1_RW = torch.ops.aten.silu_backward(grad_value_RF, gate)
     grad_fc1_RW = grad_fc1_RW.to(fc1_RW.dtype)
-    grad_probs_R = (grad_RF * value_RF).sum(-1).to(probs_R.dtype) if probs_R is not None else fc1_RW.new_empty(0)
     if offsets_L is not None:
         local_R = _local_R(fc1_RW.shape[0], offsets_L)
         grad_fc1_RW = torch.where(local_R[:, None], grad_fc1_RW, 0)
