@@ -73,7 +73,7 @@ class _StackedView(torch.autograd.Function):
 
 def stacked(weights: list[torch.Tensor]) -> torch.Tensor:
     """``torch.stack(weights)``, as a view (no operator) where they lie equally spaced in one storage
-    (:meth:`GroupedExperts.share_one_storage`; Megatron's DDP moves them into its buffers: then a copy)."""
+    (:meth:`GroupedExperts.share_one_storage`; the distributed optimizer moves them into its buffer: then a copy)."""
     spacing = equal_spacing(weights)
     return torch.stack(weights) if spacing is None else _StackedView.apply(spacing, *weights)
 
