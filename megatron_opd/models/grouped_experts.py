@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
 
+from megatron_opd.moe.ops import moe_silu_glu
+
 
 @functools.cache
 def grouped_mm_unavailable(device_type: str, dtype: torch.dtype) -> str | None:
@@ -105,9 +107,7 @@ class GroupedExperts(SequentialMLP):
         intermediate = torch._grouped_mm(hidden, fc1.transpose(1, 2), offs=offs)
         if c.add_bias_linear:  # each row gets its expert's bias
             intermediate = intermediate + self._per_row([e.linear_fc1.bias for e in experts], offs, hidden.shape[0])
-        if self._silu_glu_ok():  # one operator (megatron_opd.moe.ops: one kernel on CUDA)
-            from megatron_opd.moe.ops import moe_silu_glu
-
+        if self._silu_glu_ok():  # one operator (one kernel on CUDA)
             intermediate = moe_silu_glu(intermediate, probs, offs, bool(c.gated_linear_unit))
         else:
             intermediate = self._activation(intermediate, probs)
