@@ -33,7 +33,8 @@ tokens (bf16, no TransformerEngine; MFU against 989 TFLOP/s dense bf16, 6N FLOPs
 defaults (bf16 parameters, Megatron's distributed optimizer; the tiny distillation fixture, three steps). Update
 and scoring rows are ``benchmarks/bench_phases_gpu.py``'s measurements (random weights in the recipes' shapes).
 #57 the #35 and #36 grouped rows again with ``build.moe_fused_routing`` (routing on top-k indices, the Triton
-router, the sort-based permutation: no host sync), to read against them in the same call.
+router, the sort-based permutation: no host sync; the gather, SwiGLU-times-probability and combine one Triton kernel
+each, ``kernels/moe_dispatch_triton.py``), to read against them in the same call.
 ``--issues 36,40`` runs those issues' rows only.
 """
 
