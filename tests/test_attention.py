@@ -262,9 +262,8 @@ def test_softcapped_scores_in_every_case(window, monkeypatch):
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_opd.models import attention, context_parallel
-    from megatron_opd.models.context_parallel import ContextParallelSplit
-    from megatron_opd.testing.context_parallel import StandInGroup
+    from megatron_opd.models import attention
+    from megatron_opd.testing.context_parallel import stand_in_cp_ranks
 
     cap = 0.5
     attn = _attention(softcap=cap, **_window(window))
@@ -285,14 +284,7 @@ def test_softcapped_scores_in_every_case(window, monkeypatch):
         out = attn(qp, kp, vp, None, packed_seq_params=params)
         for lo, hi, (sq, sk, sv) in zip(cu[:-1].tolist(), cu[1:].tolist(), seqs):
             torch.testing.assert_close(out[lo:hi], attn(sq, sk, sv, None)[:, 0], rtol=1e-6, atol=1e-6)
-    for rank in range(2):
-        group = StandInGroup(2, rank)
-        split = ContextParallelSplit(group, 2, rank)
-        q_s, k_s, v_s = (split.split(x, 0) for x in (q, k, v))
-        whole_kv = {k_s.data_ptr(): k.permute(1, 2, 0, 3), v_s.data_ptr(): v.permute(1, 2, 0, 3)}
-        monkeypatch.setattr(
-            context_parallel._GatherSequence, "apply", lambda x, dim, split, kv=whole_kv: kv[x.data_ptr()]
-        )
+    for group, split, (q_s, k_s, v_s) in stand_in_cp_ranks(q, k, v):
         config = _config(context_parallel_size=2, **_window(window))
         cp = SDPAttention(config, 1, AttnMaskType.causal, "self", softcap=cap,
                           pg_collection=SimpleNamespace(tp=SimpleNamespace(size=lambda: 1), cp=group))  # fmt: skip
@@ -350,9 +342,8 @@ def test_mla_value_heads_padded_for_flash_equal_megatrons_attention(tp, monkeypa
     from megatron.core.transformer.enums import AttnMaskType
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from megatron_opd.models import attention, context_parallel
-    from megatron_opd.models.context_parallel import ContextParallelSplit
-    from megatron_opd.testing.context_parallel import StandInGroup
+    from megatron_opd.models import attention
+    from megatron_opd.testing.context_parallel import stand_in_cp_ranks
 
     sdpa, megatron, heads, dq, dv = _mla_core_attentions(tp, monkeypatch)
     gen = torch.Generator().manual_seed(tp)
@@ -407,14 +398,7 @@ def test_mla_value_heads_padded_for_flash_equal_megatrons_attention(tp, monkeypa
     s = 8
     q, k, v = (x.detach() for x in qkv(s))
     full = megatron(q, k, v, _causal_mask(s))
-    for rank in range(2):
-        group = StandInGroup(2, rank)
-        split = ContextParallelSplit(group, 2, rank)
-        q_s, k_s, v_s = (split.split(x, 0) for x in (q, k, v))
-        whole_kv = {k_s.data_ptr(): k.permute(1, 2, 0, 3), v_s.data_ptr(): v.permute(1, 2, 0, 3)}
-        monkeypatch.setattr(
-            context_parallel._GatherSequence, "apply", lambda x, dim, split, kv=whole_kv: kv[x.data_ptr()]
-        )
+    for _, split, (q_s, k_s, v_s) in stand_in_cp_ranks(q, k, v):
         monkeypatch.setattr(sdpa, "context_parallel", split)
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             torch.testing.assert_close(sdpa(q_s, k_s, v_s, None), split.split(full, 0), rtol=1e-6, atol=1e-6)
