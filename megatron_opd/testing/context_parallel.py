@@ -52,5 +52,7 @@ def stand_in_cp_ranks(q, k, v, size: int = 2) -> Iterator[tuple[StandInGroup, ob
         local = tuple(split.split(x, 0) for x in (q, k, v))
         # The module gathers its local K/V as [b, g, s, d] views: each stands for the whole sequence's.
         whole = {local[1].data_ptr(): k.permute(1, 2, 0, 3), local[2].data_ptr(): v.permute(1, 2, 0, 3)}
-        with mock.patch.object(context_parallel._GatherSequence, "apply", lambda x, dim, split, kv=whole: kv[x.data_ptr()]):
+        with mock.patch.object(
+            context_parallel._GatherSequence, "apply", lambda x, dim, split, kv=whole: kv[x.data_ptr()]
+        ):
             yield group, split, local
