@@ -3,7 +3,8 @@
 
 The same parameters, buffers, checkpoints and numbers as Megatron-Core's ``MoELayer`` with its all-gather token
 dispatcher (expert parallelism 1 at any TP with sequence parallelism; EP > 1 where ``build.moe_token_dispatcher``
-is ``allgather``): the router's gating GEMM and the experts are Megatron's (:class:`GroupedExperts`), the routing
+is ``allgather``) and with its all-to-all dispatcher at TP=1 (:mod:`~megatron_opd.moe.expert_parallel`: one host
+read, the split sizes): the router's gating GEMM and the experts are Megatron's (:class:`GroupedExperts`), the routing
 arithmetic is :func:`~megatron_opd.moe.routing.fused_topk_routing` (one operator forward and one backward; on CUDA
 a Triton kernel each, ``kernels/moe_router_triton.py``) and the permutation :mod:`~megatron_opd.moe.permutation`.
 The router's forward hooks (the trainer's router metrics) get Megatron's dense ``(probs, routing_map)``. Where a
@@ -21,7 +22,7 @@ import torch
 def fused_path_refusal(layer, hidden: torch.Tensor, padding_mask, intermediate_tensors) -> str | None:
     """Why ``layer`` (an ``MoELayer``) must run Megatron's own forward for this call, or None."""
     from megatron.core.transformer.moe.router import TopKRouter
-    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher
 
     c, router = layer.config, layer.router
     training = router.training and torch.is_grad_enabled()
@@ -40,7 +41,10 @@ def fused_path_refusal(layer, hidden: torch.Tensor, padding_mask, intermediate_t
         "a padding mask or partial forward": padding_mask is not None or intermediate_tensors is not None,
         "latent or overlapped shared experts": bool(c.moe_latent_size) or layer.shared_expert_overlap,
         "layer recompute": layer.moe_layer_recompute,
-        "another dispatcher": type(layer.token_dispatcher) is not MoEAllGatherTokenDispatcher,
+        "another dispatcher": type(layer.token_dispatcher)
+        not in (MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher),
+        "the all-to-all dispatcher with tensor parallelism": type(layer.token_dispatcher) is MoEAlltoAllTokenDispatcher
+        and layer.token_dispatcher.tp_size > 1,
         # models.grouped_experts.GroupedExperts (not imported: models builds this layer)
         "sequential experts": not (hasattr(layer.experts, "grouped_forward") and layer.experts._grouped_ok(hidden)),
     }
@@ -54,7 +58,9 @@ def fused_moe_layer(base: type) -> type:
         gather_from_sequence_parallel_region,
         reduce_scatter_to_sequence_parallel_region,
     )
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
+    from megatron_opd.moe.expert_parallel import expert_parallel_experts
     from megatron_opd.moe.permutation import permutation, permute, unpermute
     from megatron_opd.moe.routing import RouterSpec, fused_topk_routing
 
@@ -77,6 +83,11 @@ def fused_moe_layer(base: type) -> type:
             if router._forward_hooks:  # e.g. the trainer's router metrics: they see Megatron's dense outputs
                 self._call_router_hooks(hidden_states, probs_TK, experts_TK)
             hidden_TH = hidden_states.reshape(-1, hidden_states.shape[-1])
+            if isinstance(dispatcher, MoEAlltoAllTokenDispatcher):  # experts on other ranks: expert_parallel
+                out_TH = expert_parallel_experts(hidden_TH, probs_TK, experts_TK, self.experts.grouped_forward,
+                                                 dispatcher.ep_group, self.num_local_experts)  # fmt: skip
+                output = out_TH.view(hidden_states.shape)
+                return (output if shared is None else output + shared), None
             group = dispatcher.tp_ep_group
             if group.size() > 1:  # as the all-gather dispatcher: every token on every TP x EP rank
                 with torch.no_grad():
