@@ -32,8 +32,14 @@ grouped GEMMs run its biased clamped-SwiGLU experts), beside #35's row; #40 the 
 tokens (bf16, no TransformerEngine; MFU against 989 TFLOP/s dense bf16, 6N FLOPs per token, attention not counted) and one end-to-end trainer run on the GPU
 defaults (bf16 parameters, Megatron's distributed optimizer; the tiny distillation fixture, three steps). Update
 and scoring rows are ``benchmarks/bench_phases_gpu.py``'s measurements (random weights in the recipes' shapes).
-#57 the #35 and #36 grouped rows again with ``build.moe_fused_routing`` (routing on top-k indices, the Triton
-router, the sort-based permutation: no host sync), to read against them in the same call.
+#57 before and after in one call (``issue_57_rows``), both the Qwen3-30B-A3B and the DeepSeek-V3 (V2-Lite sizes)
+shapes with grouped experts: scoring with Megatron's MoE layer, with ``build.moe_fused_routing`` (routing on top-k
+indices, the Triton router, the sort-based permutation: no host sync), and with ``teacher.cuda_graphs`` too (one
+4,096-token bucket captured on the first call; the note gives the capture's time and the replay's top-k gap to the
+eager teacher); then the updates (full recompute) with each MoE layer, the Qwen3-30B-A3B one last (bf16 parameters
+and gradients, about 114 GiB of the H200's 139). Each #57 row's note counts the aten operators of one MoE layer and
+its attention on the device (``layer_counts``) and the MoE layer's host syncs. ``--cpu-smoke`` runs the graph rows
+through the same bucketed path with the eager runner (no capture on CPU).
 ``--issues 36,40`` runs those issues' rows only.
 """
 
