@@ -58,7 +58,8 @@ class TeacherConfig:
     MoE teacher ``build.moe_fused_routing=true`` (no host sync in the forward). A teacher server: ``--cuda-graphs``."""
     cuda_graph_lengths: list[int] = field(default_factory=lambda: [512, 1024, 2048, 4096, 8192])
     """``teacher.cuda_graphs``: the length buckets (increasing, at most 8); a micro-batch is padded to the next,
-    and one longer than the last runs eagerly. Each bucket holds a captured graph per row bucket."""
+    and one longer than the last runs eagerly. Each bucket holds a captured graph per row bucket; their shared memory
+    pool (about one forward's activations at the largest bucket) stays reserved between steps."""
     tokenizer: str | None = None
     """Folder with the teacher's tokenizer files (for the vocabulary check); default as for the student."""
     prompt_template: str | None = None

@@ -79,7 +79,8 @@ def cuda_graph_runner(pool=None, warmup: int = 2) -> MakeRunner:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: another thread's CUDA calls (a rollout or checkpoint thread) do not break the capture.
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 static_out = forward(static_tokens, static_positions, None)
         except RuntimeError as err:  # e.g. a layer that reads device values on the host (an MoE layer's fallback)
             raise RuntimeError(
