@@ -21,17 +21,23 @@ CASES = ((3, 5), (1, 8), (4, 9), (2, 16), (3, 21))
 """(rows, length) of each scored batch: inside, at and across the buckets; 21 > 16 runs eagerly."""
 
 
+def _all_scores() -> dict:
+    """:func:`_scores` of every shape of ``SHAPES_RUN``, in one process (one start)."""
+    from megatron_opd.distributed import ParallelConfig, initialize_distributed
+
+    initialize_distributed(ParallelConfig())
+    return {shape: _scores(shape) for shape in SHAPES_RUN}
+
+
 def _scores(shape: str) -> dict:
     """Per case: the eager teacher's and the bucketed teacher's top-k and requested log-probabilities, the buckets
     made, and the host syncs inside the bucketed runs."""
-    from megatron_opd.distributed import ParallelConfig, initialize_distributed
     from megatron_opd.models.builder import ModelBuildConfig
     from megatron_opd.teacher.graphs import BucketedForward, eager_runner
     from megatron_opd.teacher.inprocess import InProcessTeacher
     from megatron_opd.testing.host_sync import count_host_syncs
     from megatron_opd.testing.moe_profile import build_shape
 
-    initialize_distributed(ParallelConfig())
     torch.manual_seed(0)
     arch, model = build_shape(shape, ModelBuildConfig(moe_fused_routing=True))
     model.requires_grad_(False)
@@ -62,7 +68,7 @@ def _scores(shape: str) -> dict:
 
 @pytest.fixture(scope="module")
 def results():
-    return {shape: run_distributed(_scores, 1, (shape,), timeout=300)[0] for shape in SHAPES_RUN}
+    return run_distributed(_all_scores, 1, timeout=300)[0]
 
 
 @pytest.mark.parametrize("shape", SHAPES_RUN)
