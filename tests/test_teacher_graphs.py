@@ -26,10 +26,12 @@ def _all_scores() -> dict:
     from megatron_opd.distributed import ParallelConfig, initialize_distributed
 
     initialize_distributed(ParallelConfig())
-    return {shape: _scores(shape) for shape in SHAPES_RUN}
+    out = {shape: _scores(shape) for shape in SHAPES_RUN}
+    out["control"] = _scores(SHAPES_RUN[-1], fused_routing=False, cases=CASES[:1])  # Megatron's MoE layer: syncs
+    return out
 
 
-def _scores(shape: str) -> dict:
+def _scores(shape: str, fused_routing: bool = True, cases=CASES) -> dict:
     """Per case: the eager teacher's and the bucketed teacher's top-k and requested log-probabilities, the buckets
     made, and the host syncs inside the bucketed runs."""
     from megatron_opd.models.builder import ModelBuildConfig
@@ -39,7 +41,7 @@ def _scores(shape: str) -> dict:
     from megatron_opd.testing.moe_profile import build_shape
 
     torch.manual_seed(0)
-    arch, model = build_shape(shape, ModelBuildConfig(moe_fused_routing=True))
+    arch, model = build_shape(shape, ModelBuildConfig(moe_fused_routing=fused_routing))
     model.requires_grad_(False)
     syncs: list[str] = []
 
@@ -58,7 +60,7 @@ def _scores(shape: str) -> dict:
                                 graphs=graphs)  # fmt: skip
     gen = torch.Generator().manual_seed(1)
     out = {}
-    for rows, length in CASES:
+    for rows, length in cases:
         tokens = torch.randint(0, arch.vocab_size, (rows, length), generator=gen)
         requested = torch.randint(0, arch.vocab_size, (rows, length, 2), generator=gen)
         a, b = (t.score(tokens, requested).result() for t in (eager, bucketed))
@@ -85,6 +87,7 @@ def test_one_runner_per_bucket_and_no_host_sync_inside(results, shape):
     # (3, 5) -> 4 x 8, (1, 8) -> 1 x 8, (4, 9) -> 4 x 16, (2, 16) -> 2 x 16; (3, 21) runs eagerly, outside them.
     assert results[shape]["buckets"] == [(1, 8), (2, 16), (4, 8), (4, 16)]
     assert results[shape]["syncs"] == [], results[shape]["syncs"]
+    assert results["control"]["syncs"], "the counter sees Megatron's MoE layer's host syncs"
 
 
 def test_beyond_the_largest_bucket_runs_eagerly_with_one_log_line(caplog):
