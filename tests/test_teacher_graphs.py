@@ -45,7 +45,7 @@ def _scores(shape: str, fused_routing: bool = True, cases=CASES) -> dict:
     model.requires_grad_(False)
     syncs: list[str] = []
 
-    def syncless_runner(forward, tokens, positions):
+    def counting_runner(forward, tokens, positions):
         run = eager_runner(forward, tokens, positions)
 
         def counted(t, p):
@@ -54,7 +54,7 @@ def _scores(shape: str, fused_routing: bool = True, cases=CASES) -> dict:
 
         return counted
 
-    graphs = BucketedForward(LENGTHS, 4, syncless_runner)
+    graphs = BucketedForward(LENGTHS, 4, counting_runner)
     eager = InProcessTeacher([model], vocab_size=arch.vocab_size, mode="topk", topk=4, micro_batch_size=4)
     bucketed = InProcessTeacher([model], vocab_size=arch.vocab_size, mode="topk", topk=4, micro_batch_size=4,
                                 graphs=graphs)  # fmt: skip
