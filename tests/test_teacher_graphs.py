@@ -167,3 +167,23 @@ def test_train_config_refuses_layouts_without_static_shapes(overrides, named):
         setattr(getattr(cfg, section) if section else cfg, name, value)
     with pytest.raises(ValueError, match=f"teacher.cuda_graphs=true cannot run with .*{named}"):
         cfg.validate()
+
+
+def test_check_inputs_refuses_before_any_model(tmp_path):
+    """The trainer's start-up checks (no process group, no model yet): an MoE teacher without fused routing, then a
+    machine without CUDA."""
+    from megatron_opd.config import parse_args
+    from megatron_opd.testing.tiny_models import make_tiny_hf_model, make_tiny_tokenizer
+    from megatron_opd.trainer.config import TrainConfig
+    from megatron_opd.trainer.setup import check_inputs
+
+    moe = make_tiny_hf_model("qwen3_moe", tmp_path / "model", seed=0)
+    make_tiny_tokenizer(moe, vocab_size=1000)
+    (tmp_path / "train.jsonl").write_text('{"prompt": "a", "answer": "b"}\n')
+    base = [f"student.path={moe}", f"teacher.path={moe}", f"data.train_files={tmp_path / 'train.jsonl'}",
+            "data.eval_files=", "train.packing=false", "teacher.cuda_graphs=true"]  # fmt: skip
+    with pytest.raises(ValueError, match="teacher.cuda_graphs with a Mixture-of-Experts teacher needs build.moe_fused"):
+        check_inputs(parse_args(TrainConfig, base))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="teacher.cuda_graphs=true needs a CUDA device, and this run's is cpu"):
+            check_inputs(parse_args(TrainConfig, [*base, "build.moe_fused_routing=true"]))

@@ -104,9 +104,13 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
             check_packed_attention(cfg, teacher, f"{where}={view.teacher.path}")
             check_soft_capped(cfg, teacher, f"{where}={view.teacher.path}")
             if view.teacher.cuda_graphs:
+                from megatron_opd.distributed.device import detect_accelerator
                 from megatron_opd.teacher.graphs import check_capturable
 
-                check_capturable(teacher, cfg.build.moe_fused_routing, where.replace(".path", ".cuda_graphs"))
+                knob = where.replace(".path", ".cuda_graphs")
+                check_capturable(teacher, cfg.build.moe_fused_routing, knob)
+                if (kind := detect_accelerator(cfg.device).type) != "cuda":
+                    raise ValueError(f"{knob}=true needs a CUDA device, and this run's is {kind}: set it to false")
             # The teacher scores the student's sequences; in its own tokens (loss.cross_tokenizer), up to its context.
             own = objective.cross_tokenizer
             check_window_context_parallel(teacher, cp, teacher.max_position_embeddings if own else max_seq_len(cfg),
