@@ -5,8 +5,9 @@ Megatron-Core's router, and :func:`megatron_opd.moe.routing.topk_routing` in tor
 for DeepSeek-V3's routing (sigmoid, bias add, per-group top-2 and sum, group top-k, mask, masked fill, top-k,
 gather, sum, divide, scale). Here one program routes one token: the row of ``E`` logits in registers, each top-k an
 argmax whose ties go to the lowest expert id (as the torch path's stable sort), groups chosen the same way.
-The probabilities' backward is recomputed in torch from the chosen experts (:func:`route`): a few small operators
-in the backward, none in the forward but this kernel.
+The backward is one kernel too (:func:`route_backward`): a program per token recomputes the scores from the logits
+and sends the probabilities' gradient back through the renormalisation and the score function to the chosen
+experts' logits. ``megatron_opd.moe.routing.fused_topk_routing`` runs both as one operator each on CUDA.
 
 Legend: ``T`` tokens, ``E`` experts, ``K`` experts per token, ``G`` groups.
 """
@@ -103,59 +104,76 @@ if triton is not None:
             z = tl.exp(chosen - tl.max(chosen, axis=0))
             probs = z / tl.sum(z, axis=0)
         probs = probs * scale
-        tl.store(probs_ptr + t * K + k, probs, mask=k < K)
+        tl.store(probs_ptr + t * K + k, probs.to(probs_ptr.dtype.element_ty), mask=k < K)
         tl.store(experts_ptr + t * K + k, ids, mask=k < K)
 
+    @triton.jit
+    def _route_backward_kernel(
+        logits_ptr, experts_ptr, grad_ptr, out_ptr, E, stride_t, scale,
+        K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, SIGMOID: tl.constexpr,
+        PRE_SOFTMAX: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0).to(tl.int64)
+        e = tl.arange(0, BLOCK_E)
+        valid = e < E
+        k = tl.arange(0, BLOCK_K)
+        chosen_k = k < K
+        x = tl.load(logits_ptr + t * stride_t + e, mask=valid, other=float("-inf")).to(tl.float32)
+        ids = tl.load(experts_ptr + t * K + k, mask=chosen_k, other=-1)
+        g = tl.load(grad_ptr + t * K + k, mask=chosen_k, other=0.0).to(tl.float32) * scale
+        onehot = ids[:, None] == e[None, :]  # [BLOCK_K, BLOCK_E]: chosen expert k is expert e
+        if SIGMOID:
+            s = tl.where(valid, tl.sigmoid(x), 0.0)
+            p = tl.sum(tl.where(onehot, s[None, :], 0.0), axis=1)
+            if K > 1:  # p / (sum p + 1e-20)
+                total = tl.sum(p, axis=0) + 1e-20
+                g = g / total - tl.sum(g * p, axis=0) / (total * total)
+            d_k = g * p * (1.0 - p)
+            d = tl.sum(tl.where(onehot, d_k[:, None], 0.0), axis=0)
+        elif PRE_SOFTMAX:  # softmax over every expert, then the chosen ones
+            z = tl.where(valid, tl.exp(x - tl.max(x, axis=0)), 0.0)
+            s = z / tl.sum(z, axis=0)
+            ds = tl.sum(tl.where(onehot, g[:, None], 0.0), axis=0)
+            d = s * (ds - tl.sum(ds * s, axis=0))
+        else:  # softmax over the chosen logits
+            c = tl.sum(tl.where(onehot, x[None, :], 0.0), axis=1)
+            c = tl.where(chosen_k, c, float("-inf"))
+            z = tl.exp(c - tl.max(c, axis=0))
+            p = z / tl.sum(z, axis=0)
+            d_k = p * (g - tl.sum(g * p, axis=0))
+            d = tl.sum(tl.where(onehot, d_k[:, None], 0.0), axis=0)
+        tl.store(out_ptr + t * E + e, d.to(out_ptr.dtype.element_ty), mask=valid)
 
-def _experts_and_probs(logits_TE: torch.Tensor, spec, bias_E: torch.Tensor | None):
+
+def _launch_shape(logits_TE: torch.Tensor, spec) -> dict:
+    return dict(K=spec.topk, BLOCK_K=triton.next_power_of_2(spec.topk), BLOCK_E=triton.next_power_of_2(logits_TE.shape[1]),
+                SIGMOID=spec.score_function == "sigmoid", PRE_SOFTMAX=bool(spec.pre_softmax))  # fmt: skip
+
+
+def route_forward(logits_TE: torch.Tensor, spec, bias_E: torch.Tensor | None = None):
+    """``(probs_TK, experts_TK)`` as :func:`megatron_opd.moe.routing.topk_routing` computes them, in one kernel
+    (probabilities in the logits' dtype; check :func:`supports` first)."""
     tokens, experts = logits_TE.shape
     logits_TE = logits_TE.contiguous()
-    probs_TK = torch.empty(tokens, spec.topk, dtype=torch.float32, device=logits_TE.device)
+    probs_TK = torch.empty(tokens, spec.topk, dtype=logits_TE.dtype, device=logits_TE.device)
     experts_TK = torch.empty(tokens, spec.topk, dtype=torch.int64, device=logits_TE.device)
     groups = spec.num_groups if spec.group_topk else 1
     _route_kernel[(tokens,)](
         logits_TE, bias_E if bias_E is not None else logits_TE, probs_TK, experts_TK, experts, logits_TE.stride(0),
-        float(spec.scaling_factor or 1.0), K=spec.topk, BLOCK_K=triton.next_power_of_2(spec.topk),
-        BLOCK_E=triton.next_power_of_2(experts), SIGMOID=spec.score_function == "sigmoid",
-        PRE_SOFTMAX=bool(spec.pre_softmax), HAS_BIAS=bias_E is not None, G=groups,
-        GROUP_TOPK=spec.group_topk or 1, PER_GROUP=spec.topk // (spec.group_topk or 1),
+        float(spec.scaling_factor or 1.0), HAS_BIAS=bias_E is not None, G=groups, GROUP_TOPK=spec.group_topk or 1,
+        PER_GROUP=spec.topk // (spec.group_topk or 1), **_launch_shape(logits_TE, spec),
     )  # fmt: skip
-    return probs_TK.to(logits_TE.dtype), experts_TK
+    return probs_TK, experts_TK
 
 
-def probs_of(logits_TE: torch.Tensor, experts_TK: torch.Tensor, spec) -> torch.Tensor:
-    """The routing probabilities of the chosen ``experts_TK`` from the logits, differentiable (the kernel's
-    arithmetic in torch: what the backward differentiates)."""
-    if spec.score_function == "sigmoid":
-        probs_TK = torch.sigmoid(logits_TE.float()).type_as(logits_TE).gather(1, experts_TK)
-        if spec.topk > 1:
-            probs_TK = probs_TK / (probs_TK.sum(dim=-1, keepdim=True) + 1e-20)
-    elif spec.pre_softmax:
-        probs_TK = torch.softmax(logits_TE, dim=-1, dtype=torch.float32).type_as(logits_TE).gather(1, experts_TK)
-    else:
-        probs_TK = torch.softmax(logits_TE.gather(1, experts_TK), dim=-1, dtype=torch.float32).type_as(logits_TE)
-    return probs_TK * spec.scaling_factor if spec.scaling_factor else probs_TK
-
-
-class _Route(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits_TE, spec, bias_E):
-        probs_TK, experts_TK = _experts_and_probs(logits_TE, spec, bias_E)
-        ctx.save_for_backward(logits_TE, experts_TK)
-        ctx.spec = spec
-        ctx.mark_non_differentiable(experts_TK)
-        return probs_TK, experts_TK
-
-    @staticmethod
-    def backward(ctx, grad_probs_TK, _grad_experts):
-        logits_TE, experts_TK = ctx.saved_tensors
-        with torch.enable_grad():
-            logits_TE = logits_TE.detach().requires_grad_()
-            (grad,) = torch.autograd.grad(probs_of(logits_TE, experts_TK, ctx.spec), logits_TE, grad_probs_TK)
-        return grad, None, None
-
-
-def route(logits_TE: torch.Tensor, spec, bias_E: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(probs_TK, experts_TK)`` as :func:`megatron_opd.moe.routing.topk_routing` computes them, in one kernel
-    (check :func:`supports` first)."""
-    return _Route.apply(logits_TE, spec, bias_E)
+def route_backward(grad_probs_TK: torch.Tensor, logits_TE: torch.Tensor, experts_TK: torch.Tensor, spec):
+    """The logits' gradient of :func:`route_forward`'s probabilities (the chosen experts held), in one kernel: as
+    :func:`megatron_opd.moe.routing.topk_routing_backward` computes it."""
+    tokens, experts = logits_TE.shape
+    logits_TE = logits_TE.contiguous()
+    grad_TE = torch.empty_like(logits_TE)
+    _route_backward_kernel[(tokens,)](
+        logits_TE, experts_TK.contiguous(), grad_probs_TK.contiguous(), grad_TE, experts, logits_TE.stride(0),
+        float(spec.scaling_factor or 1.0), **_launch_shape(logits_TE, spec),
+    )  # fmt: skip
+    return grad_TE

@@ -1,6 +1,7 @@
-"""The Triton MoE router (``kernels/moe_router_triton.py``) against the torch routing (``megatron_opd.moe.routing``,
-itself pinned to Megatron-Core's router in ``tests/test_moe_ops.py``): the same experts, ties to the lowest expert
-id, probabilities and the logits' gradient within 1e-6. On a CPU machine it runs under ``TRITON_INTERPRET=1``
+"""The Triton MoE router's two kernels (``kernels/moe_router_triton.py``) against the torch routing
+(``megatron_opd.moe.routing``, itself pinned to Megatron-Core's router in ``tests/test_moe_ops.py`` and
+``tests/test_moe_routing_op.py``): the same experts, ties to the lowest expert id, probabilities and the logits'
+gradient (torch's autograd of the reference) within 1e-6. On a CPU machine it runs under ``TRITON_INTERPRET=1``
 (``tests/test_kernels_interpreted.py``), else it skips."""
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ def test_triton_router_equals_torch_routing(name):
     assert moe_router_triton.supports(logits, spec)
     ref_probs, ref_experts = topk_routing(logits, spec, bias)
     (ref_grad,) = torch.autograd.grad((ref_probs * weight).sum(), logits)
-    probs, experts = moe_router_triton.route(logits, spec, bias)
-    (grad,) = torch.autograd.grad((probs * weight).sum(), logits)
+    probs, experts = moe_router_triton.route_forward(logits.detach(), spec, bias)
+    grad = moe_router_triton.route_backward(weight, logits.detach(), experts, spec)
     assert torch.equal(experts, ref_experts)  # both in descending score order, ties to the lowest id
     torch.testing.assert_close(probs, ref_probs, atol=1e-6, rtol=0)
     torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=0)

@@ -4,8 +4,8 @@
 The same parameters, buffers, checkpoints and numbers as Megatron-Core's ``MoELayer`` with its all-gather token
 dispatcher (expert parallelism 1 at any TP with sequence parallelism; EP > 1 where ``build.moe_token_dispatcher``
 is ``allgather``): the router's gating GEMM and the experts are Megatron's (:class:`GroupedExperts`), the routing
-arithmetic is :func:`~megatron_opd.moe.routing.topk_routing` (on CUDA one Triton kernel,
-``kernels/moe_router_triton.py``) and the permutation :mod:`~megatron_opd.moe.permutation`.
+arithmetic is :func:`~megatron_opd.moe.routing.fused_topk_routing` (one operator forward and one backward; on CUDA
+a Triton kernel each, ``kernels/moe_router_triton.py``) and the permutation :mod:`~megatron_opd.moe.permutation`.
 The router's forward hooks (the trainer's router metrics) get Megatron's dense ``(probs, routing_map)``. Where a
 layer needs more of Megatron's router than its top-k (auxiliary or z-loss in training, routing replay, token
 dropping, another router class) or another dispatcher, the layer runs Megatron's forward unchanged.
@@ -55,9 +55,8 @@ def fused_moe_layer(base: type) -> type:
         reduce_scatter_to_sequence_parallel_region,
     )
 
-    from megatron_opd.kernels import moe_router_triton
     from megatron_opd.moe.permutation import permutation, permute, unpermute
-    from megatron_opd.moe.routing import RouterSpec, topk_routing
+    from megatron_opd.moe.routing import RouterSpec, fused_topk_routing
 
     class FusedMoELayer(base):
         """``MoELayer`` routing on top-k indices, permuting by one sort, with no host sync (module docstring)."""
@@ -69,11 +68,7 @@ def fused_moe_layer(base: type) -> type:
             router, dispatcher = self.router, self.token_dispatcher
             router._maintain_float32_expert_bias()
             logits_TE = router.gating(hidden_states).view(-1, self.config.num_moe_experts)
-            spec = RouterSpec.of(self.config)
-            if moe_router_triton.supports(logits_TE, spec):  # one kernel on CUDA
-                probs_TK, experts_TK = moe_router_triton.route(logits_TE, spec, router.expert_bias)
-            else:
-                probs_TK, experts_TK = topk_routing(logits_TE, spec, router.expert_bias)
+            probs_TK, experts_TK = fused_topk_routing(logits_TE, RouterSpec.of(self.config), router.expert_bias)
             if router.enable_expert_bias and torch.is_grad_enabled():  # Megatron's count for the bias update
                 with torch.no_grad():
                     router.local_tokens_per_expert.index_put_(
