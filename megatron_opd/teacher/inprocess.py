@@ -125,6 +125,11 @@ class InProcessTeacher:
         else:
             micro_batches = self._padded(tokens, request_ids)
         split = ContextParallelSplit.current()
+        config = self.chunks[0].config
+        if micro_batches and not packed and split is None and config.sequence_parallel:
+            # Sequence parallelism splits every sequence over the TP ranks: a length the student's padding did not
+            # make (a teacher with another tokenizer) is padded by repeating its last position, cut off below.
+            micro_batches = [pad_columns(mb, config.tensor_model_parallel_size) for mb in micro_batches]
         if split is not None:  # each rank scores its share of every sequence; the scores are gathered back whole
             if packed:
                 raise ValueError("packed sequences cannot be scored with context parallelism; set train.packing=false")
@@ -144,6 +149,8 @@ class InProcessTeacher:
                 scores = self._scores_of(output, mb.get("request_ids"))
             if split is not None:  # this rank's positions -> the whole (unpadded) sequences
                 scores = _map(scores, lambda v: split.gather(v)[:, : tokens.shape[1]])
+            elif not packed:  # the sequence-parallel padding off
+                scores = _map(scores, lambda v: v[:, : tokens.shape[1]])
             if packed:  # [1, T, ...] -> [b, S, ...]
                 sizes = mb["sequence_lengths"].tolist()
                 scores = _map(scores, lambda v: packing.unpack(v, sizes, tokens.shape[1]))
@@ -252,3 +259,13 @@ _FIELDS = ("topk_ids", "topk_logprobs", "dense_logits", "dense_hidden", "request
 
 def _map(scores: TeacherScores, fn) -> TeacherScores:
     return TeacherScores(**{name: None if (v := getattr(scores, name)) is None else fn(v) for name in _FIELDS})
+
+
+def pad_columns(mb: dict, multiple: int) -> dict:
+    """``mb``'s ``[b, S, ...]`` columns (tokens, request ids) padded to a multiple of ``multiple`` positions by
+    repeating the last one: a causal model's scores of the real positions are unchanged."""
+    b, s = mb["tokens"].shape
+    extra = -s % multiple
+    if not extra:
+        return mb
+    return {name: torch.cat([v, v[:, -1:].expand(b, extra, *v.shape[2:])], dim=1) for name, v in mb.items()}

@@ -477,6 +477,23 @@ class TrainConfig:
                 "parallel.context_parallel_size=1"
             )
 
+    def _validate_shared_expert_overlap(self) -> None:
+        """``build.moe_shared_expert_overlap``: the dispatcher it needs, and no LoRA on the shared experts at TP > 1
+        (overlapped, their linear layers leave the sequence-parallel all-gather to the dispatcher; an adapter's
+        hook would gather its input again). The student's shared experts: ``setup.check_inputs``."""
+        from megatron_opd.models.builder import check_shared_expert_overlap
+
+        check_shared_expert_overlap(self.build, self.parallel)
+        lora, tp = self.student.lora, self.parallel.tensor_model_parallel_size
+        mlp_targets = sorted({"linear_fc1", "linear_fc2"} & set(lora.target_modules))
+        if self.build.moe_shared_expert_overlap and lora.enabled and tp > 1 and mlp_targets:
+            raise ValueError(
+                f"build.moe_shared_expert_overlap=true with student.lora.target_modules={mlp_targets} at "
+                f"tensor_model_parallel_size={tp}: overlapped shared experts take their inputs already gathered over "
+                "tensor-parallel ranks, which the adapters would gather again; set build.moe_shared_expert_overlap="
+                "false or leave linear_fc1/linear_fc2 out of the adapters"
+            )
+
     def _validate_expert_parallel(self) -> None:
         """What runs at expert parallelism: the built-in sampler, in-process teachers, training, evaluation, each
         keeping the expert-parallel ranks in step (``distributed.lockstep``)."""
@@ -696,6 +713,7 @@ class TrainConfig:
                 "still move every expert's bias after each step, and with it which experts a token goes to; set "
                 "build.moe_router_bias_update_rate=0 to freeze the routing, or train.freeze_router=false"
             )
+        self._validate_shared_expert_overlap()
         if self.parallel.context_parallel_size > 1:
             self._validate_context_parallel()
         if self.parallel.expert_model_parallel_size > 1:

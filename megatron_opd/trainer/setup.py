@@ -67,7 +67,7 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
     layout splits the student (and the in-process teacher, built at the same layout), the data files are there,
     and the vocabulary check (its result is returned)."""
     from megatron_opd.data.records import check_paths
-    from megatron_opd.models.builder import check_window_context_parallel, validate_layout
+    from megatron_opd.models.builder import check_shared_expert_overlap, check_window_context_parallel, validate_layout
 
     student = model_architecture(cfg.student.path, "student.path")
     validate_layout(student, cfg.parallel)
@@ -79,6 +79,7 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
         from megatron_opd.models.lora import check_lora_targets
 
         check_lora_targets(student, cfg.student.lora, cfg.parallel.stage_layer_indices(student.num_layers))
+    check_shared_expert_overlap(cfg.build, cfg.parallel, student, f"the student ({cfg.student.path})")
     if cfg.train.freeze_router and student.moe is None:
         raise ValueError(
             f"train.freeze_router=true, but the student ({cfg.student.path}) has no Mixture-of-Experts layer and so "
