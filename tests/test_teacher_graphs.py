@@ -152,6 +152,10 @@ def test_refusals_name_the_setting_before_a_model_is_built(capsys):
         ({"parallel.pipeline_model_parallel_size": 2}, "pipeline_model_parallel_size=2"),
         ({"teacher.offload": True}, "teacher.offload=true"),
         ({"device": "cpu"}, "device=cpu"),
+        (
+            {"parallel.tensor_model_parallel_size": 2, "teacher.cuda_graph_lengths": [9, 16]},
+            r"teacher.cuda_graph_lengths=\[9, 16\] not all multiples of tensor_model_parallel_size=2",
+        ),
     ],
 )
 def test_train_config_refuses_layouts_without_static_shapes(overrides, named):

@@ -365,6 +365,10 @@ class TrainConfig:
                 p.expert_model_parallel_size > 1
             ),
             "teacher.offload=true (the weights move between captures and replays)": self.teacher.offload,
+            f"teacher.cuda_graph_lengths={self.teacher.cuda_graph_lengths} not all multiples of "
+            f"tensor_model_parallel_size={p.tensor_model_parallel_size} (sequence parallelism splits them)": any(
+                n % p.tensor_model_parallel_size for n in self.teacher.cuda_graph_lengths
+            ),
         }
         refused = [name for name, on in refusals.items() if on]
         if refused:
