@@ -39,6 +39,7 @@ from megatron_opd.models.context_parallel import ContextParallelSplit, split_mic
 from megatron_opd.models.forward_backward import forward_backward
 from megatron_opd.models.output import HiddenStateOutput
 from megatron_opd.teacher.capabilities import INPROCESS
+from megatron_opd.teacher.graphs import BucketedForward
 
 
 class InProcessTeacher:
@@ -61,6 +62,7 @@ class InProcessTeacher:
         packing: bool = False,
         micro_batch_tokens: int | None = None,
         chunk_size: int | None = None,
+        graphs: BucketedForward | None = None,
     ) -> None:
         if any(p.requires_grad for chunk in chunks for p in chunk.parameters()):
             raise ValueError("the teacher must be frozen: build it with build_model(..., trainable=False)")
@@ -77,6 +79,13 @@ class InProcessTeacher:
         self.chunk_size = chunk_size
         """Tokens whose logits exist at once (None: automatic, ``losses.fused_output.chunk_tokens``)."""
         self.offload = offload and device is not None and device.type != "cpu"
+        if graphs is not None and (self.offload or packing):
+            raise ValueError(
+                "teacher.cuda_graphs captures the forward at fixed weight addresses and padded shapes: it cannot "
+                "run with teacher.offload (the weights move) or packed rows (train.packing); unset one of them"
+            )
+        self.graphs = graphs
+        """``teacher.cuda_graphs``: the chunks' forward replays a captured graph per (rows, length) bucket."""
         self.device = device
         if self.offload:
             self._move("cpu")
@@ -147,7 +156,8 @@ class InProcessTeacher:
                 scores = _map(scores, lambda v: packing.unpack(v, sizes, tokens.shape[1]))
             return output.new_zeros(()), _map(scores, self._to_host)
 
-        with self.output.active() if hidden else contextlib.nullcontext():
+        graphed = self.graphs.installed(self.chunks, hidden) if self.graphs else contextlib.nullcontext()
+        with self.output.active() if hidden else contextlib.nullcontext(), graphed:
             outputs = forward_backward(self.chunks, micro_batches, collect, forward_only=True)
         result = self._concat(outputs)
         if hidden and self.dense and outputs:

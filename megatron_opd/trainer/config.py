@@ -350,6 +350,33 @@ class TrainConfig:
     export_hf: bool = True
     """Export the final student to ``output_dir/hf`` (loadable by transformers and vLLM)."""
 
+    def _validate_teacher_graphs(self) -> None:
+        """``teacher.cuda_graphs``: the layouts whose teacher forward has one shape per bucket, on CUDA."""
+        p = self.parallel
+        refusals = {
+            f"teacher.backend={self.teacher.backend} (a teacher server takes --cuda-graphs)": (
+                self.teacher.backend != "inprocess"
+            ),
+            f"device={self.device}": self.device not in ("auto", "cuda"),
+            "train.packing=true (packed rows have varying cu_seqlens)": self.train.packing,
+            f"pipeline_model_parallel_size={p.pipeline_model_parallel_size}": p.pipeline_model_parallel_size > 1,
+            f"context_parallel_size={p.context_parallel_size}": p.context_parallel_size > 1,
+            f"expert_model_parallel_size={p.expert_model_parallel_size} (token counts per rank vary)": (
+                p.expert_model_parallel_size > 1
+            ),
+            "teacher.offload=true (the weights move between captures and replays)": self.teacher.offload,
+            f"teacher.cuda_graph_lengths={self.teacher.cuda_graph_lengths} not all multiples of "
+            f"tensor_model_parallel_size={p.tensor_model_parallel_size} (sequence parallelism splits them)": any(
+                n % p.tensor_model_parallel_size for n in self.teacher.cuda_graph_lengths
+            ),
+        }
+        refused = [name for name, on in refusals.items() if on]
+        if refused:
+            raise ValueError(
+                f"teacher.cuda_graphs=true cannot run with {', '.join(refused)}: it captures one forward per padded "
+                "shape on a CUDA device; set teacher.cuda_graphs=false or change those settings"
+            )
+
     def _validate_remote_teacher(self) -> None:
         from megatron_opd.teacher.transport import split_addresses
 
@@ -526,6 +553,8 @@ class TrainConfig:
                     f"loss.cross_tokenizer={cross} cannot align tool outputs yet: unset rollout.tool_fn or "
                     "loss.cross_tokenizer"
                 )
+        if self.teacher.cuda_graphs:
+            self._validate_teacher_graphs()
         if self.loss.kind != "sft" and self.teacher.backend in ("server", "vllm"):
             self._validate_remote_teacher()
         elif self.loss.kind != "sft" and not self.teacher.path:

@@ -104,6 +104,14 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
             validate_layout(teacher, cfg.parallel)
             check_packed_attention(cfg, teacher, f"{where}={view.teacher.path}")
             check_soft_capped(cfg, teacher, f"{where}={view.teacher.path}")
+            if view.teacher.cuda_graphs:
+                from megatron_opd.distributed.device import detect_accelerator
+                from megatron_opd.teacher.graphs import check_capturable
+
+                knob = where.replace(".path", ".cuda_graphs")
+                check_capturable(teacher, cfg.build.moe_fused_routing, knob)
+                if (kind := detect_accelerator(cfg.device).type) != "cuda":
+                    raise ValueError(f"{knob}=true needs a CUDA device, and this run's is {kind}: set it to false")
             # The teacher scores the student's sequences; in its own tokens (loss.cross_tokenizer), up to its context.
             own = objective.cross_tokenizer
             check_window_context_parallel(teacher, cp, teacher.max_position_embeddings if own else max_seq_len(cfg),
@@ -415,6 +423,12 @@ def build_teacher(
         return build_remote_teacher(cfg, teacher_fingerprint, student, vocab_size)
     from megatron_opd.teacher.inprocess import InProcessTeacher
 
+    device = accel.device(torch.cuda.current_device() if accel.type == "cuda" else 0)
+    graphs = None
+    if cfg.teacher.cuda_graphs:  # refused off CUDA before the teacher is built
+        from megatron_opd.teacher.graphs import bucketed_teacher_forward
+
+        graphs = bucketed_teacher_forward(cfg.teacher.cuda_graph_lengths, cfg.train.micro_batch_size, device)
     _, chunks = build_and_load(cfg.teacher.path, cfg.parallel, cfg.build, trainable=False, field="teacher.path")
     student_width, teacher_width = student.chunks[-1].vocab_size, chunks[-1].vocab_size
     if request.dense and student_width != teacher_width:
@@ -430,9 +444,10 @@ def build_teacher(
         temperature=cfg.teacher.temperature,
         micro_batch_size=cfg.train.micro_batch_size,
         offload=cfg.teacher.offload,
-        device=accel.device(torch.cuda.current_device() if accel.type == "cuda" else 0),
+        device=device,
         packing=cfg.train.packing,
         micro_batch_tokens=cfg.train.micro_batch_tokens,
+        graphs=graphs,
     )
     check_teacher_mode(teacher, cfg.loss.mode)
     return teacher
