@@ -1,7 +1,8 @@
 """The SDPA core attention of the local spec (``build.attention=sdpa``) against a float64 softmax reference:
 causal training/scoring, GQA and one KV head, decode steps against cached keys (bottom-right, not SDPA's top-left
 ``is_causal``), packed sequences (THD) equal to each sequence alone, gradients (``gradcheck``), dropout under
-Megatron's RNG, and the bad configurations it refuses."""
+Megatron's RNG, the bad configurations it refuses, and multi-latent attention's unequal heads (padded for the
+flash kernel) against Megatron's own ``DotProductAttention``."""
 
 from __future__ import annotations
 
@@ -261,9 +262,8 @@ def test_softcapped_scores_in_every_case(window, monkeypatch):
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_opd.models import attention, context_parallel
-    from megatron_opd.models.context_parallel import ContextParallelSplit
-    from megatron_opd.testing.context_parallel import StandInGroup
+    from megatron_opd.models import attention
+    from megatron_opd.testing.context_parallel import stand_in_cp_ranks
 
     cap = 0.5
     attn = _attention(softcap=cap, **_window(window))
@@ -284,15 +284,121 @@ def test_softcapped_scores_in_every_case(window, monkeypatch):
         out = attn(qp, kp, vp, None, packed_seq_params=params)
         for lo, hi, (sq, sk, sv) in zip(cu[:-1].tolist(), cu[1:].tolist(), seqs):
             torch.testing.assert_close(out[lo:hi], attn(sq, sk, sv, None)[:, 0], rtol=1e-6, atol=1e-6)
-    for rank in range(2):
-        group = StandInGroup(2, rank)
-        split = ContextParallelSplit(group, 2, rank)
-        q_s, k_s, v_s = (split.split(x, 0) for x in (q, k, v))
-        whole_kv = {k_s.data_ptr(): k.permute(1, 2, 0, 3), v_s.data_ptr(): v.permute(1, 2, 0, 3)}
-        monkeypatch.setattr(
-            context_parallel._GatherSequence, "apply", lambda x, dim, split, kv=whole_kv: kv[x.data_ptr()]
-        )
+    for group, split, (q_s, k_s, v_s) in stand_in_cp_ranks(q, k, v):
         config = _config(context_parallel_size=2, **_window(window))
         cp = SDPAttention(config, 1, AttnMaskType.causal, "self", softcap=cap,
                           pg_collection=SimpleNamespace(tp=SimpleNamespace(size=lambda: 1), cp=group))  # fmt: skip
         torch.testing.assert_close(cp(q_s, k_s, v_s, None), split.split(full, 0), rtol=1e-5, atol=1e-6)
+
+
+class _FlatBuffer:
+    """Megatron's global memory buffer (``DotProductAttention``'s score matrix) on the CPU."""
+
+    def get_tensor(self, shape, dtype, name):
+        return torch.empty(shape, dtype=dtype)
+
+
+def _mla_core_attentions(tp: int, monkeypatch):
+    """``SDPAttention`` and Megatron's ``DotProductAttention`` as the ``deepseek_v3_mla`` shape's MLA layer builds its
+    core attention on one of ``tp`` ranks (query/key heads of 24, value heads of 12, Megatron's YaRN softmax scale);
+    ``DotProductAttention`` has no value head size of its own: it takes ``kv_channels`` = the value head size."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.multi_latent_attention import _yarn_get_mscale
+
+    from megatron_opd.distributed import ParallelConfig
+    from megatron_opd.models.builder import ModelBuildConfig, transformer_config
+    from megatron_opd.models.hf_config import architecture_from_hf_config
+    from megatron_opd.testing.shapes import SHAPES
+    from megatron_opd.testing.tiny_models import tiny_hf_config
+
+    shape = SHAPES["deepseek_v3_mla"]
+    arch = architecture_from_hf_config(tiny_hf_config(shape.family, **shape.hf_overrides()).to_dict(), shape.family)
+    config = transformer_config(arch, ParallelConfig(), ModelBuildConfig())
+    qk_width = config.qk_head_dim + config.qk_pos_emb_head_dim
+    assert (qk_width, config.v_head_dim) == (24, 12)
+    scale = _yarn_get_mscale(config.rotary_scaling_factor, config.mscale_all_dim) ** 2 / math.sqrt(qk_width)
+    monkeypatch.setattr(parallel_state, "get_global_memory_buffer", _FlatBuffer)
+    sdpa = SDPAttention(config, 1, AttnMaskType.causal, "self", softmax_scale=scale, pg_collection=_TP(tp),
+                        k_channels=qk_width, v_channels=config.v_head_dim)  # fmt: skip
+    # sequence_parallel: no dropout RNG fork (dropout is 0 here)
+    local = SimpleNamespace(**{**vars(config), "kv_channels": config.v_head_dim, "sequence_parallel": True})
+    megatron = DotProductAttention(local, 1, AttnMaskType.causal, "self", softmax_scale=scale, pg_collection=_TP(tp))
+    return sdpa, megatron, config.num_attention_heads // tp, qk_width, config.v_head_dim
+
+
+def _causal_mask(s: int) -> torch.Tensor:
+    return torch.ones(s, s, dtype=torch.bool).triu(1)[None, None]  # Megatron's: True = masked out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_mla_value_heads_padded_for_flash_equal_megatrons_attention(tp, monkeypatch):
+    """Multi-latent attention's unequal heads (``equal_head_widths``): causal, explicit-mask, decode, packed and
+    context-parallel calls of ``SDPAttention`` on the ``deepseek_v3_mla`` layer's core attention (its heads at TP=1
+    and on one of two TP ranks) give Megatron's ``DotProductAttention``'s outputs and q/k/v gradients, with torch's
+    flash kernel forced (which refuses the unpadded heads)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from megatron_opd.models import attention
+    from megatron_opd.testing.context_parallel import stand_in_cp_ranks
+
+    sdpa, megatron, heads, dq, dv = _mla_core_attentions(tp, monkeypatch)
+    gen = torch.Generator().manual_seed(tp)
+
+    def qkv(s: int, b: int = 2):
+        return [torch.randn(s, b, heads, d, generator=gen).requires_grad_() for d in (dq, dq, dv)]
+
+    def outputs_and_grads(attend, inputs, weight):
+        out = attend(*inputs)
+        return out, *torch.autograd.grad((out * weight).sum(), inputs)
+
+    def assert_same(got, want):
+        for name, a, b in zip(("output", "dq", "dk", "dv"), got, want):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m, n=name: f"TP={tp} {n}: {m}")
+
+    with pytest.raises(RuntimeError):  # the flash kernel refuses unequal heads: the forced backend is the check
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            torch.nn.functional.scaled_dot_product_attention(*(x.permute(1, 2, 0, 3) for x in qkv(4)))
+    s = 11
+    q, k, v = qkv(s)
+    weight = torch.randn(s, 2, heads * dv, generator=gen)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        causal = outputs_and_grads(lambda *x: sdpa(*x, None), (q, k, v), weight)
+        masked = outputs_and_grads(lambda *x: sdpa(*x, _causal_mask(s)), (q, k, v), weight)
+        decode = [sdpa(q[i : i + 1], k[: i + 1], v[: i + 1], None, attn_mask_type=AttnMaskType.no_mask) for i in (0, 7)]
+    reference = outputs_and_grads(lambda *x: megatron(*x, _causal_mask(s)), (q, k, v), weight)
+    assert causal[0].shape == (s, 2, heads * dv)
+    assert_same(causal, reference)
+    assert_same(masked, reference)
+    for i, step in zip((0, 7), decode):
+        torch.testing.assert_close(step, reference[0][i : i + 1], rtol=1e-6, atol=1e-6)
+
+    # Packed sequences (THD), both routes, against Megatron's attention of each sequence alone.
+    lengths = [5, 1, 7]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=7, max_seqlen_kv=7)
+    packed = [x[:, 0] for x in qkv(sum(lengths), b=1)]  # [t, heads, d]
+    weight = torch.randn(sum(lengths), heads * dv, generator=gen)
+    pieces = [
+        outputs_and_grads(lambda *x, n=hi - lo: megatron(*(y[:, None] for y in x), _causal_mask(n))[:, 0],
+                          [x[lo:hi].detach().requires_grad_() for x in packed], weight[lo:hi])
+        for lo, hi in zip(cu[:-1].tolist(), cu[1:].tolist())
+    ]  # fmt: skip
+    reference = [torch.cat(parts) for parts in zip(*pieces)]
+    for bound in (4, 0):  # the padded batch, then one call per sequence
+        monkeypatch.setattr(attention, "PADDED_COST_BOUND", bound)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            got = outputs_and_grads(lambda *x: sdpa(*x, None, packed_seq_params=params), packed, weight)
+        assert_same(got, reference)
+
+    # The sequence split over two context-parallel ranks (the all-gather stood in by the whole sequence).
+    s = 8
+    q, k, v = (x.detach() for x in qkv(s))
+    full = megatron(q, k, v, _causal_mask(s))
+    for _, split, (q_s, k_s, v_s) in stand_in_cp_ranks(q, k, v):
+        monkeypatch.setattr(sdpa, "context_parallel", split)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            torch.testing.assert_close(sdpa(q_s, k_s, v_s, None), split.split(full, 0), rtol=1e-6, atol=1e-6)

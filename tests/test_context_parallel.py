@@ -17,7 +17,7 @@ import shutil
 import pytest
 import torch
 
-from megatron_opd.testing.context_parallel import StandInGroup, megatron_cp_split
+from megatron_opd.testing.context_parallel import StandInGroup, megatron_cp_split, stand_in_cp_ranks
 from megatron_opd.testing.multiprocess import run_distributed
 
 N, S, VOCAB = 4, 16, 1000
@@ -548,7 +548,7 @@ def test_teacher_server_at_cp2_matches_transformers(pp, tmp_path):
 
 
 @pytest.mark.parametrize("window", [3, 15], ids=["bites", "hides_nothing"])
-def test_cp_attention_runs_a_sliding_window(window, monkeypatch):
+def test_cp_attention_runs_a_sliding_window(window):
     """A sliding-window layer builds at CP=2 (the trainer refuses, in ``check_inputs``, only windows that can hide
     keys of its sequences) and attends as at CP=1: a window that hides keys of a chunk (the padding after the longest
     sequence) through its explicit mask, one that hides nothing as full causal attention. Each rank in turn, its
@@ -557,9 +557,7 @@ def test_cp_attention_runs_a_sliding_window(window, monkeypatch):
 
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_opd.models import context_parallel
     from megatron_opd.models.attention import SDPAttention
-    from megatron_opd.models.context_parallel import ContextParallelSplit
 
     def config(cp):
         return SimpleNamespace(num_attention_heads=4, num_query_groups=2, kv_channels=8, attention_dropout=0.0,
@@ -572,15 +570,7 @@ def test_cp_attention_runs_a_sliding_window(window, monkeypatch):
         config(1), 1, AttnMaskType.causal, "self", pg_collection=SimpleNamespace(tp=StandInGroup(1, 0))
     )
     ref = whole(q, k, v, None)
-    for rank in range(2):
-        group = StandInGroup(2, rank)
-        split = ContextParallelSplit(group, 2, rank)
-        q_s, k_s, v_s = (split.split(x, 0) for x in (q, k, v))
-        # The module gathers its local K/V as [b, g, s, d] views: each stands for the whole sequence's.
-        whole_kv = {k_s.data_ptr(): k.permute(1, 2, 0, 3), v_s.data_ptr(): v.permute(1, 2, 0, 3)}
-        monkeypatch.setattr(
-            context_parallel._GatherSequence, "apply", lambda x, dim, split, kv=whole_kv: kv[x.data_ptr()]
-        )
+    for group, split, (q_s, k_s, v_s) in stand_in_cp_ranks(q, k, v):
         attention = SDPAttention(config(2), 1, AttnMaskType.causal, "self",
                                  pg_collection=SimpleNamespace(tp=StandInGroup(1, 0), cp=group))  # fmt: skip
         torch.testing.assert_close(attention(q_s, k_s, v_s, None), split.split(ref, 0), rtol=1e-5, atol=1e-6)

@@ -73,7 +73,19 @@ def _megatron_calls():
         expected = megatron_cp_split({"x": torch.arange(8.0)[None]}, group)["x"][0]
         assert torch.equal(got, expected), (got, expected)
 
+    def shared_expert_streams():
+        """What ``SharedExpertMLP`` does with its side stream under ``moe_shared_expert_overlap``."""
+        from megatron.core.transformer.moe import shared_experts
+
+        cuda = shared_experts.torch.cuda
+        stream = cuda.Stream()
+        stream.wait_stream(cuda.current_stream())
+        with cuda.stream(stream):
+            torch.ones(2)
+        cuda.current_stream().wait_stream(stream)
+
     return {
+        "shared_expert_streams": shared_expert_streams,
         "write_results_queue": write_results_queue,
         "rng_tracker": rng_tracker,
         "cp_pos_emb": cp_pos_emb,

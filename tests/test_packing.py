@@ -143,6 +143,16 @@ def _packed_vs_padded_body(layout: dict, dirs: dict[str, str]):
             teacher = InProcessTeacher(teacher_chunks, vocab_size=1000, mode=mode, topk=16, micro_batch_size=2,
                                        packing=packing, micro_batch_tokens=None if one_stage else 68)  # fmt: skip
             scored[mode, packing] = teacher.score(batch.tokens, batch.teacher_request_ids(), batch.lengths).result()
+    # A teacher with another tokenizer gets sequences of a length the student did not pad to a multiple of TP:
+    # an odd length scores as the first positions of the longer batch (sequence parallelism pads it internally).
+    odd = batch.tokens.shape[1] - 1 + batch.tokens.shape[1] % 2
+    cut = teacher.score(batch.tokens[:, :odd], batch.teacher_request_ids()[:, :odd]).result()
+    assert cut.topk_logprobs is None or cut.topk_logprobs.shape[1] == odd
+    if cut.topk_logprobs is not None:  # the last pipeline stage
+        for name in ("topk_logprobs", "requested_logprobs"):
+            torch.testing.assert_close(
+                getattr(cut, name), getattr(scored["topk", False], name)[:, :odd], atol=1e-5, rtol=1e-5
+            )
     # Dense scores are hidden states and the output weight: h @ W^T is the model's own logit shard.
     logits = forward_backward(teacher_chunks, [{"tokens": batch.tokens}],
                               lambda out, mb: (out.new_zeros(()), out.detach().clone()), forward_only=True)  # fmt: skip

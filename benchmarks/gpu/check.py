@@ -32,9 +32,15 @@ grouped GEMMs run its biased clamped-SwiGLU experts), beside #35's row; #40 the 
 tokens (bf16, no TransformerEngine; MFU against 989 TFLOP/s dense bf16, 6N FLOPs per token, attention not counted) and one end-to-end trainer run on the GPU
 defaults (bf16 parameters, Megatron's distributed optimizer; the tiny distillation fixture, three steps). Update
 and scoring rows are ``benchmarks/bench_phases_gpu.py``'s measurements (random weights in the recipes' shapes).
-#57 the #35 and #36 grouped rows again with ``build.moe_fused_routing`` (routing on top-k indices, the Triton
-router, the sort-based permutation: no host sync; the gather, SwiGLU-times-probability and combine one Triton kernel
-each, ``kernels/moe_dispatch_triton.py``), to read against them in the same call.
+#57 before and after in one call (``issue_57_rows``), both the Qwen3-30B-A3B and the DeepSeek-V3 (V2-Lite sizes)
+shapes with grouped experts: scoring with Megatron's MoE layer, with ``build.moe_fused_routing`` (routing on top-k
+indices, the Triton router, the sort-based permutation: no host sync; the gather, SwiGLU-times-probability and
+combine one Triton kernel each, ``kernels/moe_dispatch_triton.py``), and with ``teacher.cuda_graphs`` too (one
+4,096-token bucket captured on the first call; the note gives the capture's time and the replay's top-k gap to the
+eager teacher); then the updates (full recompute) with each MoE layer, the Qwen3-30B-A3B one last (bf16 parameters
+and gradients, about 114 GiB of the H200's 139). Each #57 row's note counts the aten operators of one MoE layer and
+its attention on the device (``layer_counts``) and the MoE layer's host syncs. ``--cpu-smoke`` runs the graph rows
+through the same bucketed path with the eager runner (no capture on CPU).
 ``--issues 36,40`` runs those issues' rows only.
 """
 
@@ -68,6 +74,37 @@ class Row:
     smoke_tokens: int = 0
     grouped_gemm: bool = False  # MoE rows: Megatron's grouped expert GEMM instead of sequential experts
     fused_routing: bool = False  # MoE rows: build.moe_fused_routing (megatron_opd.moe, the Triton router)
+    cuda_graphs: bool = False  # scoring rows: teacher.cuda_graphs (the forward replayed as a captured CUDA graph)
+    op_counts: bool = False  # MoE rows: operators and host syncs of one MoE layer and its attention, beside the time
+
+
+ISSUE_57_MODELS = (("Qwen3MoeConfig", "Qwen3-30B-A3B-shaped MoE"),
+                   ("DeepseekV3Config", "DeepSeek-V2-Lite-sized DeepSeek-V3-architecture"))  # fmt: skip
+
+
+def issue_57_rows() -> tuple[Row, ...]:
+    """#57 before and after in one call, both shapes: scoring with Megatron's MoE layer, with
+    ``build.moe_fused_routing``, and with ``teacher.cuda_graphs`` too; then the updates (full recompute) with each
+    layer, the Qwen3-30B-A3B one last (its bf16 parameters and gradients, about 114 GiB, are the largest)."""
+    rows = []
+    for kind, variants in (
+        ("score", ((False, False), (True, False), (True, True))),
+        ("update", ((False, False), (True, False))),
+    ):
+        for model, name in ISSUE_57_MODELS if kind == "score" else ISSUE_57_MODELS[::-1]:
+            for fused, graphs in variants:
+                what = (
+                    f"{name} {'teacher, scoring' if kind == 'score' else 'student, update'}, grouped GEMM, "
+                    + ("fused routing" if fused else "Megatron's MoE layer")
+                    + (", CUDA graphs" if graphs else "")
+                )
+                rows.append(Row("#57", what, kind, model, 4096, "full" if kind == "update" else None, limit_s=300,
+                                smoke_tokens=64, grouped_gemm=True, fused_routing=fused, cuda_graphs=graphs,
+                                op_counts=True))  # fmt: skip
+    return tuple(rows)
+
+
+ISSUE_57_ROWS = issue_57_rows()
 
 
 ROWS = (
@@ -115,37 +152,7 @@ ROWS = (
         smoke_tokens=64,
         grouped_gemm=True,
     ),
-    Row(
-        "#57",
-        "Qwen3-30B-A3B-shaped MoE teacher, scoring, grouped GEMM, fused routing",
-        "score",
-        "Qwen3MoeConfig",
-        4096,
-        smoke_tokens=64,
-        grouped_gemm=True,
-        fused_routing=True,
-    ),
-    Row(
-        "#57",
-        "DeepSeek-V2-Lite-sized DeepSeek-V3-architecture teacher, scoring, grouped GEMM, fused routing",
-        "score",
-        "DeepseekV3Config",
-        4096,
-        smoke_tokens=64,
-        grouped_gemm=True,
-        fused_routing=True,
-    ),
-    Row(
-        "#57",
-        "DeepSeek-V2-Lite-sized DeepSeek-V3-architecture student, update, grouped GEMM, fused routing",
-        "update",
-        "DeepseekV3Config",
-        4096,
-        "full",
-        smoke_tokens=64,
-        grouped_gemm=True,
-        fused_routing=True,
-    ),
+    *ISSUE_57_ROWS,
     Row(
         "#53",
         "gpt-oss-20B-shaped MoE teacher, scoring, sequential experts",
@@ -298,7 +305,11 @@ def measure(row: Row, smoke: bool, reps: int) -> dict:
     tokens = torch.randint(0, min(arch.vocab_size, 1000), (1, s), device=device)
     positions = torch.arange(s, device=device).unsqueeze(0)
     make = _update_step if row.kind == "update" else _score_step
-    once = make(model, "fused" if row.kind == "update" else "teacher", tokens, positions, arch.vocab_size)
+    extra = {}
+    if row.cuda_graphs:
+        once, extra = graphed_score_step(model, tokens, arch.vocab_size)
+    else:
+        once = make(model, "fused" if row.kind == "update" else "teacher", tokens, positions, arch.vocab_size)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     once()  # warm-up (and the gradient buffers, which a trainer keeps too)
     sync()
@@ -311,6 +322,12 @@ def measure(row: Row, smoke: bool, reps: int) -> dict:
     seconds = (time.perf_counter() - start) / reps
     flops = (6 if row.kind == "update" else 2) * n * s / seconds
     kernel = {}
+    if row.op_counts:
+        try:
+            counts = layer_counts(model, arch, backward=row.kind == "update")
+        except Exception as err:  # the row's time stands without them
+            counts = f"operator counts failed: {type(err).__name__}: {str(err)[:120]}"
+        kernel["note"] = "; ".join(filter(None, [extra.get("note"), counts]))
     if arch.linear_attention is not None:
         from megatron_opd.models.gated_delta_kernels import uses_fla
 
@@ -325,6 +342,62 @@ def measure(row: Row, smoke: bool, reps: int) -> dict:
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "active_params": n,
     }
+
+
+def graphed_score_step(model, tokens, vocab_size: int):
+    """``_score_step`` with ``teacher.cuda_graphs``: one bucket of the row's shape, captured on the first call (on CPU
+    the same bucketed path with the eager runner); and the largest gap of its top-k log-probabilities to the eager
+    teacher's on the row's tokens (the same weights), for the note."""
+    import torch
+    from bench_phases_gpu import TOPK
+
+    from megatron_opd.teacher.graphs import BucketedForward, cuda_graph_runner, eager_runner
+    from megatron_opd.teacher.inprocess import InProcessTeacher
+
+    cuda = tokens.device.type == "cuda"
+    graphs = BucketedForward((tokens.shape[1],), tokens.shape[0], cuda_graph_runner() if cuda else eager_runner)
+    kwargs = dict(vocab_size=vocab_size, mode="topk", topk=TOPK, device=tokens.device)
+    graphed = InProcessTeacher([model], graphs=graphs, **kwargs)
+    eager = InProcessTeacher([model], **kwargs).score(tokens).result()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    start = time.perf_counter()
+    graphed.score(tokens).result()  # two warm-up forwards and the capture
+    sync()
+    captured = time.perf_counter() - start
+    replayed = graphed.score(tokens).result()
+    gap = float((replayed.topk_logprobs - eager.topk_logprobs).abs().max())
+    same = float((replayed.topk_ids == eager.topk_ids).float().mean())
+    how = f"captured in {captured:.1f} s; replay" if cuda else "CPU: no capture, the bucketed path's eager runner"
+    note = f"{how} vs eager: top-k log-prob gap {gap:.1e}, ids equal {same:.1%}"
+    return (lambda: graphed.score(tokens).result()), {"note": note}
+
+
+def layer_counts(model, arch, backward: bool) -> str:
+    """aten operators one MoE layer and its attention launch on this row's device and dtype (forward, and backward
+    for an update), and the MoE layer's host syncs, at ``moe_profile.TOKENS`` tokens (Triton kernels, e.g. the
+    fused router, are launched outside aten and not counted)."""
+    import torch
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron_opd.testing.moe_profile import TOKENS, profile
+
+    while hasattr(model, "module"):  # Float16Module
+        model = model.module
+    layer = next(lyr for lyr in model.decoder.layers if isinstance(lyr.mlp, MoELayer))
+    weight = next(layer.parameters())
+    gen = torch.Generator(device=weight.device).manual_seed(0)
+    hidden = torch.randn(TOKENS // 2, 2, arch.hidden_size, generator=gen, device=weight.device, dtype=weight.dtype)
+    rotary = model.rotary_pos_emb(TOKENS // 2) if getattr(model, "rotary_pos_emb", None) is not None else None
+    moe = profile(layer.mlp, hidden.clone().requires_grad_())
+    attention = profile(
+        layer.self_attention, hidden.clone().requires_grad_(), attention_mask=None, rotary_pos_emb=rotary
+    )
+
+    def ops(p) -> str:
+        return f"{sum(p.forward.values())}/{sum(p.backward.values())}" if backward else f"{sum(p.forward.values())}"
+
+    per = "fwd/bwd" if backward else "fwd"
+    return f"ops per layer ({per}, {TOKENS} tokens): MoE {ops(moe)}, attention {ops(attention)}; MoE host syncs {len(moe.syncs)}"
 
 
 def train(row: Row, smoke: bool, limit_s: float) -> dict:

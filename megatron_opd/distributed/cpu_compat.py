@@ -47,6 +47,9 @@ Patches (all idempotent):
    3 s of CPU in every process, most of which never calls one). ``megatron.core`` is first imported with
    ``torch.compile`` deferring to the first call (:class:`CompileOnFirstCall`): what is called compiles exactly as
    before, what is not costs nothing.
+15. Shared experts overlapped with the alltoall dispatcher (``build.moe_shared_expert_overlap``): Megatron's
+   ``SharedExpertMLP`` makes a ``torch.cuda.Stream`` and runs its pieces under ``torch.cuda.stream``; on CPU its module
+   sees ``torch.cpu``'s streams instead (no side stream: the pieces run in order, as the GPU's stream waits ensure).
 """
 
 from __future__ import annotations
@@ -340,6 +343,32 @@ def patch_alltoall_dispatcher() -> None:
     MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _cpu_dtoh_and_synchronize  # type: ignore[method-assign]
 
 
+class _CpuStreamsTorch(types.ModuleType):
+    """Stands in for ``torch`` inside a Megatron module that runs work on CUDA side streams: ``torch.cuda.Stream``,
+    ``torch.cuda.stream`` and ``torch.cuda.current_stream`` are ``torch.cpu``'s (whose waits are no-ops)."""
+
+    class _Cuda(types.ModuleType):
+        def __getattr__(self, name: str) -> Any:
+            if name in ("Stream", "stream", "current_stream"):
+                return getattr(torch.cpu, name)
+            return getattr(torch.cuda, name)
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.cuda = self._Cuda("torch.cuda")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def patch_shared_expert_streams() -> None:
+    """Patch 15: ``SharedExpertMLP`` (``moe_shared_expert_overlap``) on CPU streams."""
+    from megatron.core.transformer.moe import shared_experts
+
+    if shared_experts.torch is torch:
+        shared_experts.torch = _CpuStreamsTorch()
+
+
 def unmark_mla_te() -> None:
     """Megatron-Core 0.16's ``multi_latent_attention`` sets ``HAVE_TE = True`` when TransformerEngine is missing too
     (its TE stand-ins import), then calls ``isinstance(linear_proj, TELinear)`` with a stand-in that is no type: every
@@ -444,6 +473,7 @@ def apply_cpu_patches() -> None:
         if hasattr(module, "get_pos_emb_on_this_cp_rank"):
             module.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
     patch_alltoall_dispatcher()
+    patch_shared_expert_streams()
 
     cpu_torch = _CpuTorch()
     for module_name in _MODULES_WITH_CUDA_LITERALS:

@@ -36,6 +36,14 @@ SDPA's own backward, and every case above (causal, masks, windows, decode agains
 context parallelism) takes the same extra key; ``varlen`` (no sink argument) is then not used, and on a GPU the
 head dimension is padded to a multiple of 8 for the fused kernels.
 
+Multi-latent attention (DeepSeek-V3: query/key heads of 192 = 128 + 64 rotary, value heads of 128) passes different
+query/key and value head sizes. SDPA's flash kernels (CUDA's and CPU's alike, torch 2.13) take equal ones only, so
+such a call would run the memory-efficient kernel on a GPU and the math kernel (``s x s`` scores) on CPU. Every call
+of the cases above then pads the value heads with zeros (and the query/key heads, where needed) to one width, a
+multiple of 8 (:func:`equal_head_widths`), and drops the padded output columns: the attention is unchanged (zero
+query/key columns add nothing to the scores, zero value columns give zero outputs) and the flash kernels are
+eligible. Sinks (:func:`with_sink`) already pad all three; soft-capped scores take any widths.
+
 Shape legend: ``s`` queries, ``k`` keys, ``b`` batch, ``h`` query heads on this rank, ``g`` K/V heads on this
 rank, ``d`` head dim, ``t`` packed tokens.
 """
@@ -120,6 +128,36 @@ def _context_parallel_split(config, pg_collection):
     if group is None:
         return ContextParallelSplit.current()
     return ContextParallelSplit(group, group.size(), group.rank())
+
+
+FLASH_HEAD_MULTIPLE = 8
+"""Head widths SDPA's fused GPU kernels take (a multiple of 8); the padded width of unequal heads."""
+_logged_padded_heads = False
+
+
+def equal_head_widths(q, k, v):
+    """``(q, k, v)`` where the query/key and value head sizes differ: zero-padded in the last dimension to one width,
+    the larger size rounded up to :data:`FLASH_HEAD_MULTIPLE`, for SDPA's flash kernels; the first ``v.shape[-1]``
+    output columns are the attention of the unpadded heads. Equal head sizes stay as they are."""
+    if q.shape[-1] == v.shape[-1]:
+        return q, k, v
+    width = -(-max(q.shape[-1], v.shape[-1]) // FLASH_HEAD_MULTIPLE) * FLASH_HEAD_MULTIPLE
+    return tuple(x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1])) for x in (q, k, v))
+
+
+def _log_padded_heads(q, k, v, mask, dropout_p: float, causal: bool, gqa: bool, value_width: int) -> None:
+    """Once per process on a GPU: that unequal heads were padded, and whether torch's flash kernel takes the
+    padded call (``torch.backends.cuda.can_use_flash_attention``; with ``debug`` torch warns why not)."""
+    global _logged_padded_heads
+    if _logged_padded_heads or not q.is_cuda:
+        return
+    _logged_padded_heads = True
+    params = torch.backends.cuda.SDPAParams(q, k, v, mask, dropout_p, causal, gqa)
+    eligible = torch.backends.cuda.can_use_flash_attention(params, debug=True)
+    logger.info(
+        "attention with query/key heads of %d and value heads of %d: padded to %d for SDPA's flash kernel (%s)",
+        k.shape[-1], value_width, q.shape[-1], "eligible" if eligible else "not eligible: see torch's warning",
+    )  # fmt: skip
 
 
 def with_sink(q, k, v, mask, causal: bool, offset: torch.Tensor, scale: float):
@@ -238,7 +276,7 @@ class SDPAttention(torch.nn.Module):
             s, k_len = q.shape[2], k.shape[2]
             if self.context_parallel is not None:
                 out = self._context_parallel(q, k, v, attention_mask, mask_type, dropout_p)
-                return out.permute(2, 0, 1, 3).reshape(s, out.shape[0], self.heads * self.head_dim)
+                return out.permute(2, 0, 1, 3).reshape(s, out.shape[0], self.heads * self.v_head_dim)
             mask = None
             if attention_mask is not None:
                 mask = ~attention_mask.bool()  # Megatron: True = masked out; SDPA: True = attends
@@ -290,10 +328,13 @@ class SDPAttention(torch.nn.Module):
         skip, dv = 0, v.shape[-1]
         if self.softmax_offset is not None:
             q, k, v, mask, causal, skip = with_sink(q, k, v, mask, causal, self.softmax_offset, self.softmax_scale)
+        elif q.shape[-1] != dv:  # multi-latent attention: one width for the flash kernels
+            q, k, v = equal_head_widths(q, k, v)
+            _log_padded_heads(q, k, v, mask, dropout_p, causal, gqa, dv)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=self.softmax_scale, enable_gqa=gqa
         )
-        return out if self.softmax_offset is None else out[:, :, skip:, :dv]
+        return out if out.shape[-1] == dv and not skip else out[:, :, skip:, :dv]
 
     def _softcapped(self, q, k, v, mask, causal: bool, dropout_p: float) -> torch.Tensor:
         """``_sdpa`` with the scores soft-capped, in transformers' order: scale, cap, mask, float32 softmax."""
@@ -329,11 +370,10 @@ class SDPAttention(torch.nn.Module):
         varlen = _varlen_causal_attn(self.window) if exact_kernel else None  # varlen takes no softcap, no sinks
         if varlen is not None:
             max_len = int(params.max_seqlen_q or int((cu_q[1:] - cu_q[:-1]).max()))
-            out = varlen(
-                query, key, value, cu_q.to(torch.int32), max_len, self.softmax_scale, self.groups != self.heads
-            )
+            q, k, v = equal_head_widths(query, key, value)  # varlen's flash kernel takes equal head sizes only
+            out = varlen(q, k, v, cu_q.to(torch.int32), max_len, self.softmax_scale, self.groups != self.heads)
             if out is not None:
-                return out.reshape(out.shape[0], self.heads * self.v_head_dim)
+                return out[..., : self.v_head_dim].reshape(out.shape[0], self.heads * self.v_head_dim)
         lengths = cu_q[1:] - cu_q[:-1]
         end = int(cu_q[-1])
         if end == 0:

@@ -27,6 +27,7 @@ __all__ = [
     "build_chunks",
     "build_model",
     "build_model_chunk",
+    "check_shared_expert_overlap",
     "grouped_gemm_unavailable",
     "layer_spec",
     "llama3_inv_freq",
@@ -86,6 +87,14 @@ class ModelBuildConfig:
     host sync and fewer operators per layer (``benchmarks/RESULTS.md``). Applies where Megatron's all-gather
     dispatcher would run with grouped experts and a plain top-k router; other layers (router losses in training,
     routing replay, the all-to-all dispatcher) run Megatron's forward. Off until GPU rows show the gain."""
+    moe_shared_expert_overlap: bool = False
+    """Mixture-of-Experts models with shared experts (Qwen2-MoE, DeepSeek-V3, GLM-4.5, ...) under the ``alltoall``
+    dispatcher (``auto`` at expert parallelism > 1): compute the shared experts on a side CUDA stream while the
+    routed tokens travel to and from the other expert-parallel ranks (Megatron-Core's ``moe_shared_expert_overlap``)
+    instead of before the router. The same parameters and results (the input gradient sums its two parts in another
+    order); worth it where the all-to-all is slow against the shared expert's GEMMs. Refused with the ``allgather``
+    dispatcher and for a student without shared experts; a model without them (a teacher) ignores it. Megatron's
+    other overlaps (``overlap_moe_expert_parallel_comm``, ``delay_wgrad_compute``) are not offered: ``docs/models.md``."""
     moe_aux_loss_coeff: float = 0.0
     """Mixture-of-Experts students: weight of the Switch load-balancing loss per MoE layer (Megatron's ``aux_loss``;
     e.g. 1e-3 as in Qwen3-MoE's pre-training, 0: none). Megatron adds its gradient in the router's backward, not
@@ -123,6 +132,12 @@ class ModelBuildConfig:
         if self.moe_token_dispatcher not in ("auto", "allgather", "alltoall"):
             raise ValueError(
                 f"build.moe_token_dispatcher must be 'auto', 'allgather' or 'alltoall', got {self.moe_token_dispatcher!r}"
+            )
+        if self.moe_shared_expert_overlap and self.moe_token_dispatcher == "allgather":
+            raise ValueError(
+                "build.moe_shared_expert_overlap=true with build.moe_token_dispatcher=allgather: Megatron-Core overlaps "
+                "the shared experts with the alltoall dispatcher's communication only; set "
+                "build.moe_token_dispatcher=alltoall (or auto at expert parallelism > 1)"
             )
         for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"):
             value = getattr(self, name)
@@ -163,6 +178,29 @@ def validate_layout(arch: ModelArchitecture, parallel: ParallelConfig) -> None:
         )
     family_named(arch.family).check_layout(arch, parallel)  # before the stage split: its reason is the model's
     parallel.stage_layers(arch.num_layers)  # raises when the layers do not split over the stages
+
+
+def check_shared_expert_overlap(
+    build: ModelBuildConfig, parallel: ParallelConfig, arch: ModelArchitecture | None = None, where: str = "the model"
+) -> None:
+    """Raise a ValueError naming the field when ``build.moe_shared_expert_overlap`` cannot apply: at this layout's
+    token dispatcher, or (given ``arch``, the student's) to a model without shared experts. ``transformer_config``
+    leaves it off for a model without them (a teacher)."""
+    if not build.moe_shared_expert_overlap:
+        return
+    dispatcher = build.token_dispatcher(parallel.expert_model_parallel_size)
+    if dispatcher != "alltoall":
+        raise ValueError(
+            f"build.moe_shared_expert_overlap=true with the {dispatcher} token dispatcher (build.moe_token_dispatcher="
+            f"{build.moe_token_dispatcher} at parallel.expert_model_parallel_size="
+            f"{parallel.expert_model_parallel_size}): Megatron-Core overlaps the shared experts with the alltoall "
+            "dispatcher's communication only; set build.moe_token_dispatcher=alltoall"
+        )
+    if arch is not None and (arch.moe is None or not arch.moe.shared_expert_ffn_hidden_size):
+        raise ValueError(
+            f"build.moe_shared_expert_overlap=true, but {where} ({arch.family}) has no shared expert to overlap with "
+            "the token dispatch; set build.moe_shared_expert_overlap=false"
+        )
 
 
 def validate_expert_layout(arch: ModelArchitecture, parallel: ParallelConfig) -> None:
@@ -243,6 +281,9 @@ def transformer_config(arch: ModelArchitecture, parallel: ParallelConfig, build:
             # Megatron's flag picks TEGroupedMLP; without TE the local spec carries GroupedExperts (families/base.py).
             moe_grouped_gemm=build.moe_grouped_gemm and use_te_spec(build, parallel),
         )
+        if build.moe_shared_expert_overlap and arch.moe.shared_expert_ffn_hidden_size:
+            check_shared_expert_overlap(build, parallel)
+            kwargs["moe_shared_expert_overlap"] = True
         if build.moe_aux_loss_coeff > 0:  # Megatron's own path: the router attaches it to its output's backward
             kwargs.update(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=float(build.moe_aux_loss_coeff))
         if build.moe_z_loss_coeff > 0:

@@ -3,7 +3,8 @@
 
 The same parameters, buffers, checkpoints and numbers as Megatron-Core's ``MoELayer`` with its all-gather token
 dispatcher (expert parallelism 1 at any TP with sequence parallelism; EP > 1 where ``build.moe_token_dispatcher``
-is ``allgather``): the router's gating GEMM and the experts are Megatron's (:class:`GroupedExperts`), the routing
+is ``allgather``) and with its all-to-all dispatcher at TP=1 (:mod:`~megatron_opd.moe.expert_parallel`: one host
+read, the split sizes): the router's gating GEMM and the experts are Megatron's (:class:`GroupedExperts`), the routing
 arithmetic is :func:`~megatron_opd.moe.routing.fused_topk_routing` (one operator forward and one backward; on CUDA
 a Triton kernel each, ``kernels/moe_router_triton.py``), the permutation :mod:`~megatron_opd.moe.permutation`,
 and the gather, activation and combine :mod:`~megatron_opd.moe.ops` (one operator each, a Triton kernel on CUDA; the
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 def fused_path_refusal(layer, hidden: torch.Tensor, padding_mask, intermediate_tensors) -> str | None:
     """Why ``layer`` (an ``MoELayer``) must run Megatron's own forward for this call, or None."""
     from megatron.core.transformer.moe.router import TopKRouter
-    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher
 
     c, router = layer.config, layer.router
     training = router.training and torch.is_grad_enabled()
@@ -43,7 +44,10 @@ def fused_path_refusal(layer, hidden: torch.Tensor, padding_mask, intermediate_t
         "a padding mask or partial forward": padding_mask is not None or intermediate_tensors is not None,
         "latent or overlapped shared experts": bool(c.moe_latent_size) or layer.shared_expert_overlap,
         "layer recompute": layer.moe_layer_recompute,
-        "another dispatcher": type(layer.token_dispatcher) is not MoEAllGatherTokenDispatcher,
+        "another dispatcher": type(layer.token_dispatcher)
+        not in (MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher),
+        "the all-to-all dispatcher with tensor parallelism": type(layer.token_dispatcher) is MoEAlltoAllTokenDispatcher
+        and layer.token_dispatcher.tp_size > 1,
         # models.grouped_experts.GroupedExperts (not imported: models builds this layer)
         "sequential experts": not (hasattr(layer.experts, "grouped_forward") and layer.experts._grouped_ok(hidden)),
     }
@@ -80,7 +84,9 @@ def fused_moe_layer(base: type) -> type:
         gather_from_sequence_parallel_region,
         reduce_scatter_to_sequence_parallel_region,
     )
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
+    from megatron_opd.moe.expert_parallel import expert_parallel_experts
     from megatron_opd.moe.ops import moe_combine, moe_permute, moe_silu_glu
     from megatron_opd.moe.permutation import permutation
     from megatron_opd.moe.routing import RouterSpec, fused_topk_routing
@@ -104,6 +110,10 @@ def fused_moe_layer(base: type) -> type:
             if router._forward_hooks:  # e.g. the trainer's router metrics: they see Megatron's dense outputs
                 self._call_router_hooks(hidden_states, probs_TK, experts_TK)
             hidden_TH = hidden_states.reshape(-1, hidden_states.shape[-1])
+            if isinstance(dispatcher, MoEAlltoAllTokenDispatcher):  # experts on other ranks: expert_parallel
+                out_TH = expert_parallel_experts(hidden_TH, probs_TK, experts_TK, self.experts.grouped_forward,
+                                                 dispatcher.ep_group, self.num_local_experts)  # fmt: skip
+                return self._plus_shared(out_TH, shared_TH, gate_w_H, hidden_states), None
             group = dispatcher.tp_ep_group
             if group.size() > 1:  # as the all-gather dispatcher: every token on every TP x EP rank
                 with torch.no_grad():
@@ -120,12 +130,17 @@ def fused_moe_layer(base: type) -> type:
                 return out_TH.view(hidden_states.shape), None
             out_TH = moe_combine(rows_RH, inverse_TK, perm.offsets_L)
             out_TH = reduce_scatter_to_sequence_parallel_region(out_TH.to(probs_TK.dtype), group=group)
-            out_TH = out_TH.to(rows_RH.dtype)
+            return self._plus_shared(out_TH.to(rows_RH.dtype), shared_TH, gate_w_H, hidden_states), None
+
+        @staticmethod
+        def _plus_shared(out_TH, shared_TH, gate_w_H, hidden_states):
+            """The layer's output: ``out_TH`` plus the shared expert's output times its gate, in torch (where the
+            combine cannot add them: its tokens are not this rank's)."""
             if shared_TH is not None and gate_w_H is not None:  # Megatron's SharedExpertMLP gate
                 shared_TH = shared_TH * torch.sigmoid(F.linear(hidden_states, gate_w_H)).reshape(-1, 1)
             if shared_TH is not None:
                 out_TH = out_TH + shared_TH
-            return out_TH.view(hidden_states.shape), None
+            return out_TH.view(hidden_states.shape)
 
         def _shared_expert(self, hidden_states) -> tuple[torch.Tensor | None, torch.Tensor | None]:
             """``(shared_TH, gate_weight)``: the shared expert's output before its gate (Megatron's arithmetic) and

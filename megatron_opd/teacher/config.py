@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 
@@ -51,6 +51,15 @@ class TeacherConfig:
     offload: bool = False
     """Two-phase memory mode: the teacher scores the whole step, its scores are cached in host memory and its
     weights leave the accelerator while the student trains (a no-op on CPU)."""
+    cuda_graphs: bool = False
+    """``backend=inprocess`` on CUDA: replay the teacher's forward as a CUDA graph captured per (rows, length) bucket
+    (``teacher.cuda_graph_lengths``; rows and positions padded at the end, real tokens' scores unchanged). Needs
+    ``train.packing=false``, one pipeline stage, no context or expert parallelism, no ``teacher.offload``, and for an
+    MoE teacher ``build.moe_fused_routing=true`` (no host sync in the forward). A teacher server: ``--cuda-graphs``."""
+    cuda_graph_lengths: list[int] = field(default_factory=lambda: [512, 1024, 2048, 4096, 8192])
+    """``teacher.cuda_graphs``: the length buckets (increasing, at most 8); a micro-batch is padded to the next,
+    and one longer than the last runs eagerly. Each bucket holds a captured graph per row bucket; their shared memory
+    pool (about one forward's activations at the largest bucket) stays reserved between steps."""
     tokenizer: str | None = None
     """Folder with the teacher's tokenizer files (for the vocabulary check); default as for the student."""
     prompt_template: str | None = None
@@ -66,6 +75,10 @@ class TeacherConfig:
         for name in ("timeout_s", "connect_timeout_s", "max_message_bytes", "max_batch_tokens"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"teacher.{name} must be > 0, got {getattr(self, name)}")
+        if self.cuda_graphs:
+            from megatron_opd.teacher.graphs import check_lengths
+
+            check_lengths(self.cuda_graph_lengths)
         if self.retries < 0 or self.backoff_s < 0:
             raise ValueError(
                 f"teacher.retries and teacher.backoff_s must be >= 0, got {self.retries}, {self.backoff_s}"

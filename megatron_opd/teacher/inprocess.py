@@ -39,6 +39,7 @@ from megatron_opd.models.context_parallel import ContextParallelSplit, split_mic
 from megatron_opd.models.forward_backward import forward_backward
 from megatron_opd.models.output import HiddenStateOutput
 from megatron_opd.teacher.capabilities import INPROCESS
+from megatron_opd.teacher.graphs import BucketedForward
 
 
 class InProcessTeacher:
@@ -61,6 +62,7 @@ class InProcessTeacher:
         packing: bool = False,
         micro_batch_tokens: int | None = None,
         chunk_size: int | None = None,
+        graphs: BucketedForward | None = None,
     ) -> None:
         if any(p.requires_grad for chunk in chunks for p in chunk.parameters()):
             raise ValueError("the teacher must be frozen: build it with build_model(..., trainable=False)")
@@ -77,6 +79,13 @@ class InProcessTeacher:
         self.chunk_size = chunk_size
         """Tokens whose logits exist at once (None: automatic, ``losses.fused_output.chunk_tokens``)."""
         self.offload = offload and device is not None and device.type != "cpu"
+        if graphs is not None and (self.offload or packing):
+            raise ValueError(
+                "teacher.cuda_graphs captures the forward at fixed weight addresses and padded shapes: it cannot "
+                "run with teacher.offload (the weights move) or packed rows (train.packing); unset one of them"
+            )
+        self.graphs = graphs
+        """``teacher.cuda_graphs``: the chunks' forward replays a captured graph per (rows, length) bucket."""
         self.device = device
         if self.offload:
             self._move("cpu")
@@ -116,6 +125,11 @@ class InProcessTeacher:
         else:
             micro_batches = self._padded(tokens, request_ids)
         split = ContextParallelSplit.current()
+        config = self.chunks[0].config
+        if micro_batches and not packed and split is None and config.sequence_parallel:
+            # Sequence parallelism splits every sequence over the TP ranks: a length the student's padding did not
+            # make (a teacher with another tokenizer) is padded by repeating its last position, cut off below.
+            micro_batches = [pad_columns(mb, config.tensor_model_parallel_size) for mb in micro_batches]
         if split is not None:  # each rank scores its share of every sequence; the scores are gathered back whole
             if packed:
                 raise ValueError("packed sequences cannot be scored with context parallelism; set train.packing=false")
@@ -135,12 +149,15 @@ class InProcessTeacher:
                 scores = self._scores_of(output, mb.get("request_ids"))
             if split is not None:  # this rank's positions -> the whole (unpadded) sequences
                 scores = _map(scores, lambda v: split.gather(v)[:, : tokens.shape[1]])
+            elif not packed:  # the sequence-parallel padding off
+                scores = _map(scores, lambda v: v[:, : tokens.shape[1]])
             if packed:  # [1, T, ...] -> [b, S, ...]
                 sizes = mb["sequence_lengths"].tolist()
                 scores = _map(scores, lambda v: packing.unpack(v, sizes, tokens.shape[1]))
             return output.new_zeros(()), _map(scores, self._to_host)
 
-        with self.output.active() if hidden else contextlib.nullcontext():
+        graphed = self.graphs.installed(self.chunks, hidden) if self.graphs else contextlib.nullcontext()
+        with self.output.active() if hidden else contextlib.nullcontext(), graphed:
             outputs = forward_backward(self.chunks, micro_batches, collect, forward_only=True)
         result = self._concat(outputs)
         if hidden and self.dense and outputs:
@@ -242,3 +259,13 @@ _FIELDS = ("topk_ids", "topk_logprobs", "dense_logits", "dense_hidden", "request
 
 def _map(scores: TeacherScores, fn) -> TeacherScores:
     return TeacherScores(**{name: None if (v := getattr(scores, name)) is None else fn(v) for name in _FIELDS})
+
+
+def pad_columns(mb: dict, multiple: int) -> dict:
+    """``mb``'s ``[b, S, ...]`` columns (tokens, request ids) padded to a multiple of ``multiple`` positions by
+    repeating the last one: a causal model's scores of the real positions are unchanged."""
+    b, s = mb["tokens"].shape
+    extra = -s % multiple
+    if not extra:
+        return mb
+    return {name: torch.cat([v, v[:, -1:].expand(b, extra, *v.shape[2:])], dim=1) for name, v in mb.items()}

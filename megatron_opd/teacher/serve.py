@@ -242,6 +242,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         help="with --pp > 1 and packing: tokens per packed micro-batch (default --micro-batch-size x longest row)",
     )
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="replay the forward as CUDA graphs captured per (rows, length) bucket (CUDA, --pp/--cp/--ep 1; implies "
+        "--no-packing; an MoE model routes with build.moe_fused_routing)",
+    )
+    p.add_argument(
+        "--cuda-graph-lengths",
+        type=lambda text: [int(n) for n in text.split(",")],
+        default=[512, 1024, 2048, 4096, 8192],
+        help="with --cuda-graphs: the length buckets, comma-separated and increasing (longer batches run eagerly)",
+    )
     p.add_argument("--batch-wait-ms", type=float, default=2.0, help="wait for more requests to batch together")
     p.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto", help="auto: bf16 on GPU/NPU")
     p.add_argument("--device", choices=("auto", "cuda", "npu", "cpu"), default="auto")
@@ -258,6 +270,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--micro-batch-tokens={args.micro_batch_tokens} must be >= 1 and divide by --tp={args.tp}")
     if args.cp > 1:  # packed rows are not split over context-parallel ranks: batches are padded
         args.packing = False
+    if args.cuda_graphs:
+        from megatron_opd.teacher.graphs import check_lengths
+
+        refused = [f"--{n} {getattr(args, n)}" for n in ("pp", "cp", "ep") if getattr(args, n) > 1]
+        refused += [f"--device {args.device}"] if args.device not in ("auto", "cuda") else []
+        if refused:
+            p.error(f"--cuda-graphs captures one forward per padded shape on CUDA: not with {', '.join(refused)}")
+        try:
+            check_lengths(args.cuda_graph_lengths, "--cuda-graph-lengths")
+        except ValueError as err:
+            p.error(str(err))
+        args.packing = False  # one shape per bucket: rows are padded
     return args
 
 
@@ -309,7 +333,15 @@ def main(argv: list[str] | None = None) -> None:
     dtype = args.dtype if args.dtype != "auto" else ("fp32" if accel.type == "cpu" else "bf16")
     # The replicas score row shares of their own sizes: the default dispatcher (auto) is alltoall at EP > 1, which
     # exchanges tokens in the counts each rank holds.
-    build = ModelBuildConfig(dtype=dtype)
+    # --cuda-graphs: MoE layers route without host syncs (build.moe_fused_routing), which a capture needs.
+    build = ModelBuildConfig(dtype=dtype, moe_fused_routing=args.cuda_graphs)
+    graphs = None
+    if args.cuda_graphs:  # refused off CUDA before the model is built
+        from megatron_opd.teacher.graphs import bucketed_teacher_forward
+
+        graphs = bucketed_teacher_forward(
+            args.cuda_graph_lengths, args.micro_batch_size, accel.device(LaunchEnv.from_environ().local_rank)
+        )
     arch, chunks = build_and_load(args.model, parallel, build, trainable=False, field="--model")
     # Megatron allocates its parallel layers on the current device, but norms (local spec) start on the CPU.
     device = accel.device(LaunchEnv.from_environ().local_rank)
@@ -328,6 +360,7 @@ def main(argv: list[str] | None = None) -> None:
         micro_batch_size=args.micro_batch_size,
         packing=args.packing,
         micro_batch_tokens=args.micro_batch_tokens,
+        graphs=graphs,
     )
     scorer = ShardedScorer(teacher, collective_device())
     sumsq = output_weight_sumsq(chunks, vocab_size, collective_device())  # a collective: before ranks part ways

@@ -23,7 +23,8 @@ from pathlib import Path
 DIMENSIONS: dict[str, tuple[str, ...]] = {
     # world size <= 2 on a two-core CI machine; the 4-rank layouts (TP2xPP2, ETP) are tests/test_resume_layouts.py's
     "layout": ("tp1", "tp2_sp", "dp2", "pp2_vp2", "cp2", "ep2"),
-    "student": ("dense_tied", "dense_untied", "moe", "windowed"),
+    # moe_fused: the MoE student with build.moe_fused_routing (megatron_opd.moe; Megatron's forward where it declines)
+    "student": ("dense_tied", "dense_untied", "moe", "moe_fused", "windowed"),
     "rollout": ("builtin", "vllm"),
     "teacher": ("inprocess", "server", "two_teachers", "other_tokenizer"),
     "loss": ("dense", "topk", "union", "sampled", "sft"),
@@ -152,7 +153,8 @@ def value_overrides(row: dict[str, str], files: SpaceFiles, layout: str | None =
     """The trainer overrides of ``row`` (at ``layout``, default the row's own)."""
     layout = layout or row["layout"]
     out: dict[str, object] = {
-        "student.path": files.students[row["student"]],
+        "student.path": files.students[row["student"].removesuffix("_fused")],
+        "build.moe_fused_routing": row["student"] == "moe_fused",
         "data.train_files": files.messages if row["records"] == "messages" else files.prompts,
         "data.eval_files": "" if row["eval"] == "off" else files.eval_prompts,
         "data.shuffle": False,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
 from unittest import mock
 
 import torch
@@ -36,3 +37,22 @@ def megatron_cp_split(batch: dict[str, torch.Tensor], group: StandInGroup) -> di
         if "is_hybrid_cp" in inspect.signature(utils.get_batch_on_this_cp_rank).parameters:  # 0.19
             return utils.get_batch_on_this_cp_rank(dict(batch), False, cp_group=group)
         return utils.get_batch_on_this_cp_rank(dict(batch), cp_group=group)
+
+
+def stand_in_cp_ranks(q, k, v, size: int = 2) -> Iterator[tuple[StandInGroup, object, tuple]]:
+    """For each of ``size`` context-parallel ranks without a process group: its group, its ``ContextParallelSplit`` and
+    its local ``(q, k, v)`` (``[s, b, heads, d]``, split along ``s``), while ``SDPAttention``'s K/V all-gather answers
+    that rank's local K/V with the whole sequence's."""
+    from megatron_opd.models import context_parallel
+    from megatron_opd.models.context_parallel import ContextParallelSplit
+
+    for rank in range(size):
+        group = StandInGroup(size, rank)
+        split = ContextParallelSplit(group, size, rank)
+        local = tuple(split.split(x, 0) for x in (q, k, v))
+        # The module gathers its local K/V as [b, g, s, d] views: each stands for the whole sequence's.
+        whole = {local[1].data_ptr(): k.permute(1, 2, 0, 3), local[2].data_ptr(): v.permute(1, 2, 0, 3)}
+        with mock.patch.object(
+            context_parallel._GatherSequence, "apply", lambda x, dim, split, kv=whole: kv[x.data_ptr()]
+        ):
+            yield group, split, local

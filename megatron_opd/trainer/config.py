@@ -350,6 +350,33 @@ class TrainConfig:
     export_hf: bool = True
     """Export the final student to ``output_dir/hf`` (loadable by transformers and vLLM)."""
 
+    def _validate_teacher_graphs(self) -> None:
+        """``teacher.cuda_graphs``: the layouts whose teacher forward has one shape per bucket, on CUDA."""
+        p = self.parallel
+        refusals = {
+            f"teacher.backend={self.teacher.backend} (a teacher server takes --cuda-graphs)": (
+                self.teacher.backend != "inprocess"
+            ),
+            f"device={self.device}": self.device not in ("auto", "cuda"),
+            "train.packing=true (packed rows have varying cu_seqlens)": self.train.packing,
+            f"pipeline_model_parallel_size={p.pipeline_model_parallel_size}": p.pipeline_model_parallel_size > 1,
+            f"context_parallel_size={p.context_parallel_size}": p.context_parallel_size > 1,
+            f"expert_model_parallel_size={p.expert_model_parallel_size} (token counts per rank vary)": (
+                p.expert_model_parallel_size > 1
+            ),
+            "teacher.offload=true (the weights move between captures and replays)": self.teacher.offload,
+            f"teacher.cuda_graph_lengths={self.teacher.cuda_graph_lengths} not all multiples of "
+            f"tensor_model_parallel_size={p.tensor_model_parallel_size} (sequence parallelism splits them)": any(
+                n % p.tensor_model_parallel_size for n in self.teacher.cuda_graph_lengths
+            ),
+        }
+        refused = [name for name, on in refusals.items() if on]
+        if refused:
+            raise ValueError(
+                f"teacher.cuda_graphs=true cannot run with {', '.join(refused)}: it captures one forward per padded "
+                "shape on a CUDA device; set teacher.cuda_graphs=false or change those settings"
+            )
+
     def _validate_remote_teacher(self) -> None:
         from megatron_opd.teacher.transport import split_addresses
 
@@ -454,6 +481,23 @@ class TrainConfig:
                 "parallel.context_parallel_size=1"
             )
 
+    def _validate_shared_expert_overlap(self) -> None:
+        """``build.moe_shared_expert_overlap``: the dispatcher it needs, and no LoRA on the shared experts at TP > 1
+        (overlapped, their linear layers leave the sequence-parallel all-gather to the dispatcher; an adapter's
+        hook would gather its input again). The student's shared experts: ``setup.check_inputs``."""
+        from megatron_opd.models.builder import check_shared_expert_overlap
+
+        check_shared_expert_overlap(self.build, self.parallel)
+        lora, tp = self.student.lora, self.parallel.tensor_model_parallel_size
+        mlp_targets = sorted({"linear_fc1", "linear_fc2"} & set(lora.target_modules))
+        if self.build.moe_shared_expert_overlap and lora.enabled and tp > 1 and mlp_targets:
+            raise ValueError(
+                f"build.moe_shared_expert_overlap=true with student.lora.target_modules={mlp_targets} at "
+                f"tensor_model_parallel_size={tp}: overlapped shared experts take their inputs already gathered over "
+                "tensor-parallel ranks, which the adapters would gather again; set build.moe_shared_expert_overlap="
+                "false or leave linear_fc1/linear_fc2 out of the adapters"
+            )
+
     def _validate_expert_parallel(self) -> None:
         """What runs at expert parallelism: the built-in sampler, in-process teachers, training, evaluation, each
         keeping the expert-parallel ranks in step (``distributed.lockstep``)."""
@@ -509,6 +553,8 @@ class TrainConfig:
                     f"loss.cross_tokenizer={cross} cannot align tool outputs yet: unset rollout.tool_fn or "
                     "loss.cross_tokenizer"
                 )
+        if self.teacher.cuda_graphs:
+            self._validate_teacher_graphs()
         if self.loss.kind != "sft" and self.teacher.backend in ("server", "vllm"):
             self._validate_remote_teacher()
         elif self.loss.kind != "sft" and not self.teacher.path:
@@ -671,6 +717,7 @@ class TrainConfig:
                 "still move every expert's bias after each step, and with it which experts a token goes to; set "
                 "build.moe_router_bias_update_rate=0 to freeze the routing, or train.freeze_router=false"
             )
+        self._validate_shared_expert_overlap()
         if self.parallel.context_parallel_size > 1:
             self._validate_context_parallel()
         if self.parallel.expert_model_parallel_size > 1:

@@ -67,7 +67,7 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
     layout splits the student (and the in-process teacher, built at the same layout), the data files are there,
     and the vocabulary check (its result is returned)."""
     from megatron_opd.data.records import check_paths
-    from megatron_opd.models.builder import check_window_context_parallel, validate_layout
+    from megatron_opd.models.builder import check_shared_expert_overlap, check_window_context_parallel, validate_layout
 
     student = model_architecture(cfg.student.path, "student.path")
     validate_layout(student, cfg.parallel)
@@ -79,6 +79,7 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
         from megatron_opd.models.lora import check_lora_targets
 
         check_lora_targets(student, cfg.student.lora, cfg.parallel.stage_layer_indices(student.num_layers))
+    check_shared_expert_overlap(cfg.build, cfg.parallel, student, f"the student ({cfg.student.path})")
     if cfg.train.freeze_router and student.moe is None:
         raise ValueError(
             f"train.freeze_router=true, but the student ({cfg.student.path}) has no Mixture-of-Experts layer and so "
@@ -103,6 +104,14 @@ def check_inputs(cfg: TrainConfig) -> Vocabulary:
             validate_layout(teacher, cfg.parallel)
             check_packed_attention(cfg, teacher, f"{where}={view.teacher.path}")
             check_soft_capped(cfg, teacher, f"{where}={view.teacher.path}")
+            if view.teacher.cuda_graphs:
+                from megatron_opd.distributed.device import detect_accelerator
+                from megatron_opd.teacher.graphs import check_capturable
+
+                knob = where.replace(".path", ".cuda_graphs")
+                check_capturable(teacher, cfg.build.moe_fused_routing, knob)
+                if (kind := detect_accelerator(cfg.device).type) != "cuda":
+                    raise ValueError(f"{knob}=true needs a CUDA device, and this run's is {kind}: set it to false")
             # The teacher scores the student's sequences; in its own tokens (loss.cross_tokenizer), up to its context.
             own = objective.cross_tokenizer
             check_window_context_parallel(teacher, cp, teacher.max_position_embeddings if own else max_seq_len(cfg),
@@ -414,6 +423,12 @@ def build_teacher(
         return build_remote_teacher(cfg, teacher_fingerprint, student, vocab_size)
     from megatron_opd.teacher.inprocess import InProcessTeacher
 
+    device = accel.device(torch.cuda.current_device() if accel.type == "cuda" else 0)
+    graphs = None
+    if cfg.teacher.cuda_graphs:  # refused off CUDA before the teacher is built
+        from megatron_opd.teacher.graphs import bucketed_teacher_forward
+
+        graphs = bucketed_teacher_forward(cfg.teacher.cuda_graph_lengths, cfg.train.micro_batch_size, device)
     _, chunks = build_and_load(cfg.teacher.path, cfg.parallel, cfg.build, trainable=False, field="teacher.path")
     student_width, teacher_width = student.chunks[-1].vocab_size, chunks[-1].vocab_size
     if request.dense and student_width != teacher_width:
@@ -429,9 +444,10 @@ def build_teacher(
         temperature=cfg.teacher.temperature,
         micro_batch_size=cfg.train.micro_batch_size,
         offload=cfg.teacher.offload,
-        device=accel.device(torch.cuda.current_device() if accel.type == "cuda" else 0),
+        device=device,
         packing=cfg.train.packing,
         micro_batch_tokens=cfg.train.micro_batch_tokens,
+        graphs=graphs,
     )
     check_teacher_mode(teacher, cfg.loss.mode)
     return teacher
