@@ -85,8 +85,9 @@ class ModelBuildConfig:
     """Mixture-of-Experts models: route on each token's top-k expert indices and permute tokens by one sort
     (``megatron_opd.moe``) instead of Megatron-Core's dense routing maps and ``masked_select``: the same results, no
     host sync and fewer operators per layer (``benchmarks/RESULTS.md``). Applies where Megatron's all-gather
-    dispatcher would run with grouped experts and a plain top-k router; other layers (router losses in training,
-    routing replay, the all-to-all dispatcher) run Megatron's forward. Off until GPU rows show the gain."""
+    or all-to-all dispatcher would run (the all-to-all at TP=1: one host read, its split sizes) with grouped experts
+    and a plain top-k router; other layers (router losses in training, routing replay, overlapped shared experts)
+    run Megatron's forward. Off until GPU rows show the gain."""
     moe_shared_expert_overlap: bool = False
     """Mixture-of-Experts models with shared experts (Qwen2-MoE, DeepSeek-V3, GLM-4.5, ...) under the ``alltoall``
     dispatcher (``auto`` at expert parallelism > 1): compute the shared experts on a side CUDA stream while the
