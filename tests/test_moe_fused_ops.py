@@ -87,6 +87,7 @@ def test_other_ranks_rows_get_no_gradient_and_their_values_are_not_read():
     torch.testing.assert_close(out_TH, expected.sum(1))
     out_TH.sum().backward()
     torch.testing.assert_close(probs_TK.grad, is_local_TK * HIDDEN)
+    torch.testing.assert_close(hidden_TH.grad, (2 * is_local_TK.sum(1, keepdim=True)).expand(-1, HIDDEN))
 
 
 def _experts(n=3):
