@@ -38,6 +38,15 @@ def supports(logits_TE: torch.Tensor, spec) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _logits_row(logits_ptr, stride_t, E, BLOCK_E: tl.constexpr):
+        """This program's token, the expert ids, which of them exist, and the token's logits in float32 (-inf past
+        ``E``)."""
+        t = tl.program_id(0).to(tl.int64)
+        e = tl.arange(0, BLOCK_E)
+        valid = e < E
+        return t, e, valid, tl.load(logits_ptr + t * stride_t + e, mask=valid, other=float("-inf")).to(tl.float32)
+
+    @triton.jit
     def _argmax_lowest(values, ids, BLOCK: tl.constexpr):
         """The largest of ``values`` and the lowest id holding it."""
         best = tl.max(values, axis=0)
@@ -50,10 +59,7 @@ if triton is not None:
         PRE_SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, G: tl.constexpr, GROUP_TOPK: tl.constexpr,
         PER_GROUP: tl.constexpr,
     ):  # fmt: skip
-        t = tl.program_id(0).to(tl.int64)
-        e = tl.arange(0, BLOCK_E)
-        valid = e < E
-        x = tl.load(logits_ptr + t * stride_t + e, mask=valid, other=float("-inf")).to(tl.float32)
+        t, e, valid, x = _logits_row(logits_ptr, stride_t, E, BLOCK_E)
         if SIGMOID:
             scores = tl.sigmoid(x)
             sel = scores
@@ -113,12 +119,9 @@ if triton is not None:
         K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, SIGMOID: tl.constexpr,
         PRE_SOFTMAX: tl.constexpr,
     ):  # fmt: skip
-        t = tl.program_id(0).to(tl.int64)
-        e = tl.arange(0, BLOCK_E)
-        valid = e < E
+        t, e, valid, x = _logits_row(logits_ptr, stride_t, E, BLOCK_E)
         k = tl.arange(0, BLOCK_K)
         chosen_k = k < K
-        x = tl.load(logits_ptr + t * stride_t + e, mask=valid, other=float("-inf")).to(tl.float32)
         ids = tl.load(experts_ptr + t * K + k, mask=chosen_k, other=-1)
         g = tl.load(grad_ptr + t * K + k, mask=chosen_k, other=0.0).to(tl.float32) * scale
         onehot = ids[:, None] == e[None, :]  # [BLOCK_K, BLOCK_E]: chosen expert k is expert e
