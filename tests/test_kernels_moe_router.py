@@ -21,7 +21,7 @@ elif os.environ.get("TRITON_INTERPRET") == "1" and moe_router_triton.triton is n
     DEVICE = torch.device("cpu")
 else:
     DEVICE = None
-pytestmark = pytest.mark.skipif(DEVICE is None, reason="needs triton on CUDA, or TRITON_INTERPRET=1")
+needs_device = pytest.mark.skipif(DEVICE is None, reason="needs triton on CUDA, or TRITON_INTERPRET=1")
 
 SPECS = {
     "softmax over the top-k (Qwen3-MoE, Mixtral)": RouterSpec(topk=4),
@@ -31,6 +31,7 @@ SPECS = {
 # (softmax then plain top-k, top-1) take no branch of the kernel these do not
 
 
+@needs_device
 @pytest.mark.parametrize("name", list(SPECS))
 def test_triton_router_equals_torch_routing(name):
     spec = SPECS[name]
@@ -49,3 +50,28 @@ def test_triton_router_equals_torch_routing(name):
     assert torch.equal(experts, ref_experts)  # both in descending score order, ties to the lowest id
     torch.testing.assert_close(probs, ref_probs, atol=1e-6, rtol=0)
     torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=0)
+
+
+@pytest.mark.skipif(
+    moe_router_triton.triton is None or os.environ.get("TRITON_INTERPRET") == "1", reason="needs triton"
+)
+def test_router_kernels_compile_for_hopper_without_a_gpu():
+    """Ahead-of-time compilation to sm_90 (as ``test_kernels_triton.py``) of both kernels' widest variants, bfloat16
+    logits: what the interpreter cannot catch (types of loop-carried values, constexpr branches)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    shape = {"K": 8, "BLOCK_K": 8, "BLOCK_E": 256, "SIGMOID": True, "PRE_SOFTMAX": False}
+    jobs = [
+        (moe_router_triton._route_kernel, {**shape, "HAS_BIAS": True, "G": 8, "GROUP_TOPK": 4, "PER_GROUP": 2}),
+        (moe_router_triton._route_backward_kernel, shape),
+        (moe_router_triton._route_backward_kernel, {**shape, "SIGMOID": False, "PRE_SOFTMAX": True}),
+        (moe_router_triton._route_backward_kernel, {**shape, "SIGMOID": False}),
+    ]
+    types = {"bias_ptr": "*fp32", "experts_ptr": "*i64", "E": "i32", "stride_t": "i32", "scale": "fp32"}
+    for fn, constexprs in jobs:
+        signature = {name: "constexpr" if name in constexprs else types.get(name, "*bf16") for name in fn.arg_names}
+        compiled = moe_router_triton.triton.compile(
+            ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32)
+        )
+        assert "cubin" in compiled.asm, fn.__name__
