@@ -271,7 +271,7 @@ def test_fused_moe_layer_at_ep2_with_all_to_all_reads_only_the_split_sizes():
     """Issue #57: at EP > 1 a forward's only host read is the all-to-all's split sizes (one copy; Megatron's
     dispatcher also syncs in ``masked_select`` and copies three count tensors), with Megatron's outputs and
     gradients within 1e-6."""
-    for result in run_distributed(_alltoall_gaps_and_syncs, 2, args=(("qwen3_moe_dense0", "deepseek_v3_mla"),),
+    for result in run_distributed(_alltoall_gaps_and_syncs, 2, args=(("qwen2_moe_shared", "deepseek_v3_mla"),),
                                   timeout=600):  # fmt: skip
         for name, (gaps, syncs) in result.items():
             assert max(gaps.values()) <= 1e-6, (name, gaps)

@@ -25,17 +25,22 @@ def _arange(n: int, device: torch.device) -> torch.Tensor:
 
 
 def expert_parallel_experts(
-    hidden_TH: torch.Tensor, probs_TK: torch.Tensor, experts_TK: torch.Tensor, grouped_forward, group, num_local: int
-) -> torch.Tensor:
+    hidden_TH: torch.Tensor, probs_TK: torch.Tensor, experts_TK: torch.Tensor, grouped_forward, group, num_local: int,
+    shared_TH: torch.Tensor | None = None, gate_w_H: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """``[T, H]``: each token's expert outputs (times their probabilities, by ``grouped_forward(rows, offsets,
-    probs)``) summed, with the experts spread over ``group``'s ranks, ``num_local`` on each, in rank order."""
+    probs)``) summed, with the experts spread over ``group``'s ranks, ``num_local`` on each, in rank order; plus the
+    shared expert's output ``shared_TH`` (times its gate ``sigmoid(hidden . gate_w_H)`` where given), in the same
+    combine."""
     from megatron.core.tensor_parallel.mappings import all_to_all
 
-    ranks, k = group.size(), experts_TK.shape[1]
+    from megatron_opd.moe.ops import moe_combine, moe_permute
+
+    ranks = group.size()
     experts = ranks * num_local
     flat_R = experts_TK.reshape(-1)
     sorted_R, slots_R = torch.sort(flat_R, stable=True)
-    ends_E = torch.searchsorted(sorted_R, _arange(experts, flat_R.device), right=True)
+    ends_E = torch.searchsorted(sorted_R, _arange(experts, flat_R.device), right=True, out_int32=True)
     sent_E = torch.diff(ends_E, prepend=ends_E.new_zeros(1))
     received_PL = torch.empty_like(sent_E)
     torch.distributed.all_to_all_single(received_PL, sent_E, group=group)  # equal splits: L counts per rank
@@ -43,14 +48,15 @@ def expert_parallel_experts(
     splits = torch.stack([sent_E.view(ranks, num_local).sum(1), received_PL.sum(1)]).cpu()  # the one host copy
     sent, received = splits.tolist()
 
-    tokens_R = torch.div(slots_R, k, rounding_mode="floor")
-    rows = all_to_all(group, hidden_TH.index_select(0, tokens_R), received, sent)
-    probs = all_to_all(group, probs_TK.reshape(-1).index_select(0, slots_R), received, sent)
+    rows_RH, probs_R, inverse_TK = moe_permute(hidden_TH, probs_TK, slots_R, ends_E)  # every row is sent
+    rows = all_to_all(group, rows_RH, received, sent)
+    probs = all_to_all(group, probs_R, received, sent)
     local_G = torch.repeat_interleave(_arange(num_local, flat_R.device).repeat(ranks), received_PL.reshape(-1),
                                       output_size=rows.shape[0])  # fmt: skip
     regroup_G = torch.sort(local_G, stable=True).indices  # by local expert, then source rank: Megatron's order
     offsets_L = torch.cumsum(received_PL.sum(0), 0).to(torch.int32)
     out = grouped_forward(rows.index_select(0, regroup_G), offsets_L, probs.index_select(0, regroup_G))
     out = torch.empty_like(out).index_copy(0, regroup_G, out)  # back to the received order
-    out = all_to_all(group, out, sent, received)
-    return out.new_zeros(hidden_TH.shape[0], out.shape[-1]).index_add_(0, tokens_R, out)
+    out = all_to_all(group, out, sent, received)  # in the order sent: moe_permute's
+    gate_x_TH = hidden_TH if gate_w_H is not None else None
+    return moe_combine(out, inverse_TK, ends_E, shared_TH, gate_x_TH, gate_w_H)

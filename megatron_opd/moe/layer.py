@@ -112,8 +112,8 @@ def fused_moe_layer(base: type) -> type:
             hidden_TH = hidden_states.reshape(-1, hidden_states.shape[-1])
             if isinstance(dispatcher, MoEAlltoAllTokenDispatcher):  # experts on other ranks: expert_parallel
                 out_TH = expert_parallel_experts(hidden_TH, probs_TK, experts_TK, self.experts.grouped_forward,
-                                                 dispatcher.ep_group, self.num_local_experts)  # fmt: skip
-                return self._plus_shared(out_TH, shared_TH, gate_w_H, hidden_states), None
+                                                 dispatcher.ep_group, self.num_local_experts, shared_TH, gate_w_H)  # fmt: skip
+                return out_TH.view(hidden_states.shape), None
             group = dispatcher.tp_ep_group
             if group.size() > 1:  # as the all-gather dispatcher: every token on every TP x EP rank
                 with torch.no_grad():

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 NO_KERNEL = frozenset(
     {
-        "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::detach", "aten::lift_fresh",
+        "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided", "aten::detach", "aten::lift_fresh",
         "aten::_to_copy_no_op", "aten::set_", "aten::resize_", "aten::_reshape_alias", "aten::alias", "aten::_unsafe_view",
         "aten::is_same_size", "aten::_has_compatible_shallow_copy_type", "aten::sym_size", "aten::sym_numel",
         "aten::sym_stride", "aten::sym_storage_offset", "aten::is_pinned", "aten::record_stream",
