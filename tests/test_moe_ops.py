@@ -275,6 +275,6 @@ def test_fused_moe_layer_at_ep2_with_all_to_all_reads_only_the_split_sizes():
                                   timeout=600):  # fmt: skip
         for name, (gaps, syncs) in result.items():
             assert max(gaps.values()) <= 1e-6, (name, gaps)
-            assert any("masked_select" in s for s in syncs[False]), syncs[False]  # Megatron's dispatcher
+            assert len(syncs[False]) > 2, syncs[False]  # Megatron's dispatcher: its count copies, masked_select (0.16)
             fused = [s.split(":")[0] for s in syncs[True]]
             assert fused == ["cpu at expert_parallel.py", "tolist at expert_parallel.py"], syncs[True]
