@@ -19,6 +19,8 @@ LAYOUTS = {
     "ep2": dict(expert_model_parallel_size=2),
     "tp2_sp": dict(tensor_model_parallel_size=2, sequence_parallel=True),
 }
+RUNS = (("ep2", "deepseek_v3_mla"), ("tp2_sp", "qwen2_moe_shared"))
+"""Each shape at one layout (CI's time): EP=2 with MLA's ungated shared expert, TP=2 + SP with Qwen2-MoE's gate."""
 
 
 def _tokens(rank: int, vocab: int) -> torch.Tensor:
@@ -53,6 +55,8 @@ def _overlap_runs(models: dict[str, str]):
         parallel = ParallelConfig(**kwargs)
         initialize_distributed(parallel)
         for name, hf_dir in models.items():
+            if (layout, name) not in RUNS:
+                continue
             for overlap in (False, True):
                 build = ModelBuildConfig(moe_token_dispatcher="alltoall", moe_shared_expert_overlap=overlap)
                 arch, chunks = build_and_load(hf_dir, parallel, build, trainable=True)
@@ -78,21 +82,18 @@ def test_shared_expert_overlap_equals_the_plain_layer(shape_dirs):
         margin = min(routing_margin(hf_dir, _tokens(rank, SHAPES[name].vocab_size)) for rank in range(2))
         assert margin > 1e-5, f"{name}: routing near-tie ({margin:.1e}) would test tie-breaking, not arithmetic"
     ranks = run_distributed(_overlap_runs, 2, args=(models,), timeout=600)
-    for layout in LAYOUTS:
-        for name in SHAPES_RUN:
-            for rank, result in enumerate(ranks):
-                (ref_losses, ref_grads, plain_calls), (losses, grads, calls) = (
-                    result[layout, name, overlap] for overlap in (False, True)
-                )
-                what = f"{layout}/{name} rank {rank}"
-                assert (plain_calls, calls) == (0, 1), f"{what}: the overlapped path did not run once per layer"
-                torch.testing.assert_close(
-                    losses, ref_losses, rtol=1e-6, atol=0, msg=lambda m, w=what: f"{w} losses: {m}"
-                )
-                assert grads.keys() == ref_grads.keys()
-                for param, ref in ref_grads.items():
-                    rel = ((grads[param] - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-                    assert rel <= 1e-6, f"{what} {param}: max relative difference {rel:.1e}"
+    for layout, name in RUNS:
+        for rank, result in enumerate(ranks):
+            (ref_losses, ref_grads, plain_calls), (losses, grads, calls) = (
+                result[layout, name, overlap] for overlap in (False, True)
+            )
+            what = f"{layout}/{name} rank {rank}"
+            assert (plain_calls, calls) == (0, 1), f"{what}: the overlapped path did not run once per layer"
+            torch.testing.assert_close(losses, ref_losses, rtol=1e-6, atol=0, msg=lambda m, w=what: f"{w} losses: {m}")
+            assert grads.keys() == ref_grads.keys()
+            for param, ref in ref_grads.items():
+                rel = ((grads[param] - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+                assert rel <= 1e-6, f"{what} {param}: max relative difference {rel:.1e}"
 
 
 def test_bad_shared_expert_overlaps_are_refused_before_any_model():
