@@ -17,10 +17,9 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
 
-from megatron_opd.moe.ops import moe_silu_glu
+from megatron_opd.moe.ops import moe_silu_glu, plain_silu_glu
 
 
 @functools.cache
@@ -119,12 +118,8 @@ class GroupedExperts(SequentialMLP):
         return output
 
     def _silu_glu_ok(self) -> bool:
-        """Whether the activation is plain SiLU or SwiGLU (no bias, clamp or linear offset: gpt-oss's)."""
-        c = self.config
-        plain = c.activation_func is F.silu and not c.add_bias_linear
-        return (
-            plain and getattr(c, "activation_func_clamp_value", None) is None and not getattr(c, "glu_linear_offset", 0)
-        )
+        """Whether the activation is plain SiLU or SwiGLU without expert biases (not gpt-oss's)."""
+        return plain_silu_glu(self.config) and not self.config.add_bias_linear
 
     def _activation(self, intermediate: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """Megatron's ``MLP`` activation (gated, clamped, offset) times each row's probability, in torch."""

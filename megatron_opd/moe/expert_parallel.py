@@ -14,14 +14,9 @@ experts, ``P`` expert-parallel ranks, ``G`` rows received.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-
-@functools.cache
-def _arange(n: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(n, device=device)
+from megatron_opd.moe.permutation import expert_ids, permutation
 
 
 def expert_parallel_experts(
@@ -38,9 +33,8 @@ def expert_parallel_experts(
 
     ranks = group.size()
     experts = ranks * num_local
-    flat_R = experts_TK.reshape(-1)
-    sorted_R, slots_R = torch.sort(flat_R, stable=True)
-    ends_E = torch.searchsorted(sorted_R, _arange(experts, flat_R.device), right=True, out_int32=True)
+    order = permutation(experts_TK, 0, experts, experts)  # expert-major over every expert: by destination rank too
+    slots_R, ends_E = order.slots_R, order.offsets_L
     sent_E = torch.diff(ends_E, prepend=ends_E.new_zeros(1))
     received_PL = torch.empty_like(sent_E)
     torch.distributed.all_to_all_single(received_PL, sent_E, group=group)  # equal splits: L counts per rank
@@ -51,7 +45,7 @@ def expert_parallel_experts(
     rows_RH, probs_R, inverse_TK = moe_permute(hidden_TH, probs_TK, slots_R, ends_E)  # every row is sent
     rows = all_to_all(group, rows_RH, received, sent)
     probs = all_to_all(group, probs_R, received, sent)
-    local_G = torch.repeat_interleave(_arange(num_local, flat_R.device).repeat(ranks), received_PL.reshape(-1),
+    local_G = torch.repeat_interleave(expert_ids(num_local, experts_TK.device).repeat(ranks), received_PL.reshape(-1),
                                       output_size=rows.shape[0])  # fmt: skip
     regroup_G = torch.sort(local_G, stable=True).indices  # by local expert, then source rank: Megatron's order
     offsets_L = torch.cumsum(received_PL.sum(0), 0).to(torch.int32)

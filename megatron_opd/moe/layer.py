@@ -64,17 +64,12 @@ def plain_shared_expert(layer) -> bool:
     """Whether ``layer``'s shared expert (if any) is Megatron's ``MLP`` with a SiLU or SwiGLU and no bias, which
     :meth:`FusedMoELayer._shared_expert` computes with :func:`~megatron_opd.moe.ops.moe_silu_glu` (one operator
     instead of two) and whose gate the combine applies."""
+    from megatron_opd.moe.ops import plain_silu_glu
+
     c, shared = layer.config, layer.shared_experts
     if shared is None or layer.shared_experts_recompute or c.bias_activation_fusion:
         return False
-    plain = c.activation_func is F.silu and not getattr(c, "use_te_activation_func", False)
-    no_bias = shared.linear_fc1.bias is None and shared.linear_fc2.bias is None
-    return (
-        plain
-        and no_bias
-        and getattr(c, "activation_func_clamp_value", None) is None
-        and not getattr(c, "glu_linear_offset", 0)
-    )
+    return plain_silu_glu(c) and shared.linear_fc1.bias is None and shared.linear_fc2.bias is None
 
 
 @functools.cache

@@ -33,6 +33,17 @@ from megatron_opd.kernels import moe_dispatch_triton
 Tensor = torch.Tensor
 
 
+def plain_silu_glu(config) -> bool:
+    """Whether ``config``'s MLP activation is what :func:`moe_silu_glu` computes: SiLU, or SwiGLU where gated (not
+    TransformerEngine's activation, gpt-oss's clamp or linear offset). Biases are the caller's to check."""
+    return (
+        config.activation_func is F.silu
+        and not getattr(config, "use_te_activation_func", False)
+        and getattr(config, "activation_func_clamp_value", None) is None
+        and not getattr(config, "glu_linear_offset", 0)
+    )
+
+
 def _local_R(rows: int, offsets_L: Tensor) -> Tensor:
     """Which of ``rows`` permuted rows belong to a local expert (before the last one's end)."""
     return torch.arange(rows, device=offsets_L.device) < offsets_L[-1]

@@ -31,7 +31,7 @@ class Permutation:
 
 
 @functools.cache
-def _expert_ids(num_local: int, device: torch.device) -> torch.Tensor:
+def expert_ids(num_local: int, device: torch.device) -> torch.Tensor:
     """``arange(num_local)`` on ``device``, made once (a launch per layer and forward otherwise)."""
     return torch.arange(num_local, device=device)
 
@@ -43,5 +43,5 @@ def permutation(experts_TK: torch.Tensor, first_local: int, num_local: int, num_
     # Other ranks' experts sort last: shifted round, local experts are 0 .. num_local - 1, the others above.
     key_R = flat_R if first_local == 0 else torch.remainder(flat_R - first_local, num_experts)
     sorted_R, slots_R = torch.sort(key_R, stable=True)
-    offsets_L = torch.searchsorted(sorted_R, _expert_ids(num_local, flat_R.device), right=True, out_int32=True)
+    offsets_L = torch.searchsorted(sorted_R, expert_ids(num_local, flat_R.device), right=True, out_int32=True)
     return Permutation(slots_R, offsets_L)
