@@ -10,11 +10,16 @@ Stated bound, checked here:
 
 where ``overhead`` is the peak of the same command converting a tiny model (interpreter, torch,
 Megatron-Core, the meta-device model), measured in the same run.
+
+Disk: the test holds at most two copies of the model (5.5 GB) at once -- the input is deleted, its spot-check tensors
+kept in memory, before the export is written -- and removes everything it wrote when it ends, passed or failed
+(a CI machine keeps earlier runs' temporary folders; once ran out of disk here).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -56,8 +61,20 @@ def run_cli(*args: str) -> tuple[str, int]:
     return proc.stdout, int(line.split("=")[1]) * 1024
 
 
+SPOT_CHECKS = ("model.embed_tokens.weight", "model.layers.17.mlp.up_proj.weight", "lm_head.weight")
+
+
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc accounting")
 def test_streaming_conversion_peak_memory(tiny_model_dirs, tmp_path):
+    try:
+        _check_streaming_conversion_peak_memory(tiny_model_dirs, tmp_path)
+    finally:
+        shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def _check_streaming_conversion_peak_memory(tiny_model_dirs, tmp_path):
+    from megatron_opd.models.hf_io import HFCheckpointReader
+
     shape = SyntheticLlama()  # 40 layers, hidden 1024, ffn 4096, vocab 8000: 2.75 GB in float32
     model_bytes = shape.nbytes(torch.float32)
     hf_dir = write_synthetic_llama(tmp_path / "synthetic", shape, max_shard_bytes=256 * 2**20)
@@ -76,6 +93,9 @@ def test_streaming_conversion_peak_memory(tiny_model_dirs, tmp_path):
         "hf-to-mcore", "--hf-dir", str(hf_dir), "--out", str(tmp_path / "mcore"), "--tp", "2", "--pp", "2"
     )
     assert "wrote" in out
+    reader = HFCheckpointReader(hf_dir)
+    original = {name: reader.get(name) for name in SPOT_CHECKS}
+    shutil.rmtree(hf_dir)
     out, to_hf = run_cli(
         "mcore-to-hf", "--ckpt", str(tmp_path / "mcore"), "--out", str(tmp_path / "back"), "--max-shard-size", "1GB"
     )
@@ -91,8 +111,6 @@ def test_streaming_conversion_peak_memory(tiny_model_dirs, tmp_path):
     layer_bytes = (4 * h * h + 3 * h * f) * 4
     assert to_hf <= overhead + 2 * max(layer_bytes, largest_full) + SLACK, report
     # The export is the original model again (spot check; the tiny round trips check every tensor).
-    from megatron_opd.models.hf_io import HFCheckpointReader
-
-    original, back = HFCheckpointReader(hf_dir), HFCheckpointReader(tmp_path / "back")
-    for name in ("model.embed_tokens.weight", "model.layers.17.mlp.up_proj.weight", "lm_head.weight"):
-        assert torch.equal(original.get(name), back.get(name)), name
+    back = HFCheckpointReader(tmp_path / "back")
+    for name, tensor in original.items():
+        assert torch.equal(tensor, back.get(name)), name
