@@ -43,6 +43,8 @@ Rows:
   task lets on-policy distillation gain in these steps. ``same-tokenizer-sampled`` / ``-sampled-fkl``: that teacher
   with ``loss.mode=sampled`` (reverse / forward KL): what the sampled estimators gain when tokenizers are not in the
   way.
+- ``labels``: no teacher; the same student, steps, prompts and learning rate on the task's reference answers
+  (``loss.kind=sft``): what a teacher that gives only the right next word carries (``--set`` is not applied).
 - ``--student-steps``: another student warm-up (issue #41's student started at 48% exact match; 327 steps give 55%),
   in its own ``--workdir``; ``--set KEY=VALUE ...``: extra trainer overrides of our rows, ``--tag`` a suffix of their
   names (runs of another setting side by side in one work folder).
@@ -88,7 +90,7 @@ REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "benchmarks" / "_trl_gold_worker.py"
 QUICKSTART = REPO / "examples" / "quickstart"
 ROWS = ("ours-sampled", "ours-sampled-fkl", "ours-aligned", "ours-aligned-rkl", "gold", "gold-hybrid",
-        "same-tokenizer", "same-tokenizer-sampled", "same-tokenizer-sampled-fkl")  # fmt: skip
+        "same-tokenizer", "same-tokenizer-sampled", "same-tokenizer-sampled-fkl", "labels")  # fmt: skip
 TEACHER_SFT = ["train.steps=200", "optim.lr_warmup_steps=20"]
 """The cross-tokenizer quick start's teacher: 200 SFT steps (examples/quickstart.py)."""
 PAIRS = ("doubles", "cross_space", *USER_PAIRS)
@@ -286,12 +288,15 @@ def prepare(work: Path, args) -> tuple[Path, Path, Path]:
 # ---- rows -------------------------------------------------------------------------------------------------------
 
 
-def run_ours(name: str, loss: list[str], paths: tuple[Path, Path, Path], settings: dict, args, work: Path) -> Row:
+def run_ours(
+    name: str, loss: list[str], paths: tuple[Path, Path | None, Path], settings: dict, args, work: Path
+) -> Row:
     """One of our runs from the warmed-up student, then the worker's held-out evaluation of what it exported."""
     task, teacher, student = paths
     row, out = Row(name), work / name
     shutil.rmtree(out, ignore_errors=True)
-    overrides = [f"student.path={student}", f"teacher.path={teacher}", f"data.train_files={task / 'train.jsonl'}",
+    overrides = [f"student.path={student}", *([f"teacher.path={teacher}"] if teacher else []),
+                 f"data.train_files={task / 'train.jsonl'}",
                  f"data.eval_files={task / 'eval.jsonl'}", f"output_dir={out}", f"train.steps={args.steps}",
                  f"seed={args.seed}", "parallel.tensor_model_parallel_size=1", "logging.tensorboard=false",
                  f"train.packing={str(args.packing).lower()}", *schedule_overrides(settings), *loss]  # fmt: skip
@@ -426,6 +431,11 @@ def run_row(row: str, name: str, paths, settings: dict, aligned: list[str], args
     """One run of ``row`` (``ROWS``) under ``name``."""
     if row.startswith("gold"):
         return run_gold(name, row == "gold-hybrid", paths, settings, args, work)
+    if row == "labels":  # what the reference answers alone give at the same budget: SFT, no teacher, no --set
+        task, _, student = paths
+        return run_ours(
+            name, ["loss.kind=sft", "loss.cross_tokenizer=off"], (task, None, student), settings, args, work
+        )
     if row.startswith("same-tokenizer"):  # the controls: a teacher with the student's own tokenizer, no alignment
         task, _, student = paths
         same = ["loss.cross_tokenizer=off", "loss.kind=reverse_kl", "loss.mode=topk", f"loss.topk={args.topk}"]
