@@ -27,13 +27,16 @@ def servers():
 
 
 def test_rollout_fails_at_once_when_a_server_drops_its_connection(servers):
-    """Row 0 goes to a slow server, row 1 to one that drops the connection: the failure does not wait for row 0."""
-    servers.extend([FakeRolloutServer(delay_s=3.0), FakeRolloutServer(mode="drop")])
+    """Row 0 goes to a slow server, row 1 to one that drops the connection: the failure does not wait for row 0.
+
+    The slow server answers after 30 s and the bound is half that, so a loaded CI machine (1.7 s seen with a 3 s
+    server and a 1.5 s bound) cannot fail the test while a rollout that waits for row 0 still does."""
+    servers.extend([FakeRolloutServer(delay_s=30.0), FakeRolloutServer(mode="drop")])
     group = ServerGroup([s.address for s in servers], timeout_s=60, max_model_len=64)
     t0 = time.monotonic()
     with pytest.raises(ServerDown, match=f"vLLM server {servers[1].address} is down or unreachable"):
         group.call("generate", prompts=[[1, 2], [3, 4]], sampling=SAMPLING, n=1)
-    assert time.monotonic() - t0 < 1.5, "the rollout waited for the slow server before failing"
+    assert time.monotonic() - t0 < 15.0, "the rollout waited for the slow server before failing"
     group.close()
 
 
@@ -52,5 +55,5 @@ def test_no_server_stops_start_up_after_server_wait_naming_it(caplog, monkeypatc
     t0 = time.monotonic()
     with pytest.raises(ServerDown, match="no vLLM server answered within rollout.server_wait_s=1 s") as info:
         ServerGroup([address], timeout_s=60, max_model_len=64, wait_s=1.0)
-    assert time.monotonic() - t0 < 1.8 and address in str(info.value)
+    assert 1.0 <= time.monotonic() - t0 < 10.0 and address in str(info.value)  # waited its 1 s, then stopped
     assert f"waiting for vLLM server at {address} (" in caplog.text and "of 1 s, rollout.server_wait_s)" in caplog.text

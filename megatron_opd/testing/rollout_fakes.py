@@ -10,17 +10,17 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class FakeRolloutServer:
-    """Routes of one vLLM rollout server; every completion is ``[7, 8]`` after ``delay_s``, or a dropped connection
-    (``mode="drop"``)."""
+    """Routes of one vLLM rollout server; every completion is ``[7, 8]`` after ``delay_s`` (sooner once stopped, so a
+    client's pending request does not hold its process), or a dropped connection (``mode="drop"``)."""
 
     def __init__(self, mode: str = "ok", delay_s: float = 0.0, version: str = "3") -> None:
         fake = self
         self.mode, self.delay_s, self.version = mode, delay_s, version
+        self._stopping = threading.Event()
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args) -> None:
@@ -47,7 +47,7 @@ class FakeRolloutServer:
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
                     return
-                time.sleep(fake.delay_s)
+                fake._stopping.wait(fake.delay_s)
                 logprobs = {"tokens": ["token_id:7", "token_id:8"], "token_logprobs": [-0.5, -0.25]}
                 self._reply({"choices": [{"logprobs": logprobs, "finish_reason": "length"}]})
 
@@ -57,5 +57,6 @@ class FakeRolloutServer:
         threading.Thread(target=self._http.serve_forever, daemon=True).start()
 
     def stop(self) -> None:
+        self._stopping.set()
         self._http.shutdown()
         self._http.server_close()
