@@ -64,40 +64,40 @@ def run_cli(*args: str) -> tuple[str, int]:
 SPOT_CHECKS = ("model.embed_tokens.weight", "model.layers.17.mlp.up_proj.weight", "lm_head.weight")
 
 
+@pytest.fixture
+def scratch(tmp_path):
+    """``tmp_path``, removed when the test ends, passed or failed: it holds two copies of a 2.6 GB model."""
+    yield tmp_path
+    shutil.rmtree(tmp_path, ignore_errors=True)
+
+
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc accounting")
-def test_streaming_conversion_peak_memory(tiny_model_dirs, tmp_path):
-    try:
-        _check_streaming_conversion_peak_memory(tiny_model_dirs, tmp_path)
-    finally:
-        shutil.rmtree(tmp_path, ignore_errors=True)
-
-
-def _check_streaming_conversion_peak_memory(tiny_model_dirs, tmp_path):
+def test_streaming_conversion_peak_memory(tiny_model_dirs, scratch):
     from megatron_opd.models.hf_io import HFCheckpointReader
 
     shape = SyntheticLlama()  # 40 layers, hidden 1024, ffn 4096, vocab 8000: 2.75 GB in float32
     model_bytes = shape.nbytes(torch.float32)
-    hf_dir = write_synthetic_llama(tmp_path / "synthetic", shape, max_shard_bytes=256 * 2**20)
+    hf_dir = write_synthetic_llama(scratch / "synthetic", shape, max_shard_bytes=256 * 2**20)
     assert len(json.loads((hf_dir / "model.safetensors.index.json").read_text())["weight_map"]) == 363
     # Largest full Megatron tensor: the fused gate/up weight [2F, H] or the padded embedding [8192, H].
     largest_full = max(2 * shape.intermediate_size, 8192) * shape.hidden_size * 4
     largest_chunk = largest_full // 2  # TP=2 halves both
 
     _, overhead = run_cli(
-        "hf-to-mcore", "--hf-dir", tiny_model_dirs["qwen3"], "--out", str(tmp_path / "tiny"), "--tp", "2", "--pp", "2"
+        "hf-to-mcore", "--hf-dir", tiny_model_dirs["qwen3"], "--out", str(scratch / "tiny"), "--tp", "2", "--pp", "2"
     )
     bound = overhead + 2 * largest_full + largest_chunk + SLACK
     assert bound < model_bytes / 3, "the synthetic model is too small for the bound to mean anything"
 
     out, to_mcore = run_cli(
-        "hf-to-mcore", "--hf-dir", str(hf_dir), "--out", str(tmp_path / "mcore"), "--tp", "2", "--pp", "2"
+        "hf-to-mcore", "--hf-dir", str(hf_dir), "--out", str(scratch / "mcore"), "--tp", "2", "--pp", "2"
     )
     assert "wrote" in out
     reader = HFCheckpointReader(hf_dir)
     original = {name: reader.get(name) for name in SPOT_CHECKS}
     shutil.rmtree(hf_dir)
     out, to_hf = run_cli(
-        "mcore-to-hf", "--ckpt", str(tmp_path / "mcore"), "--out", str(tmp_path / "back"), "--max-shard-size", "1GB"
+        "mcore-to-hf", "--ckpt", str(scratch / "mcore"), "--out", str(scratch / "back"), "--max-shard-size", "1GB"
     )
     mib = 2**20
     report = (
@@ -111,6 +111,6 @@ def _check_streaming_conversion_peak_memory(tiny_model_dirs, tmp_path):
     layer_bytes = (4 * h * h + 3 * h * f) * 4
     assert to_hf <= overhead + 2 * max(layer_bytes, largest_full) + SLACK, report
     # The export is the original model again (spot check; the tiny round trips check every tensor).
-    back = HFCheckpointReader(tmp_path / "back")
+    back = HFCheckpointReader(scratch / "back")
     for name, tensor in original.items():
         assert torch.equal(tensor, back.get(name)), name

@@ -305,12 +305,13 @@ def test_killed_server_is_noticed_at_once_and_answers_after_its_restart(servers)
     while client.stats["retries"] == 0 and time.monotonic() - killed < 30:
         time.sleep(0.01)
     noticed = time.monotonic() - killed
-    # Bounds far below the 60 s the server would take and the 300 s timeout: a loaded CI machine stays inside them.
+    # Bounds far below the 60 s the server would take, the 300 s timeout and the 30 s wait on the answer: a loaded CI
+    # machine stays inside them.
     assert noticed < 20, f"the client noticed the killed server after {noticed:.1f} s"
     servers.append(ToyServerProcess(port))
     restarted = time.monotonic()
     _assert_matches(future.result(timeout=30), ToyScorer(), tokens, request_ids, 8, 1.0)
-    assert time.monotonic() - restarted < 60, "the client did not notice the restart before its timeout"
+    assert time.monotonic() - restarted < 20, "the client did not notice the restart within seconds"
     assert client.stats["retries"] == 1 and client.stats["requests"] == 1
     client.close()
 
