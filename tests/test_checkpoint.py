@@ -310,3 +310,41 @@ def test_gpt_oss_round_trip_and_mxfp4_export(converted):
     _assert_same_hf(paths["hf"], paths["back"], "round trip of gpt_oss_sinks at TP=2 x PP=2 x EP=2")
     paths = converted["gpt_oss_mxfp4"]
     _assert_same_hf(paths["dequantised"], paths["back"], "the MXFP4 gpt-oss converted and exported")
+
+
+_KILLED_RUN_WITH_A_FORKED_CHILD = """
+import os, sys, time
+from megatron_opd.trainer.checkpointing import CheckpointManager
+manager = CheckpointManager(sys.argv[1])  # held to the end, as by the trainer
+manager.acquire_lock()
+child = os.fork()
+if child == 0:  # as dist_checkpointing's forked Manager: lets go of the output, outlives the run for a while
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    time.sleep(30)
+    os._exit(0)
+print(child, flush=True)
+os._exit(17)  # killed: nothing released
+"""
+
+
+def test_a_killed_runs_forked_child_does_not_hold_the_checkpoint_lock(tmp_path):
+    """A restart right after a kill finds ``checkpoint.dir`` free while a child the run forked still lives (the
+    async-modes quick start's restart once failed with "is in use" by the killed run)."""
+    import fcntl
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _KILLED_RUN_WITH_A_FORKED_CHILD, str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 17, proc.stderr[-3000:]
+    child = int(proc.stdout.split()[-1])
+    try:
+        os.kill(child, 0)  # still alive
+        with open(tmp_path / ".lock") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises BlockingIOError while anyone holds it
+    finally:
+        os.kill(child, signal.SIGKILL)

@@ -5,7 +5,7 @@ Layout of ``checkpoint.dir``::
     step_00000010/   a complete dist_ckpt: model, optimizer, LR schedule, RNG states, data position, step, config
     step_00000020/
     latest           the name of the newest complete checkpoint (replaced atomically)
-    .lock            held (flock) by the run using this folder
+    .lock            held (flock) by the run using this folder (not by the processes it forks)
 
 A save writes ``tmp.step_N`` first, then renames it and only then moves ``latest``: a run killed during a save
 leaves the previous checkpoint as ``latest``. Older checkpoints beyond ``keep_last`` are deleted after the new one
@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import logging
 import os
 import shutil
 import signal
 import socket
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +62,16 @@ def _broadcast(value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _close_lock_in_forked_child(manager_ref: weakref.ref) -> None:
+    """In a child forked while the run holds ``.lock``: close the child's copy of the file. A flock belongs to the open
+    file, which fork shares, so a child that outlived a killed run (dist_checkpointing's forked Manager polls for its
+    parent once a second) held the folder against the run's restart; closing a copy leaves the parent's lock as is."""
+    manager = manager_ref()
+    if manager is not None and manager._lock_file is not None:
+        manager._lock_file.close()
+        manager._lock_file = None
 
 
 def step_dir_name(step: int) -> str:
@@ -154,6 +166,7 @@ class CheckpointManager:
                 lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
                 lock.flush()
                 self._lock_file = lock
+                os.register_at_fork(after_in_child=functools.partial(_close_lock_in_forked_child, weakref.ref(self)))
                 for stale in self.dir.glob("tmp.step_*"):  # an interrupted save: never committed
                     shutil.rmtree(stale, ignore_errors=True)
         error = _broadcast(error)
