@@ -46,7 +46,7 @@ MCORE_SMOKE = (
 # file is left for the end (the seconds each took on 2 cores: benchmarks/CI_LOG.md, "The test suite's time").
 LONGEST_FIRST = (
     "test_quickstart.py",
-    "test_quickstart_cross_tokenizer.py",  # one test of ~290 s: it cannot be split across workers
+    "test_quickstart_cross_tokenizer.py",  # one test of ~190 s: it cannot be split across workers
     "test_vllm_server.py",
     "test_teacher_server.py",
     "test_train_cli.py",
