@@ -29,7 +29,8 @@ and the response length at the end over the start.
 the held-out check): ``benchmarks/cross_tokenizer_pairs.py`` says what each is. The same run as ``cross_space``
 (100 steps of 32 prompts, lr 2e-4); ``boundary``'s teacher learns ``teacher_response`` (a random leading space),
 ``--no-worker-eval`` leaves TRL's venv out (the trainer's own held-out exact match only). The students start weak
-enough that the same-tokenizer control gains in these steps (``boundary`` 25.8%, ``mistral_word`` 21.1%; from 55.5%
+enough that the same-tokenizer control gains in these steps (``boundary`` 25.8%, ``mistral_word`` 21.1%,
+``llama3_mistral`` 27.3%; from 55.5%
 and 34% it gained +0.02 and -0.004: a pair without headroom cannot show a gain), ``PAIR_SFT``.
 
 Rows:

@@ -22,8 +22,9 @@ control's teacher: the student's tokenizer.
 dummy prefix's space) and a byte-level student split at spaces with one token per word (" walnut"), template
 ``prompt + " " + answer + EOS`` (``response``; the teacher learns ``teacher_response``, the answer alone, as its
 template's boundary writes it). The student's side is cheap, so this is the real-vocabulary pair a 2-core machine
-runs: Llama 3's 128,256-row output layer made the teacher's SFT 2.6 s a step there (``llama3_mistral`` is written
-but was not measured).
+runs fastest. ``llama3_mistral`` was measured on 2026-11-30 (its teacher's SFT 3.3-3.9 s a step: 25 minutes, one thread;
+teacher and control teacher 100%, the student 27.3% after 120 warm-up steps); ``mistral_llama3`` is written but was
+not measured.
 
 Every pair writes ``teacher-init``, ``student-init``, ``teacher-word-init`` (the control's teacher, named as in
 ``--pair cross_space``), ``train.jsonl`` and ``eval.jsonl`` (no digit string in both).
