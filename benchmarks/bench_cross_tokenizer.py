@@ -104,7 +104,10 @@ PAIR_SFT = {
     # where the control gained +0.02: no headroom)
     **{pair: (["train.steps=400", "rollout.max_new_tokens=16"],
               ["train.steps=100", "rollout.max_new_tokens=16", "eval.every=25"])
-       for pair in USER_PAIRS if pair not in ("boundary", "mistral_word")},
+       for pair in USER_PAIRS if pair not in ("boundary", "mistral_word", "llama3_mistral")},
+    # teacher 100%; the student's cosine warm-up: 100 steps 2.7%, 120 27.3%, 140 80.1% (2026-11-30)
+    "llama3_mistral": (["train.steps=400", "rollout.max_new_tokens=16"],
+                       ["train.steps=120", "rollout.max_new_tokens=16", "eval.every=120"]),
     "mistral_word": (["train.steps=400", "rollout.max_new_tokens=16", "data.response_key=teacher_response"],
                      ["train.steps=300", "rollout.max_new_tokens=16", "eval.every=100"]),  # student 21.1% (600: 34%)
 }  # fmt: skip
