@@ -12,10 +12,10 @@ identical bytes alone would leave unmapped while the teacher's EOS maps whole (c
 not). Of the student tokens its bytes begin with, it is the one the student's tokenizer writes first for those bytes
 (mid-text, after its EOS), else the longest: Mistral writes " ember" as "▁em" "ber" though it has "▁emb", so Llama
 3's " ember" is credited to "▁em", the token a Mistral student writes there (the longest, "▁emb", it never writes
-there; on issue #51's ``llama3_mistral`` pair 40% of the teacher's top-k mass went unmapped or to such tokens). A
-teacher token whose bytes a longer student token extends (" " when the student has " 5") stays unmapped in
-that table, unless exactly one student token extends it and it has no student twin (Mistral's "▁v" for a
-word-level student's " violet"): the student can write those bytes at a boundary only as that token, so the teacher's
+there; on issue #51's ``llama3_mistral`` pair the aligned loss taught the student such spellings). A teacher token
+whose bytes a longer student token extends (" " when the student has " 5") stays unmapped in that table, unless
+exactly one student token extends it and it has no student twin (Mistral's "▁v" for a word-level student's
+" violet"): the student can write those bytes at a boundary only as that token, so the teacher's
 probability of it is credited there (an upper bound: the chain rule's continuation, "iolet", taken as certain).
 Otherwise which student token it stands for depends on what the teacher writes after it.
 
@@ -35,6 +35,7 @@ Shape legend: ``T`` positions, ``K`` teacher top-k slots.
 from __future__ import annotations
 
 import bisect
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,24 +58,30 @@ def _ids_by_bytes(token_bytes: TokenBytes) -> dict[bytes, list[int]]:
     return groups
 
 
-def _canonical_id(piece: bytes, ids: list[int], tokenizer: Any | None) -> int:
-    """Of several ids with the same bytes, the one ``tokenizer`` writes for that text, else the smallest.
+def _encode_mid_text(tokenizer: Any, texts: list[str]) -> list[list[int] | None]:
+    """Each text's ids as ``tokenizer`` writes it mid-text, in one batched call: encoded after its EOS (else BOS), whose
+    ids are then dropped; None where no such token exists or the encoding does not start with its ids. A SentencePiece
+    tokenizer would otherwise put its dummy-prefix space before a text ("A" -> "▁A")."""
+    anchor = tokenizer.eos_token or tokenizer.bos_token
+    if not anchor or not texts:
+        return [None] * len(texts)
+    anchor_ids = list(tokenizer(anchor, add_special_tokens=False)["input_ids"])
+    encoded = tokenizer([anchor + text for text in texts], add_special_tokens=False)["input_ids"]
+    return [list(ids[len(anchor_ids) :]) if list(ids[: len(anchor_ids)]) == anchor_ids else None for ids in encoded]
 
-    The text is encoded after a special token as well: a SentencePiece tokenizer would otherwise put its dummy-prefix
-    space before it ("A" -> "▁A"), while after a special token it tokenizes the text as it does mid-text.
-    """
+
+def _canonical_id(piece: bytes, ids: list[int], tokenizer: Any | None) -> int:
+    """Of several ids with the same bytes, the one ``tokenizer`` writes for that text (alone, else mid-text: see
+    :func:`_encode_mid_text`), else the smallest."""
     if tokenizer is None:
         return ids[0]
     try:
         text = piece.decode()
     except UnicodeDecodeError:
         return ids[0]
-    anchor = tokenizer.eos_token or tokenizer.bos_token
-    attempts = [([], text)] + ([([tokenizer.convert_tokens_to_ids(anchor)], anchor + text)] if anchor else [])
-    for prefix, string in attempts:
-        encoded = list(tokenizer(string, add_special_tokens=False)["input_ids"])
-        if encoded[: len(prefix)] == prefix and len(encoded) == len(prefix) + 1 and encoded[-1] in ids:
-            return encoded[-1]
+    for encoded in (list(tokenizer(text, add_special_tokens=False)["input_ids"]), *_encode_mid_text(tokenizer, [text])):
+        if encoded is not None and len(encoded) == 1 and encoded[0] in ids:
+            return encoded[0]
     return ids[0]
 
 
@@ -110,27 +117,17 @@ def _first_student_id(
 
 
 def _written_first_tokens(pieces: list[bytes], student: TokenBytes, tokenizer: Any) -> dict[bytes, bytes]:
-    """For each piece that decodes as text: the bytes of the first token ``tokenizer`` writes for it mid-text (after
-    its EOS or BOS, as :func:`_canonical_id` encodes), where those bytes begin the piece. One batched call."""
-    anchor = tokenizer.eos_token or tokenizer.bos_token
-    if not anchor:
-        return {}
-    anchor_ids = list(tokenizer(anchor, add_special_tokens=False)["input_ids"])
+    """For each piece that decodes as text: the bytes of the first token ``tokenizer`` writes for it mid-text
+    (:func:`_encode_mid_text`), where those bytes begin the piece."""
     texts: dict[bytes, str] = {}
     for piece in pieces:
-        try:
+        with contextlib.suppress(UnicodeDecodeError):
             texts[piece] = piece.decode()
-        except UnicodeDecodeError:
-            pass
-    keys = list(texts)
-    encoded = tokenizer([anchor + texts[p] for p in keys], add_special_tokens=False)["input_ids"] if keys else []
     written = {}
-    for piece, ids in zip(keys, encoded):
-        ids = list(ids)
-        if ids[: len(anchor_ids)] == anchor_ids and len(ids) > len(anchor_ids):
-            first = student._table[ids[len(anchor_ids)]]
-            if first and piece.startswith(first):
-                written[piece] = first
+    for piece, ids in zip(texts, _encode_mid_text(tokenizer, list(texts.values()))):
+        first = student._table[ids[0]] if ids else b""
+        if first and piece.startswith(first):
+            written[piece] = first
     return written
 
 
@@ -188,7 +185,6 @@ class VocabularyMap:
         written = (
             None if student_tokenizer is None else _written_first_tokens(sorted(pieces), student, student_tokenizer)
         )
-        written = None if written is None else {p: b for p, b in written.items() if b in student_ids}
         first = [
             _first_student_id(piece, student_ids, ordered, written) if piece and not special[token_id] else _UNMAPPED
             for token_id, piece in enumerate(teacher._table)
